@@ -1,0 +1,13 @@
+//! What every engine shares with the gateway: the [`Engine`] trait, the
+//! validated request an engine receives, the events it streams back, and the
+//! plugin ABI the gateway loads engines through. No MLX here.
+
+pub mod engine;
+pub mod event;
+pub mod plugin;
+pub mod request;
+
+pub use engine::{Capabilities, Engine, EngineError, EngineLoad, Refusal};
+pub use event::{Event, EventStream, Finish, FinishReason, SpecStats, TokenEvent};
+pub use plugin::{EngineContext, PluginDescriptor};
+pub use request::{CancelToken, GenerateRequest, RequestId, SamplingParams};

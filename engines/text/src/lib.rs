@@ -1,0 +1,4 @@
+//! Everything textual lives here once, so every engine behaves the same on
+//! the wire. Engines are token-in, token-out; this crate turns text into
+//! tokens (tokenizer, chat template) and tokens back into API output
+//! (streaming detokenizer, stop strings, reasoning split, tool calls).

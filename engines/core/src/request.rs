@@ -1,0 +1,141 @@
+//! The validated generation request: token ids in, sampling parameters set.
+//! Engines only ever see this type; parsing and validation of the raw API
+//! request happen once, in the gateway.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Process-unique request id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+impl RequestId {
+    pub fn next() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        RequestId(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+impl std::fmt::Display for RequestId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "req-{}", self.0)
+    }
+}
+
+/// Set by whoever wants the request stopped (client disconnect, stop string,
+/// shutdown); engines check it between steps.
+#[derive(Debug, Clone, Default)]
+pub struct CancelToken(Arc<AtomicBool>);
+
+impl CancelToken {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+/// Sampling parameters, already range-checked by the gateway.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy (argmax).
+    pub temperature: f32,
+    /// 1.0 disables nucleus truncation.
+    pub top_p: f32,
+    /// 0 disables top-k truncation.
+    pub top_k: u32,
+    /// 0.0 disables min-p truncation.
+    pub min_p: f32,
+    /// 1.0 disables the repetition penalty.
+    pub repetition_penalty: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// Added to the logits of these token ids before sampling.
+    pub logit_bias: Vec<(u32, f32)>,
+    pub seed: Option<u64>,
+    /// How many alternatives to report per token (0: only the chosen
+    /// token's logprob when `logprobs` is set).
+    pub top_logprobs: u32,
+    pub logprobs: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
+            seed: None,
+            top_logprobs: 0,
+            logprobs: false,
+        }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        Self::default()
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0
+    }
+
+    pub fn has_penalties(&self) -> bool {
+        self.repetition_penalty != 1.0
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || !self.logit_bias.is_empty()
+    }
+
+    /// Plain argmax decoding with nothing that needs per-step bookkeeping:
+    /// what the fast path and the speculative engines accept.
+    pub fn is_plain_greedy(&self) -> bool {
+        self.is_greedy()
+            && self.top_p >= 1.0
+            && self.top_k == 0
+            && self.min_p <= 0.0
+            && self.seed.is_none()
+            && !self.has_penalties()
+    }
+}
+
+/// A validated generation request.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    pub id: RequestId,
+    pub prompt: Vec<u32>,
+    pub max_tokens: u32,
+    pub sampling: SamplingParams,
+    /// Token ids that end generation (the model's full EOS set plus any
+    /// the request adds). The stop token itself is not streamed.
+    pub stop_tokens: Vec<u32>,
+    /// Prefix-cache reuse happens only between requests of the same scope.
+    pub cache_scope: Option<String>,
+    pub has_tools: bool,
+    pub cancel: CancelToken,
+}
+
+impl GenerateRequest {
+    pub fn new(prompt: Vec<u32>, max_tokens: u32) -> Self {
+        Self {
+            id: RequestId::next(),
+            prompt,
+            max_tokens,
+            sampling: SamplingParams::default(),
+            stop_tokens: Vec::new(),
+            cache_scope: None,
+            has_tools: false,
+            cancel: CancelToken::new(),
+        }
+    }
+}
