@@ -1,0 +1,27 @@
+//! The MLX model runtime: loads a Hugging Face model directory once, runs the
+//! forward pass with a KV cache (single sequences and padded batches), and
+//! samples on the device. Engines build on it; the gateway shares one
+//! [`LoadedModel`] between all of them.
+
+pub mod cache;
+pub mod config;
+pub mod generate;
+pub mod sampling;
+pub mod tiny;
+
+pub mod layers;
+pub mod loader;
+
+pub mod mask;
+pub mod model;
+
+
+pub mod weights;
+
+pub use cache::KvCache;
+pub use config::{Family, ModelConfig};
+
+pub use loader::LoadedModel;
+pub use model::Model;
+
+pub type Result<T> = anyhow::Result<T>;

@@ -1,0 +1,270 @@
+//! KV cache for one sequence or a left-padded batch of sequences.
+//!
+//! Per layer, keys and values live in one buffer `[B, kv_heads, capacity,
+//! head_dim]` that grows in steps (like mlx-lm's cache) and is written in
+//! place with `slice_update`. Rows of a batch are right-aligned: row `b`
+//! holds `left_pad[b]` padding columns before its first real token, so all
+//! rows append at the same column and a decode step is one batched forward.
+
+use anyhow::anyhow;
+use mlx_rs::{ops, Array};
+
+use crate::layers::Offsets;
+
+/// Capacity grows in multiples of this many positions.
+const STEP: i32 = 256;
+
+pub struct KvCache {
+    keys: Vec<Option<Array>>,
+    values: Vec<Option<Array>>,
+    /// Filled columns (padding included).
+    len: i32,
+    capacity: i32,
+    left_pad: Vec<i32>,
+}
+
+impl KvCache {
+    pub fn new(num_layers: usize, batch: usize) -> Self {
+        Self {
+            keys: vec![None; num_layers],
+            values: vec![None; num_layers],
+            len: 0,
+            capacity: 0,
+            left_pad: vec![0; batch],
+        }
+    }
+
+    /// A batch cache whose rows will be filled by one prefill of prompts
+    /// left-padded to a common length.
+    pub fn with_left_padding(num_layers: usize, left_pad: Vec<i32>) -> Self {
+        let mut cache = Self::new(num_layers, left_pad.len());
+        cache.left_pad = left_pad;
+        cache
+    }
+
+    pub fn batch_size(&self) -> usize {
+        self.left_pad.len()
+    }
+
+    /// Columns filled, padding included.
+    pub fn len(&self) -> i32 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn left_padding(&self) -> &[i32] {
+        &self.left_pad
+    }
+
+    /// Tokens of row `b` held in the cache (its sequence position).
+    pub fn row_len(&self, b: usize) -> i32 {
+        self.len - self.left_pad[b]
+    }
+
+    /// Position of the next token of every row.
+    pub fn offsets(&self) -> Offsets {
+        if self.left_pad.iter().all(|&p| p == 0) && self.left_pad.len() == 1 {
+            Offsets::Scalar(self.len)
+        } else {
+            let o: Vec<i32> = self.left_pad.iter().map(|p| self.len - p).collect();
+            Offsets::PerRow(Array::from_slice(&o, &[o.len() as i32]))
+        }
+    }
+
+    /// Writes `n` new positions of layer `layer` at the end and returns the
+    /// layer's keys and values up to and including them. Call
+    /// [`KvCache::advance`] once all layers are written.
+    pub fn update(&mut self, layer: usize, k: Array, v: Array) -> anyhow::Result<(Array, Array)> {
+        let n = k.dim(2);
+        let end = self.len + n;
+        if end > self.capacity {
+            let new_capacity = round_up(end);
+            for l in 0..self.keys.len() {
+                self.keys[l] = grow(self.keys[l].take(), self.len, new_capacity)?;
+                self.values[l] = grow(self.values[l].take(), self.len, new_capacity)?;
+            }
+            self.capacity = new_capacity;
+        }
+        let keys = write(self.keys[layer].take(), &k, self.len, self.capacity)?;
+        let values = write(self.values[layer].take(), &v, self.len, self.capacity)?;
+        let k_view = slice_cols(&keys, 0, end)?;
+        let v_view = slice_cols(&values, 0, end)?;
+        self.keys[layer] = Some(keys);
+        self.values[layer] = Some(values);
+        Ok((k_view, v_view))
+    }
+
+    /// The buffers, for evaluating them between prefill chunks.
+    pub fn state(&self) -> impl Iterator<Item = &Array> {
+        self.keys.iter().chain(self.values.iter()).flatten()
+    }
+
+    pub fn advance(&mut self, n: i32) {
+        self.len += n;
+    }
+
+    /// Drops the last `n` positions of every row (speculative rollback).
+    pub fn truncate(&mut self, n: i32) {
+        self.len = (self.len - n).max(*self.left_pad.iter().max().unwrap_or(&0));
+    }
+
+    /// Keeps only the given rows, in that order, and drops padding columns
+    /// that no remaining row needs.
+    pub fn select_rows(&mut self, rows: &[usize]) -> anyhow::Result<()> {
+        let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+        let idx = Array::from_slice(&idx, &[idx.len() as i32]);
+        self.left_pad = rows.iter().map(|&r| self.left_pad[r]).collect();
+        for buf in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            if let Some(b) = buf.take() {
+                *buf = Some(b.take_axis(&idx, 0)?);
+            }
+        }
+        let common = self.left_pad.iter().copied().min().unwrap_or(0);
+        if common > 0 {
+            self.drop_leading(common)?;
+        }
+        Ok(())
+    }
+
+    fn drop_leading(&mut self, cols: i32) -> anyhow::Result<()> {
+        for buf in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            if let Some(b) = buf.take() {
+                *buf = Some(slice_cols(&b, cols, self.capacity)?);
+            }
+        }
+        self.capacity -= cols;
+        self.len -= cols;
+        for p in &mut self.left_pad {
+            *p -= cols;
+        }
+        Ok(())
+    }
+
+    /// Stacks caches into one batch, right-aligning their rows.
+    pub fn merge(parts: Vec<KvCache>) -> anyhow::Result<KvCache> {
+        let num_layers = parts.first().ok_or_else(|| anyhow!("nothing to merge"))?.keys.len();
+        let len = parts.iter().map(|c| c.len).max().unwrap_or(0);
+        let capacity = round_up(len.max(1));
+        let mut left_pad = Vec::new();
+        let mut keys = vec![Vec::new(); num_layers];
+        let mut values = vec![Vec::new(); num_layers];
+        for part in parts {
+            let shift = len - part.len;
+            left_pad.extend(part.left_pad.iter().map(|p| p + shift));
+            for l in 0..num_layers {
+                let (Some(k), Some(v)) = (&part.keys[l], &part.values[l]) else {
+                    return Err(anyhow!("cannot merge an empty cache"));
+                };
+                keys[l].push(align(k, part.len, shift, capacity)?);
+                values[l].push(align(v, part.len, shift, capacity)?);
+            }
+        }
+        Ok(KvCache {
+            keys: keys.into_iter().map(|k| ops::concatenate(&k, 0).map(Some)).collect::<Result<_, _>>()?,
+            values: values.into_iter().map(|v| ops::concatenate(&v, 0).map(Some)).collect::<Result<_, _>>()?,
+            len,
+            capacity,
+            left_pad,
+        })
+    }
+
+    /// Row `b` as a cache of its own (no padding).
+    pub fn extract_row(&self, b: usize) -> anyhow::Result<KvCache> {
+        let idx = Array::from_slice(&[b as i32], &[1]);
+        let start = self.left_pad[b];
+        let mut out = KvCache::new(self.keys.len(), 1);
+        let row_len = self.len - start;
+        let capacity = round_up(row_len.max(1));
+        for l in 0..self.keys.len() {
+            if let (Some(k), Some(v)) = (&self.keys[l], &self.values[l]) {
+                let k = slice_cols(&k.take_axis(&idx, 0)?, start, self.len)?;
+                let v = slice_cols(&v.take_axis(&idx, 0)?, start, self.len)?;
+                out.keys[l] = Some(align(&k, row_len, 0, capacity)?);
+                out.values[l] = Some(align(&v, row_len, 0, capacity)?);
+            }
+        }
+        out.len = row_len;
+        out.capacity = capacity;
+        Ok(out)
+    }
+}
+
+/// `buf[:, :, :len]` shifted right by `shift` columns inside a zeroed buffer
+/// of `capacity` columns.
+fn align(buf: &Array, len: i32, shift: i32, capacity: i32) -> anyhow::Result<Array> {
+    let used = slice_cols(buf, 0, len)?;
+    let s = buf.shape();
+    let mut pieces = Vec::new();
+    if shift > 0 {
+        pieces.push(ops::zeros_dtype(&[s[0], s[1], shift, s[3]], buf.dtype())?);
+    }
+    pieces.push(used);
+    let tail = capacity - shift - len;
+    if tail > 0 {
+        pieces.push(ops::zeros_dtype(&[s[0], s[1], tail, s[3]], buf.dtype())?);
+    }
+    Ok(ops::concatenate(&pieces, 2)?)
+}
+
+fn grow(buf: Option<Array>, len: i32, capacity: i32) -> anyhow::Result<Option<Array>> {
+    match buf {
+        None => Ok(None),
+        Some(b) => Ok(Some(align(&b, len, 0, capacity)?)),
+    }
+}
+
+fn write(buf: Option<Array>, update: &Array, at: i32, capacity: i32) -> anyhow::Result<Array> {
+    let s = update.shape().to_vec();
+    let buf = match buf {
+        Some(b) => b,
+        None => ops::zeros_dtype(&[s[0], s[1], capacity, s[3]], update.dtype())?,
+    };
+    let start = [0, 0, at, 0];
+    let stop = [s[0], s[1], at + s[2], s[3]];
+    let strides = [1, 1, 1, 1];
+    ffi_op(|res, stream| unsafe {
+        mlx_sys::mlx_slice_update(
+            res,
+            buf.as_ptr(),
+            update.as_ptr(),
+            start.as_ptr(),
+            4,
+            stop.as_ptr(),
+            4,
+            strides.as_ptr(),
+            4,
+            stream,
+        )
+    })
+}
+
+/// `buf[:, :, from:to, :]`.
+fn slice_cols(buf: &Array, from: i32, to: i32) -> anyhow::Result<Array> {
+    let s = buf.shape();
+    let start = [0, 0, from, 0];
+    let stop = [s[0], s[1], to, s[3]];
+    let strides = [1, 1, 1, 1];
+    ffi_op(|res, stream| unsafe {
+        mlx_sys::mlx_slice(res, buf.as_ptr(), start.as_ptr(), 4, stop.as_ptr(), 4, strides.as_ptr(), 4, stream)
+    })
+}
+
+/// Runs one mlx-c op that mlx-rs does not wrap with the signature we need.
+fn ffi_op(f: impl FnOnce(*mut mlx_sys::mlx_array, mlx_sys::mlx_stream) -> i32) -> anyhow::Result<Array> {
+    let stream = mlx_rs::Stream::thread_local_or_default();
+    unsafe {
+        let mut res = mlx_sys::mlx_array_new();
+        if f(&mut res, stream.as_ptr()) != 0 {
+            mlx_sys::mlx_array_free(res);
+            return Err(anyhow!("mlx slice operation failed"));
+        }
+        Ok(Array::from_ptr(res))
+    }
+}
+
+fn round_up(n: i32) -> i32 {
+    (n + STEP - 1) / STEP * STEP
+}

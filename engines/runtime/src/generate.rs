@@ -1,0 +1,142 @@
+//! The raw model loop: chunked prefill, then decode one token at a time with
+//! the next step's graph built while the current one computes (the same
+//! pipelining mlx-lm's `generate_step` does). The fast path engine runs this
+//! loop; the oracle test and the benchmark measure it.
+
+use std::time::{Duration, Instant};
+
+use mlx_rs::transforms::{async_eval, eval};
+use mlx_rs::{ops, Array};
+
+use crate::cache::KvCache;
+use crate::model::{Logits, Model};
+
+/// Prompt tokens per prefill forward (bounds the activation memory).
+pub const DEFAULT_PREFILL_CHUNK: usize = 512;
+
+pub fn tokens_array(tokens: &[u32]) -> Array {
+    let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+    Array::from_slice(&ids, &[1, ids.len() as i32])
+}
+
+/// Runs the prompt through the model in chunks and returns the `[1, 1, V]`
+/// logits of its last position.
+pub fn prefill(model: &Model, cache: &mut KvCache, prompt: &[u32], chunk: usize) -> anyhow::Result<Array> {
+    anyhow::ensure!(!prompt.is_empty(), "empty prompt");
+    let chunk = chunk.max(1);
+    let mut rest = prompt;
+    while rest.len() > chunk {
+        let (head, tail) = rest.split_at(chunk);
+        model.forward(&tokens_array(head), cache, Logits::Last)?;
+        // Materialise the cache so the next chunk's graph stays small.
+        eval(cache.state())?;
+        rest = tail;
+    }
+    model.forward(&tokens_array(rest), cache, Logits::Last)
+}
+
+/// Greedy token from `[B, 1, V]` logits as a lazy `[B, 1]` int32 array.
+pub fn argmax_tokens(logits: &Array) -> anyhow::Result<Array> {
+    let b = logits.dim(0);
+    Ok(ops::indexing::argmax_axis(logits, -1, None)?.reshape(&[b, 1])?.as_dtype(mlx_rs::Dtype::Int32)?)
+}
+
+pub struct GreedyRun {
+    pub tokens: Vec<u32>,
+    /// Time to the first token (prefill included).
+    pub prefill_time: Duration,
+    /// Time for the remaining tokens.
+    pub decode_time: Duration,
+}
+
+/// Greedy decoding of one sequence: stops at `max_tokens` or a stop token
+/// (the stop token is not included). `on_token` may stop early by returning
+/// false.
+pub fn greedy(
+    model: &Model,
+    prompt: &[u32],
+    max_tokens: usize,
+    stop_tokens: &[u32],
+    mut on_token: impl FnMut(u32) -> bool,
+) -> anyhow::Result<GreedyRun> {
+    let start = Instant::now();
+    let mut cache = model.new_cache(1);
+    let mut out = Vec::with_capacity(max_tokens);
+    if max_tokens == 0 {
+        return Ok(GreedyRun { tokens: out, prefill_time: start.elapsed(), decode_time: Duration::ZERO });
+    }
+    let logits = prefill(model, &mut cache, prompt, DEFAULT_PREFILL_CHUNK)?;
+    let mut current = argmax_tokens(&logits)?;
+    async_eval([&current])?;
+    let mut prefill_time = None;
+    loop {
+        // Queue the next step before reading the current token, so the
+        // device never waits for the host.
+        let next = if out.len() + 1 < max_tokens {
+            let logits = model.forward(&current, &mut cache, Logits::Last)?;
+            let next = argmax_tokens(&logits)?;
+            async_eval([&next])?;
+            Some(next)
+        } else {
+            None
+        };
+        let token = current.item_exact::<i32>() as u32;
+        if prefill_time.is_none() {
+            prefill_time = Some(start.elapsed());
+        }
+        if stop_tokens.contains(&token) {
+            break;
+        }
+        out.push(token);
+        if !on_token(token) {
+            break;
+        }
+        match next {
+            Some(n) => current = n,
+            None => break,
+        }
+    }
+    let prefill_time = prefill_time.unwrap_or_default();
+    Ok(GreedyRun { tokens: out, prefill_time, decode_time: start.elapsed() - prefill_time })
+}
+
+/// Greedy decoding of several prompts of different lengths as one
+/// left-padded batch: one prefill forward, then one decode forward per step
+/// for all rows. Each row stops at its own stop token or `max_tokens`.
+pub fn greedy_batch(model: &Model, prompts: &[Vec<u32>], max_tokens: usize, stop_tokens: &[u32]) -> anyhow::Result<Vec<Vec<u32>>> {
+    anyhow::ensure!(prompts.iter().all(|p| !p.is_empty()), "empty prompt in batch");
+    let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
+    let pads: Vec<i32> = prompts.iter().map(|p| (longest - p.len()) as i32).collect();
+    let mut ids = Vec::with_capacity(prompts.len() * longest);
+    for p in prompts {
+        ids.extend(std::iter::repeat_n(0i32, longest - p.len()));
+        ids.extend(p.iter().map(|&t| t as i32));
+    }
+    let b = prompts.len() as i32;
+    let mut cache = KvCache::with_left_padding(model.num_layers(), pads);
+    let logits = model.forward(&Array::from_slice(&ids, &[b, longest as i32]), &mut cache, Logits::Last)?;
+    let mut current = argmax_tokens(&logits)?;
+    let mut outs = vec![Vec::new(); prompts.len()];
+    let mut done = vec![max_tokens == 0; prompts.len()];
+    while !done.iter().all(|&d| d) {
+        eval([&current])?;
+        let step: Vec<i32> = current.as_slice::<i32>().to_vec();
+        for (row, &t) in step.iter().enumerate() {
+            if done[row] {
+                continue;
+            }
+            if stop_tokens.contains(&(t as u32)) {
+                done[row] = true;
+            } else {
+                outs[row].push(t as u32);
+                done[row] = outs[row].len() >= max_tokens;
+            }
+        }
+        if done.iter().all(|&d| d) {
+            break;
+        }
+        let logits = model.forward(&current, &mut cache, Logits::Last)?;
+        current = argmax_tokens(&logits)?;
+    }
+    Ok(outs)
+}

@@ -1,0 +1,177 @@
+//! The building blocks shared by the model families: linear layers (dense or
+//! MLX group-quantized), embeddings, RMSNorm and rotary embeddings.
+
+use mlx_rs::{fast, ops, Array, Dtype};
+
+use crate::config::{ModelConfig, Quantization, RopeScaling};
+use crate::weights::Weights;
+
+type R<T> = Result<T, mlx_rs::error::Exception>;
+
+pub enum Linear {
+    Dense { weight: Array, bias: Option<Array> },
+    Quantized { weight: Array, scales: Array, biases: Array, bias: Option<Array>, group_size: i32, bits: i32 },
+}
+
+impl Linear {
+    pub fn load(w: &mut Weights, prefix: &str, quant: Option<Quantization>) -> anyhow::Result<Self> {
+        let bias = w.take_optional(&format!("{prefix}.bias"));
+        let weight = w.take(&format!("{prefix}.weight"))?;
+        match (quant, w.take_optional(&format!("{prefix}.scales"))) {
+            (Some(q), Some(scales)) => Ok(Linear::Quantized {
+                weight,
+                scales,
+                biases: w.take(&format!("{prefix}.biases"))?,
+                bias,
+                group_size: q.group_size,
+                bits: q.bits,
+            }),
+            _ => Ok(Linear::Dense { weight, bias }),
+        }
+    }
+
+    pub fn forward(&self, x: &Array) -> R<Array> {
+        match self {
+            Linear::Dense { weight, bias: None } => x.matmul(weight.t()),
+            Linear::Dense { weight, bias: Some(b) } => ops::addmm(b, x, weight.t(), None, None),
+            Linear::Quantized { weight, scales, biases, bias, group_size, bits } => {
+                let y = ops::quantized_matmul(x, weight, scales, biases, true, *group_size, *bits)?;
+                match bias {
+                    Some(b) => y.add(b),
+                    None => Ok(y),
+                }
+            }
+        }
+    }
+
+    pub fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
+        match self {
+            Linear::Dense { weight, bias } => out.extend(std::iter::once(weight).chain(bias.as_ref())),
+            Linear::Quantized { weight, scales, biases, bias, .. } => {
+                out.extend([weight, scales, biases].into_iter().chain(bias.as_ref()))
+            }
+        }
+    }
+
+    pub fn out_features(&self) -> i32 {
+        match self {
+            Linear::Dense { weight, .. } => weight.dim(0),
+            Linear::Quantized { weight, .. } => weight.dim(0),
+        }
+    }
+}
+
+/// Token embedding; also serves as the output head when weights are tied.
+pub struct Embedding {
+    table: Linear,
+}
+
+impl Embedding {
+    pub fn load(w: &mut Weights, prefix: &str, quant: Option<Quantization>) -> anyhow::Result<Self> {
+        Ok(Self { table: Linear::load(w, prefix, quant)? })
+    }
+
+    pub fn forward(&self, ids: &Array) -> R<Array> {
+        match &self.table {
+            Linear::Dense { weight, .. } => weight.take_axis(ids, 0),
+            Linear::Quantized { weight, scales, biases, group_size, bits, .. } => {
+                let w = weight.take_axis(ids, 0)?;
+                let s = scales.take_axis(ids, 0)?;
+                let b = biases.take_axis(ids, 0)?;
+                ops::dequantize(&w, &s, &b, *group_size, *bits)
+            }
+        }
+    }
+
+    pub fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
+        self.table.collect(out);
+    }
+
+    /// `x @ table.T`: logits from hidden states for tied embeddings.
+    pub fn as_linear(&self, x: &Array) -> R<Array> {
+        self.table.forward(x)
+    }
+
+    pub fn dtype(&self) -> Dtype {
+        match &self.table {
+            Linear::Dense { weight, .. } => weight.dtype(),
+            Linear::Quantized { scales, .. } => scales.dtype(),
+        }
+    }
+}
+
+pub struct RmsNorm {
+    weight: Array,
+    eps: f32,
+}
+
+impl RmsNorm {
+    /// Gemma stores `w` and normalises with `1 + w`; folded in at load.
+    pub fn load(w: &mut Weights, name: &str, eps: f32, plus_one: bool) -> anyhow::Result<Self> {
+        let mut weight = w.take(&format!("{name}.weight"))?;
+        if plus_one {
+            weight = weight.add(Array::from_f32(1.0))?.as_dtype(weight.dtype())?;
+        }
+        Ok(Self { weight, eps })
+    }
+
+    pub fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
+        out.push(&self.weight);
+    }
+
+    pub fn forward(&self, x: &Array) -> R<Array> {
+        fast::rms_norm(x, Some(&self.weight), self.eps)
+    }
+}
+
+/// Rotary position embedding with per-row offsets for padded batches.
+pub struct Rope {
+    dims: i32,
+    base: Option<f32>,
+    scale: f32,
+    freqs: Option<Array>,
+}
+
+impl Rope {
+    pub fn new(cfg: &ModelConfig, base: f32, scaling: &RopeScaling) -> Self {
+        let dims = cfg.head_dim;
+        match *scaling {
+            RopeScaling::None => Self { dims, base: Some(base), scale: 1.0, freqs: None },
+            RopeScaling::Linear { factor } => Self { dims, base: Some(base), scale: 1.0 / factor, freqs: None },
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                let low_wavelen = original_max_position_embeddings / low_freq_factor;
+                let high_wavelen = original_max_position_embeddings / high_freq_factor;
+                let freqs: Vec<f32> = (0..dims / 2)
+                    .map(|i| {
+                        let freq = base.powf((2 * i) as f32 / dims as f32);
+                        let wavelen = 2.0 * std::f32::consts::PI * freq;
+                        let scaled = if wavelen > low_wavelen { freq * factor } else { freq };
+                        if wavelen > high_wavelen && wavelen < low_wavelen {
+                            let smooth = (original_max_position_embeddings / wavelen - low_freq_factor)
+                                / (high_freq_factor - low_freq_factor);
+                            scaled / ((1.0 - smooth) / factor + smooth)
+                        } else {
+                            scaled
+                        }
+                    })
+                    .collect();
+                Self { dims, base: None, scale: 1.0, freqs: Some(Array::from_slice(&freqs, &[dims / 2])) }
+            }
+        }
+    }
+
+    /// `x`: [B, H, L, D]. `offset` is the position of the first of the L
+    /// tokens, one per row (rows of a padded batch start at different
+    /// positions).
+    pub fn forward(&self, x: &Array, offset: &Offsets) -> R<Array> {
+        match offset {
+            Offsets::Scalar(o) => fast::rope(x, self.dims, false, self.base, self.scale, *o, self.freqs.as_ref()),
+            Offsets::PerRow(o) => fast::rope_dynamic(x, self.dims, false, self.base, self.scale, o, self.freqs.as_ref()),
+        }
+    }
+}
+
+pub enum Offsets {
+    Scalar(i32),
+    PerRow(Array),
+}

@@ -1,0 +1,69 @@
+//! A model directory loaded once: weights, tokenizer, chat template and the
+//! full stop-token set. The gateway shares one `LoadedModel` (behind an
+//! `Arc`) with every engine.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Context;
+use parking_lot::Mutex;
+
+use crate::config::ModelConfig;
+use crate::model::Model;
+use crate::weights::Weights;
+
+pub struct LoadedModel {
+    pub dir: PathBuf,
+    /// The name the API serves the model under.
+    pub name: String,
+    pub model: Model,
+    pub tokenizer: Arc<text::Tokenizer>,
+    pub template: Option<text::ChatTemplate>,
+    /// Every token that ends a generation (config, generation config,
+    /// tokenizer config, end-of-turn tokens), the same for every engine.
+    pub stop_tokens: Vec<u32>,
+    /// Serialises device work across engines: MLX streams are not safe to
+    /// evaluate from several threads at once.
+    pub device: Mutex<()>,
+}
+
+// MLX arrays are reference-counted handles to immutable buffers; the weights
+// are never mutated after load, and device work is serialised by `device`.
+unsafe impl Sync for LoadedModel {}
+
+impl LoadedModel {
+    pub fn load(dir: &Path, name: Option<&str>) -> anyhow::Result<Self> {
+        let started = Instant::now();
+        let config = ModelConfig::from_dir(dir)?;
+        let weights = Weights::from_dir(dir)?;
+        let model = Model::load(config, weights).with_context(|| format!("loading {}", dir.display()))?;
+        // Materialise the weights now, not on the first request.
+        model.eval_weights()?;
+        let tokenizer = Arc::new(text::Tokenizer::from_dir(dir)?);
+        let template = text::ChatTemplate::from_dir(dir)?;
+        let stop_tokens = text::eos::eos_token_ids(dir, &tokenizer)?;
+        let name = name
+            .map(str::to_string)
+            .unwrap_or_else(|| dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into()));
+        tracing::info!(
+            model = %name,
+            family = %model.config.family,
+            layers = model.config.num_layers,
+            hidden = model.config.hidden_size,
+            dtype = ?model.dtype(),
+            blas = %mlx_sys::blas_backend(),
+            seconds = started.elapsed().as_secs_f32(),
+            "model loaded"
+        );
+        Ok(Self { dir: dir.to_path_buf(), name, model, tokenizer, template, stop_tokens, device: Mutex::new(()) })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.model.config.vocab_size as usize
+    }
+
+    pub fn context_window(&self) -> usize {
+        self.model.config.max_position_embeddings as usize
+    }
+}

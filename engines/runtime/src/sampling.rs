@@ -1,0 +1,172 @@
+//! Sampling on the device, one row of logits at a time (the batched engine
+//! takes a fast argmax over the whole batch when every row is greedy).
+//!
+//! Order, as in vLLM/HF: logit_bias, repetition penalty (over prompt and
+//! output), presence/frequency penalties (over output, OpenAI semantics),
+//! temperature, then top-k, min-p and top-p truncation, then a categorical
+//! draw with the request's own PRNG key (same seed, same output).
+
+use engine_core::SamplingParams;
+use mlx_rs::{ops, random, Array, Dtype};
+
+type R<T> = Result<T, mlx_rs::error::Exception>;
+
+pub struct Sampler {
+    params: SamplingParams,
+    vocab: i32,
+    /// Dense `[V]` logit bias, built once.
+    bias: Option<Array>,
+    /// `[V]` counts of generated tokens, updated per token on the device.
+    counts: Option<Array>,
+    /// `[V]` 1.0 where the token appeared in prompt or output.
+    seen: Option<Array>,
+    key: Option<Array>,
+}
+
+impl Sampler {
+    pub fn new(params: &SamplingParams, vocab: i32, prompt: &[u32]) -> R<Self> {
+        let bias = if params.logit_bias.is_empty() {
+            None
+        } else {
+            let mut dense = vec![0f32; vocab as usize];
+            for &(id, b) in &params.logit_bias {
+                if (id as i32) < vocab {
+                    dense[id as usize] += b;
+                }
+            }
+            Some(Array::from_slice(&dense, &[vocab]))
+        };
+        let needs_counts = params.presence_penalty != 0.0 || params.frequency_penalty != 0.0;
+        let counts = needs_counts.then(|| ops::zeros::<f32>(&[vocab])).transpose()?;
+        let seen = if params.repetition_penalty != 1.0 {
+            let mut dense = vec![0f32; vocab as usize];
+            for &t in prompt {
+                if (t as i32) < vocab {
+                    dense[t as usize] = 1.0;
+                }
+            }
+            Some(Array::from_slice(&dense, &[vocab]))
+        } else {
+            None
+        };
+        let key = if params.is_greedy() {
+            None
+        } else {
+            let seed = params.seed.unwrap_or_else(random_seed);
+            Some(random::key(seed)?)
+        };
+        Ok(Self { params: params.clone(), vocab, bias, counts, seen, key })
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Logits after bias and penalties, before temperature: what logprobs
+    /// are reported from.
+    pub fn adjust(&self, logits: &Array) -> R<Array> {
+        let mut l = logits.clone();
+        if let Some(b) = &self.bias {
+            l = l.add(b)?;
+        }
+        if let Some(seen) = &self.seen {
+            // HF/vLLM rule: shrink positive logits, grow negative ones.
+            let p = Array::from_f32(self.params.repetition_penalty);
+            let penalised = ops::select(&l.gt(Array::from_f32(0.0))?, &l.divide(&p)?, &l.multiply(&p)?)?;
+            l = ops::select(&seen.gt(Array::from_f32(0.0))?, &penalised, &l)?;
+        }
+        if let Some(counts) = &self.counts {
+            let presence = counts.gt(Array::from_f32(0.0))?.as_dtype(Dtype::Float32)?;
+            let penalty = presence
+                .multiply(Array::from_f32(self.params.presence_penalty))?
+                .add(counts.multiply(Array::from_f32(self.params.frequency_penalty))?)?;
+            l = l.subtract(&penalty)?;
+        }
+        Ok(l)
+    }
+
+    /// Picks the next token from `[1, V]` (or `[V]`) float32 logits; returns
+    /// a lazy `[1]` uint32 array.
+    pub fn sample(&mut self, logits: &Array) -> R<Array> {
+        let l = self.adjust(&logits.reshape(&[1, self.vocab])?)?;
+        if self.params.is_greedy() {
+            return ops::indexing::argmax_axis(&l, -1, None);
+        }
+        let mut l = l.multiply(Array::from_f32(1.0 / self.params.temperature))?;
+        if self.params.top_k > 0 && (self.params.top_k as i32) < self.vocab {
+            l = top_k(&l, self.params.top_k as i32)?;
+        }
+        if self.params.min_p > 0.0 {
+            l = min_p(&l, self.params.min_p)?;
+        }
+        if self.params.top_p < 1.0 {
+            l = top_p(&l, self.params.top_p)?;
+        }
+        let key = self.key.take().expect("sampled rows have a key");
+        let (next_key, draw_key) = random::split(&key, 2)?;
+        self.key = Some(next_key);
+        random::categorical(&l, -1, None, &draw_key)
+    }
+
+    /// Records the chosen token for the penalties.
+    pub fn observe(&mut self, token: u32) -> R<()> {
+        if token as i32 >= self.vocab {
+            return Ok(());
+        }
+        if self.counts.is_none() && self.seen.is_none() {
+            return Ok(());
+        }
+        let one_hot = Array::arange::<_, i32>(0, self.vocab, 1)?
+            .eq(Array::from_int(token as i32))?
+            .as_dtype(Dtype::Float32)?;
+        if let Some(c) = &self.counts {
+            self.counts = Some(c.add(&one_hot)?);
+        }
+        if let Some(s) = &self.seen {
+            self.seen = Some(ops::maximum(s, &one_hot)?);
+        }
+        Ok(())
+    }
+}
+
+/// Log-probabilities of `[.., V]` logits.
+pub fn log_softmax(logits: &Array) -> R<Array> {
+    logits.subtract(ops::logsumexp_axis(logits, -1, true)?)
+}
+
+fn neg_inf() -> Array {
+    Array::from_f32(f32::NEG_INFINITY)
+}
+
+fn top_k(l: &Array, k: i32) -> R<Array> {
+    let v = l.dim(-1);
+    let sorted = ops::sort_axis(l, -1)?;
+    let kth = sorted.take_axis(Array::from_slice(&[v - k], &[1]), -1)?;
+    ops::select(&l.lt(&kth)?, &neg_inf(), l)
+}
+
+fn min_p(l: &Array, p: f32) -> R<Array> {
+    // probs < p * max_prob  <=>  logit < max_logit + ln(p)
+    let max = l.max_axis(-1, true)?;
+    let threshold = max.add(Array::from_f32(p.ln()))?;
+    ops::select(&l.lt(&threshold)?, &neg_inf(), l)
+}
+
+fn top_p(l: &Array, p: f32) -> R<Array> {
+    // Keep the smallest set of most likely tokens whose mass reaches p: a
+    // token survives when the mass strictly above it is below p.
+    let probs = ops::softmax_axis(l, -1, None)?;
+    let sorted = ops::sort_axis(&probs, -1)?; // ascending
+    let cum = ops::cumsum(&sorted, -1, None, None)?;
+    let above = Array::from_f32(1.0).subtract(&cum)?; // mass strictly above each sorted entry
+    let keep = above.lt(Array::from_f32(p))?;
+    let threshold = ops::select(&keep, &sorted, Array::from_f32(f32::INFINITY))?.min_axis(-1, true)?;
+    ops::select(&probs.lt(&threshold)?, &neg_inf(), l)
+}
+
+fn random_seed() -> u64 {
+    use std::time::{SystemTime, UNIX_EPOCH};
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let t = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    t ^ COUNTER.fetch_add(0x9E37_79B9_7F4A_7C15, std::sync::atomic::Ordering::Relaxed)
+}
