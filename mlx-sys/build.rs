@@ -123,6 +123,7 @@ mod linux {
             .collect();
         sources.sort();
         sources.push(native.join("half_accessors.cpp"));
+        sources.push(native.join("mach_time.cpp"));
 
         cc::Build::new()
             .cpp(true)

@@ -6,7 +6,9 @@
 pub mod cache;
 pub mod config;
 pub mod generate;
+pub mod kv_pool;
 pub mod sampling;
+pub mod shared;
 pub mod tiny;
 
 pub mod layers;
@@ -23,5 +25,7 @@ pub use config::{Family, ModelConfig};
 
 pub use loader::LoadedModel;
 pub use model::Model;
+pub use kv_pool::{KvPool, Reservation};
+pub use shared::SharedModel;
 
 pub type Result<T> = anyhow::Result<T>;

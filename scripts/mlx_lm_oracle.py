@@ -1,0 +1,52 @@
+"""Reference greedy decoding with mlx-lm, for the oracle tests.
+
+Reads a JSON request on stdin: {"model": DIR, "prompts": [[ids]...],
+"max_tokens": N} and prints {"results": [{"tokens": [...], "logits":
+[[...V floats] per step]}]}. EOS is ignored: exactly N tokens per prompt.
+Tokens come from mlx-lm's own generate_step; logits from the same model
+called step by step, and the two token sequences must agree.
+"""
+
+import json
+import sys
+
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+
+def stepwise(model, prompt, n):
+    cache = make_prompt_cache(model)
+    logits = model(mx.array(prompt)[None], cache=cache)[:, -1, :]
+    tokens, rows = [], []
+    for _ in range(n):
+        logits = logits.astype(mx.float32)
+        rows.append(logits[0].tolist())
+        token = int(mx.argmax(logits, axis=-1).item())
+        tokens.append(token)
+        logits = model(mx.array([[token]]), cache=cache)[:, -1, :]
+    return tokens, rows
+
+
+def main():
+    req = json.load(sys.stdin)
+    model, _ = load(req["model"])
+    n = req["max_tokens"]
+    results = []
+    for prompt in req["prompts"]:
+        official = [
+            int(t)
+            for t, _ in generate_step(
+                mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1)
+            )
+        ]
+        tokens, rows = stepwise(model, prompt, n)
+        if tokens != official:
+            raise SystemExit(f"mlx-lm disagrees with itself: {tokens} vs {official}")
+        results.append({"tokens": tokens, "logits": rows if req.get("logits", True) else []})
+    json.dump({"results": results}, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
