@@ -1,0 +1,21 @@
+//! The continuous-batching engine: one scheduler thread owns the decode
+//! batch; new requests are prefilled in chunks under a per-step token budget
+//! and merged into the running batch without draining it, finished rows
+//! leave at once, and every row samples with its own parameters.
+
+mod config;
+mod engine;
+mod prefix_cache;
+mod queue;
+mod row;
+mod scheduler;
+pub mod validate;
+
+pub use config::BatchedConfig;
+pub use engine::BatchedEngine;
+
+fn create(ctx: engine_core::EngineContext) -> Result<Box<dyn engine_core::Engine>, String> {
+    Ok(Box::new(BatchedEngine::from_context(ctx)?))
+}
+
+engine_core::export_engine!("batched", create);

@@ -14,6 +14,7 @@ use crate::layers::Offsets;
 /// Capacity grows in multiples of this many positions.
 const STEP: i32 = 256;
 
+#[derive(Clone)]
 pub struct KvCache {
     keys: Vec<Option<Array>>,
     values: Vec<Option<Array>>,

@@ -6,6 +6,7 @@
 pub mod cache;
 pub mod config;
 pub mod generate;
+pub mod handover;
 pub mod kv_pool;
 pub mod sampling;
 pub mod shared;

@@ -4,6 +4,9 @@
 use std::sync::Arc;
 
 use engine_core::EngineContext;
+use parking_lot::RwLock;
+
+use crate::handover::HandoverSink;
 
 use crate::kv_pool::KvPool;
 use crate::loader::LoadedModel;
@@ -11,9 +14,24 @@ use crate::loader::LoadedModel;
 pub struct SharedModel {
     pub model: LoadedModel,
     pub kv_pool: KvPool,
+    /// The engine that adopts sequences other engines hand over (the
+    /// batched engine registers itself here).
+    handover: RwLock<Option<Arc<dyn HandoverSink>>>,
 }
 
 impl SharedModel {
+    pub fn new(model: LoadedModel, kv_pool: KvPool) -> Self {
+        Self { model, kv_pool, handover: RwLock::new(None) }
+    }
+
+    pub fn set_handover_sink(&self, sink: Arc<dyn HandoverSink>) {
+        *self.handover.write() = Some(sink);
+    }
+
+    pub fn handover_sink(&self) -> Option<Arc<dyn HandoverSink>> {
+        self.handover.read().clone()
+    }
+
     /// The shared model from an engine's context. Fails when the plugin was
     /// built against a different runtime crate than the host.
     pub fn from_context(ctx: &EngineContext) -> Result<Arc<SharedModel>, String> {

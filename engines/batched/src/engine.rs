@@ -1,0 +1,112 @@
+//! The `Engine` face of the scheduler thread.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use crossbeam_channel::Sender;
+use engine_core::event::event_channel;
+use engine_core::{Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventStream, GenerateRequest, RequestId};
+use parking_lot::Mutex;
+use runtime::handover::{Handover, HandoverSink};
+use runtime::SharedModel;
+
+use crate::config::BatchedConfig;
+use crate::queue::Waiting;
+use crate::scheduler::{Msg, Scheduler, Stats};
+use crate::validate;
+
+pub struct BatchedEngine {
+    name: String,
+    shared: Arc<SharedModel>,
+    cfg: BatchedConfig,
+    tx: Sender<Msg>,
+    stats: Arc<Stats>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+struct Sink(Sender<Msg>);
+
+impl HandoverSink for Sink {
+    fn adopt(&self, handover: Handover) -> Result<(), Box<Handover>> {
+        self.0.send(Msg::Adopt(Box::new(handover))).map_err(|e| match e.0 {
+            Msg::Adopt(h) => h,
+            _ => unreachable!("sent an Adopt"),
+        })
+    }
+}
+
+impl BatchedEngine {
+    pub fn from_context(ctx: EngineContext) -> Result<Self, String> {
+        // This plugin's copy of `tracing` logs through the host's subscriber.
+        let _ = tracing::dispatcher::set_global_default(ctx.dispatch.clone());
+        let shared = SharedModel::from_context(&ctx)?;
+        let cfg = BatchedConfig::from_yaml(&ctx.config)?;
+        Ok(Self::new(ctx.name, shared, cfg))
+    }
+
+    pub fn new(name: String, shared: Arc<SharedModel>, cfg: BatchedConfig) -> Self {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let stats = Arc::new(Stats::default());
+        let scheduler = Scheduler::new(shared.clone(), cfg.clone(), rx, stats.clone());
+        let thread = std::thread::Builder::new()
+            .name(format!("{name}-scheduler"))
+            .spawn(move || scheduler.run())
+            .expect("spawn the scheduler thread");
+        shared.set_handover_sink(Arc::new(Sink(tx.clone())));
+        tracing::info!(engine = %name, max_batch = cfg.max_batch, prefill_chunk = cfg.prefill_chunk, "batched engine ready");
+        Self { name, shared, cfg, tx, stats, thread: Mutex::new(Some(thread)) }
+    }
+}
+
+impl Engine for BatchedEngine {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities { greedy_only: false, tools: true, max_concurrent: Some(self.cfg.max_batch), speculative: false }
+    }
+
+    fn submit(&self, request: GenerateRequest) -> Result<EventStream, EngineError> {
+        let blocks = validate::check(&request, &self.shared)?;
+        if self.thread.lock().is_none() {
+            return Err(EngineError::ShuttingDown);
+        }
+        if self.stats.queued.load(Ordering::Acquire) >= self.cfg.max_queue {
+            return Err(EngineError::Overloaded("the request queue is full; retry shortly".into()));
+        }
+        let (events, stream) = event_channel();
+        self.stats.queued.fetch_add(1, Ordering::AcqRel);
+        self.tx
+            .send(Msg::Submit(Waiting { request, blocks, events }))
+            .map_err(|_| EngineError::ShuttingDown)?;
+        Ok(stream)
+    }
+
+    fn cancel(&self, id: RequestId) {
+        let _ = self.tx.send(Msg::Cancel(id));
+    }
+
+    fn load(&self) -> EngineLoad {
+        EngineLoad {
+            active: self.stats.active.load(Ordering::Acquire),
+            queued: self.stats.queued.load(Ordering::Acquire),
+            kv_blocks_held: self.stats.kv_blocks.load(Ordering::Acquire),
+            healthy: self.thread.lock().as_ref().is_some_and(|t| !t.is_finished()),
+            accept_rate: None,
+        }
+    }
+
+    fn shutdown(&self) {
+        let Some(thread) = self.thread.lock().take() else { return };
+        let _ = self.tx.send(Msg::Shutdown);
+        let _ = thread.join();
+    }
+}
+
+impl Drop for BatchedEngine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

@@ -1,0 +1,83 @@
+//! Automatic prefix caching on block boundaries: the KV of a prompt's
+//! block-aligned prefix is kept after prefill, and a later prompt of the
+//! same cache scope that starts with it skips recomputing those positions.
+//! Entries never cross scopes, so one tenant cannot time another's prompts.
+
+use std::collections::VecDeque;
+
+use runtime::KvCache;
+
+struct Entry {
+    scope: Option<String>,
+    tokens: Vec<u32>,
+    cache: KvCache,
+}
+
+pub struct PrefixCache {
+    block: usize,
+    capacity: usize,
+    /// Most recently used last.
+    entries: VecDeque<Entry>,
+}
+
+pub struct Hit {
+    pub cache: KvCache,
+    pub tokens: usize,
+}
+
+impl PrefixCache {
+    pub fn new(block: usize, capacity: usize) -> Self {
+        Self { block: block.max(1), capacity, entries: VecDeque::new() }
+    }
+
+    /// The longest cached block-aligned prefix of `prompt`, leaving at least
+    /// one prompt token to compute (its logits start the generation).
+    pub fn lookup(&mut self, scope: Option<&str>, prompt: &[u32]) -> Option<Hit> {
+        let usable = (prompt.len().saturating_sub(1) / self.block) * self.block;
+        if usable == 0 {
+            return None;
+        }
+        let (mut best, mut best_len) = (None, 0);
+        for (i, e) in self.entries.iter().enumerate() {
+            if e.scope.as_deref() != scope {
+                continue;
+            }
+            let common = e.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+            let aligned = (common.min(usable) / self.block) * self.block;
+            if aligned > best_len {
+                best = Some(i);
+                best_len = aligned;
+            }
+        }
+        let i = best?;
+        let entry = self.entries.remove(i)?;
+        let mut cache = entry.cache.clone();
+        cache.truncate(cache.len() - best_len as i32);
+        self.entries.push_back(entry);
+        Some(Hit { cache, tokens: best_len })
+    }
+
+    /// Keeps the block-aligned prefix of a freshly prefilled prompt. `cache`
+    /// holds exactly the prompt's KV.
+    pub fn insert(&mut self, scope: Option<&str>, prompt: &[u32], cache: &KvCache) {
+        if self.capacity == 0 {
+            return;
+        }
+        let aligned = (prompt.len() / self.block) * self.block;
+        if aligned == 0 {
+            return;
+        }
+        let key = &prompt[..aligned];
+        if self.entries.iter().any(|e| e.scope.as_deref() == scope && e.tokens.starts_with(key)) {
+            return;
+        }
+        // A longer prefix supersedes entries it extends.
+        self.entries.retain(|e| !(e.scope.as_deref() == scope && key.starts_with(&e.tokens)));
+        let mut kept = cache.clone();
+        kept.truncate(kept.len() - aligned as i32);
+        while self.entries.len() >= self.capacity {
+            self.entries.pop_front();
+        }
+        self.entries.push_back(Entry { scope: scope.map(str::to_string), tokens: key.to_vec(), cache: kept });
+    }
+}

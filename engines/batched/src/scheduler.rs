@@ -1,0 +1,404 @@
+//! The scheduler thread. Each iteration: take in new work, drop cancelled
+//! rows, admit waiting requests that have KV blocks, then run at most one
+//! prefill chunk and one decode step for the whole batch. The prefill chunk
+//! budget bounds the inter-token latency of running rows while a long
+//! prompt arrives.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use crossbeam_channel::{Receiver, TryRecvError};
+use engine_core::{Event, FinishReason, RequestId};
+use mlx_rs::transforms::eval;
+use mlx_rs::{ops, Array};
+use runtime::handover::Handover;
+use runtime::model::Logits;
+use runtime::sampling::{self, Sampler};
+use runtime::{generate, KvCache, SharedModel};
+
+use crate::config::BatchedConfig;
+use crate::prefix_cache::PrefixCache;
+use crate::queue::{WaitQueue, Waiting};
+use crate::row::{self, Row};
+
+pub enum Msg {
+    Submit(Waiting),
+    Adopt(Box<Handover>),
+    Cancel(RequestId),
+    Shutdown,
+}
+
+/// Figures the engine reports in `load()`, written by the scheduler.
+#[derive(Default)]
+pub struct Stats {
+    pub active: AtomicUsize,
+    /// Submitted and not yet admitted (in the channel or the wait queue).
+    pub queued: AtomicUsize,
+    pub kv_blocks: AtomicUsize,
+}
+
+struct Prefilling {
+    row: Row,
+    cache: KvCache,
+    done: usize,
+}
+
+pub struct Scheduler {
+    shared: Arc<SharedModel>,
+    cfg: BatchedConfig,
+    rx: Receiver<Msg>,
+    stats: Arc<Stats>,
+    waiting: WaitQueue,
+    prefill: Option<Prefilling>,
+    rows: Vec<Row>,
+    batch: Option<KvCache>,
+    prefix: PrefixCache,
+    shutting_down: bool,
+}
+
+impl Scheduler {
+    pub fn new(shared: Arc<SharedModel>, cfg: BatchedConfig, rx: Receiver<Msg>, stats: Arc<Stats>) -> Self {
+        let prefix = PrefixCache::new(shared.kv_pool.block_size(), cfg.prefix_cache_entries);
+        Self {
+            waiting: WaitQueue::new(cfg.max_queue),
+            shared,
+            cfg,
+            rx,
+            stats,
+            prefill: None,
+            rows: Vec::new(),
+            batch: None,
+            prefix,
+            shutting_down: false,
+        }
+    }
+
+    pub fn run(mut self) {
+        while !self.shutting_down {
+            if !self.intake() {
+                break;
+            }
+            self.drop_cancelled();
+            self.admit();
+            if let Err(e) = self.step() {
+                tracing::error!(error = %e, "batched step failed; failing its requests");
+                self.fail_all(&format!("engine step failed: {e}"));
+            }
+            self.publish();
+        }
+        self.cancel_everything();
+        self.publish();
+    }
+
+    fn idle(&self) -> bool {
+        self.rows.is_empty() && self.prefill.is_none() && self.waiting.is_empty()
+    }
+
+    /// Returns false when the channel is closed.
+    fn intake(&mut self) -> bool {
+        if self.idle() {
+            match self.rx.recv() {
+                Ok(msg) => self.handle(msg),
+                Err(_) => return false,
+            }
+        }
+        loop {
+            match self.rx.try_recv() {
+                Ok(msg) => self.handle(msg),
+                Err(TryRecvError::Empty) => return true,
+                Err(TryRecvError::Disconnected) => return false,
+            }
+        }
+    }
+
+    fn handle(&mut self, msg: Msg) {
+        match msg {
+            Msg::Submit(w) => {
+                if let Err(w) = self.waiting.push(w) {
+                    self.stats.queued.fetch_sub(1, Ordering::AcqRel);
+                    let _ = w.events.send(Event::Error("server overloaded: request queue is full".into()));
+                }
+            }
+            Msg::Adopt(h) => self.adopt(*h),
+            Msg::Cancel(id) => {
+                for r in self.rows.iter().chain(self.prefill.as_ref().map(|p| &p.row)) {
+                    if r.request.id == id {
+                        r.request.cancel.cancel();
+                    }
+                }
+            }
+            Msg::Shutdown => self.shutting_down = true,
+        }
+    }
+
+    fn adopt(&mut self, h: Handover) {
+        let sampler = match Sampler::new(&h.request.sampling, self.shared.model.vocab_size() as i32, &h.request.prompt) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = h.events.send(Event::Error(format!("cannot continue the request: {e}")));
+                return;
+            }
+        };
+        let row = Row {
+            request: h.request,
+            sampler,
+            events: h.events,
+            reservation: h.reservation,
+            generated: h.generated,
+            last_token: h.last_token,
+            cached_tokens: h.cached_tokens,
+        };
+        if let Err(e) = self.join_batch(row, h.cache) {
+            tracing::error!(error = %e, "adopting a handed-over sequence failed");
+        }
+    }
+
+    fn join_batch(&mut self, row: Row, cache: KvCache) -> anyhow::Result<()> {
+        let merged = match self.batch.take() {
+            Some(b) => KvCache::merge(vec![b, cache]),
+            None => Ok(cache),
+        };
+        match merged {
+            Ok(b) => {
+                self.batch = Some(b);
+                self.rows.push(row);
+                Ok(())
+            }
+            Err(e) => {
+                let _ = row.events.send(Event::Error(format!("internal error joining the batch: {e}")));
+                self.fail_all("internal error joining the batch");
+                Err(e)
+            }
+        }
+    }
+
+    fn drop_cancelled(&mut self) {
+        for w in self.waiting.drain_cancelled() {
+            self.stats.queued.fetch_sub(1, Ordering::AcqRel);
+            row::finish(&w.events, &w.request, FinishReason::Cancelled, 0, 0);
+        }
+        if self.prefill.as_ref().is_some_and(|p| p.row.is_cancelled()) {
+            let p = self.prefill.take().unwrap();
+            p.row.finish(FinishReason::Cancelled);
+        }
+        let cancelled: Vec<usize> = (0..self.rows.len()).filter(|&i| self.rows[i].is_cancelled()).collect();
+        if !cancelled.is_empty() {
+            self.remove_rows(&cancelled, FinishReason::Cancelled);
+        }
+    }
+
+    fn remove_rows(&mut self, gone: &[usize], reason: FinishReason) {
+        let keep: Vec<usize> = (0..self.rows.len()).filter(|i| !gone.contains(i)).collect();
+        let mut rows: Vec<Option<Row>> = self.rows.drain(..).map(Some).collect();
+        for &i in gone {
+            if let Some(r) = rows[i].take() {
+                r.finish(reason);
+            }
+        }
+        self.rows = rows.into_iter().flatten().collect();
+        if self.rows.is_empty() {
+            self.batch = None;
+        } else if let Some(b) = self.batch.as_mut() {
+            if let Err(e) = b.select_rows(&keep) {
+                tracing::error!(error = %e, "dropping rows from the batch failed");
+                self.fail_all("internal error");
+            }
+        }
+    }
+
+    fn admit(&mut self) {
+        while self.prefill.is_none() && self.rows.len() < self.cfg.max_batch {
+            let Some(front) = self.waiting.front() else { return };
+            let Ok(reservation) = self.shared.kv_pool.try_reserve(front.blocks) else {
+                // Wait for running rows to return blocks.
+                return;
+            };
+            let w = self.waiting.pop().unwrap();
+            self.stats.queued.fetch_sub(1, Ordering::AcqRel);
+            let vocab = self.shared.model.vocab_size() as i32;
+            let sampler = match Sampler::new(&w.request.sampling, vocab, &w.request.prompt) {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = w.events.send(Event::Error(format!("{}: invalid sampling parameters: {e}", w.request.id)));
+                    continue;
+                }
+            };
+            let hit = self.prefix.lookup(w.request.cache_scope.as_deref(), &w.request.prompt);
+            let (cache, done) = match hit {
+                Some(h) => (h.cache, h.tokens),
+                None => (self.shared.model.model.new_cache(1), 0),
+            };
+            self.prefill = Some(Prefilling {
+                row: Row {
+                    request: w.request,
+                    sampler,
+                    events: w.events,
+                    reservation,
+                    generated: 0,
+                    last_token: 0,
+                    cached_tokens: done as u32,
+                },
+                cache,
+                done,
+            });
+        }
+    }
+
+    fn step(&mut self) -> anyhow::Result<()> {
+        let shared = self.shared.clone();
+        let _device = shared.model.device.lock();
+        self.prefill_chunk()?;
+        self.decode()?;
+        Ok(())
+    }
+
+    fn prefill_chunk(&mut self) -> anyhow::Result<()> {
+        let Some(p) = self.prefill.as_mut() else { return Ok(()) };
+        let model = &self.shared.model.model;
+        let prompt = &p.row.request.prompt;
+        let end = (p.done + self.cfg.prefill_chunk).min(prompt.len());
+        let logits = model.forward(&generate::tokens_array(&prompt[p.done..end]), &mut p.cache, Logits::Last)?;
+        p.done = end;
+        if end < prompt.len() {
+            eval(p.cache.state())?;
+            return Ok(());
+        }
+        let mut p = self.prefill.take().unwrap();
+        self.prefix.insert(p.row.request.cache_scope.as_deref(), &p.row.request.prompt, &p.cache);
+        let logits = logits.reshape(&[1, -1])?;
+        let token = p.row.sampler.sample(&logits)?;
+        let lp = p.row.wants_logprobs().then(|| logprob_source(&p.row, &logits)).transpose()?;
+        eval([&token].into_iter().chain(lp.as_ref()))?;
+        let t = token.as_slice::<u32>()[0];
+        let (chosen, top) = read_logprobs(lp.as_ref(), t, p.row.request.sampling.top_logprobs);
+        p.row.sampler.observe(t)?;
+        match p.row.accept(t, chosen, top) {
+            Some(reason) => p.row.finish(reason),
+            None => {
+                self.join_batch(p.row, p.cache)?;
+                // The new row decodes from the next step on, with the batch.
+                return Ok(());
+            }
+        }
+        Ok(())
+    }
+
+    fn decode(&mut self) -> anyhow::Result<()> {
+        let Some(cache) = self.batch.as_mut() else { return Ok(()) };
+        let b = self.rows.len() as i32;
+        let inputs: Vec<i32> = self.rows.iter().map(|r| r.last_token as i32).collect();
+        let logits = self.shared.model.model.forward(&Array::from_slice(&inputs, &[b, 1]), cache, Logits::Last)?;
+        let logits = logits.reshape(&[b, -1])?;
+        let greedy = self
+            .rows
+            .iter()
+            .any(|r| r.plain_greedy())
+            .then(|| ops::indexing::argmax_axis(&logits, -1, None))
+            .transpose()?;
+        let mut picks = Vec::with_capacity(self.rows.len());
+        let mut lps = Vec::new();
+        for (i, row) in self.rows.iter_mut().enumerate() {
+            let idx = Array::from_slice(&[i as i32], &[1]);
+            if row.plain_greedy() {
+                picks.push(greedy.as_ref().unwrap().take_axis(&idx, 0)?.as_dtype(mlx_rs::Dtype::Uint32)?);
+            } else {
+                let l = logits.take_axis(&idx, 0)?;
+                picks.push(row.sampler.sample(&l)?.as_dtype(mlx_rs::Dtype::Uint32)?);
+                if row.wants_logprobs() {
+                    lps.push((i, logprob_source(row, &l)?));
+                }
+            }
+        }
+        let next = ops::concatenate(&picks, 0)?;
+        eval([&next].into_iter().chain(lps.iter().map(|(_, a)| a)))?;
+        let tokens: Vec<u32> = next.as_slice::<u32>().to_vec();
+        let mut finished = Vec::new();
+        for (i, row) in self.rows.iter_mut().enumerate() {
+            let t = tokens[i];
+            row.sampler.observe(t)?;
+            let lp = lps.iter().find(|(j, _)| *j == i).map(|(_, a)| a);
+            let (chosen, top) = read_logprobs(lp, t, row.request.sampling.top_logprobs);
+            if let Some(reason) = row.accept(t, chosen, top) {
+                finished.push((i, reason));
+            }
+        }
+        for reason in [FinishReason::Stop, FinishReason::Length, FinishReason::Cancelled] {
+            let gone: Vec<usize> = finished.iter().filter(|(_, r)| *r == reason).map(|(i, _)| *i).collect();
+            if !gone.is_empty() {
+                self.remove_rows(&gone, reason);
+                // Indices shift after removal: recompute for the next reason.
+                finished = finished
+                    .into_iter()
+                    .filter(|(_, r)| *r != reason)
+                    .map(|(i, r)| (i - gone.iter().filter(|&&g| g < i).count(), r))
+                    .collect();
+            }
+        }
+        Ok(())
+    }
+
+    fn publish(&self) {
+        let active = self.rows.len() + usize::from(self.prefill.is_some());
+        self.stats.active.store(active, Ordering::Release);
+        let blocks: usize = self
+            .rows
+            .iter()
+            .chain(self.prefill.as_ref().map(|p| &p.row))
+            .map(|r| r.reservation.blocks())
+            .sum();
+        self.stats.kv_blocks.store(blocks, Ordering::Release);
+    }
+
+    fn fail_all(&mut self, message: &str) {
+        for r in self.rows.drain(..).chain(self.prefill.take().map(|p| p.row)) {
+            let _ = r.events.send(Event::Error(message.to_string()));
+        }
+        self.batch = None;
+    }
+
+    fn cancel_everything(&mut self) {
+        for w in self.waiting.drain() {
+            self.stats.queued.fetch_sub(1, Ordering::AcqRel);
+            row::finish(&w.events, &w.request, FinishReason::Cancelled, 0, 0);
+        }
+        while let Ok(msg) = self.rx.try_recv() {
+            match msg {
+                Msg::Submit(w) => {
+                    self.stats.queued.fetch_sub(1, Ordering::AcqRel);
+                    row::finish(&w.events, &w.request, FinishReason::Cancelled, 0, 0);
+                }
+                Msg::Adopt(h) => row::finish(&h.events, &h.request, FinishReason::Cancelled, h.generated, h.cached_tokens),
+                _ => {}
+            }
+        }
+        if let Some(p) = self.prefill.take() {
+            p.row.finish(FinishReason::Cancelled);
+        }
+        for r in self.rows.drain(..) {
+            r.finish(FinishReason::Cancelled);
+        }
+        self.batch = None;
+    }
+}
+
+/// Log-probabilities the row's logprobs are reported from (after bias and
+/// penalties, before temperature and truncation).
+fn logprob_source(row: &Row, logits: &Array) -> anyhow::Result<Array> {
+    Ok(sampling::log_softmax(&row.sampler.adjust(logits)?)?.reshape(&[-1])?)
+}
+
+fn read_logprobs(lp: Option<&Array>, token: u32, top: u32) -> (Option<f32>, Vec<(u32, f32)>) {
+    let Some(lp) = lp else { return (None, Vec::new()) };
+    let values = lp.as_slice::<f32>();
+    let chosen = values.get(token as usize).copied();
+    let mut top_list = Vec::new();
+    if top > 0 {
+        let mut idx: Vec<usize> = (0..values.len()).collect();
+        let k = (top as usize).min(idx.len());
+        idx.select_nth_unstable_by(k.saturating_sub(1), |&a, &b| values[b].total_cmp(&values[a]));
+        idx.truncate(k);
+        idx.sort_by(|&a, &b| values[b].total_cmp(&values[a]));
+        top_list = idx.into_iter().map(|i| (i as u32, values[i])).collect();
+    }
+    (chosen, top_list)
+}

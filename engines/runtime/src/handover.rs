@@ -1,0 +1,30 @@
+//! Moving a running sequence from one engine to another without recomputing
+//! its prefix: the fast path hands its request, KV cache and KV reservation
+//! to the batched engine when a second request arrives, and the client's
+//! stream continues uninterrupted.
+
+use engine_core::event::EventSender;
+use engine_core::GenerateRequest;
+
+use crate::cache::KvCache;
+use crate::kv_pool::Reservation;
+
+pub struct Handover {
+    pub request: GenerateRequest,
+    /// KV of the prompt and every generated token except `last_token`.
+    pub cache: KvCache,
+    /// The newest token: already streamed to the client, not yet fed to the
+    /// model.
+    pub last_token: u32,
+    /// Tokens streamed so far (`last_token` included).
+    pub generated: u32,
+    pub cached_tokens: u32,
+    pub reservation: Reservation,
+    pub events: EventSender,
+}
+
+/// An engine that can adopt running sequences.
+pub trait HandoverSink: Send + Sync {
+    /// Takes the sequence over, or gives it back when it cannot.
+    fn adopt(&self, handover: Handover) -> Result<(), Box<Handover>>;
+}
