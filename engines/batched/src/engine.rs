@@ -25,7 +25,7 @@ pub struct BatchedEngine {
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
-struct Sink(Sender<Msg>);
+struct Sink(Sender<Msg>, Arc<Stats>);
 
 impl HandoverSink for Sink {
     fn adopt(&self, handover: Handover) -> Result<(), Box<Handover>> {
@@ -33,6 +33,10 @@ impl HandoverSink for Sink {
             Msg::Adopt(h) => h,
             _ => unreachable!("sent an Adopt"),
         })
+    }
+
+    fn busy(&self) -> bool {
+        self.1.queued.load(Ordering::Acquire) > 0 || self.1.active.load(Ordering::Acquire) > 0
     }
 }
 
@@ -53,7 +57,7 @@ impl BatchedEngine {
             .name(format!("{name}-scheduler"))
             .spawn(move || scheduler.run())
             .expect("spawn the scheduler thread");
-        shared.set_handover_sink(Arc::new(Sink(tx.clone())));
+        shared.set_handover_sink(Arc::new(Sink(tx.clone(), stats.clone())));
         tracing::info!(engine = %name, max_batch = cfg.max_batch, prefill_chunk = cfg.prefill_chunk, "batched engine ready");
         Self { name, shared, cfg, tx, stats, thread: Mutex::new(Some(thread)) }
     }

@@ -80,6 +80,9 @@ impl Scheduler {
             }
             self.drop_cancelled();
             self.admit();
+            // Published before stepping: an exclusive engine holding the
+            // device must see this work to hand over and let it run.
+            self.publish();
             if let Err(e) = self.step() {
                 tracing::error!(error = %e, "batched step failed; failing its requests");
                 self.fail_all(&format!("engine step failed: {e}"));

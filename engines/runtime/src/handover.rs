@@ -27,4 +27,7 @@ pub struct Handover {
 pub trait HandoverSink: Send + Sync {
     /// Takes the sequence over, or gives it back when it cannot.
     fn adopt(&self, handover: Handover) -> Result<(), Box<Handover>>;
+    /// Whether the sink has work of its own (running or waiting): the
+    /// moment an exclusive engine should hand its sequence over.
+    fn busy(&self) -> bool;
 }

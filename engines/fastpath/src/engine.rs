@@ -1,0 +1,168 @@
+//! The `Engine` face of the fast path: one slot, one worker thread.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use crossbeam_channel::Sender;
+use engine_core::event::event_channel;
+use engine_core::{Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventStream, GenerateRequest, Refusal, RequestId};
+use parking_lot::Mutex;
+use runtime::SharedModel;
+
+use crate::eligibility;
+use crate::worker::{self, Job, Outcome};
+
+pub struct FastpathEngine {
+    name: String,
+    shared: Arc<SharedModel>,
+    /// Set while a request owns the slot (from submit until its loop ends).
+    busy: Arc<AtomicBool>,
+    handovers: Arc<AtomicU64>,
+    running: Mutex<Option<engine_core::CancelToken>>,
+    tx: Mutex<Option<Sender<Job>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl FastpathEngine {
+    pub fn from_context(ctx: EngineContext) -> Result<Self, String> {
+        let _ = tracing::dispatcher::set_global_default(ctx.dispatch.clone());
+        let shared = SharedModel::from_context(&ctx)?;
+        Ok(Self::new(ctx.name, shared))
+    }
+
+    pub fn new(name: String, shared: Arc<SharedModel>) -> Self {
+        let (tx, rx) = crossbeam_channel::unbounded::<Job>();
+        let busy = Arc::new(AtomicBool::new(false));
+        let worker_shared = shared.clone();
+        let worker_busy = busy.clone();
+        let handovers = Arc::new(AtomicU64::new(0));
+        let worker_handovers = handovers.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("{name}-worker"))
+            .spawn(move || {
+                for job in rx {
+                    let id = job.request.id;
+                    match worker::run(&worker_shared, job) {
+                        Outcome::Finished(reason) => tracing::debug!(request = %id, ?reason, "fast path request finished"),
+                        Outcome::HandedOver => {
+                            worker_handovers.fetch_add(1, Ordering::Relaxed);
+                            tracing::info!(request = %id, "fast path handed its sequence to the batched engine")
+                        }
+                    }
+                    worker_busy.store(false, Ordering::Release);
+                }
+            })
+            .expect("spawn the fast path worker");
+        tracing::info!(engine = %name, "fast path engine ready");
+        Self {
+            name,
+            shared,
+            busy,
+            handovers,
+            running: Mutex::new(None),
+            tx: Mutex::new(Some(tx)),
+            thread: Mutex::new(Some(thread)),
+        }
+    }
+
+    /// Sequences handed to the batched engine so far.
+    pub fn handovers(&self) -> u64 {
+        self.handovers.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of KV per token this engine's own cache stores: the model's
+    /// dtype, unquantized.
+    fn kv_bytes_per_token(&self) -> usize {
+        let cfg = &self.shared.model.model.config;
+        cfg.kv_bytes_per_token(self.shared.model.model.dtype().size())
+    }
+}
+
+trait DtypeSize {
+    fn size(&self) -> usize;
+}
+
+impl DtypeSize for mlx_rs::Dtype {
+    fn size(&self) -> usize {
+        use mlx_rs::Dtype::*;
+        match self {
+            Bool | Uint8 | Int8 => 1,
+            Uint16 | Int16 | Float16 | Bfloat16 => 2,
+            Uint32 | Int32 | Float32 => 4,
+            _ => 8,
+        }
+    }
+}
+
+impl Engine for FastpathEngine {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities { greedy_only: true, tools: false, max_concurrent: Some(1), speculative: false }
+    }
+
+    fn submit(&self, request: GenerateRequest) -> Result<EventStream, EngineError> {
+        eligibility::check(&request, &self.shared)?;
+        let tx = self.tx.lock().clone().ok_or(EngineError::ShuttingDown)?;
+        if self.busy.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire).is_err() {
+            return Err(Refusal::Busy.into());
+        }
+        let tokens = request.prompt.len() + request.max_tokens as usize;
+        let blocks = self.shared.kv_pool.blocks_for_bytes(tokens, self.kv_bytes_per_token());
+        let reservation = match self.shared.kv_pool.try_reserve(blocks) {
+            Ok(r) => r,
+            Err(e) => {
+                self.busy.store(false, Ordering::Release);
+                return Err(match e {
+                    runtime::kv_pool::PoolError::NeverFits { .. } => EngineError::Invalid(format!("{}: {e}", request.id)),
+                    runtime::kv_pool::PoolError::Exhausted => Refusal::Busy.into(),
+                });
+            }
+        };
+        let (events, stream) = event_channel();
+        *self.running.lock() = Some(request.cancel.clone());
+        if tx.send(Job { request, reservation, events }).is_err() {
+            self.busy.store(false, Ordering::Release);
+            return Err(EngineError::ShuttingDown);
+        }
+        Ok(stream)
+    }
+
+    fn cancel(&self, _id: RequestId) {
+        if let Some(c) = self.running.lock().as_ref() {
+            c.cancel();
+        }
+    }
+
+    fn load(&self) -> EngineLoad {
+        let active = usize::from(self.busy.load(Ordering::Acquire));
+        EngineLoad {
+            active,
+            queued: 0,
+            kv_blocks_held: 0,
+            healthy: self.thread.lock().as_ref().is_some_and(|t| !t.is_finished()),
+            accept_rate: None,
+        }
+    }
+
+    /// Cancels the in-flight request and waits for its loop to end before
+    /// returning, so no memory it uses is freed under it.
+    fn shutdown(&self) {
+        self.tx.lock().take();
+        if let Some(c) = self.running.lock().as_ref() {
+            c.cancel();
+        }
+        if let Some(t) = self.thread.lock().take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for FastpathEngine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

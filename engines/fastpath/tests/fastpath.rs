@@ -1,0 +1,158 @@
+//! The fast path: eligibility, plain greedy output, handover to the batched
+//! engine mid-stream (token for token), cancellation and the shutdown fence.
+
+use std::sync::Arc;
+
+use engine_batched::{BatchedConfig, BatchedEngine};
+use engine_core::{Engine, EngineError, Event, EventStream, Finish, FinishReason, GenerateRequest, Refusal, SamplingParams};
+use engine_fastpath::FastpathEngine;
+use runtime::tiny::{write_model, TinySpec};
+use runtime::{generate, Family, KvPool, LoadedModel, SharedModel};
+
+struct Setup {
+    _dir: tempfile::TempDir,
+    shared: Arc<SharedModel>,
+    fast: FastpathEngine,
+    batched: BatchedEngine,
+}
+
+fn setup() -> Setup {
+    let dir = tempfile::tempdir().unwrap();
+    write_model(dir.path(), &TinySpec::tiny(Family::Llama)).unwrap();
+    let model = LoadedModel::load(dir.path(), Some("tiny")).unwrap();
+    let bytes = model.model.config.kv_bytes_per_token(4);
+    let shared = Arc::new(SharedModel::new(model, KvPool::new(4096, 16, bytes * 16)));
+    let batched = BatchedEngine::new("batched".into(), shared.clone(), BatchedConfig::default());
+    let fast = FastpathEngine::new("fastpath".into(), shared.clone());
+    Setup { _dir: dir, shared, fast, batched }
+}
+
+fn prompt(seed: u64, len: usize) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % 500) as u32
+        })
+        .collect()
+}
+
+fn alone(shared: &SharedModel, prompt: &[u32], n: usize) -> Vec<u32> {
+    generate::greedy(&shared.model.model, prompt, n, &[], |_| true).unwrap().tokens
+}
+
+fn next_token(s: &mut EventStream) -> u32 {
+    match s.blocking_recv() {
+        Some(Event::Token(t)) => t.id,
+        other => panic!("expected a token, got {other:?}"),
+    }
+}
+
+fn rest(mut s: EventStream) -> (Vec<u32>, Finish) {
+    let mut tokens = Vec::new();
+    loop {
+        match s.blocking_recv().expect("stream ended without Finished") {
+            Event::Token(t) => tokens.push(t.id),
+            Event::Finished(f) => return (tokens, f),
+            Event::Error(e) => panic!("{e}"),
+        }
+    }
+}
+
+fn refusal(r: Result<EventStream, EngineError>) -> EngineError {
+    r.map(|_| ()).expect_err("expected a refusal")
+}
+
+#[test]
+fn serves_plain_greedy_like_the_raw_loop() {
+    let s = setup();
+    let p = prompt(1, 20);
+    let (tokens, finish) = rest(s.fast.submit(GenerateRequest::new(p.clone(), 32)).unwrap());
+    assert_eq!(tokens, alone(&s.shared, &p, 32));
+    assert_eq!((finish.reason, finish.completion_tokens), (FinishReason::Length, 32));
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    assert_eq!(s.shared.kv_pool.allocated(), 0);
+    assert_eq!(s.fast.load().active, 0);
+}
+
+#[test]
+fn refuses_what_it_cannot_serve() {
+    let s = setup();
+    let mut sampled = GenerateRequest::new(vec![1, 2, 3], 4);
+    sampled.sampling = SamplingParams { temperature: 0.7, ..Default::default() };
+    assert_eq!(refusal(s.fast.submit(sampled)), EngineError::Refused(Refusal::NotPlainGreedy));
+    let mut seeded = GenerateRequest::new(vec![1, 2, 3], 4);
+    seeded.sampling.seed = Some(1);
+    assert_eq!(refusal(s.fast.submit(seeded)), EngineError::Refused(Refusal::NotPlainGreedy));
+    let mut penalised = GenerateRequest::new(vec![1, 2, 3], 4);
+    penalised.sampling.presence_penalty = 0.5;
+    assert_eq!(refusal(s.fast.submit(penalised)), EngineError::Refused(Refusal::NotPlainGreedy));
+    let mut tools = GenerateRequest::new(vec![1, 2, 3], 4);
+    tools.has_tools = true;
+    assert_eq!(refusal(s.fast.submit(tools)), EngineError::Refused(Refusal::Tools));
+    assert!(matches!(refusal(s.fast.submit(GenerateRequest::new(vec![], 4))), EngineError::Invalid(_)));
+    assert!(matches!(refusal(s.fast.submit(GenerateRequest::new(vec![1], 0))), EngineError::Invalid(_)));
+    let window = s.shared.model.context_window() as u32;
+    assert!(matches!(refusal(s.fast.submit(GenerateRequest::new(vec![1; 8], window))), EngineError::Invalid(_)));
+
+    // Exclusive: a second request while one runs is refused as busy, and so
+    // is one while the batched engine has work.
+    let mut a = s.fast.submit(GenerateRequest::new(prompt(2, 8), 2000)).unwrap();
+    next_token(&mut a);
+    assert_eq!(refusal(s.fast.submit(GenerateRequest::new(vec![1, 2], 4))), EngineError::Refused(Refusal::Busy));
+    drop(a);
+}
+
+#[test]
+fn hands_over_to_batched_without_a_seam() {
+    let s = setup();
+    let first = prompt(3, 15);
+    let mut a = s.fast.submit(GenerateRequest::new(first.clone(), 300)).unwrap();
+    let mut head: Vec<u32> = (0..6).map(|_| next_token(&mut a)).collect();
+    // A second request arrives: the fast path hands its sequence over.
+    let second = prompt(4, 9);
+    let b = s.batched.submit(GenerateRequest::new(second.clone(), 20)).unwrap();
+    let (tail, finish) = rest(a);
+    head.extend(tail);
+    assert_eq!(s.fast.handovers(), 1, "the sequence moved to the batched engine");
+    assert_eq!(head, alone(&s.shared, &first, 300), "one uninterrupted stream, plain greedy tokens");
+    assert_eq!((finish.reason, finish.completion_tokens), (FinishReason::Length, 300));
+    assert_eq!(rest(b).0, alone(&s.shared, &second, 20));
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert_eq!(s.shared.kv_pool.allocated(), 0, "the handed-over reservation returned too");
+    assert_eq!(s.fast.load().active, 0, "the fast path is free again");
+}
+
+#[test]
+fn cancellation_reports_streamed_tokens() {
+    let s = setup();
+    let req = GenerateRequest::new(prompt(5, 10), 3000);
+    let cancel = req.cancel.clone();
+    let mut stream = s.fast.submit(req).unwrap();
+    for _ in 0..4 {
+        next_token(&mut stream);
+    }
+    cancel.cancel();
+    let (more, finish) = rest(stream);
+    assert_eq!(finish.reason, FinishReason::Cancelled);
+    assert_eq!(finish.completion_tokens as usize, 4 + more.len(), "billing-safe count");
+}
+
+#[test]
+fn shutdown_cancels_then_awaits_the_request() {
+    let s = setup();
+    let mut stream = s.fast.submit(GenerateRequest::new(prompt(6, 10), 3000)).unwrap();
+    next_token(&mut stream);
+    s.fast.shutdown();
+    // The loop has ended by the time shutdown returns: the stream is closed.
+    let mut last = None;
+    while let Ok(ev) = stream.try_recv() {
+        last = Some(ev);
+    }
+    assert!(matches!(last, Some(Event::Finished(Finish { reason: FinishReason::Cancelled, .. }))), "{last:?}");
+    assert_eq!(s.shared.kv_pool.allocated(), 0);
+    assert_eq!(refusal(s.fast.submit(GenerateRequest::new(vec![1, 2], 2))), EngineError::ShuttingDown);
+    let _ = &s.batched;
+}
