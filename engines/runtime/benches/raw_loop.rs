@@ -1,0 +1,113 @@
+//! The raw model loop, ours against mlx-lm's, on the same generated ~100M
+//! parameter model, side by side in one run:
+//!
+//!     cargo bench -p runtime --bench raw_loop [-- --family qwen3 --prompt 512 --gen 256 --reps 3]
+//!
+//! mlx-lm runs twice: as pip installs it (the wheel's reference BLAS) and
+//! with Debian's OpenBLAS preloaded, which is what our build links.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use runtime::generate;
+use runtime::tiny::{write_model, TinySpec};
+use runtime::{Family, LoadedModel};
+
+struct Args {
+    family: Family,
+    prompt: usize,
+    gen: usize,
+    reps: usize,
+}
+
+fn args() -> Args {
+    let mut a = Args { family: Family::Qwen3, prompt: 512, gen: 256, reps: 3 };
+    let argv: Vec<String> = std::env::args().collect();
+    let mut i = 1;
+    while i < argv.len() {
+        let value = argv.get(i + 1).cloned().unwrap_or_default();
+        match argv[i].as_str() {
+            "--family" => a.family = value.parse().expect("family"),
+            "--prompt" => a.prompt = value.parse().expect("prompt length"),
+            "--gen" => a.gen = value.parse().expect("tokens to generate"),
+            "--reps" => a.reps = value.parse().expect("repetitions"),
+            _ => {
+                i += 1;
+                continue;
+            }
+        }
+        i += 2;
+    }
+    a
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn ours(dir: &Path, a: &Args) -> (f64, f64) {
+    let loaded = LoadedModel::load(dir, None).expect("load the bench model");
+    let vocab = loaded.vocab_size() as u32;
+    let prompt: Vec<u32> = (0..a.prompt as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    let (mut prefill, mut decode) = (0f64, 0f64);
+    for rep in 0..=a.reps {
+        let start = Instant::now();
+        let run = generate::greedy(&loaded.model, &prompt, a.gen, &[], |_| true).unwrap();
+        let _ = start;
+        if rep == 0 {
+            continue; // warm-up
+        }
+        prefill = prefill.max(a.prompt as f64 / run.prefill_time.as_secs_f64());
+        decode = decode.max((run.tokens.len() - 1) as f64 / run.decode_time.as_secs_f64());
+    }
+    (prefill, decode)
+}
+
+fn mlx_lm(dir: &Path, a: &Args, preload: Option<&str>) -> (f64, f64) {
+    let mut cmd = Command::new(root().join(".mlx/venv/bin/python"));
+    cmd.arg(root().join("scripts/bench_mlx_lm.py"))
+        .arg(dir)
+        .args([a.prompt.to_string(), a.gen.to_string(), a.reps.to_string()]);
+    if let Some(lib) = preload {
+        cmd.env("LD_PRELOAD", lib);
+    }
+    let out = cmd.output().expect("run mlx-lm");
+    assert!(out.status.success(), "mlx-lm bench failed: {}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    (v["prefill_tps"].as_f64().unwrap(), v["decode_tps"].as_f64().unwrap())
+}
+
+fn main() {
+    let a = args();
+    let spec = TinySpec::bench(a.family);
+    let dir = root().join(format!("target/bench-models/{}-bench", a.family));
+    if !dir.join("model.safetensors").exists() {
+        write_model(&dir, &spec).expect("write the bench model");
+    }
+    println!(
+        "model: {} shape, {:.0}M parameters, fp32; prompt {} tokens, {} generated; best of {}",
+        a.family,
+        spec.parameters() as f64 / 1e6,
+        a.prompt,
+        a.gen,
+        a.reps
+    );
+    println!("BLAS (ours): {}", mlx_sys::blas_backend());
+    let openblas = ["/usr/lib/x86_64-linux-gnu/libopenblas.so.0", "/usr/lib64/libopenblas.so.0"]
+        .into_iter()
+        .find(|p| Path::new(p).exists());
+    let ours = ours(&dir, &a);
+    let plain = mlx_lm(&dir, &a, None);
+    let preloaded = openblas.map(|lib| mlx_lm(&dir, &a, Some(lib)));
+    println!("{:<34} {:>12} {:>12}", "", "prefill tok/s", "decode tok/s");
+    println!("{:<34} {:>12.1} {:>12.1}", "ours (runtime::generate::greedy)", ours.0, ours.1);
+    println!("{:<34} {:>12.1} {:>12.1}", "mlx-lm (pip install)", plain.0, plain.1);
+    if let Some(p) = preloaded {
+        println!("{:<34} {:>12.1} {:>12.1}", "mlx-lm (OpenBLAS preloaded)", p.0, p.1);
+    }
+    println!("ratio ours / mlx-lm (pip): prefill {:.2}x, decode {:.2}x", ours.0 / plain.0, ours.1 / plain.1);
+    if let Some(p) = preloaded {
+        println!("ratio ours / mlx-lm (OpenBLAS): prefill {:.2}x, decode {:.2}x", ours.0 / p.0, ours.1 / p.1);
+    }
+}
