@@ -13,9 +13,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engine_batched::{BatchedConfig, BatchedEngine};
+use batched::{BatchedConfig, BatchedEngine};
 use engine_core::{Engine, Event, GenerateRequest};
-use engine_fastpath::FastpathEngine;
+use fastpath::FastpathEngine;
 use runtime::tiny::{write_model, TinySpec};
 use runtime::{generate, Family, KvPool, LoadedModel, SharedModel};
 

@@ -13,9 +13,3 @@ pub mod validate;
 
 pub use config::BatchedConfig;
 pub use engine::BatchedEngine;
-
-fn create(ctx: engine_core::EngineContext) -> Result<Box<dyn engine_core::Engine>, String> {
-    Ok(Box::new(BatchedEngine::from_context(ctx)?))
-}
-
-engine_core::export_engine!("batched", create);

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use engine_batched::{BatchedConfig, BatchedEngine};
+use batched::{BatchedConfig, BatchedEngine};
 use engine_core::{Engine, EngineError, Event, EventStream, Finish, FinishReason, GenerateRequest, SamplingParams};
 use runtime::tiny::{write_model, TinySpec};
 use runtime::{generate, Family, KvPool, LoadedModel, SharedModel};

@@ -9,9 +9,3 @@ mod worker;
 
 pub use eligibility::check as check_eligibility;
 pub use engine::FastpathEngine;
-
-fn create(ctx: engine_core::EngineContext) -> Result<Box<dyn engine_core::Engine>, String> {
-    Ok(Box::new(FastpathEngine::from_context(ctx)?))
-}
-
-engine_core::export_engine!("fastpath", create);

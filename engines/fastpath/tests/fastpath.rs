@@ -3,9 +3,9 @@
 
 use std::sync::Arc;
 
-use engine_batched::{BatchedConfig, BatchedEngine};
+use batched::{BatchedConfig, BatchedEngine};
 use engine_core::{Engine, EngineError, Event, EventStream, Finish, FinishReason, GenerateRequest, Refusal, SamplingParams};
-use engine_fastpath::FastpathEngine;
+use fastpath::FastpathEngine;
 use runtime::tiny::{write_model, TinySpec};
 use runtime::{generate, Family, KvPool, LoadedModel, SharedModel};
 
