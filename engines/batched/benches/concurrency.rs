@@ -48,7 +48,12 @@ fn model_dir(preset: &str) -> PathBuf {
         "qwen3-4b" => TinySpec::qwen3_4b(),
         _ => TinySpec::bench(Family::Qwen3),
     };
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../target/bench-models/qwen3-{preset}"));
+    // REPO_ROOT overrides the build-time path (the binary also runs on the
+    // GPU machine, from another checkout).
+    let root = std::env::var_os("REPO_ROOT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."));
+    let dir = root.join(format!("target/bench-models/qwen3-{preset}"));
     if !dir.join("model.safetensors").exists() {
         eprintln!("writing the {preset} model ({:.0}M parameters)...", spec.parameters() as f64 / 1e6);
         write_model(&dir, &spec).expect("write bench model");

@@ -57,6 +57,21 @@ impl PrefixCache {
         Some(Hit { cache, tokens: best_len })
     }
 
+    /// Whether `lookup` would find a reusable prefix (without touching the
+    /// recency order).
+    pub fn has_hit(&self, scope: Option<&str>, prompt: &[u32]) -> bool {
+        let usable = (prompt.len().saturating_sub(1) / self.block) * self.block;
+        usable > 0
+            && self.entries.iter().any(|e| {
+                e.scope.as_deref() == scope && e.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(usable) >= self.block
+            })
+    }
+
+    /// Whether a prompt is long enough to leave a reusable prefix.
+    pub fn wants(&self, prompt: &[u32]) -> bool {
+        self.capacity > 0 && prompt.len() >= self.block
+    }
+
     /// Keeps the block-aligned prefix of a freshly prefilled prompt. `cache`
     /// holds exactly the prompt's KV.
     pub fn insert(&mut self, scope: Option<&str>, prompt: &[u32], cache: &KvCache) {

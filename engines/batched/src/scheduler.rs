@@ -17,7 +17,7 @@ use runtime::sampling::{self, Sampler};
 use runtime::{generate, KvCache, SharedModel};
 
 use crate::config::BatchedConfig;
-use crate::prefix_cache::PrefixCache;
+use crate::prefix_cache::{Hit, PrefixCache};
 use crate::queue::{WaitQueue, Waiting};
 use crate::row::{self, Row};
 
@@ -50,6 +50,8 @@ pub struct Scheduler {
     stats: Arc<Stats>,
     waiting: WaitQueue,
     prefill: Option<Prefilling>,
+    /// Short prompts admitted together, prefilled in one padded forward.
+    group: Vec<Row>,
     rows: Vec<Row>,
     batch: Option<KvCache>,
     prefix: PrefixCache,
@@ -66,6 +68,7 @@ impl Scheduler {
             rx,
             stats,
             prefill: None,
+            group: Vec::new(),
             rows: Vec::new(),
             batch: None,
             prefix,
@@ -94,7 +97,7 @@ impl Scheduler {
     }
 
     fn idle(&self) -> bool {
-        self.rows.is_empty() && self.prefill.is_none() && self.waiting.is_empty()
+        self.rows.is_empty() && self.prefill.is_none() && self.group.is_empty() && self.waiting.is_empty()
     }
 
     /// Returns false when the channel is closed.
@@ -151,12 +154,12 @@ impl Scheduler {
             last_token: h.last_token,
             cached_tokens: h.cached_tokens,
         };
-        if let Err(e) = self.join_batch(row, h.cache) {
+        if let Err(e) = self.join_batch(vec![row], h.cache) {
             tracing::error!(error = %e, "adopting a handed-over sequence failed");
         }
     }
 
-    fn join_batch(&mut self, row: Row, cache: KvCache) -> anyhow::Result<()> {
+    fn join_batch(&mut self, rows: Vec<Row>, cache: KvCache) -> anyhow::Result<()> {
         let merged = match self.batch.take() {
             Some(b) => KvCache::merge(vec![b, cache]),
             None => Ok(cache),
@@ -164,11 +167,13 @@ impl Scheduler {
         match merged {
             Ok(b) => {
                 self.batch = Some(b);
-                self.rows.push(row);
+                self.rows.extend(rows);
                 Ok(())
             }
             Err(e) => {
-                let _ = row.events.send(Event::Error(format!("internal error joining the batch: {e}")));
+                for row in rows {
+                    let _ = row.events.send(Event::Error(format!("internal error joining the batch: {e}")));
+                }
                 self.fail_all("internal error joining the batch");
                 Err(e)
             }
@@ -184,20 +189,22 @@ impl Scheduler {
             let p = self.prefill.take().unwrap();
             p.row.finish(FinishReason::Cancelled);
         }
-        let cancelled: Vec<usize> = (0..self.rows.len()).filter(|&i| self.rows[i].is_cancelled()).collect();
+        let cancelled: Vec<(usize, FinishReason)> =
+            (0..self.rows.len()).filter(|&i| self.rows[i].is_cancelled()).map(|i| (i, FinishReason::Cancelled)).collect();
         if !cancelled.is_empty() {
-            self.remove_rows(&cancelled, FinishReason::Cancelled);
+            self.remove_rows(&cancelled);
         }
     }
 
-    fn remove_rows(&mut self, gone: &[usize], reason: FinishReason) {
-        let keep: Vec<usize> = (0..self.rows.len()).filter(|i| !gone.contains(i)).collect();
+    /// Takes finished rows out of the batch (and their KV out of the cache).
+    fn remove_rows(&mut self, gone: &[(usize, FinishReason)]) {
         let mut rows: Vec<Option<Row>> = self.rows.drain(..).map(Some).collect();
-        for &i in gone {
+        for &(i, reason) in gone {
             if let Some(r) = rows[i].take() {
                 r.finish(reason);
             }
         }
+        let keep: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].is_some()).collect();
         self.rows = rows.into_iter().flatten().collect();
         if self.rows.is_empty() {
             self.batch = None;
@@ -210,13 +217,44 @@ impl Scheduler {
     }
 
     fn admit(&mut self) {
-        while self.prefill.is_none() && self.rows.len() < self.cfg.max_batch {
-            let Some(front) = self.waiting.front() else { return };
-            let Ok(reservation) = self.shared.kv_pool.try_reserve(front.blocks) else {
-                // Wait for running rows to return blocks.
-                return;
-            };
-            let w = self.waiting.pop().unwrap();
+        while self.prefill.is_none() && self.group.is_empty() && self.rows.len() < self.cfg.max_batch {
+            let Some((row, hit)) = self.take_next() else { return };
+            let chunk = self.cfg.prefill_chunk;
+            match hit {
+                Some(h) => self.prefill = Some(Prefilling { row, cache: h.cache, done: h.tokens }),
+                None if row.request.prompt.len() > chunk => {
+                    let cache = self.shared.model.model.new_cache(1);
+                    self.prefill = Some(Prefilling { row, cache, done: 0 });
+                }
+                None => {
+                    // Short prompts that arrive together share one padded
+                    // prefill forward (within the step's token budget).
+                    let mut longest = row.request.prompt.len();
+                    self.group.push(row);
+                    while self.rows.len() + self.group.len() < self.cfg.max_batch {
+                        let Some(front) = self.waiting.front() else { break };
+                        let len = front.request.prompt.len();
+                        let padded = longest.max(len) * (self.group.len() + 1);
+                        if padded > chunk || self.prefix.has_hit(front.request.cache_scope.as_deref(), &front.request.prompt) {
+                            break;
+                        }
+                        let Some((row, _)) = self.take_next() else { break };
+                        longest = longest.max(len);
+                        self.group.push(row);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The next waiting request as a row with its KV reserved, and its
+    /// prefix-cache hit; `None` when nothing waits or the pool is full.
+    fn take_next(&mut self) -> Option<(Row, Option<Hit>)> {
+        loop {
+            let front = self.waiting.front()?;
+            // When the pool is full, wait for running rows to return blocks.
+            let reservation = self.shared.kv_pool.try_reserve(front.blocks).ok()?;
+            let w = self.waiting.pop()?;
             self.stats.queued.fetch_sub(1, Ordering::AcqRel);
             let vocab = self.shared.model.vocab_size() as i32;
             let sampler = match Sampler::new(&w.request.sampling, vocab, &w.request.prompt) {
@@ -227,32 +265,67 @@ impl Scheduler {
                 }
             };
             let hit = self.prefix.lookup(w.request.cache_scope.as_deref(), &w.request.prompt);
-            let (cache, done) = match hit {
-                Some(h) => (h.cache, h.tokens),
-                None => (self.shared.model.model.new_cache(1), 0),
+            let cached = hit.as_ref().map_or(0, |h| h.tokens as u32);
+            let row = Row {
+                request: w.request,
+                sampler,
+                events: w.events,
+                reservation,
+                generated: 0,
+                last_token: 0,
+                cached_tokens: cached,
             };
-            self.prefill = Some(Prefilling {
-                row: Row {
-                    request: w.request,
-                    sampler,
-                    events: w.events,
-                    reservation,
-                    generated: 0,
-                    last_token: 0,
-                    cached_tokens: done as u32,
-                },
-                cache,
-                done,
-            });
+            return Some((row, hit));
         }
     }
 
     fn step(&mut self) -> anyhow::Result<()> {
         let shared = self.shared.clone();
         let _device = shared.model.device.lock();
+        self.prefill_group()?;
         self.prefill_chunk()?;
         self.decode()?;
         Ok(())
+    }
+
+    fn prefill_group(&mut self) -> anyhow::Result<()> {
+        if self.group.is_empty() {
+            return Ok(());
+        }
+        let mut rows = std::mem::take(&mut self.group);
+        let longest = rows.iter().map(|r| r.request.prompt.len()).max().unwrap_or(0);
+        let pads: Vec<i32> = rows.iter().map(|r| (longest - r.request.prompt.len()) as i32).collect();
+        let mut ids = Vec::with_capacity(rows.len() * longest);
+        for r in &rows {
+            ids.extend(std::iter::repeat_n(0i32, longest - r.request.prompt.len()));
+            ids.extend(r.request.prompt.iter().map(|&t| t as i32));
+        }
+        let k = rows.len() as i32;
+        let model = &self.shared.model.model;
+        let mut cache = KvCache::with_left_padding(model.num_layers(), pads);
+        let logits = model.forward(&Array::from_slice(&ids, &[k, longest as i32]), &mut cache, Logits::Last)?;
+        let logits = logits.reshape(&[k, -1])?;
+        let (tokens, lps) = sample_rows(&mut rows, &logits)?;
+        let mut keep = Vec::new();
+        for (i, row) in rows.iter_mut().enumerate() {
+            if self.prefix.wants(&row.request.prompt) {
+                self.prefix.insert(row.request.cache_scope.as_deref(), &row.request.prompt, &cache.extract_row(i)?);
+            }
+            let (chosen, top) = read_logprobs(lps.iter().find(|(j, _)| *j == i).map(|(_, a)| a), tokens[i], row.request.sampling.top_logprobs);
+            row.sampler.observe(tokens[i])?;
+            match row.accept(tokens[i], chosen, top) {
+                None => keep.push(i),
+                Some(reason) => row.finish_in_place(reason),
+            }
+        }
+        if keep.is_empty() {
+            return Ok(());
+        }
+        if keep.len() < rows.len() {
+            cache.select_rows(&keep)?;
+        }
+        let rows: Vec<Row> = rows.into_iter().enumerate().filter(|(i, _)| keep.contains(i)).map(|(_, r)| r).collect();
+        self.join_batch(rows, cache)
     }
 
     fn prefill_chunk(&mut self) -> anyhow::Result<()> {
@@ -278,7 +351,7 @@ impl Scheduler {
         match p.row.accept(t, chosen, top) {
             Some(reason) => p.row.finish(reason),
             None => {
-                self.join_batch(p.row, p.cache)?;
+                self.join_batch(vec![p.row], p.cache)?;
                 // The new row decodes from the next step on, with the batch.
                 return Ok(());
             }
@@ -292,29 +365,7 @@ impl Scheduler {
         let inputs: Vec<i32> = self.rows.iter().map(|r| r.last_token as i32).collect();
         let logits = self.shared.model.model.forward(&Array::from_slice(&inputs, &[b, 1]), cache, Logits::Last)?;
         let logits = logits.reshape(&[b, -1])?;
-        let greedy = self
-            .rows
-            .iter()
-            .any(|r| r.plain_greedy())
-            .then(|| ops::indexing::argmax_axis(&logits, -1, None))
-            .transpose()?;
-        let mut picks = Vec::with_capacity(self.rows.len());
-        let mut lps = Vec::new();
-        for (i, row) in self.rows.iter_mut().enumerate() {
-            let idx = Array::from_slice(&[i as i32], &[1]);
-            if row.plain_greedy() {
-                picks.push(greedy.as_ref().unwrap().take_axis(&idx, 0)?.as_dtype(mlx_rs::Dtype::Uint32)?);
-            } else {
-                let l = logits.take_axis(&idx, 0)?;
-                picks.push(row.sampler.sample(&l)?.as_dtype(mlx_rs::Dtype::Uint32)?);
-                if row.wants_logprobs() {
-                    lps.push((i, logprob_source(row, &l)?));
-                }
-            }
-        }
-        let next = ops::concatenate(&picks, 0)?;
-        eval([&next].into_iter().chain(lps.iter().map(|(_, a)| a)))?;
-        let tokens: Vec<u32> = next.as_slice::<u32>().to_vec();
+        let (tokens, lps) = sample_rows(&mut self.rows, &logits)?;
         let mut finished = Vec::new();
         for (i, row) in self.rows.iter_mut().enumerate() {
             let t = tokens[i];
@@ -325,27 +376,19 @@ impl Scheduler {
                 finished.push((i, reason));
             }
         }
-        for reason in [FinishReason::Stop, FinishReason::Length, FinishReason::Cancelled] {
-            let gone: Vec<usize> = finished.iter().filter(|(_, r)| *r == reason).map(|(i, _)| *i).collect();
-            if !gone.is_empty() {
-                self.remove_rows(&gone, reason);
-                // Indices shift after removal: recompute for the next reason.
-                finished = finished
-                    .into_iter()
-                    .filter(|(_, r)| *r != reason)
-                    .map(|(i, r)| (i - gone.iter().filter(|&&g| g < i).count(), r))
-                    .collect();
-            }
+        if !finished.is_empty() {
+            self.remove_rows(&finished);
         }
         Ok(())
     }
 
     fn publish(&self) {
-        let active = self.rows.len() + usize::from(self.prefill.is_some());
+        let active = self.rows.len() + self.group.len() + usize::from(self.prefill.is_some());
         self.stats.active.store(active, Ordering::Release);
         let blocks: usize = self
             .rows
             .iter()
+            .chain(&self.group)
             .chain(self.prefill.as_ref().map(|p| &p.row))
             .map(|r| r.reservation.blocks())
             .sum();
@@ -353,7 +396,7 @@ impl Scheduler {
     }
 
     fn fail_all(&mut self, message: &str) {
-        for r in self.rows.drain(..).chain(self.prefill.take().map(|p| p.row)) {
+        for r in self.rows.drain(..).chain(self.group.drain(..)).chain(self.prefill.take().map(|p| p.row)) {
             let _ = r.events.send(Event::Error(message.to_string()));
         }
         self.batch = None;
@@ -377,11 +420,39 @@ impl Scheduler {
         if let Some(p) = self.prefill.take() {
             p.row.finish(FinishReason::Cancelled);
         }
-        for r in self.rows.drain(..) {
+        for r in self.rows.drain(..).chain(self.group.drain(..)) {
             r.finish(FinishReason::Cancelled);
         }
         self.batch = None;
     }
+}
+
+/// Next token of every row from `[B, V]` logits: one argmax shared by the
+/// plain greedy rows, each other row through its own sampler. Returns the
+/// tokens and, for rows that asked, their log-probability vectors.
+fn sample_rows(rows: &mut [Row], logits: &Array) -> anyhow::Result<(Vec<u32>, Vec<(usize, Array)>)> {
+    let greedy = rows
+        .iter()
+        .any(|r| r.plain_greedy())
+        .then(|| ops::indexing::argmax_axis(logits, -1, None))
+        .transpose()?;
+    let mut picks = Vec::with_capacity(rows.len());
+    let mut lps = Vec::new();
+    for (i, row) in rows.iter_mut().enumerate() {
+        let idx = Array::from_slice(&[i as i32], &[1]);
+        if row.plain_greedy() {
+            picks.push(greedy.as_ref().unwrap().take_axis(&idx, 0)?.as_dtype(mlx_rs::Dtype::Uint32)?);
+        } else {
+            let l = logits.take_axis(&idx, 0)?;
+            picks.push(row.sampler.sample(&l)?.as_dtype(mlx_rs::Dtype::Uint32)?);
+            if row.wants_logprobs() {
+                lps.push((i, logprob_source(row, &l)?));
+            }
+        }
+    }
+    let next = ops::concatenate(&picks, 0)?;
+    eval([&next].into_iter().chain(lps.iter().map(|(_, a)| a)))?;
+    Ok((next.as_slice::<u32>().to_vec(), lps))
 }
 
 /// Log-probabilities the row's logprobs are reported from (after bias and

@@ -302,3 +302,32 @@ fn shutdown_cancels_in_flight_work() {
     assert_eq!(shared.kv_pool.allocated(), 0);
     assert!(matches!(engine.submit(request(vec![1], 1)), Err(EngineError::ShuttingDown)));
 }
+
+#[test]
+fn prompts_arriving_together_share_one_padded_prefill() {
+    let (_dir, shared, engine) = setup(1024, BatchedConfig { prefill_chunk: 256, ..Default::default() });
+    let prompts: Vec<Vec<u32>> = [7usize, 19, 2, 33, 12, 5].iter().enumerate().map(|(i, &n)| prompt(100 + i as u64, n)).collect();
+    // One row stops on its very first token, inside the group.
+    let first_of_third = alone(&shared, &prompts[2], 1)[0];
+    let streams: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let mut r = request(p.clone(), 12);
+            if i == 2 {
+                r.stop_tokens = vec![first_of_third];
+            }
+            engine.submit(r).unwrap()
+        })
+        .collect();
+    for (i, (p, s)) in prompts.iter().zip(streams).enumerate() {
+        let (tokens, finish) = collect(s);
+        if i == 2 {
+            assert!(tokens.is_empty());
+            assert_eq!(finish.reason, FinishReason::Stop);
+        } else {
+            assert_eq!(tokens, alone(&shared, p, 12), "prompt {i}");
+        }
+    }
+    assert_eq!(shared.kv_pool.allocated(), 0);
+}

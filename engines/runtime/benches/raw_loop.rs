@@ -42,8 +42,15 @@ fn args() -> Args {
     a
 }
 
+/// The repository root; `REPO_ROOT` overrides the build-time path (the
+/// binary also runs on the GPU machine, from another checkout).
 fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+    std::env::var_os("REPO_ROOT").map(PathBuf::from).unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))
+}
+
+/// The Python with mlx-lm: `MLX_PYTHON`, else the setup's venv.
+fn python() -> PathBuf {
+    std::env::var_os("MLX_PYTHON").map(PathBuf::from).unwrap_or_else(|| root().join(".mlx/venv/bin/python"))
 }
 
 fn ours(dir: &Path, a: &Args) -> (f64, f64) {
@@ -65,7 +72,7 @@ fn ours(dir: &Path, a: &Args) -> (f64, f64) {
 }
 
 fn mlx_lm(dir: &Path, a: &Args, preload: Option<&str>) -> (f64, f64) {
-    let mut cmd = Command::new(root().join(".mlx/venv/bin/python"));
+    let mut cmd = Command::new(python());
     cmd.arg(root().join("scripts/bench_mlx_lm.py"))
         .arg(dir)
         .args([a.prompt.to_string(), a.gen.to_string(), a.reps.to_string()]);
@@ -80,18 +87,23 @@ fn mlx_lm(dir: &Path, a: &Args, preload: Option<&str>) -> (f64, f64) {
 
 fn main() {
     let a = args();
-    let spec = TinySpec::bench(a.family);
-    let dir = root().join(format!("target/bench-models/{}-bench", a.family));
+    let spec = match std::env::var("BENCH_PRESET").as_deref() {
+        Ok("qwen3-4b") => TinySpec::qwen3_4b(),
+        _ => TinySpec::bench(a.family),
+    };
+    let dir = root().join(format!("target/bench-models/{}-{}", a.family, std::env::var("BENCH_PRESET").unwrap_or("bench".into())));
     if !dir.join("model.safetensors").exists() {
         write_model(&dir, &spec).expect("write the bench model");
     }
     println!(
-        "model: {} shape, {:.0}M parameters, fp32; prompt {} tokens, {} generated; best of {}",
+        "model: {} shape, {:.0}M parameters, {:?}; prompt {} tokens, {} generated; best of {}; device {:?}",
         a.family,
         spec.parameters() as f64 / 1e6,
+        spec.dtype,
         a.prompt,
         a.gen,
-        a.reps
+        a.reps,
+        mlx_rs::Device::default()
     );
     println!("BLAS (ours): {}", mlx_sys::blas_backend());
     let openblas = ["/usr/lib/x86_64-linux-gnu/libopenblas.so.0", "/usr/lib64/libopenblas.so.0"]
