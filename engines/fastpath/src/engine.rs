@@ -26,7 +26,10 @@ pub struct FastpathEngine {
 
 impl FastpathEngine {
     pub fn from_context(ctx: EngineContext) -> Result<Self, String> {
+        // This plugin's copy of `tracing` logs through the host's subscriber;
+        // its callsites cached "disabled" before the dispatcher was set.
         let _ = tracing::dispatcher::set_global_default(ctx.dispatch.clone());
+        tracing::callsite::rebuild_interest_cache();
         let shared = SharedModel::from_context(&ctx)?;
         Ok(Self::new(ctx.name, shared))
     }

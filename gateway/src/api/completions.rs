@@ -1,0 +1,327 @@
+//! `POST /v1/completions`: a raw prompt (text or token ids), no chat
+//! template, no reasoning or tool parsing. One prompt per request (batched
+//! prompts, `best_of` > 1 and `suffix` are rejected).
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Extension;
+use serde_json::{json, Value};
+use text::Tokenizer;
+
+use super::body::{CacheScope, RawJson};
+use super::sse::ChunkFormat;
+use super::validate::{as_int, gen_options, resolve_max_tokens, wrong_type, GenOptions, RawBody};
+use super::{json_response, logprobs, random_id, sse, unix_now, with_route, ApiError};
+use crate::generation::{Batch, Generation, Plan, Summary};
+use crate::pipeline::{Delta, PipelineOptions};
+use crate::state::SharedState;
+
+/// A prompt as text or as token ids.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+#[derive(Debug, Clone)]
+pub struct CompletionRequest {
+    pub model: Option<String>,
+    pub prompt: Prompt,
+    pub echo: bool,
+    pub options: GenOptions,
+}
+
+impl CompletionRequest {
+    pub fn parse(body: &RawBody, vocab: usize) -> Result<Self, ApiError> {
+        let model = body.string("model")?.map(str::to_owned);
+        let prompt = prompt(body, vocab)?;
+        let echo = body.bool("echo")?.unwrap_or(false);
+        if body.string("suffix")?.is_some_and(|s| !s.is_empty()) {
+            return Err(ApiError::invalid("`suffix` is not supported", "suffix"));
+        }
+        match body.int("best_of")? {
+            None | Some(1) => {}
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    "`best_of` other than 1 is not supported",
+                    "best_of",
+                ))
+            }
+        }
+        let mut options = gen_options(body, vocab)?;
+        if let Some(n) = body.int("logprobs")? {
+            if !(0..=5).contains(&n) {
+                return Err(ApiError::invalid(
+                    format!("`logprobs` must be between 0 and 5, got {n}"),
+                    "logprobs",
+                ));
+            }
+            options.sampling.logprobs = true;
+            options.sampling.top_logprobs = n as u32;
+        }
+        Ok(CompletionRequest {
+            model,
+            prompt,
+            echo,
+            options,
+        })
+    }
+}
+
+fn prompt(body: &RawBody, vocab: usize) -> Result<Prompt, ApiError> {
+    let too_many = || ApiError::invalid("Only one prompt per request is supported", "prompt");
+    let ids = |items: &[Value], param: &str| -> Result<Vec<u32>, ApiError> {
+        items
+            .iter()
+            .map(|v| {
+                as_int(v)
+                    .filter(|&id| id >= 0 && (id as usize) < vocab)
+                    .map(|id| id as u32)
+                    .ok_or_else(|| {
+                        ApiError::invalid(
+                            format!("`{param}` token ids must be integers in 0..{vocab}"),
+                            param,
+                        )
+                    })
+            })
+            .collect()
+    };
+    let prompt = match body.get("prompt") {
+        None => return Err(ApiError::invalid("`prompt` is required", "prompt")),
+        Some(Value::String(s)) => Prompt::Text(s.clone()),
+        Some(Value::Array(items)) => match items.first() {
+            None => return Err(ApiError::invalid("`prompt` is empty", "prompt")),
+            Some(Value::String(s)) if items.len() == 1 => Prompt::Text(s.clone()),
+            Some(Value::String(_)) => return Err(too_many()),
+            Some(Value::Array(inner)) if items.len() == 1 => {
+                Prompt::Tokens(ids(inner, "prompt[0]")?)
+            }
+            Some(Value::Array(_)) => return Err(too_many()),
+            Some(_) => Prompt::Tokens(ids(items, "prompt")?),
+        },
+        Some(v) => {
+            return Err(wrong_type(
+                "prompt",
+                "a string, an array of strings or an array of token ids",
+                v,
+            ))
+        }
+    };
+    match &prompt {
+        Prompt::Text(t) if t.is_empty() => Err(ApiError::invalid("`prompt` is empty", "prompt")),
+        Prompt::Tokens(t) if t.is_empty() => Err(ApiError::invalid("`prompt` is empty", "prompt")),
+        _ => Ok(prompt),
+    }
+}
+
+pub async fn create(
+    State(state): State<SharedState>,
+    scope: Option<Extension<CacheScope>>,
+    RawJson(body): RawJson,
+) -> Result<Response, ApiError> {
+    let request = CompletionRequest::parse(&body, state.model.vocab)?;
+    let model = state.check_model(request.model.as_deref())?;
+    let tokenizer: Tokenizer = (*state.registry.shared.model.tokenizer).clone();
+    let (ids, text) = match &request.prompt {
+        Prompt::Text(t) => {
+            let ids = tokenizer
+                .encode_completion(t)
+                .map_err(|e| ApiError::Internal(e.to_string()))?;
+            (ids, t.clone())
+        }
+        Prompt::Tokens(ids) => (
+            ids.clone(),
+            tokenizer.decode(ids, false).unwrap_or_default(),
+        ),
+    };
+    let max_tokens = resolve_max_tokens(
+        ids.len(),
+        request.options.max_tokens,
+        &state.limits(),
+        "prompt",
+        "max_tokens",
+    )?;
+    let plan = Plan {
+        model: model.clone(),
+        prompt: ids,
+        max_tokens,
+        sampling: request.options.sampling.clone(),
+        text: PipelineOptions::plain(request.options.stop.clone()),
+        has_tools: false,
+        cache_scope: scope.map(|Extension(s)| s.0),
+    };
+    let generation = Generation::start(&state, plan)?;
+    let (engine, rule) = (generation.engine.clone(), generation.rule.clone());
+    let echo = if request.echo { text } else { String::new() };
+    let chunks = CompletionChunks {
+        id: random_id("cmpl-"),
+        created: unix_now(),
+        model,
+        include_usage: request.options.include_usage,
+        tokenizer,
+        echo,
+        offset: 0,
+    };
+    let response = if request.options.stream {
+        sse::response(generation, chunks)
+    } else {
+        // Errors after routing still say which engine and rule they met.
+        match generation.collect().await {
+            Ok((batch, summary)) => json_response(StatusCode::OK, &chunks.whole(&batch, &summary)),
+            Err(e) => e.into_response(),
+        }
+    };
+    Ok(with_route(response, &engine, &rule))
+}
+
+fn text_of(batch: &Batch) -> String {
+    batch
+        .deltas
+        .iter()
+        .filter_map(|d| match d {
+            Delta::Content(t) | Delta::Reasoning(t) => Some(t.as_str()),
+            Delta::ToolCall(_) => None,
+        })
+        .collect()
+}
+
+/// `text_completion` objects, whole or as stream chunks.
+pub struct CompletionChunks {
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+    tokenizer: Tokenizer,
+    /// The prompt text when `echo` is set.
+    echo: String,
+    /// Bytes of text emitted so far (for `text_offset`).
+    offset: usize,
+}
+
+impl CompletionChunks {
+    fn object(&self, text: &str, logprobs: Value, finish_reason: Value) -> Value {
+        let mut v = json!({
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{ "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason }],
+        });
+        if self.include_usage {
+            v["usage"] = Value::Null;
+        }
+        v
+    }
+
+    fn logprobs(&self, batch: &Batch) -> Value {
+        if batch.logprobs.is_empty() {
+            Value::Null
+        } else {
+            logprobs::completion(&self.tokenizer, &batch.logprobs, self.offset)
+        }
+    }
+
+    fn whole(mut self, batch: &Batch, summary: &Summary) -> Value {
+        self.include_usage = false;
+        self.offset = self.echo.len();
+        let text = format!("{}{}", self.echo, text_of(batch));
+        let mut v = self.object(
+            &text,
+            self.logprobs(batch),
+            json!(summary.finish_reason.as_str()),
+        );
+        v["usage"] = summary.usage.to_json();
+        v
+    }
+}
+
+impl ChunkFormat for CompletionChunks {
+    fn opening(&mut self) -> Vec<Value> {
+        if self.echo.is_empty() {
+            return Vec::new();
+        }
+        let echo = std::mem::take(&mut self.echo);
+        self.offset = echo.len();
+        vec![self.object(&echo, Value::Null, Value::Null)]
+    }
+
+    fn batch(&mut self, batch: &Batch) -> Vec<Value> {
+        let text = text_of(batch);
+        if text.is_empty() && batch.logprobs.is_empty() {
+            return Vec::new();
+        }
+        let chunk = self.object(&text, self.logprobs(batch), Value::Null);
+        self.offset += text.len();
+        vec![chunk]
+    }
+
+    fn closing(&mut self, summary: &Summary) -> Vec<Value> {
+        let mut out = vec![self.object("", Value::Null, json!(summary.finish_reason.as_str()))];
+        if self.include_usage {
+            out.push(json!({
+                "id": self.id,
+                "object": "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+                "usage": summary.usage.to_json(),
+            }));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(v: Value) -> Result<CompletionRequest, ApiError> {
+        CompletionRequest::parse(&RawBody::parse(v.to_string().as_bytes()).unwrap(), 512)
+    }
+
+    #[test]
+    fn prompt_shapes() {
+        assert_eq!(
+            parse(json!({"prompt": "hi"})).unwrap().prompt,
+            Prompt::Text("hi".into())
+        );
+        assert_eq!(
+            parse(json!({"prompt": ["hi"]})).unwrap().prompt,
+            Prompt::Text("hi".into())
+        );
+        assert_eq!(
+            parse(json!({"prompt": [1, 2, 3]})).unwrap().prompt,
+            Prompt::Tokens(vec![1, 2, 3])
+        );
+        assert_eq!(
+            parse(json!({"prompt": [[4, 5]]})).unwrap().prompt,
+            Prompt::Tokens(vec![4, 5])
+        );
+        let r = parse(json!({"prompt": "x", "logprobs": 2, "echo": true})).unwrap();
+        assert!(r.echo && r.options.sampling.logprobs && r.options.sampling.top_logprobs == 2);
+    }
+
+    #[test]
+    fn bad_prompts() {
+        for (input, param) in [
+            (json!({}), "prompt"),
+            (json!({"prompt": ""}), "prompt"),
+            (json!({"prompt": []}), "prompt"),
+            (json!({"prompt": 7}), "prompt"),
+            (json!({"prompt": ["a", "b"]}), "prompt"),
+            (json!({"prompt": [[1], [2]]}), "prompt"),
+            (json!({"prompt": [1, 512]}), "prompt"),
+            (json!({"prompt": [1, -1]}), "prompt"),
+            (json!({"prompt": [[1, "x"]]}), "prompt[0]"),
+            (json!({"prompt": "x", "logprobs": 6}), "logprobs"),
+            (json!({"prompt": "x", "logprobs": true}), "logprobs"),
+            (json!({"prompt": "x", "suffix": "y"}), "suffix"),
+            (json!({"prompt": "x", "best_of": 2}), "best_of"),
+            (json!({"prompt": "x", "echo": 1}), "echo"),
+        ] {
+            let e = parse(input.clone()).unwrap_err();
+            assert_eq!(e.param(), Some(param), "{input}: {e}");
+        }
+    }
+}

@@ -1,0 +1,62 @@
+//! `GET /health`: ready (200) only when every configured engine loaded and
+//! reports healthy; otherwise 503. The body lists every engine, plugins
+//! that were refused, and the shared KV pool's figures.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::Response;
+use serde_json::{json, Value};
+
+use super::json_response;
+use crate::state::SharedState;
+
+pub async fn health(State(state): State<SharedState>) -> Response {
+    let registry = &state.registry;
+    let mut engines: Vec<Value> = Vec::new();
+    let mut all_ready = true;
+    for entry in registry.engines() {
+        let load = entry.engine.load();
+        all_ready &= load.healthy;
+        engines.push(json!({
+            "name": entry.name,
+            "kind": entry.kind,
+            "status": if load.healthy { "ready" } else { "unhealthy" },
+            "active": load.active,
+            "queued": load.queued,
+            "kv_blocks_held": load.kv_blocks_held,
+        }));
+    }
+    for failed in &registry.failed {
+        all_ready = false;
+        engines.push(json!({
+            "name": failed.name,
+            "kind": failed.kind,
+            "status": "failed",
+            "error": failed.error,
+        }));
+    }
+    let refused: Vec<Value> = registry
+        .refused_plugins
+        .iter()
+        .map(|p| json!({ "path": p.path, "error": p.error }))
+        .collect();
+    let pool = &registry.shared.kv_pool;
+    let body = json!({
+        "status": if all_ready { "ok" } else { "degraded" },
+        "model": state.model.name,
+        "engines": engines,
+        "refused_plugins": refused,
+        "kv_pool": {
+            "total_blocks": pool.total(),
+            "allocated_blocks": pool.allocated(),
+            "block_size": pool.block_size(),
+            "pressure": pool.pressure(),
+        },
+    });
+    let status = if all_ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    json_response(status, &body)
+}

@@ -1,0 +1,36 @@
+//! `GET /v1/models` and `GET /v1/models/{id}`: the one served model.
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::Response;
+use serde_json::{json, Value};
+
+use super::{json_response, ApiError};
+use crate::state::SharedState;
+
+fn model_object(state: &SharedState) -> Value {
+    json!({
+        "id": state.model.name,
+        "object": "model",
+        "created": state.model.created,
+        "owned_by": "gateway",
+        "context_window": state.model.context_window,
+    })
+}
+
+pub async fn list(State(state): State<SharedState>) -> Response {
+    json_response(
+        StatusCode::OK,
+        &json!({ "object": "list", "data": [model_object(&state)] }),
+    )
+}
+
+pub async fn get(
+    State(state): State<SharedState>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    if id != state.model.name {
+        return Err(ApiError::ModelNotFound(id));
+    }
+    Ok(json_response(StatusCode::OK, &model_object(&state)))
+}

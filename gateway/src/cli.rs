@@ -1,0 +1,85 @@
+//! Command-line interface.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "gateway",
+    version,
+    about = "OpenAI-compatible inference gateway over MLX with pluggable engines"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Load the model and engines named in the config and serve the API.
+    Serve(ServeArgs),
+    /// Write a small random-weight model in the Hugging Face layout.
+    MakeTinyModel(MakeTinyArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// The gateway configuration (model, engines, server, policy).
+    #[arg(long, default_value = "config.yaml")]
+    pub config: PathBuf,
+    /// Serve this model directory instead of the config's `model.path`.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Listen on this port instead of the config's (0 picks a free one).
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// Listen on this address instead of the config's.
+    #[arg(long)]
+    pub host: Option<IpAddr>,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum FamilyArg {
+    Llama,
+    Qwen2,
+    Qwen3,
+    Gemma3,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum PresetArg {
+    /// A few hundred thousand parameters: tests.
+    Tiny,
+    /// About 100M parameters: CPU benchmarks.
+    Bench,
+    /// The shape of Qwen3-4B in bf16 (qwen3 only).
+    #[value(name = "qwen3-4b")]
+    Qwen3_4b,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum DtypeArg {
+    F32,
+    Bf16,
+    F16,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct MakeTinyArgs {
+    #[arg(long, value_enum)]
+    pub family: FamilyArg,
+    /// Directory to write (created if needed).
+    #[arg(long)]
+    pub out: PathBuf,
+    #[arg(long, value_enum, default_value = "tiny")]
+    pub preset: PresetArg,
+    /// MLX affine quantization of linears and embeddings.
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(["4", "8"]))]
+    pub quant_bits: Option<String>,
+    #[arg(long, value_enum)]
+    pub dtype: Option<DtypeArg>,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}

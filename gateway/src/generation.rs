@@ -1,0 +1,281 @@
+//! One generation from routing to the last delta, shared by chat and
+//! completions, streaming or not: routes the validated request, runs the
+//! engine's token events through the text pipeline, and accounts usage and
+//! metrics. Dropping a `Generation` early cancels it in its engine.
+
+use std::time::Instant;
+
+use engine_core::{
+    Event, FinishReason as EngineFinish, GenerateRequest, SamplingParams, TokenEvent,
+};
+use serde_json::{json, Value};
+
+use crate::api::ApiError;
+use crate::pipeline::{push_delta, Delta, Pipeline, PipelineOptions};
+use crate::router::CancelGuard;
+use crate::state::AppState;
+use crate::telemetry::metric;
+
+/// Everything decided about a request before it is routed.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub model: String,
+    pub prompt: Vec<u32>,
+    pub max_tokens: u32,
+    pub sampling: SamplingParams,
+    pub text: PipelineOptions,
+    pub has_tools: bool,
+    pub cache_scope: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    Stop,
+    Length,
+    ToolCalls,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::ToolCalls => "tool_calls",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub cached_tokens: u32,
+    pub reasoning_tokens: u32,
+}
+
+impl Usage {
+    pub fn to_json(self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": { "cached_tokens": self.cached_tokens },
+            "completion_tokens_details": { "reasoning_tokens": self.reasoning_tokens },
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Summary {
+    pub finish_reason: FinishReason,
+    pub usage: Usage,
+}
+
+/// What arrived since the last call: text deltas, the tokens' logprobs
+/// (when asked for), and the summary once generation is over.
+#[derive(Debug, Default)]
+pub struct Batch {
+    pub deltas: Vec<Delta>,
+    pub logprobs: Vec<TokenEvent>,
+    pub done: Option<Summary>,
+}
+
+/// Most events folded into one batch, so a fast engine still streams.
+const MAX_EVENTS_PER_BATCH: usize = 64;
+
+pub struct Generation {
+    pub engine: String,
+    pub rule: String,
+    events: engine_core::EventStream,
+    guard: CancelGuard,
+    pipeline: Pipeline,
+    prompt_tokens: u32,
+    want_logprobs: bool,
+    started: Instant,
+    first_token: bool,
+    done: bool,
+}
+
+impl Generation {
+    /// Routes the plan to an engine.
+    pub fn start(state: &AppState, plan: Plan) -> Result<Self, ApiError> {
+        let shared = &state.registry.shared;
+        let pipeline = Pipeline::new((*shared.model.tokenizer).clone(), &plan.prompt, &plan.text);
+        let mut req = GenerateRequest::new(plan.prompt, plan.max_tokens);
+        let prompt_tokens = req.prompt.len() as u32;
+        let want_logprobs = plan.sampling.logprobs;
+        req.sampling = plan.sampling;
+        req.stop_tokens = shared.model.stop_tokens.clone();
+        req.cache_scope = plan.cache_scope;
+        req.has_tools = plan.has_tools;
+        let routed = state.router.route(req, &plan.model)?;
+        Ok(Generation {
+            engine: routed.entry.name.clone(),
+            rule: routed.rule,
+            events: routed.events,
+            guard: routed.guard,
+            pipeline,
+            prompt_tokens,
+            want_logprobs,
+            started: Instant::now(),
+            first_token: false,
+            done: false,
+        })
+    }
+
+    /// The next batch, `None` after the last one (or after an error).
+    pub async fn next(&mut self) -> Option<Result<Batch, ApiError>> {
+        if self.done {
+            return None;
+        }
+        let mut event = self.events.recv().await;
+        let mut batch = Batch::default();
+        for _ in 0..MAX_EVENTS_PER_BATCH {
+            match event {
+                Some(Event::Token(token)) => {
+                    if let Some(done) = self.on_token(token, &mut batch) {
+                        return Some(done.map(|()| batch));
+                    }
+                }
+                Some(Event::Finished(finish)) => return Some(self.on_finish(finish, batch)),
+                Some(Event::Error(message)) => {
+                    self.end("error");
+                    return Some(Err(ApiError::Engine(message)));
+                }
+                None => {
+                    self.end("error");
+                    return Some(Err(ApiError::Engine(
+                        "the engine ended the request without finishing it".into(),
+                    )));
+                }
+            }
+            match self.events.try_recv() {
+                Ok(next) => event = Some(next),
+                Err(_) => break,
+            }
+        }
+        Some(Ok(batch))
+    }
+
+    /// Runs to the end: every delta and logprob, and the summary.
+    pub async fn collect(mut self) -> Result<(Batch, Summary), ApiError> {
+        let mut all = Batch::default();
+        while let Some(batch) = self.next().await {
+            let batch = batch?;
+            for delta in batch.deltas {
+                push_delta(&mut all.deltas, delta);
+            }
+            all.logprobs.extend(batch.logprobs);
+            if let Some(summary) = batch.done {
+                all.done = Some(summary);
+                return Ok((all, summary));
+            }
+        }
+        Err(ApiError::Engine(
+            "the generation ended without a result".into(),
+        ))
+    }
+
+    /// `Some` when this token ended the generation (a stop string).
+    fn on_token(&mut self, token: TokenEvent, batch: &mut Batch) -> Option<Result<(), ApiError>> {
+        if !self.first_token {
+            self.first_token = true;
+            metrics::histogram!(metric::TTFT, "engine" => self.engine.clone())
+                .record(self.started.elapsed().as_secs_f64());
+        }
+        let step = match self.pipeline.push(token.id) {
+            Ok(step) => step,
+            Err(e) => {
+                self.end("error");
+                return Some(Err(ApiError::Internal(e.to_string())));
+            }
+        };
+        for delta in step.deltas {
+            push_delta(&mut batch.deltas, delta);
+        }
+        if self.want_logprobs {
+            batch.logprobs.push(token);
+        }
+        if step.stopped {
+            // The stop string is the end; the engine need not go on.
+            self.guard.cancel();
+            let usage = self.usage(self.pipeline.tokens(), 0);
+            batch.done = Some(self.summarize(FinishReason::Stop, usage));
+            return Some(Ok(()));
+        }
+        None
+    }
+
+    fn on_finish(
+        &mut self,
+        finish: engine_core::Finish,
+        mut batch: Batch,
+    ) -> Result<Batch, ApiError> {
+        self.guard.disarm();
+        let tail = match self.pipeline.finish() {
+            Ok(tail) => tail,
+            Err(e) => {
+                self.end("error");
+                return Err(ApiError::Internal(e.to_string()));
+            }
+        };
+        for delta in tail {
+            push_delta(&mut batch.deltas, delta);
+        }
+        let reason = match finish.reason {
+            EngineFinish::Stop if self.pipeline.tool_calls() > 0 => FinishReason::ToolCalls,
+            EngineFinish::Stop => FinishReason::Stop,
+            EngineFinish::Length => FinishReason::Length,
+            EngineFinish::Cancelled => {
+                self.end("cancelled");
+                return Err(ApiError::Interrupted);
+            }
+        };
+        let usage = self.usage(finish.completion_tokens, finish.cached_tokens);
+        batch.done = Some(self.summarize(reason, usage));
+        Ok(batch)
+    }
+
+    fn usage(&self, completion_tokens: u32, cached_tokens: u32) -> Usage {
+        Usage {
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens,
+            cached_tokens,
+            reasoning_tokens: self.pipeline.reasoning_tokens().min(completion_tokens),
+        }
+    }
+
+    fn summarize(&mut self, reason: FinishReason, usage: Usage) -> Summary {
+        self.end(reason.as_str());
+        let engine = self.engine.clone();
+        metrics::counter!(metric::PROMPT_TOKENS, "engine" => engine.clone())
+            .increment(usage.prompt_tokens as u64);
+        metrics::counter!(metric::COMPLETION_TOKENS, "engine" => engine)
+            .increment(usage.completion_tokens as u64);
+        Summary {
+            finish_reason: reason,
+            usage,
+        }
+    }
+
+    fn end(&mut self, outcome: &'static str) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        metrics::counter!(metric::GENERATIONS, "engine" => self.engine.clone(), "rule" => self.rule.clone(), "finish" => outcome)
+            .increment(1);
+        metrics::histogram!(metric::GENERATION_DURATION, "engine" => self.engine.clone())
+            .record(self.started.elapsed().as_secs_f64());
+    }
+}
+
+impl Drop for Generation {
+    fn drop(&mut self) {
+        // Not finished: the client left or timed out. The guard, dropped
+        // next, cancels the request in the engine.
+        if !self.done {
+            self.end("cancelled");
+        }
+    }
+}

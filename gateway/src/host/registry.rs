@@ -1,0 +1,224 @@
+//! Startup: the model is loaded once and shared, with one KV pool, by every
+//! engine; each `engines:` entry gets its own `EngineContext`. An engine
+//! whose plugin is missing, refused or fails to build is recorded and
+//! logged, and the gateway carries on with the rest.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use anyhow::Context;
+use engine_core::{Capabilities, Engine, EngineContext};
+use mlx_rs::Dtype;
+use runtime::{KvPool, LoadedModel, SharedModel};
+
+use super::plugins::{self, Plugin};
+use crate::config::{Config, EngineSpec};
+
+/// A loaded engine and what the router needs to know about it.
+pub struct EngineEntry {
+    pub name: String,
+    pub kind: String,
+    pub capabilities: Capabilities,
+    pub engine: Box<dyn Engine>,
+}
+
+/// A configured engine that did not load, and why.
+#[derive(Debug, Clone)]
+pub struct FailedEngine {
+    pub name: String,
+    pub kind: String,
+    pub error: String,
+}
+
+/// A file under `plugins:` that was refused.
+#[derive(Debug, Clone)]
+pub struct RefusedPlugin {
+    pub path: String,
+    pub error: String,
+}
+
+pub struct Registry {
+    pub shared: Arc<SharedModel>,
+    engines: Vec<Arc<EngineEntry>>,
+    pub failed: Vec<FailedEngine>,
+    pub refused_plugins: Vec<RefusedPlugin>,
+}
+
+impl Registry {
+    /// Loads the model, opens the plugins and builds every engine. Fails only
+    /// when the model cannot load or no engine at all could be built.
+    pub fn load(
+        config: &Config,
+        dispatch: tracing::Dispatch,
+        tokio: tokio::runtime::Handle,
+    ) -> anyhow::Result<Self> {
+        let shared = Arc::new(load_shared(config)?);
+        let (by_kind, refused_plugins) = open_listed_plugins(config);
+        let dirs = match &config.plugin_dir {
+            Some(dir) => vec![dir.clone()],
+            None => plugins::default_dirs(),
+        };
+        let mut opened: HashMap<String, Arc<Plugin>> = by_kind;
+        let mut engines = Vec::new();
+        let mut failed = Vec::new();
+        for spec in &config.engines {
+            let built = plugin_for(spec, &mut opened, &dirs).and_then(|plugin| {
+                let ctx = EngineContext {
+                    name: spec.name.clone(),
+                    config: spec.section.clone(),
+                    shared: shared.clone() as Arc<dyn Any + Send + Sync>,
+                    peers: Arc::new(()),
+                    dispatch: dispatch.clone(),
+                    tokio: tokio.clone(),
+                };
+                plugin.create(ctx).map(|engine| (engine, plugin))
+            });
+            match built {
+                Ok((engine, plugin)) => {
+                    let capabilities = engine.capabilities();
+                    tracing::info!(
+                        engine = %spec.name,
+                        kind = %spec.kind,
+                        plugin = %plugin.path.display(),
+                        core_version = %plugin.versions.core,
+                        ?capabilities,
+                        "engine loaded"
+                    );
+                    engines.push(Arc::new(EngineEntry {
+                        name: spec.name.clone(),
+                        kind: spec.kind.clone(),
+                        capabilities,
+                        engine,
+                    }));
+                }
+                Err(error) => {
+                    tracing::error!(engine = %spec.name, kind = %spec.kind, %error, "engine not loaded");
+                    failed.push(FailedEngine {
+                        name: spec.name.clone(),
+                        kind: spec.kind.clone(),
+                        error,
+                    });
+                }
+            }
+        }
+        anyhow::ensure!(
+            !engines.is_empty(),
+            "no engine could be loaded: {}",
+            failed
+                .iter()
+                .map(|f| format!("{}: {}", f.name, f.error))
+                .collect::<Vec<_>>()
+                .join("; ")
+        );
+        Ok(Registry {
+            shared,
+            engines,
+            failed,
+            refused_plugins,
+        })
+    }
+
+    pub fn engines(&self) -> &[Arc<EngineEntry>] {
+        &self.engines
+    }
+
+    pub fn get(&self, name: &str) -> Option<&Arc<EngineEntry>> {
+        self.engines.iter().find(|e| e.name == name)
+    }
+
+    pub fn names(&self) -> Vec<&str> {
+        self.engines.iter().map(|e| e.name.as_str()).collect()
+    }
+
+    /// Stops every engine; each returns once its in-flight work has stopped.
+    pub fn shutdown(&self) {
+        for entry in &self.engines {
+            entry.engine.shutdown();
+        }
+    }
+}
+
+fn load_shared(config: &Config) -> anyhow::Result<SharedModel> {
+    let m = &config.model;
+    let model = LoadedModel::load(&m.path, m.name.as_deref())
+        .with_context(|| format!("loading the model from {}", m.path.display()))?;
+    let elem_bytes = match model.model.dtype() {
+        Dtype::Float32 => 4,
+        _ => 2,
+    };
+    let per_token = model.model.config.kv_bytes_per_token(elem_bytes);
+    let kv_pool = KvPool::with_budget(m.kv_cache_mb << 20, m.kv_block_size, per_token);
+    anyhow::ensure!(
+        kv_pool.total() > 0,
+        "model.kv_cache_mb = {} holds no KV block of {} bytes; raise it",
+        m.kv_cache_mb,
+        per_token * m.kv_block_size
+    );
+    tracing::info!(
+        blocks = kv_pool.total(),
+        block_size = kv_pool.block_size(),
+        tokens = kv_pool.total() * kv_pool.block_size(),
+        "shared KV pool ready"
+    );
+    Ok(SharedModel::new(model, kv_pool))
+}
+
+/// Opens every file under `plugins:`, keyed by the kind it reports. A
+/// refused file is logged and skipped.
+fn open_listed_plugins(config: &Config) -> (HashMap<String, Arc<Plugin>>, Vec<RefusedPlugin>) {
+    let mut by_kind = HashMap::new();
+    let mut refused = Vec::new();
+    for path in &config.plugins {
+        match Plugin::open(path) {
+            Ok(plugin) => {
+                tracing::info!(path = %path.display(), kind = %plugin.kind, "plugin opened");
+                if by_kind.contains_key(&plugin.kind) {
+                    tracing::warn!(path = %path.display(), kind = %plugin.kind, "another plugin already provides this kind; ignoring this one");
+                    continue;
+                }
+                by_kind.insert(plugin.kind.clone(), Arc::new(plugin));
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "plugin refused");
+                refused.push(RefusedPlugin {
+                    path: path.display().to_string(),
+                    error: e.to_string(),
+                });
+            }
+        }
+    }
+    (by_kind, refused)
+}
+
+/// The plugin providing `spec.kind`: one listed under `plugins:`, else
+/// `libengine_<kind>` from the plugin directory.
+fn plugin_for(
+    spec: &EngineSpec,
+    opened: &mut HashMap<String, Arc<Plugin>>,
+    dirs: &[std::path::PathBuf],
+) -> Result<Arc<Plugin>, String> {
+    if let Some(plugin) = opened.get(&spec.kind) {
+        return Ok(plugin.clone());
+    }
+    let path = plugins::find(&spec.kind, dirs).ok_or_else(|| {
+        format!(
+            "no plugin for kind `{}`: {} not found in {} (build it, or list its path under `plugins:`)",
+            spec.kind,
+            plugins::file_name(&spec.kind),
+            dirs.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", ")
+        )
+    })?;
+    let plugin = Plugin::open(&path).map_err(|e| e.to_string())?;
+    if plugin.kind != spec.kind {
+        return Err(format!(
+            "{} provides kind `{}`, not `{}`",
+            path.display(),
+            plugin.kind,
+            spec.kind
+        ));
+    }
+    let plugin = Arc::new(plugin);
+    opened.insert(spec.kind.clone(), plugin.clone());
+    Ok(plugin)
+}

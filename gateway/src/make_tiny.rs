@@ -1,0 +1,42 @@
+//! `gateway make-tiny-model`: writes a random-weight model with a real
+//! tokenizer and chat template, for tests, benchmarks and the default config.
+
+use anyhow::{bail, Context};
+use mlx_rs::Dtype;
+use runtime::tiny::{write_model, TinySpec};
+use runtime::Family;
+
+use crate::cli::{DtypeArg, FamilyArg, MakeTinyArgs, PresetArg};
+
+pub fn run(args: &MakeTinyArgs) -> anyhow::Result<()> {
+    let family = match args.family {
+        FamilyArg::Llama => Family::Llama,
+        FamilyArg::Qwen2 => Family::Qwen2,
+        FamilyArg::Qwen3 => Family::Qwen3,
+        FamilyArg::Gemma3 => Family::Gemma3,
+    };
+    let mut spec = match args.preset {
+        PresetArg::Tiny => TinySpec::tiny(family),
+        PresetArg::Bench => TinySpec::bench(family),
+        PresetArg::Qwen3_4b if family == Family::Qwen3 => TinySpec::qwen3_4b(),
+        PresetArg::Qwen3_4b => bail!("the qwen3-4b preset is a Qwen3 shape; use --family qwen3"),
+    };
+    if let Some(dtype) = args.dtype {
+        spec.dtype = match dtype {
+            DtypeArg::F32 => Dtype::Float32,
+            DtypeArg::Bf16 => Dtype::Bfloat16,
+            DtypeArg::F16 => Dtype::Float16,
+        };
+    }
+    if let Some(bits) = &args.quant_bits {
+        spec.quant_bits = Some(bits.parse().context("--quant-bits")?);
+    }
+    spec.seed = args.seed;
+    write_model(&args.out, &spec).with_context(|| format!("writing {}", args.out.display()))?;
+    println!(
+        "wrote a {family} model ({} parameters) to {}",
+        spec.parameters(),
+        args.out.display()
+    );
+    Ok(())
+}

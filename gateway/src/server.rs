@@ -1,0 +1,163 @@
+//! Startup (config, model, engines, policy), the router with its layers,
+//! and serving until a shutdown signal.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use axum::extract::Request;
+use axum::middleware::{from_fn, from_fn_with_state};
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use policies::PolicyHandle;
+use tower_http::limit::RequestBodyLimitLayer;
+use tower_http::request_id::{PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::trace::{DefaultOnResponse, TraceLayer};
+use tracing::Level;
+
+use crate::api::{chat, completions, health, metrics, models, ApiError};
+use crate::cli::ServeArgs;
+use crate::config::{Config, Overrides};
+use crate::host::Registry;
+use crate::layers::{auth, concurrency, error_shape, http_metrics, request_id, timeout};
+use crate::router::Router;
+use crate::state::{AppState, SharedState};
+use crate::telemetry;
+
+/// Every route, each also without the `/v1` prefix.
+pub fn app(state: SharedState) -> axum::Router {
+    let server = &state.config.server;
+    let limiter = Arc::new(concurrency::Limiter::new(
+        server.max_concurrent,
+        server.max_queued,
+    ));
+    let keys = Arc::new(auth::ApiKeys::new(state.config.api_keys()));
+    let body_limit = server.body_limit_bytes;
+
+    let generation = axum::Router::new()
+        .route("/v1/chat/completions", post(chat::create))
+        .route("/chat/completions", post(chat::create))
+        .route("/v1/completions", post(completions::create))
+        .route("/completions", post(completions::create))
+        .route_layer(from_fn_with_state(limiter, concurrency::limit))
+        .route_layer(from_fn_with_state(
+            state.config.request_timeout(),
+            timeout::limit,
+        ));
+    let api = axum::Router::new()
+        .route("/v1/models", get(models::list))
+        .route("/models", get(models::list))
+        .route("/v1/models/{id}", get(models::get))
+        .route("/models/{id}", get(models::get))
+        .merge(generation)
+        .route_layer(from_fn_with_state(keys, auth::require));
+    let open = axum::Router::new()
+        .route("/health", get(health::health))
+        .route("/v1/health", get(health::health))
+        .route("/metrics", get(metrics::render))
+        .route("/v1/metrics", get(metrics::render));
+
+    let trace = TraceLayer::new_for_http()
+        .make_span_with(|req: &Request| {
+            let id = req.headers().get(request_id::HEADER).and_then(|v| v.to_str().ok()).unwrap_or("-");
+            tracing::info_span!("http", method = %req.method(), path = %req.uri().path(), request_id = %id)
+        })
+        .on_response(DefaultOnResponse::new().level(Level::INFO));
+
+    // Layers listed last run first: ids, then the span, then the rest.
+    api.merge(open)
+        .fallback(|req: Request| async move {
+            ApiError::NotFound(req.uri().path().to_owned()).into_response()
+        })
+        .layer(RequestBodyLimitLayer::new(body_limit))
+        .layer(from_fn(http_metrics::record))
+        .layer(from_fn_with_state(body_limit, error_shape::openai_errors))
+        .layer(PropagateRequestIdLayer::new(request_id::HEADER))
+        .layer(trace)
+        .layer(SetRequestIdLayer::new(
+            request_id::HEADER,
+            request_id::MakeId::default(),
+        ))
+        .with_state(state)
+}
+
+pub async fn serve(args: ServeArgs, dispatch: tracing::Dispatch) -> anyhow::Result<()> {
+    let overrides = Overrides {
+        model: args.model.clone(),
+        host: args.host,
+        port: args.port,
+    };
+    let config = Config::load(&args.config, &overrides)?;
+    let metrics = telemetry::init_metrics()?;
+
+    let tokio = tokio::runtime::Handle::current();
+    let registry = {
+        let config = config.clone();
+        tokio::task::spawn_blocking(move || Registry::load(&config, dispatch, tokio)).await??
+    };
+    let registry = Arc::new(registry);
+    let names = registry.names();
+    // An engine named in the policy that did not load is fatal here.
+    let policy = match PolicyHandle::from_file(&config.path, &names) {
+        Ok(policy) => policy,
+        Err(e) => {
+            registry.shutdown();
+            return Err(anyhow::anyhow!(
+                "routing policy in {}: {e}",
+                config.path.display()
+            ));
+        }
+    };
+    policy.spawn_watcher(
+        &config.path,
+        Duration::from_millis(config.server.policy_reload_ms.max(1)),
+    );
+    let router = Router::new(registry.clone(), policy);
+    let state = Arc::new(AppState::new(
+        config.clone(),
+        registry.clone(),
+        router,
+        metrics,
+    ));
+
+    let addr = (config.server.host, config.server.port);
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding {}:{}", addr.0, addr.1))?;
+    let local = listener.local_addr()?;
+    tracing::info!(address = %local, model = %state.model.name, engines = ?names, "serving");
+    // The one line on stdout: scripts and tests read the address from it.
+    println!("gateway listening on http://{local}");
+
+    let stopping = registry.clone();
+    axum::serve(listener, app(state))
+        .with_graceful_shutdown(async move {
+            shutdown_signal().await;
+            tracing::info!("shutting down: stopping engines");
+            // Cancels in-flight work so open streams end and the server can.
+            let _ = tokio::task::spawn_blocking(move || stopping.shutdown()).await;
+        })
+        .await?;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}

@@ -1,0 +1,75 @@
+//! What every handler shares: the config, the engines, the router and the
+//! facts about the served model.
+
+use std::sync::Arc;
+
+use metrics_exporter_prometheus::PrometheusHandle;
+use runtime::Family;
+
+use crate::api::validate::Limits;
+use crate::api::ApiError;
+use crate::config::Config;
+use crate::host::Registry;
+use crate::router::Router;
+
+pub struct ModelInfo {
+    pub name: String,
+    pub family: Family,
+    pub context_window: usize,
+    pub vocab: usize,
+    /// Unix time the gateway started serving it (`created` in /v1/models).
+    pub created: u64,
+}
+
+pub struct AppState {
+    pub config: Config,
+    pub registry: Arc<Registry>,
+    pub router: Router,
+    pub model: ModelInfo,
+    pub metrics: PrometheusHandle,
+}
+
+impl AppState {
+    pub fn new(
+        config: Config,
+        registry: Arc<Registry>,
+        router: Router,
+        metrics: PrometheusHandle,
+    ) -> Self {
+        let loaded = &registry.shared.model;
+        let model = ModelInfo {
+            name: loaded.name.clone(),
+            family: loaded.model.config.family,
+            context_window: loaded.context_window(),
+            vocab: loaded.vocab_size().max(loaded.tokenizer.vocab_size()),
+            created: crate::api::unix_now(),
+        };
+        Self {
+            config,
+            registry,
+            router,
+            model,
+            metrics,
+        }
+    }
+
+    pub fn limits(&self) -> Limits {
+        let pool = &self.registry.shared.kv_pool;
+        Limits {
+            context_window: self.model.context_window,
+            default_max_tokens: self.config.model.default_max_tokens,
+            pool_tokens: pool.total() * pool.block_size(),
+        }
+    }
+
+    /// The request's `model` must name the served model.
+    pub fn check_model(&self, requested: Option<&str>) -> Result<String, ApiError> {
+        match requested {
+            None => Err(ApiError::invalid("`model` is required", "model")),
+            Some(name) if name == self.model.name => Ok(name.to_owned()),
+            Some(name) => Err(ApiError::ModelNotFound(name.to_owned())),
+        }
+    }
+}
+
+pub type SharedState = Arc<AppState>;

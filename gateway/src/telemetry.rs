@@ -1,0 +1,116 @@
+//! Logs (tracing, `RUST_LOG`) and metrics (Prometheus text): installed once
+//! by the host; the tracing dispatcher is handed to every plugin.
+
+use std::time::Duration;
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::EnvFilter;
+
+/// Metric names, in one place so handlers, layers and tests agree.
+pub mod metric {
+    pub const HTTP_REQUESTS: &str = "gateway_http_requests_total";
+    pub const REQUESTS: &str = "gateway_requests_total";
+    pub const REQUEST_DURATION: &str = "gateway_request_duration_seconds";
+    pub const ERRORS: &str = "gateway_errors_total";
+    pub const ROUTES: &str = "gateway_routes_total";
+    pub const ROUTE_FALLBACKS: &str = "gateway_route_fallbacks_total";
+    pub const GENERATIONS: &str = "gateway_generations_total";
+    pub const PROMPT_TOKENS: &str = "gateway_prompt_tokens_total";
+    pub const COMPLETION_TOKENS: &str = "gateway_completion_tokens_total";
+    pub const TTFT: &str = "gateway_time_to_first_token_seconds";
+    pub const GENERATION_DURATION: &str = "gateway_generation_duration_seconds";
+    pub const ENGINE_HEALTHY: &str = "gateway_engine_healthy";
+    pub const ENGINE_ACTIVE: &str = "gateway_engine_active";
+    pub const ENGINE_QUEUED: &str = "gateway_engine_queued";
+    pub const ENGINE_KV_BLOCKS: &str = "gateway_engine_kv_blocks";
+    pub const ENGINES_FAILED: &str = "gateway_engines_failed";
+    pub const KV_BLOCKS_TOTAL: &str = "gateway_kv_blocks_total";
+    pub const KV_BLOCKS_ALLOCATED: &str = "gateway_kv_blocks_allocated";
+    pub const KV_PRESSURE: &str = "gateway_kv_pressure";
+}
+
+/// Logs go to stderr (stdout carries only the "listening" line), filtered
+/// by `RUST_LOG` (default `info`). Returns the dispatcher plugins install.
+pub fn init_tracing() -> tracing::Dispatch {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let subscriber = tracing_subscriber::registry().with(filter).with(
+        tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())),
+    );
+    // A second init (unit tests) keeps the first subscriber.
+    let _ = subscriber.try_init();
+    tracing::dispatcher::get_default(|d| d.clone())
+}
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+];
+
+/// Installs the process-wide Prometheus recorder and describes the metrics.
+pub fn init_metrics() -> anyhow::Result<PrometheusHandle> {
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)?
+        .install_recorder()?;
+    describe();
+    // Histograms keep a rolling window that needs periodic upkeep.
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tick.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
+    Ok(handle)
+}
+
+fn describe() {
+    use metric::*;
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_counter!(HTTP_REQUESTS, "HTTP responses by route and status code");
+    describe_counter!(
+        REQUESTS,
+        "Completion requests by serving engine, route rule and HTTP status"
+    );
+    describe_histogram!(
+        REQUEST_DURATION,
+        Unit::Seconds,
+        "Time to response headers of completion requests"
+    );
+    describe_counter!(ERRORS, "API errors by kind");
+    describe_counter!(
+        ROUTES,
+        "Routing decisions by engine and the rule that matched"
+    );
+    describe_counter!(
+        ROUTE_FALLBACKS,
+        "Requests an engine refused and the router passed on"
+    );
+    describe_counter!(
+        GENERATIONS,
+        "Finished generations by engine, rule and finish reason"
+    );
+    describe_counter!(PROMPT_TOKENS, "Prompt tokens by engine");
+    describe_counter!(COMPLETION_TOKENS, "Generated tokens by engine");
+    describe_histogram!(
+        TTFT,
+        Unit::Seconds,
+        "Time from routing to the first generated token"
+    );
+    describe_histogram!(
+        GENERATION_DURATION,
+        Unit::Seconds,
+        "Time from routing to the end of generation"
+    );
+    describe_gauge!(ENGINE_HEALTHY, "1 when the engine reports healthy");
+    describe_gauge!(ENGINE_ACTIVE, "Requests running on the engine");
+    describe_gauge!(ENGINE_QUEUED, "Requests waiting on the engine");
+    describe_gauge!(ENGINE_KV_BLOCKS, "KV blocks the engine holds");
+    describe_gauge!(ENGINES_FAILED, "Configured engines that failed to load");
+    describe_gauge!(KV_BLOCKS_TOTAL, "Blocks in the shared KV pool");
+    describe_gauge!(KV_BLOCKS_ALLOCATED, "Blocks reserved in the shared KV pool");
+    describe_gauge!(KV_PRESSURE, "Allocated over total KV blocks");
+}

@@ -1,0 +1,41 @@
+//! `engine-reference`: a small, real engine plugin. It serves one request at
+//! a time on its own thread over the host's shared model: plain greedy
+//! requests through `runtime::generate::greedy`, everything else (sampling,
+//! penalties, logit bias, logprobs) through `runtime::sampling::Sampler` and
+//! `Model::forward`. It reserves KV blocks in the shared pool for
+//! prompt + max_tokens while a request runs and honours cancellation.
+//!
+//! It is built outside the gateway's default engine set and loaded by path
+//! (`plugins:` in config.yaml), which is what the end-to-end tests exercise.
+//!
+//! Options (its section of `engines:`):
+//! ```yaml
+//! engines:
+//!   ref:
+//!     kind: reference
+//!     max_queue: 64        # waiting requests before submit answers Overloaded
+//!     greedy_only: false   # advertise and enforce plain-greedy-only
+//!     tools: true          # accept requests that carry tools
+//! ```
+
+mod engine;
+mod options;
+mod worker;
+
+use engine_core::{Engine, EngineContext};
+
+fn create(ctx: EngineContext) -> Result<Box<dyn Engine>, String> {
+    // This cdylib has its own copy of `tracing`; without the host's
+    // dispatcher its log lines would go nowhere. A second engine of this
+    // kind finds it already installed, which is fine. Installing alone is
+    // not enough: this copy's level filter stays OFF until its callsite
+    // registry learns about the dispatcher (the host's `Dispatch::new`
+    // registered it only with the host's copy), hence the rebuild.
+    if tracing::dispatcher::set_global_default(ctx.dispatch.clone()).is_ok() {
+        tracing::callsite::rebuild_interest_cache();
+    }
+    let engine = engine::ReferenceEngine::start(ctx)?;
+    Ok(Box::new(engine))
+}
+
+engine_core::export_engine!("reference", create);

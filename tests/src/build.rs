@@ -1,0 +1,78 @@
+//! The binaries under test, built once per test process.
+//!
+//! `cargo test -p e2e-tests` only builds this crate, so the gateway and the
+//! plugins are built here with one `cargo build` of all three packages: the
+//! host and its plugins must come from the same build, or the plugins'
+//! copy of the runtime crate is a different type from the host's.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+/// Packages built for the tests: the gateway, the real engines it loads
+/// from its own directory by default, and the test plugins loaded by path.
+pub const PACKAGES: &[&str] = &[
+    "gateway",
+    "engine-batched",
+    "engine-fastpath",
+    "engine-reference",
+    "engine-mismatch",
+];
+
+#[derive(Debug)]
+pub struct Binaries {
+    /// `target/<profile>`, where cargo puts binaries and plugins.
+    pub dir: PathBuf,
+    pub gateway: PathBuf,
+    pub reference_plugin: PathBuf,
+    pub mismatch_plugin: PathBuf,
+}
+
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ has a parent")
+        .to_owned()
+}
+
+fn plugin_file(lib: &str) -> String {
+    format!(
+        "{}{lib}{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    )
+}
+
+/// Builds (once) and returns the paths. Panics with cargo's output when the
+/// build fails.
+pub fn binaries() -> &'static Binaries {
+    static BUILT: OnceLock<Binaries> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        // This test binary lives in target/<profile>/deps.
+        let exe = std::env::current_exe().expect("current exe");
+        let deps = exe.parent().expect("exe dir");
+        let dir = deps.parent().expect("profile dir").to_owned();
+        let target_dir = dir.parent().expect("target dir").to_owned();
+        let profile = match dir.file_name().and_then(|n| n.to_str()) {
+            Some("debug") => "dev".to_owned(),
+            Some(other) => other.to_owned(),
+            None => "dev".to_owned(),
+        };
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut cmd = Command::new(cargo);
+        cmd.current_dir(workspace_root())
+            .args(["build", "--profile", &profile, "--target-dir"])
+            .arg(&target_dir);
+        for p in PACKAGES {
+            cmd.args(["-p", p]);
+        }
+        let status = cmd.status().expect("run cargo build");
+        assert!(status.success(), "building {PACKAGES:?} failed");
+        Binaries {
+            gateway: dir.join(format!("gateway{}", std::env::consts::EXE_SUFFIX)),
+            reference_plugin: dir.join(plugin_file("engine_reference")),
+            mismatch_plugin: dir.join(plugin_file("engine_mismatch")),
+            dir,
+        }
+    })
+}

@@ -1,0 +1,35 @@
+//! Generated models (random weights, real tokenizer and chat template),
+//! written once per test process into a temporary directory.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use runtime::tiny::{write_model, TinySpec};
+use runtime::Family;
+
+pub struct ModelDir {
+    _dir: tempfile::TempDir,
+    pub path: PathBuf,
+}
+
+/// The tiny Qwen3 model (a few hundred thousand parameters).
+pub fn tiny_qwen3() -> &'static Path {
+    static MODEL: OnceLock<ModelDir> = OnceLock::new();
+    &MODEL
+        .get_or_init(|| write("tiny-qwen3", &TinySpec::tiny(Family::Qwen3)))
+        .path
+}
+
+/// Writes a model of `spec` into a fresh temporary directory named `name`.
+pub fn write(name: &str, spec: &TinySpec) -> ModelDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join(name);
+    write_model(&path, spec).expect("write model");
+    ModelDir { _dir: dir, path }
+}
+
+/// Every token id that ends generation for the model in `dir`.
+pub fn stop_token_ids(dir: &Path) -> Vec<u32> {
+    let tokenizer = text::Tokenizer::from_dir(dir).expect("tokenizer");
+    text::eos::eos_token_ids(dir, &tokenizer).expect("eos ids")
+}

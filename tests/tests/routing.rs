@@ -1,0 +1,190 @@
+//! Routing: policy rules pick the engine (and say so in headers and
+//! metrics), refusals fall back along the chain, the policy file reloads
+//! without a restart, and the global queue answers 429 when full.
+
+use std::time::Duration;
+
+use e2e_tests::gateway::metric_value;
+use e2e_tests::http::SseStream;
+use e2e_tests::{models, Gateway, MODEL};
+use serde_json::{json, Value};
+
+fn two_engines(policy: &str) -> String {
+    format!(
+        r#"model: {{ path: "{{model}}", kv_cache_mb: 64 }}
+server: {{ policy_reload_ms: 50 }}
+plugins: ["{{reference}}"]
+engines:
+  a: {{ kind: reference }}
+  b: {{ kind: reference }}
+  fast: {{ kind: reference, greedy_only: true, tools: false }}
+{policy}"#
+    )
+}
+
+fn greedy() -> Value {
+    json!({"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3})
+}
+
+fn sampled() -> Value {
+    json!({"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3, "temperature": 0.9, "seed": 1})
+}
+
+fn route(gw: &Gateway, body: &Value) -> (String, String) {
+    let r = gw.post("/v1/chat/completions", body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    (
+        r.header("x-engine").unwrap().to_owned(),
+        r.header("x-route-rule").unwrap().to_owned(),
+    )
+}
+
+const POLICY_V1: &str = r#"policy:
+  default: a
+  rules:
+    - name: tools-need-a
+      when: { has_tools: true }
+      route: a
+    - name: greedy-to-b
+      when: { greedy: true }
+      route: b
+"#;
+
+const POLICY_V2: &str = r#"policy:
+  default: b
+  rules:
+    - name: greedy-to-a
+      when: { greedy: true, total_active: { eq: 0 } }
+      route: a
+"#;
+
+#[test]
+fn rules_route_and_headers_name_engine_and_rule() {
+    let gw = Gateway::start(&two_engines(POLICY_V1));
+    assert_eq!(route(&gw, &greedy()), ("b".into(), "greedy-to-b".into()));
+    assert_eq!(route(&gw, &sampled()), ("a".into(), "default".into()));
+    let mut tools = greedy();
+    tools["tools"] =
+        json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
+    assert_eq!(route(&gw, &tools), ("a".into(), "tools-need-a".into()));
+    let r = gw.post(
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": "hi", "max_tokens": 2}),
+    );
+    assert_eq!(
+        (r.header("x-engine"), r.header("x-route-rule")),
+        (Some("b"), Some("greedy-to-b"))
+    );
+    let text = gw.get("/metrics").text();
+    assert!(
+        metric_value(
+            &text,
+            "gateway_routes_total",
+            &[("engine", "b"), ("rule", "greedy-to-b")]
+        )
+        .unwrap()
+            >= 2.0
+    );
+    assert_eq!(
+        metric_value(
+            &text,
+            "gateway_routes_total",
+            &[("engine", "a"), ("rule", "tools-need-a")]
+        ),
+        Some(1.0)
+    );
+}
+
+#[test]
+fn policy_reloads_when_the_file_changes_and_bad_edits_are_kept_out() {
+    let gw = Gateway::start(&two_engines(POLICY_V1));
+    assert_eq!(route(&gw, &greedy()), ("b".into(), "greedy-to-b".into()));
+    let config = std::fs::read_to_string(gw.config_path()).unwrap();
+    std::fs::write(gw.config_path(), config.replace(POLICY_V1, POLICY_V2)).unwrap();
+    let switched = gw.wait_for(Duration::from_secs(10), |gw| {
+        route(gw, &greedy()) == ("a".into(), "greedy-to-a".into())
+    });
+    assert!(switched, "the new policy never took effect:\n{}", gw.logs());
+    assert_eq!(route(&gw, &sampled()), ("b".into(), "default".into()));
+
+    // A policy naming an engine that is not loaded is rejected; the old one stays.
+    let bad = POLICY_V2.replace("route: a", "route: nowhere");
+    std::fs::write(gw.config_path(), config.replace(POLICY_V1, &bad)).unwrap();
+    assert!(gw.wait_for(Duration::from_secs(10), |gw| gw
+        .logs()
+        .contains("routing policy rejected")));
+    assert!(gw.logs().contains("nowhere"));
+    assert_eq!(route(&gw, &greedy()), ("a".into(), "greedy-to-a".into()));
+}
+
+#[test]
+fn refusals_fall_back_along_the_chain() {
+    let policy = r#"policy:
+  default: fast
+  fallback: [a]
+"#;
+    let gw = Gateway::start(&two_engines(policy));
+    assert_eq!(route(&gw, &greedy()), ("fast".into(), "default".into()));
+    // `fast` serves plain greedy only: a sampled request goes to the fallback.
+    assert_eq!(route(&gw, &sampled()), ("a".into(), "default".into()));
+    let mut tools = greedy();
+    tools["tools"] = json!([{"type": "function", "function": {"name": "f"}}]);
+    assert_eq!(route(&gw, &tools), ("a".into(), "default".into()));
+    assert!(
+        gw.metric("gateway_route_fallbacks_total", &[("from", "fast")])
+            .unwrap()
+            >= 2.0
+    );
+
+    // Without a fallback the request is refused with a clear reason.
+    let policy = "policy:\n  default: fast\n";
+    let gw = Gateway::start(&two_engines(policy));
+    let r = gw.post("/v1/chat/completions", &sampled());
+    assert_eq!(r.status, 503, "{}", r.text());
+    let msg = r.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(msg.contains("plain greedy"), "{msg}");
+}
+
+#[test]
+fn a_policy_naming_an_unloaded_engine_stops_startup() {
+    let policy = "policy:\n  default: ghost\n";
+    let err = match Gateway::try_start(&two_engines(policy), &[]) {
+        Ok(_) => panic!("the gateway started with a policy naming an unloaded engine"),
+        Err(e) => e,
+    };
+    assert!(!err.status.unwrap().success());
+    assert!(err.logs.contains("ghost"), "{}", err.logs);
+}
+
+#[test]
+fn full_queue_answers_429_with_retry_after() {
+    let config = two_engines("policy:\n  default: a\n").replace(
+        "server: { policy_reload_ms: 50 }",
+        "server: { policy_reload_ms: 50, max_concurrent: 1, max_queued: 0 }",
+    );
+    let gw = Gateway::start(&config);
+    let bias: serde_json::Map<String, Value> =
+        models::stop_token_ids(e2e_tests::models::tiny_qwen3())
+            .iter()
+            .map(|id| (id.to_string(), json!(-100)))
+            .collect();
+    let long = json!({"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": 20000,
+        "stream": true, "logit_bias": bias});
+    let mut stream = SseStream::open(gw.addr, "/v1/chat/completions", &long);
+    assert_eq!(stream.status, 200);
+    assert!(stream.next_event().is_some());
+    let r = gw.post("/v1/chat/completions", &greedy());
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.header("retry-after"), Some("1"));
+    let v = r.json();
+    assert_eq!(v["error"]["type"], "rate_limit_error");
+    // Nothing about other clients' requests in the message.
+    let msg = v["error"]["message"].as_str().unwrap().to_lowercase();
+    assert!(!msg.contains("active") && !msg.contains("engine"), "{msg}");
+    stream.disconnect();
+    // The slot frees when the stream ends.
+    assert!(gw.wait_for(Duration::from_secs(10), |gw| gw
+        .post("/v1/chat/completions", &greedy())
+        .status
+        == 200));
+}
