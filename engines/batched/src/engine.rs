@@ -42,7 +42,6 @@ impl HandoverSink for Sink {
 
 impl BatchedEngine {
     pub fn from_context(ctx: EngineContext) -> Result<Self, String> {
-        // This plugin's copy of `tracing` logs through the host's subscriber.
         // This plugin's copy of `tracing` logs through the host's subscriber;
         // its callsites cached "disabled" before the dispatcher was set.
         let _ = tracing::dispatcher::set_global_default(ctx.dispatch.clone());

@@ -21,8 +21,10 @@ fn main() -> anyhow::Result<()> {
     let on_device = a.matmul(&b)?;
     let on_cpu = mlx_rs::with_stream(&Stream::new_with_device(&Device::cpu()), || a.matmul(&b))?;
     let diff = on_device.subtract(&on_cpu)?.abs()?.max(None)?.item_cast::<f32>();
-    println!("matmul 512x512 f32: max |device - cpu| = {diff:.2e}");
-    anyhow::ensure!(diff < 1e-2, "device matmul disagrees with the CPU");
+    let scale = on_cpu.abs()?.max(None)?.item_cast::<f32>();
+    // GPUs may run f32 matmuls in TF32 (10-bit mantissa): compare relatively.
+    println!("matmul 512x512 f32: max |device - cpu| = {diff:.2e} (relative {:.1e})", diff / scale);
+    anyhow::ensure!(diff / scale < 5e-3, "device matmul disagrees with the CPU");
 
     let n = if format!("{device:?}").contains("gpu") { 8192 } else { 1024 };
     let x = random::normal::<f32>(&[n, n], None, None, &random::key(3)?)?.as_dtype(Dtype::Bfloat16)?;

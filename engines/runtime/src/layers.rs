@@ -53,10 +53,103 @@ impl Linear {
         }
     }
 
+    fn bias(&self) -> Option<&Array> {
+        match self {
+            Linear::Dense { bias, .. } | Linear::Quantized { bias, .. } => bias.as_ref(),
+        }
+    }
+
+    /// Stacks layers that read the same input on the output axis, so one
+    /// matmul replaces several. `None` when they differ in kind (dense vs
+    /// quantized, bit width, bias or not).
+    fn stack(parts: &[Linear]) -> Option<R<Linear>> {
+        let cat = |xs: Vec<&Array>| ops::concatenate(&xs, 0);
+        let biases: Vec<&Array> = parts.iter().filter_map(Linear::bias).collect();
+        if !biases.is_empty() && biases.len() != parts.len() {
+            return None;
+        }
+        let bias = (!biases.is_empty()).then(|| cat(biases));
+        let dense: Option<Vec<&Array>> = parts
+            .iter()
+            .map(|p| match p {
+                Linear::Dense { weight, .. } => Some(weight),
+                Linear::Quantized { .. } => None,
+            })
+            .collect();
+        if let Some(ws) = dense {
+            return Some((|| Ok(Linear::Dense { weight: cat(ws)?, bias: bias.transpose()? }))());
+        }
+        let mut spec = None;
+        let (mut ws, mut ss, mut bs) = (Vec::new(), Vec::new(), Vec::new());
+        for p in parts {
+            let Linear::Quantized { weight, scales, biases, group_size, bits, .. } = p else { return None };
+            if spec.is_some_and(|s| s != (*group_size, *bits)) {
+                return None;
+            }
+            spec = Some((*group_size, *bits));
+            ws.push(weight);
+            ss.push(scales);
+            bs.push(biases);
+        }
+        let (group_size, bits) = spec?;
+        Some((|| {
+            Ok(Linear::Quantized {
+                weight: cat(ws)?,
+                scales: cat(ss)?,
+                biases: cat(bs)?,
+                bias: bias.transpose()?,
+                group_size,
+                bits,
+            })
+        })())
+    }
+
     pub fn out_features(&self) -> i32 {
         match self {
             Linear::Dense { weight, .. } => weight.dim(0),
             Linear::Quantized { weight, .. } => weight.dim(0),
+        }
+    }
+}
+
+/// Several projections of the same input (q/k/v, or gate/up), computed by
+/// one stacked matmul whose output is split, when their weights allow it.
+pub enum Projections {
+    Stacked { linear: Linear, sizes: Vec<i32> },
+    Separate(Vec<Linear>),
+}
+
+impl Projections {
+    pub fn new(parts: Vec<Linear>) -> R<Self> {
+        match Linear::stack(&parts) {
+            Some(linear) => {
+                let sizes = parts.iter().map(Linear::out_features).collect();
+                Ok(Projections::Stacked { linear: linear?, sizes })
+            }
+            None => Ok(Projections::Separate(parts)),
+        }
+    }
+
+    pub fn forward(&self, x: &Array) -> R<Vec<Array>> {
+        match self {
+            Projections::Separate(parts) => parts.iter().map(|p| p.forward(x)).collect(),
+            Projections::Stacked { linear, sizes } => {
+                let y = linear.forward(x)?;
+                let mut bounds = Vec::with_capacity(sizes.len() - 1);
+                let mut at = 0;
+                for s in &sizes[..sizes.len() - 1] {
+                    at += s;
+                    bounds.push(at);
+                }
+                ops::split_at_indices(&y, &bounds, -1)
+            }
+        }
+    }
+
+    pub fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
+        match self {
+            Projections::Stacked { linear, .. } => linear.collect(out),
+            Projections::Separate(parts) => parts.iter().for_each(|p| p.collect(out)),
         }
     }
 }

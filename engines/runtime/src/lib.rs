@@ -3,6 +3,7 @@
 //! samples on the device. Engines build on it; the gateway shares one
 //! [`LoadedModel`] between all of them.
 
+pub mod activations;
 pub mod cache;
 pub mod config;
 pub mod generate;

@@ -5,11 +5,12 @@
 //! window layers with their own rope base).
 
 use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
-use mlx_rs::{nn, ops, Array, Dtype};
+use mlx_rs::{ops, Array, Dtype};
 
+use crate::activations;
 use crate::cache::KvCache;
 use crate::config::{Family, ModelConfig, RopeScaling};
-use crate::layers::{Embedding, Linear, Offsets, RmsNorm, Rope};
+use crate::layers::{Embedding, Linear, Offsets, Projections, RmsNorm, Rope};
 use crate::mask::{self, AttnMask};
 use crate::weights::Weights;
 
@@ -25,9 +26,8 @@ pub enum Logits {
 }
 
 struct Attention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
+    /// q, k and v projections.
+    qkv: Projections,
     o: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
@@ -39,8 +39,8 @@ struct Attention {
 }
 
 struct Mlp {
-    gate: Linear,
-    up: Linear,
+    /// gate and up projections.
+    gate_up: Projections,
     down: Linear,
     gelu: bool,
 }
@@ -92,9 +92,11 @@ impl Model {
             let scale = cfg.query_pre_attn_scalar.unwrap_or(cfg.head_dim as f32).powf(-0.5);
             layers.push(Layer {
                 attn: Attention {
-                    q: Linear::load(&mut w, &format!("{p}.self_attn.q_proj"), q)?,
-                    k: Linear::load(&mut w, &format!("{p}.self_attn.k_proj"), q)?,
-                    v: Linear::load(&mut w, &format!("{p}.self_attn.v_proj"), q)?,
+                    qkv: Projections::new(vec![
+                        Linear::load(&mut w, &format!("{p}.self_attn.q_proj"), q)?,
+                        Linear::load(&mut w, &format!("{p}.self_attn.k_proj"), q)?,
+                        Linear::load(&mut w, &format!("{p}.self_attn.v_proj"), q)?,
+                    ])?,
                     o: Linear::load(&mut w, &format!("{p}.self_attn.o_proj"), q)?,
                     q_norm,
                     k_norm,
@@ -105,8 +107,10 @@ impl Model {
                     scale,
                 },
                 mlp: Mlp {
-                    gate: Linear::load(&mut w, &format!("{p}.mlp.gate_proj"), q)?,
-                    up: Linear::load(&mut w, &format!("{p}.mlp.up_proj"), q)?,
+                    gate_up: Projections::new(vec![
+                        Linear::load(&mut w, &format!("{p}.mlp.gate_proj"), q)?,
+                        Linear::load(&mut w, &format!("{p}.mlp.up_proj"), q)?,
+                    ])?,
                     down: Linear::load(&mut w, &format!("{p}.mlp.down_proj"), q)?,
                     gelu: gemma,
                 },
@@ -206,9 +210,10 @@ fn last_position(h: &Array) -> R<Array> {
 impl Layer {
     fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
         let a = &self.attn;
-        for lin in [&a.q, &a.k, &a.v, &a.o, &self.mlp.gate, &self.mlp.up, &self.mlp.down] {
-            lin.collect(out);
-        }
+        a.qkv.collect(out);
+        self.mlp.gate_up.collect(out);
+        a.o.collect(out);
+        self.mlp.down.collect(out);
         for norm in [&a.q_norm, &a.k_norm, &self.pre_ff_norm, &self.post_ff_norm].into_iter().flatten() {
             norm.collect(out);
         }
@@ -253,9 +258,11 @@ impl Attention {
             }
             t.transpose_axes(&[0, 2, 1, 3])
         };
-        let q = heads(self.q.forward(x)?, self.heads, &self.q_norm)?;
-        let k = heads(self.k.forward(x)?, self.kv_heads, &self.k_norm)?;
-        let v = heads(self.v.forward(x)?, self.kv_heads, &None)?;
+        let mut qkv = self.qkv.forward(x)?.into_iter();
+        let (q, k, v) = (qkv.next().unwrap(), qkv.next().unwrap(), qkv.next().unwrap());
+        let q = heads(q, self.heads, &self.q_norm)?;
+        let k = heads(k, self.kv_heads, &self.k_norm)?;
+        let v = heads(v, self.kv_heads, &None)?;
         let q = self.rope.forward(&q, offsets)?;
         let k = self.rope.forward(&k, offsets)?;
         let (k, v) = cache.update(idx, k, v)?;
@@ -273,8 +280,8 @@ impl Attention {
 
 impl Mlp {
     fn forward(&self, x: &Array) -> R<Array> {
-        let g = self.gate.forward(x)?;
-        let act = if self.gelu { nn::gelu_approximate(&g)? } else { nn::silu(&g)? };
-        self.down.forward(&act.multiply(self.up.forward(x)?)?)
+        let mut gu = self.gate_up.forward(x)?.into_iter();
+        let (g, u) = (gu.next().unwrap(), gu.next().unwrap());
+        self.down.forward(&activations::gated(&g, &u, self.gelu)?)
     }
 }
