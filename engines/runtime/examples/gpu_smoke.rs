@@ -49,6 +49,21 @@ fn main() -> anyhow::Result<()> {
     println!("greedy on {device:?}: {:?}...", &gpu.tokens[..12]);
     anyhow::ensure!(gpu.tokens == cpu.tokens, "device and CPU greedy tokens differ");
     println!("model forward + greedy decode on {device:?} matches the CPU token for token (48 tokens)");
+
+    // A left-padded batch of mixed prompt lengths (and Gemma 3's sliding
+    // window): per-row decode attention on the GPU, masks on the CPU.
+    for family in [Family::Qwen3, Family::Gemma3] {
+        let dir = tempfile_dir()?.join(family.to_string());
+        write_model(&dir, &TinySpec::tiny(family))?;
+        let model = LoadedModel::load(&dir, None)?;
+        let prompts: Vec<Vec<u32>> = [5u32, 31, 12].iter().map(|&n| (1..=n).map(|i| (i * 37) % 500).collect()).collect();
+        let gpu = generate::greedy_batch(&model.model, &prompts, 40, &[])?;
+        let cpu = mlx_rs::with_stream(&Stream::new_with_device(&Device::cpu()), || {
+            generate::greedy_batch(&model.model, &prompts, 40, &[])
+        })?;
+        anyhow::ensure!(gpu == cpu, "{family}: padded batch differs between device and CPU");
+        println!("{family}: padded batch of 3 (5, 31, 12 tokens) x 40 tokens matches the CPU");
+    }
     Ok(())
 }
 

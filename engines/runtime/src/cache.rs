@@ -245,12 +245,29 @@ fn write(buf: Option<Array>, update: &Array, at: i32, capacity: i32) -> anyhow::
 /// `buf[:, :, from:to, :]`.
 fn slice_cols(buf: &Array, from: i32, to: i32) -> anyhow::Result<Array> {
     let s = buf.shape();
-    let start = [0, 0, from, 0];
-    let stop = [s[0], s[1], to, s[3]];
-    let strides = [1, 1, 1, 1];
+    slice(buf, &[0, 0, from, 0], &[s[0], s[1], to, s[3]])
+}
+
+/// A strided view `a[start:stop]` over every axis (no copy).
+pub fn slice(a: &Array, start: &[i32], stop: &[i32]) -> anyhow::Result<Array> {
+    let strides = vec![1; start.len()];
     ffi_op(|res, stream| unsafe {
-        mlx_sys::mlx_slice(res, buf.as_ptr(), start.as_ptr(), 4, stop.as_ptr(), 4, strides.as_ptr(), 4, stream)
+        mlx_sys::mlx_slice(res, a.as_ptr(), start.as_ptr(), start.len(), stop.as_ptr(), stop.len(), strides.as_ptr(), strides.len(), stream)
     })
+}
+
+/// Whether ops issued now run on a GPU stream.
+pub fn on_gpu() -> bool {
+    let stream = mlx_rs::Stream::thread_local_or_default();
+    unsafe {
+        let mut device = mlx_sys::mlx_device_new();
+        let mut kind = mlx_sys::mlx_device_type__MLX_CPU;
+        let gpu = mlx_sys::mlx_stream_get_device(&mut device, stream.as_ptr()) == 0
+            && mlx_sys::mlx_device_get_type(&mut kind, device) == 0
+            && kind == mlx_sys::mlx_device_type__MLX_GPU;
+        mlx_sys::mlx_device_free(device);
+        gpu
+    }
 }
 
 /// Runs one mlx-c op that mlx-rs does not wrap with the signature we need.

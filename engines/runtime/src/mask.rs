@@ -1,6 +1,8 @@
 //! Attention masks. Boolean masks (true = attend) so masked scores get the
 //! kernel's own negative fill rather than a hand-picked constant.
 
+use std::cell::Cell;
+
 use mlx_rs::Array;
 
 use crate::cache::KvCache;
@@ -11,6 +13,37 @@ pub enum AttnMask {
     /// Lower-right aligned causal mask, computed inside the kernel.
     Causal,
     Array(Array),
+    /// Single-token decode on a GPU: row `b` attends to keys
+    /// `[starts[b], total)`. One fused attention kernel per row beats the
+    /// masked attention, which MLX's CUDA backend runs unfused.
+    RowStarts(Vec<i32>),
+}
+
+/// When single-token decode of a padded batch attends row by row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowAttention {
+    /// On GPU streams (where it saves the unfused masked attention).
+    Auto,
+    Always,
+    Never,
+}
+
+thread_local! {
+    static ROW_ATTENTION: Cell<RowAttention> = const { Cell::new(RowAttention::Auto) };
+}
+
+/// Overrides the choice on this thread (tests exercise both paths on any
+/// device).
+pub fn set_row_attention(mode: RowAttention) {
+    ROW_ATTENTION.with(|m| m.set(mode));
+}
+
+fn row_attention() -> bool {
+    match ROW_ATTENTION.with(Cell::get) {
+        RowAttention::Always => true,
+        RowAttention::Never => false,
+        RowAttention::Auto => crate::cache::on_gpu(),
+    }
 }
 
 /// Mask for `n` new queries appended to `cache` (before the cache grows).
@@ -25,6 +58,10 @@ pub fn build(cache: &KvCache, n: i32, window: Option<i32>) -> AttnMask {
         return if n == 1 { AttnMask::None } else { AttnMask::Causal };
     }
     let pads = cache.left_padding();
+    if n == 1 && row_attention() {
+        let starts = pads.iter().map(|&p| p.max(window.map_or(0, |w| total - w))).collect();
+        return AttnMask::RowStarts(starts);
+    }
     let mut data = Vec::with_capacity(pads.len() * (n * total) as usize);
     for &pad in pads {
         for q in 0..n {

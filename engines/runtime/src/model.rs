@@ -8,7 +8,7 @@ use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
 use mlx_rs::{ops, Array, Dtype};
 
 use crate::activations;
-use crate::cache::KvCache;
+use crate::cache::{slice, KvCache};
 use crate::config::{Family, ModelConfig, RopeScaling};
 use crate::layers::{Embedding, Linear, Offsets, Projections, RmsNorm, Rope};
 use crate::mask::{self, AttnMask};
@@ -272,6 +272,23 @@ impl Attention {
                 &q, &k, &v, self.scale, ScaledDotProductAttentionMask::Causal, None,
             )?,
             AttnMask::Array(m) => fast::scaled_dot_product_attention(&q, &k, &v, self.scale, m, None)?,
+            AttnMask::RowStarts(starts) => {
+                let total = k.dim(2);
+                let rows = starts
+                    .iter()
+                    .enumerate()
+                    .map(|(r, &from)| -> anyhow::Result<Array> {
+                        let r = r as i32;
+                        let qs = q.shape();
+                        let ks = k.shape();
+                        let qr = slice(&q, &[r, 0, 0, 0], &[r + 1, qs[1], qs[2], qs[3]])?;
+                        let kr = slice(&k, &[r, 0, from, 0], &[r + 1, ks[1], total, ks[3]])?;
+                        let vr = slice(&v, &[r, 0, from, 0], &[r + 1, ks[1], total, ks[3]])?;
+                        Ok(fast::scaled_dot_product_attention(&qr, &kr, &vr, self.scale, None, None)?)
+                    })
+                    .collect::<anyhow::Result<Vec<_>>>()?;
+                ops::concatenate(&rows, 0)?
+            }
         };
         let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, l, self.heads * self.head_dim])?;
         Ok(self.o.forward(&out)?)

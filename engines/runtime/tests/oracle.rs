@@ -10,6 +10,7 @@ use std::process::{Command, Stdio};
 use mlx_rs::Dtype;
 use runtime::config::ModelConfig;
 use runtime::generate::{self, prefill};
+use runtime::mask::{set_row_attention, RowAttention};
 use runtime::model::{Logits, Model};
 use runtime::tiny::{write_model, TinySpec};
 use runtime::weights::Weights;
@@ -119,9 +120,15 @@ fn check_family(spec: TinySpec, logit_tol: Option<f32>) {
         let run = generate::greedy(&model, prompt, STEPS, &[], |_| true).unwrap();
         assert_eq!(run.tokens, r.tokens, "{label}: prompt {i} generate::greedy differs");
     }
-    let batched = generate::greedy_batch(&model, &prompts, STEPS, &[]).unwrap();
-    for (i, (b, r)) in batched.iter().zip(&refs).enumerate() {
-        assert_eq!(b, &r.tokens, "{label}: prompt {i} differs when decoded in a padded batch");
+    // Both ways a padded batch can decode: one masked attention, or one
+    // unmasked attention per row (what GPUs use).
+    for mode in [RowAttention::Never, RowAttention::Always] {
+        set_row_attention(mode);
+        let batched = generate::greedy_batch(&model, &prompts, STEPS, &[]).unwrap();
+        set_row_attention(RowAttention::Auto);
+        for (i, (b, r)) in batched.iter().zip(&refs).enumerate() {
+            assert_eq!(b, &r.tokens, "{label}: prompt {i} differs when decoded in a padded batch ({mode:?})");
+        }
     }
 }
 
