@@ -20,10 +20,17 @@ fn arg(name: &str, default: usize) -> usize {
     argv.windows(2).find(|w| w[0] == name).map(|w| w[1].parse().expect("number")).unwrap_or(default)
 }
 
+/// The bench shape with a vocabulary the tokenizer's corpus fills with real
+/// text tokens: a random model then streams visible text, not reserved
+/// special tokens that decode to nothing.
+fn spec() -> TinySpec {
+    TinySpec { vocab: 1536, ..TinySpec::bench(Family::Qwen3) }
+}
+
 fn model_dir() -> PathBuf {
-    let dir = build::workspace_root().join("target/bench-models/qwen3-bench");
+    let dir = build::workspace_root().join("target/bench-models/qwen3-bench-text");
     if !dir.join("model.safetensors").exists() {
-        write_model(&dir, &TinySpec::bench(Family::Qwen3)).expect("write bench model");
+        write_model(&dir, &spec()).expect("write bench model");
     }
     dir
 }
@@ -45,7 +52,7 @@ policy:
 /// Streams one completion; returns (engine, decode tok/s, tokens).
 fn stream_once(gw: &Gateway, prompt: &[u32], gen: usize) -> (String, f64, usize) {
     let body = json!({
-        "model": "qwen3-bench", "prompt": prompt, "max_tokens": gen, "temperature": 0,
+        "model": "qwen3-bench-text", "prompt": prompt, "max_tokens": gen, "temperature": 0,
         "stream": true, "stream_options": {"include_usage": true}
     });
     let mut s = SseStream::open(gw.addr, "/v1/completions", &body);
@@ -66,7 +73,10 @@ fn stream_once(gw: &Gateway, prompt: &[u32], gen: usize) -> (String, f64, usize)
             last = Some(now);
         }
     }
-    let secs = (last.unwrap() - first.unwrap()).as_secs_f64();
+    let (Some(first), Some(last)) = (first, last) else {
+        panic!("{engine}: no text streamed ({tokens} tokens)");
+    };
+    let secs = (last - first).as_secs_f64();
     (engine, (tokens.saturating_sub(1)) as f64 / secs, tokens)
 }
 
@@ -84,7 +94,7 @@ fn main() {
         }
     }
     drop(loaded);
-    println!("model: qwen3 bench preset ({:.0}M parameters); prompt {prompt_len} tokens, {gen} generated; best of {reps}", TinySpec::bench(Family::Qwen3).parameters() as f64 / 1e6);
+    println!("model: qwen3 bench shape, vocab 1536 ({:.0}M parameters); prompt {prompt_len} tokens, {gen} generated; best of {reps}", spec().parameters() as f64 / 1e6);
     println!("raw model loop (runtime::generate::greedy): {raw:.1} tok/s decode");
     for default in ["fastpath", "batched"] {
         let gw = Gateway::start(&config(&dir, default));

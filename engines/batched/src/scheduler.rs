@@ -281,7 +281,7 @@ impl Scheduler {
 
     fn step(&mut self) -> anyhow::Result<()> {
         let shared = self.shared.clone();
-        let _device = shared.model.device.lock();
+        let _device = shared.model.lock_device();
         self.prefill_group()?;
         self.prefill_chunk()?;
         self.decode()?;

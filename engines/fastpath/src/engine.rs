@@ -46,14 +46,14 @@ impl FastpathEngine {
             .spawn(move || {
                 for job in rx {
                     let id = job.request.id;
-                    match worker::run(&worker_shared, job) {
+                    match worker::run(&worker_shared, job, &worker_busy) {
                         Outcome::Finished(reason) => tracing::debug!(request = %id, ?reason, "fast path request finished"),
                         Outcome::HandedOver => {
                             worker_handovers.fetch_add(1, Ordering::Relaxed);
                             tracing::info!(request = %id, "fast path handed its sequence to the batched engine")
                         }
+                        Outcome::Failed => {}
                     }
-                    worker_busy.store(false, Ordering::Release);
                 }
             })
             .expect("spawn the fast path worker");

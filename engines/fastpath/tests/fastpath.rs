@@ -156,3 +156,20 @@ fn shutdown_cancels_then_awaits_the_request() {
     assert_eq!(refusal(s.fast.submit(GenerateRequest::new(vec![1, 2], 2))), EngineError::ShuttingDown);
     let _ = &s.batched;
 }
+
+#[test]
+fn handover_right_after_the_first_tokens_while_batched_admits() {
+    let s = setup();
+    for round in 0..5 {
+        let first = prompt(100 + round, 128);
+        let mut a = s.fast.submit(GenerateRequest::new(first.clone(), 200)).unwrap();
+        let mut head: Vec<u32> = (0..2).map(|_| next_token(&mut a)).collect();
+        let second = prompt(200 + round, 128);
+        let b = s.batched.submit(GenerateRequest::new(second.clone(), 16)).unwrap();
+        let (tb, _) = rest(b);
+        let (tail, _) = rest(a);
+        head.extend(tail);
+        assert_eq!(tb, alone(&s.shared, &second, 16));
+        assert_eq!(head, alone(&s.shared, &first, 200));
+    }
+}

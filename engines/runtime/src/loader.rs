@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
-use parking_lot::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 use crate::config::ModelConfig;
 use crate::model::Model;
@@ -24,8 +24,11 @@ pub struct LoadedModel {
     /// tokenizer config, end-of-turn tokens), the same for every engine.
     pub stop_tokens: Vec<u32>,
     /// Serialises device work across engines: MLX streams are not safe to
-    /// evaluate from several threads at once.
-    pub device: Mutex<()>,
+    /// evaluate from several threads at once. A std (futex) mutex on
+    /// purpose: each plugin links its own copy of parking_lot, whose parked
+    /// threads live in a per-copy global table, so one plugin's unlock could
+    /// never wake another plugin's waiter.
+    device: Mutex<()>,
 }
 
 // MLX arrays are reference-counted handles to immutable buffers; the weights
@@ -57,6 +60,12 @@ impl LoadedModel {
             "model loaded"
         );
         Ok(Self { dir: dir.to_path_buf(), name, model, tokenizer, template, stop_tokens, device: Mutex::new(()) })
+    }
+
+    /// Exclusive use of the device for one engine step (or one fast-path
+    /// run). A panicked holder left nothing half-written that matters here.
+    pub fn lock_device(&self) -> MutexGuard<'_, ()> {
+        self.device.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     pub fn vocab_size(&self) -> usize {

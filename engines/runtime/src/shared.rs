@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use engine_core::EngineContext;
-use parking_lot::RwLock;
+use std::sync::RwLock;
 
 use crate::handover::HandoverSink;
 
@@ -15,7 +15,8 @@ pub struct SharedModel {
     pub model: LoadedModel,
     pub kv_pool: KvPool,
     /// The engine that adopts sequences other engines hand over (the
-    /// batched engine registers itself here).
+    /// batched engine registers itself here). std's lock, not parking_lot's:
+    /// plugins share this object but not parking_lot's global tables.
     handover: RwLock<Option<Arc<dyn HandoverSink>>>,
 }
 
@@ -25,11 +26,11 @@ impl SharedModel {
     }
 
     pub fn set_handover_sink(&self, sink: Arc<dyn HandoverSink>) {
-        *self.handover.write() = Some(sink);
+        *self.handover.write().unwrap_or_else(|e| e.into_inner()) = Some(sink);
     }
 
     pub fn handover_sink(&self) -> Option<Arc<dyn HandoverSink>> {
-        self.handover.read().clone()
+        self.handover.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// The shared model from an engine's context. Fails when the plugin was

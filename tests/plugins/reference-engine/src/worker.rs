@@ -116,7 +116,7 @@ fn run_greedy(
     req: &GenerateRequest,
     events: &EventSender,
 ) -> GenResult<Outcome> {
-    let _device = shared.model.device.lock();
+    let _device = shared.model.lock_device();
     let mut delivered = 0u32;
     let max = req.max_tokens as usize;
     let run = generate::greedy(
@@ -159,7 +159,7 @@ fn run_sampled(
     let mut sampler = Sampler::new(&req.sampling, vocab, &req.prompt).map_err(err)?;
     let mut cache = model.new_cache(1);
     let mut logits = {
-        let _device = shared.model.device.lock();
+        let _device = shared.model.lock_device();
         generate::prefill(model, &mut cache, &req.prompt, DEFAULT_PREFILL_CHUNK)
             .map_err(|e| e.to_string())?
     };
@@ -171,7 +171,7 @@ fn run_sampled(
                 delivered,
             });
         }
-        let _device = shared.model.device.lock();
+        let _device = shared.model.lock_device();
         let row = logits.reshape(&[1, vocab]).map_err(err)?;
         let chosen = sampler
             .sample(&row)
