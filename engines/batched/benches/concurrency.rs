@@ -165,6 +165,8 @@ fn main() {
     let raw = generate::greedy(&shared.model.model, &p, a.gen, &[], |_| true).unwrap();
     let raw_tps = (raw.tokens.len() - 1) as f64 / raw.decode_time.as_secs_f64();
     let fast = FastpathEngine::new("fastpath".into(), shared.clone());
+    // Warm-up: the worker thread's first request compiles its kernels.
+    run_one(&fast, GenerateRequest::new(p.clone(), 8), &mut Samples::default());
     let mut fs = Samples::default();
     run_one(&fast, GenerateRequest::new(p.clone(), a.gen as u32), &mut fs);
     let fast_decode = 1e3 / (fs.itl.iter().sum::<f64>() / fs.itl.len() as f64);
