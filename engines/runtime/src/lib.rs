@@ -4,6 +4,7 @@
 //! [`LoadedModel`] between all of them.
 
 pub mod activations;
+pub mod admission;
 pub mod cache;
 pub mod config;
 pub mod generate;
