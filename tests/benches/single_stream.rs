@@ -17,14 +17,20 @@ use serde_json::{json, Value};
 
 fn arg(name: &str, default: usize) -> usize {
     let argv: Vec<String> = std::env::args().collect();
-    argv.windows(2).find(|w| w[0] == name).map(|w| w[1].parse().expect("number")).unwrap_or(default)
+    argv.windows(2)
+        .find(|w| w[0] == name)
+        .map(|w| w[1].parse().expect("number"))
+        .unwrap_or(default)
 }
 
 /// The bench shape with a vocabulary the tokenizer's corpus fills with real
 /// text tokens: a random model then streams visible text, not reserved
 /// special tokens that decode to nothing.
 fn spec() -> TinySpec {
-    TinySpec { vocab: 1536, ..TinySpec::bench(Family::Qwen3) }
+    TinySpec {
+        vocab: 1536,
+        ..TinySpec::bench(Family::Qwen3)
+    }
 }
 
 fn model_dir() -> PathBuf {
@@ -57,7 +63,12 @@ fn stream_once(gw: &Gateway, prompt: &[u32], gen: usize) -> (String, f64, usize)
     });
     let mut s = SseStream::open(gw.addr, "/v1/completions", &body);
     assert_eq!(s.status, 200);
-    let engine = s.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case("x-engine")).map(|(_, v)| v.clone()).unwrap_or_default();
+    let engine = s
+        .headers
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case("x-engine"))
+        .map(|(_, v)| v.clone())
+        .unwrap_or_default();
     let (mut first, mut last, mut tokens) = (None, None, 0usize);
     while let Some(data) = s.next_event() {
         if data == "[DONE]" {
@@ -67,7 +78,10 @@ fn stream_once(gw: &Gateway, prompt: &[u32], gen: usize) -> (String, f64, usize)
         if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
             tokens = n as usize;
         }
-        if v["choices"][0]["text"].as_str().is_some_and(|t| !t.is_empty()) {
+        if v["choices"][0]["text"]
+            .as_str()
+            .is_some_and(|t| !t.is_empty())
+        {
             let now = Instant::now();
             first.get_or_insert(now);
             last = Some(now);
@@ -85,7 +99,9 @@ fn main() {
     let dir = model_dir();
     let loaded = LoadedModel::load(&dir, None).expect("load");
     let vocab = loaded.vocab_size() as u32;
-    let prompt: Vec<u32> = (0..prompt_len as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    let prompt: Vec<u32> = (0..prompt_len as u32)
+        .map(|i| (i * 7919 + 13) % vocab)
+        .collect();
     let mut raw = 0f64;
     for rep in 0..=reps {
         let run = generate::greedy(&loaded.model, &prompt, gen, &[], |_| true).unwrap();

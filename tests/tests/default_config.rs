@@ -132,21 +132,35 @@ fn disconnect_returns_the_batched_engines_kv_blocks() {
 fn handover_between_plugins_never_stalls() {
     let gw = start();
     // Plain greedy (no logit_bias), so the fast path takes it.
-    let mut stream = SseStream::open(gw.addr, "/v1/chat/completions", &chat(json!({"max_tokens": 400, "stream": true})));
+    let mut stream = SseStream::open(
+        gw.addr,
+        "/v1/chat/completions",
+        &chat(json!({"max_tokens": 400, "stream": true})),
+    );
     assert_eq!(stream.status, 200);
-    let engine = stream.headers.iter().find(|(k, _)| k == "x-engine").map(|(_, v)| v.clone());
+    let engine = stream
+        .headers
+        .iter()
+        .find(|(k, _)| k == "x-engine")
+        .map(|(_, v)| v.clone());
     assert_eq!(engine.as_deref(), Some("fastpath"));
     assert!(stream.next_event().is_some());
     let addr = gw.addr;
     let (done, finished) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for _ in 0..3 {
-            let r = e2e_tests::http::post_json(addr, "/v1/chat/completions", &chat(json!({"max_tokens": 8})));
+            let r = e2e_tests::http::post_json(
+                addr,
+                "/v1/chat/completions",
+                &chat(json!({"max_tokens": 8})),
+            );
             let _ = done.send(r.status);
         }
     });
     for i in 0..3 {
-        let status = finished.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| panic!("request {i} stalled"));
+        let status = finished
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|_| panic!("request {i} stalled"));
         assert_eq!(status, 200);
     }
     let mut events = 0;
@@ -157,6 +171,14 @@ fn handover_between_plugins_never_stalls() {
         }
     }
     assert!(events > 3, "the handed-over stream went on");
-    assert!(gw.logs().contains("handed its sequence to the batched engine"), "a handover happened");
-    assert!(gw.wait_for(Duration::from_secs(10), |gw| gw.health()["kv_pool"]["allocated_blocks"] == 0));
+    assert!(
+        gw.logs()
+            .contains("handed its sequence to the batched engine"),
+        "a handover happened"
+    );
+    assert!(
+        gw.wait_for(Duration::from_secs(10), |gw| gw.health()["kv_pool"]
+            ["allocated_blocks"]
+            == 0)
+    );
 }

@@ -28,7 +28,13 @@ struct Args {
 }
 
 fn args() -> Args {
-    let mut a = Args { preset: "bench".into(), levels: vec![1, 2, 4, 8, 16], prompt: 128, gen: 64, rounds: 2 };
+    let mut a = Args {
+        preset: "bench".into(),
+        levels: vec![1, 2, 4, 8, 16],
+        prompt: 128,
+        gen: 64,
+        rounds: 2,
+    };
     let argv: Vec<String> = std::env::args().collect();
     for w in argv.windows(2) {
         match w[0].as_str() {
@@ -55,14 +61,19 @@ fn model_dir(preset: &str) -> PathBuf {
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."));
     let dir = root.join(format!("target/bench-models/qwen3-{preset}"));
     if !dir.join("model.safetensors").exists() {
-        eprintln!("writing the {preset} model ({:.0}M parameters)...", spec.parameters() as f64 / 1e6);
+        eprintln!(
+            "writing the {preset} model ({:.0}M parameters)...",
+            spec.parameters() as f64 / 1e6
+        );
         write_model(&dir, &spec).expect("write bench model");
     }
     dir
 }
 
 fn prompt(seed: usize, len: usize, vocab: u32) -> Vec<u32> {
-    (0..len).map(|i| ((i * 7919 + seed * 104_729 + 13) as u32) % vocab).collect()
+    (0..len)
+        .map(|i| ((i * 7919 + seed * 104_729 + 13) as u32) % vocab)
+        .collect()
 }
 
 #[derive(Default)]
@@ -111,7 +122,11 @@ fn level(engine: Arc<dyn Engine>, c: usize, a: &Args, vocab: u32) -> (f64, Sampl
             std::thread::spawn(move || {
                 let mut s = Samples::default();
                 for r in 0..rounds {
-                    run_one(engine.as_ref(), GenerateRequest::new(prompt(client * 31 + r, p, vocab), g as u32), &mut s);
+                    run_one(
+                        engine.as_ref(),
+                        GenerateRequest::new(prompt(client * 31 + r, p, vocab), g as u32),
+                        &mut s,
+                    );
                 }
                 s
             })
@@ -129,22 +144,45 @@ fn level(engine: Arc<dyn Engine>, c: usize, a: &Args, vocab: u32) -> (f64, Sampl
 
 /// Worst and p99 inter-token gap of 4 running rows while a long prompt is
 /// prefilled.
-fn long_prompt_stall(shared: &Arc<SharedModel>, chunk: usize, long: usize, vocab: u32) -> (f64, f64) {
-    let engine = Arc::new(BatchedEngine::new(format!("stall-{chunk}"), shared.clone(), BatchedConfig { prefill_chunk: chunk, ..Default::default() }));
+fn long_prompt_stall(
+    shared: &Arc<SharedModel>,
+    chunk: usize,
+    long: usize,
+    vocab: u32,
+) -> (f64, f64) {
+    let engine = Arc::new(BatchedEngine::new(
+        format!("stall-{chunk}"),
+        shared.clone(),
+        BatchedConfig {
+            prefill_chunk: chunk,
+            ..Default::default()
+        },
+    ));
     let runners: Vec<_> = (0..4)
         .map(|i| {
             let e = engine.clone();
             std::thread::spawn(move || {
                 let mut s = Samples::default();
-                run_one(e.as_ref(), GenerateRequest::new(prompt(900 + i, 32, vocab), 96), &mut s);
+                run_one(
+                    e.as_ref(),
+                    GenerateRequest::new(prompt(900 + i, 32, vocab), 96),
+                    &mut s,
+                );
                 s
             })
         })
         .collect();
     std::thread::sleep(Duration::from_millis(300));
     let mut long_s = Samples::default();
-    run_one(engine.as_ref(), GenerateRequest::new(prompt(999, long, vocab), 4), &mut long_s);
-    let mut itl: Vec<f64> = runners.into_iter().flat_map(|h| h.join().unwrap().itl).collect();
+    run_one(
+        engine.as_ref(),
+        GenerateRequest::new(prompt(999, long, vocab), 4),
+        &mut long_s,
+    );
+    let mut itl: Vec<f64> = runners
+        .into_iter()
+        .flat_map(|h| h.join().unwrap().itl)
+        .collect();
     let worst = itl.iter().copied().fold(0.0, f64::max);
     (worst, pct(&mut itl, 0.99))
 }
@@ -155,9 +193,19 @@ fn main() {
     let model = LoadedModel::load(&dir, None).expect("load");
     let vocab = model.vocab_size() as u32;
     let bytes = model.model.config.kv_bytes_per_token(4);
-    let shared = Arc::new(SharedModel::new(model, KvPool::new(1 << 16, 16, bytes * 16)));
-    println!("device: {:?}; BLAS: {}", mlx_rs::Device::default(), mlx_sys::blas_backend());
-    println!("model: qwen3 {} preset; prompt {} tokens, {} generated per request", a.preset, a.prompt, a.gen);
+    let shared = Arc::new(SharedModel::new(
+        model,
+        KvPool::new(1 << 16, 16, bytes * 16),
+    ));
+    println!(
+        "device: {:?}; BLAS: {}",
+        mlx_rs::Device::default(),
+        mlx_sys::blas_backend()
+    );
+    println!(
+        "model: qwen3 {} preset; prompt {} tokens, {} generated per request",
+        a.preset, a.prompt, a.gen
+    );
 
     // Baselines at c=1: the raw loop and the fast path engine.
     let p = prompt(1, a.prompt, vocab);
@@ -166,13 +214,25 @@ fn main() {
     let raw_tps = (raw.tokens.len() - 1) as f64 / raw.decode_time.as_secs_f64();
     let fast = FastpathEngine::new("fastpath".into(), shared.clone());
     // Warm-up: the worker thread's first request compiles its kernels.
-    run_one(&fast, GenerateRequest::new(p.clone(), 8), &mut Samples::default());
+    run_one(
+        &fast,
+        GenerateRequest::new(p.clone(), 8),
+        &mut Samples::default(),
+    );
     let mut fs = Samples::default();
-    run_one(&fast, GenerateRequest::new(p.clone(), a.gen as u32), &mut fs);
+    run_one(
+        &fast,
+        GenerateRequest::new(p.clone(), a.gen as u32),
+        &mut fs,
+    );
     let fast_decode = 1e3 / (fs.itl.iter().sum::<f64>() / fs.itl.len() as f64);
     drop(fast);
 
-    let engine: Arc<dyn Engine> = Arc::new(BatchedEngine::new("batched".into(), shared.clone(), BatchedConfig::default()));
+    let engine: Arc<dyn Engine> = Arc::new(BatchedEngine::new(
+        "batched".into(),
+        shared.clone(),
+        BatchedConfig::default(),
+    ));
     let mut s = Samples::default();
     run_one(engine.as_ref(), GenerateRequest::new(p.clone(), 8), &mut s); // warm-up
     println!("\n| c | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |");
@@ -195,7 +255,10 @@ fn main() {
     }
     println!("\nsingle-request decode tok/s: raw loop {raw_tps:.1}, fast path engine {fast_decode:.1} ({:.1}% of raw)", 100.0 * fast_decode / raw_tps);
     if let Some(b1) = c1 {
-        println!("batched engine at c=1: {b1:.1} tok/s decode ({:.1}% of raw)", 100.0 * b1 / raw_tps);
+        println!(
+            "batched engine at c=1: {b1:.1} tok/s decode ({:.1}% of raw)",
+            100.0 * b1 / raw_tps
+        );
         let top = a.levels.last().copied().unwrap_or(1);
         println!("aggregate at c={top} over c=1 decode: {:.2}x", last / b1);
     }

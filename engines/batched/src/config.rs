@@ -21,7 +21,13 @@ pub struct BatchedConfig {
 
 impl Default for BatchedConfig {
     fn default() -> Self {
-        Self { kind: None, max_batch: 32, max_queue: 256, prefill_chunk: 256, prefix_cache_entries: 16 }
+        Self {
+            kind: None,
+            max_batch: 32,
+            max_queue: 256,
+            prefill_chunk: 256,
+            prefix_cache_entries: 16,
+        }
     }
 }
 
@@ -30,9 +36,12 @@ impl BatchedConfig {
         if section.is_null() {
             return Ok(Self::default());
         }
-        let cfg: Self = serde_yaml::from_value(section.clone()).map_err(|e| format!("batched engine config: {e}"))?;
+        let cfg: Self = serde_yaml::from_value(section.clone())
+            .map_err(|e| format!("batched engine config: {e}"))?;
         if cfg.max_batch == 0 || cfg.prefill_chunk == 0 {
-            return Err("batched engine config: max_batch and prefill_chunk must be at least 1".into());
+            return Err(
+                "batched engine config: max_batch and prefill_chunk must be at least 1".into(),
+            );
         }
         Ok(cfg)
     }

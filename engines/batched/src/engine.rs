@@ -6,7 +6,10 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::Sender;
 use engine_core::event::event_channel;
-use engine_core::{Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventStream, GenerateRequest, RequestId};
+use engine_core::{
+    Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventStream, GenerateRequest,
+    RequestId,
+};
 use parking_lot::Mutex;
 use runtime::handover::{Handover, HandoverSink};
 use runtime::SharedModel;
@@ -29,10 +32,12 @@ struct Sink(Sender<Msg>, Arc<Stats>);
 
 impl HandoverSink for Sink {
     fn adopt(&self, handover: Handover) -> Result<(), Box<Handover>> {
-        self.0.send(Msg::Adopt(Box::new(handover))).map_err(|e| match e.0 {
-            Msg::Adopt(h) => h,
-            _ => unreachable!("sent an Adopt"),
-        })
+        self.0
+            .send(Msg::Adopt(Box::new(handover)))
+            .map_err(|e| match e.0 {
+                Msg::Adopt(h) => h,
+                _ => unreachable!("sent an Adopt"),
+            })
     }
 
     fn busy(&self) -> bool {
@@ -61,7 +66,14 @@ impl BatchedEngine {
             .expect("spawn the scheduler thread");
         shared.set_handover_sink(Arc::new(Sink(tx.clone(), stats.clone())));
         tracing::info!(engine = %name, max_batch = cfg.max_batch, prefill_chunk = cfg.prefill_chunk, "batched engine ready");
-        Self { name, shared, cfg, tx, stats, thread: Mutex::new(Some(thread)) }
+        Self {
+            name,
+            shared,
+            cfg,
+            tx,
+            stats,
+            thread: Mutex::new(Some(thread)),
+        }
     }
 }
 
@@ -71,7 +83,12 @@ impl Engine for BatchedEngine {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { greedy_only: false, tools: true, max_concurrent: Some(self.cfg.max_batch), speculative: false }
+        Capabilities {
+            greedy_only: false,
+            tools: true,
+            max_concurrent: Some(self.cfg.max_batch),
+            speculative: false,
+        }
     }
 
     fn submit(&self, request: GenerateRequest) -> Result<EventStream, EngineError> {
@@ -80,12 +97,18 @@ impl Engine for BatchedEngine {
             return Err(EngineError::ShuttingDown);
         }
         if self.stats.queued.load(Ordering::Acquire) >= self.cfg.max_queue {
-            return Err(EngineError::Overloaded("the request queue is full; retry shortly".into()));
+            return Err(EngineError::Overloaded(
+                "the request queue is full; retry shortly".into(),
+            ));
         }
         let (events, stream) = event_channel();
         self.stats.queued.fetch_add(1, Ordering::AcqRel);
         self.tx
-            .send(Msg::Submit(Waiting { request, blocks, events }))
+            .send(Msg::Submit(Waiting {
+                request,
+                blocks,
+                events,
+            }))
             .map_err(|_| EngineError::ShuttingDown)?;
         Ok(stream)
     }
@@ -99,13 +122,19 @@ impl Engine for BatchedEngine {
             active: self.stats.active.load(Ordering::Acquire),
             queued: self.stats.queued.load(Ordering::Acquire),
             kv_blocks_held: self.stats.kv_blocks.load(Ordering::Acquire),
-            healthy: self.thread.lock().as_ref().is_some_and(|t| !t.is_finished()),
+            healthy: self
+                .thread
+                .lock()
+                .as_ref()
+                .is_some_and(|t| !t.is_finished()),
             accept_rate: None,
         }
     }
 
     fn shutdown(&self) {
-        let Some(thread) = self.thread.lock().take() else { return };
+        let Some(thread) = self.thread.lock().take() else {
+            return;
+        };
         let _ = self.tx.send(Msg::Shutdown);
         let _ = thread.join();
     }

@@ -27,7 +27,11 @@ pub struct Hit {
 
 impl PrefixCache {
     pub fn new(block: usize, capacity: usize) -> Self {
-        Self { block: block.max(1), capacity, entries: VecDeque::new() }
+        Self {
+            block: block.max(1),
+            capacity,
+            entries: VecDeque::new(),
+        }
     }
 
     /// The longest cached block-aligned prefix of `prompt`, leaving at least
@@ -42,7 +46,12 @@ impl PrefixCache {
             if e.scope.as_deref() != scope {
                 continue;
             }
-            let common = e.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+            let common = e
+                .tokens
+                .iter()
+                .zip(prompt)
+                .take_while(|(a, b)| a == b)
+                .count();
             let aligned = (common.min(usable) / self.block) * self.block;
             if aligned > best_len {
                 best = Some(i);
@@ -54,7 +63,10 @@ impl PrefixCache {
         let mut cache = entry.cache.clone();
         cache.truncate(cache.len() - best_len as i32);
         self.entries.push_back(entry);
-        Some(Hit { cache, tokens: best_len })
+        Some(Hit {
+            cache,
+            tokens: best_len,
+        })
     }
 
     /// Whether `lookup` would find a reusable prefix (without touching the
@@ -63,7 +75,14 @@ impl PrefixCache {
         let usable = (prompt.len().saturating_sub(1) / self.block) * self.block;
         usable > 0
             && self.entries.iter().any(|e| {
-                e.scope.as_deref() == scope && e.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(usable) >= self.block
+                e.scope.as_deref() == scope
+                    && e.tokens
+                        .iter()
+                        .zip(prompt)
+                        .take_while(|(a, b)| a == b)
+                        .count()
+                        .min(usable)
+                        >= self.block
             })
     }
 
@@ -83,16 +102,25 @@ impl PrefixCache {
             return;
         }
         let key = &prompt[..aligned];
-        if self.entries.iter().any(|e| e.scope.as_deref() == scope && e.tokens.starts_with(key)) {
+        if self
+            .entries
+            .iter()
+            .any(|e| e.scope.as_deref() == scope && e.tokens.starts_with(key))
+        {
             return;
         }
         // A longer prefix supersedes entries it extends.
-        self.entries.retain(|e| !(e.scope.as_deref() == scope && key.starts_with(&e.tokens)));
+        self.entries
+            .retain(|e| !(e.scope.as_deref() == scope && key.starts_with(&e.tokens)));
         let mut kept = cache.clone();
         kept.truncate(kept.len() - aligned as i32);
         while self.entries.len() >= self.capacity {
             self.entries.pop_front();
         }
-        self.entries.push_back(Entry { scope: scope.map(str::to_string), tokens: key.to_vec(), cache: kept });
+        self.entries.push_back(Entry {
+            scope: scope.map(str::to_string),
+            tokens: key.to_vec(),
+            cache: kept,
+        });
     }
 }

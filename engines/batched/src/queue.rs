@@ -18,7 +18,10 @@ pub struct WaitQueue {
 
 impl WaitQueue {
     pub fn new(capacity: usize) -> Self {
-        Self { items: VecDeque::new(), capacity }
+        Self {
+            items: VecDeque::new(),
+            capacity,
+        }
     }
 
     pub fn is_empty(&self) -> bool {

@@ -30,11 +30,20 @@ impl Row {
     }
 
     /// Handles a freshly sampled token; returns why the row ends, if it does.
-    pub fn accept(&mut self, token: u32, logprob: Option<f32>, top: Vec<(u32, f32)>) -> Option<FinishReason> {
+    pub fn accept(
+        &mut self,
+        token: u32,
+        logprob: Option<f32>,
+        top: Vec<(u32, f32)>,
+    ) -> Option<FinishReason> {
         if self.request.stop_tokens.contains(&token) {
             return Some(FinishReason::Stop);
         }
-        let event = Event::Token(TokenEvent { id: token, logprob, top_logprobs: top });
+        let event = Event::Token(TokenEvent {
+            id: token,
+            logprob,
+            top_logprobs: top,
+        });
         if self.events.send(event).is_err() {
             // The client is gone.
             return Some(FinishReason::Cancelled);
@@ -53,15 +62,33 @@ impl Row {
 
     /// Sends the final event; the reservation returns when the row drops.
     pub fn finish_in_place(&self, reason: FinishReason) {
-        finish(&self.events, &self.request, reason, self.generated, self.cached_tokens);
+        finish(
+            &self.events,
+            &self.request,
+            reason,
+            self.generated,
+            self.cached_tokens,
+        );
     }
 
     pub fn finish(self, reason: FinishReason) {
-        finish(&self.events, &self.request, reason, self.generated, self.cached_tokens);
+        finish(
+            &self.events,
+            &self.request,
+            reason,
+            self.generated,
+            self.cached_tokens,
+        );
     }
 }
 
-pub fn finish(events: &EventSender, req: &GenerateRequest, reason: FinishReason, generated: u32, cached: u32) {
+pub fn finish(
+    events: &EventSender,
+    req: &GenerateRequest,
+    reason: FinishReason,
+    generated: u32,
+    cached: u32,
+) {
     let _ = events.send(Event::Finished(Finish {
         reason,
         prompt_tokens: req.prompt.len() as u32,

@@ -59,7 +59,12 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    pub fn new(shared: Arc<SharedModel>, cfg: BatchedConfig, rx: Receiver<Msg>, stats: Arc<Stats>) -> Self {
+    pub fn new(
+        shared: Arc<SharedModel>,
+        cfg: BatchedConfig,
+        rx: Receiver<Msg>,
+        stats: Arc<Stats>,
+    ) -> Self {
         let prefix = PrefixCache::new(shared.kv_pool.block_size(), cfg.prefix_cache_entries);
         Self {
             waiting: WaitQueue::new(cfg.max_queue),
@@ -97,7 +102,10 @@ impl Scheduler {
     }
 
     fn idle(&self) -> bool {
-        self.rows.is_empty() && self.prefill.is_none() && self.group.is_empty() && self.waiting.is_empty()
+        self.rows.is_empty()
+            && self.prefill.is_none()
+            && self.group.is_empty()
+            && self.waiting.is_empty()
     }
 
     /// Returns false when the channel is closed.
@@ -122,12 +130,18 @@ impl Scheduler {
             Msg::Submit(w) => {
                 if let Err(w) = self.waiting.push(w) {
                     self.stats.queued.fetch_sub(1, Ordering::AcqRel);
-                    let _ = w.events.send(Event::Error("server overloaded: request queue is full".into()));
+                    let _ = w.events.send(Event::Error(
+                        "server overloaded: request queue is full".into(),
+                    ));
                 }
             }
             Msg::Adopt(h) => self.adopt(*h),
             Msg::Cancel(id) => {
-                for r in self.rows.iter().chain(self.prefill.as_ref().map(|p| &p.row)) {
+                for r in self
+                    .rows
+                    .iter()
+                    .chain(self.prefill.as_ref().map(|p| &p.row))
+                {
                     if r.request.id == id {
                         r.request.cancel.cancel();
                     }
@@ -138,10 +152,16 @@ impl Scheduler {
     }
 
     fn adopt(&mut self, h: Handover) {
-        let sampler = match Sampler::new(&h.request.sampling, self.shared.model.vocab_size() as i32, &h.request.prompt) {
+        let sampler = match Sampler::new(
+            &h.request.sampling,
+            self.shared.model.vocab_size() as i32,
+            &h.request.prompt,
+        ) {
             Ok(s) => s,
             Err(e) => {
-                let _ = h.events.send(Event::Error(format!("cannot continue the request: {e}")));
+                let _ = h
+                    .events
+                    .send(Event::Error(format!("cannot continue the request: {e}")));
                 return;
             }
         };
@@ -172,7 +192,9 @@ impl Scheduler {
             }
             Err(e) => {
                 for row in rows {
-                    let _ = row.events.send(Event::Error(format!("internal error joining the batch: {e}")));
+                    let _ = row.events.send(Event::Error(format!(
+                        "internal error joining the batch: {e}"
+                    )));
                 }
                 self.fail_all("internal error joining the batch");
                 Err(e)
@@ -189,8 +211,10 @@ impl Scheduler {
             let p = self.prefill.take().unwrap();
             p.row.finish(FinishReason::Cancelled);
         }
-        let cancelled: Vec<(usize, FinishReason)> =
-            (0..self.rows.len()).filter(|&i| self.rows[i].is_cancelled()).map(|i| (i, FinishReason::Cancelled)).collect();
+        let cancelled: Vec<(usize, FinishReason)> = (0..self.rows.len())
+            .filter(|&i| self.rows[i].is_cancelled())
+            .map(|i| (i, FinishReason::Cancelled))
+            .collect();
         if !cancelled.is_empty() {
             self.remove_rows(&cancelled);
         }
@@ -217,14 +241,29 @@ impl Scheduler {
     }
 
     fn admit(&mut self) {
-        while self.prefill.is_none() && self.group.is_empty() && self.rows.len() < self.cfg.max_batch {
-            let Some((row, hit)) = self.take_next() else { return };
+        while self.prefill.is_none()
+            && self.group.is_empty()
+            && self.rows.len() < self.cfg.max_batch
+        {
+            let Some((row, hit)) = self.take_next() else {
+                return;
+            };
             let chunk = self.cfg.prefill_chunk;
             match hit {
-                Some(h) => self.prefill = Some(Prefilling { row, cache: h.cache, done: h.tokens }),
+                Some(h) => {
+                    self.prefill = Some(Prefilling {
+                        row,
+                        cache: h.cache,
+                        done: h.tokens,
+                    })
+                }
                 None if row.request.prompt.len() > chunk => {
                     let cache = self.shared.model.model.new_cache(1);
-                    self.prefill = Some(Prefilling { row, cache, done: 0 });
+                    self.prefill = Some(Prefilling {
+                        row,
+                        cache,
+                        done: 0,
+                    });
                 }
                 None => {
                     // Short prompts that arrive together share one padded
@@ -232,13 +271,22 @@ impl Scheduler {
                     let mut longest = row.request.prompt.len();
                     self.group.push(row);
                     while self.rows.len() + self.group.len() < self.cfg.max_batch {
-                        let Some(front) = self.waiting.front() else { break };
+                        let Some(front) = self.waiting.front() else {
+                            break;
+                        };
                         let len = front.request.prompt.len();
                         let padded = longest.max(len) * (self.group.len() + 1);
-                        if padded > chunk || self.prefix.has_hit(front.request.cache_scope.as_deref(), &front.request.prompt) {
+                        if padded > chunk
+                            || self.prefix.has_hit(
+                                front.request.cache_scope.as_deref(),
+                                &front.request.prompt,
+                            )
+                        {
                             break;
                         }
-                        let Some((row, _)) = self.take_next() else { break };
+                        let Some((row, _)) = self.take_next() else {
+                            break;
+                        };
                         longest = longest.max(len);
                         self.group.push(row);
                     }
@@ -260,11 +308,16 @@ impl Scheduler {
             let sampler = match Sampler::new(&w.request.sampling, vocab, &w.request.prompt) {
                 Ok(s) => s,
                 Err(e) => {
-                    let _ = w.events.send(Event::Error(format!("{}: invalid sampling parameters: {e}", w.request.id)));
+                    let _ = w.events.send(Event::Error(format!(
+                        "{}: invalid sampling parameters: {e}",
+                        w.request.id
+                    )));
                     continue;
                 }
             };
-            let hit = self.prefix.lookup(w.request.cache_scope.as_deref(), &w.request.prompt);
+            let hit = self
+                .prefix
+                .lookup(w.request.cache_scope.as_deref(), &w.request.prompt);
             let cached = hit.as_ref().map_or(0, |h| h.tokens as u32);
             let row = Row {
                 request: w.request,
@@ -293,8 +346,15 @@ impl Scheduler {
             return Ok(());
         }
         let mut rows = std::mem::take(&mut self.group);
-        let longest = rows.iter().map(|r| r.request.prompt.len()).max().unwrap_or(0);
-        let pads: Vec<i32> = rows.iter().map(|r| (longest - r.request.prompt.len()) as i32).collect();
+        let longest = rows
+            .iter()
+            .map(|r| r.request.prompt.len())
+            .max()
+            .unwrap_or(0);
+        let pads: Vec<i32> = rows
+            .iter()
+            .map(|r| (longest - r.request.prompt.len()) as i32)
+            .collect();
         let mut ids = Vec::with_capacity(rows.len() * longest);
         for r in &rows {
             ids.extend(std::iter::repeat_n(0i32, longest - r.request.prompt.len()));
@@ -303,15 +363,27 @@ impl Scheduler {
         let k = rows.len() as i32;
         let model = &self.shared.model.model;
         let mut cache = KvCache::with_left_padding(model.num_layers(), pads);
-        let logits = model.forward(&Array::from_slice(&ids, &[k, longest as i32]), &mut cache, Logits::Last)?;
+        let logits = model.forward(
+            &Array::from_slice(&ids, &[k, longest as i32]),
+            &mut cache,
+            Logits::Last,
+        )?;
         let logits = logits.reshape(&[k, -1])?;
         let (tokens, lps) = sample_rows(&mut rows, &logits)?;
         let mut keep = Vec::new();
         for (i, row) in rows.iter_mut().enumerate() {
             if self.prefix.wants(&row.request.prompt) {
-                self.prefix.insert(row.request.cache_scope.as_deref(), &row.request.prompt, &cache.extract_row(i)?);
+                self.prefix.insert(
+                    row.request.cache_scope.as_deref(),
+                    &row.request.prompt,
+                    &cache.extract_row(i)?,
+                );
             }
-            let (chosen, top) = read_logprobs(lps.iter().find(|(j, _)| *j == i).map(|(_, a)| a), tokens[i], row.request.sampling.top_logprobs);
+            let (chosen, top) = read_logprobs(
+                lps.iter().find(|(j, _)| *j == i).map(|(_, a)| a),
+                tokens[i],
+                row.request.sampling.top_logprobs,
+            );
             row.sampler.observe(tokens[i])?;
             match row.accept(tokens[i], chosen, top) {
                 None => keep.push(i),
@@ -324,26 +396,45 @@ impl Scheduler {
         if keep.len() < rows.len() {
             cache.select_rows(&keep)?;
         }
-        let rows: Vec<Row> = rows.into_iter().enumerate().filter(|(i, _)| keep.contains(i)).map(|(_, r)| r).collect();
+        let rows: Vec<Row> = rows
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| keep.contains(i))
+            .map(|(_, r)| r)
+            .collect();
         self.join_batch(rows, cache)
     }
 
     fn prefill_chunk(&mut self) -> anyhow::Result<()> {
-        let Some(p) = self.prefill.as_mut() else { return Ok(()) };
+        let Some(p) = self.prefill.as_mut() else {
+            return Ok(());
+        };
         let model = &self.shared.model.model;
         let prompt = &p.row.request.prompt;
         let end = (p.done + self.cfg.prefill_chunk).min(prompt.len());
-        let logits = model.forward(&generate::tokens_array(&prompt[p.done..end]), &mut p.cache, Logits::Last)?;
+        let logits = model.forward(
+            &generate::tokens_array(&prompt[p.done..end]),
+            &mut p.cache,
+            Logits::Last,
+        )?;
         p.done = end;
         if end < prompt.len() {
             eval(p.cache.state())?;
             return Ok(());
         }
         let mut p = self.prefill.take().unwrap();
-        self.prefix.insert(p.row.request.cache_scope.as_deref(), &p.row.request.prompt, &p.cache);
+        self.prefix.insert(
+            p.row.request.cache_scope.as_deref(),
+            &p.row.request.prompt,
+            &p.cache,
+        );
         let logits = logits.reshape(&[1, -1])?;
         let token = p.row.sampler.sample(&logits)?;
-        let lp = p.row.wants_logprobs().then(|| logprob_source(&p.row, &logits)).transpose()?;
+        let lp = p
+            .row
+            .wants_logprobs()
+            .then(|| logprob_source(&p.row, &logits))
+            .transpose()?;
         eval([&token].into_iter().chain(lp.as_ref()))?;
         let t = token.as_slice::<u32>()[0];
         let (chosen, top) = read_logprobs(lp.as_ref(), t, p.row.request.sampling.top_logprobs);
@@ -360,10 +451,16 @@ impl Scheduler {
     }
 
     fn decode(&mut self) -> anyhow::Result<()> {
-        let Some(cache) = self.batch.as_mut() else { return Ok(()) };
+        let Some(cache) = self.batch.as_mut() else {
+            return Ok(());
+        };
         let b = self.rows.len() as i32;
         let inputs: Vec<i32> = self.rows.iter().map(|r| r.last_token as i32).collect();
-        let logits = self.shared.model.model.forward(&Array::from_slice(&inputs, &[b, 1]), cache, Logits::Last)?;
+        let logits = self.shared.model.model.forward(
+            &Array::from_slice(&inputs, &[b, 1]),
+            cache,
+            Logits::Last,
+        )?;
         let logits = logits.reshape(&[b, -1])?;
         let (tokens, lps) = sample_rows(&mut self.rows, &logits)?;
         let mut finished = Vec::new();
@@ -396,7 +493,12 @@ impl Scheduler {
     }
 
     fn fail_all(&mut self, message: &str) {
-        for r in self.rows.drain(..).chain(self.group.drain(..)).chain(self.prefill.take().map(|p| p.row)) {
+        for r in self
+            .rows
+            .drain(..)
+            .chain(self.group.drain(..))
+            .chain(self.prefill.take().map(|p| p.row))
+        {
             let _ = r.events.send(Event::Error(message.to_string()));
         }
         self.batch = None;
@@ -413,7 +515,13 @@ impl Scheduler {
                     self.stats.queued.fetch_sub(1, Ordering::AcqRel);
                     row::finish(&w.events, &w.request, FinishReason::Cancelled, 0, 0);
                 }
-                Msg::Adopt(h) => row::finish(&h.events, &h.request, FinishReason::Cancelled, h.generated, h.cached_tokens),
+                Msg::Adopt(h) => row::finish(
+                    &h.events,
+                    &h.request,
+                    FinishReason::Cancelled,
+                    h.generated,
+                    h.cached_tokens,
+                ),
                 _ => {}
             }
         }
@@ -430,7 +538,10 @@ impl Scheduler {
 /// Next token of every row from `[B, V]` logits: one argmax shared by the
 /// plain greedy rows, each other row through its own sampler. Returns the
 /// tokens and, for rows that asked, their log-probability vectors.
-fn sample_rows(rows: &mut [Row], logits: &Array) -> anyhow::Result<(Vec<u32>, Vec<(usize, Array)>)> {
+fn sample_rows(
+    rows: &mut [Row],
+    logits: &Array,
+) -> anyhow::Result<(Vec<u32>, Vec<(usize, Array)>)> {
     let greedy = rows
         .iter()
         .any(|r| r.plain_greedy())
@@ -441,7 +552,13 @@ fn sample_rows(rows: &mut [Row], logits: &Array) -> anyhow::Result<(Vec<u32>, Ve
     for (i, row) in rows.iter_mut().enumerate() {
         let idx = Array::from_slice(&[i as i32], &[1]);
         if row.plain_greedy() {
-            picks.push(greedy.as_ref().unwrap().take_axis(&idx, 0)?.as_dtype(mlx_rs::Dtype::Uint32)?);
+            picks.push(
+                greedy
+                    .as_ref()
+                    .unwrap()
+                    .take_axis(&idx, 0)?
+                    .as_dtype(mlx_rs::Dtype::Uint32)?,
+            );
         } else {
             let l = logits.take_axis(&idx, 0)?;
             picks.push(row.sampler.sample(&l)?.as_dtype(mlx_rs::Dtype::Uint32)?);
@@ -462,14 +579,18 @@ fn logprob_source(row: &Row, logits: &Array) -> anyhow::Result<Array> {
 }
 
 fn read_logprobs(lp: Option<&Array>, token: u32, top: u32) -> (Option<f32>, Vec<(u32, f32)>) {
-    let Some(lp) = lp else { return (None, Vec::new()) };
+    let Some(lp) = lp else {
+        return (None, Vec::new());
+    };
     let values = lp.as_slice::<f32>();
     let chosen = values.get(token as usize).copied();
     let mut top_list = Vec::new();
     if top > 0 {
         let mut idx: Vec<usize> = (0..values.len()).collect();
         let k = (top as usize).min(idx.len());
-        idx.select_nth_unstable_by(k.saturating_sub(1), |&a, &b| values[b].total_cmp(&values[a]));
+        idx.select_nth_unstable_by(k.saturating_sub(1), |&a, &b| {
+            values[b].total_cmp(&values[a])
+        });
         idx.truncate(k);
         idx.sort_by(|&a, &b| values[b].total_cmp(&values[a]));
         top_list = idx.into_iter().map(|i| (i as u32, values[i])).collect();

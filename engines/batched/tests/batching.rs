@@ -6,16 +6,24 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use batched::{BatchedConfig, BatchedEngine};
-use engine_core::{Engine, EngineError, Event, EventStream, Finish, FinishReason, GenerateRequest, SamplingParams};
+use engine_core::{
+    Engine, EngineError, Event, EventStream, Finish, FinishReason, GenerateRequest, SamplingParams,
+};
 use runtime::tiny::{write_model, TinySpec};
 use runtime::{generate, Family, KvPool, LoadedModel, SharedModel};
 
-fn setup(pool_blocks: usize, cfg: BatchedConfig) -> (tempfile::TempDir, Arc<SharedModel>, BatchedEngine) {
+fn setup(
+    pool_blocks: usize,
+    cfg: BatchedConfig,
+) -> (tempfile::TempDir, Arc<SharedModel>, BatchedEngine) {
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path(), &TinySpec::tiny(Family::Qwen3)).unwrap();
     let model = LoadedModel::load(dir.path(), Some("tiny")).unwrap();
     let bytes = model.model.config.kv_bytes_per_token(4);
-    let shared = Arc::new(SharedModel::new(model, KvPool::new(pool_blocks, 16, bytes * 16)));
+    let shared = Arc::new(SharedModel::new(
+        model,
+        KvPool::new(pool_blocks, 16, bytes * 16),
+    ));
     let engine = BatchedEngine::new("batched".into(), shared.clone(), cfg);
     (dir, shared, engine)
 }
@@ -39,7 +47,10 @@ fn request(prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {
 fn collect(mut stream: EventStream) -> (Vec<u32>, Finish) {
     let mut tokens = Vec::new();
     loop {
-        match stream.blocking_recv().expect("stream ended without Finished") {
+        match stream
+            .blocking_recv()
+            .expect("stream ended without Finished")
+        {
             Event::Token(t) => tokens.push(t.id),
             Event::Finished(f) => return (tokens, f),
             Event::Error(e) => panic!("engine error: {e}"),
@@ -48,17 +59,37 @@ fn collect(mut stream: EventStream) -> (Vec<u32>, Finish) {
 }
 
 fn alone(shared: &SharedModel, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
-    generate::greedy(&shared.model.model, prompt, max_tokens, &[], |_| true).unwrap().tokens
+    generate::greedy(&shared.model.model, prompt, max_tokens, &[], |_| true)
+        .unwrap()
+        .tokens
 }
 
 #[test]
 fn batch_output_equals_each_request_alone() {
-    let (_dir, shared, engine) = setup(1024, BatchedConfig { prefill_chunk: 8, ..Default::default() });
-    let prompts: Vec<Vec<u32>> = [3usize, 40, 11, 25, 1].iter().enumerate().map(|(i, &n)| prompt(i as u64 + 1, n)).collect();
-    let streams: Vec<_> = prompts.iter().map(|p| engine.submit(request(p.clone(), 24)).unwrap()).collect();
+    let (_dir, shared, engine) = setup(
+        1024,
+        BatchedConfig {
+            prefill_chunk: 8,
+            ..Default::default()
+        },
+    );
+    let prompts: Vec<Vec<u32>> = [3usize, 40, 11, 25, 1]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| prompt(i as u64 + 1, n))
+        .collect();
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| engine.submit(request(p.clone(), 24)).unwrap())
+        .collect();
     for (p, s) in prompts.iter().zip(streams) {
         let (tokens, finish) = collect(s);
-        assert_eq!(tokens, alone(&shared, p, 24), "prompt of {} tokens", p.len());
+        assert_eq!(
+            tokens,
+            alone(&shared, p, 24),
+            "prompt of {} tokens",
+            p.len()
+        );
         assert_eq!(finish.reason, FinishReason::Length);
         assert_eq!(finish.completion_tokens, 24);
         assert_eq!(finish.prompt_tokens, p.len() as u32);
@@ -68,7 +99,13 @@ fn batch_output_equals_each_request_alone() {
 
 #[test]
 fn requests_joining_mid_flight_match_alone() {
-    let (_dir, shared, engine) = setup(1024, BatchedConfig { prefill_chunk: 16, ..Default::default() });
+    let (_dir, shared, engine) = setup(
+        1024,
+        BatchedConfig {
+            prefill_chunk: 16,
+            ..Default::default()
+        },
+    );
     let first = prompt(7, 9);
     let mut s1 = engine.submit(request(first.clone(), 40)).unwrap();
     // Let the first request decode a few tokens before others arrive.
@@ -80,7 +117,10 @@ fn requests_joining_mid_flight_match_alone() {
         }
     }
     let later: Vec<Vec<u32>> = vec![prompt(8, 30), prompt(9, 2), prompt(10, 17)];
-    let streams: Vec<_> = later.iter().map(|p| engine.submit(request(p.clone(), 20)).unwrap()).collect();
+    let streams: Vec<_> = later
+        .iter()
+        .map(|p| engine.submit(request(p.clone(), 20)).unwrap())
+        .collect();
     let (rest, _) = collect(s1);
     head.extend(rest);
     assert_eq!(head, alone(&shared, &first, 40));
@@ -108,7 +148,10 @@ fn stop_tokens_end_a_row_without_streaming_the_stop() {
 #[test]
 fn cancellation_is_billing_safe_and_frees_kv() {
     let (_dir, shared, engine) = setup(1024, BatchedConfig::default());
-    let req = request(prompt(4, 10), 10_000.min(shared.model.context_window() as u32 - 20));
+    let req = request(
+        prompt(4, 10),
+        10_000.min(shared.model.context_window() as u32 - 20),
+    );
     let cancel = req.cancel.clone();
     let mut s = engine.submit(req).unwrap();
     let mut got = 0;
@@ -123,7 +166,10 @@ fn cancellation_is_billing_safe_and_frees_kv() {
             Event::Token(_) => got += 1,
             Event::Finished(f) => {
                 assert_eq!(f.reason, FinishReason::Cancelled);
-                assert_eq!(f.completion_tokens, got, "cancelled requests report what they streamed");
+                assert_eq!(
+                    f.completion_tokens, got,
+                    "cancelled requests report what they streamed"
+                );
                 break;
             }
             Event::Error(e) => panic!("{e}"),
@@ -152,7 +198,10 @@ fn invalid_requests_get_clear_errors() {
         (request(vec![], 4), "prompt is empty"),
         (request(vec![1, 2], 0), "max_tokens must be at least 1"),
         (request(vec![1, 99_999], 4), "outside the vocabulary"),
-        (request(vec![1; 10], shared.model.context_window() as u32), "exceeds the context window"),
+        (
+            request(vec![1; 10], shared.model.context_window() as u32),
+            "exceeds the context window",
+        ),
         (request(vec![1; 10], 8 * 16), "KV blocks"),
     ];
     for (req, want) in cases {
@@ -160,9 +209,15 @@ fn invalid_requests_get_clear_errors() {
         match engine.submit(req) {
             Err(EngineError::Invalid(msg)) => {
                 assert!(msg.contains(want), "{msg:?} should mention {want:?}");
-                assert!(msg.contains(&id.to_string()), "{msg:?} should name the request");
+                assert!(
+                    msg.contains(&id.to_string()),
+                    "{msg:?} should name the request"
+                );
             }
-            other => panic!("expected an invalid-request error, got {:?}", other.map(|_| ())),
+            other => panic!(
+                "expected an invalid-request error, got {:?}",
+                other.map(|_| ())
+            ),
         }
     }
     assert_eq!(shared.kv_pool.allocated(), 0);
@@ -173,7 +228,10 @@ fn requests_wait_for_kv_blocks_then_run() {
     // Room for one request of 10 + 30 tokens at a time (3 blocks of 16).
     let (_dir, shared, engine) = setup(3, BatchedConfig::default());
     let prompts = [prompt(11, 10), prompt(12, 10), prompt(13, 10)];
-    let streams: Vec<_> = prompts.iter().map(|p| engine.submit(request(p.clone(), 30)).unwrap()).collect();
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| engine.submit(request(p.clone(), 30)).unwrap())
+        .collect();
     for (p, s) in prompts.iter().zip(streams) {
         assert_eq!(collect(s).0, alone(&shared, p, 30));
     }
@@ -182,7 +240,13 @@ fn requests_wait_for_kv_blocks_then_run() {
 
 #[test]
 fn full_queue_is_overloaded() {
-    let (_dir, _shared, engine) = setup(3, BatchedConfig { max_queue: 1, ..Default::default() });
+    let (_dir, _shared, engine) = setup(
+        3,
+        BatchedConfig {
+            max_queue: 1,
+            ..Default::default()
+        },
+    );
     let _a = engine.submit(request(prompt(1, 10), 30)).unwrap();
     let mut refused = false;
     let mut keep = Vec::new();
@@ -203,7 +267,14 @@ fn sampling_is_per_row_and_seeded() {
     let sampled = |seed| {
         let mut r = request(p.clone(), 16);
         // A hot temperature: the random tiny model is very peaked.
-        r.sampling = SamplingParams { temperature: 8.0, top_p: 0.99, top_k: 400, min_p: 0.001, seed: Some(seed), ..Default::default() };
+        r.sampling = SamplingParams {
+            temperature: 8.0,
+            top_p: 0.99,
+            top_k: 400,
+            min_p: 0.001,
+            seed: Some(seed),
+            ..Default::default()
+        };
         r
     };
     // A greedy row and two sampled rows in one batch.
@@ -211,19 +282,42 @@ fn sampling_is_per_row_and_seeded() {
     let a = engine.submit(sampled(5)).unwrap();
     let b = engine.submit(sampled(5)).unwrap();
     let c = engine.submit(sampled(6)).unwrap();
-    assert_eq!(collect(g).0, alone(&shared, &p, 16), "greedy rows are unaffected by sampled neighbours");
+    assert_eq!(
+        collect(g).0,
+        alone(&shared, &p, 16),
+        "greedy rows are unaffected by sampled neighbours"
+    );
     let (a, b, c) = (collect(a).0, collect(b).0, collect(c).0);
     assert_eq!(a, b, "same seed, same output");
     assert_ne!(a, c, "different seeds differ");
     // Truncation down to one candidate is greedy whatever the temperature.
     for truncate in [
-        SamplingParams { temperature: 8.0, top_k: 1, seed: Some(1), ..Default::default() },
-        SamplingParams { temperature: 8.0, top_p: 1e-6, seed: Some(2), ..Default::default() },
-        SamplingParams { temperature: 8.0, min_p: 0.999_999, seed: Some(3), ..Default::default() },
+        SamplingParams {
+            temperature: 8.0,
+            top_k: 1,
+            seed: Some(1),
+            ..Default::default()
+        },
+        SamplingParams {
+            temperature: 8.0,
+            top_p: 1e-6,
+            seed: Some(2),
+            ..Default::default()
+        },
+        SamplingParams {
+            temperature: 8.0,
+            min_p: 0.999_999,
+            seed: Some(3),
+            ..Default::default()
+        },
     ] {
         let mut r = request(p.clone(), 16);
         r.sampling = truncate.clone();
-        assert_eq!(collect(engine.submit(r).unwrap()).0, alone(&shared, &p, 16), "{truncate:?}");
+        assert_eq!(
+            collect(engine.submit(r).unwrap()).0,
+            alone(&shared, &p, 16),
+            "{truncate:?}"
+        );
     }
 }
 
@@ -242,7 +336,10 @@ fn penalties_and_logit_bias_change_greedy_output() {
     let (tokens, _) = collect(engine.submit(penalised).unwrap());
     let distinct: std::collections::HashSet<_> = tokens.iter().collect();
     let plain_distinct: std::collections::HashSet<_> = plain.iter().collect();
-    assert!(distinct.len() >= plain_distinct.len(), "penalties do not make output more repetitive");
+    assert!(
+        distinct.len() >= plain_distinct.len(),
+        "penalties do not make output more repetitive"
+    );
 }
 
 #[test]
@@ -258,7 +355,10 @@ fn logprobs_are_reported_when_asked() {
             let lp = t.logprob.expect("logprob present");
             assert!(lp <= 0.0);
             assert_eq!(t.top_logprobs.len(), 3);
-            assert_eq!(t.top_logprobs[0].0, t.id, "greedy picks the most likely token");
+            assert_eq!(
+                t.top_logprobs[0].0, t.id,
+                "greedy picks the most likely token"
+            );
             assert!((t.top_logprobs[0].1 - lp).abs() < 1e-5);
             n += 1;
         }
@@ -298,15 +398,34 @@ fn shutdown_cancels_in_flight_work() {
     while let Some(ev) = s.blocking_recv() {
         last = Some(ev);
     }
-    assert!(matches!(last, Some(Event::Finished(Finish { reason: FinishReason::Cancelled, .. }))));
+    assert!(matches!(
+        last,
+        Some(Event::Finished(Finish {
+            reason: FinishReason::Cancelled,
+            ..
+        }))
+    ));
     assert_eq!(shared.kv_pool.allocated(), 0);
-    assert!(matches!(engine.submit(request(vec![1], 1)), Err(EngineError::ShuttingDown)));
+    assert!(matches!(
+        engine.submit(request(vec![1], 1)),
+        Err(EngineError::ShuttingDown)
+    ));
 }
 
 #[test]
 fn prompts_arriving_together_share_one_padded_prefill() {
-    let (_dir, shared, engine) = setup(1024, BatchedConfig { prefill_chunk: 256, ..Default::default() });
-    let prompts: Vec<Vec<u32>> = [7usize, 19, 2, 33, 12, 5].iter().enumerate().map(|(i, &n)| prompt(100 + i as u64, n)).collect();
+    let (_dir, shared, engine) = setup(
+        1024,
+        BatchedConfig {
+            prefill_chunk: 256,
+            ..Default::default()
+        },
+    );
+    let prompts: Vec<Vec<u32>> = [7usize, 19, 2, 33, 12, 5]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| prompt(100 + i as u64, n))
+        .collect();
     // One row stops on its very first token, inside the group.
     let first_of_third = alone(&shared, &prompts[2], 1)[0];
     let streams: Vec<_> = prompts

@@ -71,13 +71,16 @@ macro_rules! export_engine {
     ($kind:literal, $constructor:path) => {
         #[no_mangle]
         pub extern "C" fn engine_plugin_entry_v1() -> *const $crate::plugin::PluginDescriptor {
-            static DESCRIPTOR: $crate::plugin::PluginDescriptor = $crate::plugin::PluginDescriptor {
-                abi_version: $crate::plugin::PLUGIN_ABI_VERSION,
-                core_version: $crate::plugin::CORE_VERSION.as_ptr() as *const ::std::ffi::c_char,
-                rustc_version: $crate::plugin::RUSTC_VERSION.as_ptr() as *const ::std::ffi::c_char,
-                kind: concat!($kind, "\0").as_ptr() as *const ::std::ffi::c_char,
-                create: $constructor,
-            };
+            static DESCRIPTOR: $crate::plugin::PluginDescriptor =
+                $crate::plugin::PluginDescriptor {
+                    abi_version: $crate::plugin::PLUGIN_ABI_VERSION,
+                    core_version: $crate::plugin::CORE_VERSION.as_ptr()
+                        as *const ::std::ffi::c_char,
+                    rustc_version: $crate::plugin::RUSTC_VERSION.as_ptr()
+                        as *const ::std::ffi::c_char,
+                    kind: concat!($kind, "\0").as_ptr() as *const ::std::ffi::c_char,
+                    create: $constructor,
+                };
             &DESCRIPTOR
         }
     };

@@ -6,7 +6,10 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::Sender;
 use engine_core::event::event_channel;
-use engine_core::{Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventStream, GenerateRequest, Refusal, RequestId};
+use engine_core::{
+    Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventStream, GenerateRequest,
+    Refusal, RequestId,
+};
 use parking_lot::Mutex;
 use runtime::SharedModel;
 
@@ -104,30 +107,51 @@ impl Engine for FastpathEngine {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { greedy_only: true, tools: false, max_concurrent: Some(1), speculative: false }
+        Capabilities {
+            greedy_only: true,
+            tools: false,
+            max_concurrent: Some(1),
+            speculative: false,
+        }
     }
 
     fn submit(&self, request: GenerateRequest) -> Result<EventStream, EngineError> {
         eligibility::check(&request, &self.shared)?;
         let tx = self.tx.lock().clone().ok_or(EngineError::ShuttingDown)?;
-        if self.busy.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire).is_err() {
+        if self
+            .busy
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
             return Err(Refusal::Busy.into());
         }
         let tokens = request.prompt.len() + request.max_tokens as usize;
-        let blocks = self.shared.kv_pool.blocks_for_bytes(tokens, self.kv_bytes_per_token());
+        let blocks = self
+            .shared
+            .kv_pool
+            .blocks_for_bytes(tokens, self.kv_bytes_per_token());
         let reservation = match self.shared.kv_pool.try_reserve(blocks) {
             Ok(r) => r,
             Err(e) => {
                 self.busy.store(false, Ordering::Release);
                 return Err(match e {
-                    runtime::kv_pool::PoolError::NeverFits { .. } => EngineError::Invalid(format!("{}: {e}", request.id)),
+                    runtime::kv_pool::PoolError::NeverFits { .. } => {
+                        EngineError::Invalid(format!("{}: {e}", request.id))
+                    }
                     runtime::kv_pool::PoolError::Exhausted => Refusal::Busy.into(),
                 });
             }
         };
         let (events, stream) = event_channel();
         *self.running.lock() = Some(request.cancel.clone());
-        if tx.send(Job { request, reservation, events }).is_err() {
+        if tx
+            .send(Job {
+                request,
+                reservation,
+                events,
+            })
+            .is_err()
+        {
             self.busy.store(false, Ordering::Release);
             return Err(EngineError::ShuttingDown);
         }
@@ -146,7 +170,11 @@ impl Engine for FastpathEngine {
             active,
             queued: 0,
             kv_blocks_held: 0,
-            healthy: self.thread.lock().as_ref().is_some_and(|t| !t.is_finished()),
+            healthy: self
+                .thread
+                .lock()
+                .as_ref()
+                .is_some_and(|t| !t.is_finished()),
             accept_rate: None,
         }
     }

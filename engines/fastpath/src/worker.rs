@@ -25,15 +25,27 @@ pub enum Outcome {
 
 /// How the loop ended, before anything is released.
 enum End {
-    Done { reason: FinishReason, generated: u32 },
-    HandOver { sink: Arc<dyn HandoverSink>, cache: KvCache, last_token: u32, generated: u32 },
+    Done {
+        reason: FinishReason,
+        generated: u32,
+    },
+    HandOver {
+        sink: Arc<dyn HandoverSink>,
+        cache: KvCache,
+        last_token: u32,
+        generated: u32,
+    },
 }
 
 /// Runs the request. The slot and the KV blocks are released before the
 /// final event goes out, so a client that sends its next request the moment
 /// this one ends finds the fast path free.
 pub fn run(shared: &Arc<SharedModel>, job: Job, slot: &AtomicBool) -> Outcome {
-    let Job { request, reservation, events } = job;
+    let Job {
+        request,
+        reservation,
+        events,
+    } = job;
     match decode(shared, &request, &events) {
         Ok(End::Done { reason, generated }) => {
             drop(reservation);
@@ -47,13 +59,28 @@ pub fn run(shared: &Arc<SharedModel>, job: Job, slot: &AtomicBool) -> Outcome {
             }));
             Outcome::Finished(reason)
         }
-        Ok(End::HandOver { sink, cache, last_token, generated }) => {
+        Ok(End::HandOver {
+            sink,
+            cache,
+            last_token,
+            generated,
+        }) => {
             slot.store(false, Ordering::Release);
-            let handover = Handover { request, cache, last_token, generated, cached_tokens: 0, reservation, events };
+            let handover = Handover {
+                request,
+                cache,
+                last_token,
+                generated,
+                cached_tokens: 0,
+                reservation,
+                events,
+            };
             match sink.adopt(handover) {
                 Ok(()) => Outcome::HandedOver,
                 Err(h) => {
-                    let _ = h.events.send(Event::Error("generation could not continue".into()));
+                    let _ = h
+                        .events
+                        .send(Event::Error("generation could not continue".into()));
                     Outcome::Failed
                 }
             }
@@ -68,7 +95,11 @@ pub fn run(shared: &Arc<SharedModel>, job: Job, slot: &AtomicBool) -> Outcome {
     }
 }
 
-fn decode(shared: &Arc<SharedModel>, request: &GenerateRequest, events: &EventSender) -> anyhow::Result<End> {
+fn decode(
+    shared: &Arc<SharedModel>,
+    request: &GenerateRequest,
+    events: &EventSender,
+) -> anyhow::Result<End> {
     let model = &shared.model.model;
     let _device = shared.model.lock_device();
     let mut cache = model.new_cache(1);
@@ -90,18 +121,36 @@ fn decode(shared: &Arc<SharedModel>, request: &GenerateRequest, events: &EventSe
         };
         let token = current.item_exact::<i32>() as u32;
         if request.stop_tokens.contains(&token) {
-            return Ok(End::Done { reason: FinishReason::Stop, generated });
+            return Ok(End::Done {
+                reason: FinishReason::Stop,
+                generated,
+            });
         }
-        let event = Event::Token(TokenEvent { id: token, logprob: None, top_logprobs: Vec::new() });
+        let event = Event::Token(TokenEvent {
+            id: token,
+            logprob: None,
+            top_logprobs: Vec::new(),
+        });
         if request.cancel.is_cancelled() || events.send(event).is_err() {
-            return Ok(End::Done { reason: FinishReason::Cancelled, generated });
+            return Ok(End::Done {
+                reason: FinishReason::Cancelled,
+                generated,
+            });
         }
         generated += 1;
         if generated >= request.max_tokens {
-            return Ok(End::Done { reason: FinishReason::Length, generated });
+            return Ok(End::Done {
+                reason: FinishReason::Length,
+                generated,
+            });
         }
         if let Some(sink) = hand_over {
-            return Ok(End::HandOver { sink, cache, last_token: token, generated });
+            return Ok(End::HandOver {
+                sink,
+                cache,
+                last_token: token,
+                generated,
+            });
         }
         current = next.expect("a next step is queued unless we stop or hand over");
     }

@@ -4,7 +4,10 @@
 use std::sync::Arc;
 
 use batched::{BatchedConfig, BatchedEngine};
-use engine_core::{Engine, EngineError, Event, EventStream, Finish, FinishReason, GenerateRequest, Refusal, SamplingParams};
+use engine_core::{
+    Engine, EngineError, Event, EventStream, Finish, FinishReason, GenerateRequest, Refusal,
+    SamplingParams,
+};
 use fastpath::FastpathEngine;
 use runtime::tiny::{write_model, TinySpec};
 use runtime::{generate, Family, KvPool, LoadedModel, SharedModel};
@@ -24,7 +27,12 @@ fn setup() -> Setup {
     let shared = Arc::new(SharedModel::new(model, KvPool::new(4096, 16, bytes * 16)));
     let batched = BatchedEngine::new("batched".into(), shared.clone(), BatchedConfig::default());
     let fast = FastpathEngine::new("fastpath".into(), shared.clone());
-    Setup { _dir: dir, shared, fast, batched }
+    Setup {
+        _dir: dir,
+        shared,
+        fast,
+        batched,
+    }
 }
 
 fn prompt(seed: u64, len: usize) -> Vec<u32> {
@@ -40,7 +48,9 @@ fn prompt(seed: u64, len: usize) -> Vec<u32> {
 }
 
 fn alone(shared: &SharedModel, prompt: &[u32], n: usize) -> Vec<u32> {
-    generate::greedy(&shared.model.model, prompt, n, &[], |_| true).unwrap().tokens
+    generate::greedy(&shared.model.model, prompt, n, &[], |_| true)
+        .unwrap()
+        .tokens
 }
 
 fn next_token(s: &mut EventStream) -> u32 {
@@ -71,7 +81,10 @@ fn serves_plain_greedy_like_the_raw_loop() {
     let p = prompt(1, 20);
     let (tokens, finish) = rest(s.fast.submit(GenerateRequest::new(p.clone(), 32)).unwrap());
     assert_eq!(tokens, alone(&s.shared, &p, 32));
-    assert_eq!((finish.reason, finish.completion_tokens), (FinishReason::Length, 32));
+    assert_eq!(
+        (finish.reason, finish.completion_tokens),
+        (FinishReason::Length, 32)
+    );
     std::thread::sleep(std::time::Duration::from_millis(20));
     assert_eq!(s.shared.kv_pool.allocated(), 0);
     assert_eq!(s.fast.load().active, 0);
@@ -81,27 +94,57 @@ fn serves_plain_greedy_like_the_raw_loop() {
 fn refuses_what_it_cannot_serve() {
     let s = setup();
     let mut sampled = GenerateRequest::new(vec![1, 2, 3], 4);
-    sampled.sampling = SamplingParams { temperature: 0.7, ..Default::default() };
-    assert_eq!(refusal(s.fast.submit(sampled)), EngineError::Refused(Refusal::NotPlainGreedy));
+    sampled.sampling = SamplingParams {
+        temperature: 0.7,
+        ..Default::default()
+    };
+    assert_eq!(
+        refusal(s.fast.submit(sampled)),
+        EngineError::Refused(Refusal::NotPlainGreedy)
+    );
     let mut seeded = GenerateRequest::new(vec![1, 2, 3], 4);
     seeded.sampling.seed = Some(1);
-    assert_eq!(refusal(s.fast.submit(seeded)), EngineError::Refused(Refusal::NotPlainGreedy));
+    assert_eq!(
+        refusal(s.fast.submit(seeded)),
+        EngineError::Refused(Refusal::NotPlainGreedy)
+    );
     let mut penalised = GenerateRequest::new(vec![1, 2, 3], 4);
     penalised.sampling.presence_penalty = 0.5;
-    assert_eq!(refusal(s.fast.submit(penalised)), EngineError::Refused(Refusal::NotPlainGreedy));
+    assert_eq!(
+        refusal(s.fast.submit(penalised)),
+        EngineError::Refused(Refusal::NotPlainGreedy)
+    );
     let mut tools = GenerateRequest::new(vec![1, 2, 3], 4);
     tools.has_tools = true;
-    assert_eq!(refusal(s.fast.submit(tools)), EngineError::Refused(Refusal::Tools));
-    assert!(matches!(refusal(s.fast.submit(GenerateRequest::new(vec![], 4))), EngineError::Invalid(_)));
-    assert!(matches!(refusal(s.fast.submit(GenerateRequest::new(vec![1], 0))), EngineError::Invalid(_)));
+    assert_eq!(
+        refusal(s.fast.submit(tools)),
+        EngineError::Refused(Refusal::Tools)
+    );
+    assert!(matches!(
+        refusal(s.fast.submit(GenerateRequest::new(vec![], 4))),
+        EngineError::Invalid(_)
+    ));
+    assert!(matches!(
+        refusal(s.fast.submit(GenerateRequest::new(vec![1], 0))),
+        EngineError::Invalid(_)
+    ));
     let window = s.shared.model.context_window() as u32;
-    assert!(matches!(refusal(s.fast.submit(GenerateRequest::new(vec![1; 8], window))), EngineError::Invalid(_)));
+    assert!(matches!(
+        refusal(s.fast.submit(GenerateRequest::new(vec![1; 8], window))),
+        EngineError::Invalid(_)
+    ));
 
     // Exclusive: a second request while one runs is refused as busy, and so
     // is one while the batched engine has work.
-    let mut a = s.fast.submit(GenerateRequest::new(prompt(2, 8), 2000)).unwrap();
+    let mut a = s
+        .fast
+        .submit(GenerateRequest::new(prompt(2, 8), 2000))
+        .unwrap();
     next_token(&mut a);
-    assert_eq!(refusal(s.fast.submit(GenerateRequest::new(vec![1, 2], 4))), EngineError::Refused(Refusal::Busy));
+    assert_eq!(
+        refusal(s.fast.submit(GenerateRequest::new(vec![1, 2], 4))),
+        EngineError::Refused(Refusal::Busy)
+    );
     drop(a);
 }
 
@@ -109,19 +152,40 @@ fn refuses_what_it_cannot_serve() {
 fn hands_over_to_batched_without_a_seam() {
     let s = setup();
     let first = prompt(3, 15);
-    let mut a = s.fast.submit(GenerateRequest::new(first.clone(), 300)).unwrap();
+    let mut a = s
+        .fast
+        .submit(GenerateRequest::new(first.clone(), 300))
+        .unwrap();
     let mut head: Vec<u32> = (0..6).map(|_| next_token(&mut a)).collect();
     // A second request arrives: the fast path hands its sequence over.
     let second = prompt(4, 9);
-    let b = s.batched.submit(GenerateRequest::new(second.clone(), 20)).unwrap();
+    let b = s
+        .batched
+        .submit(GenerateRequest::new(second.clone(), 20))
+        .unwrap();
     let (tail, finish) = rest(a);
     head.extend(tail);
-    assert_eq!(s.fast.handovers(), 1, "the sequence moved to the batched engine");
-    assert_eq!(head, alone(&s.shared, &first, 300), "one uninterrupted stream, plain greedy tokens");
-    assert_eq!((finish.reason, finish.completion_tokens), (FinishReason::Length, 300));
+    assert_eq!(
+        s.fast.handovers(),
+        1,
+        "the sequence moved to the batched engine"
+    );
+    assert_eq!(
+        head,
+        alone(&s.shared, &first, 300),
+        "one uninterrupted stream, plain greedy tokens"
+    );
+    assert_eq!(
+        (finish.reason, finish.completion_tokens),
+        (FinishReason::Length, 300)
+    );
     assert_eq!(rest(b).0, alone(&s.shared, &second, 20));
     std::thread::sleep(std::time::Duration::from_millis(50));
-    assert_eq!(s.shared.kv_pool.allocated(), 0, "the handed-over reservation returned too");
+    assert_eq!(
+        s.shared.kv_pool.allocated(),
+        0,
+        "the handed-over reservation returned too"
+    );
     assert_eq!(s.fast.load().active, 0, "the fast path is free again");
 }
 
@@ -137,13 +201,20 @@ fn cancellation_reports_streamed_tokens() {
     cancel.cancel();
     let (more, finish) = rest(stream);
     assert_eq!(finish.reason, FinishReason::Cancelled);
-    assert_eq!(finish.completion_tokens as usize, 4 + more.len(), "billing-safe count");
+    assert_eq!(
+        finish.completion_tokens as usize,
+        4 + more.len(),
+        "billing-safe count"
+    );
 }
 
 #[test]
 fn shutdown_cancels_then_awaits_the_request() {
     let s = setup();
-    let mut stream = s.fast.submit(GenerateRequest::new(prompt(6, 10), 3000)).unwrap();
+    let mut stream = s
+        .fast
+        .submit(GenerateRequest::new(prompt(6, 10), 3000))
+        .unwrap();
     next_token(&mut stream);
     s.fast.shutdown();
     // The loop has ended by the time shutdown returns: the stream is closed.
@@ -151,9 +222,21 @@ fn shutdown_cancels_then_awaits_the_request() {
     while let Ok(ev) = stream.try_recv() {
         last = Some(ev);
     }
-    assert!(matches!(last, Some(Event::Finished(Finish { reason: FinishReason::Cancelled, .. }))), "{last:?}");
+    assert!(
+        matches!(
+            last,
+            Some(Event::Finished(Finish {
+                reason: FinishReason::Cancelled,
+                ..
+            }))
+        ),
+        "{last:?}"
+    );
     assert_eq!(s.shared.kv_pool.allocated(), 0);
-    assert_eq!(refusal(s.fast.submit(GenerateRequest::new(vec![1, 2], 2))), EngineError::ShuttingDown);
+    assert_eq!(
+        refusal(s.fast.submit(GenerateRequest::new(vec![1, 2], 2))),
+        EngineError::ShuttingDown
+    );
     let _ = &s.batched;
 }
 
@@ -162,10 +245,16 @@ fn handover_right_after_the_first_tokens_while_batched_admits() {
     let s = setup();
     for round in 0..5 {
         let first = prompt(100 + round, 128);
-        let mut a = s.fast.submit(GenerateRequest::new(first.clone(), 200)).unwrap();
+        let mut a = s
+            .fast
+            .submit(GenerateRequest::new(first.clone(), 200))
+            .unwrap();
         let mut head: Vec<u32> = (0..2).map(|_| next_token(&mut a)).collect();
         let second = prompt(200 + round, 128);
-        let b = s.batched.submit(GenerateRequest::new(second.clone(), 16)).unwrap();
+        let b = s
+            .batched
+            .submit(GenerateRequest::new(second.clone(), 16))
+            .unwrap();
         let (tb, _) = rest(b);
         let (tail, _) = rest(a);
         head.extend(tail);

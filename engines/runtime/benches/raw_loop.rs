@@ -22,7 +22,12 @@ struct Args {
 }
 
 fn args() -> Args {
-    let mut a = Args { family: Family::Qwen3, prompt: 512, gen: 256, reps: 3 };
+    let mut a = Args {
+        family: Family::Qwen3,
+        prompt: 512,
+        gen: 256,
+        reps: 3,
+    };
     let argv: Vec<String> = std::env::args().collect();
     let mut i = 1;
     while i < argv.len() {
@@ -45,18 +50,24 @@ fn args() -> Args {
 /// The repository root; `REPO_ROOT` overrides the build-time path (the
 /// binary also runs on the GPU machine, from another checkout).
 fn root() -> PathBuf {
-    std::env::var_os("REPO_ROOT").map(PathBuf::from).unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))
+    std::env::var_os("REPO_ROOT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))
 }
 
 /// The Python with mlx-lm: `MLX_PYTHON`, else the setup's venv.
 fn python() -> PathBuf {
-    std::env::var_os("MLX_PYTHON").map(PathBuf::from).unwrap_or_else(|| root().join(".mlx/venv/bin/python"))
+    std::env::var_os("MLX_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join(".mlx/venv/bin/python"))
 }
 
 fn ours(dir: &Path, a: &Args) -> (f64, f64) {
     let loaded = LoadedModel::load(dir, None).expect("load the bench model");
     let vocab = loaded.vocab_size() as u32;
-    let prompt: Vec<u32> = (0..a.prompt as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    let prompt: Vec<u32> = (0..a.prompt as u32)
+        .map(|i| (i * 7919 + 13) % vocab)
+        .collect();
     let (mut prefill, mut decode) = (0f64, 0f64);
     for rep in 0..=a.reps {
         let start = Instant::now();
@@ -80,9 +91,16 @@ fn mlx_lm(dir: &Path, a: &Args, preload: Option<&str>) -> (f64, f64) {
         cmd.env("LD_PRELOAD", lib);
     }
     let out = cmd.output().expect("run mlx-lm");
-    assert!(out.status.success(), "mlx-lm bench failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "mlx-lm bench failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    (v["prefill_tps"].as_f64().unwrap(), v["decode_tps"].as_f64().unwrap())
+    (
+        v["prefill_tps"].as_f64().unwrap(),
+        v["decode_tps"].as_f64().unwrap(),
+    )
 }
 
 fn main() {
@@ -91,7 +109,11 @@ fn main() {
         Ok("qwen3-4b") => TinySpec::qwen3_4b(),
         _ => TinySpec::bench(a.family),
     };
-    let dir = root().join(format!("target/bench-models/{}-{}", a.family, std::env::var("BENCH_PRESET").unwrap_or("bench".into())));
+    let dir = root().join(format!(
+        "target/bench-models/{}-{}",
+        a.family,
+        std::env::var("BENCH_PRESET").unwrap_or("bench".into())
+    ));
     if !dir.join("model.safetensors").exists() {
         write_model(&dir, &spec).expect("write the bench model");
     }
@@ -106,20 +128,40 @@ fn main() {
         mlx_rs::Device::default()
     );
     println!("BLAS (ours): {}", mlx_sys::blas_backend());
-    let openblas = ["/usr/lib/x86_64-linux-gnu/libopenblas.so.0", "/usr/lib64/libopenblas.so.0"]
-        .into_iter()
-        .find(|p| Path::new(p).exists());
+    let openblas = [
+        "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+        "/usr/lib64/libopenblas.so.0",
+    ]
+    .into_iter()
+    .find(|p| Path::new(p).exists());
     let ours = ours(&dir, &a);
     let plain = mlx_lm(&dir, &a, None);
     let preloaded = openblas.map(|lib| mlx_lm(&dir, &a, Some(lib)));
     println!("{:<34} {:>12} {:>12}", "", "prefill tok/s", "decode tok/s");
-    println!("{:<34} {:>12.1} {:>12.1}", "ours (runtime::generate::greedy)", ours.0, ours.1);
-    println!("{:<34} {:>12.1} {:>12.1}", "mlx-lm (pip install)", plain.0, plain.1);
+    println!(
+        "{:<34} {:>12.1} {:>12.1}",
+        "ours (runtime::generate::greedy)", ours.0, ours.1
+    );
+    println!(
+        "{:<34} {:>12.1} {:>12.1}",
+        "mlx-lm (pip install)", plain.0, plain.1
+    );
     if let Some(p) = preloaded {
-        println!("{:<34} {:>12.1} {:>12.1}", "mlx-lm (OpenBLAS preloaded)", p.0, p.1);
+        println!(
+            "{:<34} {:>12.1} {:>12.1}",
+            "mlx-lm (OpenBLAS preloaded)", p.0, p.1
+        );
     }
-    println!("ratio ours / mlx-lm (pip): prefill {:.2}x, decode {:.2}x", ours.0 / plain.0, ours.1 / plain.1);
+    println!(
+        "ratio ours / mlx-lm (pip): prefill {:.2}x, decode {:.2}x",
+        ours.0 / plain.0,
+        ours.1 / plain.1
+    );
     if let Some(p) = preloaded {
-        println!("ratio ours / mlx-lm (OpenBLAS): prefill {:.2}x, decode {:.2}x", ours.0 / p.0, ours.1 / p.1);
+        println!(
+            "ratio ours / mlx-lm (OpenBLAS): prefill {:.2}x, decode {:.2}x",
+            ours.0 / p.0,
+            ours.1 / p.1
+        );
     }
 }

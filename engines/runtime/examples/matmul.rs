@@ -7,5 +7,12 @@ fn main() {
     let c = b.as_dtype(Dtype::Bfloat16).unwrap();
     println!("{:?}", c.as_slice::<half::bf16>());
     println!("{:?}", c.sum(None).unwrap().item::<half::bf16>());
-    println!("{:?}", c.as_dtype(Dtype::Float16).unwrap().sum(None).unwrap().item::<half::f16>());
+    println!(
+        "{:?}",
+        c.as_dtype(Dtype::Float16)
+            .unwrap()
+            .sum(None)
+            .unwrap()
+            .item::<half::f16>()
+    );
 }

@@ -146,7 +146,11 @@ impl KvCache {
 
     /// Stacks caches into one batch, right-aligning their rows.
     pub fn merge(parts: Vec<KvCache>) -> anyhow::Result<KvCache> {
-        let num_layers = parts.first().ok_or_else(|| anyhow!("nothing to merge"))?.keys.len();
+        let num_layers = parts
+            .first()
+            .ok_or_else(|| anyhow!("nothing to merge"))?
+            .keys
+            .len();
         let len = parts.iter().map(|c| c.len).max().unwrap_or(0);
         let capacity = round_up(len.max(1));
         let mut left_pad = Vec::new();
@@ -164,8 +168,14 @@ impl KvCache {
             }
         }
         Ok(KvCache {
-            keys: keys.into_iter().map(|k| ops::concatenate(&k, 0).map(Some)).collect::<Result<_, _>>()?,
-            values: values.into_iter().map(|v| ops::concatenate(&v, 0).map(Some)).collect::<Result<_, _>>()?,
+            keys: keys
+                .into_iter()
+                .map(|k| ops::concatenate(&k, 0).map(Some))
+                .collect::<Result<_, _>>()?,
+            values: values
+                .into_iter()
+                .map(|v| ops::concatenate(&v, 0).map(Some))
+                .collect::<Result<_, _>>()?,
             len,
             capacity,
             left_pad,
@@ -252,7 +262,17 @@ fn slice_cols(buf: &Array, from: i32, to: i32) -> anyhow::Result<Array> {
 pub fn slice(a: &Array, start: &[i32], stop: &[i32]) -> anyhow::Result<Array> {
     let strides = vec![1; start.len()];
     ffi_op(|res, stream| unsafe {
-        mlx_sys::mlx_slice(res, a.as_ptr(), start.as_ptr(), start.len(), stop.as_ptr(), stop.len(), strides.as_ptr(), strides.len(), stream)
+        mlx_sys::mlx_slice(
+            res,
+            a.as_ptr(),
+            start.as_ptr(),
+            start.len(),
+            stop.as_ptr(),
+            stop.len(),
+            strides.as_ptr(),
+            strides.len(),
+            stream,
+        )
     })
 }
 
@@ -271,7 +291,9 @@ pub fn on_gpu() -> bool {
 }
 
 /// Runs one mlx-c op that mlx-rs does not wrap with the signature we need.
-fn ffi_op(f: impl FnOnce(*mut mlx_sys::mlx_array, mlx_sys::mlx_stream) -> i32) -> anyhow::Result<Array> {
+fn ffi_op(
+    f: impl FnOnce(*mut mlx_sys::mlx_array, mlx_sys::mlx_stream) -> i32,
+) -> anyhow::Result<Array> {
     let stream = mlx_rs::Stream::thread_local_or_default();
     unsafe {
         let mut res = mlx_sys::mlx_array_new();

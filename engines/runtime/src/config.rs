@@ -17,7 +17,9 @@ pub struct Quantization {
 pub enum RopeScaling {
     None,
     /// Positions divided by `factor` (Gemma 3 global layers).
-    Linear { factor: f32 },
+    Linear {
+        factor: f32,
+    },
     /// Llama 3.1 frequency smoothing.
     Llama3 {
         factor: f32,
@@ -82,10 +84,14 @@ struct Raw {
 /// `eos_token_id` may be an int, a list of ints, or absent.
 pub fn token_ids(value: Option<&serde_json::Value>) -> Vec<u32> {
     match value {
-        Some(serde_json::Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
-        Some(serde_json::Value::Array(items)) => {
-            items.iter().filter_map(|v| v.as_u64()).map(|v| v as u32).collect()
+        Some(serde_json::Value::Number(n)) => {
+            n.as_u64().map(|v| vec![v as u32]).unwrap_or_default()
         }
+        Some(serde_json::Value::Array(items)) => items
+            .iter()
+            .filter_map(|v| v.as_u64())
+            .map(|v| v as u32)
+            .collect(),
         _ => Vec::new(),
     }
 }
@@ -95,12 +101,14 @@ impl ModelConfig {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path)
             .with_context(|| format!("reading {}", path.display()))?;
-        let mut value: serde_json::Value = serde_json::from_str(&text)
-            .with_context(|| format!("parsing {}", path.display()))?;
+        let mut value: serde_json::Value =
+            serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
         // Multimodal Gemma 3 checkpoints nest the text model's fields.
         if let Some(text_config) = value.get("text_config").cloned() {
             if value.get("hidden_size").is_none() {
-                if let (Some(obj), serde_json::Value::Object(inner)) = (value.as_object_mut(), text_config) {
+                if let (Some(obj), serde_json::Value::Object(inner)) =
+                    (value.as_object_mut(), text_config)
+                {
                     for (k, v) in inner {
                         obj.entry(k).or_insert(v);
                     }
@@ -123,7 +131,9 @@ impl ModelConfig {
             ),
         };
         let gemma = family == Family::Gemma3;
-        let head_dim = raw.head_dim.unwrap_or(raw.hidden_size / raw.num_attention_heads);
+        let head_dim = raw
+            .head_dim
+            .unwrap_or(raw.hidden_size / raw.num_attention_heads);
         let rope_scaling = parse_rope_scaling(raw.rope_scaling.as_ref())?;
         Ok(Self {
             family,
@@ -136,12 +146,18 @@ impl ModelConfig {
             head_dim,
             vocab_size: raw.vocab_size,
             rms_norm_eps: raw.rms_norm_eps.unwrap_or(if gemma { 1e-6 } else { 1e-5 }),
-            rope_theta: raw.rope_theta.unwrap_or(if gemma { 1_000_000.0 } else { 10_000.0 }),
+            rope_theta: raw
+                .rope_theta
+                .unwrap_or(if gemma { 1_000_000.0 } else { 10_000.0 }),
             rope_scaling,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(gemma),
             max_position_embeddings: raw.max_position_embeddings.unwrap_or(32768),
             attention_bias: raw.attention_bias.unwrap_or(family == Family::Qwen2),
-            sliding_window: if gemma { Some(raw.sliding_window.unwrap_or(512)) } else { None },
+            sliding_window: if gemma {
+                Some(raw.sliding_window.unwrap_or(512))
+            } else {
+                None
+            },
             sliding_window_pattern: raw.sliding_window_pattern.unwrap_or(6),
             rope_local_theta: raw.rope_local_base_freq.unwrap_or(10_000.0),
             query_pre_attn_scalar: if gemma {
@@ -168,7 +184,10 @@ impl ModelConfig {
 
     /// Bytes of K+V per token across all layers at the given element size.
     pub fn kv_bytes_per_token(&self, elem_bytes: usize) -> usize {
-        2 * self.num_layers as usize * self.num_kv_heads as usize * self.head_dim as usize * elem_bytes
+        2 * self.num_layers as usize
+            * self.num_kv_heads as usize
+            * self.head_dim as usize
+            * elem_bytes
     }
 }
 
@@ -181,10 +200,17 @@ fn parse_rope_scaling(value: Option<&serde_json::Value>) -> anyhow::Result<RopeS
         .or_else(|| obj.get("type"))
         .and_then(|v| v.as_str())
         .unwrap_or("default");
-    let num = |k: &str, d: f32| obj.get(k).and_then(|v| v.as_f64()).map(|v| v as f32).unwrap_or(d);
+    let num = |k: &str, d: f32| {
+        obj.get(k)
+            .and_then(|v| v.as_f64())
+            .map(|v| v as f32)
+            .unwrap_or(d)
+    };
     Ok(match kind {
         "default" => RopeScaling::None,
-        "linear" => RopeScaling::Linear { factor: num("factor", 1.0) },
+        "linear" => RopeScaling::Linear {
+            factor: num("factor", 1.0),
+        },
         "llama3" => RopeScaling::Llama3 {
             factor: num("factor", 1.0),
             low_freq_factor: num("low_freq_factor", 1.0),

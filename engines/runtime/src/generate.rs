@@ -21,7 +21,12 @@ pub fn tokens_array(tokens: &[u32]) -> Array {
 
 /// Runs the prompt through the model in chunks and returns the `[1, 1, V]`
 /// logits of its last position.
-pub fn prefill(model: &Model, cache: &mut KvCache, prompt: &[u32], chunk: usize) -> anyhow::Result<Array> {
+pub fn prefill(
+    model: &Model,
+    cache: &mut KvCache,
+    prompt: &[u32],
+    chunk: usize,
+) -> anyhow::Result<Array> {
     anyhow::ensure!(!prompt.is_empty(), "empty prompt");
     let chunk = chunk.max(1);
     let mut rest = prompt;
@@ -38,7 +43,9 @@ pub fn prefill(model: &Model, cache: &mut KvCache, prompt: &[u32], chunk: usize)
 /// Greedy token from `[B, 1, V]` logits as a lazy `[B, 1]` int32 array.
 pub fn argmax_tokens(logits: &Array) -> anyhow::Result<Array> {
     let b = logits.dim(0);
-    Ok(ops::indexing::argmax_axis(logits, -1, None)?.reshape(&[b, 1])?.as_dtype(mlx_rs::Dtype::Int32)?)
+    Ok(ops::indexing::argmax_axis(logits, -1, None)?
+        .reshape(&[b, 1])?
+        .as_dtype(mlx_rs::Dtype::Int32)?)
 }
 
 pub struct GreedyRun {
@@ -63,7 +70,11 @@ pub fn greedy(
     let mut cache = model.new_cache(1);
     let mut out = Vec::with_capacity(max_tokens);
     if max_tokens == 0 {
-        return Ok(GreedyRun { tokens: out, prefill_time: start.elapsed(), decode_time: Duration::ZERO });
+        return Ok(GreedyRun {
+            tokens: out,
+            prefill_time: start.elapsed(),
+            decode_time: Duration::ZERO,
+        });
     }
     let logits = prefill(model, &mut cache, prompt, DEFAULT_PREFILL_CHUNK)?;
     let mut current = argmax_tokens(&logits)?;
@@ -97,14 +108,26 @@ pub fn greedy(
         }
     }
     let prefill_time = prefill_time.unwrap_or_default();
-    Ok(GreedyRun { tokens: out, prefill_time, decode_time: start.elapsed() - prefill_time })
+    Ok(GreedyRun {
+        tokens: out,
+        prefill_time,
+        decode_time: start.elapsed() - prefill_time,
+    })
 }
 
 /// Greedy decoding of several prompts of different lengths as one
 /// left-padded batch: one prefill forward, then one decode forward per step
 /// for all rows. Each row stops at its own stop token or `max_tokens`.
-pub fn greedy_batch(model: &Model, prompts: &[Vec<u32>], max_tokens: usize, stop_tokens: &[u32]) -> anyhow::Result<Vec<Vec<u32>>> {
-    anyhow::ensure!(prompts.iter().all(|p| !p.is_empty()), "empty prompt in batch");
+pub fn greedy_batch(
+    model: &Model,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+    stop_tokens: &[u32],
+) -> anyhow::Result<Vec<Vec<u32>>> {
+    anyhow::ensure!(
+        prompts.iter().all(|p| !p.is_empty()),
+        "empty prompt in batch"
+    );
     let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
     let pads: Vec<i32> = prompts.iter().map(|p| (longest - p.len()) as i32).collect();
     let mut ids = Vec::with_capacity(prompts.len() * longest);
@@ -114,7 +137,11 @@ pub fn greedy_batch(model: &Model, prompts: &[Vec<u32>], max_tokens: usize, stop
     }
     let b = prompts.len() as i32;
     let mut cache = KvCache::with_left_padding(model.num_layers(), pads);
-    let logits = model.forward(&Array::from_slice(&ids, &[b, longest as i32]), &mut cache, Logits::Last)?;
+    let logits = model.forward(
+        &Array::from_slice(&ids, &[b, longest as i32]),
+        &mut cache,
+        Logits::Last,
+    )?;
     let mut current = argmax_tokens(&logits)?;
     let mut outs = vec![Vec::new(); prompts.len()];
     let mut done = vec![max_tokens == 0; prompts.len()];

@@ -33,7 +33,10 @@ pub struct KvPool {
 impl KvPool {
     pub fn new(total_blocks: usize, block_size: usize, bytes_per_block: usize) -> Self {
         Self {
-            inner: Arc::new(Inner { total: total_blocks, allocated: AtomicUsize::new(0) }),
+            inner: Arc::new(Inner {
+                total: total_blocks,
+                allocated: AtomicUsize::new(0),
+            }),
             block_size: block_size.max(1),
             bytes_per_block,
         }
@@ -43,7 +46,11 @@ impl KvPool {
     /// per token.
     pub fn with_budget(budget_bytes: usize, block_size: usize, bytes_per_token: usize) -> Self {
         let bytes_per_block = bytes_per_token * block_size.max(1);
-        Self::new(budget_bytes / bytes_per_block.max(1), block_size, bytes_per_block)
+        Self::new(
+            budget_bytes / bytes_per_block.max(1),
+            block_size,
+            bytes_per_block,
+        )
     }
 
     pub fn block_size(&self) -> usize {
@@ -82,7 +89,10 @@ impl KvPool {
 
     pub fn check_fits(&self, blocks: usize) -> Result<(), PoolError> {
         if blocks > self.inner.total {
-            return Err(PoolError::NeverFits { needed: blocks, total: self.inner.total });
+            return Err(PoolError::NeverFits {
+                needed: blocks,
+                total: self.inner.total,
+            });
         }
         Ok(())
     }
@@ -100,7 +110,12 @@ impl KvPool {
                 Ordering::AcqRel,
                 Ordering::Acquire,
             ) {
-                Ok(_) => return Ok(Reservation { inner: self.inner.clone(), blocks }),
+                Ok(_) => {
+                    return Ok(Reservation {
+                        inner: self.inner.clone(),
+                        blocks,
+                    })
+                }
                 Err(actual) => current = actual,
             }
         }
@@ -122,7 +137,9 @@ impl Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        self.inner.allocated.fetch_sub(self.blocks, Ordering::AcqRel);
+        self.inner
+            .allocated
+            .fetch_sub(self.blocks, Ordering::AcqRel);
     }
 }
 
@@ -141,7 +158,13 @@ mod tests {
         assert_eq!(pool.try_reserve(1).unwrap_err(), PoolError::Exhausted);
         drop(a);
         assert_eq!(pool.allocated(), 6);
-        assert!(matches!(pool.try_reserve(11), Err(PoolError::NeverFits { needed: 11, total: 10 })));
+        assert!(matches!(
+            pool.try_reserve(11),
+            Err(PoolError::NeverFits {
+                needed: 11,
+                total: 10
+            })
+        ));
         drop(b);
         assert_eq!(pool.allocated(), 0);
     }

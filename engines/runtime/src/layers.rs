@@ -9,12 +9,26 @@ use crate::weights::Weights;
 type R<T> = Result<T, mlx_rs::error::Exception>;
 
 pub enum Linear {
-    Dense { weight: Array, bias: Option<Array> },
-    Quantized { weight: Array, scales: Array, biases: Array, bias: Option<Array>, group_size: i32, bits: i32 },
+    Dense {
+        weight: Array,
+        bias: Option<Array>,
+    },
+    Quantized {
+        weight: Array,
+        scales: Array,
+        biases: Array,
+        bias: Option<Array>,
+        group_size: i32,
+        bits: i32,
+    },
 }
 
 impl Linear {
-    pub fn load(w: &mut Weights, prefix: &str, quant: Option<Quantization>) -> anyhow::Result<Self> {
+    pub fn load(
+        w: &mut Weights,
+        prefix: &str,
+        quant: Option<Quantization>,
+    ) -> anyhow::Result<Self> {
         let bias = w.take_optional(&format!("{prefix}.bias"));
         let weight = w.take(&format!("{prefix}.weight"))?;
         match (quant, w.take_optional(&format!("{prefix}.scales"))) {
@@ -33,8 +47,18 @@ impl Linear {
     pub fn forward(&self, x: &Array) -> R<Array> {
         match self {
             Linear::Dense { weight, bias: None } => x.matmul(weight.t()),
-            Linear::Dense { weight, bias: Some(b) } => ops::addmm(b, x, weight.t(), None, None),
-            Linear::Quantized { weight, scales, biases, bias, group_size, bits } => {
+            Linear::Dense {
+                weight,
+                bias: Some(b),
+            } => ops::addmm(b, x, weight.t(), None, None),
+            Linear::Quantized {
+                weight,
+                scales,
+                biases,
+                bias,
+                group_size,
+                bits,
+            } => {
                 let y = ops::quantized_matmul(x, weight, scales, biases, true, *group_size, *bits)?;
                 match bias {
                     Some(b) => y.add(b),
@@ -46,10 +70,16 @@ impl Linear {
 
     pub fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
         match self {
-            Linear::Dense { weight, bias } => out.extend(std::iter::once(weight).chain(bias.as_ref())),
-            Linear::Quantized { weight, scales, biases, bias, .. } => {
-                out.extend([weight, scales, biases].into_iter().chain(bias.as_ref()))
+            Linear::Dense { weight, bias } => {
+                out.extend(std::iter::once(weight).chain(bias.as_ref()))
             }
+            Linear::Quantized {
+                weight,
+                scales,
+                biases,
+                bias,
+                ..
+            } => out.extend([weight, scales, biases].into_iter().chain(bias.as_ref())),
         }
     }
 
@@ -77,12 +107,27 @@ impl Linear {
             })
             .collect();
         if let Some(ws) = dense {
-            return Some((|| Ok(Linear::Dense { weight: cat(ws)?, bias: bias.transpose()? }))());
+            return Some((|| {
+                Ok(Linear::Dense {
+                    weight: cat(ws)?,
+                    bias: bias.transpose()?,
+                })
+            })());
         }
         let mut spec = None;
         let (mut ws, mut ss, mut bs) = (Vec::new(), Vec::new(), Vec::new());
         for p in parts {
-            let Linear::Quantized { weight, scales, biases, group_size, bits, .. } = p else { return None };
+            let Linear::Quantized {
+                weight,
+                scales,
+                biases,
+                group_size,
+                bits,
+                ..
+            } = p
+            else {
+                return None;
+            };
             if spec.is_some_and(|s| s != (*group_size, *bits)) {
                 return None;
             }
@@ -124,7 +169,10 @@ impl Projections {
         match Linear::stack(&parts) {
             Some(linear) => {
                 let sizes = parts.iter().map(Linear::out_features).collect();
-                Ok(Projections::Stacked { linear: linear?, sizes })
+                Ok(Projections::Stacked {
+                    linear: linear?,
+                    sizes,
+                })
             }
             None => Ok(Projections::Separate(parts)),
         }
@@ -160,14 +208,27 @@ pub struct Embedding {
 }
 
 impl Embedding {
-    pub fn load(w: &mut Weights, prefix: &str, quant: Option<Quantization>) -> anyhow::Result<Self> {
-        Ok(Self { table: Linear::load(w, prefix, quant)? })
+    pub fn load(
+        w: &mut Weights,
+        prefix: &str,
+        quant: Option<Quantization>,
+    ) -> anyhow::Result<Self> {
+        Ok(Self {
+            table: Linear::load(w, prefix, quant)?,
+        })
     }
 
     pub fn forward(&self, ids: &Array) -> R<Array> {
         match &self.table {
             Linear::Dense { weight, .. } => weight.take_axis(ids, 0),
-            Linear::Quantized { weight, scales, biases, group_size, bits, .. } => {
+            Linear::Quantized {
+                weight,
+                scales,
+                biases,
+                group_size,
+                bits,
+                ..
+            } => {
                 let w = weight.take_axis(ids, 0)?;
                 let s = scales.take_axis(ids, 0)?;
                 let b = biases.take_axis(ids, 0)?;
@@ -229,18 +290,38 @@ impl Rope {
     pub fn new(cfg: &ModelConfig, base: f32, scaling: &RopeScaling) -> Self {
         let dims = cfg.head_dim;
         match *scaling {
-            RopeScaling::None => Self { dims, base: Some(base), scale: 1.0, freqs: None },
-            RopeScaling::Linear { factor } => Self { dims, base: Some(base), scale: 1.0 / factor, freqs: None },
-            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+            RopeScaling::None => Self {
+                dims,
+                base: Some(base),
+                scale: 1.0,
+                freqs: None,
+            },
+            RopeScaling::Linear { factor } => Self {
+                dims,
+                base: Some(base),
+                scale: 1.0 / factor,
+                freqs: None,
+            },
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
                 let low_wavelen = original_max_position_embeddings / low_freq_factor;
                 let high_wavelen = original_max_position_embeddings / high_freq_factor;
                 let freqs: Vec<f32> = (0..dims / 2)
                     .map(|i| {
                         let freq = base.powf((2 * i) as f32 / dims as f32);
                         let wavelen = 2.0 * std::f32::consts::PI * freq;
-                        let scaled = if wavelen > low_wavelen { freq * factor } else { freq };
+                        let scaled = if wavelen > low_wavelen {
+                            freq * factor
+                        } else {
+                            freq
+                        };
                         if wavelen > high_wavelen && wavelen < low_wavelen {
-                            let smooth = (original_max_position_embeddings / wavelen - low_freq_factor)
+                            let smooth = (original_max_position_embeddings / wavelen
+                                - low_freq_factor)
                                 / (high_freq_factor - low_freq_factor);
                             scaled / ((1.0 - smooth) / factor + smooth)
                         } else {
@@ -248,7 +329,12 @@ impl Rope {
                         }
                     })
                     .collect();
-                Self { dims, base: None, scale: 1.0, freqs: Some(Array::from_slice(&freqs, &[dims / 2])) }
+                Self {
+                    dims,
+                    base: None,
+                    scale: 1.0,
+                    freqs: Some(Array::from_slice(&freqs, &[dims / 2])),
+                }
             }
         }
     }
@@ -258,8 +344,24 @@ impl Rope {
     /// positions).
     pub fn forward(&self, x: &Array, offset: &Offsets) -> R<Array> {
         match offset {
-            Offsets::Scalar(o) => fast::rope(x, self.dims, false, self.base, self.scale, *o, self.freqs.as_ref()),
-            Offsets::PerRow(o) => fast::rope_dynamic(x, self.dims, false, self.base, self.scale, o, self.freqs.as_ref()),
+            Offsets::Scalar(o) => fast::rope(
+                x,
+                self.dims,
+                false,
+                self.base,
+                self.scale,
+                *o,
+                self.freqs.as_ref(),
+            ),
+            Offsets::PerRow(o) => fast::rope_dynamic(
+                x,
+                self.dims,
+                false,
+                self.base,
+                self.scale,
+                o,
+                self.freqs.as_ref(),
+            ),
         }
     }
 }

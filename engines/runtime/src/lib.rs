@@ -20,15 +20,14 @@ pub mod loader;
 pub mod mask;
 pub mod model;
 
-
 pub mod weights;
 
 pub use cache::KvCache;
 pub use config::{Family, ModelConfig};
 
+pub use kv_pool::{KvPool, Reservation};
 pub use loader::LoadedModel;
 pub use model::Model;
-pub use kv_pool::{KvPool, Reservation};
 pub use shared::SharedModel;
 
 pub type Result<T> = anyhow::Result<T>;

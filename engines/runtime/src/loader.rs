@@ -40,15 +40,18 @@ impl LoadedModel {
         let started = Instant::now();
         let config = ModelConfig::from_dir(dir)?;
         let weights = Weights::from_dir(dir)?;
-        let model = Model::load(config, weights).with_context(|| format!("loading {}", dir.display()))?;
+        let model =
+            Model::load(config, weights).with_context(|| format!("loading {}", dir.display()))?;
         // Materialise the weights now, not on the first request.
         model.eval_weights()?;
         let tokenizer = Arc::new(text::Tokenizer::from_dir(dir)?);
         let template = text::ChatTemplate::from_dir(dir)?;
         let stop_tokens = text::eos::eos_token_ids(dir, &tokenizer)?;
-        let name = name
-            .map(str::to_string)
-            .unwrap_or_else(|| dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into()));
+        let name = name.map(str::to_string).unwrap_or_else(|| {
+            dir.file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "model".into())
+        });
         tracing::info!(
             model = %name,
             family = %model.config.family,
@@ -59,13 +62,23 @@ impl LoadedModel {
             seconds = started.elapsed().as_secs_f32(),
             "model loaded"
         );
-        Ok(Self { dir: dir.to_path_buf(), name, model, tokenizer, template, stop_tokens, device: Mutex::new(()) })
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            name,
+            model,
+            tokenizer,
+            template,
+            stop_tokens,
+            device: Mutex::new(()),
+        })
     }
 
     /// Exclusive use of the device for one engine step (or one fast-path
     /// run). A panicked holder left nothing half-written that matters here.
     pub fn lock_device(&self) -> MutexGuard<'_, ()> {
-        self.device.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.device
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     pub fn vocab_size(&self) -> usize {

@@ -60,11 +60,18 @@ pub fn build(cache: &KvCache, n: i32, window: Option<i32>) -> AttnMask {
     let padded = cache.batch_size() > 1 || cache.left_padding().iter().any(|&p| p > 0);
     let window_bites = window.is_some_and(|w| total > w);
     if !padded && !window_bites {
-        return if n == 1 { AttnMask::None } else { AttnMask::Causal };
+        return if n == 1 {
+            AttnMask::None
+        } else {
+            AttnMask::Causal
+        };
     }
     let pads = cache.left_padding();
     if n == 1 && row_attention(pads.len()) {
-        let starts = pads.iter().map(|&p| p.max(window.map_or(0, |w| total - w))).collect();
+        let starts = pads
+            .iter()
+            .map(|&p| p.max(window.map_or(0, |w| total - w)))
+            .collect();
         return AttnMask::RowStarts(starts);
     }
     let mut data = Vec::with_capacity(pads.len() * (n * total) as usize);

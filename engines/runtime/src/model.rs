@@ -83,13 +83,26 @@ impl Model {
             };
             let (q_norm, k_norm) = if cfg.has_qk_norm() {
                 (
-                    Some(RmsNorm::load(&mut w, &format!("{p}.self_attn.q_norm"), eps, gemma)?),
-                    Some(RmsNorm::load(&mut w, &format!("{p}.self_attn.k_norm"), eps, gemma)?),
+                    Some(RmsNorm::load(
+                        &mut w,
+                        &format!("{p}.self_attn.q_norm"),
+                        eps,
+                        gemma,
+                    )?),
+                    Some(RmsNorm::load(
+                        &mut w,
+                        &format!("{p}.self_attn.k_norm"),
+                        eps,
+                        gemma,
+                    )?),
                 )
             } else {
                 (None, None)
             };
-            let scale = cfg.query_pre_attn_scalar.unwrap_or(cfg.head_dim as f32).powf(-0.5);
+            let scale = cfg
+                .query_pre_attn_scalar
+                .unwrap_or(cfg.head_dim as f32)
+                .powf(-0.5);
             layers.push(Layer {
                 attn: Attention {
                     qkv: Projections::new(vec![
@@ -115,14 +128,29 @@ impl Model {
                     gelu: gemma,
                 },
                 input_norm: RmsNorm::load(&mut w, &format!("{p}.input_layernorm"), eps, gemma)?,
-                post_attn_norm: RmsNorm::load(&mut w, &format!("{p}.post_attention_layernorm"), eps, gemma)?,
+                post_attn_norm: RmsNorm::load(
+                    &mut w,
+                    &format!("{p}.post_attention_layernorm"),
+                    eps,
+                    gemma,
+                )?,
                 pre_ff_norm: if gemma {
-                    Some(RmsNorm::load(&mut w, &format!("{p}.pre_feedforward_layernorm"), eps, true)?)
+                    Some(RmsNorm::load(
+                        &mut w,
+                        &format!("{p}.pre_feedforward_layernorm"),
+                        eps,
+                        true,
+                    )?)
                 } else {
                     None
                 },
                 post_ff_norm: if gemma {
-                    Some(RmsNorm::load(&mut w, &format!("{p}.post_feedforward_layernorm"), eps, true)?)
+                    Some(RmsNorm::load(
+                        &mut w,
+                        &format!("{p}.post_feedforward_layernorm"),
+                        eps,
+                        true,
+                    )?)
                 } else {
                     None
                 },
@@ -136,12 +164,24 @@ impl Model {
         } else {
             None
         };
-        let embed_scale = gemma.then(|| half::bf16::from_f32((cfg.hidden_size as f32).sqrt()).to_f32());
-        let leftover: Vec<_> = w.remaining().filter(|n| !n.contains("rotary_emb")).cloned().collect();
+        let embed_scale =
+            gemma.then(|| half::bf16::from_f32((cfg.hidden_size as f32).sqrt()).to_f32());
+        let leftover: Vec<_> = w
+            .remaining()
+            .filter(|n| !n.contains("rotary_emb"))
+            .cloned()
+            .collect();
         if !leftover.is_empty() {
             tracing::warn!(count = leftover.len(), first = %leftover[0], "unused weights in checkpoint");
         }
-        Ok(Self { config, embed, layers, norm, lm_head, embed_scale })
+        Ok(Self {
+            config,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            embed_scale,
+        })
     }
 
     /// Evaluates every weight so loading cost is paid at startup.
@@ -173,14 +213,22 @@ impl Model {
 
     /// Runs `tokens` (`[B, L]` int32) through the model, appending their keys
     /// and values to `cache`, and returns logits as float32.
-    pub fn forward(&self, tokens: &Array, cache: &mut KvCache, which: Logits) -> anyhow::Result<Array> {
+    pub fn forward(
+        &self,
+        tokens: &Array,
+        cache: &mut KvCache,
+        which: Logits,
+    ) -> anyhow::Result<Array> {
         let n = tokens.dim(1);
         let mut h = self.embed.forward(tokens)?;
         if let Some(scale) = self.embed_scale {
             h = h.multiply(Array::from_f32(scale).as_dtype(h.dtype())?)?;
         }
         let global_mask = mask::build(cache, n, None);
-        let window_mask = self.config.sliding_window.map(|w| mask::build(cache, n, Some(w)));
+        let window_mask = self
+            .config
+            .sliding_window
+            .map(|w| mask::build(cache, n, Some(w)));
         let offsets = cache.offsets();
         for (i, layer) in self.layers.iter().enumerate() {
             let mask = match (&layer.window, &window_mask) {
@@ -214,15 +262,27 @@ impl Layer {
         self.mlp.gate_up.collect(out);
         a.o.collect(out);
         self.mlp.down.collect(out);
-        for norm in [&a.q_norm, &a.k_norm, &self.pre_ff_norm, &self.post_ff_norm].into_iter().flatten() {
+        for norm in [&a.q_norm, &a.k_norm, &self.pre_ff_norm, &self.post_ff_norm]
+            .into_iter()
+            .flatten()
+        {
             norm.collect(out);
         }
         self.input_norm.collect(out);
         self.post_attn_norm.collect(out);
     }
 
-    fn forward(&self, x: &Array, mask: &AttnMask, offsets: &Offsets, cache: &mut KvCache, idx: usize) -> anyhow::Result<Array> {
-        let r = self.attn.forward(&self.input_norm.forward(x)?, mask, offsets, cache, idx)?;
+    fn forward(
+        &self,
+        x: &Array,
+        mask: &AttnMask,
+        offsets: &Offsets,
+        cache: &mut KvCache,
+        idx: usize,
+    ) -> anyhow::Result<Array> {
+        let r = self
+            .attn
+            .forward(&self.input_norm.forward(x)?, mask, offsets, cache, idx)?;
         match (&self.pre_ff_norm, &self.post_ff_norm) {
             (Some(pre), Some(post)) => {
                 let h = residual(x, &self.post_attn_norm.forward(&r)?)?;
@@ -244,12 +304,21 @@ fn residual(x: &Array, y: &Array) -> R<Array> {
         return x.add(y);
     }
     let bound = Array::from_f32(65504.0);
-    let sum = x.as_dtype(Dtype::Float32)?.add(y.as_dtype(Dtype::Float32)?)?;
+    let sum = x
+        .as_dtype(Dtype::Float32)?
+        .add(y.as_dtype(Dtype::Float32)?)?;
     ops::clip(&sum, (&bound.negative()?, &bound))?.as_dtype(Dtype::Float16)
 }
 
 impl Attention {
-    fn forward(&self, x: &Array, mask: &AttnMask, offsets: &Offsets, cache: &mut KvCache, idx: usize) -> anyhow::Result<Array> {
+    fn forward(
+        &self,
+        x: &Array,
+        mask: &AttnMask,
+        offsets: &Offsets,
+        cache: &mut KvCache,
+        idx: usize,
+    ) -> anyhow::Result<Array> {
         let (b, l) = (x.dim(0), x.dim(1));
         let heads = |t: Array, n: i32, norm: &Option<RmsNorm>| -> R<Array> {
             let mut t = t.reshape(&[b, l, n, self.head_dim])?;
@@ -259,7 +328,11 @@ impl Attention {
             t.transpose_axes(&[0, 2, 1, 3])
         };
         let mut qkv = self.qkv.forward(x)?.into_iter();
-        let (q, k, v) = (qkv.next().unwrap(), qkv.next().unwrap(), qkv.next().unwrap());
+        let (q, k, v) = (
+            qkv.next().unwrap(),
+            qkv.next().unwrap(),
+            qkv.next().unwrap(),
+        );
         let q = heads(q, self.heads, &self.q_norm)?;
         let k = heads(k, self.kv_heads, &self.k_norm)?;
         let v = heads(v, self.kv_heads, &None)?;
@@ -267,11 +340,20 @@ impl Attention {
         let k = self.rope.forward(&k, offsets)?;
         let (k, v) = cache.update(idx, k, v)?;
         let out = match mask {
-            AttnMask::None => fast::scaled_dot_product_attention(&q, &k, &v, self.scale, None, None)?,
+            AttnMask::None => {
+                fast::scaled_dot_product_attention(&q, &k, &v, self.scale, None, None)?
+            }
             AttnMask::Causal => fast::scaled_dot_product_attention(
-                &q, &k, &v, self.scale, ScaledDotProductAttentionMask::Causal, None,
+                &q,
+                &k,
+                &v,
+                self.scale,
+                ScaledDotProductAttentionMask::Causal,
+                None,
             )?,
-            AttnMask::Array(m) => fast::scaled_dot_product_attention(&q, &k, &v, self.scale, m, None)?,
+            AttnMask::Array(m) => {
+                fast::scaled_dot_product_attention(&q, &k, &v, self.scale, m, None)?
+            }
             AttnMask::RowStarts(starts) => {
                 let total = k.dim(2);
                 let rows = starts
@@ -284,13 +366,17 @@ impl Attention {
                         let qr = slice(&q, &[r, 0, 0, 0], &[r + 1, qs[1], qs[2], qs[3]])?;
                         let kr = slice(&k, &[r, 0, from, 0], &[r + 1, ks[1], total, ks[3]])?;
                         let vr = slice(&v, &[r, 0, from, 0], &[r + 1, ks[1], total, ks[3]])?;
-                        Ok(fast::scaled_dot_product_attention(&qr, &kr, &vr, self.scale, None, None)?)
+                        Ok(fast::scaled_dot_product_attention(
+                            &qr, &kr, &vr, self.scale, None, None,
+                        )?)
                     })
                     .collect::<anyhow::Result<Vec<_>>>()?;
                 ops::concatenate(&rows, 0)?
             }
         };
-        let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, l, self.heads * self.head_dim])?;
+        let out =
+            out.transpose_axes(&[0, 2, 1, 3])?
+                .reshape(&[b, l, self.heads * self.head_dim])?;
         Ok(self.o.forward(&out)?)
     }
 }

@@ -37,7 +37,9 @@ impl Sampler {
             Some(Array::from_slice(&dense, &[vocab]))
         };
         let needs_counts = params.presence_penalty != 0.0 || params.frequency_penalty != 0.0;
-        let counts = needs_counts.then(|| ops::zeros::<f32>(&[vocab])).transpose()?;
+        let counts = needs_counts
+            .then(|| ops::zeros::<f32>(&[vocab]))
+            .transpose()?;
         let seen = if params.repetition_penalty != 1.0 {
             let mut dense = vec![0f32; vocab as usize];
             for &t in prompt {
@@ -55,7 +57,14 @@ impl Sampler {
             let seed = params.seed.unwrap_or_else(random_seed);
             Some(random::key(seed)?)
         };
-        Ok(Self { params: params.clone(), vocab, bias, counts, seen, key })
+        Ok(Self {
+            params: params.clone(),
+            vocab,
+            bias,
+            counts,
+            seen,
+            key,
+        })
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -72,7 +81,11 @@ impl Sampler {
         if let Some(seen) = &self.seen {
             // HF/vLLM rule: shrink positive logits, grow negative ones.
             let p = Array::from_f32(self.params.repetition_penalty);
-            let penalised = ops::select(&l.gt(Array::from_f32(0.0))?, &l.divide(&p)?, &l.multiply(&p)?)?;
+            let penalised = ops::select(
+                &l.gt(Array::from_f32(0.0))?,
+                &l.divide(&p)?,
+                &l.multiply(&p)?,
+            )?;
             l = ops::select(&seen.gt(Array::from_f32(0.0))?, &penalised, &l)?;
         }
         if let Some(counts) = &self.counts {
@@ -160,13 +173,17 @@ fn top_p(l: &Array, p: f32) -> R<Array> {
     let cum = ops::cumsum(&sorted, -1, None, None)?;
     let above = Array::from_f32(1.0).subtract(&cum)?; // mass strictly above each sorted entry
     let keep = above.lt(Array::from_f32(p))?;
-    let threshold = ops::select(&keep, &sorted, Array::from_f32(f32::INFINITY))?.min_axis(-1, true)?;
+    let threshold =
+        ops::select(&keep, &sorted, Array::from_f32(f32::INFINITY))?.min_axis(-1, true)?;
     ops::select(&probs.lt(&threshold)?, &neg_inf(), l)
 }
 
 fn random_seed() -> u64 {
     use std::time::{SystemTime, UNIX_EPOCH};
     static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let t = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    let t = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
     t ^ COUNTER.fetch_add(0x9E37_79B9_7F4A_7C15, std::sync::atomic::Ordering::Relaxed)
 }

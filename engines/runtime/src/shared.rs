@@ -22,7 +22,11 @@ pub struct SharedModel {
 
 impl SharedModel {
     pub fn new(model: LoadedModel, kv_pool: KvPool) -> Self {
-        Self { model, kv_pool, handover: RwLock::new(None) }
+        Self {
+            model,
+            kv_pool,
+            handover: RwLock::new(None),
+        }
     }
 
     pub fn set_handover_sink(&self, sink: Arc<dyn HandoverSink>) {
@@ -30,7 +34,10 @@ impl SharedModel {
     }
 
     pub fn handover_sink(&self) -> Option<Arc<dyn HandoverSink>> {
-        self.handover.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.handover
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// The shared model from an engine's context. Fails when the plugin was

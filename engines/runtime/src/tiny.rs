@@ -96,7 +96,11 @@ impl TinySpec {
     }
 
     pub fn parameters(&self) -> i64 {
-        let (h, i, v) = (self.hidden as i64, self.intermediate as i64, self.vocab as i64);
+        let (h, i, v) = (
+            self.hidden as i64,
+            self.intermediate as i64,
+            self.vocab as i64,
+        );
         let q = (self.heads * self.head_dim) as i64;
         let kv = (self.kv_heads * self.head_dim) as i64;
         let per_layer = h * q * 2 + h * kv * 2 + 3 * h * i;
@@ -108,7 +112,12 @@ impl TinySpec {
 pub fn write_model(dir: &Path, spec: &TinySpec) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let tok = text::tiny::write_tokenizer(dir, spec.family, spec.vocab as usize)?;
-    anyhow::ensure!(tok.vocab_size as i32 == spec.vocab, "tokenizer has {} ids, wanted {}", tok.vocab_size, spec.vocab);
+    anyhow::ensure!(
+        tok.vocab_size as i32 == spec.vocab,
+        "tokenizer has {} ids, wanted {}",
+        tok.vocab_size,
+        spec.vocab
+    );
 
     let weights = random_weights(spec)?;
     let weights = match spec.quant_bits {
@@ -117,24 +126,38 @@ pub fn write_model(dir: &Path, spec: &TinySpec) -> anyhow::Result<()> {
     };
     let mut metadata = HashMap::new();
     metadata.insert("format".to_string(), "mlx".to_string());
-    Array::save_safetensors(weights.iter().map(|(n, a)| (n, a)), &metadata, dir.join("model.safetensors"))
-        .map_err(|e| anyhow!("writing model.safetensors: {e}"))?;
+    Array::save_safetensors(
+        weights.iter().map(|(n, a)| (n, a)),
+        &metadata,
+        dir.join("model.safetensors"),
+    )
+    .map_err(|e| anyhow!("writing model.safetensors: {e}"))?;
 
     let eos: serde_json::Value = if tok.eos_token_ids.len() == 1 {
         json!(tok.eos_token_ids[0])
     } else {
         json!(tok.eos_token_ids)
     };
-    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config_json(spec, &tok, &eos))?)?;
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&config_json(spec, &tok, &eos))?,
+    )?;
     let mut generation = json!({ "eos_token_id": eos, "do_sample": false });
     if let Some(bos) = tok.bos_token_id {
         generation["bos_token_id"] = json!(bos);
     }
-    std::fs::write(dir.join("generation_config.json"), serde_json::to_string_pretty(&generation)?)?;
+    std::fs::write(
+        dir.join("generation_config.json"),
+        serde_json::to_string_pretty(&generation)?,
+    )?;
     Ok(())
 }
 
-fn config_json(spec: &TinySpec, tok: &text::tiny::TinyTokenizerInfo, eos: &serde_json::Value) -> serde_json::Value {
+fn config_json(
+    spec: &TinySpec,
+    tok: &text::tiny::TinyTokenizerInfo,
+    eos: &serde_json::Value,
+) -> serde_json::Value {
     let dtype = match spec.dtype {
         Dtype::Bfloat16 => "bfloat16",
         Dtype::Float16 => "float16",
@@ -210,12 +233,27 @@ fn random_weights(spec: &TinySpec) -> anyhow::Result<Vec<(String, Array)>> {
     // Gemma stores norm weights as offsets from 1.
     let norm_mean = if gemma { 0.0 } else { 1.0 };
     let lin = |fan_in: i32| (fan_in as f32).powf(-0.5);
-    add("model.embed_tokens.weight".into(), &[spec.vocab, h], 1.0, 0.0)?;
+    add(
+        "model.embed_tokens.weight".into(),
+        &[spec.vocab, h],
+        1.0,
+        0.0,
+    )?;
     for l in 0..spec.layers {
         let p = format!("model.layers.{l}");
         add(format!("{p}.self_attn.q_proj.weight"), &[q, h], lin(h), 0.0)?;
-        add(format!("{p}.self_attn.k_proj.weight"), &[kv, h], lin(h), 0.0)?;
-        add(format!("{p}.self_attn.v_proj.weight"), &[kv, h], lin(h), 0.0)?;
+        add(
+            format!("{p}.self_attn.k_proj.weight"),
+            &[kv, h],
+            lin(h),
+            0.0,
+        )?;
+        add(
+            format!("{p}.self_attn.v_proj.weight"),
+            &[kv, h],
+            lin(h),
+            0.0,
+        )?;
         add(format!("{p}.self_attn.o_proj.weight"), &[h, q], lin(q), 0.0)?;
         if spec.family == Family::Qwen2 {
             add(format!("{p}.self_attn.q_proj.bias"), &[q], 0.1, 0.0)?;
@@ -223,17 +261,42 @@ fn random_weights(spec: &TinySpec) -> anyhow::Result<Vec<(String, Array)>> {
             add(format!("{p}.self_attn.v_proj.bias"), &[kv], 0.1, 0.0)?;
         }
         if matches!(spec.family, Family::Qwen3 | Family::Gemma3) {
-            add(format!("{p}.self_attn.q_norm.weight"), &[spec.head_dim], 0.1, norm_mean)?;
-            add(format!("{p}.self_attn.k_norm.weight"), &[spec.head_dim], 0.1, norm_mean)?;
+            add(
+                format!("{p}.self_attn.q_norm.weight"),
+                &[spec.head_dim],
+                0.1,
+                norm_mean,
+            )?;
+            add(
+                format!("{p}.self_attn.k_norm.weight"),
+                &[spec.head_dim],
+                0.1,
+                norm_mean,
+            )?;
         }
         add(format!("{p}.mlp.gate_proj.weight"), &[i, h], lin(h), 0.0)?;
         add(format!("{p}.mlp.up_proj.weight"), &[i, h], lin(h), 0.0)?;
         add(format!("{p}.mlp.down_proj.weight"), &[h, i], lin(i), 0.0)?;
         add(format!("{p}.input_layernorm.weight"), &[h], 0.1, norm_mean)?;
-        add(format!("{p}.post_attention_layernorm.weight"), &[h], 0.1, norm_mean)?;
+        add(
+            format!("{p}.post_attention_layernorm.weight"),
+            &[h],
+            0.1,
+            norm_mean,
+        )?;
         if gemma {
-            add(format!("{p}.pre_feedforward_layernorm.weight"), &[h], 0.1, norm_mean)?;
-            add(format!("{p}.post_feedforward_layernorm.weight"), &[h], 0.1, norm_mean)?;
+            add(
+                format!("{p}.pre_feedforward_layernorm.weight"),
+                &[h],
+                0.1,
+                norm_mean,
+            )?;
+            add(
+                format!("{p}.post_feedforward_layernorm.weight"),
+                &[h],
+                0.1,
+                norm_mean,
+            )?;
         }
     }
     add("model.norm.weight".into(), &[h], 0.1, norm_mean)?;
@@ -242,7 +305,11 @@ fn random_weights(spec: &TinySpec) -> anyhow::Result<Vec<(String, Array)>> {
 
 /// MLX's layout for a quantized layer: `weight` (packed uint32), `scales`,
 /// `biases`. Norms and biases stay in floating point.
-fn quantize(weights: Vec<(String, Array)>, group_size: i32, bits: i32) -> anyhow::Result<Vec<(String, Array)>> {
+fn quantize(
+    weights: Vec<(String, Array)>,
+    group_size: i32,
+    bits: i32,
+) -> anyhow::Result<Vec<(String, Array)>> {
     let mut out = Vec::new();
     for (name, w) in weights {
         let quantizable = name.ends_with("proj.weight") || name == "model.embed_tokens.weight";

@@ -28,7 +28,10 @@ impl Weights {
                 .map_err(|e| anyhow!("loading {}: {e}", file.display()))?;
             for (name, array) in loaded {
                 // Multimodal checkpoints prefix the text model.
-                let name = name.strip_prefix("language_model.").unwrap_or(&name).to_string();
+                let name = name
+                    .strip_prefix("language_model.")
+                    .unwrap_or(&name)
+                    .to_string();
                 tensors.insert(name, array);
             }
         }

@@ -26,7 +26,11 @@ struct Reference {
 fn python() -> PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let py = root.join(".mlx/venv/bin/python");
-    assert!(py.exists(), "{} missing: run scripts/setup (it installs mlx-lm, the oracle)", py.display());
+    assert!(
+        py.exists(),
+        "{} missing: run scripts/setup (it installs mlx-lm, the oracle)",
+        py.display()
+    );
     py
 }
 
@@ -40,7 +44,12 @@ fn reference(dir: &Path, prompts: &[Vec<u32>], steps: usize, logits: bool) -> Ve
         .spawn()
         .expect("start mlx-lm oracle");
     let req = serde_json::json!({ "model": dir, "prompts": prompts, "max_tokens": steps, "logits": logits });
-    child.stdin.take().unwrap().write_all(req.to_string().as_bytes()).unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(req.to_string().as_bytes())
+        .unwrap();
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "mlx-lm oracle failed");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -49,19 +58,34 @@ fn reference(dir: &Path, prompts: &[Vec<u32>], steps: usize, logits: bool) -> Ve
         .unwrap()
         .iter()
         .map(|r| Reference {
-            tokens: r["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect(),
+            tokens: r["tokens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap() as u32)
+                .collect(),
             logits: r["logits"]
                 .as_array()
                 .unwrap()
                 .iter()
-                .map(|row| row.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect())
+                .map(|row| {
+                    row.as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|x| x.as_f64().unwrap() as f32)
+                        .collect()
+                })
                 .collect(),
         })
         .collect()
 }
 
 fn load(dir: &Path) -> Model {
-    Model::load(ModelConfig::from_dir(dir).unwrap(), Weights::from_dir(dir).unwrap()).unwrap()
+    Model::load(
+        ModelConfig::from_dir(dir).unwrap(),
+        Weights::from_dir(dir).unwrap(),
+    )
+    .unwrap()
 }
 
 /// Our greedy decode, step by step, keeping every step's logits.
@@ -71,10 +95,17 @@ fn ours(model: &Model, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<Vec<f32>>
     let (mut tokens, mut rows) = (Vec::new(), Vec::new());
     for _ in 0..steps {
         let row: Vec<f32> = logits.reshape(&[-1]).unwrap().as_slice::<f32>().to_vec();
-        let token = row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u32;
+        let token = row
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .unwrap()
+            .0 as u32;
         tokens.push(token);
         rows.push(row);
-        logits = model.forward(&generate::tokens_array(&[token]), &mut cache, Logits::Last).unwrap();
+        logits = model
+            .forward(&generate::tokens_array(&[token]), &mut cache, Logits::Last)
+            .unwrap();
     }
     (tokens, rows)
 }
@@ -107,18 +138,27 @@ fn check_family(spec: TinySpec, logit_tol: Option<f32>) {
     let label = format!("{:?} {:?} q{:?}", spec.family, spec.dtype, spec.quant_bits);
     for (i, (prompt, r)) in prompts.iter().zip(&refs).enumerate() {
         let (tokens, rows) = ours(&model, prompt, STEPS);
-        assert_eq!(tokens, r.tokens, "{label}: prompt {i} greedy tokens differ from mlx-lm");
+        assert_eq!(
+            tokens, r.tokens,
+            "{label}: prompt {i} greedy tokens differ from mlx-lm"
+        );
         if let Some(tol) = logit_tol {
             let worst = rows
                 .iter()
                 .zip(&r.logits)
                 .flat_map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()))
                 .fold(0f32, f32::max);
-            assert!(worst < tol, "{label}: prompt {i} logits differ by {worst} (tolerance {tol})");
+            assert!(
+                worst < tol,
+                "{label}: prompt {i} logits differ by {worst} (tolerance {tol})"
+            );
         }
         // The production loop (pipelined, chunked prefill) gives the same.
         let run = generate::greedy(&model, prompt, STEPS, &[], |_| true).unwrap();
-        assert_eq!(run.tokens, r.tokens, "{label}: prompt {i} generate::greedy differs");
+        assert_eq!(
+            run.tokens, r.tokens,
+            "{label}: prompt {i} generate::greedy differs"
+        );
     }
     // Both ways a padded batch can decode: one masked attention, or one
     // unmasked attention per row (what GPUs use).
@@ -127,7 +167,10 @@ fn check_family(spec: TinySpec, logit_tol: Option<f32>) {
         let batched = generate::greedy_batch(&model, &prompts, STEPS, &[]).unwrap();
         set_row_attention(RowAttention::Auto);
         for (i, (b, r)) in batched.iter().zip(&refs).enumerate() {
-            assert_eq!(b, &r.tokens, "{label}: prompt {i} differs when decoded in a padded batch ({mode:?})");
+            assert_eq!(
+                b, &r.tokens,
+                "{label}: prompt {i} differs when decoded in a padded batch ({mode:?})"
+            );
         }
     }
 }
@@ -155,9 +198,15 @@ fn gemma3_matches_mlx_lm() {
 #[test]
 fn quantized_and_bf16_match_mlx_lm() {
     for bits in [4, 8] {
-        let spec = TinySpec { quant_bits: Some(bits), ..TinySpec::tiny(Family::Qwen3) };
+        let spec = TinySpec {
+            quant_bits: Some(bits),
+            ..TinySpec::tiny(Family::Qwen3)
+        };
         check_family(spec, None);
     }
-    let spec = TinySpec { dtype: Dtype::Bfloat16, ..TinySpec::tiny(Family::Llama) };
+    let spec = TinySpec {
+        dtype: Dtype::Bfloat16,
+        ..TinySpec::tiny(Family::Llama)
+    };
     check_family(spec, None);
 }
