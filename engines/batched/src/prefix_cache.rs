@@ -34,56 +34,42 @@ impl PrefixCache {
         }
     }
 
-    /// The longest cached block-aligned prefix of `prompt`, leaving at least
-    /// one prompt token to compute (its logits start the generation).
-    pub fn lookup(&mut self, scope: Option<&str>, prompt: &[u32]) -> Option<Hit> {
+    /// The entry sharing the longest block-aligned prefix with `prompt`
+    /// within `scope`, and that prefix's length, leaving at least one prompt
+    /// token to compute (its logits start the generation).
+    fn best_match(&self, scope: Option<&str>, prompt: &[u32]) -> Option<(usize, usize)> {
         let usable = (prompt.len().saturating_sub(1) / self.block) * self.block;
-        if usable == 0 {
-            return None;
-        }
-        let (mut best, mut best_len) = (None, 0);
-        for (i, e) in self.entries.iter().enumerate() {
-            if e.scope.as_deref() != scope {
-                continue;
-            }
-            let common = e
-                .tokens
-                .iter()
-                .zip(prompt)
-                .take_while(|(a, b)| a == b)
-                .count();
-            let aligned = (common.min(usable) / self.block) * self.block;
-            if aligned > best_len {
-                best = Some(i);
-                best_len = aligned;
-            }
-        }
-        let i = best?;
+        self.entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.scope.as_deref() == scope)
+            .map(|(i, e)| {
+                let common = e
+                    .tokens
+                    .iter()
+                    .zip(prompt)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                (i, (common.min(usable) / self.block) * self.block)
+            })
+            .filter(|&(_, len)| len > 0)
+            .max_by_key(|&(i, len)| (len, std::cmp::Reverse(i)))
+    }
+
+    /// The reusable KV of the longest cached prefix of `prompt`.
+    pub fn lookup(&mut self, scope: Option<&str>, prompt: &[u32]) -> Option<Hit> {
+        let (i, len) = self.best_match(scope, prompt)?;
         let entry = self.entries.remove(i)?;
         let mut cache = entry.cache.clone();
-        cache.truncate(cache.len() - best_len as i32);
+        cache.truncate(cache.len() - len as i32);
         self.entries.push_back(entry);
-        Some(Hit {
-            cache,
-            tokens: best_len,
-        })
+        Some(Hit { cache, tokens: len })
     }
 
     /// Whether `lookup` would find a reusable prefix (without touching the
     /// recency order).
     pub fn has_hit(&self, scope: Option<&str>, prompt: &[u32]) -> bool {
-        let usable = (prompt.len().saturating_sub(1) / self.block) * self.block;
-        usable > 0
-            && self.entries.iter().any(|e| {
-                e.scope.as_deref() == scope
-                    && e.tokens
-                        .iter()
-                        .zip(prompt)
-                        .take_while(|(a, b)| a == b)
-                        .count()
-                        .min(usable)
-                        >= self.block
-            })
+        self.best_match(scope, prompt).is_some()
     }
 
     /// Whether a prompt is long enough to leave a reusable prefix.

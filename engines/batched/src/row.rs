@@ -60,17 +60,6 @@ impl Row {
         self.request.cancel.is_cancelled() || self.events.is_closed()
     }
 
-    /// Sends the final event; the reservation returns when the row drops.
-    pub fn finish_in_place(&self, reason: FinishReason) {
-        finish(
-            &self.events,
-            &self.request,
-            reason,
-            self.generated,
-            self.cached_tokens,
-        );
-    }
-
     pub fn finish(self, reason: FinishReason) {
         finish(
             &self.events,

@@ -346,32 +346,11 @@ impl Scheduler {
             return Ok(());
         }
         let mut rows = std::mem::take(&mut self.group);
-        let longest = rows
-            .iter()
-            .map(|r| r.request.prompt.len())
-            .max()
-            .unwrap_or(0);
-        let pads: Vec<i32> = rows
-            .iter()
-            .map(|r| (longest - r.request.prompt.len()) as i32)
-            .collect();
-        let mut ids = Vec::with_capacity(rows.len() * longest);
-        for r in &rows {
-            ids.extend(std::iter::repeat_n(0i32, longest - r.request.prompt.len()));
-            ids.extend(r.request.prompt.iter().map(|&t| t as i32));
-        }
-        let k = rows.len() as i32;
         let model = &self.shared.model.model;
+        let (ids, pads) = generate::left_padded(rows.iter().map(|r| r.request.prompt.as_slice()));
         let mut cache = KvCache::with_left_padding(model.num_layers(), pads);
-        let logits = model.forward(
-            &Array::from_slice(&ids, &[k, longest as i32]),
-            &mut cache,
-            Logits::Last,
-        )?;
-        let logits = logits.reshape(&[k, -1])?;
-        let (tokens, lps) = sample_rows(&mut rows, &logits)?;
-        let mut keep = Vec::new();
-        for (i, row) in rows.iter_mut().enumerate() {
+        let logits = model.forward(&ids, &mut cache, Logits::Last)?;
+        for (i, row) in rows.iter().enumerate() {
             if self.prefix.wants(&row.request.prompt) {
                 self.prefix.insert(
                     row.request.cache_scope.as_deref(),
@@ -379,30 +358,22 @@ impl Scheduler {
                     &cache.extract_row(i)?,
                 );
             }
-            let (chosen, top) = read_logprobs(
-                lps.iter().find(|(j, _)| *j == i).map(|(_, a)| a),
-                tokens[i],
-                row.request.sampling.top_logprobs,
-            );
-            row.sampler.observe(tokens[i])?;
-            match row.accept(tokens[i], chosen, top) {
-                None => keep.push(i),
-                Some(reason) => row.finish_in_place(reason),
-            }
+        }
+        let finished = advance_rows(&mut rows, &logits)?;
+        let keep: Vec<usize> = (0..rows.len())
+            .filter(|i| !finished.iter().any(|(j, _)| j == i))
+            .collect();
+        let mut rows: Vec<Option<Row>> = rows.into_iter().map(Some).collect();
+        for &(i, reason) in &finished {
+            rows[i].take().unwrap().finish(reason);
         }
         if keep.is_empty() {
             return Ok(());
         }
-        if keep.len() < rows.len() {
+        if !finished.is_empty() {
             cache.select_rows(&keep)?;
         }
-        let rows: Vec<Row> = rows
-            .into_iter()
-            .enumerate()
-            .filter(|(i, _)| keep.contains(i))
-            .map(|(_, r)| r)
-            .collect();
-        self.join_batch(rows, cache)
+        self.join_batch(rows.into_iter().flatten().collect(), cache)
     }
 
     fn prefill_chunk(&mut self) -> anyhow::Result<()> {
@@ -428,26 +399,13 @@ impl Scheduler {
             &p.row.request.prompt,
             &p.cache,
         );
-        let logits = logits.reshape(&[1, -1])?;
-        let token = p.row.sampler.sample(&logits)?;
-        let lp = p
-            .row
-            .wants_logprobs()
-            .then(|| logprob_source(&p.row, &logits))
-            .transpose()?;
-        eval([&token].into_iter().chain(lp.as_ref()))?;
-        let t = token.as_slice::<u32>()[0];
-        let (chosen, top) = read_logprobs(lp.as_ref(), t, p.row.request.sampling.top_logprobs);
-        p.row.sampler.observe(t)?;
-        match p.row.accept(t, chosen, top) {
-            Some(reason) => p.row.finish(reason),
-            None => {
-                self.join_batch(vec![p.row], p.cache)?;
-                // The new row decodes from the next step on, with the batch.
-                return Ok(());
+        match advance_rows(std::slice::from_mut(&mut p.row), &logits)?.first() {
+            Some(&(_, reason)) => {
+                p.row.finish(reason);
+                Ok(())
             }
+            None => self.join_batch(vec![p.row], p.cache),
         }
-        Ok(())
     }
 
     fn decode(&mut self) -> anyhow::Result<()> {
@@ -461,18 +419,7 @@ impl Scheduler {
             cache,
             Logits::Last,
         )?;
-        let logits = logits.reshape(&[b, -1])?;
-        let (tokens, lps) = sample_rows(&mut self.rows, &logits)?;
-        let mut finished = Vec::new();
-        for (i, row) in self.rows.iter_mut().enumerate() {
-            let t = tokens[i];
-            row.sampler.observe(t)?;
-            let lp = lps.iter().find(|(j, _)| *j == i).map(|(_, a)| a);
-            let (chosen, top) = read_logprobs(lp, t, row.request.sampling.top_logprobs);
-            if let Some(reason) = row.accept(t, chosen, top) {
-                finished.push((i, reason));
-            }
-        }
+        let finished = advance_rows(&mut self.rows, &logits)?;
         if !finished.is_empty() {
             self.remove_rows(&finished);
         }
@@ -533,6 +480,24 @@ impl Scheduler {
         }
         self.batch = None;
     }
+}
+
+/// Samples every row's next token from `[B, 1, V]` logits, records it
+/// (penalty counts, stream, counts) and returns the rows that finished.
+fn advance_rows(rows: &mut [Row], logits: &Array) -> anyhow::Result<Vec<(usize, FinishReason)>> {
+    let logits = logits.reshape(&[rows.len() as i32, -1])?;
+    let (tokens, lps) = sample_rows(rows, &logits)?;
+    let mut finished = Vec::new();
+    for (i, row) in rows.iter_mut().enumerate() {
+        let t = tokens[i];
+        row.sampler.observe(t)?;
+        let lp = lps.iter().find(|(j, _)| *j == i).map(|(_, a)| a);
+        let (chosen, top) = read_logprobs(lp, t, row.request.sampling.top_logprobs);
+        if let Some(reason) = row.accept(t, chosen, top) {
+            finished.push((i, reason));
+        }
+    }
+    Ok(finished)
 }
 
 /// Next token of every row from `[B, V]` logits: one argmax shared by the

@@ -9,7 +9,7 @@ use batched::{BatchedConfig, BatchedEngine};
 use engine_core::{
     Engine, EngineError, Event, EventStream, Finish, FinishReason, GenerateRequest, SamplingParams,
 };
-use runtime::tiny::{write_model, TinySpec};
+use runtime::tiny::{random_prompt, write_model, TinySpec};
 use runtime::{generate, Family, KvPool, LoadedModel, SharedModel};
 
 fn setup(
@@ -29,15 +29,7 @@ fn setup(
 }
 
 fn prompt(seed: u64, len: usize) -> Vec<u32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s % 500) as u32
-        })
-        .collect()
+    random_prompt(seed, len, 500)
 }
 
 fn request(prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {

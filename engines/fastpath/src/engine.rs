@@ -76,29 +76,6 @@ impl FastpathEngine {
     pub fn handovers(&self) -> u64 {
         self.handovers.load(Ordering::Relaxed)
     }
-
-    /// Bytes of KV per token this engine's own cache stores: the model's
-    /// dtype, unquantized.
-    fn kv_bytes_per_token(&self) -> usize {
-        let cfg = &self.shared.model.model.config;
-        cfg.kv_bytes_per_token(self.shared.model.model.dtype().size())
-    }
-}
-
-trait DtypeSize {
-    fn size(&self) -> usize;
-}
-
-impl DtypeSize for mlx_rs::Dtype {
-    fn size(&self) -> usize {
-        use mlx_rs::Dtype::*;
-        match self {
-            Bool | Uint8 | Int8 => 1,
-            Uint16 | Int16 | Float16 | Bfloat16 => 2,
-            Uint32 | Int32 | Float32 => 4,
-            _ => 8,
-        }
-    }
 }
 
 impl Engine for FastpathEngine {
@@ -126,10 +103,11 @@ impl Engine for FastpathEngine {
             return Err(Refusal::Busy.into());
         }
         let tokens = request.prompt.len() + request.max_tokens as usize;
+        // Reserved at the byte rate of this engine's own (unquantized) cache.
         let blocks = self
             .shared
             .kv_pool
-            .blocks_for_bytes(tokens, self.kv_bytes_per_token());
+            .blocks_for_bytes(tokens, self.shared.model.model.kv_bytes_per_token());
         let reservation = match self.shared.kv_pool.try_reserve(blocks) {
             Ok(r) => r,
             Err(e) => {

@@ -5,10 +5,8 @@ use std::sync::Arc;
 
 use engine_core::event::EventSender;
 use engine_core::{Event, Finish, FinishReason, GenerateRequest, TokenEvent};
-use mlx_rs::transforms::async_eval;
-use runtime::generate::{self, argmax_tokens, DEFAULT_PREFILL_CHUNK};
+use runtime::generate::GreedyStream;
 use runtime::handover::{Handover, HandoverSink};
-use runtime::model::Logits;
 use runtime::{KvCache, Reservation, SharedModel};
 
 pub struct Job {
@@ -100,26 +98,14 @@ fn decode(
     request: &GenerateRequest,
     events: &EventSender,
 ) -> anyhow::Result<End> {
-    let model = &shared.model.model;
     let _device = shared.model.lock_device();
-    let mut cache = model.new_cache(1);
-    let logits = generate::prefill(model, &mut cache, &request.prompt, DEFAULT_PREFILL_CHUNK)?;
-    let mut current = argmax_tokens(&logits)?;
-    async_eval([&current])?;
+    let mut stream = GreedyStream::start(&shared.model.model, &request.prompt)?;
     let mut generated = 0u32;
     loop {
         let hand_over = shared.handover_sink().filter(|s| s.busy());
-        // Queue the next step before reading this one, unless this is the
-        // last token we may need or we are about to hand over.
-        let next = if hand_over.is_none() && generated + 1 < request.max_tokens {
-            let logits = model.forward(&current, &mut cache, Logits::Last)?;
-            let next = argmax_tokens(&logits)?;
-            async_eval([&next])?;
-            Some(next)
-        } else {
-            None
-        };
-        let token = current.item_exact::<i32>() as u32;
+        // Queue the next step unless this is the last token we may need or
+        // we are about to hand over.
+        let token = stream.next_token(hand_over.is_none() && generated + 1 < request.max_tokens)?;
         if request.stop_tokens.contains(&token) {
             return Ok(End::Done {
                 reason: FinishReason::Stop,
@@ -147,11 +133,10 @@ fn decode(
         if let Some(sink) = hand_over {
             return Ok(End::HandOver {
                 sink,
-                cache,
+                cache: stream.into_cache(),
                 last_token: token,
                 generated,
             });
         }
-        current = next.expect("a next step is queued unless we stop or hand over");
     }
 }

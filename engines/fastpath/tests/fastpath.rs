@@ -9,7 +9,7 @@ use engine_core::{
     SamplingParams,
 };
 use fastpath::FastpathEngine;
-use runtime::tiny::{write_model, TinySpec};
+use runtime::tiny::{random_prompt, write_model, TinySpec};
 use runtime::{generate, Family, KvPool, LoadedModel, SharedModel};
 
 struct Setup {
@@ -36,15 +36,7 @@ fn setup() -> Setup {
 }
 
 fn prompt(seed: u64, len: usize) -> Vec<u32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s % 500) as u32
-        })
-        .collect()
+    random_prompt(seed, len, 500)
 }
 
 fn alone(shared: &SharedModel, prompt: &[u32], n: usize) -> Vec<u32> {

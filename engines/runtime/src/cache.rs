@@ -276,20 +276,6 @@ pub fn slice(a: &Array, start: &[i32], stop: &[i32]) -> anyhow::Result<Array> {
     })
 }
 
-/// Whether ops issued now run on a GPU stream.
-pub fn on_gpu() -> bool {
-    let stream = mlx_rs::Stream::thread_local_or_default();
-    unsafe {
-        let mut device = mlx_sys::mlx_device_new();
-        let mut kind = mlx_sys::mlx_device_type__MLX_CPU;
-        let gpu = mlx_sys::mlx_stream_get_device(&mut device, stream.as_ptr()) == 0
-            && mlx_sys::mlx_device_get_type(&mut kind, device) == 0
-            && kind == mlx_sys::mlx_device_type__MLX_GPU;
-        mlx_sys::mlx_device_free(device);
-        gpu
-    }
-}
-
 /// Runs one mlx-c op that mlx-rs does not wrap with the signature we need.
 fn ffi_op(
     f: impl FnOnce(*mut mlx_sys::mlx_array, mlx_sys::mlx_stream) -> i32,

@@ -56,6 +56,52 @@ pub struct GreedyRun {
     pub decode_time: Duration,
 }
 
+/// One sequence decoded greedily with each step's graph queued before the
+/// previous token is read, so the device never waits for the host. The
+/// raw loop below and the fast path engine both drive it.
+pub struct GreedyStream<'m> {
+    model: &'m Model,
+    cache: KvCache,
+    /// The token computed (or being computed) and not yet read.
+    pending: Array,
+}
+
+impl<'m> GreedyStream<'m> {
+    /// Prefills the prompt and queues its first token.
+    pub fn start(model: &'m Model, prompt: &[u32]) -> anyhow::Result<Self> {
+        let mut cache = model.new_cache(1);
+        let logits = prefill(model, &mut cache, prompt, DEFAULT_PREFILL_CHUNK)?;
+        let pending = argmax_tokens(&logits)?;
+        async_eval([&pending])?;
+        Ok(Self {
+            model,
+            cache,
+            pending,
+        })
+    }
+
+    /// Reads the pending token. With `queue_next`, the step that follows it
+    /// is queued first; without, the stream ends here (its cache then holds
+    /// every position before the returned token).
+    pub fn next_token(&mut self, queue_next: bool) -> anyhow::Result<u32> {
+        let current = if queue_next {
+            let logits = self
+                .model
+                .forward(&self.pending, &mut self.cache, Logits::Last)?;
+            let next = argmax_tokens(&logits)?;
+            async_eval([&next])?;
+            std::mem::replace(&mut self.pending, next)
+        } else {
+            self.pending.clone()
+        };
+        Ok(current.item_exact::<i32>() as u32)
+    }
+
+    pub fn into_cache(self) -> KvCache {
+        self.cache
+    }
+}
+
 /// Greedy decoding of one sequence: stops at `max_tokens` or a stop token
 /// (the stop token is not included). `on_token` may stop early by returning
 /// false.
@@ -67,7 +113,6 @@ pub fn greedy(
     mut on_token: impl FnMut(u32) -> bool,
 ) -> anyhow::Result<GreedyRun> {
     let start = Instant::now();
-    let mut cache = model.new_cache(1);
     let mut out = Vec::with_capacity(max_tokens);
     if max_tokens == 0 {
         return Ok(GreedyRun {
@@ -76,35 +121,18 @@ pub fn greedy(
             decode_time: Duration::ZERO,
         });
     }
-    let logits = prefill(model, &mut cache, prompt, DEFAULT_PREFILL_CHUNK)?;
-    let mut current = argmax_tokens(&logits)?;
-    async_eval([&current])?;
+    let mut stream = GreedyStream::start(model, prompt)?;
     let mut prefill_time = None;
     loop {
-        // Queue the next step before reading the current token, so the
-        // device never waits for the host.
-        let next = if out.len() + 1 < max_tokens {
-            let logits = model.forward(&current, &mut cache, Logits::Last)?;
-            let next = argmax_tokens(&logits)?;
-            async_eval([&next])?;
-            Some(next)
-        } else {
-            None
-        };
-        let token = current.item_exact::<i32>() as u32;
-        if prefill_time.is_none() {
-            prefill_time = Some(start.elapsed());
-        }
+        let more = out.len() + 1 < max_tokens;
+        let token = stream.next_token(more)?;
+        prefill_time.get_or_insert_with(|| start.elapsed());
         if stop_tokens.contains(&token) {
             break;
         }
         out.push(token);
-        if !on_token(token) {
+        if !on_token(token) || !more {
             break;
-        }
-        match next {
-            Some(n) => current = n,
-            None => break,
         }
     }
     let prefill_time = prefill_time.unwrap_or_default();
@@ -113,6 +141,23 @@ pub fn greedy(
         prefill_time,
         decode_time: start.elapsed() - prefill_time,
     })
+}
+
+/// Prompts of different lengths as one left-padded `[B, longest]` batch,
+/// with each row's padding.
+pub fn left_padded<'a>(
+    prompts: impl ExactSizeIterator<Item = &'a [u32]> + Clone,
+) -> (Array, Vec<i32>) {
+    let b = prompts.len() as i32;
+    let longest = prompts.clone().map(<[u32]>::len).max().unwrap_or(0);
+    let mut ids = Vec::with_capacity(prompts.len() * longest);
+    let mut pads = Vec::with_capacity(prompts.len());
+    for p in prompts {
+        pads.push((longest - p.len()) as i32);
+        ids.extend(std::iter::repeat_n(0i32, longest - p.len()));
+        ids.extend(p.iter().map(|&t| t as i32));
+    }
+    (Array::from_slice(&ids, &[b, longest as i32]), pads)
 }
 
 /// Greedy decoding of several prompts of different lengths as one
@@ -128,20 +173,9 @@ pub fn greedy_batch(
         prompts.iter().all(|p| !p.is_empty()),
         "empty prompt in batch"
     );
-    let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
-    let pads: Vec<i32> = prompts.iter().map(|p| (longest - p.len()) as i32).collect();
-    let mut ids = Vec::with_capacity(prompts.len() * longest);
-    for p in prompts {
-        ids.extend(std::iter::repeat_n(0i32, longest - p.len()));
-        ids.extend(p.iter().map(|&t| t as i32));
-    }
-    let b = prompts.len() as i32;
+    let (ids, pads) = left_padded(prompts.iter().map(Vec::as_slice));
     let mut cache = KvCache::with_left_padding(model.num_layers(), pads);
-    let logits = model.forward(
-        &Array::from_slice(&ids, &[b, longest as i32]),
-        &mut cache,
-        Logits::Last,
-    )?;
+    let logits = model.forward(&ids, &mut cache, Logits::Last)?;
     let mut current = argmax_tokens(&logits)?;
     let mut outs = vec![Vec::new(); prompts.len()];
     let mut done = vec![max_tokens == 0; prompts.len()];

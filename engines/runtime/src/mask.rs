@@ -47,7 +47,7 @@ fn row_attention(batch: usize) -> bool {
     match ROW_ATTENTION.with(Cell::get) {
         RowAttention::Always => true,
         RowAttention::Never => false,
-        RowAttention::Auto => batch <= ROW_ATTENTION_MAX_BATCH && crate::cache::on_gpu(),
+        RowAttention::Auto => batch <= ROW_ATTENTION_MAX_BATCH && on_gpu(),
     }
 }
 
@@ -90,4 +90,18 @@ pub fn build(cache: &KvCache, n: i32, window: Option<i32>) -> AttnMask {
         }
     }
     AttnMask::Array(Array::from_slice(&data, &[pads.len() as i32, 1, n, total]))
+}
+
+/// Whether ops issued now run on a GPU stream.
+pub fn on_gpu() -> bool {
+    let stream = mlx_rs::Stream::thread_local_or_default();
+    unsafe {
+        let mut device = mlx_sys::mlx_device_new();
+        let mut kind = mlx_sys::mlx_device_type__MLX_CPU;
+        let gpu = mlx_sys::mlx_stream_get_device(&mut device, stream.as_ptr()) == 0
+            && mlx_sys::mlx_device_get_type(&mut kind, device) == 0
+            && kind == mlx_sys::mlx_device_type__MLX_GPU;
+        mlx_sys::mlx_device_free(device);
+        gpu
+    }
 }

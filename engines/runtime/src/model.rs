@@ -211,6 +211,17 @@ impl Model {
         self.embed.dtype()
     }
 
+    /// Bytes of K+V one token occupies in this model's cache (stored in the
+    /// activation dtype).
+    pub fn kv_bytes_per_token(&self) -> usize {
+        let elem = match self.dtype() {
+            Dtype::Float32 => 4,
+            Dtype::Float16 | Dtype::Bfloat16 => 2,
+            other => unreachable!("activations are floating point, not {other:?}"),
+        };
+        self.config.kv_bytes_per_token(elem)
+    }
+
     /// Runs `tokens` (`[B, L]` int32) through the model, appending their keys
     /// and values to `cache`, and returns logits as float32.
     pub fn forward(

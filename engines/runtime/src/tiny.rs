@@ -108,6 +108,20 @@ impl TinySpec {
     }
 }
 
+/// A deterministic pseudo-random prompt of `len` ids below `vocab`, for
+/// tests and benchmarks on generated models.
+pub fn random_prompt(seed: u64, len: usize, vocab: u32) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % vocab as u64) as u32
+        })
+        .collect()
+}
+
 /// Writes the model into `dir` (created if needed).
 pub fn write_model(dir: &Path, spec: &TinySpec) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;

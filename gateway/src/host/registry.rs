@@ -9,7 +9,6 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use engine_core::{Capabilities, Engine, EngineContext};
-use mlx_rs::Dtype;
 use runtime::{KvPool, LoadedModel, SharedModel};
 
 use super::plugins::{self, Plugin};
@@ -143,11 +142,7 @@ fn load_shared(config: &Config) -> anyhow::Result<SharedModel> {
     let m = &config.model;
     let model = LoadedModel::load(&m.path, m.name.as_deref())
         .with_context(|| format!("loading the model from {}", m.path.display()))?;
-    let elem_bytes = match model.model.dtype() {
-        Dtype::Float32 => 4,
-        _ => 2,
-    };
-    let per_token = model.model.config.kv_bytes_per_token(elem_bytes);
+    let per_token = model.model.kv_bytes_per_token();
     let kv_pool = KvPool::with_budget(m.kv_cache_mb << 20, m.kv_block_size, per_token);
     anyhow::ensure!(
         kv_pool.total() > 0,
