@@ -259,14 +259,13 @@ impl ChunkFormat for CompletionChunks {
     fn closing(&mut self, summary: &Summary) -> Vec<Value> {
         let mut out = vec![self.object("", Value::Null, json!(summary.finish_reason.as_str()))];
         if self.include_usage {
-            out.push(json!({
-                "id": self.id,
-                "object": "text_completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [],
-                "usage": summary.usage.to_json(),
-            }));
+            out.push(sse::usage_chunk(
+                &self.id,
+                "text_completion",
+                self.created,
+                &self.model,
+                summary,
+            ));
         }
         out
     }

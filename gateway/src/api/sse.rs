@@ -20,6 +20,19 @@ pub trait ChunkFormat: Send + 'static {
     fn closing(&mut self, summary: &Summary) -> Vec<Value>;
 }
 
+/// The last chunk of a stream that asked for `stream_options.include_usage`:
+/// no choices, only the usage.
+pub fn usage_chunk(id: &str, object: &str, created: u64, model: &str, summary: &Summary) -> Value {
+    serde_json::json!({
+        "id": id,
+        "object": object,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": summary.usage.to_json(),
+    })
+}
+
 enum Phase {
     Opening,
     Running,

@@ -274,6 +274,29 @@ fn content(at: &str, raw: Option<&Value>) -> Result<Option<String>, ApiError> {
     }
 }
 
+/// `{p}.function` of a tool or tool call: an object with a non-empty name.
+fn named_function<'a>(
+    obj: &'a Map<String, Value>,
+    p: &str,
+) -> Result<(&'a Map<String, Value>, &'a str), ApiError> {
+    let function = obj
+        .get("function")
+        .and_then(Value::as_object)
+        .ok_or_else(|| {
+            ApiError::invalid(
+                format!("`{p}.function` must be an object"),
+                format!("{p}.function"),
+            )
+        })?;
+    match function.get("name") {
+        Some(Value::String(n)) if !n.is_empty() => Ok((function, n)),
+        _ => Err(ApiError::invalid(
+            format!("`{p}.function.name` must be a non-empty string"),
+            format!("{p}.function.name"),
+        )),
+    }
+}
+
 /// Assistant tool calls, with `arguments` decoded from its JSON string so
 /// templates that iterate over the arguments (Llama 3.1) can.
 fn tool_calls(at: &str, raw: &Value) -> Result<Vec<Value>, ApiError> {
@@ -287,24 +310,8 @@ fn tool_calls(at: &str, raw: &Value) -> Result<Vec<Value>, ApiError> {
         let obj = call
             .as_object()
             .ok_or_else(|| wrong_type(&p, "an object", call))?;
-        let function = obj
-            .get("function")
-            .and_then(Value::as_object)
-            .ok_or_else(|| {
-                ApiError::invalid(
-                    format!("`{p}.function` must be an object"),
-                    format!("{p}.function"),
-                )
-            })?;
-        let name = match function.get("name") {
-            Some(Value::String(n)) if !n.is_empty() => n.clone(),
-            _ => {
-                return Err(ApiError::invalid(
-                    format!("`{p}.function.name` must be a non-empty string"),
-                    format!("{p}.function.name"),
-                ))
-            }
-        };
+        let (function, name) = named_function(obj, &p)?;
+        let name = name.to_string();
         let arguments = match function.get("arguments") {
             None | Some(Value::Null) => json!({}),
             Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
@@ -360,25 +367,8 @@ fn tools(body: &RawBody) -> Result<Vec<Value>, ApiError> {
                 ))
             }
         }
-        let function = obj
-            .get("function")
-            .and_then(Value::as_object)
-            .ok_or_else(|| {
-                ApiError::invalid(
-                    format!("`{p}.function` must be an object"),
-                    format!("{p}.function"),
-                )
-            })?;
-        let name = match function.get("name") {
-            Some(Value::String(n)) if !n.is_empty() => n,
-            _ => {
-                return Err(ApiError::invalid(
-                    format!("`{p}.function.name` must be a non-empty string"),
-                    format!("{p}.function.name"),
-                ))
-            }
-        };
-        if !names.insert(name.clone()) {
+        let (function, name) = named_function(obj, &p)?;
+        if !names.insert(name.to_string()) {
             return Err(ApiError::invalid(
                 format!("tool {name:?} is defined twice"),
                 format!("{p}.function.name"),

@@ -7,7 +7,7 @@ use text::tools::ToolCall;
 use text::Tokenizer;
 
 use crate::api::logprobs;
-use crate::api::sse::ChunkFormat;
+use crate::api::sse::{self, ChunkFormat};
 use crate::generation::{Batch, Summary};
 use crate::pipeline::Delta;
 
@@ -139,14 +139,13 @@ impl ChunkFormat for ChatChunks {
             json!(summary.finish_reason.as_str()),
         )];
         if self.include_usage {
-            out.push(json!({
-                "id": self.id,
-                "object": "chat.completion.chunk",
-                "created": self.created,
-                "model": self.model,
-                "choices": [],
-                "usage": summary.usage.to_json(),
-            }));
+            out.push(sse::usage_chunk(
+                &self.id,
+                "chat.completion.chunk",
+                self.created,
+                &self.model,
+                summary,
+            ));
         }
         out
     }
