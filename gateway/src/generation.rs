@@ -11,6 +11,7 @@ use engine_core::{
 use serde_json::{json, Value};
 
 use crate::api::ApiError;
+use crate::host::FaultKind;
 use crate::pipeline::{push_delta, Delta, Pipeline, PipelineOptions};
 use crate::router::CancelGuard;
 use crate::state::AppState;
@@ -140,13 +141,14 @@ impl Generation {
                 Some(Event::Finished(finish)) => return Some(self.on_finish(finish, batch)),
                 Some(Event::Error(message)) => {
                     self.end("error");
+                    self.guard.fault(FaultKind::Error, &message);
                     return Some(Err(ApiError::Engine(message)));
                 }
                 None => {
                     self.end("error");
-                    return Some(Err(ApiError::Engine(
-                        "the engine ended the request without finishing it".into(),
-                    )));
+                    let message = "the engine stopped without finishing the request";
+                    self.guard.fault(FaultKind::LostStream, message);
+                    return Some(Err(ApiError::Engine(message.into())));
                 }
             }
             match self.events.try_recv() {

@@ -10,7 +10,7 @@ use engine_core::{CancelToken, EngineError, EventStream, GenerateRequest, Refusa
 use policies::{PolicyHandle, Signals};
 
 use crate::api::ApiError;
-use crate::host::{EngineEntry, Registry};
+use crate::host::{EngineEntry, FaultKind, Registry};
 use crate::telemetry::metric;
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -25,6 +25,9 @@ pub enum RouteError {
     /// No engine in the chain can serve this kind of request.
     #[error("no engine on this request's route can serve it ({0})")]
     NoCapableEngine(String),
+    /// Every engine in the chain is out of service after a fault.
+    #[error("no engine on this request's route is in service; retry shortly")]
+    NoHealthyEngine,
     #[error("{0}")]
     Internal(String),
 }
@@ -34,7 +37,9 @@ impl From<RouteError> for ApiError {
         match e {
             RouteError::Invalid(message) => ApiError::invalid_no_param(message),
             RouteError::Overloaded => ApiError::Overloaded,
-            e @ RouteError::NoCapableEngine(_) => ApiError::Unavailable(e.to_string()),
+            e @ (RouteError::NoCapableEngine(_) | RouteError::NoHealthyEngine) => {
+                ApiError::Unavailable(e.to_string())
+            }
             RouteError::Internal(message) => ApiError::Engine(message),
         }
     }
@@ -56,11 +61,18 @@ impl CancelGuard {
         self.armed = false;
     }
 
+    /// The engine failed this request: it has ended, and the engine is
+    /// taken out of routing.
+    pub fn fault(&mut self, kind: FaultKind, reason: &str) {
+        self.armed = false;
+        self.entry.record_fault(kind, reason.to_owned());
+    }
+
     /// Stops the request now (a stop string matched).
     pub fn cancel(&mut self) {
         if self.armed {
             self.token.cancel();
-            self.entry.engine.cancel(self.id);
+            self.entry.cancel(self.id);
             self.armed = false;
         }
     }
@@ -105,7 +117,7 @@ impl Router {
             ..Signals::default()
         };
         for entry in self.registry.engines() {
-            let load = entry.engine.load();
+            let load = entry.load();
             s.total_active += load.active as u64;
             s.total_queued += load.queued as u64;
             s.engine_active
@@ -125,12 +137,18 @@ impl Router {
         let decision = policy.decide(&signals);
         let rule = decision.rule.to_owned();
         let mut busy = false;
+        let mut out_of_service = false;
         let mut reasons: Vec<String> = Vec::new();
         for name in decision.chain() {
             // The policy was validated against the loaded engines.
             let Some(entry) = self.registry.get(name) else {
                 continue;
             };
+            if !entry.is_serving() {
+                out_of_service = true;
+                self.count_fallback(name);
+                continue;
+            }
             if let Some(reason) = unsupported(entry, &req) {
                 reasons.push(format!("{name}: {reason}"));
                 self.count_fallback(name);
@@ -138,7 +156,7 @@ impl Router {
             }
             let token = req.cancel.clone();
             let id = req.id;
-            match entry.engine.submit(req.clone()) {
+            match entry.submit(req.clone()) {
                 Ok(events) => {
                     metrics::counter!(metric::ROUTES, "engine" => entry.name.clone(), "rule" => rule.clone())
                         .increment(1);
@@ -171,11 +189,19 @@ impl Router {
                     tracing::error!(engine = %name, error = %message, "engine failed to accept a request");
                     return Err(RouteError::Internal(message));
                 }
+                // The details (a panic message) stay in the log.
+                Err(EngineError::Failed(_)) => {
+                    return Err(RouteError::Internal(format!(
+                        "the engine `{name}` failed while accepting this request"
+                    )));
+                }
             }
             self.count_fallback(name);
         }
         if busy {
             Err(RouteError::Overloaded)
+        } else if out_of_service && reasons.is_empty() {
+            Err(RouteError::NoHealthyEngine)
         } else {
             Err(RouteError::NoCapableEngine(reasons.join("; ")))
         }

@@ -26,6 +26,7 @@ pub mod metric {
     pub const ENGINE_QUEUED: &str = "gateway_engine_queued";
     pub const ENGINE_KV_BLOCKS: &str = "gateway_engine_kv_blocks";
     pub const ENGINES_FAILED: &str = "gateway_engines_failed";
+    pub const ENGINE_FAULTS: &str = "gateway_engine_faults_total";
     pub const KV_BLOCKS_TOTAL: &str = "gateway_kv_blocks_total";
     pub const KV_BLOCKS_ALLOCATED: &str = "gateway_kv_blocks_allocated";
     pub const KV_PRESSURE: &str = "gateway_kv_pressure";
@@ -105,11 +106,18 @@ fn describe() {
         Unit::Seconds,
         "Time from routing to the end of generation"
     );
-    describe_gauge!(ENGINE_HEALTHY, "1 when the engine reports healthy");
+    describe_gauge!(
+        ENGINE_HEALTHY,
+        "1 when the engine reports healthy and has no active fault"
+    );
     describe_gauge!(ENGINE_ACTIVE, "Requests running on the engine");
     describe_gauge!(ENGINE_QUEUED, "Requests waiting on the engine");
     describe_gauge!(ENGINE_KV_BLOCKS, "KV blocks the engine holds");
     describe_gauge!(ENGINES_FAILED, "Configured engines that failed to load");
+    describe_counter!(
+        ENGINE_FAULTS,
+        "Engine faults (panic, lost stream, error) by engine and kind"
+    );
     describe_gauge!(KV_BLOCKS_TOTAL, "Blocks in the shared KV pool");
     describe_gauge!(KV_BLOCKS_ALLOCATED, "Blocks reserved in the shared KV pool");
     describe_gauge!(KV_PRESSURE, "Allocated over total KV blocks");

@@ -57,9 +57,10 @@ policy:
     let refused = v["refused_plugins"][0]["error"].as_str().unwrap();
     // Both versions of each mismatched field are named.
     let host_core = env!("CARGO_PKG_VERSION");
+    let abi = engine_core::plugin::PLUGIN_ABI_VERSION;
     for needle in [
-        "plugin ABI version 1001",
-        "gateway has 1)",
+        &format!("plugin ABI version {}", abi + 1000),
+        &format!("gateway has {abi})"),
         "0.0.0-mismatch",
         &format!("gateway has {host_core}"),
     ] {

@@ -57,6 +57,9 @@ pub enum EngineError {
     ShuttingDown,
     #[error("internal engine error: {0}")]
     Internal(String),
+    /// The engine itself broke (a panic) and is out of service.
+    #[error("engine failure: {0}")]
+    Failed(String),
 }
 
 pub trait Engine: Send + Sync {

@@ -4,6 +4,7 @@
 
 pub mod engine;
 pub mod event;
+pub mod panic_barrier;
 pub mod plugin;
 pub mod request;
 

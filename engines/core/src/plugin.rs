@@ -10,7 +10,7 @@ use std::sync::Arc;
 use crate::engine::Engine;
 
 /// Bump on any change to the descriptor or [`EngineContext`] layout.
-pub const PLUGIN_ABI_VERSION: u32 = 1;
+pub const PLUGIN_ABI_VERSION: u32 = 2;
 pub const CORE_VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "\0");
 pub const RUSTC_VERSION: &str = concat!(env!("ENGINE_CORE_RUSTC_VERSION"), "\0");
 pub const ENTRY_SYMBOL: &[u8] = b"engine_plugin_entry_v1\0";
@@ -65,7 +65,9 @@ pub struct EngineContext {
 }
 
 /// Exports a plugin entry point for `$constructor: fn(EngineContext) ->
-/// Result<Box<dyn Engine>, String>`.
+/// Result<Box<dyn Engine>, String>`. The constructor and the engine it
+/// builds run behind this plugin's own panic barrier
+/// ([`guarded_create`](crate::panic_barrier::guarded_create)).
 #[macro_export]
 macro_rules! export_engine {
     ($kind:literal, $constructor:path) => {
@@ -79,9 +81,15 @@ macro_rules! export_engine {
                     rustc_version: $crate::plugin::RUSTC_VERSION.as_ptr()
                         as *const ::std::ffi::c_char,
                     kind: concat!($kind, "\0").as_ptr() as *const ::std::ffi::c_char,
-                    create: $constructor,
+                    create: __engine_plugin_create,
                 };
             &DESCRIPTOR
+        }
+
+        fn __engine_plugin_create(
+            ctx: $crate::plugin::EngineContext,
+        ) -> ::std::result::Result<::std::boxed::Box<dyn $crate::Engine>, ::std::string::String> {
+            $crate::panic_barrier::guarded_create(ctx, $constructor)
         }
     };
 }

@@ -15,16 +15,20 @@ pub async fn health(State(state): State<SharedState>) -> Response {
     let mut engines: Vec<Value> = Vec::new();
     let mut all_ready = true;
     for entry in registry.engines() {
-        let load = entry.engine.load();
+        let load = entry.load();
         all_ready &= load.healthy;
-        engines.push(json!({
+        let mut engine = json!({
             "name": entry.name,
             "kind": entry.kind,
             "status": if load.healthy { "ready" } else { "unhealthy" },
             "active": load.active,
             "queued": load.queued,
             "kv_blocks_held": load.kv_blocks_held,
-        }));
+        });
+        if let Some(fault) = entry.active_fault() {
+            engine["fault"] = json!({ "kind": fault.kind.label(), "reason": fault.reason });
+        }
+        engines.push(engine);
     }
     for failed in &registry.failed {
         all_ready = false;

@@ -12,7 +12,7 @@ use crate::telemetry::metric;
 pub async fn render(State(state): State<SharedState>) -> Response {
     let registry = &state.registry;
     for entry in registry.engines() {
-        let load = entry.engine.load();
+        let load = entry.load();
         let name = entry.name.clone();
         metrics::gauge!(metric::ENGINE_HEALTHY, "engine" => name.clone()).set(if load.healthy {
             1.0

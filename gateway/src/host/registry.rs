@@ -8,19 +8,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use anyhow::Context;
-use engine_core::{Capabilities, Engine, EngineContext};
+use engine_core::EngineContext;
 use runtime::{KvPool, LoadedModel, SharedModel};
 
+use super::entry::EngineEntry;
 use super::plugins::{self, Plugin};
 use crate::config::{Config, EngineSpec};
-
-/// A loaded engine and what the router needs to know about it.
-pub struct EngineEntry {
-    pub name: String,
-    pub kind: String,
-    pub capabilities: Capabilities,
-    pub engine: Box<dyn Engine>,
-}
 
 /// A configured engine that did not load, and why.
 #[derive(Debug, Clone)]
@@ -75,21 +68,16 @@ impl Registry {
             });
             match built {
                 Ok((engine, plugin)) => {
-                    let capabilities = engine.capabilities();
+                    let entry = EngineEntry::new(spec.name.clone(), spec.kind.clone(), engine);
                     tracing::info!(
                         engine = %spec.name,
                         kind = %spec.kind,
                         plugin = %plugin.path.display(),
                         core_version = %plugin.versions.core,
-                        ?capabilities,
+                        capabilities = ?entry.capabilities,
                         "engine loaded"
                     );
-                    engines.push(Arc::new(EngineEntry {
-                        name: spec.name.clone(),
-                        kind: spec.kind.clone(),
-                        capabilities,
-                        engine,
-                    }));
+                    engines.push(Arc::new(entry));
                 }
                 Err(error) => {
                     tracing::error!(engine = %spec.name, kind = %spec.kind, %error, "engine not loaded");
@@ -133,7 +121,7 @@ impl Registry {
     /// Stops every engine; each returns once its in-flight work has stopped.
     pub fn shutdown(&self) {
         for entry in &self.engines {
-            entry.engine.shutdown();
+            entry.shutdown();
         }
     }
 }

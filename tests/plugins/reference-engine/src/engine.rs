@@ -14,7 +14,7 @@ use engine_core::{
 };
 use runtime::SharedModel;
 
-use crate::options::Options;
+use crate::options::{Fault, Options};
 use crate::worker::{self, Job};
 
 /// What the engine and its worker thread both see.
@@ -48,8 +48,8 @@ impl ReferenceEngine {
         let handle = std::thread::Builder::new()
             .name(format!("engine-{}", ctx.name))
             .spawn({
-                let (shared, state) = (shared.clone(), state.clone());
-                move || worker::run(shared, state, rx)
+                let (shared, state, fault) = (shared.clone(), state.clone(), options.fault);
+                move || worker::run(shared, state, rx, fault)
             })
             .map_err(|e| format!("cannot start worker thread: {e}"))?;
         tracing::info!(
@@ -118,6 +118,9 @@ impl Engine for ReferenceEngine {
     }
 
     fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError> {
+        if self.options.fault == Some(Fault::PanicOnSubmit) {
+            panic!("injected fault: panic on submit");
+        }
         self.admit(&req)?;
         let (tx, rx) = event_channel();
         let id = req.id;

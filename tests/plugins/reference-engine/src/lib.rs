@@ -16,6 +16,7 @@
 //!     max_queue: 64        # waiting requests before submit answers Overloaded
 //!     greedy_only: false   # advertise and enforce plain-greedy-only
 //!     tools: true          # accept requests that carry tools
+//!     fault: panic_in_worker  # inject a fault: panic_on_submit | panic_in_worker | error
 //! ```
 
 mod engine;

@@ -11,6 +11,21 @@ pub struct Options {
     pub max_queue: usize,
     pub greedy_only: bool,
     pub tools: bool,
+    /// A fault to inject into every request, for the gateway's
+    /// fault-isolation tests.
+    pub fault: Option<Fault>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fault {
+    /// `submit` panics.
+    PanicOnSubmit,
+    /// The worker thread panics while serving the request (its event
+    /// stream is dropped without a final event).
+    PanicInWorker,
+    /// The request ends with an `Error` event.
+    Error,
 }
 
 impl Default for Options {
@@ -20,6 +35,7 @@ impl Default for Options {
             max_queue: 64,
             greedy_only: false,
             tools: true,
+            fault: None,
         }
     }
 }

@@ -16,6 +16,7 @@ use runtime::sampling::{log_softmax, Sampler};
 use runtime::{Reservation, SharedModel};
 
 use crate::engine::State;
+use crate::options::Fault;
 
 pub struct Job {
     pub req: GenerateRequest,
@@ -31,12 +32,17 @@ struct Outcome {
     delivered: u32,
 }
 
-pub fn run(shared: Arc<SharedModel>, state: Arc<State>, jobs: mpsc::Receiver<Job>) {
+pub fn run(
+    shared: Arc<SharedModel>,
+    state: Arc<State>,
+    jobs: mpsc::Receiver<Job>,
+    fault: Option<Fault>,
+) {
     while let Ok(job) = jobs.recv() {
         state.queued.fetch_sub(1, Ordering::AcqRel);
         let id = job.req.id;
         state.active.store(1, Ordering::Release);
-        serve(&shared, &state, job);
+        serve(&shared, &state, job, fault);
         state.active.store(0, Ordering::Release);
         state
             .cancels
@@ -47,7 +53,7 @@ pub fn run(shared: Arc<SharedModel>, state: Arc<State>, jobs: mpsc::Receiver<Job
     state.worker_alive.store(false, Ordering::Release);
 }
 
-fn serve(shared: &SharedModel, state: &State, job: Job) {
+fn serve(shared: &SharedModel, state: &State, job: Job, fault: Option<Fault>) {
     let Job { req, events } = job;
     let prompt_tokens = req.prompt.len() as u32;
     let finish = |reason, delivered| {
@@ -66,6 +72,17 @@ fn serve(shared: &SharedModel, state: &State, job: Job) {
     state
         .kv_blocks
         .store(reservation.blocks(), Ordering::Release);
+    match fault {
+        // Unwinding returns the reservation; the stream is dropped unfinished.
+        Some(Fault::PanicInWorker) => panic!("injected fault: panic in the worker"),
+        Some(Fault::Error) => {
+            drop(reservation);
+            state.kv_blocks.store(0, Ordering::Release);
+            let _ = events.send(Event::Error("injected fault".into()));
+            return;
+        }
+        Some(Fault::PanicOnSubmit) | None => {}
+    }
     tracing::debug!(request = %req.id, prompt_tokens, max_tokens = req.max_tokens, "reference engine started a request");
     let result = if req.sampling.is_plain_greedy() && !req.sampling.logprobs {
         run_greedy(shared, &req, &events)

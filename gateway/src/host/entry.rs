@@ -1,0 +1,133 @@
+//! Fault tracking around a plugin engine. Panics are caught inside the
+//! plugin (engine_core's panic barrier: one std cannot catch another's
+//! panic) and come back as `EngineError::Failed` plus `healthy: false`;
+//! here the host notes every fault of an engine (a failed call, a request
+//! stream dropped without its final event, an `Error` event) and takes it
+//! out of routing. A panic or a lost stream is permanent (the plugin's
+//! state can no longer be trusted; restart the gateway); an error event
+//! benches the engine for [`ERROR_COOLDOWN`], after which it gets work
+//! again.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use engine_core::{
+    Capabilities, Engine, EngineError, EngineLoad, EventStream, GenerateRequest, RequestId,
+};
+
+use crate::telemetry::metric;
+/// How long an engine that reported an error is left out of routing.
+pub const ERROR_COOLDOWN: Duration = Duration::from_secs(10);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultKind {
+    /// A call into the plugin panicked.
+    Panic,
+    /// A request's event stream ended without `Finished` or `Error`
+    /// (the engine's worker died).
+    LostStream,
+    /// The engine reported an error for a request.
+    Error,
+}
+
+impl FaultKind {
+    pub fn label(self) -> &'static str {
+        match self {
+            FaultKind::Panic => "panic",
+            FaultKind::LostStream => "lost_stream",
+            FaultKind::Error => "error",
+        }
+    }
+
+    fn is_permanent(self) -> bool {
+        !matches!(self, FaultKind::Error)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Fault {
+    pub kind: FaultKind,
+    pub reason: String,
+    pub at: Instant,
+}
+
+impl Fault {
+    /// Still keeping the engine out of routing.
+    fn is_active(&self) -> bool {
+        self.kind.is_permanent() || self.at.elapsed() < ERROR_COOLDOWN
+    }
+}
+
+/// A loaded engine and what the router needs to know about it.
+pub struct EngineEntry {
+    pub name: String,
+    pub kind: String,
+    pub capabilities: Capabilities,
+    engine: Box<dyn Engine>,
+    fault: Mutex<Option<Fault>>,
+}
+
+impl EngineEntry {
+    pub fn new(name: String, kind: String, engine: Box<dyn Engine>) -> Self {
+        let capabilities = engine.capabilities();
+        Self {
+            name,
+            kind,
+            capabilities,
+            engine,
+            fault: Mutex::new(None),
+        }
+    }
+
+    /// Schedules the request; an engine that fails here is taken out of
+    /// routing.
+    pub fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError> {
+        let result = self.engine.submit(req);
+        if let Err(EngineError::Failed(reason)) = &result {
+            self.record_fault(FaultKind::Panic, reason.clone());
+        }
+        result
+    }
+
+    pub fn cancel(&self, id: RequestId) {
+        self.engine.cancel(id);
+    }
+
+    /// The engine's load; `healthy` is false while a fault is active.
+    pub fn load(&self) -> EngineLoad {
+        let mut load = self.engine.load();
+        load.healthy &= self.active_fault().is_none();
+        load
+    }
+
+    pub fn shutdown(&self) {
+        self.engine.shutdown();
+    }
+
+    /// Whether the router may send this engine work.
+    pub fn is_serving(&self) -> bool {
+        self.load().healthy
+    }
+
+    /// The fault keeping the engine out of routing, if any.
+    pub fn active_fault(&self) -> Option<Fault> {
+        let fault = self.fault.lock().unwrap_or_else(|p| p.into_inner());
+        fault.as_ref().filter(|f| f.is_active()).cloned()
+    }
+
+    pub fn record_fault(&self, kind: FaultKind, reason: String) {
+        tracing::error!(engine = %self.name, fault = kind.label(), %reason, "engine fault; taking it out of routing");
+        metrics::counter!(metric::ENGINE_FAULTS, "engine" => self.name.clone(), "kind" => kind.label())
+            .increment(1);
+        let mut fault = self.fault.lock().unwrap_or_else(|p| p.into_inner());
+        // A permanent fault is never downgraded by a later error.
+        if fault.as_ref().is_some_and(|f| f.kind.is_permanent()) {
+            return;
+        }
+        *fault = Some(Fault {
+            kind,
+            reason,
+            at: Instant::now(),
+        });
+    }
+}

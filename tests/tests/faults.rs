@@ -1,0 +1,124 @@
+//! Fault isolation: a plugin engine that panics (in `submit` or on its
+//! worker thread) or reports an error fails only its own request with a
+//! clear 500, is shown unhealthy in /health and /metrics, and gets no more
+//! work: the next request falls back to a healthy engine and the gateway
+//! stays up with every KV block back in the pool.
+
+use e2e_tests::http::SseStream;
+use e2e_tests::{Gateway, MODEL};
+use serde_json::{json, Value};
+
+fn config(fault: &str) -> String {
+    format!(
+        r#"model: {{ path: "{{model}}", kv_cache_mb: 64 }}
+plugins: ["{{reference}}"]
+engines:
+  flaky: {{ kind: reference, fault: {fault} }}
+  steady: {{ kind: reference }}
+policy:
+  default: flaky
+  fallback: [steady]
+"#
+    )
+}
+
+fn body(stream: bool) -> Value {
+    json!({"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "stream": stream})
+}
+
+fn flaky_health(gw: &Gateway) -> Value {
+    let health = gw.health();
+    health["engines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "flaky")
+        .cloned()
+        .unwrap()
+}
+
+fn check(fault: &str, expected_kind: &str) {
+    let gw = Gateway::start(&config(fault));
+    let r = gw.post("/v1/chat/completions", &body(false));
+    assert_eq!(r.status, 500, "{fault}: {}", r.text());
+    let error = &r.json()["error"];
+    assert_eq!(error["type"], "server_error", "{fault}: {error}");
+    let message = error["message"].as_str().unwrap();
+    assert!(
+        message.contains("engine") || message.contains("injected"),
+        "{fault}: unclear message {message:?}"
+    );
+
+    // Out of service, and said so.
+    let flaky = flaky_health(&gw);
+    assert_eq!(flaky["status"], "unhealthy", "{fault}: {flaky}");
+    assert_eq!(flaky["fault"]["kind"], expected_kind, "{fault}: {flaky}");
+    assert_eq!(gw.get("/health").status, 503);
+    assert_eq!(
+        gw.metric("gateway_engine_healthy", &[("engine", "flaky")]),
+        Some(0.0)
+    );
+    assert_eq!(
+        gw.metric(
+            "gateway_engine_faults_total",
+            &[("engine", "flaky"), ("kind", expected_kind)]
+        ),
+        Some(1.0)
+    );
+
+    // The next requests, plain and streamed, go to the healthy engine.
+    for _ in 0..2 {
+        let r = gw.post("/v1/chat/completions", &body(false));
+        assert_eq!(r.status, 200, "{fault}: {}", r.text());
+        assert_eq!(r.header("x-engine"), Some("steady"));
+    }
+    let mut stream = SseStream::open(gw.addr, "/v1/chat/completions", &body(true));
+    assert_eq!(stream.status, 200);
+    let mut events = Vec::new();
+    while let Some(event) = stream.next_event() {
+        events.push(event);
+    }
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    assert_eq!(gw.health()["kv_pool"]["allocated_blocks"], 0, "{fault}");
+}
+
+#[test]
+fn a_worker_panic_fails_only_its_request() {
+    check("panic_in_worker", "lost_stream");
+}
+
+#[test]
+fn a_panic_in_submit_fails_only_its_request() {
+    check("panic_on_submit", "panic");
+}
+
+#[test]
+fn an_engine_error_benches_the_engine() {
+    check("error", "error");
+}
+
+/// A streamed request whose engine dies ends with an error event and
+/// `[DONE]` rather than hanging.
+#[test]
+fn a_stream_whose_engine_dies_ends_cleanly() {
+    let gw = Gateway::start(&config("panic_in_worker"));
+    let mut stream = SseStream::open(gw.addr, "/v1/chat/completions", &body(true));
+    let mut events = Vec::new();
+    while let Some(event) = stream.next_event() {
+        events.push(event);
+    }
+    if stream.status == 200 {
+        let error = events
+            .iter()
+            .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+            .find(|v| v.get("error").is_some())
+            .unwrap_or_else(|| panic!("no error event in {events:?}"));
+        assert_eq!(error["error"]["type"], "server_error");
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    } else {
+        assert_eq!(stream.status, 500, "{events:?}");
+    }
+    assert_eq!(gw.health()["kv_pool"]["allocated_blocks"], 0);
+    let r = gw.post("/v1/chat/completions", &body(false));
+    assert_eq!(r.status, 200, "{}", r.text());
+}
