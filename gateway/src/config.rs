@@ -18,6 +18,7 @@
 //!   api_keys: []              # when any key is set, /v1 requires one
 //!   api_keys_env: GATEWAY_API_KEYS   # comma-separated keys from the environment
 //!   policy_reload_ms: 1000    # how often the policy file is checked for edits
+//!   shutdown_grace_s: 30      # on SIGTERM: in-flight requests get this long to finish
 //! plugin_dir: null            # default: the executable's directory
 //! plugins: [path/to/libengine_x.so]
 //! engines:
@@ -99,6 +100,7 @@ pub struct ServerConfig {
     pub api_keys: Vec<String>,
     pub api_keys_env: Option<String>,
     pub policy_reload_ms: u64,
+    pub shutdown_grace_s: f64,
 }
 
 impl Default for ServerConfig {
@@ -113,6 +115,7 @@ impl Default for ServerConfig {
             api_keys: Vec::new(),
             api_keys_env: None,
             policy_reload_ms: 1000,
+            shutdown_grace_s: 30.0,
         }
     }
 }
@@ -213,6 +216,11 @@ impl Config {
                 "server.request_timeout_s must be a positive number".into(),
             ));
         }
+        if !(server.shutdown_grace_s >= 0.0 && server.shutdown_grace_s.is_finite()) {
+            return Err(invalid(
+                "server.shutdown_grace_s must be a non-negative number".into(),
+            ));
+        }
         if server.max_concurrent == 0 {
             return Err(invalid("server.max_concurrent must be at least 1".into()));
         }
@@ -236,6 +244,10 @@ impl Config {
 
     pub fn request_timeout(&self) -> Duration {
         Duration::from_secs_f64(self.server.request_timeout_s)
+    }
+
+    pub fn shutdown_grace(&self) -> Duration {
+        Duration::from_secs_f64(self.server.shutdown_grace_s)
     }
 
     /// Keys from the file plus those in `api_keys_env`; empty means no auth.

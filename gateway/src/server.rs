@@ -19,7 +19,7 @@ use crate::api::{chat, completions, health, metrics, models, ApiError};
 use crate::cli::ServeArgs;
 use crate::config::{Config, Overrides};
 use crate::host::Registry;
-use crate::layers::{auth, concurrency, error_shape, http_metrics, request_id, timeout};
+use crate::layers::{auth, concurrency, draining, error_shape, http_metrics, request_id, timeout};
 use crate::router::Router;
 use crate::state::{AppState, SharedState};
 use crate::telemetry;
@@ -40,6 +40,7 @@ pub fn app(state: SharedState) -> axum::Router {
         .route("/v1/completions", post(completions::create))
         .route("/completions", post(completions::create))
         .route_layer(from_fn_with_state(limiter, concurrency::limit))
+        .route_layer(from_fn_with_state(state.clone(), draining::refuse_new_work))
         .route_layer(from_fn_with_state(
             state.config.request_timeout(),
             timeout::limit,
@@ -129,15 +130,39 @@ pub async fn serve(args: ServeArgs, dispatch: tracing::Dispatch) -> anyhow::Resu
     // The one line on stdout: scripts and tests read the address from it.
     println!("gateway listening on http://{local}");
 
-    let stopping = registry.clone();
+    let draining = state.clone();
+    let grace = config.shutdown_grace();
+    let drained = Arc::new(tokio::sync::Notify::new());
+    let drained_early = drained.clone();
     axum::serve(listener, app(state))
         .with_graceful_shutdown(async move {
             shutdown_signal().await;
-            tracing::info!("shutting down: stopping engines");
-            // Cancels in-flight work so open streams end and the server can.
-            let _ = tokio::task::spawn_blocking(move || stopping.shutdown()).await;
+            // From here no connection is accepted and no new generation
+            // starts; running ones get `grace` to finish, then are
+            // cancelled so their streams end and the server can stop.
+            draining.start_draining();
+            tracing::info!(grace_s = grace.as_secs_f64(), "shutting down: draining in-flight requests");
+            let registry = draining.registry.clone();
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = tokio::time::sleep(grace) => {
+                        tracing::warn!("shutdown grace period over: cancelling what is still running");
+                        let _ = tokio::task::spawn_blocking(move || registry.shutdown()).await;
+                    }
+                    _ = drained_early.notified() => {}
+                }
+            });
         })
         .await?;
+    drained.notify_one();
+    // Every connection has closed. Stop the engines (a fence: their
+    // threads are done after this) and free the model before exiting.
+    tokio::task::spawn_blocking(move || {
+        registry.shutdown();
+        drop(registry);
+    })
+    .await?;
+    tracing::info!("stopped");
     Ok(())
 }
 

@@ -1,6 +1,7 @@
 //! What every handler shares: the config, the engines, the router and the
 //! facts about the served model.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -27,6 +28,8 @@ pub struct AppState {
     pub router: Router,
     pub model: ModelInfo,
     pub metrics: PrometheusHandle,
+    /// Set on a shutdown signal: no new generations, /health says so.
+    draining: AtomicBool,
 }
 
 impl AppState {
@@ -50,7 +53,16 @@ impl AppState {
             router,
             model,
             metrics,
+            draining: AtomicBool::new(false),
         }
+    }
+
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::Release);
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
     }
 
     pub fn limits(&self) -> Limits {

@@ -109,6 +109,27 @@ impl Gateway {
         self.child.id()
     }
 
+    /// Sends SIGTERM, as a service manager stopping the server would.
+    pub fn terminate(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.pid().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -TERM failed");
+    }
+
+    /// The exit status, once the process has exited within `timeout`.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
     /// Everything the gateway logged so far.
     pub fn logs(&self) -> String {
         self.logs.lock().unwrap().clone()

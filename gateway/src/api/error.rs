@@ -38,6 +38,9 @@ pub enum ApiError {
     /// No loaded engine can serve this kind of request.
     #[error("{0}")]
     Unavailable(String),
+    /// The server is draining before it stops; no new work is taken.
+    #[error("The server is shutting down; retry on another instance")]
+    ShuttingDown,
     /// The engine stopped the request itself (the server is shutting down).
     #[error("The server stopped this request before it finished; retry")]
     Interrupted,
@@ -83,9 +86,10 @@ impl ApiError {
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::QueueFull => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::Overloaded | ApiError::Unavailable(_) | ApiError::Interrupted => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            ApiError::Overloaded
+            | ApiError::Unavailable(_)
+            | ApiError::Interrupted
+            | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Engine(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -104,6 +108,7 @@ impl ApiError {
             ApiError::Overloaded
             | ApiError::Unavailable(_)
             | ApiError::Interrupted
+            | ApiError::ShuttingDown
             | ApiError::Timeout(_) => "server_error",
             ApiError::Engine(_) | ApiError::Internal(_) => "server_error",
         }
@@ -127,6 +132,7 @@ impl ApiError {
             ApiError::Overloaded => Some("server_overloaded"),
             ApiError::Unavailable(_) => Some("no_capable_engine"),
             ApiError::Interrupted => Some("request_interrupted"),
+            ApiError::ShuttingDown => Some("server_shutting_down"),
             ApiError::Timeout(_) => Some("timeout"),
             _ => None,
         }
@@ -149,6 +155,7 @@ impl ApiError {
             ApiError::Overloaded => "overloaded",
             ApiError::Unavailable(_) => "unavailable",
             ApiError::Interrupted => "interrupted",
+            ApiError::ShuttingDown => "shutting_down",
             ApiError::Timeout(_) => "timeout",
             ApiError::Engine(_) => "engine",
             ApiError::Internal(_) => "internal",

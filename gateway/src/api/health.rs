@@ -1,5 +1,5 @@
 //! `GET /health`: ready (200) only when every configured engine loaded and
-//! reports healthy; otherwise 503. The body lists every engine, plugins
+//! reports healthy and the server is not draining; otherwise 503. The body lists every engine, plugins
 //! that were refused, and the shared KV pool's figures.
 
 use axum::extract::State;
@@ -45,8 +45,15 @@ pub async fn health(State(state): State<SharedState>) -> Response {
         .map(|p| json!({ "path": p.path, "error": p.error }))
         .collect();
     let pool = &registry.shared.kv_pool;
+    let draining = state.is_draining();
+    all_ready &= !draining;
+    let status = match (draining, all_ready) {
+        (true, _) => "draining",
+        (false, true) => "ok",
+        (false, false) => "degraded",
+    };
     let body = json!({
-        "status": if all_ready { "ok" } else { "degraded" },
+        "status": status,
         "model": state.model.name,
         "engines": engines,
         "refused_plugins": refused,

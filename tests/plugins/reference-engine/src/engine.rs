@@ -48,8 +48,8 @@ impl ReferenceEngine {
         let handle = std::thread::Builder::new()
             .name(format!("engine-{}", ctx.name))
             .spawn({
-                let (shared, state, fault) = (shared.clone(), state.clone(), options.fault);
-                move || worker::run(shared, state, rx, fault)
+                let (shared, state, options) = (shared.clone(), state.clone(), options.clone());
+                move || worker::run(shared, state, rx, options)
             })
             .map_err(|e| format!("cannot start worker thread: {e}"))?;
         tracing::info!(

@@ -17,6 +17,7 @@
 //!     greedy_only: false   # advertise and enforce plain-greedy-only
 //!     tools: true          # accept requests that carry tools
 //!     fault: panic_in_worker  # inject a fault: panic_on_submit | panic_in_worker | error
+//!     token_delay_ms: 0    # pause after each token (tests that need slow streams)
 //! ```
 
 mod engine;

@@ -14,6 +14,8 @@ pub struct Options {
     /// A fault to inject into every request, for the gateway's
     /// fault-isolation tests.
     pub fault: Option<Fault>,
+    /// A pause after each token, so tests can catch requests mid-stream.
+    pub token_delay_ms: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -36,6 +38,7 @@ impl Default for Options {
             greedy_only: false,
             tools: true,
             fault: None,
+            token_delay_ms: 0,
         }
     }
 }

@@ -16,7 +16,7 @@ use runtime::sampling::{log_softmax, Sampler};
 use runtime::{Reservation, SharedModel};
 
 use crate::engine::State;
-use crate::options::Fault;
+use crate::options::{Fault, Options};
 
 pub struct Job {
     pub req: GenerateRequest,
@@ -36,13 +36,13 @@ pub fn run(
     shared: Arc<SharedModel>,
     state: Arc<State>,
     jobs: mpsc::Receiver<Job>,
-    fault: Option<Fault>,
+    options: Options,
 ) {
     while let Ok(job) = jobs.recv() {
         state.queued.fetch_sub(1, Ordering::AcqRel);
         let id = job.req.id;
         state.active.store(1, Ordering::Release);
-        serve(&shared, &state, job, fault);
+        serve(&shared, &state, job, &options);
         state.active.store(0, Ordering::Release);
         state
             .cancels
@@ -53,7 +53,7 @@ pub fn run(
     state.worker_alive.store(false, Ordering::Release);
 }
 
-fn serve(shared: &SharedModel, state: &State, job: Job, fault: Option<Fault>) {
+fn serve(shared: &SharedModel, state: &State, job: Job, options: &Options) {
     let Job { req, events } = job;
     let prompt_tokens = req.prompt.len() as u32;
     let finish = |reason, delivered| {
@@ -72,7 +72,7 @@ fn serve(shared: &SharedModel, state: &State, job: Job, fault: Option<Fault>) {
     state
         .kv_blocks
         .store(reservation.blocks(), Ordering::Release);
-    match fault {
+    match options.fault {
         // Unwinding returns the reservation; the stream is dropped unfinished.
         Some(Fault::PanicInWorker) => panic!("injected fault: panic in the worker"),
         Some(Fault::Error) => {
@@ -84,10 +84,11 @@ fn serve(shared: &SharedModel, state: &State, job: Job, fault: Option<Fault>) {
         Some(Fault::PanicOnSubmit) | None => {}
     }
     tracing::debug!(request = %req.id, prompt_tokens, max_tokens = req.max_tokens, "reference engine started a request");
+    let pause = Duration::from_millis(options.token_delay_ms);
     let result = if req.sampling.is_plain_greedy() && !req.sampling.logprobs {
-        run_greedy(shared, &req, &events)
+        run_greedy(shared, &req, &events, pause)
     } else {
-        run_sampled(shared, &req, &events)
+        run_sampled(shared, &req, &events, pause)
     };
     // The blocks go back before the client learns the request finished, so a
     // client that reads the pool right after sees them returned.
@@ -132,6 +133,7 @@ fn run_greedy(
     shared: &SharedModel,
     req: &GenerateRequest,
     events: &EventSender,
+    pause: Duration,
 ) -> GenResult<Outcome> {
     let _device = shared.model.lock_device();
     let mut delivered = 0u32;
@@ -151,6 +153,7 @@ fn run_greedy(
                 return false;
             }
             delivered += 1;
+            std::thread::sleep(pause);
             !req.cancel.is_cancelled()
         },
     )
@@ -169,6 +172,7 @@ fn run_sampled(
     shared: &SharedModel,
     req: &GenerateRequest,
     events: &EventSender,
+    pause: Duration,
 ) -> GenResult<Outcome> {
     let model = &shared.model.model;
     let vocab = model.config.vocab_size;
@@ -226,6 +230,7 @@ fn run_sampled(
             });
         }
         delivered += 1;
+        std::thread::sleep(pause);
         if delivered >= req.max_tokens {
             return Ok(Outcome {
                 reason: FinishReason::Length,
