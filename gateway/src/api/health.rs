@@ -1,6 +1,7 @@
 //! `GET /health`: ready (200) only when every configured engine loaded and
-//! reports healthy and the server is not draining; otherwise 503. The body lists every engine, plugins
-//! that were refused, and the shared KV pool's figures.
+//! reports healthy and the server is not draining; otherwise 503. The body
+//! lists every engine (with its fault, if any), plugins that were refused,
+//! and the shared KV pool's figures.
 
 use axum::extract::State;
 use axum::http::StatusCode;
