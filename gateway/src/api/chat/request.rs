@@ -375,7 +375,15 @@ fn tools(body: &RawBody) -> Result<Vec<Value>, ApiError> {
             ));
         }
         match function.get("parameters") {
-            None | Some(Value::Null) | Some(Value::Object(_)) => {}
+            None | Some(Value::Null) => {}
+            Some(schema @ Value::Object(_)) => {
+                if let Err(e) = jsonschema::meta::validate(schema) {
+                    return Err(ApiError::invalid(
+                        format!("`{p}.function.parameters` is not a valid JSON Schema: {e}"),
+                        format!("{p}.function.parameters"),
+                    ));
+                }
+            }
             Some(v) => {
                 return Err(wrong_type(
                     &format!("{p}.function.parameters"),
