@@ -82,4 +82,7 @@ pub struct MakeTinyArgs {
     pub dtype: Option<DtypeArg>,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// The context window written to config.json (`max_position_embeddings`).
+    #[arg(long)]
+    pub context: Option<i32>,
 }

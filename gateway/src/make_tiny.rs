@@ -32,6 +32,9 @@ pub fn run(args: &MakeTinyArgs) -> anyhow::Result<()> {
         spec.quant_bits = Some(bits.parse().context("--quant-bits")?);
     }
     spec.seed = args.seed;
+    if let Some(context) = args.context {
+        spec.context = context;
+    }
     write_model(&args.out, &spec).with_context(|| format!("writing {}", args.out.display()))?;
     println!(
         "wrote a {family} model ({} parameters) to {}",

@@ -15,7 +15,7 @@ use tower_http::request_id::{PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;
 
-use crate::api::{chat, completions, health, metrics, models, ApiError};
+use crate::api::{chat, completions, health, metrics, models, openapi, ApiError};
 use crate::cli::ServeArgs;
 use crate::config::{Config, Overrides};
 use crate::host::Registry;
@@ -56,6 +56,7 @@ pub fn app(state: SharedState) -> axum::Router {
         .route("/health", get(health::health))
         .route("/v1/health", get(health::health))
         .route("/metrics", get(metrics::render))
+        .route("/openapi.json", get(openapi::document))
         .route("/v1/metrics", get(metrics::render));
 
     let trace = TraceLayer::new_for_http()

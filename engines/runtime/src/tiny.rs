@@ -29,6 +29,8 @@ pub struct TinySpec {
     /// Gemma 3 only: sliding-window size and how often a global layer comes.
     pub sliding_window: i32,
     pub sliding_window_pattern: i32,
+    /// `max_position_embeddings`: the context window servers enforce.
+    pub context: i32,
     pub seed: u64,
 }
 
@@ -49,6 +51,7 @@ impl TinySpec {
             group_size: 32,
             sliding_window: 24,
             sliding_window_pattern: 2,
+            context: 32768,
             seed: 0,
         }
     }
@@ -70,6 +73,7 @@ impl TinySpec {
             group_size: 64,
             sliding_window: 512,
             sliding_window_pattern: 6,
+            context: 32768,
             seed: 0,
         }
     }
@@ -91,6 +95,7 @@ impl TinySpec {
             group_size: 64,
             sliding_window: 512,
             sliding_window_pattern: 6,
+            context: 32768,
             seed: 0,
         }
     }
@@ -185,7 +190,7 @@ fn config_json(
         "num_key_value_heads": spec.kv_heads,
         "head_dim": spec.head_dim,
         "vocab_size": spec.vocab,
-        "max_position_embeddings": 32768,
+        "max_position_embeddings": spec.context,
         "tie_word_embeddings": true,
         "torch_dtype": dtype,
         "eos_token_id": eos,

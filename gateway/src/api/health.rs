@@ -11,6 +11,14 @@ use serde_json::{json, Value};
 use super::json_response;
 use crate::state::SharedState;
 
+#[utoipa::path(
+    get,
+    path = "/health",
+    responses(
+        (status = 200, description = "Every engine is ready"),
+        (status = 503, description = "Degraded (an engine failed or is out of service) or draining"),
+    )
+)]
 pub async fn health(State(state): State<SharedState>) -> Response {
     let registry = &state.registry;
     let mut engines: Vec<Value> = Vec::new();

@@ -9,6 +9,11 @@ use axum::response::Response;
 use crate::state::SharedState;
 use crate::telemetry::metric;
 
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    responses((status = 200, description = "Prometheus text format", content_type = "text/plain"))
+)]
 pub async fn render(State(state): State<SharedState>) -> Response {
     let registry = &state.registry;
     for entry in registry.engines() {

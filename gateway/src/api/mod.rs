@@ -9,6 +9,7 @@ pub mod health;
 pub mod logprobs;
 pub mod metrics;
 pub mod models;
+pub mod openapi;
 pub mod sse;
 pub mod validate;
 

@@ -18,6 +18,15 @@ fn model_object(state: &SharedState) -> Value {
     })
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/models",
+    responses(
+        (status = 200, description = "The served model", body = crate::api::openapi::ModelList),
+        (status = 401, description = "Missing or wrong API key", body = crate::api::openapi::ErrorBody),
+    ),
+    security((), ("api_key" = []))
+)]
 pub async fn list(State(state): State<SharedState>) -> Response {
     json_response(
         StatusCode::OK,
@@ -25,6 +34,17 @@ pub async fn list(State(state): State<SharedState>) -> Response {
     )
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/models/{id}",
+    params(("id" = String, Path, description = "The model's name")),
+    responses(
+        (status = 200, description = "The model", body = crate::api::openapi::Model),
+        (status = 401, description = "Missing or wrong API key", body = crate::api::openapi::ErrorBody),
+        (status = 404, description = "Unknown model", body = crate::api::openapi::ErrorBody),
+    ),
+    security((), ("api_key" = []))
+)]
 pub async fn get(
     State(state): State<SharedState>,
     Path(id): Path<String>,
