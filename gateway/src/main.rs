@@ -2,24 +2,13 @@
 //! engine plugins over one shared copy of a model and routes each request
 //! by a YAML policy.
 
-mod api;
-mod cli;
-mod config;
-mod generation;
-mod host;
-mod layers;
-mod make_tiny;
-mod pipeline;
-mod router;
-mod server;
-mod state;
-mod telemetry;
 
 use std::process::ExitCode;
 
 use clap::Parser;
 
-use crate::cli::{Cli, Command};
+use gateway::cli::{Cli, Command};
+use gateway::{make_tiny, server, telemetry};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
