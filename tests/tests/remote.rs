@@ -77,7 +77,10 @@ fn finished(gw: &Gateway) -> f64 {
 enum Streamed {
     Complete(String),
     /// An error event; `after_tokens` when text had already arrived.
-    Failed { after_tokens: bool, message: String },
+    Failed {
+        after_tokens: bool,
+        message: String,
+    },
 }
 
 fn stream(addr: SocketAddr, body: &Value) -> Streamed {
@@ -132,7 +135,10 @@ fn fleet_matches_direct_answers_and_spreads_load() {
         ),
         direct
     );
-    assert_eq!(v["usage"]["prompt_tokens"], json!(direct_prompt_tokens(&a, prompt)));
+    assert_eq!(
+        v["usage"]["prompt_tokens"],
+        json!(direct_prompt_tokens(&a, prompt))
+    );
 
     // A token-id prompt and the ids extension on an upstream.
     let ids = a.post(
@@ -140,7 +146,12 @@ fn fleet_matches_direct_answers_and_spreads_load() {
         &json!({"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "return_token_ids": true}),
     );
     let token_ids = ids.json()["choices"][0]["token_ids"].clone();
-    assert_eq!(token_ids.as_array().map(Vec::len), Some(4), "{}", ids.text());
+    assert_eq!(
+        token_ids.as_array().map(Vec::len),
+        Some(4),
+        "{}",
+        ids.text()
+    );
 
     // Streaming through the fleet.
     match stream(f.addr, &completion(prompt, 16)) {
@@ -176,8 +187,33 @@ fn fleet_matches_direct_answers_and_spreads_load() {
         }
     });
     let (da, db) = (finished(&a) - before.0, finished(&b) - before_b);
-    assert_eq!(da + db, 8.0, "every request ran exactly once: a {da}, b {db}");
+    assert_eq!(
+        da + db,
+        8.0,
+        "every request ran exactly once: a {da}, b {db}"
+    );
     assert!(da >= 1.0 && db >= 1.0, "load spread: a {da}, b {db}");
+
+    // A client that goes away stops the upstream's generation too.
+    let cancelled = |gw: &Gateway| {
+        let text = gw.get("/metrics").text();
+        text.lines()
+            .filter(|l| {
+                l.starts_with("gateway_generations_total{") && l.contains("finish=\"cancelled\"")
+            })
+            .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    let before = cancelled(&a) + cancelled(&b);
+    let mut long = completion(prompt, 4000);
+    long["stream"] = json!(true);
+    let mut s = SseStream::open(f.addr, "/v1/completions", &long);
+    assert!(s.next_event().is_some());
+    s.disconnect();
+    let stopped = f.wait_for(Duration::from_secs(10), |_| {
+        cancelled(&a) + cancelled(&b) == before + 1.0
+    });
+    assert!(stopped, "the upstream generation was not cancelled");
 
     // Prefix affinity: a long shared prefix keeps requests on one upstream.
     let system = "you are a careful assistant who answers every question about the weather in short plain sentences without any lists or tables and always in english please";
@@ -202,18 +238,13 @@ fn direct_prompt_tokens(gw: &Gateway, prompt: &str) -> u64 {
 fn killing_an_upstream_loses_and_duplicates_nothing() {
     let a = Gateway::start(UPSTREAM);
     let b = Gateway::start(UPSTREAM);
-    let f = Gateway::start(&front(
-        &[url(&a), url(&b)],
-        "    affinity_prefix_tokens: 0",
-    ));
+    let f = Gateway::start(&front(&[url(&a), url(&b)], "    affinity_prefix_tokens: 0"));
     let body = completion("once upon a time", 48);
     let expected = answer(&b, &body).0;
 
     // Kill one upstream while streams run on both.
     let outcomes: Vec<Streamed> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..8)
-            .map(|_| s.spawn(|| stream(f.addr, &body)))
-            .collect();
+        let handles: Vec<_> = (0..8).map(|_| s.spawn(|| stream(f.addr, &body))).collect();
         std::thread::sleep(Duration::from_millis(30));
         drop(a);
         handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -240,7 +271,10 @@ fn killing_an_upstream_loses_and_duplicates_nothing() {
             }
         }
     }
-    eprintln!("after the kill: {complete} of {} streams complete", outcomes.len());
+    eprintln!(
+        "after the kill: {complete} of {} streams complete",
+        outcomes.len()
+    );
     assert!(complete >= 3, "{outcomes:?}");
 
     // Right after the kill: every request succeeds, each ran once on b.
@@ -384,4 +418,69 @@ fn mlx_lm_server_as_an_upstream() {
     let r = f.post("/v1/completions", &logprobs);
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.header("x-engine"), Some("local"));
+}
+
+/// docs/fleet.yaml, with its upstreams pointed at `upstreams` (the third,
+/// text-protocol one at a port where nothing listens) and `overflow` as
+/// the KV pressure above which requests go to the fleet.
+fn documented_config(upstreams: [&Gateway; 2], overflow: &str) -> String {
+    let text = std::fs::read_to_string(workspace_root().join("docs/fleet.yaml")).unwrap();
+    let replaced = text
+        .replace("path: models/tiny-qwen3", "path: \"{model}\"")
+        .replace("kv_cache_mb: 1024", "kv_cache_mb: 64")
+        .replace(
+            "http://10.0.0.2:8000",
+            &format!("http://{}", upstreams[0].addr),
+        )
+        .replace(
+            "http://10.0.0.3:8000",
+            &format!("http://{}", upstreams[1].addr),
+        )
+        .replace(
+            "http://10.0.0.4:8080",
+            &format!("http://127.0.0.1:{}", free_port()),
+        )
+        .replace(
+            "kv_pressure: { gt: 0.85 }",
+            &format!("kv_pressure: {{ {overflow} }}"),
+        );
+    assert_ne!(text, replaced);
+    replaced
+}
+
+#[test]
+fn the_documented_fleet_config_serves() {
+    let a = Gateway::start(UPSTREAM);
+    let b = Gateway::start(UPSTREAM);
+    let body = completion("the quick brown fox", 8);
+    let expected = answer(&a, &body).0;
+
+    let f = Gateway::start(&documented_config([&a, &b], "gt: 0.85"));
+    let health = f.health();
+    let fleet = health["engines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "fleet")
+        .cloned()
+        .unwrap();
+    assert_eq!(fleet["status"], "ready", "{health}");
+    let r = f.post("/v1/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        (r.header("x-engine"), r.header("x-route-rule")),
+        (Some("fastpath"), Some("alone-and-greedy"))
+    );
+    assert_eq!(r.json()["choices"][0]["text"], json!(expected));
+    drop(f);
+
+    // The same policy with the overflow rule always true: the fleet serves.
+    let f = Gateway::start(&documented_config([&a, &b], "gte: 0.0"));
+    let r = f.post("/v1/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        (r.header("x-engine"), r.header("x-route-rule")),
+        (Some("fleet"), Some("overflow-to-fleet"))
+    );
+    assert_eq!(r.json()["choices"][0]["text"], json!(expected));
 }

@@ -221,7 +221,10 @@ mod tests {
     fn short_prompts_have_no_affinity() {
         assert_eq!(prefix_key(&[1, 2], 4), None);
         assert_eq!(prefix_key(&[1, 2, 3, 4], 0), None);
-        assert_eq!(prefix_key(&[1, 2, 3, 4, 5], 4), prefix_key(&[1, 2, 3, 4, 9], 4));
+        assert_eq!(
+            prefix_key(&[1, 2, 3, 4, 5], 4),
+            prefix_key(&[1, 2, 3, 4, 9], 4)
+        );
         assert_ne!(prefix_key(&[1, 2, 3, 4], 4), prefix_key(&[1, 2, 3, 5], 4));
     }
 }

@@ -70,7 +70,10 @@ mod tests {
             );
         }
         let prefixed = BaseUrl::parse("http://h/llm").unwrap();
-        assert_eq!(prefixed.endpoint("/metrics").to_string(), "http://h/llm/metrics");
+        assert_eq!(
+            prefixed.endpoint("/metrics").to_string(),
+            "http://h/llm/metrics"
+        );
     }
 
     #[test]

@@ -46,7 +46,11 @@ impl HttpClient {
     }
 
     /// A GET read whole, within `timeout`.
-    pub async fn get_text(&self, uri: Uri, timeout: Duration) -> Result<(StatusCode, String), String> {
+    pub async fn get_text(
+        &self,
+        uri: Uri,
+        timeout: Duration,
+    ) -> Result<(StatusCode, String), String> {
         let request = Request::get(uri)
             .body(Full::new(Bytes::new()))
             .map_err(|e| e.to_string())?;

@@ -113,7 +113,11 @@ impl RemoteEngine {
 
     /// Requests in flight per upstream, in configuration order.
     pub fn outstanding_per_upstream(&self) -> Vec<usize> {
-        self.pool.upstreams.iter().map(|u| u.outstanding()).collect()
+        self.pool
+            .upstreams
+            .iter()
+            .map(|u| u.outstanding())
+            .collect()
     }
 
     fn running(&self) -> std::sync::MutexGuard<'_, HashMap<RequestId, Arc<Notify>>> {
@@ -193,7 +197,10 @@ impl Engine for RemoteEngine {
         let running = self.running.clone();
         runtime.spawn(async move {
             forwarder.run(request, events, cancel).await;
-            running.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+            running
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&id);
         });
         Ok(stream)
     }

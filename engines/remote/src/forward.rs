@@ -34,7 +34,10 @@ enum Attempt {
     Finished,
     Cancelled,
     /// Nothing reached the client yet: another upstream may serve it.
-    Retryable { reason: String, upstream_down: bool },
+    Retryable {
+        reason: String,
+        upstream_down: bool,
+    },
     /// Final: the upstream rejected the request itself, or failed after
     /// tokens were delivered.
     Failed(String),
@@ -163,7 +166,9 @@ impl Forwarder {
                     upstream_down: false,
                 }
             } else {
-                Attempt::Failed(format!("the upstream rejected the request ({status}): {message}"))
+                Attempt::Failed(format!(
+                    "the upstream rejected the request ({status}): {message}"
+                ))
             };
         }
         let mut body = response.into_body();
@@ -181,7 +186,9 @@ impl Forwarder {
             };
             let failure = match frame {
                 Ok(Some(Ok(frame))) => {
-                    let Ok(data) = frame.into_data() else { continue };
+                    let Ok(data) = frame.into_data() else {
+                        continue;
+                    };
                     match stream.feed(sse.push(&data), delivery) {
                         Fed::More => continue,
                         Fed::Done => return Attempt::Finished,
@@ -243,7 +250,11 @@ struct UpstreamStream<'a> {
 }
 
 impl<'a> UpstreamStream<'a> {
-    fn new(request: &'a GenerateRequest, protocol: Protocol, tokenizer: &'a text::Tokenizer) -> Self {
+    fn new(
+        request: &'a GenerateRequest,
+        protocol: Protocol,
+        tokenizer: &'a text::Tokenizer,
+    ) -> Self {
         Self {
             request,
             protocol,

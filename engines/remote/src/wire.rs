@@ -233,7 +233,10 @@ mod tests {
             Protocol::Text,
         )
         .unwrap();
-        assert_eq!((text.text.as_str(), text.finish), (" hi", Some(FinishReason::Stop)));
+        assert_eq!(
+            (text.text.as_str(), text.finish),
+            (" hi", Some(FinishReason::Stop))
+        );
     }
 
     #[test]
@@ -243,7 +246,10 @@ mod tests {
             Err(ChunkError::NoTokenIds)
         );
         assert_eq!(
-            parse_chunk(r#"{"error":{"message":"boom","type":"server_error"}}"#, Protocol::TokenIds),
+            parse_chunk(
+                r#"{"error":{"message":"boom","type":"server_error"}}"#,
+                Protocol::TokenIds
+            ),
             Err(ChunkError::Upstream("boom".into()))
         );
         assert!(matches!(

@@ -275,12 +275,8 @@ impl ChunkFormat for CompletionChunks {
     }
 
     fn closing(&mut self, summary: &Summary) -> Vec<Value> {
-        let mut out = vec![self.object(
-            "",
-            &[],
-            Value::Null,
-            json!(summary.finish_reason.as_str()),
-        )];
+        let mut out =
+            vec![self.object("", &[], Value::Null, json!(summary.finish_reason.as_str()))];
         if self.include_usage {
             out.push(sse::usage_chunk(
                 &self.id,
@@ -347,7 +343,10 @@ mod tests {
             (json!({"prompt": "x", "suffix": "y"}), "suffix"),
             (json!({"prompt": "x", "best_of": 2}), "best_of"),
             (json!({"prompt": "x", "echo": 1}), "echo"),
-            (json!({"prompt": "x", "return_token_ids": 1}), "return_token_ids"),
+            (
+                json!({"prompt": "x", "return_token_ids": 1}),
+                "return_token_ids",
+            ),
         ] {
             let e = parse(input.clone()).unwrap_err();
             assert_eq!(e.param(), Some(param), "{input}: {e}");
