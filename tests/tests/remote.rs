@@ -9,6 +9,7 @@
 use std::net::{SocketAddr, TcpListener};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use e2e_tests::http::{self, SseStream};
@@ -84,15 +85,25 @@ enum Streamed {
 }
 
 fn stream(addr: SocketAddr, body: &Value) -> Streamed {
+    stream_counting(addr, body, &AtomicUsize::new(0))
+}
+
+/// `started` counts streams that have received their first event.
+fn stream_counting(addr: SocketAddr, body: &Value, started: &AtomicUsize) -> Streamed {
     let mut body = body.clone();
     body["stream"] = json!(true);
     let mut s = SseStream::open(addr, "/v1/completions", &body);
     assert_eq!(s.status, 200);
     let mut text = String::new();
     let mut finished = false;
+    let mut counted = false;
     while let Some(event) = s.next_event() {
         if event == "[DONE]" {
             break;
+        }
+        if !counted {
+            counted = true;
+            started.fetch_add(1, Ordering::AcqRel);
         }
         let v: Value = serde_json::from_str(&event).unwrap();
         if let Some(e) = v.get("error") {
@@ -242,10 +253,17 @@ fn killing_an_upstream_loses_and_duplicates_nothing() {
     let body = completion("once upon a time", 48);
     let expected = answer(&b, &body).0;
 
-    // Kill one upstream while streams run on both.
+    // Kill one upstream once most streams are under way on both (split
+    // four and four: least outstanding).
+    let started = AtomicUsize::new(0);
     let outcomes: Vec<Streamed> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..8).map(|_| s.spawn(|| stream(f.addr, &body))).collect();
-        std::thread::sleep(Duration::from_millis(30));
+        let handles: Vec<_> = (0..8)
+            .map(|_| s.spawn(|| stream_counting(f.addr, &body, &started)))
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while started.load(Ordering::Acquire) < 6 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         drop(a);
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });

@@ -15,6 +15,15 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 /// this size.
 const SMALL_BODY_LIMIT: usize = 4 << 20;
 
+/// A request that got no response.
+#[derive(Debug)]
+pub struct SendError {
+    pub message: String,
+    /// No connection could be made: the upstream is down, not just this
+    /// exchange.
+    pub connect: bool,
+}
+
 #[derive(Clone)]
 pub struct HttpClient {
     inner: Client<HttpConnector, Full<Bytes>>,
@@ -36,13 +45,19 @@ impl HttpClient {
         &self,
         uri: Uri,
         body: &serde_json::Value,
-    ) -> Result<Response<Incoming>, String> {
+    ) -> Result<Response<Incoming>, SendError> {
         let request = Request::post(uri)
             .header(hyper::header::CONTENT_TYPE, "application/json")
             .header(hyper::header::ACCEPT, "text/event-stream")
             .body(Full::new(Bytes::from(body.to_string())))
-            .map_err(|e| e.to_string())?;
-        self.inner.request(request).await.map_err(describe)
+            .map_err(|e| SendError {
+                message: e.to_string(),
+                connect: false,
+            })?;
+        self.inner.request(request).await.map_err(|e| SendError {
+            connect: e.is_connect(),
+            message: describe(e),
+        })
     }
 
     /// A GET read whole, within `timeout`.

@@ -150,7 +150,7 @@ impl Forwarder {
         let response = tokio::select! {
             r = tokio::time::timeout_at(first_token_deadline, sent) => match r {
                 Ok(Ok(response)) => response,
-                Ok(Err(e)) => return Attempt::Retryable { reason: e, upstream_down: true },
+                Ok(Err(e)) => return Attempt::Retryable { reason: e.message, upstream_down: e.connect },
                 Err(_) => return Attempt::Retryable { reason: "no response before the first-token timeout".into(), upstream_down: false },
             },
             _ = cancel.notified() => return Attempt::Cancelled,
