@@ -78,6 +78,8 @@ pub struct Summary {
 pub struct Batch {
     pub deltas: Vec<Delta>,
     pub logprobs: Vec<TokenEvent>,
+    /// The generated token ids, for clients that ask for them.
+    pub token_ids: Vec<u32>,
     pub done: Option<Summary>,
 }
 
@@ -168,6 +170,7 @@ impl Generation {
                 push_delta(&mut all.deltas, delta);
             }
             all.logprobs.extend(batch.logprobs);
+            all.token_ids.extend(batch.token_ids);
             if let Some(summary) = batch.done {
                 all.done = Some(summary);
                 return Ok((all, summary));
@@ -195,6 +198,7 @@ impl Generation {
         for delta in step.deltas {
             push_delta(&mut batch.deltas, delta);
         }
+        batch.token_ids.push(token.id);
         if self.want_logprobs {
             batch.logprobs.push(token);
         }

@@ -15,6 +15,7 @@ pub const PACKAGES: &[&str] = &[
     "gateway",
     "engine-batched",
     "engine-fastpath",
+    "engine-remote",
     "engine-reference",
     "engine-mismatch",
 ];

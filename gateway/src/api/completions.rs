@@ -1,6 +1,8 @@
 //! `POST /v1/completions`: a raw prompt (text or token ids), no chat
 //! template, no reasoning or tool parsing. One prompt per request (batched
-//! prompts, `best_of` > 1 and `suffix` are rejected).
+//! prompts, `best_of` > 1 and `suffix` are rejected). `return_token_ids`
+//! (vLLM's extension) adds each choice's generated ids as `token_ids`, so
+//! another gateway's remote engine can use this one as an upstream.
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -29,6 +31,7 @@ pub struct CompletionRequest {
     pub model: Option<String>,
     pub prompt: Prompt,
     pub echo: bool,
+    pub return_token_ids: bool,
     pub options: GenOptions,
 }
 
@@ -37,6 +40,7 @@ impl CompletionRequest {
         let model = body.string("model")?.map(str::to_owned);
         let prompt = prompt(body, vocab)?;
         let echo = body.bool("echo")?.unwrap_or(false);
+        let return_token_ids = body.bool("return_token_ids")?.unwrap_or(false);
         if body.string("suffix")?.is_some_and(|s| !s.is_empty()) {
             return Err(ApiError::invalid("`suffix` is not supported", "suffix"));
         }
@@ -64,6 +68,7 @@ impl CompletionRequest {
             model,
             prompt,
             echo,
+            return_token_ids,
             options,
         })
     }
@@ -179,6 +184,7 @@ pub async fn create(
         tokenizer,
         echo,
         offset: 0,
+        return_token_ids: request.return_token_ids,
     };
     let response = if request.options.stream {
         sse::response(generation, chunks)
@@ -214,10 +220,17 @@ pub struct CompletionChunks {
     echo: String,
     /// Bytes of text emitted so far (for `text_offset`).
     offset: usize,
+    return_token_ids: bool,
 }
 
 impl CompletionChunks {
-    fn object(&self, text: &str, logprobs: Value, finish_reason: Value) -> Value {
+    fn object(
+        &self,
+        text: &str,
+        token_ids: &[u32],
+        logprobs: Value,
+        finish_reason: Value,
+    ) -> Value {
         let mut v = json!({
             "id": self.id,
             "object": "text_completion",
@@ -225,6 +238,9 @@ impl CompletionChunks {
             "model": self.model,
             "choices": [{ "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason }],
         });
+        if self.return_token_ids {
+            v["choices"][0]["token_ids"] = json!(token_ids);
+        }
         if self.include_usage {
             v["usage"] = Value::Null;
         }
@@ -245,6 +261,7 @@ impl CompletionChunks {
         let text = format!("{}{}", self.echo, text_of(batch));
         let mut v = self.object(
             &text,
+            &batch.token_ids,
             self.logprobs(batch),
             json!(summary.finish_reason.as_str()),
         );
@@ -260,21 +277,23 @@ impl ChunkFormat for CompletionChunks {
         }
         let echo = std::mem::take(&mut self.echo);
         self.offset = echo.len();
-        vec![self.object(&echo, Value::Null, Value::Null)]
+        vec![self.object(&echo, &[], Value::Null, Value::Null)]
     }
 
     fn batch(&mut self, batch: &Batch) -> Vec<Value> {
         let text = text_of(batch);
-        if text.is_empty() && batch.logprobs.is_empty() {
+        let ids_due = self.return_token_ids && !batch.token_ids.is_empty();
+        if text.is_empty() && batch.logprobs.is_empty() && !ids_due {
             return Vec::new();
         }
-        let chunk = self.object(&text, self.logprobs(batch), Value::Null);
+        let chunk = self.object(&text, &batch.token_ids, self.logprobs(batch), Value::Null);
         self.offset += text.len();
         vec![chunk]
     }
 
     fn closing(&mut self, summary: &Summary) -> Vec<Value> {
-        let mut out = vec![self.object("", Value::Null, json!(summary.finish_reason.as_str()))];
+        let mut out =
+            vec![self.object("", &[], Value::Null, json!(summary.finish_reason.as_str()))];
         if self.include_usage {
             out.push(sse::usage_chunk(
                 &self.id,
@@ -316,6 +335,12 @@ mod tests {
         );
         let r = parse(json!({"prompt": "x", "logprobs": 2, "echo": true})).unwrap();
         assert!(r.echo && r.options.sampling.logprobs && r.options.sampling.top_logprobs == 2);
+        assert!(!r.return_token_ids);
+        assert!(
+            parse(json!({"prompt": [1], "return_token_ids": true}))
+                .unwrap()
+                .return_token_ids
+        );
     }
 
     #[test]
@@ -335,6 +360,10 @@ mod tests {
             (json!({"prompt": "x", "suffix": "y"}), "suffix"),
             (json!({"prompt": "x", "best_of": 2}), "best_of"),
             (json!({"prompt": "x", "echo": 1}), "echo"),
+            (
+                json!({"prompt": "x", "return_token_ids": 1}),
+                "return_token_ids",
+            ),
         ] {
             let e = parse(input.clone()).unwrap_err();
             assert_eq!(e.param(), Some(param), "{input}: {e}");
