@@ -143,7 +143,7 @@ impl Generation {
                 Some(Event::Finished(finish)) => return Some(self.on_finish(finish, batch)),
                 Some(Event::Error(message)) => {
                     self.end("error");
-                    self.guard.fault(FaultKind::Error, &message);
+                    self.guard.fault(FaultKind::RequestError, &message);
                     return Some(Err(ApiError::Engine(message)));
                 }
                 None => {

@@ -2,7 +2,6 @@
 //! engine plugins over one shared copy of a model and routes each request
 //! by a YAML policy.
 
-
 use std::process::ExitCode;
 
 use clap::Parser;

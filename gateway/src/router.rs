@@ -61,8 +61,8 @@ impl CancelGuard {
         self.armed = false;
     }
 
-    /// The engine failed this request: it has ended, and the engine is
-    /// taken out of routing.
+    /// The engine failed this request: it has ended; the fault is noted
+    /// (and may take the engine out of routing).
     pub fn fault(&mut self, kind: FaultKind, reason: &str) {
         self.armed = false;
         self.entry.record_fault(kind, reason.to_owned());

@@ -1,8 +1,9 @@
 //! Fault isolation: a plugin engine that panics (in `submit` or on its
-//! worker thread) or reports an error fails only its own request with a
-//! clear 500, is shown unhealthy in /health and /metrics, and gets no more
-//! work: the next request falls back to a healthy engine and the gateway
-//! stays up with every KV block back in the pool.
+//! worker thread) or fails with an internal error fails only its own
+//! request with a clear 500, is shown unhealthy in /health and /metrics,
+//! and gets no more work: the next request falls back to a healthy engine
+//! and the gateway stays up with every KV block back in the pool. A single
+//! request's error event fails that request only.
 
 use e2e_tests::http::SseStream;
 use e2e_tests::{Gateway, MODEL};
@@ -94,7 +95,27 @@ fn a_panic_in_submit_fails_only_its_request() {
 
 #[test]
 fn an_engine_error_benches_the_engine() {
-    check("error", "error");
+    check("error_on_submit", "error");
+}
+
+#[test]
+fn a_request_error_fails_only_that_request() {
+    let gw = Gateway::start(&config("error_in_stream"));
+    for _ in 0..2 {
+        let r = gw.post("/v1/chat/completions", &body(false));
+        assert_eq!(r.status, 500, "{}", r.text());
+        assert_eq!(r.json()["error"]["type"], "server_error");
+        assert_eq!(r.header("x-engine"), Some("flaky"), "still routed to it");
+    }
+    assert_eq!(flaky_health(&gw)["status"], "ready");
+    assert_eq!(
+        gw.metric(
+            "gateway_engine_faults_total",
+            &[("engine", "flaky"), ("kind", "request_error")]
+        ),
+        Some(2.0)
+    );
+    assert_eq!(gw.health()["kv_pool"]["allocated_blocks"], 0);
 }
 
 /// A streamed request whose engine dies ends with an error event and

@@ -1,12 +1,12 @@
 //! Fault tracking around a plugin engine. Panics are caught inside the
 //! plugin (engine_core's panic barrier: one std cannot catch another's
-//! panic) and come back as `EngineError::Failed` plus `healthy: false`;
-//! here the host notes every fault of an engine (a failed call, a request
-//! stream dropped without its final event, an `Error` event) and takes it
-//! out of routing. A panic or a lost stream is permanent (the plugin's
-//! state can no longer be trusted; restart the gateway); an error event
-//! benches the engine for [`ERROR_COOLDOWN`], after which it gets work
-//! again.
+//! panic) and come back as `EngineError::Failed` plus `healthy: false`.
+//! Here the host notes an engine's own faults and takes it out of routing:
+//! a panic or a request stream dropped without its final event is
+//! permanent (the plugin's state can no longer be trusted; restart the
+//! gateway); an internal error while accepting a request benches it for
+//! [`ERROR_COOLDOWN`]. An `Error` event fails only its request (an
+//! upstream that died mid-stream is not the engine's fault) and is counted.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -26,8 +26,10 @@ pub enum FaultKind {
     /// A request's event stream ended without `Finished` or `Error`
     /// (the engine's worker died).
     LostStream,
-    /// The engine reported an error for a request.
+    /// The engine could not accept a request (an internal error).
     Error,
+    /// One request failed (an `Error` event); the engine keeps serving.
+    RequestError,
 }
 
 impl FaultKind {
@@ -36,11 +38,12 @@ impl FaultKind {
             FaultKind::Panic => "panic",
             FaultKind::LostStream => "lost_stream",
             FaultKind::Error => "error",
+            FaultKind::RequestError => "request_error",
         }
     }
 
     fn is_permanent(self) -> bool {
-        !matches!(self, FaultKind::Error)
+        matches!(self, FaultKind::Panic | FaultKind::LostStream)
     }
 }
 
@@ -83,8 +86,12 @@ impl EngineEntry {
     /// routing.
     pub fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError> {
         let result = self.engine.submit(req);
-        if let Err(EngineError::Failed(reason)) = &result {
-            self.record_fault(FaultKind::Panic, reason.clone());
+        match &result {
+            Err(EngineError::Failed(reason)) => self.record_fault(FaultKind::Panic, reason.clone()),
+            Err(EngineError::Internal(reason)) => {
+                self.record_fault(FaultKind::Error, reason.clone())
+            }
+            _ => {}
         }
         result
     }
@@ -116,9 +123,13 @@ impl EngineEntry {
     }
 
     pub fn record_fault(&self, kind: FaultKind, reason: String) {
-        tracing::error!(engine = %self.name, fault = kind.label(), %reason, "engine fault; taking it out of routing");
         metrics::counter!(metric::ENGINE_FAULTS, "engine" => self.name.clone(), "kind" => kind.label())
             .increment(1);
+        if kind == FaultKind::RequestError {
+            tracing::warn!(engine = %self.name, %reason, "a request failed in its engine");
+            return;
+        }
+        tracing::error!(engine = %self.name, fault = kind.label(), %reason, "engine fault; taking it out of routing");
         let mut fault = self.fault.lock().unwrap_or_else(|p| p.into_inner());
         // A permanent fault is never downgraded by a later error.
         if fault.as_ref().is_some_and(|f| f.kind.is_permanent()) {

@@ -118,8 +118,12 @@ impl Engine for ReferenceEngine {
     }
 
     fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError> {
-        if self.options.fault == Some(Fault::PanicOnSubmit) {
-            panic!("injected fault: panic on submit");
+        match self.options.fault {
+            Some(Fault::PanicOnSubmit) => panic!("injected fault: panic on submit"),
+            Some(Fault::ErrorOnSubmit) => {
+                return Err(EngineError::Internal("injected fault".into()))
+            }
+            _ => {}
         }
         self.admit(&req)?;
         let (tx, rx) = event_channel();

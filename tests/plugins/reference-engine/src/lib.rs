@@ -16,7 +16,8 @@
 //!     max_queue: 64        # waiting requests before submit answers Overloaded
 //!     greedy_only: false   # advertise and enforce plain-greedy-only
 //!     tools: true          # accept requests that carry tools
-//!     fault: panic_in_worker  # inject a fault: panic_on_submit | panic_in_worker | error
+//!     fault: panic_in_worker  # inject a fault: panic_on_submit | panic_in_worker |
+//!                          #   error_on_submit | error_in_stream
 //!     token_delay_ms: 0    # pause after each token (tests that need slow streams)
 //! ```
 

@@ -26,8 +26,10 @@ pub enum Fault {
     /// The worker thread panics while serving the request (its event
     /// stream is dropped without a final event).
     PanicInWorker,
+    /// `submit` answers with an internal error.
+    ErrorOnSubmit,
     /// The request ends with an `Error` event.
-    Error,
+    ErrorInStream,
 }
 
 impl Default for Options {

@@ -75,13 +75,13 @@ fn serve(shared: &SharedModel, state: &State, job: Job, options: &Options) {
     match options.fault {
         // Unwinding returns the reservation; the stream is dropped unfinished.
         Some(Fault::PanicInWorker) => panic!("injected fault: panic in the worker"),
-        Some(Fault::Error) => {
+        Some(Fault::ErrorInStream) => {
             drop(reservation);
             state.kv_blocks.store(0, Ordering::Release);
             let _ = events.send(Event::Error("injected fault".into()));
             return;
         }
-        Some(Fault::PanicOnSubmit) | None => {}
+        Some(Fault::PanicOnSubmit | Fault::ErrorOnSubmit) | None => {}
     }
     tracing::debug!(request = %req.id, prompt_tokens, max_tokens = req.max_tokens, "reference engine started a request");
     let pause = Duration::from_millis(options.token_delay_ms);
