@@ -60,6 +60,9 @@ def parse_args():
     p.add_argument("--out", type=Path, help="result folder (default: target/bench-serving/SECTION)")
     p.add_argument("--docs", type=Path, default=ROOT / "docs" / "benchmarks.md", help="markdown file to write the section into")
     p.add_argument("--no-docs", action="store_true", help="only results, plot and tables; leave the docs alone")
+    p.add_argument("--sequential", action="store_true",
+                   help="one server at a time, each through every level (default: all servers up at once, "
+                        "levels interleaved, so a noisy neighbour hits every server alike; needs memory for all)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to come up")
     return p.parse_args()
 
@@ -196,9 +199,71 @@ def openblas():
     return next((lib for lib in OPENBLAS if os.path.exists(lib)), None)
 
 
-def sweep_args(args):
-    return ["--concurrency", args.levels, "--rounds", args.rounds, "--min-requests", args.min_requests,
-            "--input-len", args.input_len, "--output-len", args.output_len, "--ignore-eos"]
+def requests_at(args, c):
+    return max(args.min_requests, args.rounds * c)
+
+
+def run_level(args, bench, name, url, model_name, c, first_prompt, warm, part):
+    """One `bench run` of one level; its result file is `part`."""
+    cmd = [bench, "run", "--url", url, "--label", name, "--out", part, "--concurrency", c,
+           "--rounds", args.rounds, "--min-requests", args.min_requests, "--input-len", args.input_len,
+           "--output-len", args.output_len, "--ignore-eos", "--first-prompt", first_prompt,
+           "--warmup", "1,4" if warm else "0"]
+    if model_name:
+        cmd += ["--model", model_name]
+    run(cmd)
+    return json.loads(Path(part).read_text())
+
+
+def merge(parts):
+    """One result from a server's per-level results, in level order."""
+    merged = dict(parts[0])
+    merged["levels"] = [l for p in parts for l in p["levels"]]
+    return merged
+
+
+def sweep(args, names, gateway, bench, python, model, out):
+    """Every level against every server. Each server sees the same prompts:
+    level k starts at the prompt after level k-1's last."""
+    levels = [int(c) for c in args.levels.split(",")]
+    firsts = [sum(requests_at(args, c) for c in levels[:i]) for i in range(len(levels))]
+    parts = {n: [] for n in names}
+    parts_dir = out / "parts"
+    parts_dir.mkdir(exist_ok=True)
+
+    def level(name, url, model_name, i):
+        c = levels[i]
+        part = parts_dir / f"{name}-c{c}.json"
+        parts[name].append(run_level(args, bench, name, url, model_name, c, firsts[i], i == 0, part))
+
+    running = []
+    try:
+        if args.sequential:
+            for name in names:
+                server, url, model_name = start(name, args, gateway, python, model, out)
+                running = [server]
+                for i in range(len(levels)):
+                    level(name, url, model_name, i)
+                server.stop()
+                running = []
+        else:
+            up = {}
+            for name in names:
+                server, url, model_name = start(name, args, gateway, python, model, out)
+                running.append(server)
+                up[name] = (url, model_name)
+            for i in range(len(levels)):
+                # Rotate who goes first, so no server always follows the same one.
+                for name in names[i % len(names):] + names[: i % len(names)]:
+                    level(name, *up[name], i)
+    finally:
+        for server in running:
+            server.stop()
+    results = {}
+    for name in names:
+        results[name] = merge(parts[name])
+        (out / f"{name}.json").write_text(json.dumps(results[name], indent=2) + "\n")
+    return results
 
 
 def python_for_peer(args):
@@ -215,10 +280,12 @@ def servers(args):
         if unknown:
             sys.exit(f"unknown servers {unknown}; known: {SERVERS}")
         return names
-    names = SERVERS[:4]
+    # On the CPU the peer gets the BLAS our build links; mlx_lm as pip
+    # installs it (reference BLAS) is ~10x slower there and would make
+    # the sweep take most of an hour: ask for it by name.
     if args.section != "gpu" and openblas():
-        names.append("mlx_lm-openblas")
-    return names
+        return SERVERS[:3] + ["mlx_lm-openblas"]
+    return SERVERS[:4]
 
 
 def versions(gateway, bench, python):
@@ -262,12 +329,17 @@ def level(result, c):
     return next((l for l in result["levels"] if l["concurrency"] == c), None)
 
 
+def peers(results):
+    return [n for n in ("mlx_lm", "mlx_lm-openblas") if n in results and "ours-default" in results]
+
+
 def headline(results):
     """Ratios computed from the results: the issue's goals and the policy's."""
     lines = []
-    ours, peer = results.get("ours-default"), results.get("mlx_lm")
+    ours = results.get("ours-default")
     singles = [results[n] for n in ("ours-batched", "ours-fastpath") if n in results]
-    if ours and peer:
+    for name in peers(results):
+        peer = results[name]
         levels = [l["concurrency"] for l in ours["levels"]]
         lo, hi = min(levels), max(levels)
 
@@ -281,10 +353,10 @@ def headline(results):
         decode = lambda l: 1000.0 / l["tpot_ms"]["p50"] if l["tpot_ms"] else None
         tput = lambda l: l["output_tok_s"] if l["completed"] else None
         ttft = lambda l: l["ttft_ms"]["p50"] if l["ttft_ms"] else None
-        lines.append(f"* c={lo} decode tok/s (1000 / TPOT p50), ours / mlx_lm.server: {ratio(decode, lo)}")
-        lines.append(f"* c={hi} aggregate output tok/s, ours / mlx_lm.server: {ratio(tput, hi)}")
+        lines.append(f"* c={lo} decode tok/s (1000 / TPOT p50), ours-default / {name}: {ratio(decode, lo)}")
+        lines.append(f"* c={hi} aggregate output tok/s, ours-default / {name}: {ratio(tput, hi)}")
         lines.append(
-            "* TTFT p50, mlx_lm.server / ours (above 1: ours answers first): "
+            f"* TTFT p50, {name} / ours-default (above 1: ours answers first): "
             + ", ".join(f"c={c} {ratio(ttft, c, invert=True)}" for c in levels))
     if ours and singles:
         parts = []
@@ -318,22 +390,12 @@ def main():
     out = (args.out or ROOT / "target" / "bench-serving" / args.section).resolve()
     out.mkdir(parents=True, exist_ok=True)
     names = servers(args)
-    results = {}
-    for name in names:
-        server, url, model_name = start(name, args, gateway, python, model, out)
-        try:
-            cmd = [bench, "run", "--url", url, "--label", name, "--out", out / f"{name}.json", *sweep_args(args)]
-            if model_name:
-                cmd += ["--model", model_name]
-            run(cmd)
-        finally:
-            server.stop()
-        results[name] = json.loads((out / f"{name}.json").read_text())
+    results = sweep(args, names, gateway, bench, python, model, out)
 
     svg = out / f"serving-{args.section}.svg"
     ratios = []
-    if "ours-default" in results and "mlx_lm" in results:
-        ratios.append("ours-default/mlx_lm")
+    for peer in peers(results):
+        ratios.append(f"ours-default/{peer}")
     singles = [n for n in ("ours-batched", "ours-fastpath") if n in results]
     if "ours-default" in results and singles:
         ratios.append("ours-default/" + "|".join(singles))
@@ -364,15 +426,19 @@ def main():
     v = versions(gateway, bench, python)
     rel_svg = os.path.relpath(svg, args.docs.parent)
     rel_keep = os.path.relpath(keep, ROOT)
+    order = ("Servers ran one at a time, each through every level." if args.sequential else
+             "All servers were up at once (an idle one costs nothing) and the levels\n"
+             "interleaved: each level ran against every server in turn, so other work\n"
+             "on the machine hit them alike.")
     section = f"""## Serving sweep, {args.section}: ours vs mlx_lm.server (issue 7)
 
-Written by `scripts/bench_serving.py` on {datetime.date.today().isoformat()} ({minutes:.0f} min). Each server
-in turn serves the same model; `bench run` sends the same sweep to each: at
-concurrency c, c clients stream requests back to back, {args.rounds} per client (at
-least {args.min_requests} per level), random-word prompts of about {args.input_len} tokens
-(seeded, +-25%), `max_tokens` {args.output_len}, greedy, `ignore_eos` (mlx_lm.server does
-not know it; throughput counts the tokens each server reported), after an
-unmeasured warm-up (1 request, then 4 at once).
+Written by `scripts/bench_serving.py` on {datetime.date.today().isoformat()} ({minutes:.0f} min). {order}
+`bench run` sends the same requests to each: at concurrency c, c clients
+stream requests back to back, {args.rounds} per client (at least {args.min_requests} per level),
+random-word prompts of about {args.input_len} tokens (seeded, +-25%, none repeated),
+`max_tokens` {args.output_len}, greedy, `ignore_eos` (mlx_lm.server does not know it;
+throughput counts the tokens each server reported), after an unmeasured
+warm-up (1 request, then 4 at once).
 
 * servers: {", ".join(names)}. `ours-default` is {args.config.name} (its policy
   routes a greedy request to `fastpath` when nothing else runs, else to

@@ -69,6 +69,10 @@ pub struct RunArgs {
     pub output_len: u32,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Index of the first prompt: a sweep split over several runs
+    /// continues where the last one stopped, so no prompt repeats.
+    #[arg(long, default_value_t = 0)]
+    pub first_prompt: usize,
     /// Default: completions for random prompts, chat for the others.
     #[arg(long, value_enum)]
     pub endpoint: Option<Endpoint>,

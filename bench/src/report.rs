@@ -41,6 +41,8 @@ pub struct Settings {
     pub temperature: f64,
     pub tools: bool,
     pub seed: u64,
+    /// Index of the sweep's first prompt.
+    pub first_prompt: usize,
     /// How many requests each level sent: `requests N`, `rounds R (min M)`
     /// or `duration S s`.
     pub amount: String,

@@ -58,6 +58,7 @@ pub async fn run(args: RunArgs) -> Result<BenchResult> {
         temperature: args.temperature,
         tools: shape.tools,
         seed: args.seed,
+        first_prompt: args.first_prompt,
         amount: amount.describe(),
         warmup: args.warmup.iter().copied().filter(|&c| c > 0).collect(),
     };
@@ -84,7 +85,7 @@ pub async fn run(args: RunArgs) -> Result<BenchResult> {
     let started_unix_s = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    let next_prompt = Arc::new(AtomicUsize::new(0));
+    let next_prompt = Arc::new(AtomicUsize::new(args.first_prompt));
     let mut levels = Vec::new();
     for &c in &args.concurrency {
         let level = sweep.level(c, &next_prompt).await;
