@@ -1,7 +1,8 @@
 //! One SVG of several runs against concurrency: throughput, TTFT p50 and
-//! p99, TPOT p50. Concurrency is on a log2 axis; latencies on a log10 axis
-//! (drawn as log10 values with their labels written back in ms), so a slow
-//! run does not flatten the others.
+//! p99, TPOT p50. Concurrency is on a log2 axis and latencies on a log10
+//! axis, so a slow run does not flatten the others: both are drawn as
+//! logarithms on linear axes whose labels are written back as values,
+//! which puts the concurrency ticks exactly on 1, 2, 4, 8...
 
 use std::path::Path;
 
@@ -26,7 +27,7 @@ pub fn svg(results: &[BenchResult], title: &str, path: &Path) -> Result<()> {
     }
     let root = SVGBackend::new(path, (1280, 860)).into_drawing_area();
     root.fill(&WHITE).map_err(plot_err)?;
-    let root = root.titled(title, ("sans-serif", 22)).map_err(plot_err)?;
+    let root = root.titled(title, ("sans-serif", 26)).map_err(plot_err)?;
     for (area, metric) in root.split_evenly((2, 2)).iter().zip(PANELS) {
         panel(area, metric, &series(results, metric))?;
     }
@@ -49,7 +50,7 @@ fn series(results: &[BenchResult], metric: Metric) -> Vec<Series> {
                     } else {
                         v
                     };
-                    Some((l.concurrency as f64, y))
+                    Some(((l.concurrency as f64).log2(), y))
                 })
                 .collect();
             (r.label.clone(), points)
@@ -67,8 +68,9 @@ fn panel(
     series: &[Series],
 ) -> Result<()> {
     let points = series.iter().flat_map(|(_, p)| p.iter());
-    let (mut x_max, mut y_min, mut y_max) = (1f64, f64::MAX, f64::MIN);
+    let (mut x_min, mut x_max, mut y_min, mut y_max) = (0f64, 0f64, f64::MAX, f64::MIN);
     for &(x, y) in points {
+        x_min = x_min.min(x);
         x_max = x_max.max(x);
         y_min = y_min.min(y);
         y_max = y_max.max(y);
@@ -82,17 +84,26 @@ fn panel(
         (0.0, (y_max * 1.1).max(1e-6))
     };
     let mut chart = ChartBuilder::on(area)
-        .caption(metric.title(), ("sans-serif", 18))
-        .margin(12)
-        .x_label_area_size(40)
+        .caption(metric.title(), ("sans-serif", 22))
+        .margin(14)
+        .x_label_area_size(44)
         .y_label_area_size(70)
-        .build_cartesian_2d((0.8f64..x_max * 1.25).log_scale(), y_lo..y_hi)
+        .build_cartesian_2d(x_min - 0.3..x_max + 0.3, y_lo..y_hi)
         .map_err(plot_err)?;
     let log = log_axis(metric);
     chart
         .configure_mesh()
         .x_desc("concurrency")
-        .x_label_formatter(&|x| format!("{x:.0}"))
+        .label_style(("sans-serif", 15))
+        .x_labels((x_max - x_min) as usize + 1)
+        .x_label_formatter(&|x| {
+            // Only whole powers of two are levels.
+            if (x - x.round()).abs() < 1e-6 {
+                format!("{:.0}", 2f64.powf(x.round()))
+            } else {
+                String::new()
+            }
+        })
         .y_label_formatter(&|y| {
             let v = if log { 10f64.powf(*y) } else { *y };
             if v >= 10.0 {
@@ -123,6 +134,7 @@ fn panel(
         } else {
             SeriesLabelPosition::LowerRight
         })
+        .label_font(("sans-serif", 14))
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .draw()
