@@ -54,7 +54,9 @@ def parse_args():
     p.add_argument("--levels", default="1,2,4,8,16")
     p.add_argument("--rounds", type=int, default=2, help="requests per client per level")
     p.add_argument("--min-requests", type=int, default=4)
-    p.add_argument("--input-len", type=int, default=128, help="random prompt length, words (about one token each)")
+    p.add_argument("--input-len", type=int, default=64,
+                   help="random prompt length in words (the generated models' tokenizers make about 2 tokens "
+                        "of a word; the docs report the servers' count)")
     p.add_argument("--output-len", type=int, default=64, help="max_tokens (ignore_eos: ours always generates all of them)")
     p.add_argument("--section", default="cpu", help="names the docs section, plot and result folder (cpu, gpu...)")
     p.add_argument("--out", type=Path, help="result folder (default: target/bench-serving/SECTION)")
@@ -325,6 +327,12 @@ def model_line(model):
     return ", ".join(f"{k} {c[k]}" for k in keys if k in c)
 
 
+def prompt_tokens(results):
+    """Mean prompt tokens per request, as the servers reported them."""
+    levels = [l for r in results.values() for l in r["levels"] if l["prompt_tokens"]]
+    return sum(l["prompt_tokens"] for l in levels) / max(1, sum(l["completed"] for l in levels))
+
+
 def level(result, c):
     return next((l for l in result["levels"] if l["concurrency"] == c), None)
 
@@ -435,7 +443,8 @@ def main():
 Written by `scripts/bench_serving.py` on {datetime.date.today().isoformat()} ({minutes:.0f} min). {order}
 `bench run` sends the same requests to each: at concurrency c, c clients
 stream requests back to back, {args.rounds} per client (at least {args.min_requests} per level),
-random-word prompts of about {args.input_len} tokens (seeded, +-25%, none repeated),
+random-word prompts of {args.input_len} words on average (seeded, +-25%, none repeated;
+{prompt_tokens(results):.0f} tokens on average as the servers counted them),
 `max_tokens` {args.output_len}, greedy, `ignore_eos` (mlx_lm.server does not know it;
 throughput counts the tokens each server reported), after an unmeasured
 warm-up (1 request, then 4 at once).

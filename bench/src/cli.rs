@@ -58,7 +58,8 @@ pub struct RunArgs {
     /// {"kind", "prompt", "tools"?}.
     #[arg(long, default_value = "random")]
     pub prompts: String,
-    /// Random prompts: mean length in words (about one token each).
+    /// Random prompts: mean length in words (tokens per word depend on the
+    /// tokenizer; results record the prompt tokens the server counted).
     #[arg(long, default_value_t = 128)]
     pub input_len: usize,
     /// Random prompts: lengths uniform in input-len x (1 +- jitter).

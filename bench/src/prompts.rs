@@ -13,8 +13,8 @@ use serde_json::Value;
 /// tool calls (with their `tools`).
 pub const MIXED: &str = include_str!("../prompts/mixed.jsonl");
 
-/// Common English words: most are one token in any English-trained
-/// tokenizer, so a prompt of n words is close to n tokens.
+/// Common English words: one token each in large English-trained
+/// vocabularies, two or three in the generated models' small ones.
 const WORDS: &str = include_str!("../prompts/words.txt");
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
