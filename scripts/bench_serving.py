@@ -201,6 +201,11 @@ def openblas():
     return next((lib for lib in OPENBLAS if os.path.exists(lib)), None)
 
 
+# The 1-minute load average as each level started: other work on the
+# machine, reported next to the numbers.
+LOAD = []
+
+
 def requests_at(args, c):
     return max(args.min_requests, args.rounds * c)
 
@@ -235,6 +240,7 @@ def sweep(args, names, gateway, bench, python, model, out):
 
     def level(name, url, model_name, i):
         c = levels[i]
+        LOAD.append(os.getloadavg()[0])
         part = parts_dir / f"{name}-c{c}.json"
         parts[name].append(run_level(args, bench, name, url, model_name, c, firsts[i], i == 0, part))
 
@@ -460,7 +466,8 @@ warm-up (1 request, then 4 at once).
   `mlx_lm-openblas` is mlx_lm.server with Debian's OpenBLAS preloaded (the
   BLAS our CPU build links); `mlx_lm` is as pip installs it.
 * model: `{model.name}` ({model_line(model)})
-* machine: {machine()}
+* machine: {machine()}; 1-minute load average as the levels started:
+  {min(LOAD):.1f} to {max(LOAD):.1f} (mean {sum(LOAD) / len(LOAD):.1f}), counting this sweep's own work
 * versions: {"; ".join(f"{k}: {val}" for k, val in v.items())}
 * reproduce: `{command}`; results (`bench` JSON, re-plot with
   `bench plot`): `{rel_keep}/`
