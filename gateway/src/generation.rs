@@ -27,6 +27,8 @@ pub struct Plan {
     pub text: PipelineOptions,
     pub has_tools: bool,
     pub cache_scope: Option<String>,
+    /// Generate through the model's end-of-sequence tokens.
+    pub ignore_eos: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,7 +110,9 @@ impl Generation {
         let prompt_tokens = req.prompt.len() as u32;
         let want_logprobs = plan.sampling.logprobs;
         req.sampling = plan.sampling;
-        req.stop_tokens = shared.model.stop_tokens.clone();
+        if !plan.ignore_eos {
+            req.stop_tokens = shared.model.stop_tokens.clone();
+        }
         req.cache_scope = plan.cache_scope;
         req.has_tools = plan.has_tools;
         let routed = state.router.route(req, &plan.model)?;

@@ -10,9 +10,11 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 /// Packages built for the tests: the gateway, the real engines it loads
-/// from its own directory by default, and the test plugins loaded by path.
+/// from its own directory by default, the test plugins loaded by path, and
+/// the serving benchmark.
 pub const PACKAGES: &[&str] = &[
     "gateway",
+    "bench",
     "engine-batched",
     "engine-fastpath",
     "engine-remote",
@@ -27,6 +29,7 @@ pub struct Binaries {
     pub gateway: PathBuf,
     pub reference_plugin: PathBuf,
     pub mismatch_plugin: PathBuf,
+    pub bench: PathBuf,
 }
 
 pub fn workspace_root() -> PathBuf {
@@ -73,6 +76,7 @@ pub fn binaries() -> &'static Binaries {
             gateway: dir.join(format!("gateway{}", std::env::consts::EXE_SUFFIX)),
             reference_plugin: dir.join(plugin_file("engine_reference")),
             mismatch_plugin: dir.join(plugin_file("engine_mismatch")),
+            bench: dir.join(format!("bench{}", std::env::consts::EXE_SUFFIX)),
             dir,
         }
     })

@@ -492,3 +492,20 @@ fn sampled_requests_are_reproducible_with_a_seed() {
     );
     assert_eq!(stream.status, 200);
 }
+
+#[test]
+fn ignore_eos_generates_through_end_of_sequence() {
+    let gw = Gateway::start(&basic_config(""));
+    let eos = e2e_tests::models::stop_token_ids(e2e_tests::models::tiny_qwen3())[0];
+    // A +100 bias makes end-of-sequence the first token every time.
+    let body = |ignore_eos: bool| {
+        json!({"model": MODEL, "prompt": "The answer is", "max_tokens": 5,
+               "logit_bias": {eos.to_string(): 100}, "ignore_eos": ignore_eos})
+    };
+    let stopped = gw.post("/v1/completions", &body(false)).json();
+    assert_eq!(stopped["choices"][0]["finish_reason"], "stop", "{stopped}");
+    assert!(stopped["usage"]["completion_tokens"].as_u64().unwrap() <= 1);
+    let full = gw.post("/v1/completions", &body(true)).json();
+    assert_eq!(full["choices"][0]["finish_reason"], "length", "{full}");
+    assert_eq!(full["usage"]["completion_tokens"], 5, "{full}");
+}

@@ -151,6 +151,9 @@ pub struct GenOptions {
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
+    /// vLLM's extension: generate through end-of-sequence tokens until
+    /// `max_tokens` or a stop string (benchmarks need fixed-length outputs).
+    pub ignore_eos: bool,
 }
 
 /// Most stop strings per request (OpenAI allows 4; a few more is harmless).
@@ -228,12 +231,14 @@ pub fn gen_options(body: &RawBody, vocab: usize) -> Result<GenOptions, ApiError>
         },
         None => false,
     };
+    let ignore_eos = body.bool("ignore_eos")?.unwrap_or(false);
     Ok(GenOptions {
         max_tokens,
         sampling: s,
         stop,
         stream,
         include_usage,
+        ignore_eos,
     })
 }
 
@@ -373,7 +378,7 @@ mod tests {
         .unwrap();
         assert_eq!(o.max_tokens, None);
         assert_eq!(o.sampling, SamplingParams::default());
-        assert!(o.stop.is_empty() && !o.stream && !o.include_usage);
+        assert!(o.stop.is_empty() && !o.stream && !o.include_usage && !o.ignore_eos);
     }
 
     #[test]
@@ -383,7 +388,8 @@ mod tests {
                 "max_tokens": 5, "max_completion_tokens": 7, "temperature": 0.7, "top_p": 0.9,
                 "top_k": -1, "min_p": 0.05, "seed": -3, "presence_penalty": 0.5,
                 "frequency_penalty": -0.5, "repetition_penalty": 1.1, "logit_bias": {"7": -100, "9": 2.5},
-                "stop": "END", "stream": true, "stream_options": {"include_usage": true}, "n": 1
+                "stop": "END", "stream": true, "stream_options": {"include_usage": true}, "n": 1,
+                "ignore_eos": true
             })),
             512,
         )
@@ -394,7 +400,7 @@ mod tests {
         assert_eq!(o.sampling.seed, Some(-3i64 as u64));
         assert_eq!(o.sampling.logit_bias, vec![(7, -100.0), (9, 2.5)]);
         assert_eq!(o.stop, vec!["END".to_string()]);
-        assert!(o.stream && o.include_usage);
+        assert!(o.stream && o.include_usage && o.ignore_eos);
         assert!(!o.sampling.is_plain_greedy());
     }
 
@@ -415,6 +421,7 @@ mod tests {
             (json!({"stop": 3}), "stop"),
             (json!({"stop": ["a", 1]}), "stop[1]"),
             (json!({"stream": "yes"}), "stream"),
+            (json!({"ignore_eos": 1}), "ignore_eos"),
             (
                 json!({"stream_options": {"include_usage": 1}}),
                 "stream_options.include_usage",
