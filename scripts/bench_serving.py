@@ -436,7 +436,10 @@ def main():
     keep.mkdir(parents=True, exist_ok=True)
     for n in names:
         shutil.copy(out / f"{n}.json", keep / f"{n}.json")
-    command = " ".join(shlex.quote(a) for a in [Path(sys.executable).name, "scripts/bench_serving.py", *sys.argv[1:]])
+    exe = Path(sys.executable)
+    # Name the interpreter as typed when it lives in the repository (.mlx/venv).
+    exe = os.path.relpath(exe, ROOT) if ROOT in exe.parents else exe.name
+    command = " ".join(shlex.quote(str(a)) for a in [exe, "scripts/bench_serving.py", *sys.argv[1:]])
     v = versions(gateway, bench, python)
     rel_svg = os.path.relpath(svg, args.docs.parent)
     rel_keep = os.path.relpath(keep, ROOT)
@@ -446,7 +449,8 @@ def main():
              "on the machine hit them alike.")
     section = f"""## Serving sweep, {args.section}: ours vs mlx_lm.server (issue 7)
 
-Written by `scripts/bench_serving.py` on {datetime.date.today().isoformat()} ({minutes:.0f} min). {order}
+Written by `scripts/bench_serving.py` on {datetime.date.today().isoformat()} ({minutes:.0f} min).
+{order}
 `bench run` sends the same requests to each: at concurrency c, c clients
 stream requests back to back, {args.rounds} per client (at least {args.min_requests} per level),
 random-word prompts of {args.input_len} words on average (seeded, +-25%, none repeated;
