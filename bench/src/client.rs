@@ -14,7 +14,7 @@ use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
 
 use crate::record::{RequestRecord, StreamTracker};
-use crate::sse::SseParser;
+use sse::SseDecoder;
 
 #[derive(Clone)]
 pub struct HttpClient {
@@ -100,7 +100,7 @@ impl HttpClient {
                 engine,
             );
         }
-        let mut parser = SseParser::default();
+        let mut parser = SseDecoder::new();
         let mut tracker = StreamTracker::new(start);
         let mut broken = false;
         while let Some(frame) = body.frame().await {
@@ -109,7 +109,7 @@ impl HttpClient {
                 Ok(frame) => {
                     if let Some(data) = frame.data_ref() {
                         for event in parser.push(data) {
-                            tracker.on_event(&event, now);
+                            tracker.on_event(event, now);
                         }
                     }
                 }

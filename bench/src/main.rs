@@ -11,7 +11,6 @@ mod record;
 mod report;
 mod request;
 mod run;
-mod sse;
 mod stats;
 mod sweep;
 mod table;

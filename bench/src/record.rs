@@ -4,6 +4,7 @@
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use sse::SseEvent;
 
 /// One request's outcome. Times are seconds from sending the request.
 #[derive(Debug, Clone, PartialEq)]
@@ -79,12 +80,15 @@ impl StreamTracker {
     }
 
     /// One event's data, received at `at`.
-    pub fn on_event(&mut self, data: &str, at: Instant) {
-        if data.trim() == "[DONE]" {
-            self.done = true;
-            return;
-        }
-        let Ok(chunk) = serde_json::from_str::<Value>(data) else {
+    pub fn on_event(&mut self, event: SseEvent, at: Instant) {
+        let data = match event {
+            SseEvent::Done => {
+                self.done = true;
+                return;
+            }
+            SseEvent::Data(data) => data,
+        };
+        let Ok(chunk) = serde_json::from_str::<Value>(&data) else {
             self.error.get_or_insert_with(|| "bad_chunk".into());
             return;
         };
@@ -147,6 +151,13 @@ fn carries_output(choice: &Value) -> bool {
 mod tests {
     use super::*;
 
+    fn ev(data: &str) -> SseEvent {
+        match data {
+            "[DONE]" => SseEvent::Done,
+            _ => SseEvent::Data(data.to_owned()),
+        }
+    }
+
     fn at(start: Instant, ms: u64) -> Instant {
         start + Duration::from_millis(ms)
     }
@@ -155,21 +166,24 @@ mod tests {
     fn chat_stream_with_usage() {
         let s = Instant::now();
         let mut t = StreamTracker::new(s);
-        t.on_event(r#"{"choices":[{"delta":{"role":"assistant"}}]}"#, at(s, 5));
         t.on_event(
-            r#"{"choices":[{"delta":{"reasoning_content":"hm"}}]}"#,
+            ev(r#"{"choices":[{"delta":{"role":"assistant"}}]}"#),
+            at(s, 5),
+        );
+        t.on_event(
+            ev(r#"{"choices":[{"delta":{"reasoning_content":"hm"}}]}"#),
             at(s, 100),
         );
-        t.on_event(r#"{"choices":[{"delta":{"content":"a"}}]}"#, at(s, 130));
+        t.on_event(ev(r#"{"choices":[{"delta":{"content":"a"}}]}"#), at(s, 130));
         t.on_event(
-            r#"{"choices":[{"delta":{"tool_calls":[{"index":0}]}}]}"#,
+            ev(r#"{"choices":[{"delta":{"tool_calls":[{"index":0}]}}]}"#),
             at(s, 170),
         );
         t.on_event(
-            r#"{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":7}}"#,
+            ev(r#"{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":7}}"#),
             at(s, 171),
         );
-        t.on_event("[DONE]", at(s, 172));
+        t.on_event(ev("[DONE]"), at(s, 172));
         let r = t.finish(at(s, 175), false, Some("batched".into()));
         assert_eq!(r.error, None);
         assert_eq!(r.ttft, Some(0.1));
@@ -186,9 +200,9 @@ mod tests {
         let mut t = StreamTracker::new(s);
         for (i, text) in ["x", "", "y", "z"].iter().enumerate() {
             let chunk = serde_json::json!({"choices": [{"text": text}]}).to_string();
-            t.on_event(&chunk, at(s, 10 * (i as u64 + 1)));
+            t.on_event(ev(&chunk), at(s, 10 * (i as u64 + 1)));
         }
-        t.on_event("[DONE]", at(s, 50));
+        t.on_event(ev("[DONE]"), at(s, 50));
         let r = t.finish(at(s, 50), false, None);
         assert_eq!(
             (r.output_tokens, r.itl.len(), r.error.as_deref()),
@@ -200,12 +214,12 @@ mod tests {
     fn broken_and_failed_streams() {
         let s = Instant::now();
         let mut t = StreamTracker::new(s);
-        t.on_event(r#"{"choices":[{"text":"a"}]}"#, at(s, 10));
+        t.on_event(ev(r#"{"choices":[{"text":"a"}]}"#), at(s, 10));
         let r = t.finish(at(s, 20), false, None);
         assert_eq!(r.error.as_deref(), Some("broken_stream"));
         let mut t = StreamTracker::new(s);
-        t.on_event(r#"{"error":{"message":"boom"}}"#, at(s, 10));
-        t.on_event("[DONE]", at(s, 11));
+        t.on_event(ev(r#"{"error":{"message":"boom"}}"#), at(s, 10));
+        t.on_event(ev("[DONE]"), at(s, 11));
         assert_eq!(
             t.finish(at(s, 12), false, None).error.as_deref(),
             Some("stream_error")

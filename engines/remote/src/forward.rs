@@ -15,8 +15,8 @@ use tokio::sync::Notify;
 use crate::client::{read_small, HttpClient};
 use crate::config::Protocol;
 use crate::pool::{Lease, Pick, Pool};
-use crate::sse::{SseDecoder, SseEvent};
 use crate::wire::{self, WirePrompt};
+use sse::{SseDecoder, SseEvent};
 
 pub struct Forwarder {
     pub pool: Arc<Pool>,

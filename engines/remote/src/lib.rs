@@ -16,7 +16,6 @@ mod forward;
 mod health;
 pub mod load_report;
 pub mod pool;
-pub mod sse;
 pub mod wire;
 
 pub use config::{Protocol, RemoteConfig};

@@ -127,13 +127,7 @@ fn prompt(body: &RawBody, vocab: usize) -> Result<Prompt, ApiError> {
     request_body = crate::api::openapi::CompletionRequest,
     responses(
         (status = 200, description = "The completion (JSON), or `text/event-stream` chunks", body = crate::api::openapi::Completion),
-        (status = 400, description = "Invalid request", body = crate::api::openapi::ErrorBody),
-        (status = 401, description = "Missing or wrong API key", body = crate::api::openapi::ErrorBody),
-        (status = 404, description = "Unknown model", body = crate::api::openapi::ErrorBody),
-        (status = 413, description = "Body over the size limit", body = crate::api::openapi::ErrorBody),
-        (status = 429, description = "Too many pending requests", body = crate::api::openapi::ErrorBody),
-        (status = 503, description = "At capacity or shutting down", body = crate::api::openapi::ErrorBody),
-        (status = 504, description = "No response within the request timeout", body = crate::api::openapi::ErrorBody),
+        crate::api::openapi::GenerationErrors,
     ),
     security((), ("api_key" = []))
 )]

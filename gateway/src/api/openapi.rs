@@ -266,6 +266,27 @@ pub struct Model {
     pub owned_by: String,
 }
 
+/// The errors a generation request can get.
+// Only described in the document; errors are built by `ApiError`.
+#[allow(dead_code)]
+#[derive(utoipa::IntoResponses)]
+pub enum GenerationErrors {
+    #[response(status = 400, description = "Invalid request")]
+    Invalid(ErrorBody),
+    #[response(status = 401, description = "Missing or wrong API key")]
+    Unauthorized(ErrorBody),
+    #[response(status = 404, description = "Unknown model")]
+    UnknownModel(ErrorBody),
+    #[response(status = 413, description = "Body over the size limit")]
+    TooLarge(ErrorBody),
+    #[response(status = 429, description = "Too many pending requests")]
+    QueueFull(ErrorBody),
+    #[response(status = 503, description = "At capacity or shutting down")]
+    Unavailable(ErrorBody),
+    #[response(status = 504, description = "No response within the request timeout")]
+    Timeout(ErrorBody),
+}
+
 /// Every error: `{"error": {...}}`.
 #[derive(Serialize, ToSchema)]
 pub struct ErrorBody {

@@ -1,5 +1,7 @@
-//! Server-sent events read incrementally from an upstream's body: `data:`
-//! payloads in order; comments (`: keepalive`) and other fields skipped.
+//! Server-sent events read incrementally from a response body that arrives
+//! in arbitrary pieces: `data:` payloads in order (multi-line data joined,
+//! LF or CRLF separators); comments (`: keepalive`) and other fields
+//! skipped; `data: [DONE]` (OpenAI's end of stream) as its own event.
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SseEvent {
