@@ -19,7 +19,7 @@ fuzz_target!(|data: &[u8]| {
                 signals.total_active = *byte as u64 % 5;
                 signals.kv_pressure = *byte as f64 / 255.0;
                 let decision = policy.decide(&signals);
-                assert!(decision.chain().count() >= 1);
+                assert!(!decision.chain().is_empty());
             }
         }
     }
