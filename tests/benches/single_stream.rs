@@ -7,7 +7,7 @@
 //! Decode tok/s over HTTP = (tokens - 1) / (time from the first streamed
 //! token to the last), best of `reps`, after one warm-up request.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use e2e_tests::{build, Gateway, SseStream};
@@ -41,7 +41,7 @@ fn model_dir() -> PathBuf {
     dir
 }
 
-fn config(model: &PathBuf, default: &str) -> String {
+fn config(model: &Path, default: &str) -> String {
     format!(
         r#"model: {{ path: "{}", kv_cache_mb: 2048 }}
 engines:

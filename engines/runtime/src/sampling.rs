@@ -155,14 +155,14 @@ fn top_k(l: &Array, k: i32) -> R<Array> {
     let v = l.dim(-1);
     let sorted = ops::sort_axis(l, -1)?;
     let kth = sorted.take_axis(Array::from_slice(&[v - k], &[1]), -1)?;
-    ops::select(&l.lt(&kth)?, &neg_inf(), l)
+    ops::select(&l.lt(&kth)?, neg_inf(), l)
 }
 
 fn min_p(l: &Array, p: f32) -> R<Array> {
     // probs < p * max_prob  <=>  logit < max_logit + ln(p)
     let max = l.max_axis(-1, true)?;
     let threshold = max.add(Array::from_f32(p.ln()))?;
-    ops::select(&l.lt(&threshold)?, &neg_inf(), l)
+    ops::select(&l.lt(&threshold)?, neg_inf(), l)
 }
 
 fn top_p(l: &Array, p: f32) -> R<Array> {
@@ -175,7 +175,7 @@ fn top_p(l: &Array, p: f32) -> R<Array> {
     let keep = above.lt(Array::from_f32(p))?;
     let threshold =
         ops::select(&keep, &sorted, Array::from_f32(f32::INFINITY))?.min_axis(-1, true)?;
-    ops::select(&probs.lt(&threshold)?, &neg_inf(), l)
+    ops::select(&probs.lt(&threshold)?, neg_inf(), l)
 }
 
 fn random_seed() -> u64 {
