@@ -38,6 +38,18 @@ impl Response {
     }
 }
 
+/// The JSON chunks among SSE data events, without the closing `[DONE]`.
+pub fn json_chunks(events: &[String]) -> Vec<Value> {
+    let events = match events.split_last() {
+        Some((last, rest)) if last == "[DONE]" => rest,
+        _ => events,
+    };
+    events
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap_or_else(|err| panic!("{e:?} is not JSON: {err}")))
+        .collect()
+}
+
 fn parse_events(text: &str) -> Vec<String> {
     text.split("\n\n")
         .filter(|e| !e.trim().is_empty())

@@ -89,10 +89,7 @@ fn chat_completion_streaming_shape() {
         Some("[DONE]"),
         "{events:?}"
     );
-    let chunks: Vec<Value> = events[..events.len() - 1]
-        .iter()
-        .map(|e| serde_json::from_str(e).unwrap())
-        .collect();
+    let chunks = http::json_chunks(&events);
     assert!(chunks.len() >= 3, "{chunks:?}");
     let id = chunks[0]["id"].as_str().unwrap();
     assert!(id.starts_with("chatcmpl-"));
@@ -161,10 +158,7 @@ fn completions_streaming_and_not() {
     streamed["stream_options"] = json!({"include_usage": true});
     let events = gw.post("/v1/completions", &streamed).sse_data();
     assert_eq!(events.last().unwrap(), "[DONE]");
-    let chunks: Vec<Value> = events[..events.len() - 1]
-        .iter()
-        .map(|e| serde_json::from_str(e).unwrap())
-        .collect();
+    let chunks = http::json_chunks(&events);
     let joined: String = chunks
         .iter()
         .filter_map(|c| c["choices"][0]["text"].as_str())
@@ -362,10 +356,7 @@ fn stop_strings_across_tokens_never_leak() {
 
     with_stop["stream"] = json!(true);
     let events = gw.post("/v1/completions", &with_stop).sse_data();
-    let chunks: Vec<Value> = events[..events.len() - 1]
-        .iter()
-        .map(|e| serde_json::from_str(e).unwrap())
-        .collect();
+    let chunks = http::json_chunks(&events);
     let joined: String = chunks
         .iter()
         .filter_map(|c| c["choices"][0]["text"].as_str())
