@@ -30,6 +30,8 @@ use crate::state::SharedState;
     ),
     components(schemas(
         ChatCompletionRequest,
+        ModelName,
+        GenerationOptions,
         ChatMessage,
         Role,
         Tool,
@@ -38,7 +40,6 @@ use crate::state::SharedState;
         StreamOptions,
         ResponseFormat,
         CompletionRequest,
-        ChatCompletion,
         Completion,
         ModelList,
         Model,
@@ -62,7 +63,7 @@ impl utoipa::Modify for BearerAuth {
     }
 }
 
-/// The document, with `model` narrowed to the served model's name and
+/// The document, with `ModelName` narrowed to the served model's name and
 /// `max_tokens` to its context window.
 pub async fn document(State(state): State<SharedState>) -> Response {
     let doc = served_document(&state.model.name, state.model.context_window);
@@ -71,14 +72,10 @@ pub async fn document(State(state): State<SharedState>) -> Response {
 
 fn served_document(model: &str, context_window: usize) -> Value {
     let mut doc = serde_json::to_value(ApiDoc::openapi()).unwrap_or(Value::Null);
-    for request in ["ChatCompletionRequest", "CompletionRequest"] {
-        let properties = &mut doc["components"]["schemas"][request]["properties"];
-        properties["model"] = serde_json::json!({ "type": "string", "enum": [model] });
-        for field in ["max_tokens", "max_completion_tokens"] {
-            if properties.get(field).is_some() {
-                properties[field]["maximum"] = context_window.into();
-            }
-        }
+    let schemas = &mut doc["components"]["schemas"];
+    schemas["ModelName"]["enum"] = serde_json::json!([model]);
+    for field in ["max_tokens", "max_completion_tokens"] {
+        schemas["GenerationOptions"]["properties"][field]["maximum"] = context_window.into();
     }
     doc
 }
@@ -86,10 +83,31 @@ fn served_document(model: &str, context_window: usize) -> Value {
 /// `POST /v1/chat/completions`.
 #[derive(Serialize, ToSchema)]
 pub struct ChatCompletionRequest {
-    /// The served model's name (see `/v1/models`).
-    pub model: String,
+    pub model: ModelName,
     #[schema(min_items = 1)]
     pub messages: Vec<ChatMessage>,
+    #[serde(flatten)]
+    pub options: GenerationOptions,
+    pub logprobs: Option<bool>,
+    #[schema(minimum = 0, maximum = 20)]
+    pub top_logprobs: Option<u32>,
+    pub tools: Option<Vec<Tool>>,
+    /// "none", "auto" or "required" (or `{"type": "function", "function":
+    /// {"name": ...}}` to force one tool).
+    pub tool_choice: Option<ToolChoice>,
+    pub response_format: Option<ResponseFormat>,
+    /// Extra variables for the chat template (for example `enable_thinking`).
+    #[schema(value_type = Option<Object>)]
+    pub chat_template_kwargs: Option<Value>,
+}
+
+/// The served model's name (see `/v1/models`).
+#[derive(Serialize, ToSchema)]
+pub struct ModelName(String);
+
+/// The options chat and completions share (`validate::gen_options`).
+#[derive(Serialize, ToSchema)]
+pub struct GenerationOptions {
     #[schema(minimum = 1)]
     pub max_tokens: Option<u32>,
     #[schema(minimum = 1)]
@@ -110,28 +128,19 @@ pub struct ChatCompletionRequest {
     #[schema(exclusive_minimum = 0.0, maximum = 2.0)]
     pub repetition_penalty: Option<f64>,
     pub seed: Option<i64>,
+    /// Token id (as a string) to a bias in [-100, 100].
+    #[schema(value_type = Option<Object>)]
+    pub logit_bias: Option<Value>,
     /// Up to 16 strings (a single string is accepted too).
     #[schema(max_items = 16)]
     pub stop: Option<Vec<String>>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
-    pub logprobs: Option<bool>,
-    #[schema(minimum = 0, maximum = 20)]
-    pub top_logprobs: Option<u32>,
-    /// Token id (as a string) to a bias in [-100, 100].
-    #[schema(value_type = Option<Object>)]
-    pub logit_bias: Option<Value>,
-    pub tools: Option<Vec<Tool>>,
-    /// "none", "auto" or "required" (or `{"type": "function", "function":
-    /// {"name": ...}}` to force one tool).
-    pub tool_choice: Option<ToolChoice>,
-    pub response_format: Option<ResponseFormat>,
     /// Only 1 is supported.
     #[schema(minimum = 1, maximum = 1)]
     pub n: Option<u32>,
-    /// Extra variables for the chat template (for example `enable_thinking`).
-    #[schema(value_type = Option<Object>)]
-    pub chat_template_kwargs: Option<Value>,
+    /// Generate through end-of-sequence tokens (vLLM's extension).
+    pub ignore_eos: Option<bool>,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -201,46 +210,27 @@ pub struct ResponseFormat {
 /// `POST /v1/completions`.
 #[derive(Serialize, ToSchema)]
 pub struct CompletionRequest {
-    pub model: String,
+    pub model: ModelName,
     /// The text (a list of token ids, or a one-element list of either, is
     /// accepted too).
     #[schema(min_length = 1)]
     pub prompt: String,
-    #[schema(minimum = 1)]
-    pub max_tokens: Option<u32>,
-    #[schema(minimum = 0.0, maximum = 2.0)]
-    pub temperature: Option<f64>,
-    #[schema(exclusive_minimum = 0.0, maximum = 1.0)]
-    pub top_p: Option<f64>,
-    pub seed: Option<i64>,
-    #[schema(max_items = 16)]
-    pub stop: Option<Vec<String>>,
-    pub stream: Option<bool>,
-    pub stream_options: Option<StreamOptions>,
+    #[serde(flatten)]
+    pub options: GenerationOptions,
     pub echo: Option<bool>,
     /// Up to 5 alternatives per token.
     #[schema(minimum = 0, maximum = 5)]
     pub logprobs: Option<u32>,
+    /// Each chunk carries its token ids in `choices[].token_ids` (vLLM's
+    /// extension).
+    pub return_token_ids: Option<bool>,
 }
 
-/// A chat completion (or, streamed, `chat.completion.chunk` events).
-#[derive(Serialize, ToSchema)]
-pub struct ChatCompletion {
-    pub id: String,
-    /// "chat.completion"
-    pub object: String,
-    pub created: u64,
-    pub model: String,
-    #[schema(value_type = Vec<Object>)]
-    pub choices: Value,
-    #[schema(value_type = Object)]
-    pub usage: Value,
-}
-
+/// A completion: chat (`object` "chat.completion", streamed as
+/// "chat.completion.chunk" events) or text ("text_completion").
 #[derive(Serialize, ToSchema)]
 pub struct Completion {
     pub id: String,
-    /// "text_completion"
     pub object: String,
     pub created: u64,
     pub model: String,
@@ -321,11 +311,19 @@ mod tests {
         ] {
             assert!(doc["paths"].get(path).is_some(), "{path} missing");
         }
-        let chat = &doc["components"]["schemas"]["ChatCompletionRequest"];
-        assert_eq!(chat["properties"]["temperature"]["maximum"], 2.0);
-        assert_eq!(chat["properties"]["model"]["enum"][0], "tiny");
-        assert_eq!(chat["properties"]["max_tokens"]["maximum"], 4096);
-        let required: Vec<&str> = chat["required"]
+        let schemas = &doc["components"]["schemas"];
+        let options = &schemas["GenerationOptions"]["properties"];
+        assert_eq!(options["temperature"]["maximum"], 2.0);
+        assert_eq!(options["max_tokens"]["maximum"], 4096);
+        assert_eq!(schemas["ModelName"]["enum"][0], "tiny");
+        // The request's own part, beside the shared options.
+        let chat = &schemas["ChatCompletionRequest"]["allOf"];
+        assert_eq!(chat[0]["$ref"], "#/components/schemas/GenerationOptions");
+        assert_eq!(
+            chat[1]["properties"]["model"]["$ref"],
+            "#/components/schemas/ModelName"
+        );
+        let required: Vec<&str> = chat[1]["required"]
             .as_array()
             .unwrap()
             .iter()

@@ -57,7 +57,7 @@ pub fn ends_in_reasoning(prompt: &str, format: ReasoningFormat) -> bool {
     path = "/v1/chat/completions",
     request_body = crate::api::openapi::ChatCompletionRequest,
     responses(
-        (status = 200, description = "The completion (JSON), or `text/event-stream` chunks", body = crate::api::openapi::ChatCompletion),
+        (status = 200, description = "The completion (JSON), or `text/event-stream` chunks", body = crate::api::openapi::Completion),
         crate::api::openapi::GenerationErrors,
     ),
     security((), ("api_key" = []))
