@@ -22,6 +22,9 @@ pub enum Command {
     Serve(ServeArgs),
     /// Write a small random-weight model in the Hugging Face layout.
     MakeTinyModel(MakeTinyArgs),
+    /// Write a random-weight speculative drafter for a target model, in the
+    /// published checkpoint layout of its kind.
+    MakeTinyDrafter(MakeTinyDrafterArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -85,4 +88,35 @@ pub struct MakeTinyArgs {
     /// The context window written to config.json (`max_position_embeddings`).
     #[arg(long)]
     pub context: Option<i32>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DrafterKind {
+    /// Block-diffusion drafter (`DFlashDraftModel`).
+    Dflash,
+    /// Gemma-4-style assistant drafter (`Gemma4AssistantForCausalLM`).
+    Mtp,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct MakeTinyDrafterArgs {
+    #[arg(long, value_enum)]
+    pub kind: DrafterKind,
+    /// The target model directory the drafter is made for.
+    #[arg(long)]
+    pub target: PathBuf,
+    /// Directory to write (created if needed).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Drafter layers.
+    #[arg(long, default_value_t = 2)]
+    pub layers: i32,
+    /// DFlash: tokens per block (the newest token plus block_size - 1 drafts).
+    #[arg(long, default_value_t = 8)]
+    pub block_size: usize,
+    /// MTP: the assistant's hidden size.
+    #[arg(long, default_value_t = 64)]
+    pub hidden: i32,
+    #[arg(long, default_value_t = 7)]
+    pub seed: u64,
 }

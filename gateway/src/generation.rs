@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use engine_core::{
-    Event, FinishReason as EngineFinish, GenerateRequest, SamplingParams, TokenEvent,
+    Event, FinishReason as EngineFinish, GenerateRequest, SamplingParams, SpecStats, TokenEvent,
 };
 use serde_json::{json, Value};
 
@@ -54,18 +54,42 @@ pub struct Usage {
     pub completion_tokens: u32,
     pub cached_tokens: u32,
     pub reasoning_tokens: u32,
+    /// Draft accounting when a speculative engine served the request.
+    pub spec: Option<SpecStats>,
 }
 
 impl Usage {
     pub fn to_json(self) -> Value {
-        json!({
+        let mut usage = json!({
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": { "cached_tokens": self.cached_tokens },
             "completion_tokens_details": { "reasoning_tokens": self.reasoning_tokens },
-        })
+        });
+        if let Some(spec) = self.spec {
+            // OpenAI's names for predicted-output tokens, plus the details.
+            let details = &mut usage["completion_tokens_details"];
+            details["accepted_prediction_tokens"] = json!(spec.accepted);
+            details["rejected_prediction_tokens"] = json!(spec.drafted - spec.accepted);
+            usage["speculative"] = json!({
+                "drafted_tokens": spec.drafted,
+                "accepted_tokens": spec.accepted,
+                "acceptance_rate": ratio(spec.accepted, spec.drafted),
+                "target_forwards": spec.target_forwards,
+                "tokens_per_target_forward": ratio(self.completion_tokens as u64, spec.target_forwards),
+            });
+        }
+        usage
     }
+}
+
+/// `a / b` rounded to 4 places; 0 when nothing was counted.
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        return 0.0;
+    }
+    (a as f64 / b as f64 * 1e4).round() / 1e4
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -241,7 +265,8 @@ impl Generation {
                 return Err(ApiError::Interrupted);
             }
         };
-        let usage = self.usage(finish.completion_tokens, finish.cached_tokens);
+        let mut usage = self.usage(finish.completion_tokens, finish.cached_tokens);
+        usage.spec = finish.spec;
         batch.done = Some(self.summarize(reason, usage));
         Ok(batch)
     }
@@ -252,6 +277,7 @@ impl Generation {
             completion_tokens,
             cached_tokens,
             reasoning_tokens: self.pipeline.reasoning_tokens().min(completion_tokens),
+            spec: None,
         }
     }
 
@@ -260,8 +286,16 @@ impl Generation {
         let engine = self.engine.clone();
         metrics::counter!(metric::PROMPT_TOKENS, "engine" => engine.clone())
             .increment(usage.prompt_tokens as u64);
-        metrics::counter!(metric::COMPLETION_TOKENS, "engine" => engine)
+        metrics::counter!(metric::COMPLETION_TOKENS, "engine" => engine.clone())
             .increment(usage.completion_tokens as u64);
+        if let Some(spec) = usage.spec {
+            metrics::counter!(metric::SPEC_DRAFTED, "engine" => engine.clone())
+                .increment(spec.drafted);
+            metrics::counter!(metric::SPEC_ACCEPTED, "engine" => engine.clone())
+                .increment(spec.accepted);
+            metrics::counter!(metric::SPEC_TARGET_FORWARDS, "engine" => engine)
+                .increment(spec.target_forwards);
+        }
         Summary {
             finish_reason: reason,
             usage,

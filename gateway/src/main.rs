@@ -14,6 +14,7 @@ fn main() -> ExitCode {
     let dispatch = telemetry::init_tracing();
     let result = match cli.command {
         Command::MakeTinyModel(args) => make_tiny::run(&args),
+        Command::MakeTinyDrafter(args) => make_tiny::run_drafter(&args),
         Command::Serve(args) => tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .build()

@@ -6,7 +6,7 @@ use mlx_rs::Dtype;
 use runtime::tiny::{write_model, TinySpec};
 use runtime::Family;
 
-use crate::cli::{DtypeArg, FamilyArg, MakeTinyArgs, PresetArg};
+use crate::cli::{DrafterKind, DtypeArg, FamilyArg, MakeTinyArgs, MakeTinyDrafterArgs, PresetArg};
 
 pub fn run(args: &MakeTinyArgs) -> anyhow::Result<()> {
     let family = match args.family {
@@ -39,6 +39,38 @@ pub fn run(args: &MakeTinyArgs) -> anyhow::Result<()> {
     println!(
         "wrote a {family} model ({} parameters) to {}",
         spec.parameters(),
+        args.out.display()
+    );
+    Ok(())
+}
+
+/// `gateway make-tiny-drafter`.
+pub fn run_drafter(args: &MakeTinyDrafterArgs) -> anyhow::Result<()> {
+    match args.kind {
+        DrafterKind::Dflash => dflash::tiny::write_drafter(
+            &args.target,
+            &args.out,
+            &dflash::tiny::TinyDflash {
+                layers: args.layers,
+                block_size: args.block_size,
+                seed: args.seed,
+            },
+        ),
+        DrafterKind::Mtp => mtp::tiny::write_drafter(
+            &args.target,
+            &args.out,
+            &mtp::tiny::TinyAssistant {
+                hidden: args.hidden,
+                layers: args.layers,
+                seed: args.seed,
+            },
+        ),
+    }
+    .with_context(|| format!("writing {}", args.out.display()))?;
+    println!(
+        "wrote a {:?} drafter for {} to {}",
+        args.kind,
+        args.target.display(),
         args.out.display()
     );
     Ok(())

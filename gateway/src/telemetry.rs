@@ -30,6 +30,10 @@ pub mod metric {
     pub const KV_BLOCKS_TOTAL: &str = "gateway_kv_blocks_total";
     pub const KV_BLOCKS_ALLOCATED: &str = "gateway_kv_blocks_allocated";
     pub const KV_PRESSURE: &str = "gateway_kv_pressure";
+    pub const SPEC_DRAFTED: &str = "gateway_spec_drafted_tokens_total";
+    pub const SPEC_ACCEPTED: &str = "gateway_spec_accepted_tokens_total";
+    pub const SPEC_TARGET_FORWARDS: &str = "gateway_spec_target_forwards_total";
+    pub const ENGINE_ACCEPT_RATE: &str = "gateway_engine_accept_rate";
 }
 
 /// Logs go to stderr (stdout carries only the "listening" line), filtered

@@ -22,10 +22,13 @@ pub enum FinishReason {
 }
 
 /// Speculative decoding accounting for one request.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SpecStats {
+    /// Draft tokens the target verified.
     pub drafted: u64,
+    /// Of those, the ones it agreed with (and kept).
     pub accepted: u64,
+    /// Target forward passes that committed tokens (prefill included).
     pub target_forwards: u64,
 }
 

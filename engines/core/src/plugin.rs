@@ -10,7 +10,7 @@ use std::sync::Arc;
 use crate::engine::Engine;
 
 /// Bump on any change to the descriptor or [`EngineContext`] layout.
-pub const PLUGIN_ABI_VERSION: u32 = 2;
+pub const PLUGIN_ABI_VERSION: u32 = 3;
 pub const CORE_VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "\0");
 pub const RUSTC_VERSION: &str = concat!(env!("ENGINE_CORE_RUSTC_VERSION"), "\0");
 pub const ENTRY_SYMBOL: &[u8] = b"engine_plugin_entry_v1\0";
@@ -54,6 +54,9 @@ pub struct EngineContext {
     pub name: String,
     /// The engine's own section of config.yaml.
     pub config: serde_yaml::Value,
+    /// The directory relative paths in `config` are relative to (the
+    /// config file's).
+    pub config_dir: std::path::PathBuf,
     /// The shared model runtime state (weights, KV pool, tokenizer facts);
     /// engines downcast it through the runtime crate.
     pub shared: Arc<dyn Any + Send + Sync>,

@@ -98,6 +98,19 @@ impl KvCache {
         Ok((k_view, v_view))
     }
 
+    /// Layer `layer`'s keys and values for the filled columns, `[B,
+    /// kv_heads, len, head_dim]` (rope applied), for drafters that attend
+    /// into the target's cache without writing it.
+    pub fn layer_kv(&self, layer: usize) -> anyhow::Result<Option<(Array, Array)>> {
+        match (&self.keys[layer], &self.values[layer]) {
+            (Some(k), Some(v)) => Ok(Some((
+                slice_cols(k, 0, self.len)?,
+                slice_cols(v, 0, self.len)?,
+            ))),
+            _ => Ok(None),
+        }
+    }
+
     /// The buffers, for evaluating them between prefill chunks.
     pub fn state(&self) -> impl Iterator<Item = &Array> {
         self.keys.iter().chain(self.values.iter()).flatten()

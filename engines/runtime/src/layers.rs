@@ -202,6 +202,44 @@ impl Projections {
     }
 }
 
+/// `down(act(gate(x)) * up(x))` with separate projections, for drafter
+/// layers loaded by name.
+pub struct GatedMlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+    gelu: bool,
+}
+
+impl GatedMlp {
+    pub fn load(
+        w: &mut Weights,
+        prefix: &str,
+        quant: Option<Quantization>,
+        gelu: bool,
+    ) -> anyhow::Result<Self> {
+        Ok(Self {
+            gate: Linear::load(w, &format!("{prefix}.gate_proj"), quant)?,
+            up: Linear::load(w, &format!("{prefix}.up_proj"), quant)?,
+            down: Linear::load(w, &format!("{prefix}.down_proj"), quant)?,
+            gelu,
+        })
+    }
+
+    pub fn forward(&self, x: &Array) -> R<Array> {
+        let g = self.gate.forward(x)?;
+        let u = self.up.forward(x)?;
+        self.down
+            .forward(&crate::activations::gated(&g, &u, self.gelu)?)
+    }
+
+    pub fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
+        for l in [&self.gate, &self.up, &self.down] {
+            l.collect(out);
+        }
+    }
+}
+
 /// Token embedding; also serves as the output head when weights are tied.
 pub struct Embedding {
     table: Linear,
@@ -336,6 +374,16 @@ impl Rope {
                     freqs: Some(Array::from_slice(&freqs, &[dims / 2])),
                 }
             }
+        }
+    }
+
+    /// Plain rotary embedding over `dims` with base `base` (drafter layers).
+    pub fn plain(dims: i32, base: f32) -> Self {
+        Self {
+            dims,
+            base: Some(base),
+            scale: 1.0,
+            freqs: None,
         }
     }
 

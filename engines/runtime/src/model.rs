@@ -230,35 +230,116 @@ impl Model {
         cache: &mut KvCache,
         which: Logits,
     ) -> anyhow::Result<Array> {
+        Ok(self
+            .forward_tapped(tokens, cache, which, &Taps::default())?
+            .logits)
+    }
+
+    /// [`Model::forward`] that also hands back the hidden states speculative
+    /// drafters read: the outputs of chosen layers (concatenated along the
+    /// feature axis, every position) and the final normed hidden state.
+    pub fn forward_tapped(
+        &self,
+        tokens: &Array,
+        cache: &mut KvCache,
+        which: Logits,
+        taps: &Taps,
+    ) -> anyhow::Result<Tapped> {
         let n = tokens.dim(1);
-        let mut h = self.embed.forward(tokens)?;
-        if let Some(scale) = self.embed_scale {
-            h = h.multiply(Array::from_f32(scale).as_dtype(h.dtype())?)?;
-        }
+        let mut h = self.embed(tokens)?;
         let global_mask = mask::build(cache, n, None);
         let window_mask = self
             .config
             .sliding_window
             .map(|w| mask::build(cache, n, Some(w)));
         let offsets = cache.offsets();
+        let mut tapped = Vec::with_capacity(taps.layers.len());
         for (i, layer) in self.layers.iter().enumerate() {
             let mask = match (&layer.window, &window_mask) {
                 (Some(_), Some(m)) => m,
                 _ => &global_mask,
             };
             h = layer.forward(&h, mask, &offsets, cache, i)?;
+            if taps.layers.contains(&i) {
+                tapped.push(h.clone());
+            }
         }
         cache.advance(n);
         let mut h = self.norm.forward(&h)?;
         if which == Logits::Last && n > 1 {
             h = last_position(&h)?;
         }
+        let logits = self.logits(&h)?;
+        let layers = if tapped.is_empty() {
+            None
+        } else {
+            Some(ops::concatenate(&tapped, -1)?)
+        };
+        Ok(Tapped {
+            logits,
+            layers,
+            final_hidden: taps.final_hidden.then_some(h),
+        })
+    }
+
+    /// Token embeddings as the first layer sees them (Gemma's scale applied).
+    pub fn embed(&self, tokens: &Array) -> anyhow::Result<Array> {
+        let h = self.embed.forward(tokens)?;
+        Ok(match self.embed_scale {
+            Some(scale) => h.multiply(Array::from_f32(scale).as_dtype(h.dtype())?)?,
+            None => h,
+        })
+    }
+
+    /// Raw rows of the embedding table (no family scale).
+    pub fn embed_unscaled(&self, tokens: &Array) -> anyhow::Result<Array> {
+        Ok(self.embed.forward(tokens)?)
+    }
+
+    /// Float32 logits from final normed hidden states.
+    pub fn logits(&self, h: &Array) -> anyhow::Result<Array> {
         let logits = match &self.lm_head {
-            Some(head) => head.forward(&h)?,
-            None => self.embed.as_linear(&h)?,
+            Some(head) => head.forward(h)?,
+            None => self.embed.as_linear(h)?,
         };
         Ok(logits.as_dtype(Dtype::Float32)?)
     }
+
+    /// Layer `i`'s attention geometry, for drafters that attend into the
+    /// target's cache.
+    pub fn attention_info(&self, i: usize) -> AttentionInfo<'_> {
+        let a = &self.layers[i].attn;
+        AttentionInfo {
+            kv_heads: a.kv_heads,
+            head_dim: a.head_dim,
+            window: self.layers[i].window,
+            rope: &a.rope,
+        }
+    }
+}
+
+/// Which hidden states [`Model::forward_tapped`] returns.
+#[derive(Debug, Clone, Default)]
+pub struct Taps {
+    /// Layer indices whose outputs are returned, in ascending order.
+    pub layers: Vec<usize>,
+    /// The final normed hidden state (what the output head reads).
+    pub final_hidden: bool,
+}
+
+pub struct Tapped {
+    pub logits: Array,
+    /// `[B, L, hidden * layers.len()]`.
+    pub layers: Option<Array>,
+    /// `[B, L, hidden]` (or `[B, 1, hidden]` with [`Logits::Last`]).
+    pub final_hidden: Option<Array>,
+}
+
+pub struct AttentionInfo<'a> {
+    pub kv_heads: i32,
+    pub head_dim: i32,
+    pub window: Option<i32>,
+    pub rope: &'a Rope,
 }
 
 fn last_position(h: &Array) -> R<Array> {

@@ -344,3 +344,66 @@ fn quantize(
     }
     Ok(out)
 }
+
+/// Named random tensors written as one safetensors file: the drafter
+/// checkpoints tests generate beside a tiny target.
+pub struct RandomTensors {
+    key: Array,
+    dtype: Dtype,
+    tensors: Vec<(String, Array)>,
+}
+
+impl RandomTensors {
+    pub fn new(seed: u64, dtype: Dtype) -> anyhow::Result<Self> {
+        Ok(Self {
+            key: random::key(seed)?,
+            dtype,
+            tensors: Vec::new(),
+        })
+    }
+
+    /// Normal(`mean`, `std`) values.
+    pub fn normal(
+        &mut self,
+        name: impl Into<String>,
+        shape: &[i32],
+        std: f32,
+        mean: f32,
+    ) -> anyhow::Result<()> {
+        let (next, k) = random::split(&self.key, 2)?;
+        self.key = next;
+        let w = random::normal::<f32>(shape, mean, std, &k)?.as_dtype(self.dtype)?;
+        self.tensors.push((name.into(), w));
+        Ok(())
+    }
+
+    pub fn save(self, path: &Path) -> anyhow::Result<()> {
+        let mut metadata = HashMap::new();
+        metadata.insert("format".to_string(), "pt".to_string());
+        Array::save_safetensors(self.tensors.iter().map(|(n, a)| (n, a)), &metadata, path)
+            .map_err(|e| anyhow!("writing {}: {e}", path.display()))
+    }
+}
+
+/// The dtype a model directory's config declares (`torch_dtype`), float32
+/// when it names none.
+pub fn declared_dtype(dir: &Path) -> Dtype {
+    let dtype = std::fs::read_to_string(dir.join("config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|v| v.get("torch_dtype")?.as_str().map(str::to_string));
+    match dtype.as_deref() {
+        Some("bfloat16") => Dtype::Bfloat16,
+        Some("float16") => Dtype::Float16,
+        _ => Dtype::Float32,
+    }
+}
+
+/// The config name of a dtype (`torch_dtype`).
+pub fn dtype_name(dtype: Dtype) -> &'static str {
+    match dtype {
+        Dtype::Bfloat16 => "bfloat16",
+        Dtype::Float16 => "float16",
+        _ => "float32",
+    }
+}

@@ -26,7 +26,11 @@ pub async fn render(State(state): State<SharedState>) -> Response {
         });
         metrics::gauge!(metric::ENGINE_ACTIVE, "engine" => name.clone()).set(load.active as f64);
         metrics::gauge!(metric::ENGINE_QUEUED, "engine" => name.clone()).set(load.queued as f64);
-        metrics::gauge!(metric::ENGINE_KV_BLOCKS, "engine" => name).set(load.kv_blocks_held as f64);
+        metrics::gauge!(metric::ENGINE_KV_BLOCKS, "engine" => name.clone())
+            .set(load.kv_blocks_held as f64);
+        if let Some(rate) = load.accept_rate {
+            metrics::gauge!(metric::ENGINE_ACCEPT_RATE, "engine" => name).set(rate as f64);
+        }
     }
     for failed in &registry.failed {
         metrics::gauge!(metric::ENGINE_HEALTHY, "engine" => failed.name.clone()).set(0.0);

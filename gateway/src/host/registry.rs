@@ -59,6 +59,11 @@ impl Registry {
                 let ctx = EngineContext {
                     name: spec.name.clone(),
                     config: spec.section.clone(),
+                    config_dir: config
+                        .path
+                        .parent()
+                        .map(std::path::Path::to_path_buf)
+                        .unwrap_or_default(),
                     shared: shared.clone() as Arc<dyn Any + Send + Sync>,
                     peers: Arc::new(()),
                     dispatch: dispatch.clone(),

@@ -1,0 +1,7 @@
+//! Plugin entry point of the dflash engine.
+
+fn create(ctx: engine_core::EngineContext) -> Result<Box<dyn engine_core::Engine>, String> {
+    Ok(Box::new(dflash::engine_from_context(ctx)?))
+}
+
+engine_core::export_engine!("dflash", create);

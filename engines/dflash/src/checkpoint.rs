@@ -1,0 +1,168 @@
+//! A DFlash drafter's `config.json`, checked against the target it will
+//! draft for before any weight is read.
+
+use std::path::Path;
+
+use anyhow::{bail, ensure, Context};
+use runtime::ModelConfig;
+use serde::Deserialize;
+
+pub const ARCHITECTURE: &str = "DFlashDraftModel";
+
+#[derive(Debug, Clone)]
+pub struct DflashConfig {
+    pub hidden_size: i32,
+    pub num_layers: i32,
+    pub num_heads: i32,
+    pub num_kv_heads: i32,
+    pub head_dim: i32,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f32,
+    pub block_size: usize,
+    pub target_layer_ids: Vec<usize>,
+    pub mask_token_id: u32,
+    pub quantization: Option<runtime::config::Quantization>,
+}
+
+#[derive(Deserialize)]
+struct Raw {
+    #[serde(default)]
+    architectures: Vec<String>,
+    hidden_size: i32,
+    num_hidden_layers: i32,
+    num_attention_heads: i32,
+    num_key_value_heads: Option<i32>,
+    head_dim: Option<i32>,
+    vocab_size: i32,
+    rms_norm_eps: Option<f32>,
+    rope_theta: Option<f32>,
+    block_size: Option<usize>,
+    num_target_layers: Option<i32>,
+    #[serde(default)]
+    layer_types: Vec<String>,
+    dflash_config: Option<DflashSection>,
+    // Some exports put these at the top level.
+    target_layer_ids: Option<Vec<usize>>,
+    mask_token_id: Option<u32>,
+    quantization: Option<runtime::config::Quantization>,
+}
+
+#[derive(Deserialize)]
+struct DflashSection {
+    target_layer_ids: Option<Vec<usize>>,
+    mask_token_id: Option<u32>,
+}
+
+impl DflashConfig {
+    /// Reads `dir/config.json` and checks it fits `target`.
+    pub fn load(dir: &Path, target: &ModelConfig) -> anyhow::Result<Self> {
+        let path = dir.join("config.json");
+        ensure!(
+            dir.is_dir(),
+            "drafter checkpoint {} does not exist",
+            dir.display()
+        );
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("drafter checkpoint {}: no config.json", dir.display()))?;
+        let value: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("drafter checkpoint {}: config.json", dir.display()))?;
+        let arch: Vec<String> = value
+            .get("architectures")
+            .and_then(|a| serde_json::from_value(a.clone()).ok())
+            .unwrap_or_default();
+        ensure!(
+            arch.iter().any(|a| a == ARCHITECTURE),
+            "{} is not a DFlash drafter: architectures {arch:?} (expected {ARCHITECTURE})",
+            dir.display()
+        );
+        let raw: Raw = serde_json::from_value(value)
+            .with_context(|| format!("drafter checkpoint {}: config.json", dir.display()))?;
+        Self::check(raw, target).with_context(|| format!("drafter checkpoint {}", dir.display()))
+    }
+
+    fn check(raw: Raw, target: &ModelConfig) -> anyhow::Result<Self> {
+        let _ = &raw.architectures;
+        ensure!(
+            raw.vocab_size == target.vocab_size,
+            "the drafter's vocabulary ({}) differs from the target's ({}): it was trained for another model",
+            raw.vocab_size,
+            target.vocab_size
+        );
+        ensure!(
+            raw.hidden_size == target.hidden_size,
+            "the drafter's hidden size ({}) differs from the target's ({}): it was trained for another model",
+            raw.hidden_size,
+            target.hidden_size
+        );
+        if let Some(n) = raw.num_target_layers {
+            ensure!(
+                n == target.num_layers,
+                "the drafter was trained for a target with {n} layers; this one has {}",
+                target.num_layers
+            );
+        }
+        if let Some(bad) = raw.layer_types.iter().find(|t| *t != "full_attention") {
+            bail!("drafter layer type `{bad}` is not supported (full_attention only)");
+        }
+        let section = raw.dflash_config;
+        let target_layer_ids = section
+            .as_ref()
+            .and_then(|s| s.target_layer_ids.clone())
+            .or(raw.target_layer_ids)
+            .context("config.json names no target_layer_ids")?;
+        let mask_token_id = section
+            .as_ref()
+            .and_then(|s| s.mask_token_id)
+            .or(raw.mask_token_id)
+            .context("config.json names no mask_token_id")?;
+        ensure!(!target_layer_ids.is_empty(), "target_layer_ids is empty");
+        let mut sorted = target_layer_ids.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        ensure!(
+            sorted == target_layer_ids,
+            "target_layer_ids must be ascending and distinct: {target_layer_ids:?}"
+        );
+        if let Some(&bad) = target_layer_ids
+            .iter()
+            .find(|&&l| l as i32 >= target.num_layers)
+        {
+            bail!(
+                "target layer {bad} does not exist (the target has {} layers)",
+                target.num_layers
+            );
+        }
+        ensure!(
+            (mask_token_id as i32) < target.vocab_size,
+            "mask_token_id {mask_token_id} is outside the vocabulary"
+        );
+        let block_size = raw.block_size.unwrap_or(16);
+        ensure!(block_size >= 2, "block_size must be at least 2");
+        let num_kv_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
+        ensure!(
+            num_kv_heads > 0 && raw.num_attention_heads % num_kv_heads == 0,
+            "num_attention_heads must be a multiple of num_key_value_heads"
+        );
+        Ok(Self {
+            hidden_size: raw.hidden_size,
+            num_layers: raw.num_hidden_layers,
+            num_heads: raw.num_attention_heads,
+            num_kv_heads,
+            head_dim: raw
+                .head_dim
+                .unwrap_or(raw.hidden_size / raw.num_attention_heads),
+            rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
+            rope_theta: raw.rope_theta.unwrap_or(1_000_000.0),
+            block_size,
+            target_layer_ids,
+            mask_token_id,
+            quantization: raw.quantization,
+        })
+    }
+
+    /// Bytes of drafter K+V per context token (its cache holds the
+    /// projected target context), at `elem` bytes per value.
+    pub fn kv_bytes_per_token(&self, elem: usize) -> usize {
+        2 * (self.num_layers * self.num_kv_heads * self.head_dim) as usize * elem
+    }
+}

@@ -1,0 +1,317 @@
+//! The DFlash drafter network and its per-sequence state.
+
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::Context;
+use mlx_rs::fast;
+use mlx_rs::{ops, Array, Dtype};
+use runtime::cache::slice;
+use runtime::layers::{GatedMlp, Linear, Offsets, RmsNorm, Rope};
+use runtime::model::{Tapped, Taps};
+use runtime::weights::Weights;
+use runtime::{KvCache, Model};
+use speculative::{DraftSource, DraftState, Proposal};
+
+use crate::checkpoint::DflashConfig;
+
+type R<T> = Result<T, mlx_rs::error::Exception>;
+
+struct Attention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: RmsNorm,
+    k_norm: RmsNorm,
+}
+
+struct Layer {
+    attn: Attention,
+    mlp: GatedMlp,
+    input_norm: RmsNorm,
+    post_attn_norm: RmsNorm,
+}
+
+struct Net {
+    cfg: DflashConfig,
+    fc: Linear,
+    hidden_norm: RmsNorm,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    rope: Rope,
+}
+
+// Weights are immutable after load and device work is serialised by the
+// shared device lock (as for the target model).
+unsafe impl Sync for Net {}
+unsafe impl Send for Net {}
+
+/// A loaded DFlash drafter bound to its target.
+#[derive(Clone)]
+pub struct Dflash {
+    net: Arc<Net>,
+    kv_bytes_per_token: usize,
+}
+
+impl Dflash {
+    /// Loads the checkpoint at `dir`, checked against `target`.
+    pub fn load(dir: &Path, target: &Model) -> anyhow::Result<Self> {
+        let cfg = DflashConfig::load(dir, &target.config)?;
+        let mut w = Weights::from_dir(dir)?;
+        let q = cfg.quantization;
+        let eps = cfg.rms_norm_eps;
+        let load = |w: &mut Weights| -> anyhow::Result<Net> {
+            let layers = (0..cfg.num_layers)
+                .map(|i| -> anyhow::Result<Layer> {
+                    let p = format!("layers.{i}");
+                    let a = format!("{p}.self_attn");
+                    Ok(Layer {
+                        attn: Attention {
+                            q: Linear::load(w, &format!("{a}.q_proj"), q)?,
+                            k: Linear::load(w, &format!("{a}.k_proj"), q)?,
+                            v: Linear::load(w, &format!("{a}.v_proj"), q)?,
+                            o: Linear::load(w, &format!("{a}.o_proj"), q)?,
+                            q_norm: RmsNorm::load(w, &format!("{a}.q_norm"), eps, false)?,
+                            k_norm: RmsNorm::load(w, &format!("{a}.k_norm"), eps, false)?,
+                        },
+                        mlp: GatedMlp::load(w, &format!("{p}.mlp"), q, false)?,
+                        input_norm: RmsNorm::load(w, &format!("{p}.input_layernorm"), eps, false)?,
+                        post_attn_norm: RmsNorm::load(
+                            w,
+                            &format!("{p}.post_attention_layernorm"),
+                            eps,
+                            false,
+                        )?,
+                    })
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            Ok(Net {
+                fc: Linear::load(w, "fc", q)?,
+                hidden_norm: RmsNorm::load(w, "hidden_norm", eps, false)?,
+                norm: RmsNorm::load(w, "norm", eps, false)?,
+                rope: Rope::plain(cfg.head_dim, cfg.rope_theta),
+                layers,
+                cfg: cfg.clone(),
+            })
+        };
+        let net = load(&mut w).with_context(|| format!("drafter checkpoint {}", dir.display()))?;
+        // Materialise now: a graph left lazy here would belong to this
+        // thread's stream, not the worker's.
+        net.eval()?;
+        if let Some(extra) = w.remaining().next() {
+            tracing::warn!(weight = %extra, "unused weight in the drafter checkpoint");
+        }
+        let elem = match target.dtype() {
+            Dtype::Float32 => 4,
+            _ => 2,
+        };
+        Ok(Self {
+            kv_bytes_per_token: cfg.kv_bytes_per_token(elem),
+            net: Arc::new(net),
+        })
+    }
+
+    pub fn config(&self) -> &DflashConfig {
+        &self.net.cfg
+    }
+}
+
+impl Net {
+    fn eval(&self) -> anyhow::Result<()> {
+        let mut all = Vec::new();
+        self.fc.collect(&mut all);
+        self.hidden_norm.collect(&mut all);
+        self.norm.collect(&mut all);
+        for l in &self.layers {
+            let a = &l.attn;
+            for lin in [&a.q, &a.k, &a.v, &a.o] {
+                lin.collect(&mut all);
+            }
+            for n in [&a.q_norm, &a.k_norm, &l.input_norm, &l.post_attn_norm] {
+                n.collect(&mut all);
+            }
+            l.mlp.collect(&mut all);
+        }
+        mlx_rs::transforms::eval(all)?;
+        Ok(())
+    }
+}
+
+impl DraftSource for Dflash {
+    fn taps(&self) -> Taps {
+        Taps {
+            layers: self.net.cfg.target_layer_ids.clone(),
+            final_hidden: false,
+        }
+    }
+
+    fn max_draft(&self) -> usize {
+        self.net.cfg.block_size - 1
+    }
+
+    fn kv_bytes_per_token(&self) -> usize {
+        self.kv_bytes_per_token
+    }
+
+    fn start(&self) -> Box<dyn DraftState> {
+        Box::new(State {
+            net: self.net.clone(),
+            cache: KvCache::new(self.net.layers.len(), 1),
+            pending: Vec::new(),
+        })
+    }
+}
+
+/// The drafter's cache holds keys and values of the projected target
+/// context; `pending` is committed context not yet fed to it.
+struct State {
+    net: Arc<Net>,
+    cache: KvCache,
+    pending: Vec<Array>,
+}
+
+impl DraftState for State {
+    fn observe(&mut self, _: &Model, out: &Tapped, rows: Range<i32>) -> anyhow::Result<()> {
+        let hidden = out
+            .layers
+            .as_ref()
+            .context("the target forward returned no tapped layers")?;
+        let d = hidden.dim(2);
+        self.pending
+            .push(slice(hidden, &[0, rows.start, 0], &[1, rows.end, d])?);
+        Ok(())
+    }
+
+    fn propose(
+        &mut self,
+        target: &Model,
+        _: &KvCache,
+        history: &[u32],
+        k: usize,
+    ) -> anyhow::Result<Proposal> {
+        let net = &*self.net;
+        let last = *history.last().context("empty history")?;
+        let mut block = vec![last as i32];
+        block.extend(std::iter::repeat_n(net.cfg.mask_token_id as i32, k));
+        let block = Array::from_slice(&block, &[1, k as i32 + 1]);
+        let ctx = match self.pending.len() {
+            0 => None,
+            1 => Some(self.pending.remove(0)),
+            _ => Some(ops::concatenate(&std::mem::take(&mut self.pending), 1)?),
+        };
+        let ctx = match ctx {
+            Some(c) => Some(net.hidden_norm.forward(&net.fc.forward(&c)?)?),
+            None => None,
+        };
+        // Context positions continue the drafter cache; the block starts
+        // right after them, at the newest token's position.
+        let ctx_start = self.cache.len();
+        let block_start = ctx_start + ctx.as_ref().map_or(0, |c| c.dim(1));
+        let mut x = target.embed(&block)?;
+        for (i, layer) in net.layers.iter().enumerate() {
+            x = layer.forward(
+                net,
+                &x,
+                ctx.as_ref(),
+                &mut self.cache,
+                i,
+                ctx_start,
+                block_start,
+            )?;
+        }
+        if let Some(c) = &ctx {
+            self.cache.advance(c.dim(1));
+        }
+        let h = net
+            .norm
+            .forward(&slice(&x, &[0, 1, 0], &[1, k as i32 + 1, x.dim(2)])?)?;
+        let logits = target.logits(&h)?;
+        let drafts = ops::indexing::argmax_axis(&logits, -1, None)?.as_dtype(Dtype::Int32)?;
+        Ok(Proposal::Lazy(drafts))
+    }
+}
+
+impl Layer {
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        net: &Net,
+        x: &Array,
+        ctx: Option<&Array>,
+        cache: &mut KvCache,
+        idx: usize,
+        ctx_start: i32,
+        block_start: i32,
+    ) -> anyhow::Result<Array> {
+        let h = self.input_norm.forward(x)?;
+        let h = x.add(
+            &self
+                .attn
+                .forward(net, &h, ctx, cache, idx, ctx_start, block_start)?,
+        )?;
+        let r = self.mlp.forward(&self.post_attn_norm.forward(&h)?)?;
+        Ok(h.add(&r)?)
+    }
+}
+
+impl Attention {
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        net: &Net,
+        x: &Array,
+        ctx: Option<&Array>,
+        cache: &mut KvCache,
+        idx: usize,
+        ctx_start: i32,
+        block_start: i32,
+    ) -> anyhow::Result<Array> {
+        let cfg = &net.cfg;
+        let (b, l) = (x.dim(0), x.dim(1));
+        let heads = |t: Array, n: i32, norm: Option<&RmsNorm>| -> R<Array> {
+            let len = t.dim(1);
+            let mut t = t.reshape(&[b, len, n, cfg.head_dim])?;
+            if let Some(norm) = norm {
+                t = norm.forward(&t)?;
+            }
+            t.transpose_axes(&[0, 2, 1, 3])
+        };
+        let at = |t: &Array, pos: i32| net.rope.forward(t, &Offsets::Scalar(pos));
+        let q = at(
+            &heads(self.q.forward(x)?, cfg.num_heads, Some(&self.q_norm))?,
+            block_start,
+        )?;
+        let k_block = at(
+            &heads(self.k.forward(x)?, cfg.num_kv_heads, Some(&self.k_norm))?,
+            block_start,
+        )?;
+        let v_block = heads(self.v.forward(x)?, cfg.num_kv_heads, None)?;
+        let context = match ctx {
+            Some(c) => {
+                let k = at(
+                    &heads(self.k.forward(c)?, cfg.num_kv_heads, Some(&self.k_norm))?,
+                    ctx_start,
+                )?;
+                let v = heads(self.v.forward(c)?, cfg.num_kv_heads, None)?;
+                Some(cache.update(idx, k, v)?)
+            }
+            None => cache.layer_kv(idx)?,
+        };
+        let (keys, values) = match context {
+            Some((k, v)) => (
+                ops::concatenate(&[k, k_block], 2)?,
+                ops::concatenate(&[v, v_block], 2)?,
+            ),
+            None => (k_block, v_block),
+        };
+        // No mask: the block attends to all context and to itself both ways.
+        let scale = (cfg.head_dim as f32).powf(-0.5);
+        let out = fast::scaled_dot_product_attention(&q, &keys, &values, scale, None, None)?;
+        let out =
+            out.transpose_axes(&[0, 2, 1, 3])?
+                .reshape(&[b, l, cfg.num_heads * cfg.head_dim])?;
+        Ok(self.o.forward(&out)?)
+    }
+}

@@ -1,0 +1,302 @@
+//! The assistant drafter network and its per-sequence state.
+
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::Context;
+use mlx_rs::{fast, ops, Array, Dtype};
+use runtime::cache::slice;
+use runtime::layers::{Embedding, GatedMlp, Linear, Offsets, RmsNorm};
+use runtime::model::{Tapped, Taps};
+use runtime::weights::Weights;
+use runtime::{KvCache, Model};
+use speculative::{DraftSource, DraftState, Proposal};
+
+use crate::checkpoint::AssistantConfig;
+
+struct Layer {
+    q: Linear,
+    o: Linear,
+    q_norm: RmsNorm,
+    mlp: GatedMlp,
+    input_norm: RmsNorm,
+    post_attn_norm: RmsNorm,
+    pre_ff_norm: RmsNorm,
+    post_ff_norm: RmsNorm,
+    scalar: Array,
+    /// The target layer whose cache this layer reads.
+    target_layer: usize,
+}
+
+struct Net {
+    cfg: AssistantConfig,
+    pre_projection: Linear,
+    post_projection: Linear,
+    embed: Embedding,
+    norm: RmsNorm,
+    layers: Vec<Layer>,
+    /// `sqrt(backbone_hidden_size)`, applied to the target's embeddings.
+    embed_scale: f32,
+}
+
+// Immutable after load; device work is serialised by the device lock.
+unsafe impl Sync for Net {}
+unsafe impl Send for Net {}
+
+/// A loaded assistant bound to its target and its draft length.
+#[derive(Clone)]
+pub struct Assistant {
+    net: Arc<Net>,
+    draft_tokens: usize,
+}
+
+/// The target layers an assistant reads: the last sliding-window layer for
+/// its sliding layers and the last global layer for its full ones.
+fn bind(target: &Model, sliding: bool) -> usize {
+    let n = target.num_layers();
+    let last = |want_window: bool| {
+        (0..n)
+            .rev()
+            .find(|&i| target.attention_info(i).window.is_some() == want_window)
+    };
+    if sliding {
+        last(true).or(last(false)).unwrap_or(n - 1)
+    } else {
+        last(false).unwrap_or(n - 1)
+    }
+}
+
+impl Assistant {
+    pub fn load(dir: &Path, target: &Model, draft_tokens: usize) -> anyhow::Result<Self> {
+        let cfg = AssistantConfig::load(dir, &target.config)?;
+        let mut w = Weights::from_dir(dir)?;
+        let q = cfg.quantization;
+        let eps = cfg.rms_norm_eps;
+        let net = (|| -> anyhow::Result<Net> {
+            let layers = cfg
+                .sliding
+                .iter()
+                .enumerate()
+                .map(|(i, &sliding)| -> anyhow::Result<Layer> {
+                    let p = format!("model.layers.{i}");
+                    let norm = |w: &mut Weights, n: &str| {
+                        RmsNorm::load(w, &format!("{p}.{n}"), eps, false)
+                    };
+                    Ok(Layer {
+                        q: Linear::load(&mut w, &format!("{p}.self_attn.q_proj"), q)?,
+                        o: Linear::load(&mut w, &format!("{p}.self_attn.o_proj"), q)?,
+                        q_norm: norm(&mut w, "self_attn.q_norm")?,
+                        mlp: GatedMlp::load(&mut w, &format!("{p}.mlp"), q, true)?,
+                        input_norm: norm(&mut w, "input_layernorm")?,
+                        post_attn_norm: norm(&mut w, "post_attention_layernorm")?,
+                        pre_ff_norm: norm(&mut w, "pre_feedforward_layernorm")?,
+                        post_ff_norm: norm(&mut w, "post_feedforward_layernorm")?,
+                        scalar: w.take(&format!("{p}.layer_scalar"))?,
+                        target_layer: bind(target, sliding),
+                    })
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            Ok(Net {
+                pre_projection: Linear::load(&mut w, "pre_projection", q)?,
+                post_projection: Linear::load(&mut w, "post_projection", q)?,
+                embed: Embedding::load(&mut w, "model.embed_tokens", q)?,
+                norm: RmsNorm::load(&mut w, "model.norm", eps, false)?,
+                layers,
+                embed_scale: (cfg.backbone_hidden_size as f32).sqrt(),
+                cfg: cfg.clone(),
+            })
+        })()
+        .with_context(|| format!("drafter checkpoint {}", dir.display()))?;
+        // Materialise now: a graph left lazy here would belong to this
+        // thread's stream, not the worker's.
+        net.eval()?;
+        // The centroid-masked head of the smallest Gemma 4 assistants is an
+        // optional speed-up over the dense tied head used here.
+        if let Some(extra) = w.remaining().find(|n| !n.starts_with("masked_embedding.")) {
+            tracing::warn!(weight = %extra, "unused weight in the drafter checkpoint");
+        }
+        Ok(Self {
+            net: Arc::new(net),
+            draft_tokens: draft_tokens.max(1),
+        })
+    }
+}
+
+impl DraftSource for Assistant {
+    fn taps(&self) -> Taps {
+        Taps {
+            layers: Vec::new(),
+            final_hidden: true,
+        }
+    }
+
+    fn max_draft(&self) -> usize {
+        self.draft_tokens
+    }
+
+    /// No cache of its own: it reads the target's.
+    fn kv_bytes_per_token(&self) -> usize {
+        0
+    }
+
+    fn start(&self) -> Box<dyn DraftState> {
+        Box::new(State {
+            net: self.net.clone(),
+            hidden: None,
+        })
+    }
+}
+
+/// The target's final hidden state at the newest token's predecessor (the
+/// position whose logits chose the newest token).
+struct State {
+    net: Arc<Net>,
+    hidden: Option<Array>,
+}
+
+impl DraftState for State {
+    fn observe(&mut self, _: &Model, out: &Tapped, rows: Range<i32>) -> anyhow::Result<()> {
+        let h = out
+            .final_hidden
+            .as_ref()
+            .context("the target forward returned no final hidden state")?;
+        // Prefill returns only the last position; a verify returns them all.
+        let row = if h.dim(1) == 1 { 0 } else { rows.end - 1 };
+        self.hidden = Some(slice(h, &[0, row, 0], &[1, row + 1, h.dim(2)])?);
+        Ok(())
+    }
+
+    fn propose(
+        &mut self,
+        target: &Model,
+        cache: &KvCache,
+        history: &[u32],
+        k: usize,
+    ) -> anyhow::Result<Proposal> {
+        let net = &*self.net;
+        let mut hidden = self.hidden.clone().context("no target hidden state yet")?;
+        let position = cache.len();
+        // Each layer's view of the target cache, the same for all k steps.
+        let views = net
+            .layers
+            .iter()
+            .map(|l| -> anyhow::Result<(Array, Array)> {
+                let (k, v) = cache
+                    .layer_kv(l.target_layer)?
+                    .context("the target cache is empty")?;
+                Ok(match target.attention_info(l.target_layer).window {
+                    Some(w) if k.dim(2) > w - 1 => {
+                        let s = k.shape().to_vec();
+                        let from = s[2] - (w - 1);
+                        (
+                            slice(&k, &[0, 0, from, 0], &[s[0], s[1], s[2], s[3]])?,
+                            slice(&v, &[0, 0, from, 0], &[s[0], s[1], s[2], s[3]])?,
+                        )
+                    }
+                    _ => (k, v),
+                })
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let last = *history.last().context("empty history")?;
+        let mut token = Array::from_slice(&[last as i32], &[1, 1]);
+        let mut drafts = Vec::with_capacity(k);
+        for _ in 0..k {
+            let x = target.embed_unscaled(&token)?;
+            let x = x.multiply(Array::from_f32(net.embed_scale).as_dtype(x.dtype())?)?;
+            let xh = ops::concatenate(&[x, hidden.as_dtype(net.dtype())?], -1)?;
+            let mut h = net.pre_projection.forward(&xh)?;
+            for (layer, (keys, values)) in net.layers.iter().zip(&views) {
+                h = layer.forward(net, target, &h, keys, values, position)?;
+            }
+            let h = net.norm.forward(&h)?;
+            let logits = net.embed.as_linear(&h)?.as_dtype(Dtype::Float32)?;
+            hidden = net.post_projection.forward(&h)?;
+            token = ops::indexing::argmax_axis(&logits, -1, None)?
+                .reshape(&[1, 1])?
+                .as_dtype(Dtype::Int32)?;
+            drafts.push(token.clone());
+        }
+        Ok(Proposal::Lazy(ops::concatenate(&drafts, 1)?))
+    }
+}
+
+impl Net {
+    fn dtype(&self) -> Dtype {
+        self.embed.dtype()
+    }
+
+    fn eval(&self) -> anyhow::Result<()> {
+        let mut all = Vec::new();
+        self.pre_projection.collect(&mut all);
+        self.post_projection.collect(&mut all);
+        self.embed.collect(&mut all);
+        self.norm.collect(&mut all);
+        for l in &self.layers {
+            l.q.collect(&mut all);
+            l.o.collect(&mut all);
+            l.mlp.collect(&mut all);
+            for n in [
+                &l.q_norm,
+                &l.input_norm,
+                &l.post_attn_norm,
+                &l.pre_ff_norm,
+                &l.post_ff_norm,
+            ] {
+                n.collect(&mut all);
+            }
+            all.push(&l.scalar);
+        }
+        mlx_rs::transforms::eval(all)?;
+        Ok(())
+    }
+}
+
+impl Layer {
+    fn forward(
+        &self,
+        net: &Net,
+        target: &Model,
+        x: &Array,
+        keys: &Array,
+        values: &Array,
+        position: i32,
+    ) -> anyhow::Result<Array> {
+        let cfg = &net.cfg;
+        let (b, l) = (x.dim(0), x.dim(1));
+        let h = self.input_norm.forward(x)?;
+        let q = self
+            .q_norm
+            .forward(
+                &self
+                    .q
+                    .forward(&h)?
+                    .reshape(&[b, l, cfg.num_heads, cfg.head_dim])?,
+            )?
+            .transpose_axes(&[0, 2, 1, 3])?;
+        // Queries rotate like the target layer's keys they meet.
+        let q = target
+            .attention_info(self.target_layer)
+            .rope
+            .forward(&q, &Offsets::Scalar(position))?;
+        let att = fast::scaled_dot_product_attention(
+            &q,
+            &keys.as_dtype(q.dtype())?,
+            &values.as_dtype(q.dtype())?,
+            cfg.scale,
+            None,
+            None,
+        )?;
+        let att = self
+            .o
+            .forward(&att.transpose_axes(&[0, 2, 1, 3])?.reshape(&[
+                b,
+                l,
+                cfg.num_heads * cfg.head_dim,
+            ])?)?;
+        let h = x.add(&self.post_attn_norm.forward(&att)?)?;
+        let r = self.mlp.forward(&self.pre_ff_norm.forward(&h)?)?;
+        let h = h.add(&self.post_ff_norm.forward(&r)?)?;
+        Ok(h.multiply(&self.scalar)?)
+    }
+}

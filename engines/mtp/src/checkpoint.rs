@@ -1,0 +1,129 @@
+//! An assistant drafter's `config.json`, checked against its target.
+
+use std::path::Path;
+
+use anyhow::{bail, ensure, Context};
+use runtime::ModelConfig;
+use serde::Deserialize;
+
+pub const ARCHITECTURE: &str = "Gemma4AssistantForCausalLM";
+
+#[derive(Debug, Clone)]
+pub struct AssistantConfig {
+    pub backbone_hidden_size: i32,
+    pub hidden_size: i32,
+    pub num_heads: i32,
+    pub head_dim: i32,
+    pub rms_norm_eps: f32,
+    /// `sliding_attention` or not, per layer.
+    pub sliding: Vec<bool>,
+    /// Attention scale (Gemma 4: 1.0, its keys and queries are normed).
+    pub scale: f32,
+    pub quantization: Option<runtime::config::Quantization>,
+}
+
+#[derive(Deserialize)]
+struct Raw {
+    backbone_hidden_size: i32,
+    text_config: RawText,
+    quantization: Option<runtime::config::Quantization>,
+}
+
+#[derive(Deserialize)]
+struct RawText {
+    hidden_size: i32,
+    num_hidden_layers: i32,
+    num_attention_heads: i32,
+    head_dim: i32,
+    global_head_dim: Option<i32>,
+    vocab_size: i32,
+    rms_norm_eps: Option<f32>,
+    #[serde(default)]
+    layer_types: Vec<String>,
+    query_pre_attn_scalar: Option<f32>,
+}
+
+impl AssistantConfig {
+    pub fn load(dir: &Path, target: &ModelConfig) -> anyhow::Result<Self> {
+        ensure!(
+            dir.is_dir(),
+            "drafter checkpoint {} does not exist",
+            dir.display()
+        );
+        let text = std::fs::read_to_string(dir.join("config.json"))
+            .with_context(|| format!("drafter checkpoint {}: no config.json", dir.display()))?;
+        let value: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("drafter checkpoint {}: config.json", dir.display()))?;
+        let arch: Vec<String> = value
+            .get("architectures")
+            .and_then(|a| serde_json::from_value(a.clone()).ok())
+            .unwrap_or_default();
+        ensure!(
+            arch.iter().any(|a| a == ARCHITECTURE),
+            "{} is not a Gemma-4-style assistant drafter: architectures {arch:?} (expected {ARCHITECTURE})",
+            dir.display()
+        );
+        let raw: Raw = serde_json::from_value(value)
+            .with_context(|| format!("drafter checkpoint {}: config.json", dir.display()))?;
+        Self::check(raw, target).with_context(|| format!("drafter checkpoint {}", dir.display()))
+    }
+
+    fn check(raw: Raw, target: &ModelConfig) -> anyhow::Result<Self> {
+        let t = raw.text_config;
+        ensure!(
+            t.vocab_size == target.vocab_size,
+            "the drafter's vocabulary ({}) differs from the target's ({}): it was trained for another model",
+            t.vocab_size,
+            target.vocab_size
+        );
+        ensure!(
+            raw.backbone_hidden_size == target.hidden_size,
+            "the drafter's backbone_hidden_size ({}) differs from the target's hidden size ({})",
+            raw.backbone_hidden_size,
+            target.hidden_size
+        );
+        // Its queries meet the target's cached keys head for head.
+        for hd in std::iter::once(t.head_dim).chain(t.global_head_dim) {
+            ensure!(
+                hd == target.head_dim,
+                "the drafter's head_dim ({hd}) differs from the target's ({})",
+                target.head_dim
+            );
+        }
+        ensure!(
+            t.num_attention_heads % target.num_kv_heads == 0,
+            "the drafter's {} query heads do not group over the target's {} KV heads",
+            t.num_attention_heads,
+            target.num_kv_heads
+        );
+        let layer_types = if t.layer_types.is_empty() {
+            vec!["full_attention".to_string(); t.num_hidden_layers as usize]
+        } else {
+            t.layer_types
+        };
+        ensure!(
+            layer_types.len() == t.num_hidden_layers as usize,
+            "layer_types has {} entries for {} layers",
+            layer_types.len(),
+            t.num_hidden_layers
+        );
+        let sliding = layer_types
+            .iter()
+            .map(|l| match l.as_str() {
+                "sliding_attention" => Ok(true),
+                "full_attention" => Ok(false),
+                other => bail!("layer type `{other}` is not supported"),
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(Self {
+            backbone_hidden_size: raw.backbone_hidden_size,
+            hidden_size: t.hidden_size,
+            num_heads: t.num_attention_heads,
+            head_dim: t.head_dim,
+            rms_norm_eps: t.rms_norm_eps.unwrap_or(1e-6),
+            sliding,
+            scale: t.query_pre_attn_scalar.map_or(1.0, |s| s.powf(-0.5)),
+            quantization: raw.quantization,
+        })
+    }
+}

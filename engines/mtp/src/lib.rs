@@ -1,0 +1,24 @@
+//! MTP: a Gemma-4-style assistant drafter. From the target's last hidden
+//! state (after its final norm) and the newest token it drafts k tokens one
+//! at a time, feeding its own projected output back as the next hidden
+//! state. It has no KV cache of its own: its layers compute queries only and
+//! attend into the target's cache (sliding layers into the target's last
+//! sliding-window layer, full layers into its last global layer), all draft
+//! queries at the position of the newest token. The target verifies the k
+//! drafts in one forward. Speculates while at most `max_batch` sequences run
+//! (default 2), plain decode above.
+//!
+//! Checkpoint layout (`Gemma4AssistantForCausalLM`): `pre_projection`,
+//! `post_projection`, `model.embed_tokens` (its own tied output head),
+//! `model.norm`, `model.layers.N.{self_attn.{q_proj,o_proj,q_norm},
+//! mlp.*, input_layernorm, post_attention_layernorm,
+//! pre_feedforward_layernorm, post_feedforward_layernorm, layer_scalar}`.
+
+mod assistant;
+mod checkpoint;
+mod engine;
+pub mod tiny;
+
+pub use assistant::Assistant;
+pub use checkpoint::AssistantConfig;
+pub use engine::{engine_from_context, new_engine};

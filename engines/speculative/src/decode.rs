@@ -1,0 +1,255 @@
+//! One sequence's draft-and-verify loop.
+//!
+//! Invariant between rounds: every committed token has been streamed, and
+//! all but the newest (`history.last()`) are in the target's KV cache. A
+//! round feeds `[newest, d1..dk]` to the target in one forward, keeps
+//! `d1..da` where the target's greedy choice agreed, adds the target's own
+//! token after them, and drops the KV of the `k - a` rejected positions.
+
+use std::ops::Range;
+
+use engine_core::event::EventSender;
+use engine_core::{Event, Finish, FinishReason, GenerateRequest, SpecStats, TokenEvent};
+use mlx_rs::transforms::eval;
+use mlx_rs::{ops, Array, Dtype};
+use runtime::generate::{tokens_array, DEFAULT_PREFILL_CHUNK};
+use runtime::model::{Logits, Taps};
+use runtime::{KvCache, Model};
+
+use crate::draft::{DraftSource, DraftState, Proposal};
+
+/// What one round did, for the engine's acceptance window.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RoundStats {
+    pub drafted: u32,
+    pub accepted: u32,
+}
+
+pub struct Sequence {
+    pub request: GenerateRequest,
+    events: EventSender,
+    /// Held until the sequence ends (KV blocks, the engine slot) and
+    /// released before the final event, so the next request finds them.
+    held: Option<Box<dyn Send>>,
+    cache: KvCache,
+    /// Prompt, then every committed token.
+    history: Vec<u32>,
+    draft: Option<Box<dyn DraftState>>,
+    taps: Taps,
+    /// Most tokens the draft source proposes per round.
+    max_draft: usize,
+    stats: SpecStats,
+    generated: u32,
+    finished: Option<FinishReason>,
+}
+
+impl Sequence {
+    pub fn new(
+        request: GenerateRequest,
+        events: EventSender,
+        held: Box<dyn Send>,
+        model: &Model,
+        source: Option<&dyn DraftSource>,
+    ) -> Self {
+        let history = request.prompt.clone();
+        Self {
+            request,
+            events,
+            held: Some(held),
+            cache: model.new_cache(1),
+            history,
+            draft: source.map(|s| s.start()),
+            taps: source.map(|s| s.taps()).unwrap_or_default(),
+            max_draft: source.map_or(0, |s| s.max_draft()),
+            stats: SpecStats::default(),
+            generated: 0,
+            finished: None,
+        }
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.finished.is_some()
+    }
+
+    pub fn stats(&self) -> SpecStats {
+        self.stats
+    }
+
+    /// Runs the prompt through the target (chunked) and commits its first
+    /// token.
+    pub fn prefill(&mut self, model: &Model) -> anyhow::Result<()> {
+        let prompt = self.request.prompt.clone();
+        let mut done = 0;
+        let mut last = None;
+        for chunk in prompt.chunks(DEFAULT_PREFILL_CHUNK) {
+            let out = model.forward_tapped(
+                &tokens_array(chunk),
+                &mut self.cache,
+                Logits::Last,
+                &self.taps,
+            )?;
+            if let Some(draft) = &mut self.draft {
+                draft.observe(model, &out, 0..chunk.len() as i32)?;
+            }
+            done += chunk.len();
+            if done < prompt.len() {
+                eval(self.cache.state())?;
+            }
+            last = Some(out.logits);
+        }
+        let logits = last.ok_or_else(|| anyhow::anyhow!("empty prompt"))?;
+        let token = argmax(&logits)?;
+        eval([&token])?;
+        self.stats.target_forwards += 1;
+        self.commit(&[token.as_slice::<i32>()[0] as u32]);
+        Ok(())
+    }
+
+    /// One round: draft (when `speculate`), verify, commit, roll back.
+    pub fn round(&mut self, model: &Model, speculate: bool) -> anyhow::Result<RoundStats> {
+        if self.is_finished() {
+            return Ok(RoundStats::default());
+        }
+        let newest = *self.history.last().expect("prefilled");
+        // Never draft past max_tokens: a round commits at most k + 1.
+        let budget = ((self.request.max_tokens - self.generated).saturating_sub(1) as usize)
+            .min(self.max_draft);
+        let proposal = match (&mut self.draft, speculate) {
+            (Some(draft), true) if budget > 0 => {
+                draft.propose(model, &self.cache, &self.history, budget)?
+            }
+            _ => Proposal::None,
+        };
+        let newest_arr = Array::from_slice(&[newest as i32], &[1, 1]);
+        // Drafts on the device (lazy) or already on the host.
+        let (input, lazy, mut proposed) = match proposal {
+            Proposal::None => (newest_arr, None, Vec::new()),
+            Proposal::Tokens(mut t) => {
+                t.truncate(budget);
+                let mut ids = vec![newest];
+                ids.extend(&t);
+                (tokens_array(&ids), None, t)
+            }
+            Proposal::Lazy(d) => {
+                let d = if d.dim(1) as usize > budget {
+                    runtime::cache::slice(&d, &[0, 0], &[1, budget as i32])?
+                } else {
+                    d
+                };
+                let d = d.as_dtype(Dtype::Int32)?;
+                (
+                    ops::concatenate(&[newest_arr, d.clone()], 1)?,
+                    Some(d),
+                    Vec::new(),
+                )
+            }
+        };
+        let k = input.dim(1) - 1;
+        let out = model.forward_tapped(&input, &mut self.cache, Logits::All, &self.taps)?;
+        let greedy = argmax(&out.logits)?;
+        match &lazy {
+            Some(d) => {
+                eval([&greedy, d])?;
+                proposed = d.as_slice::<i32>().iter().map(|&t| t as u32).collect();
+            }
+            None => eval([&greedy])?,
+        }
+        let target: Vec<u32> = greedy.as_slice::<i32>().iter().map(|&t| t as u32).collect();
+        let accepted = proposed
+            .iter()
+            .zip(&target)
+            .take_while(|(d, t)| d == t)
+            .count();
+        self.cache.truncate(k - accepted as i32);
+        if let Some(draft) = &mut self.draft {
+            draft.observe(model, &out, rows(accepted))?;
+        }
+        self.stats.target_forwards += 1;
+        self.stats.drafted += k as u64;
+        self.stats.accepted += accepted as u64;
+        let mut committed = proposed[..accepted].to_vec();
+        committed.push(target[accepted]);
+        self.commit(&committed);
+        Ok(RoundStats {
+            drafted: k as u32,
+            accepted: accepted as u32,
+        })
+    }
+
+    /// Streams committed tokens, ending the sequence at a stop token, the
+    /// token limit or cancellation; tokens after the end are dropped.
+    fn commit(&mut self, tokens: &[u32]) {
+        for &token in tokens {
+            if self.request.stop_tokens.contains(&token) {
+                return self.finish(FinishReason::Stop);
+            }
+            self.history.push(token);
+            let event = Event::Token(TokenEvent {
+                id: token,
+                logprob: None,
+                top_logprobs: Vec::new(),
+            });
+            if self.request.cancel.is_cancelled() || self.events.send(event).is_err() {
+                return self.finish(FinishReason::Cancelled);
+            }
+            self.generated += 1;
+            if self.generated >= self.request.max_tokens {
+                return self.finish(FinishReason::Length);
+            }
+        }
+        if self.request.cancel.is_cancelled() {
+            self.finish(FinishReason::Cancelled);
+        }
+    }
+
+    /// Ends the sequence, releasing what it holds before the final event.
+    fn finish(&mut self, reason: FinishReason) {
+        if self.finished.is_some() {
+            return;
+        }
+        self.finished = Some(reason);
+        self.held.take();
+        self.cache = KvCache::new(0, 1);
+        self.draft = None;
+        let _ = self.events.send(Event::Finished(Finish {
+            reason,
+            prompt_tokens: self.request.prompt.len() as u32,
+            completion_tokens: self.generated,
+            cached_tokens: 0,
+            spec: Some(self.stats),
+        }));
+    }
+
+    /// Ends the sequence with an error (the engine keeps running).
+    pub fn fail(&mut self, message: String) {
+        if self.finished.is_some() {
+            return;
+        }
+        self.finished = Some(FinishReason::Cancelled);
+        self.held.take();
+        self.cache = KvCache::new(0, 1);
+        self.draft = None;
+        let _ = self.events.send(Event::Error(message));
+    }
+
+    /// Cancelled from outside (client gone, shutdown) between rounds.
+    pub fn check_cancelled(&mut self) {
+        if self.request.cancel.is_cancelled() {
+            self.finish(FinishReason::Cancelled);
+        }
+    }
+}
+
+/// Rows of the verify output that are now committed context: the newest
+/// token and the accepted drafts.
+fn rows(accepted: usize) -> Range<i32> {
+    0..accepted as i32 + 1
+}
+
+/// Greedy tokens `[L]` (int32) from `[1, L, V]` logits.
+fn argmax(logits: &Array) -> anyhow::Result<Array> {
+    let l = logits.dim(1);
+    Ok(ops::indexing::argmax_axis(logits, -1, None)?
+        .reshape(&[l])?
+        .as_dtype(Dtype::Int32)?)
+}

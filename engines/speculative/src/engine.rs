@@ -1,0 +1,364 @@
+//! The `Engine` face of a speculative engine: admission (plain greedy only,
+//! a concurrency cap, KV reserved for target and drafter together) and one
+//! worker thread that runs its sequences round-robin, one draft-and-verify
+//! round each per turn, under the shared device lock.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, Sender};
+use engine_core::event::{event_channel, EventSender};
+use engine_core::{
+    CancelToken, Capabilities, Engine, EngineError, EngineLoad, EventStream, GenerateRequest,
+    Refusal, RequestId,
+};
+use runtime::kv_pool::PoolError;
+use runtime::{LoadedModel, Reservation, SharedModel};
+
+use crate::config::SpecSettings;
+use crate::decode::Sequence;
+use crate::draft::DraftSource;
+use crate::window::AcceptWindow;
+
+/// Builds the draft source; runs at construction, or on the first request
+/// with `lazy_drafter: true`.
+pub type SourceLoader =
+    Box<dyn FnOnce(&LoadedModel) -> anyhow::Result<Arc<dyn DraftSource>> + Send>;
+
+/// The draft source and what admission needs to know before it is loaded.
+pub struct DraftPlan {
+    pub loader: SourceLoader,
+    /// Tokens proposed per round at most (KV is reserved for the overshoot).
+    pub max_draft: usize,
+    /// Drafter KV bytes per token, from its config.
+    pub kv_bytes_per_token: usize,
+}
+
+struct Job {
+    request: GenerateRequest,
+    ticket: Ticket,
+    events: EventSender,
+}
+
+/// A request's admission: its KV blocks and its place under the
+/// concurrency cap, both given back when dropped.
+struct Ticket {
+    state: Arc<Shared>,
+    id: RequestId,
+    _reservation: Reservation,
+    blocks: usize,
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        lock(&self.state.cancels).remove(&self.id);
+        self.state
+            .kv_blocks
+            .fetch_sub(self.blocks, Ordering::AcqRel);
+        self.state.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// State the engine face and its worker share. std locks only: plugins
+/// do not share parking_lot's global tables.
+struct Shared {
+    in_flight: AtomicUsize,
+    kv_blocks: AtomicUsize,
+    window: Mutex<AcceptWindow>,
+    cancels: Mutex<HashMap<RequestId, CancelToken>>,
+    /// Why the drafter could not be loaded (lazy load); the engine then
+    /// refuses work so the router uses the others.
+    failed: Mutex<Option<String>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+pub struct SpecEngine {
+    name: String,
+    shared: Arc<SharedModel>,
+    settings: SpecSettings,
+    max_draft: usize,
+    kv_bytes_per_token: usize,
+    state: Arc<Shared>,
+    tx: Mutex<Option<Sender<Job>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+enum Source {
+    Ready(Arc<dyn DraftSource>),
+    Pending(SourceLoader),
+    Failed(String),
+}
+
+impl SpecEngine {
+    /// Loads the drafter now unless `settings.lazy_drafter`; a drafter that
+    /// fails to load fails the engine (the gateway serves with the others).
+    pub fn new(
+        name: String,
+        shared: Arc<SharedModel>,
+        settings: SpecSettings,
+        plan: DraftPlan,
+    ) -> Result<Self, String> {
+        let source = if settings.lazy_drafter {
+            Source::Pending(plan.loader)
+        } else {
+            Source::Ready((plan.loader)(&shared.model).map_err(|e| format!("{name}: {e:#}"))?)
+        };
+        let state = Arc::new(Shared {
+            in_flight: AtomicUsize::new(0),
+            kv_blocks: AtomicUsize::new(0),
+            window: Mutex::new(AcceptWindow::new(
+                settings.accept_window.rounds,
+                settings.window_age(),
+            )),
+            cancels: Mutex::new(HashMap::new()),
+            failed: Mutex::new(None),
+        });
+        let (tx, rx) = crossbeam_channel::unbounded::<Job>();
+        let worker = Worker {
+            shared: shared.clone(),
+            state: state.clone(),
+            max_batch: settings.max_batch,
+            source,
+            name: name.clone(),
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("{name}-worker"))
+            .spawn(move || worker.run(rx))
+            .map_err(|e| format!("{name}: spawning the worker: {e}"))?;
+        tracing::info!(engine = %name, lazy = settings.lazy_drafter, max_draft = plan.max_draft, "speculative engine ready");
+        Ok(Self {
+            name,
+            shared,
+            kv_bytes_per_token: plan.kv_bytes_per_token,
+            max_draft: plan.max_draft,
+            settings,
+            state,
+            tx: Mutex::new(Some(tx)),
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+}
+
+impl Engine for SpecEngine {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            greedy_only: true,
+            tools: true,
+            max_concurrent: Some(self.settings.max_concurrent),
+            speculative: true,
+        }
+    }
+
+    fn submit(&self, request: GenerateRequest) -> Result<EventStream, EngineError> {
+        // Lossless only for argmax decoding; anything else goes elsewhere.
+        if !request.sampling.is_plain_greedy() || request.sampling.logprobs {
+            return Err(Refusal::NotPlainGreedy.into());
+        }
+        runtime::admission::check_request(&request, &self.shared.model)?;
+        if lock(&self.state.failed).is_some() {
+            return Err(Refusal::NotReady.into());
+        }
+        let tx = lock(&self.tx).clone().ok_or(EngineError::ShuttingDown)?;
+        let cap = self.settings.max_concurrent;
+        if self
+            .state
+            .in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < cap).then_some(n + 1)
+            })
+            .is_err()
+        {
+            return Err(Refusal::Busy.into());
+        }
+        let release = || {
+            self.state.in_flight.fetch_sub(1, Ordering::AcqRel);
+        };
+        // The verify forward writes up to max_draft positions past the
+        // last committed token before rolling back.
+        let tokens = request.prompt.len() + request.max_tokens as usize + self.max_draft + 1;
+        let per_token = self.shared.model.model.kv_bytes_per_token() + self.kv_bytes_per_token;
+        let pool = &self.shared.kv_pool;
+        let reservation = match pool.try_reserve(pool.blocks_for_bytes(tokens, per_token)) {
+            Ok(r) => r,
+            Err(e) => {
+                release();
+                return Err(match e {
+                    PoolError::NeverFits { .. } => {
+                        EngineError::Invalid(format!("{}: {e}", request.id))
+                    }
+                    PoolError::Exhausted => Refusal::Busy.into(),
+                });
+            }
+        };
+        let blocks = reservation.blocks();
+        self.state.kv_blocks.fetch_add(blocks, Ordering::AcqRel);
+        lock(&self.state.cancels).insert(request.id, request.cancel.clone());
+        let ticket = Ticket {
+            state: self.state.clone(),
+            id: request.id,
+            _reservation: reservation,
+            blocks,
+        };
+        let (events, stream) = event_channel();
+        // A send to a stopped worker hands the job (and its ticket) back.
+        tx.send(Job {
+            request,
+            ticket,
+            events,
+        })
+        .map_err(|_| EngineError::ShuttingDown)?;
+        Ok(stream)
+    }
+
+    fn cancel(&self, id: RequestId) {
+        if let Some(c) = lock(&self.state.cancels).get(&id) {
+            c.cancel();
+        }
+    }
+
+    fn load(&self) -> EngineLoad {
+        let alive = lock(&self.thread)
+            .as_ref()
+            .is_some_and(|t| !t.is_finished());
+        EngineLoad {
+            active: self.state.in_flight.load(Ordering::Acquire),
+            queued: 0,
+            kv_blocks_held: self.state.kv_blocks.load(Ordering::Acquire),
+            healthy: alive && lock(&self.state.failed).is_none(),
+            accept_rate: lock(&self.state.window).rate(),
+        }
+    }
+
+    /// Cancels everything in flight and waits for the worker to stop.
+    fn shutdown(&self) {
+        lock(&self.tx).take();
+        for c in lock(&self.state.cancels).values() {
+            c.cancel();
+        }
+        if let Some(t) = lock(&self.thread).take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for SpecEngine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+struct Worker {
+    shared: Arc<SharedModel>,
+    state: Arc<Shared>,
+    max_batch: Option<usize>,
+    source: Source,
+    name: String,
+}
+
+impl Worker {
+    fn run(mut self, rx: Receiver<Job>) {
+        let mut waiting: VecDeque<Job> = VecDeque::new();
+        let mut running: Vec<Sequence> = Vec::new();
+        loop {
+            if running.is_empty() && waiting.is_empty() {
+                match rx.recv() {
+                    Ok(job) => waiting.push_back(job),
+                    Err(_) => break,
+                }
+            }
+            waiting.extend(rx.try_iter());
+            // One prefill per turn, so running sequences keep streaming.
+            if let Some(job) = waiting.pop_front() {
+                running.push(self.start(job));
+            }
+            let speculate = self.max_batch.is_none_or(|m| running.len() <= m);
+            for seq in running.iter_mut() {
+                seq.check_cancelled();
+                if seq.is_finished() {
+                    continue;
+                }
+                let result = {
+                    let _device = self.shared.model.lock_device();
+                    seq.round(&self.shared.model.model, speculate)
+                };
+                match result {
+                    Ok(round) => lock(&self.state.window).record(round.drafted, round.accepted),
+                    Err(e) => {
+                        tracing::error!(engine = %self.name, request = %seq.request.id, error = %e, "speculative round failed");
+                        seq.fail(format!("generation failed: {e}"));
+                    }
+                }
+            }
+            running.retain(|seq| !seq.is_finished());
+        }
+    }
+
+    /// Loads the drafter if still pending, then prefills.
+    fn start(&mut self, job: Job) -> Sequence {
+        let source = self.source();
+        let model = &self.shared.model.model;
+        let Job {
+            request,
+            ticket,
+            events,
+        } = job;
+        let held = Box::new(ticket);
+        let mut seq = match source {
+            Ok(source) => Sequence::new(request, events, held, model, Some(&*source)),
+            Err(msg) => {
+                let mut seq = Sequence::new(request, events, held, model, None);
+                seq.fail(format!("the drafter could not be loaded: {msg}"));
+                return seq;
+            }
+        };
+        seq.check_cancelled();
+        if !seq.is_finished() {
+            let result = {
+                let _device = self.shared.model.lock_device();
+                seq.prefill(model)
+            };
+            if let Err(e) = result {
+                tracing::error!(engine = %self.name, request = %seq.request.id, error = %e, "prefill failed");
+                seq.fail(format!("generation failed: {e}"));
+            }
+        }
+        seq
+    }
+
+    fn source(&mut self) -> Result<Arc<dyn DraftSource>, String> {
+        let source = std::mem::replace(&mut self.source, Source::Failed(String::new()));
+        self.source = match source {
+            Source::Pending(loader) => {
+                tracing::info!(engine = %self.name, "loading the drafter (lazy_drafter)");
+                let loaded = {
+                    let _device = self.shared.model.lock_device();
+                    loader(&self.shared.model)
+                };
+                match loaded {
+                    Ok(s) => Source::Ready(s),
+                    Err(e) => {
+                        let msg = format!("{e:#}");
+                        tracing::error!(engine = %self.name, error = %msg, "drafter failed to load; engine out of service");
+                        *lock(&self.state.failed) = Some(msg.clone());
+                        Source::Failed(msg)
+                    }
+                }
+            }
+            other => other,
+        };
+        match &self.source {
+            Source::Ready(s) => Ok(s.clone()),
+            Source::Failed(msg) => Err(msg.clone()),
+            Source::Pending(_) => unreachable!("resolved above"),
+        }
+    }
+}

@@ -1,0 +1,27 @@
+//! What the speculative engines (`dflash`, `mtp`) share.
+//!
+//! A [`DraftSource`] proposes the next few tokens of a sequence; the target
+//! model checks them all in one forward pass and the [`decode`] loop keeps
+//! the longest prefix the target agrees with plus the target's own next
+//! token, rolling the KV cache back over the rest. For greedy requests the
+//! output is exactly the target's greedy output, whatever the drafter
+//! proposes: a bad drafter costs speed, never correctness.
+//!
+//! The [`engine`] runs sequences round-robin on one worker thread and keeps
+//! a moving window of acceptance ([`window`]) that the router reads as
+//! `engine_accept_rate.NAME`. [`ngram`] is a draft source that needs no
+//! drafter weights (prompt lookup).
+
+pub mod config;
+pub mod decode;
+pub mod draft;
+pub mod engine;
+pub mod ngram;
+pub mod window;
+
+pub use config::{DraftChoice, SpecSettings};
+pub use decode::Sequence;
+pub use draft::{DraftSource, DraftState, Proposal};
+pub use engine::{DraftPlan, SourceLoader, SpecEngine};
+pub use ngram::PromptLookup;
+pub use window::AcceptWindow;

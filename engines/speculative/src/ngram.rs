@@ -1,0 +1,128 @@
+//! Prompt lookup: drafts by finding the sequence's last few tokens earlier
+//! in the prompt or output and proposing what followed them there. No
+//! drafter weights, no device work; it pays off when outputs quote their
+//! inputs (code edits, extraction, summaries, repeated structure).
+
+use runtime::model::{Tapped, Taps};
+use runtime::{KvCache, Model};
+
+use crate::draft::{DraftSource, DraftState, Proposal};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptLookup {
+    /// Longest suffix to match; longer matches are tried first.
+    pub max_ngram: usize,
+    /// Shortest suffix worth matching.
+    pub min_ngram: usize,
+    /// Tokens proposed per round.
+    pub draft_tokens: usize,
+}
+
+impl Default for PromptLookup {
+    fn default() -> Self {
+        Self {
+            max_ngram: 3,
+            min_ngram: 1,
+            draft_tokens: 8,
+        }
+    }
+}
+
+impl PromptLookup {
+    /// What followed the most recent earlier occurrence of the longest
+    /// matching suffix of `history`, at most `k` tokens.
+    pub fn lookup(&self, history: &[u32], k: usize) -> Vec<u32> {
+        let len = history.len();
+        for n in (self.min_ngram.max(1)..=self.max_ngram).rev() {
+            if len <= n {
+                continue;
+            }
+            let pattern = &history[len - n..];
+            // Most recent occurrence first: it best reflects the current
+            // context. The suffix itself (start len - n) is excluded.
+            let found = (0..len - n)
+                .rev()
+                .find(|&start| &history[start..start + n] == pattern);
+            if let Some(start) = found {
+                let from = start + n;
+                let to = (from + k).min(len);
+                if to > from {
+                    return history[from..to].to_vec();
+                }
+            }
+        }
+        Vec::new()
+    }
+}
+
+impl DraftSource for PromptLookup {
+    fn taps(&self) -> Taps {
+        Taps::default()
+    }
+
+    fn max_draft(&self) -> usize {
+        self.draft_tokens
+    }
+
+    fn kv_bytes_per_token(&self) -> usize {
+        0
+    }
+
+    fn start(&self) -> Box<dyn DraftState> {
+        Box::new(*self)
+    }
+}
+
+impl DraftState for PromptLookup {
+    fn observe(&mut self, _: &Model, _: &Tapped, _: std::ops::Range<i32>) -> anyhow::Result<()> {
+        Ok(())
+    }
+
+    fn propose(
+        &mut self,
+        _: &Model,
+        _: &KvCache,
+        history: &[u32],
+        k: usize,
+    ) -> anyhow::Result<Proposal> {
+        let tokens = self.lookup(history, k);
+        Ok(if tokens.is_empty() {
+            Proposal::None
+        } else {
+            Proposal::Tokens(tokens)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pl(max: usize, k: usize) -> PromptLookup {
+        PromptLookup {
+            max_ngram: max,
+            min_ngram: 1,
+            draft_tokens: k,
+        }
+    }
+
+    #[test]
+    fn proposes_what_followed_the_longest_match() {
+        // "1 2 3 9 ... 5 2 3 7 ... 2 3": the 2-gram "2 3" last occurred
+        // before 7; the 3-gram "4 2 3" does not occur.
+        let h = [1, 2, 3, 9, 9, 5, 2, 3, 7, 8, 4, 2, 3];
+        assert_eq!(pl(3, 2).lookup(&h, 2), vec![7, 8]);
+        // A longer match wins over a more recent shorter one.
+        let h = [5, 6, 7, 1, 2, 0, 7, 3, 5, 6, 7];
+        assert_eq!(pl(3, 3).lookup(&h, 3), vec![1, 2, 0]);
+    }
+
+    #[test]
+    fn stops_at_the_end_of_history_and_handles_no_match() {
+        let h = [4, 4];
+        assert_eq!(pl(2, 5).lookup(&h, 5), vec![4]);
+        assert!(pl(3, 4).lookup(&[1, 2, 3], 4).is_empty());
+        assert!(pl(3, 4).lookup(&[], 4).is_empty());
+        assert!(pl(3, 4).lookup(&[1, 2, 1, 2], 0).is_empty());
+    }
+}

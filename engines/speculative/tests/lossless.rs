@@ -1,0 +1,476 @@
+//! The speculative engines against plain greedy decoding of the same
+//! target, token for token: trained-layout drafters with random weights
+//! (early rejection), prompt lookup, and an oracle drafter that proposes the
+//! target's own continuation (full acceptance); stop tokens and max_tokens
+//! inside an accepted block, cancellation mid-block, refusals, drafter
+//! checkpoints that do not fit, and the lazy drafter.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use engine_core::{
+    Engine, EngineError, Event, EventStream, Finish, FinishReason, GenerateRequest, Refusal,
+    SamplingParams, SpecStats,
+};
+use runtime::model::{Tapped, Taps};
+use runtime::tiny::{random_prompt, write_model, TinySpec};
+use runtime::{generate, Family, KvCache, KvPool, LoadedModel, Model, SharedModel};
+use speculative::engine::DraftPlan;
+use speculative::{DraftChoice, DraftSource, DraftState, Proposal, SpecEngine, SpecSettings};
+
+struct Target {
+    dir: tempfile::TempDir,
+    shared: Arc<SharedModel>,
+}
+
+fn target(family: Family) -> Target {
+    let dir = tempfile::tempdir().unwrap();
+    write_model(dir.path(), &TinySpec::tiny(family)).unwrap();
+    let model = LoadedModel::load(dir.path(), Some("tiny")).unwrap();
+    let bytes = model.model.config.kv_bytes_per_token(4);
+    let shared = Arc::new(SharedModel::new(model, KvPool::new(4096, 16, bytes * 16)));
+    Target { dir, shared }
+}
+
+impl Target {
+    fn drafter(&self, kind: &str) -> PathBuf {
+        let out = self.dir.path().join(format!("drafter-{kind}"));
+        if !out.exists() {
+            match kind {
+                "dflash" => dflash::tiny::write_drafter(
+                    self.dir.path(),
+                    &out,
+                    &dflash::tiny::TinyDflash::default(),
+                ),
+                "mtp" => mtp::tiny::write_drafter(
+                    self.dir.path(),
+                    &out,
+                    &mtp::tiny::TinyAssistant::default(),
+                ),
+                _ => unreachable!(),
+            }
+            .unwrap();
+        }
+        out
+    }
+
+    fn engine(&self, kind: &str, yaml: &str) -> Result<SpecEngine, String> {
+        let section: serde_yaml::Value = serde_yaml::from_str(yaml).unwrap();
+        let dir = self.dir.path();
+        match kind {
+            "dflash" => {
+                let s =
+                    SpecSettings::from_yaml(kind, &section, dir, SpecSettings::defaults(4, None))?;
+                dflash::new_engine(kind.into(), self.shared.clone(), s)
+            }
+            "mtp" => {
+                let s = SpecSettings::from_yaml(
+                    kind,
+                    &section,
+                    dir,
+                    SpecSettings::defaults(8, Some(2)),
+                )?;
+                mtp::new_engine(kind.into(), self.shared.clone(), s)
+            }
+            _ => unreachable!(),
+        }
+    }
+
+    fn greedy(&self, prompt: &[u32], n: usize, stop: &[u32]) -> Vec<u32> {
+        generate::greedy(&self.shared.model.model, prompt, n, stop, |_| true)
+            .unwrap()
+            .tokens
+    }
+}
+
+fn run(s: EventStream) -> (Vec<u32>, Finish) {
+    let mut s = s;
+    let mut tokens = Vec::new();
+    loop {
+        match s.blocking_recv().expect("stream ended without Finished") {
+            Event::Token(t) => tokens.push(t.id),
+            Event::Finished(f) => return (tokens, f),
+            Event::Error(e) => panic!("{e}"),
+        }
+    }
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    [3usize, 17, 40, 9]
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| random_prompt(100 + i as u64, len, 500))
+        .collect()
+}
+
+/// Submits all prompts at once (they run round-robin) and checks each
+/// against plain greedy decoding; returns the summed statistics.
+fn lossless(t: &Target, engine: &SpecEngine, max_tokens: u32) -> SpecStats {
+    let streams: Vec<_> = prompts()
+        .into_iter()
+        .map(|p| {
+            let s = engine
+                .submit(GenerateRequest::new(p.clone(), max_tokens))
+                .unwrap();
+            (p, s)
+        })
+        .collect();
+    let mut total = SpecStats::default();
+    for (p, s) in streams {
+        let (tokens, finish) = run(s);
+        assert_eq!(
+            tokens,
+            t.greedy(&p, max_tokens as usize, &[]),
+            "prompt of {} tokens",
+            p.len()
+        );
+        assert_eq!(
+            (finish.reason, finish.completion_tokens),
+            (FinishReason::Length, max_tokens)
+        );
+        let spec = finish.spec.expect("speculative statistics");
+        assert!(spec.accepted <= spec.drafted);
+        assert!(spec.target_forwards >= 1 && spec.target_forwards <= max_tokens as u64);
+        assert_eq!(
+            spec.target_forwards + spec.accepted,
+            max_tokens as u64,
+            "every forward commits one target token plus the accepted drafts, never past max_tokens"
+        );
+        total.drafted += spec.drafted;
+        total.accepted += spec.accepted;
+        total.target_forwards += spec.target_forwards;
+    }
+    assert_eq!(t.shared.kv_pool.allocated(), 0, "every KV block returned");
+    total
+}
+
+#[test]
+fn dflash_with_a_random_drafter_is_lossless() {
+    for family in [Family::Qwen3, Family::Gemma3] {
+        let t = target(family);
+        let drafter = t.drafter("dflash");
+        let e = t
+            .engine("dflash", &format!("{{ drafter: {} }}", drafter.display()))
+            .unwrap();
+        let stats = lossless(&t, &e, 40);
+        assert!(stats.drafted > 0, "{family}: it drafted");
+        assert!(e.load().accept_rate.is_some());
+    }
+}
+
+#[test]
+fn mtp_with_a_random_drafter_is_lossless() {
+    for family in [Family::Qwen3, Family::Gemma3] {
+        let t = target(family);
+        let drafter = t.drafter("mtp");
+        // Four at once is above max_batch 2: plain decode until two finish.
+        let e = t
+            .engine("mtp", &format!("{{ drafter: {} }}", drafter.display()))
+            .unwrap();
+        let stats = lossless(&t, &e, 40);
+        assert!(stats.drafted > 0, "{family}: it drafted");
+    }
+}
+
+#[test]
+fn prompt_lookup_is_lossless_and_accepts_repeated_text() {
+    let t = target(Family::Llama);
+    let e = t
+        .engine("dflash", "{ draft: ngram, ngram: { draft_tokens: 6 } }")
+        .unwrap();
+    lossless(&t, &e, 48);
+    // A prompt that repeats: generation continues the repetition in a tiny
+    // random model's greedy loop often enough to accept drafts.
+    let base = random_prompt(7, 12, 500);
+    let p: Vec<u32> = base
+        .iter()
+        .chain(&base)
+        .chain(&base[..6])
+        .copied()
+        .collect();
+    let (tokens, f) = run(e.submit(GenerateRequest::new(p.clone(), 64)).unwrap());
+    assert_eq!(tokens, t.greedy(&p, 64, &[]));
+    let spec = f.spec.unwrap();
+    assert!(spec.drafted > 0 && spec.accepted > 0, "{spec:?}");
+}
+
+/// Proposes what plain greedy decoding of the prompt produces: every draft
+/// is accepted.
+struct Oracle {
+    continuations: HashMap<Vec<u32>, Vec<u32>>,
+    k: usize,
+}
+
+impl DraftSource for Oracle {
+    fn taps(&self) -> Taps {
+        Taps::default()
+    }
+    fn max_draft(&self) -> usize {
+        self.k
+    }
+    fn kv_bytes_per_token(&self) -> usize {
+        0
+    }
+    fn start(&self) -> Box<dyn DraftState> {
+        Box::new(OracleState(self.continuations.clone()))
+    }
+}
+
+struct OracleState(HashMap<Vec<u32>, Vec<u32>>);
+
+impl DraftState for OracleState {
+    fn observe(&mut self, _: &Model, _: &Tapped, _: std::ops::Range<i32>) -> anyhow::Result<()> {
+        Ok(())
+    }
+    fn propose(
+        &mut self,
+        _: &Model,
+        _: &KvCache,
+        history: &[u32],
+        k: usize,
+    ) -> anyhow::Result<Proposal> {
+        for (prompt, cont) in &self.0 {
+            if history.starts_with(prompt) {
+                let done = history.len() - prompt.len();
+                let next: Vec<u32> = cont.iter().skip(done).take(k).copied().collect();
+                return Ok(if next.is_empty() {
+                    Proposal::None
+                } else {
+                    Proposal::Tokens(next)
+                });
+            }
+        }
+        Ok(Proposal::None)
+    }
+}
+
+fn oracle_engine(t: &Target, prompts: &[Vec<u32>], k: usize) -> SpecEngine {
+    let continuations = prompts
+        .iter()
+        .map(|p| (p.clone(), t.greedy(p, 128, &[])))
+        .collect();
+    let oracle = Arc::new(Oracle { continuations, k });
+    let mut settings = SpecSettings::defaults(4, None);
+    settings.draft = DraftChoice::Ngram;
+    SpecEngine::new(
+        "oracle".into(),
+        t.shared.clone(),
+        settings,
+        DraftPlan {
+            max_draft: k,
+            kv_bytes_per_token: 0,
+            loader: Box::new(move |_| Ok(oracle as Arc<dyn DraftSource>)),
+        },
+    )
+    .unwrap()
+}
+
+#[test]
+fn an_agreeing_drafter_is_fully_accepted() {
+    let t = target(Family::Qwen3);
+    let e = oracle_engine(&t, &prompts(), 5);
+    let stats = lossless(&t, &e, 40);
+    assert_eq!(stats.accepted, stats.drafted, "every draft accepted");
+    // 40 tokens: the prefill's first, then rounds of 1 + 5.
+    assert_eq!(stats.target_forwards, 4 * (1 + 7));
+    assert_eq!(e.load().accept_rate, Some(1.0));
+}
+
+#[test]
+fn stop_token_and_max_tokens_inside_an_accepted_block() {
+    let t = target(Family::Qwen3);
+    let p = random_prompt(3, 11, 500);
+    let e = oracle_engine(&t, std::slice::from_ref(&p), 8);
+    let reference = t.greedy(&p, 128, &[]);
+    // A stop token first produced in the middle of a block (token 12 comes
+    // from the second round: 1 + 9 + ...).
+    let stop = reference[12];
+    let first = reference.iter().position(|&x| x == stop).unwrap();
+    let mut req = GenerateRequest::new(p.clone(), 100);
+    req.stop_tokens = vec![stop];
+    let (tokens, f) = run(e.submit(req).unwrap());
+    assert_eq!(tokens, reference[..first]);
+    assert_eq!(
+        (f.reason, f.completion_tokens),
+        (FinishReason::Stop, first as u32)
+    );
+    // max_tokens that ends inside a block.
+    for n in [1, 2, 13, 17] {
+        let (tokens, f) = run(e.submit(GenerateRequest::new(p.clone(), n)).unwrap());
+        assert_eq!(tokens, reference[..n as usize], "max_tokens {n}");
+        assert_eq!((f.reason, f.completion_tokens), (FinishReason::Length, n));
+    }
+    assert_eq!(t.shared.kv_pool.allocated(), 0);
+}
+
+#[test]
+fn cancellation_mid_block_stops_and_returns_the_kv() {
+    let t = target(Family::Qwen3);
+    let p = random_prompt(5, 9, 500);
+    let e = oracle_engine(&t, std::slice::from_ref(&p), 8);
+    let req = GenerateRequest::new(p.clone(), 120);
+    let (id, cancel) = (req.id, req.cancel.clone());
+    let mut s = e.submit(req).unwrap();
+    let mut got = Vec::new();
+    let finish = loop {
+        match s.blocking_recv().unwrap() {
+            Event::Token(tok) => {
+                got.push(tok.id);
+                if got.len() == 3 {
+                    e.cancel(id);
+                    assert!(cancel.is_cancelled());
+                }
+            }
+            Event::Finished(f) => break f,
+            Event::Error(e) => panic!("{e}"),
+        }
+    };
+    assert_eq!(finish.reason, FinishReason::Cancelled);
+    assert_eq!(
+        finish.completion_tokens as usize,
+        got.len(),
+        "billing counts what was sent"
+    );
+    assert!(got.len() < 120);
+    assert_eq!(got, t.greedy(&p, got.len(), &[]));
+    e.shutdown();
+    assert_eq!(t.shared.kv_pool.allocated(), 0);
+}
+
+#[test]
+fn refuses_what_it_cannot_serve_losslessly_and_caps_concurrency() {
+    let t = target(Family::Qwen3);
+    let e = t
+        .engine("dflash", "{ draft: ngram, max_concurrent: 1 }")
+        .unwrap();
+    let mut sampled = GenerateRequest::new(vec![1, 2, 3], 8);
+    sampled.sampling = SamplingParams {
+        temperature: 0.7,
+        ..SamplingParams::default()
+    };
+    let refusal = |r: Result<EventStream, EngineError>| r.map(|_| ()).unwrap_err();
+    assert_eq!(
+        refusal(e.submit(sampled)),
+        EngineError::Refused(Refusal::NotPlainGreedy)
+    );
+    let first = e.submit(GenerateRequest::new(vec![1, 2, 3], 64)).unwrap();
+    assert_eq!(
+        refusal(e.submit(GenerateRequest::new(vec![4, 5], 8))),
+        EngineError::Refused(Refusal::Busy)
+    );
+    run(first);
+    assert!(matches!(
+        refusal(e.submit(GenerateRequest::new(vec![9_999], 8))),
+        EngineError::Invalid(_)
+    ));
+    let caps = e.capabilities();
+    assert!(caps.speculative && caps.greedy_only && caps.max_concurrent == Some(1));
+}
+
+fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let path = dir.join("config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut v);
+    std::fs::write(path, v.to_string()).unwrap();
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for f in std::fs::read_dir(from).unwrap().flatten() {
+        std::fs::copy(f.path(), to.join(f.file_name())).unwrap();
+    }
+}
+
+#[test]
+fn drafters_that_do_not_fit_fail_at_load_with_a_clear_message() {
+    let t = target(Family::Qwen3);
+    let (dflash_dir, mtp_dir) = (t.drafter("dflash"), t.drafter("mtp"));
+    let err = |kind: &str, dir: &Path| {
+        t.engine(kind, &format!("{{ drafter: {} }}", dir.display()))
+            .err()
+            .unwrap_or_else(|| panic!("{kind} accepted {}", dir.display()))
+    };
+    let missing = t.dir.path().join("no-such-drafter");
+    assert!(
+        err("dflash", &missing).contains("does not exist"),
+        "{}",
+        err("dflash", &missing)
+    );
+    assert!(err("mtp", &missing).contains("does not exist"));
+    // The wrong family: each kind refuses the other's checkpoint.
+    assert!(
+        err("dflash", &mtp_dir).contains("not a DFlash drafter"),
+        "{}",
+        err("dflash", &mtp_dir)
+    );
+    assert!(err("mtp", &dflash_dir).contains("not a Gemma-4-style assistant"));
+    // A drafter trained for another vocabulary.
+    for (kind, dir) in [("dflash", &dflash_dir), ("mtp", &mtp_dir)] {
+        let other = t.dir.path().join(format!("{kind}-other-vocab"));
+        copy_dir(dir, &other);
+        edit_config(&other, |v| {
+            let cfg = if kind == "mtp" {
+                &mut v["text_config"]
+            } else {
+                v
+            };
+            cfg["vocab_size"] = 1000.into();
+        });
+        let e = err(kind, &other);
+        assert!(
+            e.contains("vocabulary (1000) differs from the target's (512)"),
+            "{e}"
+        );
+    }
+    // A drafter for a target with a different width.
+    let other = t.dir.path().join("dflash-other-width");
+    copy_dir(&dflash_dir, &other);
+    edit_config(&other, |v| v["hidden_size"] = 96.into());
+    assert!(err("dflash", &other).contains("hidden size (96)"));
+    // Weights that do not match the config fail at load, naming the file.
+    let broken = t.dir.path().join("mtp-no-weights");
+    copy_dir(&mtp_dir, &broken);
+    std::fs::remove_file(broken.join("model.safetensors")).unwrap();
+    assert!(err("mtp", &broken).contains("safetensors"));
+}
+
+#[test]
+fn lazy_drafter_loads_on_first_use_and_a_failed_load_takes_the_engine_out() {
+    let t = target(Family::Qwen3);
+    let good = t.drafter("dflash");
+    let e = t
+        .engine(
+            "dflash",
+            &format!("{{ drafter: {}, lazy_drafter: true }}", good.display()),
+        )
+        .unwrap();
+    let p = random_prompt(1, 10, 500);
+    let (tokens, _) = run(e.submit(GenerateRequest::new(p.clone(), 20)).unwrap());
+    assert_eq!(tokens, t.greedy(&p, 20, &[]));
+
+    let broken = t.dir.path().join("dflash-lazy-broken");
+    copy_dir(&good, &broken);
+    std::fs::write(broken.join("model.safetensors"), b"not safetensors").unwrap();
+    let e = t
+        .engine(
+            "dflash",
+            &format!("{{ drafter: {}, lazy_drafter: true }}", broken.display()),
+        )
+        .expect("the config is fine, so construction succeeds");
+    assert!(e.load().healthy);
+    let mut s = e.submit(GenerateRequest::new(p.clone(), 20)).unwrap();
+    match s.blocking_recv() {
+        Some(Event::Error(msg)) => assert!(msg.contains("drafter could not be loaded"), "{msg}"),
+        other => panic!("expected an error, got {other:?}"),
+    }
+    assert!(!e.load().healthy);
+    assert_eq!(
+        e.submit(GenerateRequest::new(p, 20))
+            .map(|_| ())
+            .unwrap_err(),
+        EngineError::Refused(Refusal::NotReady)
+    );
+    assert_eq!(t.shared.kv_pool.allocated(), 0);
+}
