@@ -140,8 +140,10 @@ impl Router {
         let mut out_of_service = false;
         let mut reasons: Vec<String> = Vec::new();
         for name in decision.chain() {
-            // The policy was validated against the loaded engines.
+            // Not loaded (its plugin or drafter failed at startup).
             let Some(entry) = self.registry.get(name) else {
+                out_of_service = true;
+                self.count_fallback(name);
                 continue;
             };
             if !entry.is_serving() {

@@ -98,8 +98,9 @@ pub async fn serve(args: ServeArgs, dispatch: tracing::Dispatch) -> anyhow::Resu
         tokio::task::spawn_blocking(move || Registry::load(&config, dispatch, tokio)).await??
     };
     let registry = Arc::new(registry);
-    let names = registry.names();
-    // An engine named in the policy that did not load is fatal here.
+    // A policy may name an engine that failed to load (the router skips
+    // it), but not one config.yaml does not have.
+    let names = registry.configured_names();
     let policy = match PolicyHandle::from_file(&config.path, &names) {
         Ok(policy) => policy,
         Err(e) => {

@@ -18,6 +18,8 @@ pub const PACKAGES: &[&str] = &[
     "engine-batched",
     "engine-fastpath",
     "engine-remote",
+    "engine-dflash",
+    "engine-mtp",
     "engine-reference",
     "engine-mismatch",
 ];

@@ -30,7 +30,8 @@ pub struct StartError {
 impl Gateway {
     /// Starts a gateway with this config (YAML). `{model}`, `{reference}`
     /// and `{mismatch}` in the text are replaced by the tiny model's path
-    /// and the test plugins' paths. Waits until it listens.
+    /// and the test plugins' paths, `{dflash_drafter}` and `{mtp_drafter}`
+    /// by drafters for that model. Waits until it listens.
     pub fn start(config: &str) -> Gateway {
         Self::try_start(config, &[])
             .unwrap_or_else(|e| panic!("gateway did not start ({:?}):\n{}", e.status, e.logs))
@@ -50,6 +51,16 @@ impl Gateway {
             )
             .replace("{reference}", &bins.reference_plugin.display().to_string())
             .replace("{mismatch}", &bins.mismatch_plugin.display().to_string());
+        // Drafters are written only for configs that name them.
+        let text = ["dflash", "mtp"].iter().fold(text, |text, kind| {
+            let key = format!("{{{kind}_drafter}}");
+            if text.contains(&key) {
+                let path = crate::models::tiny_qwen3_drafter(kind);
+                text.replace(&key, &path.display().to_string())
+            } else {
+                text
+            }
+        });
         let dir = tempfile::tempdir().expect("tempdir");
         let config_path = dir.path().join("config.yaml");
         std::fs::write(&config_path, text).expect("write config");

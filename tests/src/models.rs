@@ -33,3 +33,30 @@ pub fn stop_token_ids(dir: &Path) -> Vec<u32> {
     let tokenizer = text::Tokenizer::from_dir(dir).expect("tokenizer");
     text::eos::eos_token_ids(dir, &tokenizer).expect("eos ids")
 }
+
+/// A random-weight drafter of `kind` (`dflash` or `mtp`) for the tiny Qwen3
+/// model, written by `gateway make-tiny-drafter` (the CLI under test).
+pub fn tiny_qwen3_drafter(kind: &str) -> &'static Path {
+    static DFLASH: OnceLock<ModelDir> = OnceLock::new();
+    static MTP: OnceLock<ModelDir> = OnceLock::new();
+    let cell = match kind {
+        "dflash" => &DFLASH,
+        "mtp" => &MTP,
+        other => panic!("no drafter kind {other}"),
+    };
+    &cell
+        .get_or_init(|| {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let path = dir.path().join(format!("tiny-qwen3-{kind}"));
+            let status = std::process::Command::new(&crate::build::binaries().gateway)
+                .args(["make-tiny-drafter", "--kind", kind, "--target"])
+                .arg(tiny_qwen3())
+                .arg("--out")
+                .arg(&path)
+                .status()
+                .expect("run make-tiny-drafter");
+            assert!(status.success(), "make-tiny-drafter --kind {kind} failed");
+            ModelDir { _dir: dir, path }
+        })
+        .path
+}

@@ -123,6 +123,16 @@ impl Registry {
         self.engines.iter().map(|e| e.name.as_str()).collect()
     }
 
+    /// Every engine config.yaml names, loaded or not: what a policy may
+    /// route to (one that failed to load is skipped like one out of
+    /// service).
+    pub fn configured_names(&self) -> Vec<&str> {
+        self.names()
+            .into_iter()
+            .chain(self.failed.iter().map(|f| f.name.as_str()))
+            .collect()
+    }
+
     /// Stops every engine; each returns once its in-flight work has stopped.
     pub fn shutdown(&self) {
         for entry in &self.engines {

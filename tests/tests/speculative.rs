@@ -1,0 +1,235 @@
+//! The speculative engines as plugins behind the gateway, over HTTP: their
+//! answers equal the fast path's plain greedy answers token for token, the
+//! usage and metrics carry the draft accounting, the acceptance rate routes
+//! work away from a drafter that does not pay, and a drafter that cannot
+//! load leaves the gateway serving with the other engines.
+
+use e2e_tests::{Gateway, MODEL};
+use serde_json::{json, Value};
+
+/// `max_tokens` picks the engine, so one gateway serves every engine and
+/// the fast path's answer is the oracle (longer, so the others are prefixes).
+const CONFIG: &str = r#"model: { path: "{model}", kv_cache_mb: 64 }
+engines:
+  batched: { kind: batched }
+  fastpath: { kind: fastpath }
+  dflash: { kind: dflash, drafter: "{dflash_drafter}" }
+  mtp: { kind: mtp, drafter: "{mtp_drafter}" }
+  lookup: { kind: mtp, draft: ngram }
+policy:
+  default: batched
+  rules:
+    - { name: to-dflash, when: { max_tokens: 31 }, route: dflash }
+    - { name: to-mtp, when: { max_tokens: 32 }, route: mtp }
+    - { name: to-lookup, when: { max_tokens: 33 }, route: lookup }
+    - { name: to-fastpath, when: { max_tokens: 34 }, route: fastpath }
+"#;
+
+fn complete(gw: &Gateway, prompt: &[u32], max_tokens: u32) -> (String, Vec<u64>, Value) {
+    let r = gw.post(
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                "ignore_eos": true, "return_token_ids": true}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let engine = r.header("x-engine").unwrap().to_owned();
+    let body = r.json();
+    let ids = body["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    (engine, ids, body["usage"].clone())
+}
+
+#[test]
+fn speculative_engines_answer_exactly_like_plain_greedy() {
+    let gw = Gateway::start(CONFIG);
+    let prompts: [&[u32]; 3] = [
+        &[5, 9, 14],
+        &[100, 3, 47, 300, 2, 8, 77, 12, 9, 41, 5],
+        &[7; 24],
+    ];
+    for prompt in prompts {
+        let (engine, greedy, usage) = complete(&gw, prompt, 34);
+        assert_eq!(engine, "fastpath");
+        assert!(usage.get("speculative").is_none(), "{usage}");
+        for (name, max_tokens) in [("dflash", 31), ("mtp", 32), ("lookup", 33)] {
+            let (engine, ids, usage) = complete(&gw, prompt, max_tokens);
+            assert_eq!(engine, name);
+            assert_eq!(ids, greedy[..max_tokens as usize], "{name} on {prompt:?}");
+            let spec = &usage["speculative"];
+            let drafted = spec["drafted_tokens"].as_u64().unwrap();
+            let accepted = spec["accepted_tokens"].as_u64().unwrap();
+            let forwards = spec["target_forwards"].as_u64().unwrap();
+            assert!(accepted <= drafted, "{usage}");
+            assert_eq!(forwards + accepted, max_tokens as u64, "{usage}");
+            let details = &usage["completion_tokens_details"];
+            assert_eq!(details["accepted_prediction_tokens"], accepted, "{usage}");
+            assert_eq!(
+                details["rejected_prediction_tokens"],
+                drafted - accepted,
+                "{usage}"
+            );
+            let per_forward = spec["tokens_per_target_forward"].as_f64().unwrap();
+            assert!((per_forward - max_tokens as f64 / forwards as f64).abs() < 1e-3);
+        }
+    }
+    // The repeated prompt is where prompt lookup shines.
+    let (_, _, usage) = complete(&gw, &[7; 24], 33);
+    assert!(
+        usage["speculative"]["accepted_tokens"].as_u64().unwrap() > 0,
+        "{usage}"
+    );
+
+    let drafted = gw.metric("gateway_spec_drafted_tokens_total", &[("engine", "dflash")]);
+    assert!(drafted.unwrap() > 0.0);
+    assert!(
+        gw.metric(
+            "gateway_spec_accepted_tokens_total",
+            &[("engine", "lookup")]
+        )
+        .unwrap()
+            > 0.0
+    );
+    let rate = gw
+        .metric("gateway_engine_accept_rate", &[("engine", "mtp")])
+        .unwrap();
+    assert!((0.0..=1.0).contains(&rate));
+    assert_eq!(gw.metric("gateway_kv_blocks_allocated", &[]), Some(0.0));
+}
+
+#[test]
+fn streams_and_stop_strings_match_the_fast_path() {
+    let gw = Gateway::start(CONFIG);
+    let chat = |max_tokens: u32, extra: Value| {
+        let mut body = json!({"model": MODEL, "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": "Tell me a story about a fox."}]});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let r = gw.post("/v1/chat/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        (r.header("x-engine").unwrap().to_owned(), r)
+    };
+    let (_, r) = chat(34, json!({}));
+    let full = r.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    // A stop string from the middle of the fast path's answer.
+    let chars: Vec<char> = full.chars().collect();
+    assert!(chars.len() > 12, "{full:?}");
+    let stop: String = chars[8..11].iter().collect();
+    let before = &full[..full.find(&stop).unwrap()];
+    for max_tokens in [31, 32] {
+        let (engine, r) = chat(max_tokens, json!({"stop": [stop]}));
+        let body = r.json();
+        assert_eq!(body["choices"][0]["message"]["content"], before, "{engine}");
+        assert_eq!(body["choices"][0]["finish_reason"], "stop");
+        // Streamed: the same text, then usage with the draft accounting.
+        let (engine, r) = chat(
+            max_tokens,
+            json!({"stream": true, "stream_options": {"include_usage": true}}),
+        );
+        let chunks = e2e_tests::http::json_chunks(&r.sse_data());
+        let text: String = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert!(
+            full.starts_with(&text) && !text.is_empty(),
+            "{engine}: {text:?} vs {full:?}"
+        );
+        let usage = &chunks.last().unwrap()["usage"];
+        assert_eq!(usage["completion_tokens"], max_tokens, "{usage}");
+        assert!(
+            usage["speculative"]["target_forwards"].as_u64().unwrap() >= 1,
+            "{usage}"
+        );
+    }
+}
+
+#[test]
+fn a_low_acceptance_rate_routes_work_elsewhere() {
+    let gw = Gateway::start(
+        r#"model: { path: "{model}", kv_cache_mb: 64 }
+engines:
+  batched: { kind: batched }
+  dflash: { kind: dflash, drafter: "{dflash_drafter}" }
+policy:
+  default: batched
+  rules:
+    - name: speculate-while-it-pays
+      when: { greedy: true, not: { engine_accept_rate.dflash: { lt: 0.5 } } }
+      route: dflash
+"#,
+    );
+    let body =
+        json!({"model": MODEL, "prompt": [11, 12, 13, 14], "max_tokens": 24, "ignore_eos": true});
+    let first = gw.post("/v1/completions", &body);
+    assert_eq!(
+        first.header("x-engine"),
+        Some("dflash"),
+        "unknown rate: speculate"
+    );
+    // A random drafter is rarely right.
+    let rate = gw
+        .metric("gateway_engine_accept_rate", &[("engine", "dflash")])
+        .unwrap();
+    assert!(rate < 0.5, "{rate}");
+    let next = gw.post("/v1/completions", &body);
+    assert_eq!(next.status, 200);
+    assert_eq!(next.header("x-engine"), Some("batched"));
+    assert_eq!(next.header("x-route-rule"), Some("default"));
+    assert_eq!(
+        next.json()["choices"][0]["text"],
+        first.json()["choices"][0]["text"]
+    );
+}
+
+#[test]
+fn a_drafter_that_cannot_load_leaves_the_other_engines_serving() {
+    let gw = Gateway::start(
+        r#"model: { path: "{model}", kv_cache_mb: 64 }
+engines:
+  batched: { kind: batched }
+  dflash: { kind: dflash, drafter: "no/such/drafter" }
+  mtp: { kind: mtp, drafter: "{dflash_drafter}" }
+policy:
+  default: dflash
+  fallback: [mtp, batched]
+"#,
+    );
+    let health = gw.health();
+    let engines = health["engines"].as_array().unwrap();
+    let failed = |name: &str| {
+        engines
+            .iter()
+            .find(|e| e["name"] == name)
+            .unwrap_or_else(|| panic!("{name} in {health}"))
+            .clone()
+    };
+    let dflash = failed("dflash");
+    assert_eq!(dflash["status"], "failed", "{health}");
+    assert!(
+        dflash["error"].as_str().unwrap().contains("does not exist"),
+        "{health}"
+    );
+    let mtp = failed("mtp");
+    assert_eq!(mtp["status"], "failed");
+    assert!(
+        mtp["error"]
+            .as_str()
+            .unwrap()
+            .contains("not a Gemma-4-style assistant drafter"),
+        "{health}"
+    );
+    let r = gw.post(
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-engine"), Some("batched"));
+}
