@@ -1,0 +1,344 @@
+//! Speculative engines against the fast path (and the batched engine) on a
+//! generated target with random-weight drafters:
+//!
+//!     cargo bench -p speculative --bench speculative [-- --preset bench|qwen3-4b
+//!         --levels 1,2,4 --prompt 128 --gen 64 --rounds 2 --block 8 --mtp-k 3 --reps 2]
+//!
+//! A random drafter is almost never right, so this measures what a round
+//! costs, not what a trained drafter gains: per engine and concurrency it
+//! reports aggregate output tok/s, the ratio to the fast path (which serves
+//! one request at a time, so its rate is the same at every level), the
+//! acceptance rate, tokens per target forward, and the break-even
+//! acceptance rate: the share of drafted tokens that must be accepted for a
+//! round (draft + verify of k+1 tokens) to pay for itself against plain
+//! decoding, `(t_round / t_token - 1) / k`, from decode-only timings at c=1.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use batched::{BatchedConfig, BatchedEngine};
+use engine_core::{Engine, Event, GenerateRequest, SpecStats};
+use fastpath::FastpathEngine;
+use runtime::tiny::{write_model, TinySpec};
+use runtime::{Family, KvPool, LoadedModel, SharedModel};
+use speculative::{SpecEngine, SpecSettings};
+
+struct Args {
+    preset: String,
+    levels: Vec<usize>,
+    prompt: usize,
+    gen: usize,
+    rounds: usize,
+    block: usize,
+    mtp_k: usize,
+    /// Sweeps run, interleaved; each cell keeps its best (machines here are
+    /// shared and noisy).
+    reps: usize,
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        preset: "bench".into(),
+        levels: vec![1, 2, 4],
+        prompt: 128,
+        gen: 64,
+        rounds: 2,
+        block: 8,
+        mtp_k: 3,
+        reps: 2,
+    };
+    let argv: Vec<String> = std::env::args().collect();
+    for w in argv.windows(2) {
+        let v = &w[1];
+        match w[0].as_str() {
+            "--preset" => a.preset = v.clone(),
+            "--levels" => a.levels = v.split(',').map(|x| x.parse().expect("level")).collect(),
+            "--prompt" => a.prompt = v.parse().expect("prompt"),
+            "--gen" => a.gen = v.parse().expect("gen"),
+            "--rounds" => a.rounds = v.parse().expect("rounds"),
+            "--block" => a.block = v.parse().expect("block"),
+            "--mtp-k" => a.mtp_k = v.parse().expect("mtp-k"),
+            "--reps" => a.reps = v.parse().expect("reps"),
+            _ => {}
+        }
+    }
+    a
+}
+
+/// The target (written once under target/bench-models) and its drafters.
+fn models(a: &Args) -> (PathBuf, PathBuf, PathBuf) {
+    let spec = match a.preset.as_str() {
+        "qwen3-4b" => TinySpec::qwen3_4b(),
+        _ => TinySpec::bench(Family::Qwen3),
+    };
+    // REPO_ROOT overrides the build-time path (the binary also runs on the
+    // GPU machine, from another checkout).
+    let root = std::env::var_os("REPO_ROOT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."));
+    let dir = root.join(format!("target/bench-models/qwen3-{}", a.preset));
+    if !dir.join("model.safetensors").exists() {
+        eprintln!(
+            "writing the {} model ({:.0}M parameters)...",
+            a.preset,
+            spec.parameters() as f64 / 1e6
+        );
+        write_model(&dir, &spec).expect("write bench model");
+    }
+    let dflash = dir.with_file_name(format!("qwen3-{}-dflash-b{}", a.preset, a.block));
+    if !dflash.join("model.safetensors").exists() {
+        let spec = dflash::tiny::TinyDflash {
+            layers: 2,
+            block_size: a.block,
+            seed: 7,
+        };
+        dflash::tiny::write_drafter(&dir, &dflash, &spec).expect("write dflash drafter");
+    }
+    let mtp = dir.with_file_name(format!("qwen3-{}-mtp", a.preset));
+    if !mtp.join("model.safetensors").exists() {
+        let spec = mtp::tiny::TinyAssistant {
+            hidden: 256,
+            layers: 2,
+            seed: 11,
+        };
+        mtp::tiny::write_drafter(&dir, &mtp, &spec).expect("write mtp drafter");
+    }
+    (dir, dflash, mtp)
+}
+
+fn prompt(seed: usize, len: usize, vocab: u32) -> Vec<u32> {
+    (0..len)
+        .map(|i| ((i * 7919 + seed * 104_729 + 13) as u32) % vocab)
+        .collect()
+}
+
+#[derive(Default, Clone, Copy)]
+struct Run {
+    tokens: usize,
+    seconds: f64,
+    /// Decode-only (after each request's first token).
+    decode_tokens: usize,
+    decode_seconds: f64,
+    spec: SpecStats,
+}
+
+fn one(engine: &dyn Engine, req: GenerateRequest) -> Run {
+    let mut stream = engine.submit(req).expect("submit");
+    let mut run = Run::default();
+    let mut first = None::<Instant>;
+    while let Some(ev) = stream.blocking_recv() {
+        match ev {
+            Event::Token(_) => {
+                first.get_or_insert_with(Instant::now);
+                run.tokens += 1;
+            }
+            Event::Finished(f) => {
+                if let (Some(t), Some(spec)) = (first, f.spec) {
+                    run.spec = spec;
+                    run.decode_seconds = t.elapsed().as_secs_f64();
+                } else if let Some(t) = first {
+                    run.decode_seconds = t.elapsed().as_secs_f64();
+                }
+                run.decode_tokens = run.tokens.saturating_sub(1);
+                break;
+            }
+            Event::Error(e) => panic!("{e}"),
+        }
+    }
+    run
+}
+
+/// `c` clients, each sending `rounds` requests back to back. The fast path
+/// serves one at a time, so its clients run one after another.
+fn level(engine: Arc<dyn Engine>, c: usize, a: &Args, vocab: u32, serial: bool) -> Run {
+    let start = Instant::now();
+    let client =
+        move |id: usize, engine: Arc<dyn Engine>, (p, g, rounds): (usize, usize, usize)| {
+            let mut total = Run::default();
+            for r in 0..rounds {
+                let run = one(
+                    engine.as_ref(),
+                    GenerateRequest::new(prompt(id * 31 + r, p, vocab), g as u32),
+                );
+                total.tokens += run.tokens;
+                total.decode_tokens += run.decode_tokens;
+                total.decode_seconds += run.decode_seconds;
+                total.spec.drafted += run.spec.drafted;
+                total.spec.accepted += run.spec.accepted;
+                total.spec.target_forwards += run.spec.target_forwards;
+            }
+            total
+        };
+    let shape = (a.prompt, a.gen, a.rounds);
+    let runs: Vec<Run> = if serial {
+        (0..c).map(|id| client(id, engine.clone(), shape)).collect()
+    } else {
+        let handles: Vec<_> = (0..c)
+            .map(|id| {
+                let engine = engine.clone();
+                std::thread::spawn(move || client(id, engine, shape))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    };
+    let mut all = Run {
+        seconds: start.elapsed().as_secs_f64(),
+        ..Run::default()
+    };
+    for r in runs {
+        all.tokens += r.tokens;
+        all.decode_tokens += r.decode_tokens;
+        all.decode_seconds += r.decode_seconds;
+        all.spec.drafted += r.spec.drafted;
+        all.spec.accepted += r.spec.accepted;
+        all.spec.target_forwards += r.spec.target_forwards;
+    }
+    all
+}
+
+fn main() {
+    let a = args();
+    let (target, dflash_dir, mtp_dir) = models(&a);
+    let model = LoadedModel::load(&target, Some("bench")).expect("load model");
+    let vocab = model.vocab_size() as u32;
+    let bytes = model.model.kv_bytes_per_token();
+    let shared = Arc::new(SharedModel::new(
+        model,
+        KvPool::with_budget(4 << 30, 16, bytes),
+    ));
+    let settings = |yaml: String, max_batch: Option<usize>| {
+        let section: serde_yaml::Value = serde_yaml::from_str(&yaml).unwrap();
+        SpecSettings::from_yaml(
+            "bench",
+            &section,
+            Path::new("/"),
+            SpecSettings::defaults(16, max_batch),
+        )
+        .unwrap()
+    };
+    let spec = |e: Result<SpecEngine, String>| Arc::new(e.expect("engine")) as Arc<dyn Engine>;
+    let engines: Vec<(&str, Arc<dyn Engine>)> = vec![
+        (
+            "fastpath",
+            Arc::new(FastpathEngine::new("fastpath".into(), shared.clone())),
+        ),
+        (
+            "batched",
+            Arc::new(BatchedEngine::new(
+                "batched".into(),
+                shared.clone(),
+                BatchedConfig::default(),
+            )),
+        ),
+        (
+            "dflash",
+            spec(dflash::new_engine(
+                "dflash".into(),
+                shared.clone(),
+                settings(
+                    format!(
+                        "{{ drafter: {}, max_concurrent: 16 }}",
+                        dflash_dir.display()
+                    ),
+                    None,
+                ),
+            )),
+        ),
+        (
+            "mtp",
+            spec(mtp::new_engine(
+                "mtp".into(),
+                shared.clone(),
+                settings(
+                    format!(
+                        "{{ drafter: {}, max_concurrent: 16, draft_tokens: {} }}",
+                        mtp_dir.display(),
+                        a.mtp_k
+                    ),
+                    Some(2),
+                ),
+            )),
+        ),
+        (
+            "lookup",
+            spec(dflash::new_engine(
+                "lookup".into(),
+                shared.clone(),
+                settings("{ draft: ngram, max_concurrent: 16 }".into(), None),
+            )),
+        ),
+    ];
+    // Warm up every engine's graphs once.
+    for (_, e) in &engines {
+        one(
+            e.as_ref(),
+            GenerateRequest::new(prompt(999, a.prompt, vocab), 8),
+        );
+    }
+    // Every (level, engine) cell keeps the fastest of `reps` interleaved runs.
+    let mut best: Vec<Vec<Run>> = vec![vec![Run::default(); engines.len()]; a.levels.len()];
+    for _ in 0..a.reps {
+        for (li, &c) in a.levels.iter().enumerate() {
+            for (ei, (name, engine)) in engines.iter().enumerate() {
+                let run = level(engine.clone(), c, &a, vocab, *name == "fastpath");
+                let cell = &mut best[li][ei];
+                if cell.seconds == 0.0 || run.seconds < cell.seconds {
+                    *cell = run;
+                }
+            }
+        }
+    }
+    println!(
+        "target {} ({}), prompt {} tokens, {} generated, {} requests per client, dflash block {}, mtp k {}, best of {}, blas {}",
+        a.preset, target.display(), a.prompt, a.gen, a.rounds, a.block, a.mtp_k, a.reps, mlx_sys::blas_backend()
+    );
+    println!();
+    println!("| engine | c | tok/s | vs fastpath | vs batched | accepted/drafted | tokens/target forward | break-even acceptance |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for (li, &c) in a.levels.iter().enumerate() {
+        let mut base = (0.0, 0.0);
+        let mut t_token = f64::NAN;
+        for (ei, (name, _)) in engines.iter().enumerate() {
+            let run = best[li][ei];
+            let tps = run.tokens as f64 / run.seconds;
+            match *name {
+                "fastpath" => {
+                    base.0 = tps;
+                    t_token = run.decode_seconds / run.decode_tokens.max(1) as f64;
+                }
+                "batched" => base.1 = tps,
+                _ => {}
+            }
+            let s = run.spec;
+            let (rate, per_forward, break_even) = if s.target_forwards > 0 {
+                // Decode rounds only: each request's prefill is not a round.
+                let requests = (c * a.rounds) as u64;
+                let rounds = s.target_forwards.saturating_sub(requests).max(1);
+                let k = s.drafted as f64 / rounds as f64;
+                let t_round = run.decode_seconds / rounds as f64;
+                let be = if c == 1 && k > 0.0 {
+                    format!("{:.2}", ((t_round / t_token) - 1.0) / k)
+                } else {
+                    "".into()
+                };
+                (
+                    format!("{:.3}", s.accepted as f64 / s.drafted.max(1) as f64),
+                    format!("{:.2}", run.tokens as f64 / s.target_forwards as f64),
+                    be,
+                )
+            } else {
+                ("".into(), "1.00".into(), "".into())
+            };
+            let vs_batched = if base.1 > 0.0 {
+                format!("{:.2}x", tps / base.1)
+            } else {
+                String::new()
+            };
+            println!(
+                "| {name} | {c} | {tps:.1} | {:.2}x | {vs_batched} | {rate} | {per_forward} | {break_even} |",
+                tps / base.0
+            );
+        }
+    }
+}
