@@ -26,8 +26,6 @@ pub struct DflashConfig {
 
 #[derive(Deserialize)]
 struct Raw {
-    #[serde(default)]
-    architectures: Vec<String>,
     hidden_size: i32,
     num_hidden_layers: i32,
     num_attention_heads: i32,
@@ -56,32 +54,13 @@ struct DflashSection {
 impl DflashConfig {
     /// Reads `dir/config.json` and checks it fits `target`.
     pub fn load(dir: &Path, target: &ModelConfig) -> anyhow::Result<Self> {
-        let path = dir.join("config.json");
-        ensure!(
-            dir.is_dir(),
-            "drafter checkpoint {} does not exist",
-            dir.display()
-        );
-        let text = std::fs::read_to_string(&path)
-            .with_context(|| format!("drafter checkpoint {}: no config.json", dir.display()))?;
-        let value: serde_json::Value = serde_json::from_str(&text)
-            .with_context(|| format!("drafter checkpoint {}: config.json", dir.display()))?;
-        let arch: Vec<String> = value
-            .get("architectures")
-            .and_then(|a| serde_json::from_value(a.clone()).ok())
-            .unwrap_or_default();
-        ensure!(
-            arch.iter().any(|a| a == ARCHITECTURE),
-            "{} is not a DFlash drafter: architectures {arch:?} (expected {ARCHITECTURE})",
-            dir.display()
-        );
+        let value = speculative::checkpoint::read_config(dir, ARCHITECTURE, "DFlash drafter")?;
         let raw: Raw = serde_json::from_value(value)
             .with_context(|| format!("drafter checkpoint {}: config.json", dir.display()))?;
         Self::check(raw, target).with_context(|| format!("drafter checkpoint {}", dir.display()))
     }
 
     fn check(raw: Raw, target: &ModelConfig) -> anyhow::Result<Self> {
-        let _ = &raw.architectures;
         ensure!(
             raw.vocab_size == target.vocab_size,
             "the drafter's vocabulary ({}) differs from the target's ({}): it was trained for another model",

@@ -17,13 +17,9 @@ use crate::drafter::Dflash;
 const MAX_CONCURRENT: usize = 4;
 
 pub fn engine_from_context(ctx: EngineContext) -> Result<SpecEngine, String> {
-    let _ = tracing::dispatcher::set_global_default(ctx.dispatch.clone());
-    tracing::callsite::rebuild_interest_cache();
-    let shared = SharedModel::from_context(&ctx)?;
-    let settings = SpecSettings::from_yaml(
+    let (shared, settings) = speculative::engine::from_context(
+        &ctx,
         "dflash",
-        &ctx.config,
-        &ctx.config_dir,
         SpecSettings::defaults(MAX_CONCURRENT, None),
     )?;
     new_engine(ctx.name, shared, settings)
@@ -35,14 +31,7 @@ pub fn new_engine(
     settings: SpecSettings,
 ) -> Result<SpecEngine, String> {
     let plan = match settings.draft {
-        DraftChoice::Ngram => {
-            let lookup = settings.prompt_lookup();
-            DraftPlan {
-                max_draft: lookup.draft_tokens,
-                kv_bytes_per_token: 0,
-                loader: Box::new(move |_| Ok(Arc::new(lookup) as Arc<dyn DraftSource>)),
-            }
-        }
+        DraftChoice::Ngram => DraftPlan::prompt_lookup(settings.prompt_lookup()),
         DraftChoice::Drafter => {
             let dir: PathBuf = settings.drafter.clone().expect("checked by SpecSettings");
             let target = &shared.model.model;

@@ -45,24 +45,11 @@ struct RawText {
 
 impl AssistantConfig {
     pub fn load(dir: &Path, target: &ModelConfig) -> anyhow::Result<Self> {
-        ensure!(
-            dir.is_dir(),
-            "drafter checkpoint {} does not exist",
-            dir.display()
-        );
-        let text = std::fs::read_to_string(dir.join("config.json"))
-            .with_context(|| format!("drafter checkpoint {}: no config.json", dir.display()))?;
-        let value: serde_json::Value = serde_json::from_str(&text)
-            .with_context(|| format!("drafter checkpoint {}: config.json", dir.display()))?;
-        let arch: Vec<String> = value
-            .get("architectures")
-            .and_then(|a| serde_json::from_value(a.clone()).ok())
-            .unwrap_or_default();
-        ensure!(
-            arch.iter().any(|a| a == ARCHITECTURE),
-            "{} is not a Gemma-4-style assistant drafter: architectures {arch:?} (expected {ARCHITECTURE})",
-            dir.display()
-        );
+        let value = speculative::checkpoint::read_config(
+            dir,
+            ARCHITECTURE,
+            "Gemma-4-style assistant drafter",
+        )?;
         let raw: Raw = serde_json::from_value(value)
             .with_context(|| format!("drafter checkpoint {}: config.json", dir.display()))?;
         Self::check(raw, target).with_context(|| format!("drafter checkpoint {}", dir.display()))

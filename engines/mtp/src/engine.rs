@@ -18,13 +18,9 @@ const MAX_BATCH: usize = 2;
 const DRAFT_TOKENS: usize = 3;
 
 pub fn engine_from_context(ctx: EngineContext) -> Result<SpecEngine, String> {
-    let _ = tracing::dispatcher::set_global_default(ctx.dispatch.clone());
-    tracing::callsite::rebuild_interest_cache();
-    let shared = SharedModel::from_context(&ctx)?;
-    let settings = SpecSettings::from_yaml(
+    let (shared, settings) = speculative::engine::from_context(
+        &ctx,
         "mtp",
-        &ctx.config,
-        &ctx.config_dir,
         SpecSettings::defaults(MAX_CONCURRENT, Some(MAX_BATCH)),
     )?;
     new_engine(ctx.name, shared, settings)
@@ -36,14 +32,7 @@ pub fn new_engine(
     settings: SpecSettings,
 ) -> Result<SpecEngine, String> {
     let plan = match settings.draft {
-        DraftChoice::Ngram => {
-            let lookup = settings.prompt_lookup();
-            DraftPlan {
-                max_draft: lookup.draft_tokens,
-                kv_bytes_per_token: 0,
-                loader: Box::new(move |_| Ok(Arc::new(lookup) as Arc<dyn DraftSource>)),
-            }
-        }
+        DraftChoice::Ngram => DraftPlan::prompt_lookup(settings.prompt_lookup()),
         DraftChoice::Drafter => {
             let dir = settings.drafter.clone().expect("checked by SpecSettings");
             AssistantConfig::load(&dir, &shared.model.model.config)

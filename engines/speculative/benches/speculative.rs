@@ -123,6 +123,18 @@ struct Run {
     spec: SpecStats,
 }
 
+impl Run {
+    /// Adds another run's counts (not its wall time).
+    fn add(&mut self, other: &Run) {
+        self.tokens += other.tokens;
+        self.decode_tokens += other.decode_tokens;
+        self.decode_seconds += other.decode_seconds;
+        self.spec.drafted += other.spec.drafted;
+        self.spec.accepted += other.spec.accepted;
+        self.spec.target_forwards += other.spec.target_forwards;
+    }
+}
+
 fn one(engine: &dyn Engine, req: GenerateRequest) -> Run {
     let mut stream = engine.submit(req).expect("submit");
     let mut run = Run::default();
@@ -161,12 +173,7 @@ fn level(engine: Arc<dyn Engine>, c: usize, a: &Args, vocab: u32, serial: bool) 
                     engine.as_ref(),
                     GenerateRequest::new(prompt(id * 31 + r, p, vocab), g as u32),
                 );
-                total.tokens += run.tokens;
-                total.decode_tokens += run.decode_tokens;
-                total.decode_seconds += run.decode_seconds;
-                total.spec.drafted += run.spec.drafted;
-                total.spec.accepted += run.spec.accepted;
-                total.spec.target_forwards += run.spec.target_forwards;
+                total.add(&run);
             }
             total
         };
@@ -186,13 +193,8 @@ fn level(engine: Arc<dyn Engine>, c: usize, a: &Args, vocab: u32, serial: bool) 
         seconds: start.elapsed().as_secs_f64(),
         ..Run::default()
     };
-    for r in runs {
-        all.tokens += r.tokens;
-        all.decode_tokens += r.decode_tokens;
-        all.decode_seconds += r.decode_seconds;
-        all.spec.drafted += r.spec.drafted;
-        all.spec.accepted += r.spec.accepted;
-        all.spec.target_forwards += r.spec.target_forwards;
+    for r in &runs {
+        all.add(r);
     }
     all
 }

@@ -11,8 +11,8 @@ use std::thread::JoinHandle;
 use crossbeam_channel::{Receiver, Sender};
 use engine_core::event::{event_channel, EventSender};
 use engine_core::{
-    CancelToken, Capabilities, Engine, EngineError, EngineLoad, EventStream, GenerateRequest,
-    Refusal, RequestId,
+    CancelToken, Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventStream,
+    GenerateRequest, Refusal, RequestId,
 };
 use runtime::kv_pool::PoolError;
 use runtime::{LoadedModel, Reservation, SharedModel};
@@ -20,6 +20,7 @@ use runtime::{LoadedModel, Reservation, SharedModel};
 use crate::config::SpecSettings;
 use crate::decode::Sequence;
 use crate::draft::DraftSource;
+use crate::ngram::PromptLookup;
 use crate::window::AcceptWindow;
 
 /// Builds the draft source; runs at construction, or on the first request
@@ -34,6 +35,34 @@ pub struct DraftPlan {
     pub max_draft: usize,
     /// Drafter KV bytes per token, from its config.
     pub kv_bytes_per_token: usize,
+}
+
+impl DraftPlan {
+    /// Prompt lookup: no weights, no drafter KV.
+    pub fn prompt_lookup(lookup: PromptLookup) -> Self {
+        Self {
+            max_draft: lookup.draft_tokens,
+            kv_bytes_per_token: 0,
+            loader: Box::new(move |_| Ok(Arc::new(lookup) as Arc<dyn DraftSource>)),
+        }
+    }
+}
+
+/// What a speculative plugin's constructor reads from its context: the
+/// shared model and its section, parsed over `defaults`. Also routes this
+/// plugin's logs to the host's subscriber.
+pub fn from_context(
+    ctx: &EngineContext,
+    kind: &str,
+    defaults: SpecSettings,
+) -> Result<(Arc<SharedModel>, SpecSettings), String> {
+    // This plugin's copy of `tracing` logs through the host's subscriber;
+    // its callsites cached "disabled" before the dispatcher was set.
+    let _ = tracing::dispatcher::set_global_default(ctx.dispatch.clone());
+    tracing::callsite::rebuild_interest_cache();
+    let shared = SharedModel::from_context(ctx)?;
+    let settings = SpecSettings::from_yaml(kind, &ctx.config, &ctx.config_dir, defaults)?;
+    Ok((shared, settings))
 }
 
 struct Job {

@@ -12,6 +12,7 @@
 //! `engine_accept_rate.NAME`. [`ngram`] is a draft source that needs no
 //! drafter weights (prompt lookup).
 
+pub mod checkpoint;
 pub mod config;
 pub mod decode;
 pub mod draft;
