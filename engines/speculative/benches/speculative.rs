@@ -271,6 +271,38 @@ fn main() {
             )),
         ),
     ];
+    // Warm up every engine's graphs once, and check each answers like the
+    // fast path on this device (numerics differ between a verify of k+1
+    // tokens and one-token steps only at near-ties).
+    let check = prompt(999, a.prompt, vocab);
+    let mut reference = Vec::new();
+    for (name, e) in &engines {
+        let mut stream = e
+            .submit(GenerateRequest::new(check.clone(), a.gen as u32))
+            .expect("submit");
+        let mut ids = Vec::new();
+        while let Some(Event::Token(t)) = stream.blocking_recv() {
+            ids.push(t.id);
+        }
+        if *name == "fastpath" {
+            reference = ids;
+        } else {
+            let same = ids
+                .iter()
+                .zip(&reference)
+                .take_while(|(a, b)| a == b)
+                .count();
+            println!(
+                "{name}: {same} of {} tokens equal the fast path's{}",
+                reference.len(),
+                if same == reference.len() {
+                    ""
+                } else {
+                    " (diverged)"
+                }
+            );
+        }
+    }
     // Warm up every engine's graphs once.
     for (_, e) in &engines {
         one(

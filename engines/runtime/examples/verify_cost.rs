@@ -1,0 +1,76 @@
+//! What a speculative verify forward of L tokens costs against one decode
+//! step, synchronously (as a draft-and-verify round runs) and pipelined (as
+//! the fast path runs), with both causal attention paths:
+//!
+//!     cargo run --release -p runtime --example verify_cost [-- --preset qwen3-4b]
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use mlx_rs::transforms::eval;
+use runtime::generate::{argmax_tokens, prefill, tokens_array, GreedyStream};
+use runtime::mask::{set_row_attention, RowAttention};
+use runtime::model::Logits;
+use runtime::tiny::{random_prompt, write_model, TinySpec};
+use runtime::{Family, LoadedModel};
+
+fn main() {
+    let preset = std::env::args()
+        .skip_while(|a| a != "--preset")
+        .nth(1)
+        .unwrap_or("bench".into());
+    let spec = match preset.as_str() {
+        "qwen3-4b" => TinySpec::qwen3_4b(),
+        _ => TinySpec::bench(Family::Qwen3),
+    };
+    let root = std::env::var_os("REPO_ROOT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."));
+    let dir = root.join(format!("target/bench-models/qwen3-{preset}"));
+    if !dir.join("model.safetensors").exists() {
+        write_model(&dir, &spec).expect("write model");
+    }
+    let model = LoadedModel::load(&dir, None).expect("load");
+    let m = &model.model;
+    let prompt = random_prompt(1, 128, 1000);
+    let steps = 32;
+
+    let mut stream = GreedyStream::start(m, &prompt).unwrap();
+    stream.next_token(true).unwrap();
+    let t = Instant::now();
+    for _ in 0..steps {
+        stream.next_token(true).unwrap();
+    }
+    let pipelined = t.elapsed().as_secs_f64() * 1e3 / steps as f64;
+    println!("pipelined decode step: {pipelined:.2} ms");
+
+    for (label, mode) in [
+        ("per-query fused", RowAttention::Auto),
+        ("masked causal", RowAttention::Never),
+    ] {
+        set_row_attention(mode);
+        for l in [1usize, 2, 4, 8] {
+            let mut cache = m.new_cache(1);
+            prefill(m, &mut cache, &prompt, 512).unwrap();
+            eval(cache.state()).unwrap();
+            let input = tokens_array(&random_prompt(2, l, 1000));
+            let mut time = || {
+                let logits = m.forward(&input, &mut cache, Logits::All).unwrap();
+                let tokens = argmax_tokens(&logits.reshape(&[l as i32, 1, -1]).unwrap()).unwrap();
+                eval([&tokens]).unwrap();
+                let _ = tokens.as_slice::<i32>()[0];
+                cache.truncate(l as i32);
+            };
+            time();
+            let t = Instant::now();
+            for _ in 0..steps {
+                time();
+            }
+            let ms = t.elapsed().as_secs_f64() * 1e3 / steps as f64;
+            println!(
+                "{label}: synchronous forward of {l}: {ms:.2} ms ({:.2}x a pipelined step)",
+                ms / pipelined
+            );
+        }
+    }
+}
