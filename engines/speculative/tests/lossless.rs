@@ -25,8 +25,12 @@ struct Target {
 }
 
 fn target(family: Family) -> Target {
+    target_of(&TinySpec::tiny(family))
+}
+
+fn target_of(spec: &TinySpec) -> Target {
     let dir = tempfile::tempdir().unwrap();
-    write_model(dir.path(), &TinySpec::tiny(family)).unwrap();
+    write_model(dir.path(), spec).unwrap();
     let model = LoadedModel::load(dir.path(), Some("tiny")).unwrap();
     let bytes = model.model.config.kv_bytes_per_token(4);
     let shared = Arc::new(SharedModel::new(model, KvPool::new(4096, 16, bytes * 16)));
@@ -170,6 +174,21 @@ fn mtp_with_a_random_drafter_is_lossless() {
             .unwrap();
         let stats = lossless(&t, &e, 40);
         assert!(stats.drafted > 0, "{family}: it drafted");
+    }
+}
+
+#[test]
+fn a_quantized_target_drafts_through_its_quantized_embeddings() {
+    let t = target_of(&TinySpec {
+        quant_bits: Some(4),
+        ..TinySpec::tiny(Family::Qwen3)
+    });
+    for kind in ["dflash", "mtp"] {
+        let drafter = t.drafter(kind);
+        let e = t
+            .engine(kind, &format!("{{ drafter: {} }}", drafter.display()))
+            .unwrap();
+        assert!(lossless(&t, &e, 24).drafted > 0, "{kind}");
     }
 }
 
