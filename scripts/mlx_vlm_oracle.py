@@ -9,10 +9,12 @@ Reads a JSON request on stdin and prints JSON results. Two modes:
   [{"tokens": [...], "logits": [[...] per step]}]}. Tokens come from
   mlx-vlm's own generate_step; logits from the model called step by step
   (prefill through get_input_embeddings), and the two must agree.
-* {"model": DIR, "processor": [{"prompt": TEXT, "images": [FILE...]}]}:
-  runs mlx-vlm's processor (Hugging Face's Gemma 3 image processor and the
-  Gemma 3 prompt expansion) and prints {"processed": [{"ids": [...],
-  "pixels": [...flat float32 NHWC...]}]}.
+* {"model": DIR, "processor": [{"messages": [...] or "prompt": TEXT,
+  "images": [FILE...], "max_tokens": N (optional)}]}: renders the chat
+  template, runs mlx-vlm's processor (Hugging Face's Gemma 3 image
+  processor and the Gemma 3 prompt expansion) and, with max_tokens, greedy
+  generation; prints {"processed": [{"ids": [...], "pixels": [...flat
+  float32 NHWC...], "tokens": [...], "logprobs": [...]}]}.
 """
 
 import json
@@ -71,17 +73,41 @@ def run_processor(req):
     from mlx_vlm.utils import load_processor
     from PIL import Image
 
+    model = load_model(Path(req["model"])) if any(c.get("max_tokens") for c in req["processor"]) else None
     processor = load_processor(Path(req["model"]))
+    tokenizer = processor.tokenizer
     out = []
     for case in req["processor"]:
         images = [Image.open(p) for p in case["images"]]
-        inputs = processor(text=case["prompt"], images=images or None, return_tensors="np")
+        prompt = case.get("prompt")
+        if prompt is None:
+            prompt = tokenizer.apply_chat_template(
+                case["messages"], add_generation_prompt=True, tokenize=False
+            )
+        # The rendered template already starts with <bos>.
+        inputs = processor(
+            text=prompt,
+            images=images or None,
+            return_tensors="np",
+            add_special_tokens=not prompt.startswith(tokenizer.bos_token),
+        )
         ids = np.array(inputs["input_ids"]).reshape(-1).tolist()
-        pixels = []
+        result = {"ids": [int(i) for i in ids], "pixels": []}
+        pv = None
         if images:
             pv = np.array(inputs["pixel_values"], dtype=np.float32)  # NCHW
-            pixels = pv.transpose(0, 2, 3, 1).reshape(-1).tolist()
-        out.append({"ids": [int(i) for i in ids], "pixels": pixels})
+            result["pixels"] = pv.transpose(0, 2, 3, 1).reshape(-1).tolist()
+        n = case.get("max_tokens")
+        if n:
+            x = mx.array(ids)[None]
+            pixels = mx.array(pv) if pv is not None else None
+            tokens, logprobs = [], []
+            for t, lp in generate_step(x, model, pixels, mx.ones_like(x), max_tokens=n, sampler=greedy):
+                tokens.append(int(t))
+                logprobs.append(float(lp[int(t)].item()))
+            result["tokens"] = tokens
+            result["logprobs"] = logprobs
+        out.append(result)
     return {"processed": out}
 
 
