@@ -190,6 +190,13 @@ fn greedy_tokens_match_mlx_vlm_through_the_api() {
     }
 }
 
+fn close(a: &[f64], b: &[f64]) {
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(b) {
+        assert!((x - y).abs() < 1e-4, "logprobs {a:?} vs {b:?}");
+    }
+}
+
 #[test]
 fn feature_cache_skips_the_tower_for_a_repeated_image() {
     let gw = Gateway::start(&config(BATCHED_ONLY, "{ feature_cache_images: 2 }"));
@@ -200,7 +207,7 @@ fn feature_cache_skips_the_tower_for_a_repeated_image() {
         )
     };
     let metric = |name: &str| gw.metric(name, &[]).unwrap_or(0.0) as u64;
-    let ask = |seed| tokens(&post_ok(&gw, &chat(vec![image_part(&url(seed))], 6))).0;
+    let ask = |seed| tokens(&post_ok(&gw, &chat(vec![image_part(&url(seed))], 6)));
 
     let first = ask(0);
     assert_eq!(
@@ -210,7 +217,11 @@ fn feature_cache_skips_the_tower_for_a_repeated_image() {
         ),
         (0, 1)
     );
-    assert_eq!(ask(0), first, "the cached features gave other tokens");
+    // The same tokens; logprobs equal up to the prefix cache's reuse of
+    // the first request's KV (a different chunking of the same math).
+    let again = ask(0);
+    assert_eq!(again.0, first.0, "the cached features gave other tokens");
+    close(&again.1, &first.1);
     assert_eq!(
         (
             metric("gateway_vision_cache_hits_total"),
@@ -220,7 +231,7 @@ fn feature_cache_skips_the_tower_for_a_repeated_image() {
     );
     // Two more images push the first out of a cache of two.
     let other = ask(1);
-    assert_ne!(other, first, "another image gave the same tokens");
+    assert_ne!(other.1, first.1, "another image gave the same logprobs");
     ask(2);
     assert_eq!(metric("gateway_vision_cache_images"), 2);
     ask(0);
@@ -260,19 +271,27 @@ fn mixed_batch_gives_every_request_its_tokens_alone() {
         ),
         chat(vec![json!({"type": "text", "text": "Count to ten."})], 24),
     ];
-    let alone: Vec<_> = bodies.iter().map(|b| tokens(&post_ok(&gw, b)).0).collect();
+    let alone: Vec<_> = bodies.iter().map(|b| tokens(&post_ok(&gw, b))).collect();
     for round in 0..2 {
         let together: Vec<_> = std::thread::scope(|s| {
             let handles: Vec<_> = bodies
                 .iter()
-                .map(|b| s.spawn(|| tokens(&post_ok(&gw, b)).0))
+                .map(|b| s.spawn(|| tokens(&post_ok(&gw, b))))
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
-        assert_eq!(
-            together, alone,
-            "round {round}: batching changed a request's tokens"
-        );
+        for (i, ((t_tokens, t_lp), (a_tokens, a_lp))) in together.iter().zip(&alone).enumerate() {
+            assert_eq!(
+                t_tokens, a_tokens,
+                "round {round}: batching changed request {i}'s tokens"
+            );
+            for (x, y) in t_lp.iter().zip(a_lp) {
+                assert!(
+                    (x - y).abs() < 1e-3,
+                    "round {round}, request {i}: logprobs {t_lp:?} vs {a_lp:?}"
+                );
+            }
+        }
     }
 }
 
@@ -310,6 +329,7 @@ fn image_tokens_count_against_the_context() {
 fn images_are_routed_only_to_engines_that_take_them() {
     let policy = r#"policy:
   default: batched
+  fallback: [batched]
   rules:
     - name: sampled-images
       when: { has_images: true, greedy: false }
@@ -346,6 +366,17 @@ fn images_are_routed_only_to_engines_that_take_them() {
     let mut sampled_text = text.clone();
     sampled_text["temperature"] = json!(0.7);
     assert_eq!(route(&sampled_text), ("batched".into(), "default".into()));
+    drop(gw);
+
+    // With nothing to fall back on, the image request is refused rather
+    // than sent to the fast path.
+    let gw = Gateway::start(&config("policy: { default: fastpath }", "{}"));
+    image["temperature"] = json!(0);
+    image.as_object_mut().unwrap().remove("seed");
+    let r = gw.post("/v1/chat/completions", &image);
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "no_capable_engine");
+    assert!(r.text().contains("does not serve requests with images"));
 }
 
 #[test]

@@ -149,11 +149,17 @@ fn rewrite_weights(dir: &Path, spec: &TinyVisionSpec, vocab: i32) -> anyhow::Res
     };
     let mut out: Vec<(String, Array)> = Vec::new();
     for (name, array) in text {
-        let array = if name == "model.embed_tokens.weight" {
-            let extra = normal(&[vocab - array.dim(0), array.dim(1)], 0.0, 1.0)?;
-            ops::concatenate(&[array, extra], 0)?
-        } else {
-            array
+        let array = match name.as_str() {
+            // Embeddings at a twentieth of the usual scale: Gemma
+            // multiplies them by sqrt(hidden) and ties them to the output,
+            // so at full scale the input token dominates the residual
+            // stream and greedy decoding repeats it; smaller, the layers
+            // (and the image) steer the output and logprobs stay informative.
+            "model.embed_tokens.weight" => {
+                let extra = normal(&[vocab - array.dim(0), array.dim(1)], 0.0, 1.0)?;
+                ops::concatenate(&[array, extra], 0)?.multiply(Array::from_f32(0.05))?
+            }
+            _ => array,
         };
         out.push((format!("language_model.{name}"), array));
     }
