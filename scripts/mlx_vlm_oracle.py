@@ -8,7 +8,9 @@ Reads a JSON request on stdin and prints JSON results. Two modes:
   little-endian float32, [N, H, W, 3]) are given; prints {"results":
   [{"tokens": [...], "logits": [[...] per step]}]}. Tokens come from
   mlx-vlm's own generate_step; logits from the model called step by step
-  (prefill through get_input_embeddings), and the two must agree.
+  (prefill through get_input_embeddings), and the two must agree. With
+  "bidirectional": true the prefill gets Hugging Face's Gemma 3 mask
+  (causal, or within the same image) and only the stepwise run is used.
 * {"model": DIR, "processor": [{"messages": [...] or "prompt": TEXT,
   "images": [FILE...], "max_tokens": N (optional)}]}: renders the chat
   template, runs mlx-vlm's processor (Hugging Face's Gemma 3 image
@@ -32,10 +34,22 @@ def greedy(x):
     return mx.argmax(x, axis=-1)
 
 
-def stepwise(model, ids, pixels, n):
+def image_block_mask(ids, image_token):
+    """Hugging Face's Gemma 3 prefill mask: causal, or within one image."""
+    ids = np.array(ids).reshape(-1)
+    is_image = ids == image_token
+    starts = is_image & ~np.concatenate([[False], is_image[:-1]])
+    block = np.where(is_image, np.cumsum(starts) - 1, -1)
+    n = len(ids)
+    causal = np.tril(np.ones((n, n), dtype=bool))
+    same = (block[:, None] == block[None, :]) & (block[:, None] >= 0)
+    return mx.array(causal | same)[None, None]
+
+
+def stepwise(model, ids, pixels, n, mask=None):
     cache = make_prompt_cache(model.language_model)
     emb = model.get_input_embeddings(ids, pixels, mask=mx.ones_like(ids))
-    out = model.language_model(ids, inputs_embeds=emb.inputs_embeds, cache=cache)
+    out = model.language_model(ids, inputs_embeds=emb.inputs_embeds, cache=cache, mask=mask)
     logits = out.logits[:, -1, :]
     tokens, rows = [], []
     for _ in range(n):
@@ -56,6 +70,12 @@ def run_cases(req):
         ids = mx.array(case["ids"])[None]
         raw = np.fromfile(case["pixels"], dtype="<f4").reshape(case["images"], size, size, 3)
         pixels = mx.array(raw).transpose(0, 3, 1, 2)  # the model takes NCHW
+        if case.get("bidirectional"):
+            # mlx-vlm's own generation is causal; the model takes a mask.
+            mask = image_block_mask(case["ids"], model.config.image_token_index)
+            tokens, rows = stepwise(model, ids, pixels, n, mask)
+            results.append({"tokens": tokens, "logits": rows})
+            continue
         official = [
             int(t)
             for t, _ in generate_step(

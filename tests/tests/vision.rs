@@ -521,3 +521,31 @@ fn bad_images_get_clear_400s() {
     // The server still serves.
     post_ok(&gw, &chat(vec![img], 4));
 }
+
+#[test]
+fn bidirectional_image_attention_keeps_each_image_in_one_prefill_chunk() {
+    let img = image_part(&data_url(
+        &encode(&picture(56, 56, 4), ImageFormat::Png),
+        "image/png",
+    ));
+    let body = chat(
+        vec![json!({"type": "text", "text": "Look at this"}), img],
+        8,
+    );
+    let run = |batched: &str, attention: &str| {
+        let cfg = config(BATCHED_ONLY, &format!("{{ image_attention: {attention} }}"))
+            .replace("batched: { kind: batched }", batched);
+        let gw = Gateway::start(&cfg);
+        tokens(&post_ok(&gw, &body))
+    };
+    let whole = run("batched: { kind: batched }", "bidirectional");
+    // Chunks of 5 would cut the 16 image tokens; the engine extends them.
+    let chunked = run(
+        "batched: { kind: batched, prefill_chunk: 5 }",
+        "bidirectional",
+    );
+    let causal = run("batched: { kind: batched, prefill_chunk: 5 }", "causal");
+    assert_eq!(chunked.0, whole.0);
+    close(&chunked.1, &whole.1);
+    assert_ne!(causal.1, whole.1, "bidirectional attention changed nothing");
+}

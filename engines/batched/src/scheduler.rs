@@ -386,6 +386,8 @@ impl Scheduler {
         let model = &self.shared.model.model;
         let prompt = &p.row.request.prompt;
         let end = (p.done + self.cfg.prefill_chunk).min(prompt.len());
+        // An image whose tokens attend both ways is prefilled in one chunk.
+        let end = vision::chunk_end(&p.row.request.images, p.done, end);
         let ids = generate::tokens_array(&prompt[p.done..end]);
         let logits = match vision::replacement(&p.row.request.images, p.done, end - p.done) {
             Some(images) => model.forward_replacing(&ids, &images, &mut p.cache, Logits::Last)?,

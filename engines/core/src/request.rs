@@ -138,6 +138,10 @@ pub struct ImageInput {
     pub tokens: u32,
     pub width: u32,
     pub embeddings: Arc<Vec<f32>>,
+    /// The image's tokens attend to each other in both directions during
+    /// prefill (Hugging Face's Gemma 3); otherwise causally (mlx-vlm's).
+    /// Engines then prefill each image within one chunk.
+    pub bidirectional: bool,
 }
 
 impl ImageInput {

@@ -1,7 +1,9 @@
 //! Gemma 3 vision against the reference implementation, Python mlx-vlm, on
 //! the same generated weights: the same prompt ids and the same pixel
 //! tensor in, the same greedy tokens (and logits within float tolerance)
-//! out. Prefill runs whole and in chunks that cut through an image.
+//! out. Prefill runs whole and in chunks that cut through an image (causal)
+//! or end after it (bidirectional image attention, compared with mlx-vlm's
+//! model given Hugging Face's mask: causal, or within the same image).
 //! (The pixels path, decoding and resizing, is compared against mlx-vlm's
 //! processor in the gateway's end-to-end vision test.)
 
@@ -17,7 +19,7 @@ use runtime::generate::{argmax_tokens, tokens_array};
 use runtime::model::Logits;
 use runtime::tiny::random_prompt;
 use runtime::tiny_vision::{write_vision_model, TinyVisionSpec};
-use runtime::vision::{image_spans, replacement};
+use runtime::vision::{chunk_end, image_spans, replacement};
 use runtime::LoadedModel;
 
 const STEPS: usize = 24;
@@ -33,7 +35,11 @@ fn python() -> PathBuf {
     py
 }
 
-fn reference(dir: &Path, cases: &[(Vec<u32>, PathBuf, usize)]) -> Vec<Reference> {
+fn reference(
+    dir: &Path,
+    cases: &[(Vec<u32>, PathBuf, usize)],
+    bidirectional: bool,
+) -> Vec<Reference> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/mlx_vlm_oracle.py");
     let mut child = Command::new(python())
         .arg(script)
@@ -44,7 +50,7 @@ fn reference(dir: &Path, cases: &[(Vec<u32>, PathBuf, usize)]) -> Vec<Reference>
         .expect("start the mlx-vlm oracle");
     let cases: Vec<_> = cases
         .iter()
-        .map(|(ids, pixels, n)| serde_json::json!({ "ids": ids, "pixels": pixels, "images": n }))
+        .map(|(ids, pixels, n)| serde_json::json!({ "ids": ids, "pixels": pixels, "images": n, "bidirectional": bidirectional }))
         .collect();
     let req = serde_json::json!({ "model": dir, "cases": cases, "max_tokens": STEPS });
     child
@@ -104,7 +110,7 @@ fn ours(model: &LoadedModel, prompt: &[u32], images: &[ImageInput], chunk: usize
     let mut logits = None;
     let mut start = 0;
     while start < prompt.len() {
-        let end = (start + chunk).min(prompt.len());
+        let end = chunk_end(images, start, (start + chunk).min(prompt.len()));
         let ids = tokens_array(&prompt[start..end]);
         let out = match replacement(images, start, end - start) {
             Some(r) => m.forward_replacing(&ids, &r, &mut cache, Logits::Last),
@@ -135,8 +141,21 @@ fn ours(model: &LoadedModel, prompt: &[u32], images: &[ImageInput], chunk: usize
 
 #[test]
 fn gemma3_vision_matches_mlx_vlm() {
+    check_against_mlx_vlm(false);
+}
+
+#[test]
+fn bidirectional_image_attention_matches_mlx_vlm_given_the_same_mask() {
+    check_against_mlx_vlm(true);
+}
+
+fn check_against_mlx_vlm(bidirectional: bool) {
     let dir = tempfile::tempdir().unwrap();
-    let spec = TinyVisionSpec::tiny();
+    let mut spec = TinyVisionSpec::tiny();
+    if bidirectional {
+        // The reference takes one mask for every layer: no window may bite.
+        spec.text.sliding_window = 128;
+    }
     write_vision_model(dir.path(), &spec).unwrap();
     let model = LoadedModel::load(dir.path(), None).unwrap();
     let tower = model.vision.as_ref().expect("a vision tower");
@@ -196,19 +215,34 @@ fn gemma3_vision_matches_mlx_vlm() {
                 embeddings: Arc::new(
                     flat[k * len * width as usize..(k + 1) * len * width as usize].to_vec(),
                 ),
+                bidirectional,
             })
             .collect();
         let whole = ours(&model, prompt, &images, usize::MAX);
-        // Chunks of 7 cut every image's soft tokens.
+        // Chunks of 7 cut every image's soft tokens (or end after them).
         let chunked = ours(&model, prompt, &images, 7);
         assert_eq!(
             whole.tokens, chunked.tokens,
             "case {i}: chunked prefill changed the tokens"
         );
+        if bidirectional {
+            let causal: Vec<ImageInput> = images
+                .iter()
+                .map(|im| ImageInput {
+                    bidirectional: false,
+                    ..im.clone()
+                })
+                .collect();
+            let causal = ours(&model, prompt, &causal, usize::MAX);
+            assert_ne!(
+                causal.logits[0], whole.logits[0],
+                "case {i}: bidirectional attention changed nothing"
+            );
+        }
         ours_by_case.push(whole);
     }
 
-    let refs = reference(dir.path(), &files);
+    let refs = reference(dir.path(), &files, bidirectional);
     for (i, (mine, theirs)) in ours_by_case.iter().zip(&refs).enumerate() {
         assert_eq!(
             mine.tokens, theirs.tokens,

@@ -178,6 +178,8 @@ impl Vision {
                 tokens: self.tokens.per_image as u32,
                 width: self.width,
                 embeddings: im.embeddings.clone(),
+                bidirectional: self.settings.image_attention
+                    == settings::ImageAttention::Bidirectional,
             })
             .collect()
     }

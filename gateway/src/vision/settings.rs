@@ -11,6 +11,7 @@
 //!   allow_local_files: false      # file:///abs/path and /abs/path URLs
 //!   allow_remote_urls: false      # http:// URLs
 //!   fetch_timeout_s: 10           # per download
+//!   image_attention: causal       # or bidirectional: within each image
 //! ```
 
 use serde::Deserialize;
@@ -25,6 +26,17 @@ pub struct VisionSettings {
     pub allow_local_files: bool,
     pub allow_remote_urls: bool,
     pub fetch_timeout_s: f64,
+    pub image_attention: ImageAttention,
+}
+
+/// How an image's soft tokens attend to each other during prefill.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ImageAttention {
+    /// Causally, like every other token: what mlx-vlm does for Gemma 3.
+    Causal,
+    /// Both ways within each image: what Hugging Face's Gemma 3 does.
+    Bidirectional,
 }
 
 impl Default for VisionSettings {
@@ -37,6 +49,7 @@ impl Default for VisionSettings {
             allow_local_files: false,
             allow_remote_urls: false,
             fetch_timeout_s: 10.0,
+            image_attention: ImageAttention::Causal,
         }
     }
 }

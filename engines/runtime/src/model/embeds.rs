@@ -7,13 +7,17 @@ use mlx_rs::{ops, Array, Dtype};
 use super::{last_position, Logits, Model};
 use crate::cache::KvCache;
 use crate::mask;
+use crate::vision::mask as image_mask;
 
 /// Positions of a `[1, L]` chunk whose embeddings are replaced: `mask` is
 /// `[1, L, 1]` bool, `rows` is `[1, L, hidden]` (ignored where `mask` is
-/// false).
+/// false). `blocks`: absolute `[start, end)` spans of images whose tokens
+/// attend to each other bidirectionally (each whole within this chunk or
+/// before it); empty for causal attention throughout.
 pub struct Replacement {
     pub mask: Array,
     pub rows: Array,
+    pub blocks: Vec<(i32, i32)>,
 }
 
 impl Model {
@@ -35,11 +39,16 @@ impl Model {
         if let Some(scale) = self.embed_scale {
             h = h.multiply(Array::from_f32(scale).as_dtype(h.dtype())?)?;
         }
-        let global_mask = mask::build(cache, n, None);
-        let window_mask = self
-            .config
-            .sliding_window
-            .map(|w| mask::build(cache, n, Some(w)));
+        let blocks = &replace.blocks;
+        let build = |window| {
+            if blocks.is_empty() {
+                mask::build(cache, n, window)
+            } else {
+                image_mask::with_image_blocks(cache, n, window, blocks)
+            }
+        };
+        let global_mask = build(None);
+        let window_mask = self.config.sliding_window.map(|w| build(Some(w)));
         let offsets = cache.offsets();
         for (i, layer) in self.layers.iter().enumerate() {
             let mask = match (&layer.window, &window_mask) {

@@ -3,6 +3,7 @@
 //! embeddings into a prompt chunk's input.
 
 pub mod config;
+pub mod mask;
 pub mod tower;
 
 use engine_core::ImageInput;
@@ -22,6 +23,11 @@ pub fn replacement(images: &[ImageInput], start: usize, len: usize) -> Option<Re
         .filter(|im| (im.start as usize) < end && im.end() as usize > start)
         .collect();
     let width = overlapping.first()?.width as usize;
+    let blocks = overlapping
+        .iter()
+        .filter(|im| im.bidirectional)
+        .map(|im| (im.start as i32, im.end() as i32))
+        .collect();
     let mut mask = vec![false; len];
     let mut rows = vec![0f32; len * width];
     for im in overlapping {
@@ -38,7 +44,22 @@ pub fn replacement(images: &[ImageInput], start: usize, len: usize) -> Option<Re
     Some(Replacement {
         mask: Array::from_slice(&mask, &[1, len as i32, 1]),
         rows: Array::from_slice(&rows, &[1, len as i32, width as i32]),
+        blocks,
     })
+}
+
+/// Where a prefill chunk `[start, proposed)` must end so that it does not
+/// cut an image whose tokens attend bidirectionally: past the end of such
+/// an image, never before `proposed`.
+pub fn chunk_end(images: &[ImageInput], start: usize, proposed: usize) -> usize {
+    images
+        .iter()
+        .filter(|im| {
+            im.bidirectional && (im.start as usize) < proposed && im.end() as usize > proposed
+        })
+        .map(|im| im.end() as usize)
+        .fold(proposed, usize::max)
+        .max(start)
 }
 
 /// Runs of `image_token` in `prompt`: `(start, length)` of every image's
@@ -73,6 +94,7 @@ mod tests {
             tokens,
             width,
             embeddings: Arc::new((0..tokens * width).map(|i| base + i as f32).collect()),
+            bidirectional: false,
         }
     }
 
@@ -80,6 +102,18 @@ mod tests {
     fn spans_are_runs_of_the_image_token() {
         assert_eq!(image_spans(&[1, 9, 9, 2, 9, 9, 9], 9), vec![(1, 2), (4, 3)]);
         assert!(image_spans(&[1, 2, 3], 9).is_empty());
+    }
+
+    #[test]
+    fn chunks_end_after_bidirectional_images() {
+        let mut images = [image(2, 3, 0.0), image(7, 2, 0.0)];
+        assert_eq!(chunk_end(&images, 0, 3), 3);
+        images[0].bidirectional = true;
+        assert_eq!(chunk_end(&images, 0, 3), 5);
+        assert_eq!(chunk_end(&images, 0, 5), 5);
+        assert_eq!(chunk_end(&images, 3, 8), 8);
+        images[1].bidirectional = true;
+        assert_eq!(chunk_end(&images, 3, 8), 9);
     }
 
     #[test]
