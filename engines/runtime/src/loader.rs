@@ -46,7 +46,7 @@ impl LoadedModel {
         let mut weights = Weights::from_dir(dir)?;
         let vision = match VisionConfig::from_dir(dir)? {
             Some(v) => Some(
-                VisionTower::load(v, &mut weights)
+                VisionTower::load(v, &mut weights, config.quantization)
                     .with_context(|| format!("loading the vision tower of {}", dir.display()))?,
             ),
             None => None,

@@ -81,11 +81,25 @@ pub fn preprocess(image: &RgbImage, p: &Preprocess) -> Vec<f32> {
 mod tests {
     use super::*;
 
-    fn png(w: u32, h: u32) -> Vec<u8> {
+    fn encoded(w: u32, h: u32, format: ImageFormat) -> Vec<u8> {
         let img = RgbImage::from_fn(w, h, |x, y| image::Rgb([x as u8, y as u8, 128]));
         let mut out = Cursor::new(Vec::new());
-        img.write_to(&mut out, ImageFormat::Png).unwrap();
+        img.write_to(&mut out, format).unwrap();
         out.into_inner()
+    }
+
+    fn png(w: u32, h: u32) -> Vec<u8> {
+        encoded(w, h, ImageFormat::Png)
+    }
+
+    #[test]
+    fn reads_png_jpeg_and_webp_only() {
+        for format in [ImageFormat::Png, ImageFormat::Jpeg, ImageFormat::WebP] {
+            let img = decode(&encoded(6, 5, format), 100).unwrap();
+            assert_eq!(img.dimensions(), (6, 5), "{format:?}");
+        }
+        let gif = b"GIF89a\x01\x00\x01\x00\x00\x00\x00;";
+        assert!(matches!(decode(gif, 100), Err(ImageError::Invalid(_))));
     }
 
     #[test]

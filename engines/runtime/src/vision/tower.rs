@@ -8,6 +8,7 @@
 
 use mlx_rs::{fast, nn, ops, Array, Dtype};
 
+use crate::config::Quantization;
 use crate::layers::{Linear, RmsNorm};
 use crate::vision::config::VisionConfig;
 use crate::weights::Weights;
@@ -63,7 +64,13 @@ pub struct VisionTower {
 impl VisionTower {
     /// Takes the tower's and projector's weights out of `w`, leaving the
     /// text model's.
-    pub fn load(config: VisionConfig, w: &mut Weights) -> anyhow::Result<Self> {
+    /// `quant`: the checkpoint's MLX quantization, for towers whose linear
+    /// layers were quantized with the text model.
+    pub fn load(
+        config: VisionConfig,
+        w: &mut Weights,
+        quant: Option<Quantization>,
+    ) -> anyhow::Result<Self> {
         let eps = config.layer_norm_eps;
         let mut patch_weight = w.take(&format!("{TOWER}.embeddings.patch_embedding.weight"))?;
         // Hugging Face stores PyTorch's `[out, in, kh, kw]`; MLX conversions
@@ -79,13 +86,13 @@ impl VisionTower {
             let p = format!("{TOWER}.encoder.layers.{i}");
             layers.push(EncoderLayer {
                 norm1: LayerNorm::load(w, &format!("{p}.layer_norm1"), eps)?,
-                q: Linear::load(w, &format!("{p}.self_attn.q_proj"), None)?,
-                k: Linear::load(w, &format!("{p}.self_attn.k_proj"), None)?,
-                v: Linear::load(w, &format!("{p}.self_attn.v_proj"), None)?,
-                out: Linear::load(w, &format!("{p}.self_attn.out_proj"), None)?,
+                q: Linear::load(w, &format!("{p}.self_attn.q_proj"), quant)?,
+                k: Linear::load(w, &format!("{p}.self_attn.k_proj"), quant)?,
+                v: Linear::load(w, &format!("{p}.self_attn.v_proj"), quant)?,
+                out: Linear::load(w, &format!("{p}.self_attn.out_proj"), quant)?,
                 norm2: LayerNorm::load(w, &format!("{p}.layer_norm2"), eps)?,
-                fc1: Linear::load(w, &format!("{p}.mlp.fc1"), None)?,
-                fc2: Linear::load(w, &format!("{p}.mlp.fc2"), None)?,
+                fc1: Linear::load(w, &format!("{p}.mlp.fc1"), quant)?,
+                fc2: Linear::load(w, &format!("{p}.mlp.fc2"), quant)?,
             });
         }
         // mlx-vlm builds the post-LayerNorm with MLX's default eps.
