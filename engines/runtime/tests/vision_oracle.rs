@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use engine_core::ImageInput;
 use mlx_rs::transforms::eval;
-use mlx_rs::Array;
+use mlx_rs::{Array, Dtype};
 use runtime::generate::{argmax_tokens, tokens_array};
 use runtime::model::Logits;
 use runtime::tiny::random_prompt;
@@ -139,19 +139,57 @@ fn ours(model: &LoadedModel, prompt: &[u32], images: &[ImageInput], chunk: usize
     }
 }
 
+/// bf16: logits within `tol` and the same tokens while the two runs see
+/// the same tokens; they may part only where the reference's best two
+/// logits are within `tol` (a tie at bf16's resolution), and after that
+/// their inputs differ, so nothing more is compared.
+fn agree_up_to_a_near_tie(case: usize, mine: &Reference, theirs: &Reference, tol: f32) {
+    for (step, (a, b)) in mine.logits.iter().zip(&theirs.logits).enumerate() {
+        let worst = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            worst < tol,
+            "case {case} step {step}: logits differ by {worst}"
+        );
+        if mine.tokens[step] != theirs.tokens[step] {
+            let mut sorted = b.clone();
+            sorted.sort_by(|x, y| y.total_cmp(x));
+            let gap = sorted[0] - sorted[1];
+            assert!(
+                gap < tol,
+                "case {case} step {step}: tokens differ with a logit gap of {gap}"
+            );
+            eprintln!("case {case}: bf16 near-tie at step {step} (gap {gap:e})");
+            return;
+        }
+    }
+}
+
 #[test]
 fn gemma3_vision_matches_mlx_vlm() {
-    check_against_mlx_vlm(false);
+    check_against_mlx_vlm(false, Dtype::Float32);
+}
+
+/// bf16 weights and activations (tower included): tokens only, as for the
+/// text families' bf16 oracle.
+#[test]
+fn gemma3_vision_bf16_matches_mlx_vlm() {
+    check_against_mlx_vlm(false, Dtype::Bfloat16);
 }
 
 #[test]
 fn bidirectional_image_attention_matches_mlx_vlm_given_the_same_mask() {
-    check_against_mlx_vlm(true);
+    check_against_mlx_vlm(true, Dtype::Float32);
 }
 
-fn check_against_mlx_vlm(bidirectional: bool) {
+fn check_against_mlx_vlm(bidirectional: bool, dtype: Dtype) {
     let dir = tempfile::tempdir().unwrap();
     let mut spec = TinyVisionSpec::tiny();
+    spec.text.dtype = dtype;
+    let exact = dtype == Dtype::Float32;
     if bidirectional {
         // The reference takes one mask for every layer: no window may bite.
         spec.text.sliding_window = 128;
@@ -199,7 +237,11 @@ fn check_against_mlx_vlm(bidirectional: bool) {
         files.push((prompt.clone(), file, *n));
 
         let input = Array::from_slice(&px, &[*n as i32, size as i32, size as i32, 3]);
-        let features = tower.forward(&input).unwrap();
+        let features = tower
+            .forward(&input)
+            .unwrap()
+            .as_dtype(Dtype::Float32)
+            .unwrap();
         eval([&features]).unwrap();
         let width = features.dim(2) as u32;
         let flat = features.as_slice::<f32>();
@@ -220,11 +262,13 @@ fn check_against_mlx_vlm(bidirectional: bool) {
             .collect();
         let whole = ours(&model, prompt, &images, usize::MAX);
         // Chunks of 7 cut every image's soft tokens (or end after them).
-        let chunked = ours(&model, prompt, &images, 7);
-        assert_eq!(
-            whole.tokens, chunked.tokens,
-            "case {i}: chunked prefill changed the tokens"
-        );
+        if exact {
+            let chunked = ours(&model, prompt, &images, 7);
+            assert_eq!(
+                whole.tokens, chunked.tokens,
+                "case {i}: chunked prefill changed the tokens"
+            );
+        }
         if bidirectional {
             let causal: Vec<ImageInput> = images
                 .iter()
@@ -244,6 +288,10 @@ fn check_against_mlx_vlm(bidirectional: bool) {
 
     let refs = reference(dir.path(), &files, bidirectional);
     for (i, (mine, theirs)) in ours_by_case.iter().zip(&refs).enumerate() {
+        if !exact {
+            agree_up_to_a_near_tie(i, mine, theirs, 2e-2);
+            continue;
+        }
         assert_eq!(
             mine.tokens, theirs.tokens,
             "case {i}: greedy tokens differ from mlx-vlm"
@@ -259,7 +307,7 @@ fn check_against_mlx_vlm(bidirectional: bool) {
             mine.tokens
         );
         assert!(
-            worst < 2e-3,
+            !exact || worst < 2e-3,
             "case {i}: logits differ from mlx-vlm by {worst}"
         );
         // The image must matter: text-only decoding gives other logits.
