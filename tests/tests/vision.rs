@@ -549,3 +549,30 @@ fn bidirectional_image_attention_keeps_each_image_in_one_prefill_chunk() {
     close(&chunked.1, &whole.1);
     assert_ne!(causal.1, whole.1, "bidirectional attention changed nothing");
 }
+
+#[test]
+fn image_requests_stream() {
+    let gw = Gateway::start(&config(BATCHED_ONLY, "{}"));
+    let img = image_part(&data_url(
+        &encode(&picture(70, 40, 8), ImageFormat::Jpeg),
+        "image/jpeg",
+    ));
+    let mut body = chat(vec![json!({"type": "text", "text": "Hi"}), img], 10);
+    body.as_object_mut().unwrap().remove("logprobs");
+    let whole = post_ok(&gw, &body)["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    body["stream"] = json!(true);
+    let events = gw.post("/v1/chat/completions", &body).sse_data();
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let streamed: String = e2e_tests::http::json_chunks(&events)
+        .iter()
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect();
+    assert_eq!(streamed, whole);
+}

@@ -106,7 +106,7 @@ impl Vision {
     }
 
     /// Fetches, decodes and encodes every image (cached ones skip decoding
-    /// and the tower).
+    /// and the tower). Decoding and the tower run on a blocking thread.
     pub async fn prepare(&self, parts: &[ImagePart]) -> Result<Vec<PreparedImage>, ApiError> {
         if parts.len() > self.settings.max_images {
             return Err(ApiError::InvalidRequest {
@@ -120,6 +120,7 @@ impl Vision {
             });
         }
         let mut out: Vec<Option<PreparedImage>> = vec![None; parts.len()];
+        // (index in `parts`, hash, encoded bytes) of the images to encode.
         let mut missing = Vec::new();
         for (i, part) in parts.iter().enumerate() {
             let bytes = source::fetch(&part.url, &self.settings)
@@ -128,33 +129,27 @@ impl Vision {
             let hash = cache::hash(&bytes);
             match self.cache.get(&hash) {
                 Some(embeddings) => out[i] = Some(PreparedImage { hash, embeddings }),
-                None => {
-                    let max = self.settings.max_image_pixels;
-                    let image = pixels::decode(&bytes, max).map_err(|e| e.into_api(&part.param))?;
-                    missing.push((i, hash, image));
-                }
+                None => missing.push((i, hash, bytes)),
             }
         }
         if !missing.is_empty() {
             let shared = self.shared.clone();
-            let preprocess = shared
-                .model
-                .vision
-                .as_ref()
-                .expect("vision model")
-                .config
-                .preprocess
-                .clone();
-            let batch: Vec<f32> = missing
-                .iter()
-                .flat_map(|(_, _, image)| pixels::preprocess(image, &preprocess))
+            let max_pixels = self.settings.max_image_pixels;
+            let encoded: Vec<Vec<u8>> = missing
+                .iter_mut()
+                .map(|(_, _, bytes)| std::mem::take(bytes))
                 .collect();
-            let n = missing.len();
-            let features =
-                tokio::task::spawn_blocking(move || encode(&shared, &batch, n, &preprocess))
-                    .await
-                    .map_err(|e| ApiError::Internal(format!("the vision tower panicked: {e}")))?
-                    .map_err(|e| ApiError::Internal(format!("the vision tower failed: {e}")))?;
+            let features = tokio::task::spawn_blocking(move || {
+                decode_and_encode(&shared, &encoded, max_pixels)
+            })
+            .await
+            .map_err(|e| ApiError::Internal(format!("the vision tower panicked: {e}")))?
+            .map_err(|e| match e {
+                EncodeError::Image(k, bad) => bad.into_api(&parts[missing[k].0].param),
+                EncodeError::Tower(failed) => {
+                    ApiError::Internal(format!("the vision tower failed: {failed}"))
+                }
+            })?;
             let per_image = self.tokens.per_image * self.width as usize;
             for (k, (i, hash, _)) in missing.into_iter().enumerate() {
                 let embeddings = Arc::new(features[k * per_image..(k + 1) * per_image].to_vec());
@@ -183,6 +178,34 @@ impl Vision {
             })
             .collect()
     }
+}
+
+enum EncodeError {
+    /// The `k`-th image to encode is bad.
+    Image(usize, ImageError),
+    Tower(anyhow::Error),
+}
+
+/// Decodes and preprocesses `encoded` images, then runs the tower on them
+/// all at once.
+fn decode_and_encode(
+    shared: &SharedModel,
+    encoded: &[Vec<u8>],
+    max_pixels: u64,
+) -> Result<Vec<f32>, EncodeError> {
+    let p = &shared
+        .model
+        .vision
+        .as_ref()
+        .expect("vision model")
+        .config
+        .preprocess;
+    let mut batch = Vec::new();
+    for (k, bytes) in encoded.iter().enumerate() {
+        let image = pixels::decode(bytes, max_pixels).map_err(|e| EncodeError::Image(k, e))?;
+        batch.extend(pixels::preprocess(&image, p));
+    }
+    encode(shared, &batch, encoded.len(), p).map_err(EncodeError::Tower)
 }
 
 /// Runs the tower on `n` preprocessed images under the device lock; the
