@@ -50,8 +50,13 @@ pub fn run(args: &MakeTinyArgs) -> anyhow::Result<()> {
         write_model(&args.out, &spec)
     }
     .with_context(|| format!("writing {}", args.out.display()))?;
+    let family = if vision {
+        "gemma3-vision".to_string()
+    } else {
+        family.to_string()
+    };
     println!(
-        "wrote a {family} model ({} parameters) to {}",
+        "wrote a {family} model ({} text-model parameters) to {}",
         spec.parameters(),
         args.out.display()
     );
