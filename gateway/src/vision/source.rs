@@ -112,10 +112,14 @@ async fn download(url: &str, settings: &VisionSettings) -> Result<Vec<u8>, Image
         let body = Limited::new(response.into_body(), limit)
             .collect()
             .await
-            .map_err(|_| {
-                ImageError::TooLarge(format!(
-                    "the image is larger than the limit of {limit} bytes"
-                ))
+            .map_err(|e| {
+                if e.is::<http_body_util::LengthLimitError>() {
+                    ImageError::TooLarge(format!(
+                        "the image is larger than the limit of {limit} bytes"
+                    ))
+                } else {
+                    ImageError::Fetch(format!("downloading the image failed: {e}"))
+                }
             })?;
         Ok(body.to_bytes().to_vec())
     };
