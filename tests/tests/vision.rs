@@ -424,7 +424,7 @@ fn images_from_files_and_http_when_allowed() {
     };
     let gw = Gateway::start(&config(
         BATCHED_ONLY,
-        "{ allow_local_files: true, allow_remote_urls: true, fetch_timeout_s: 5 }",
+        "{ allow_local_files: true, allow_remote_urls: true, fetch_timeout_s: 1 }",
     ));
     let by_file = tokens(&post_ok(
         &gw,
@@ -434,6 +434,20 @@ fn images_from_files_and_http_when_allowed() {
     let by_http = tokens(&post_ok(&gw, &chat(vec![image_part(&http_url)], 4))).0;
     assert_eq!(by_file, by_data);
     assert_eq!(by_http, by_data);
+
+    // A server that accepts and never answers runs into fetch_timeout_s.
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_url = format!("http://{}/slow.png", silent.local_addr().unwrap());
+    let held = std::thread::spawn(move || silent.accept().map(|(stream, _)| stream));
+    let started = std::time::Instant::now();
+    let r = gw.post(
+        "/v1/chat/completions",
+        &chat(vec![image_part(&silent_url)], 4),
+    );
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "image_fetch_failed");
+    assert!(started.elapsed() < std::time::Duration::from_secs(4));
+    drop(held.join());
 }
 
 #[test]
