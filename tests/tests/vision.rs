@@ -320,9 +320,19 @@ fn image_tokens_count_against_the_context() {
             .status,
         200
     );
+    let looked_up = |gw: &Gateway| {
+        [
+            "gateway_vision_cache_hits_total",
+            "gateway_vision_cache_misses_total",
+        ]
+        .map(|m| gw.metric(m, &[]).unwrap_or(0.0) as u64)
+    };
+    let before = looked_up(&gw);
     let r = gw.post("/v1/chat/completions", &chat(vec![text, img], max));
     assert_eq!(r.status, 400, "{}", r.text());
     assert_eq!(r.json()["error"]["code"], "context_length_exceeded");
+    // Refused before its image was even looked up.
+    assert_eq!(looked_up(&gw), before);
 }
 
 #[test]

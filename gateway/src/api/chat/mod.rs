@@ -102,14 +102,11 @@ pub async fn create(
             ),
             other => ApiError::Internal(other.to_string()),
         })?;
-    let images = match vision {
-        Some(vision) => Some((vision, vision.prepare(&request.images).await?)),
-        None => None,
-    };
-    let expanded = match &images {
-        Some((vision, prepared)) => vision
+    let count = request.images.len();
+    let expanded = match vision {
+        Some(vision) => vision
             .tokens
-            .expand(&rendered, prepared.len())
+            .expand(&rendered, count)
             .map_err(|e| e.into_api("messages"))?,
         None => rendered.clone(),
     };
@@ -117,18 +114,12 @@ pub async fn create(
         .tokenizer
         .encode_chat(&expanded)
         .map_err(|e| ApiError::Internal(e.to_string()))?;
-    let (image_inputs, image_scope) = match &images {
-        Some((vision, prepared)) => {
-            let starts = vision
-                .tokens
-                .spans(&prompt, prepared.len())
-                .map_err(|e| e.into_api("messages"))?;
-            (
-                vision.inputs(prepared, &starts),
-                Some(image_scope(prepared)),
-            )
-        }
-        None => (Vec::new(), None),
+    let image_starts = match vision {
+        Some(vision) => vision
+            .tokens
+            .spans(&prompt, count)
+            .map_err(|e| e.into_api("messages"))?,
+        None => Vec::new(),
     };
     let max_param = if body.get("max_completion_tokens").is_some() {
         "max_completion_tokens"
@@ -142,6 +133,18 @@ pub async fn create(
         "messages",
         max_param,
     )?;
+    // Images are fetched and encoded only for a request that is otherwise
+    // valid: the tower is the expensive part.
+    let (image_inputs, image_scope) = match vision {
+        Some(vision) => {
+            let prepared = vision.prepare(&request.images).await?;
+            (
+                vision.inputs(&prepared, &image_starts),
+                Some(image_scope(&prepared)),
+            )
+        }
+        None => (Vec::new(), None),
+    };
     let reasoning = reasoning_format(state.model.family);
     let has_tools = tools.as_ref().is_some_and(|t| !t.is_empty());
     let plan = Plan {
