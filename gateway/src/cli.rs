@@ -49,6 +49,9 @@ pub enum FamilyArg {
     Qwen2,
     Qwen3,
     Gemma3,
+    /// Gemma 3 with a vision tower (`Gemma3ForConditionalGeneration`);
+    /// tiny preset, unquantized.
+    Gemma3Vision,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]

@@ -24,6 +24,7 @@
 //! engines:
 //!   batched: { kind: batched }        # loads libengine_batched.so
 //! policy: { default: batched, rules: [] }
+//! vision: { max_images: 8 }   # images in requests: see crate::vision::settings
 //! ```
 
 use std::net::{IpAddr, Ipv4Addr};
@@ -32,6 +33,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use serde_yaml::Value;
+
+use crate::vision::VisionSettings;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -72,6 +75,8 @@ struct RawConfig {
     /// Validated by the policies crate against the engines that loaded.
     #[allow(dead_code)]
     policy: Option<Value>,
+    #[serde(default)]
+    vision: VisionSettings,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -151,6 +156,7 @@ pub struct Config {
     pub plugin_dir: Option<PathBuf>,
     pub plugins: Vec<PathBuf>,
     pub engines: Vec<EngineSpec>,
+    pub vision: VisionSettings,
 }
 
 /// Command-line values that replace the file's.
@@ -232,6 +238,7 @@ impl Config {
         if engines.is_empty() {
             return Err(invalid("`engines:` names no engine".into()));
         }
+        raw.vision.check().map_err(invalid)?;
         Ok(Config {
             path: path.to_owned(),
             model,
@@ -239,6 +246,7 @@ impl Config {
             plugin_dir: raw.plugin_dir.as_deref().map(resolve),
             plugins: raw.plugins.iter().map(|p| resolve(p)).collect(),
             engines,
+            vision: raw.vision.clone(),
         })
     }
 

@@ -6,7 +6,8 @@
 use std::time::Instant;
 
 use engine_core::{
-    Event, FinishReason as EngineFinish, GenerateRequest, SamplingParams, SpecStats, TokenEvent,
+    Event, FinishReason as EngineFinish, GenerateRequest, ImageInput, SamplingParams, SpecStats,
+    TokenEvent,
 };
 use serde_json::{json, Value};
 
@@ -29,6 +30,8 @@ pub struct Plan {
     pub cache_scope: Option<String>,
     /// Generate through the model's end-of-sequence tokens.
     pub ignore_eos: bool,
+    /// Image soft tokens of the prompt (vision models).
+    pub images: Vec<ImageInput>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -139,6 +142,7 @@ impl Generation {
         }
         req.cache_scope = plan.cache_scope;
         req.has_tools = plan.has_tools;
+        req.images = plan.images;
         let routed = state.router.route(req, &plan.model)?;
         Ok(Generation {
             engine: routed.entry.name.clone(),

@@ -17,3 +17,4 @@ pub mod router;
 pub mod server;
 pub mod state;
 pub mod telemetry;
+pub mod vision;

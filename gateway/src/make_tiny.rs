@@ -4,6 +4,7 @@
 use anyhow::{bail, Context};
 use mlx_rs::Dtype;
 use runtime::tiny::{write_model, TinySpec};
+use runtime::tiny_vision::{write_vision_model, TinyVisionSpec};
 use runtime::Family;
 
 use crate::cli::{DrafterKind, DtypeArg, FamilyArg, MakeTinyArgs, MakeTinyDrafterArgs, PresetArg};
@@ -13,8 +14,12 @@ pub fn run(args: &MakeTinyArgs) -> anyhow::Result<()> {
         FamilyArg::Llama => Family::Llama,
         FamilyArg::Qwen2 => Family::Qwen2,
         FamilyArg::Qwen3 => Family::Qwen3,
-        FamilyArg::Gemma3 => Family::Gemma3,
+        FamilyArg::Gemma3 | FamilyArg::Gemma3Vision => Family::Gemma3,
     };
+    let vision = matches!(args.family, FamilyArg::Gemma3Vision);
+    if vision && (!matches!(args.preset, PresetArg::Tiny) || args.quant_bits.is_some()) {
+        bail!("gemma3-vision models are written with the tiny preset and no quantization");
+    }
     let mut spec = match args.preset {
         PresetArg::Tiny => TinySpec::tiny(family),
         PresetArg::Bench => TinySpec::bench(family),
@@ -35,9 +40,23 @@ pub fn run(args: &MakeTinyArgs) -> anyhow::Result<()> {
     if let Some(context) = args.context {
         spec.context = context;
     }
-    write_model(&args.out, &spec).with_context(|| format!("writing {}", args.out.display()))?;
+    if vision {
+        let spec = TinyVisionSpec {
+            text: spec.clone(),
+            ..TinyVisionSpec::tiny()
+        };
+        write_vision_model(&args.out, &spec)
+    } else {
+        write_model(&args.out, &spec)
+    }
+    .with_context(|| format!("writing {}", args.out.display()))?;
+    let family = if vision {
+        "gemma3-vision".to_string()
+    } else {
+        family.to_string()
+    };
     println!(
-        "wrote a {family} model ({} parameters) to {}",
+        "wrote a {family} model ({} text-model parameters) to {}",
         spec.parameters(),
         args.out.display()
     );

@@ -111,7 +111,7 @@ impl Router {
             max_tokens: req.max_tokens as u64,
             greedy: req.sampling.is_plain_greedy(),
             has_tools: req.has_tools,
-            has_images: false,
+            has_images: !req.images.is_empty(),
             kv_pressure: self.registry.shared.kv_pool.pressure(),
             model: model.to_owned(),
             ..Signals::default()
@@ -221,6 +221,9 @@ fn unsupported(entry: &EngineEntry, req: &GenerateRequest) -> Option<&'static st
     }
     if req.has_tools && !entry.capabilities.tools {
         return Some("it does not serve requests with tools");
+    }
+    if !req.images.is_empty() && !entry.capabilities.images {
+        return Some("it does not serve requests with images");
     }
     None
 }

@@ -116,12 +116,13 @@ pub async fn serve(args: ServeArgs, dispatch: tracing::Dispatch) -> anyhow::Resu
         Duration::from_millis(config.server.policy_reload_ms.max(1)),
     );
     let router = Router::new(registry.clone(), policy);
-    let state = Arc::new(AppState::new(
-        config.clone(),
-        registry.clone(),
-        router,
-        metrics,
-    ));
+    let state = match AppState::new(config.clone(), registry.clone(), router, metrics) {
+        Ok(state) => Arc::new(state),
+        Err(e) => {
+            registry.shutdown();
+            return Err(e);
+        }
+    };
 
     let addr = (config.server.host, config.server.port);
     let listener = tokio::net::TcpListener::bind(addr)

@@ -12,6 +12,7 @@ use crate::api::ApiError;
 use crate::config::Config;
 use crate::host::Registry;
 use crate::router::Router;
+use crate::vision::Vision;
 
 pub struct ModelInfo {
     pub name: String,
@@ -28,6 +29,8 @@ pub struct AppState {
     pub router: Router,
     pub model: ModelInfo,
     pub metrics: PrometheusHandle,
+    /// Images in requests, when the model has a vision tower.
+    pub vision: Option<Vision>,
     /// Set on a shutdown signal: no new generations, /health says so.
     draining: AtomicBool,
 }
@@ -38,7 +41,7 @@ impl AppState {
         registry: Arc<Registry>,
         router: Router,
         metrics: PrometheusHandle,
-    ) -> Self {
+    ) -> anyhow::Result<Self> {
         let loaded = &registry.shared.model;
         let model = ModelInfo {
             name: loaded.name.clone(),
@@ -47,14 +50,16 @@ impl AppState {
             vocab: loaded.vocab_size().max(loaded.tokenizer.vocab_size()),
             created: crate::api::unix_now(),
         };
-        Self {
+        let vision = Vision::new(registry.shared.clone(), config.vision.clone())?;
+        Ok(Self {
             config,
             registry,
             router,
             model,
             metrics,
+            vision,
             draining: AtomicBool::new(false),
-        }
+        })
     }
 
     pub fn start_draining(&self) {

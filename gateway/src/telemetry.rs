@@ -34,6 +34,9 @@ pub mod metric {
     pub const SPEC_ACCEPTED: &str = "gateway_spec_accepted_tokens_total";
     pub const SPEC_TARGET_FORWARDS: &str = "gateway_spec_target_forwards_total";
     pub const ENGINE_ACCEPT_RATE: &str = "gateway_engine_accept_rate";
+    pub const VISION_CACHE_HITS: &str = "gateway_vision_cache_hits_total";
+    pub const VISION_CACHE_MISSES: &str = "gateway_vision_cache_misses_total";
+    pub const VISION_CACHE_IMAGES: &str = "gateway_vision_cache_images";
 }
 
 /// Logs go to stderr (stdout carries only the "listening" line), filtered
@@ -125,4 +128,13 @@ fn describe() {
     describe_gauge!(KV_BLOCKS_TOTAL, "Blocks in the shared KV pool");
     describe_gauge!(KV_BLOCKS_ALLOCATED, "Blocks reserved in the shared KV pool");
     describe_gauge!(KV_PRESSURE, "Allocated over total KV blocks");
+    describe_counter!(
+        VISION_CACHE_HITS,
+        "Images whose features came from the vision feature cache"
+    );
+    describe_counter!(
+        VISION_CACHE_MISSES,
+        "Images that ran the vision tower (not in the feature cache)"
+    );
+    describe_gauge!(VISION_CACHE_IMAGES, "Images in the vision feature cache");
 }

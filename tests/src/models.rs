@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use runtime::tiny::{write_model, TinySpec};
+use runtime::tiny_vision::{write_vision_model, TinyVisionSpec};
 use runtime::Family;
 
 pub struct ModelDir {
@@ -17,6 +18,22 @@ pub fn tiny_qwen3() -> &'static Path {
     static MODEL: OnceLock<ModelDir> = OnceLock::new();
     &MODEL
         .get_or_init(|| write("tiny-qwen3", &TinySpec::tiny(Family::Qwen3)))
+        .path
+}
+
+/// The tiny Gemma 3 vision model (16 soft tokens per 56-pixel image), with a
+/// 96-token context so the image tokens' share of it is visible in tests.
+pub fn tiny_gemma3_vision() -> &'static Path {
+    static MODEL: OnceLock<ModelDir> = OnceLock::new();
+    &MODEL
+        .get_or_init(|| {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let path = dir.path().join("tiny-gemma3-vision");
+            let mut spec = TinyVisionSpec::tiny();
+            spec.text.context = 96;
+            write_vision_model(&path, &spec).expect("write vision model");
+            ModelDir { _dir: dir, path }
+        })
         .path
 }
 

@@ -79,6 +79,32 @@ fn table() -> Vec<Case> {
         // Wrong types.
         case("messages not a list", CHAT, json!({"model": MODEL, "messages": "hi"}), 400)
             .param("messages"),
+        // Images (the vision model's own table is in tests/vision.rs).
+        case(
+            "image to a text-only model",
+            CHAT,
+            json!({"model": MODEL, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]}),
+            400,
+        )
+        .param("messages[0].content[0].image_url.url")
+        .code("images_not_supported"),
+        case(
+            "image part without a url",
+            CHAT,
+            json!({"model": MODEL, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {}}]}]}),
+            400,
+        )
+        .param("messages[0].content[0].image_url.url"),
+        case(
+            "image in an assistant message",
+            CHAT,
+            json!({"model": MODEL, "messages": [{"role": "assistant", "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}),
+            400,
+        )
+        .param("messages[0].content"),
         case("temperature as a string", CHAT, chat(json!({"temperature": "hot"})), 400)
             .param("temperature"),
         case("max_tokens as a string", CHAT, chat(json!({"max_tokens": "5"})), 400)

@@ -88,6 +88,7 @@ impl Engine for BatchedEngine {
             tools: true,
             max_concurrent: Some(self.cfg.max_batch),
             speculative: false,
+            images: true,
         }
     }
 

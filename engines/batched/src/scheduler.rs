@@ -14,7 +14,7 @@ use mlx_rs::{ops, Array};
 use runtime::handover::Handover;
 use runtime::model::Logits;
 use runtime::sampling::{self, Sampler};
-use runtime::{generate, KvCache, SharedModel};
+use runtime::{generate, vision, KvCache, SharedModel};
 
 use crate::config::BatchedConfig;
 use crate::prefix_cache::{Hit, PrefixCache};
@@ -257,7 +257,9 @@ impl Scheduler {
                         done: h.tokens,
                     })
                 }
-                None if row.request.prompt.len() > chunk => {
+                // Image requests prefill alone: their chunks replace the
+                // soft tokens' embeddings.
+                None if row.request.prompt.len() > chunk || !row.request.images.is_empty() => {
                     let cache = self.shared.model.model.new_cache(1);
                     self.prefill = Some(Prefilling {
                         row,
@@ -277,6 +279,7 @@ impl Scheduler {
                         let len = front.request.prompt.len();
                         let padded = longest.max(len) * (self.group.len() + 1);
                         if padded > chunk
+                            || !front.request.images.is_empty()
                             || self.prefix.has_hit(
                                 front.request.cache_scope.as_deref(),
                                 &front.request.prompt,
@@ -383,11 +386,13 @@ impl Scheduler {
         let model = &self.shared.model.model;
         let prompt = &p.row.request.prompt;
         let end = (p.done + self.cfg.prefill_chunk).min(prompt.len());
-        let logits = model.forward(
-            &generate::tokens_array(&prompt[p.done..end]),
-            &mut p.cache,
-            Logits::Last,
-        )?;
+        // An image whose tokens attend both ways is prefilled in one chunk.
+        let end = vision::chunk_end(&p.row.request.images, p.done, end);
+        let ids = generate::tokens_array(&prompt[p.done..end]);
+        let logits = match vision::replacement(&p.row.request.images, p.done, end - p.done) {
+            Some(images) => model.forward_replacing(&ids, &images, &mut p.cache, Logits::Last)?,
+            None => model.forward(&ids, &mut p.cache, Logits::Last)?,
+        };
         p.done = end;
         if end < prompt.len() {
             eval(p.cache.state())?;

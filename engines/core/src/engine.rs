@@ -12,6 +12,8 @@ pub struct Capabilities {
     /// Most requests in flight at once; `None` when bounded only by KV.
     pub max_concurrent: Option<usize>,
     pub speculative: bool,
+    /// Can serve requests with images (their soft-token embeddings).
+    pub images: bool,
 }
 
 /// A snapshot of an engine's load, read by the router per request.

@@ -11,4 +11,4 @@ pub mod request;
 pub use engine::{Capabilities, Engine, EngineError, EngineLoad, Refusal};
 pub use event::{Event, EventStream, Finish, FinishReason, SpecStats, TokenEvent};
 pub use plugin::{EngineContext, PluginDescriptor};
-pub use request::{CancelToken, GenerateRequest, RequestId, SamplingParams};
+pub use request::{CancelToken, GenerateRequest, ImageInput, RequestId, SamplingParams};

@@ -122,7 +122,32 @@ pub struct GenerateRequest {
     /// Prefix-cache reuse happens only between requests of the same scope.
     pub cache_scope: Option<String>,
     pub has_tools: bool,
+    /// Image soft tokens of the prompt and their embeddings (vision
+    /// models); empty for text-only requests.
+    pub images: Vec<ImageInput>,
     pub cancel: CancelToken,
+}
+
+/// One image in the prompt: the prompt positions `[start, start + tokens)`
+/// hold its soft-token placeholders, whose input embeddings engines replace
+/// with `embeddings` (`tokens` rows of `width` floats, in the text model's
+/// embedding units). Plain data, so it crosses the plugin boundary as is.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ImageInput {
+    pub start: u32,
+    pub tokens: u32,
+    pub width: u32,
+    pub embeddings: Arc<Vec<f32>>,
+    /// The image's tokens attend to each other in both directions during
+    /// prefill (Hugging Face's Gemma 3); otherwise causally (mlx-vlm's).
+    /// Engines then prefill each image within one chunk.
+    pub bidirectional: bool,
+}
+
+impl ImageInput {
+    pub fn end(&self) -> u32 {
+        self.start + self.tokens
+    }
 }
 
 impl GenerateRequest {
@@ -135,6 +160,7 @@ impl GenerateRequest {
             stop_tokens: Vec::new(),
             cache_scope: None,
             has_tools: false,
+            images: Vec::new(),
             cancel: CancelToken::new(),
         }
     }

@@ -89,6 +89,7 @@ impl Engine for FastpathEngine {
             tools: false,
             max_concurrent: Some(1),
             speculative: false,
+            images: false,
         }
     }
 

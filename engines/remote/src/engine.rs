@@ -167,6 +167,7 @@ impl Engine for RemoteEngine {
             tools: true,
             max_concurrent: None,
             speculative: false,
+            images: false,
         }
     }
 

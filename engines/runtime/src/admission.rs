@@ -32,6 +32,7 @@ pub fn check_request(req: &GenerateRequest, model: &LoadedModel) -> Result<(), E
             "{id}: logit_bias token id {bad} is outside the vocabulary (size {vocab})"
         )));
     }
+    check_images(req, model)?;
     let window = model.context_window();
     if req.prompt.len() + req.max_tokens as usize > window {
         return Err(EngineError::Invalid(format!(
@@ -39,6 +40,36 @@ pub fn check_request(req: &GenerateRequest, model: &LoadedModel) -> Result<(), E
             req.prompt.len(),
             req.max_tokens
         )));
+    }
+    Ok(())
+}
+
+/// Image embeddings must fit the prompt and the model: inside the prompt,
+/// one row of the text model's width per soft token, not overlapping.
+fn check_images(req: &GenerateRequest, model: &LoadedModel) -> Result<(), EngineError> {
+    let id = req.id;
+    if req.images.is_empty() {
+        return Ok(());
+    }
+    if model.vision.is_none() {
+        return Err(EngineError::Invalid(format!(
+            "{id}: the model does not read images"
+        )));
+    }
+    let width = model.model.config.hidden_size as u32;
+    let mut end = 0;
+    for (i, im) in req.images.iter().enumerate() {
+        let fits = im.start >= end
+            && im.end() as usize <= req.prompt.len()
+            && im.width == width
+            && im.embeddings.len() == im.tokens as usize * width as usize;
+        if !fits {
+            return Err(EngineError::Invalid(format!(
+                "{id}: image {i} does not fit the prompt or the model (start {}, {} tokens of width {})",
+                im.start, im.tokens, im.width
+            )));
+        }
+        end = im.end();
     }
     Ok(())
 }

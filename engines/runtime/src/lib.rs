@@ -13,6 +13,8 @@ pub mod kv_pool;
 pub mod sampling;
 pub mod shared;
 pub mod tiny;
+pub mod tiny_vision;
+pub mod vision;
 
 pub mod layers;
 pub mod loader;

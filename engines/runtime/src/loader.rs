@@ -11,6 +11,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use crate::config::ModelConfig;
 use crate::model::Model;
+use crate::vision::{VisionConfig, VisionTower};
 use crate::weights::Weights;
 
 pub struct LoadedModel {
@@ -18,6 +19,9 @@ pub struct LoadedModel {
     /// The name the API serves the model under.
     pub name: String,
     pub model: Model,
+    /// The vision tower of a multimodal checkpoint (Gemma 3), `None` for
+    /// text-only models.
+    pub vision: Option<VisionTower>,
     pub tokenizer: Arc<text::Tokenizer>,
     pub template: Option<text::ChatTemplate>,
     /// Every token that ends a generation (config, generation config,
@@ -39,11 +43,23 @@ impl LoadedModel {
     pub fn load(dir: &Path, name: Option<&str>) -> anyhow::Result<Self> {
         let started = Instant::now();
         let config = ModelConfig::from_dir(dir)?;
-        let weights = Weights::from_dir(dir)?;
+        let mut weights = Weights::from_dir(dir)?;
+        let vision = match VisionConfig::from_dir(dir)? {
+            Some(v) => Some(
+                VisionTower::load(v, &mut weights, config.quantization)
+                    .with_context(|| format!("loading the vision tower of {}", dir.display()))?,
+            ),
+            None => None,
+        };
         let model =
             Model::load(config, weights).with_context(|| format!("loading {}", dir.display()))?;
         // Materialise the weights now, not on the first request.
         model.eval_weights()?;
+        if let Some(tower) = &vision {
+            let mut all = Vec::new();
+            tower.collect(&mut all);
+            mlx_rs::transforms::eval(all)?;
+        }
         let tokenizer = Arc::new(text::Tokenizer::from_dir(dir)?);
         let template = text::ChatTemplate::from_dir(dir)?;
         let stop_tokens = text::eos::eos_token_ids(dir, &tokenizer)?;
@@ -66,6 +82,7 @@ impl LoadedModel {
             dir: dir.to_path_buf(),
             name,
             model,
+            vision,
             tokenizer,
             template,
             stop_tokens,

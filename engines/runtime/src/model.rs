@@ -14,6 +14,9 @@ use crate::layers::{Embedding, Linear, Offsets, Projections, RmsNorm, Rope};
 use crate::mask::{self, AttnMask};
 use crate::weights::Weights;
 
+mod embeds;
+pub use embeds::Replacement;
+
 type R<T> = Result<T, mlx_rs::error::Exception>;
 
 /// Which positions' logits a forward pass returns.

@@ -27,12 +27,7 @@ impl Weights {
             let loaded = Array::load_safetensors(&file)
                 .map_err(|e| anyhow!("loading {}: {e}", file.display()))?;
             for (name, array) in loaded {
-                // Multimodal checkpoints prefix the text model.
-                let name = name
-                    .strip_prefix("language_model.")
-                    .unwrap_or(&name)
-                    .to_string();
-                tensors.insert(name, array);
+                tensors.insert(canonical_name(&name), array);
             }
         }
         Ok(Self { tensors })
@@ -54,5 +49,57 @@ impl Weights {
 
     pub fn remaining(&self) -> impl Iterator<Item = &String> {
         self.tensors.keys()
+    }
+}
+
+/// Multimodal checkpoints prefix the text model: `language_model.model.*`
+/// (Hugging Face before Transformers 5, MLX conversions) or
+/// `model.language_model.*` with `model.vision_tower.*` and
+/// `model.multi_modal_projector.*` beside it (Transformers 5). Both become
+/// `model.*`, `vision_tower.*` and `multi_modal_projector.*`.
+fn canonical_name(name: &str) -> String {
+    if let Some(rest) = name.strip_prefix("language_model.") {
+        return rest.to_string();
+    }
+    if let Some(rest) = name.strip_prefix("model.language_model.") {
+        return format!("model.{rest}");
+    }
+    for part in ["vision_tower.", "multi_modal_projector."] {
+        if let Some(rest) = name.strip_prefix("model.").filter(|r| r.starts_with(part)) {
+            return rest.to_string();
+        }
+    }
+    name.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::canonical_name;
+
+    #[test]
+    fn multimodal_layouts_map_to_one_naming() {
+        for (given, want) in [
+            (
+                "model.layers.0.mlp.up_proj.weight",
+                "model.layers.0.mlp.up_proj.weight",
+            ),
+            ("language_model.model.norm.weight", "model.norm.weight"),
+            ("model.language_model.norm.weight", "model.norm.weight"),
+            (
+                "model.vision_tower.vision_model.post_layernorm.bias",
+                "vision_tower.vision_model.post_layernorm.bias",
+            ),
+            (
+                "model.multi_modal_projector.mm_input_projection_weight",
+                "multi_modal_projector.mm_input_projection_weight",
+            ),
+            (
+                "vision_tower.vision_model.post_layernorm.bias",
+                "vision_tower.vision_model.post_layernorm.bias",
+            ),
+            ("lm_head.weight", "lm_head.weight"),
+        ] {
+            assert_eq!(canonical_name(given), want);
+        }
     }
 }

@@ -184,6 +184,8 @@ impl Engine for SpecEngine {
             tools: true,
             max_concurrent: Some(self.settings.max_concurrent),
             speculative: true,
+            // The drafters read text positions only.
+            images: false,
         }
     }
 
@@ -191,6 +193,9 @@ impl Engine for SpecEngine {
         // Lossless only for argmax decoding; anything else goes elsewhere.
         if !request.sampling.is_plain_greedy() || request.sampling.logprobs {
             return Err(Refusal::NotPlainGreedy.into());
+        }
+        if !request.images.is_empty() {
+            return Err(Refusal::Other("this engine does not take images".into()).into());
         }
         runtime::admission::check_request(&request, &self.shared.model)?;
         if lock(&self.state.failed).is_some() {

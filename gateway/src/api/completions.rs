@@ -167,6 +167,7 @@ pub async fn create(
         has_tools: false,
         cache_scope: scope.map(|Extension(s)| s.0),
         ignore_eos: request.options.ignore_eos,
+        images: Vec::new(),
     };
     let generation = Generation::start(&state, plan)?;
     let (engine, rule) = (generation.engine.clone(), generation.rule.clone());

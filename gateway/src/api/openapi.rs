@@ -147,7 +147,9 @@ pub struct GenerationOptions {
 pub struct ChatMessage {
     pub role: Role,
     /// The text (a list of `{"type": "text", "text": ...}` parts is accepted
-    /// too; null for an assistant message that only calls tools).
+    /// too, and, in user messages to a vision model,
+    /// `{"type": "image_url", "image_url": {"url": ...}}` parts; null for an
+    /// assistant message that only calls tools).
     pub content: Option<String>,
     pub name: Option<String>,
     #[schema(value_type = Option<Vec<Object>>)]

@@ -69,6 +69,17 @@ pub async fn create(
 ) -> Result<Response, ApiError> {
     let request = ChatRequest::parse(&body, state.model.vocab)?;
     let model = state.check_model(request.model.as_deref())?;
+    let vision = match (&state.vision, request.images.first()) {
+        (_, None) => None,
+        (Some(vision), Some(_)) => Some(vision),
+        (None, Some(first)) => {
+            return Err(ApiError::InvalidRequest {
+                message: format!("the model `{model}` does not read images"),
+                param: Some(first.param.clone()),
+                code: Some("images_not_supported"),
+            })
+        }
+    };
     let loaded = &state.registry.shared.model;
     let template = loaded.template.as_ref().ok_or_else(|| {
         ApiError::invalid_no_param(
@@ -91,10 +102,25 @@ pub async fn create(
             ),
             other => ApiError::Internal(other.to_string()),
         })?;
+    let count = request.images.len();
+    let expanded = match vision {
+        Some(vision) => vision
+            .tokens
+            .expand(&rendered, count)
+            .map_err(|e| e.into_api("messages"))?,
+        None => rendered.clone(),
+    };
     let prompt = loaded
         .tokenizer
-        .encode_chat(&rendered)
+        .encode_chat(&expanded)
         .map_err(|e| ApiError::Internal(e.to_string()))?;
+    let image_starts = match vision {
+        Some(vision) => vision
+            .tokens
+            .spans(&prompt, count)
+            .map_err(|e| e.into_api("messages"))?,
+        None => Vec::new(),
+    };
     let max_param = if body.get("max_completion_tokens").is_some() {
         "max_completion_tokens"
     } else {
@@ -107,6 +133,18 @@ pub async fn create(
         "messages",
         max_param,
     )?;
+    // Images are fetched and encoded only for a request that is otherwise
+    // valid: the tower is the expensive part.
+    let (image_inputs, image_scope) = match vision {
+        Some(vision) => {
+            let prepared = vision.prepare(&request.images).await?;
+            (
+                vision.inputs(&prepared, &image_starts),
+                Some(image_scope(&prepared)),
+            )
+        }
+        None => (Vec::new(), None),
+    };
     let reasoning = reasoning_format(state.model.family);
     let has_tools = tools.as_ref().is_some_and(|t| !t.is_empty());
     let plan = Plan {
@@ -121,8 +159,15 @@ pub async fn create(
             tools: has_tools.then(|| tool_format(state.model.family)),
         },
         has_tools,
-        cache_scope: scope.map(|Extension(s)| s.0),
+        // Image placeholders are the same ids for every image: prefix
+        // cache entries are shared only between requests with the same
+        // images.
+        cache_scope: match (scope.map(|Extension(s)| s.0), image_scope) {
+            (Some(s), Some(i)) => Some(format!("{s}|{i}")),
+            (s, i) => s.or(i),
+        },
         ignore_eos: request.options.ignore_eos,
+        images: image_inputs,
     };
     let generation = Generation::start(&state, plan)?;
     let (engine, rule) = (generation.engine.clone(), generation.rule.clone());
@@ -150,6 +195,15 @@ pub async fn create(
         }
     };
     Ok(with_route(response, &engine, &rule))
+}
+
+/// The prefix-cache scope of a request's images: their content hashes.
+fn image_scope(images: &[crate::vision::PreparedImage]) -> String {
+    let hashes: Vec<String> = images
+        .iter()
+        .map(|i| crate::vision::cache::hex(&i.hash))
+        .collect();
+    format!("images:{}", hashes.join(","))
 }
 
 #[cfg(test)]

@@ -12,13 +12,17 @@
 //!   `json_schema` is rejected with a clear 400.
 //! * `enable_thinking` and `chat_template_kwargs` are passed to the chat
 //!   template (`chat_template_kwargs` wins where both set a key).
-//! * Content parts: text parts are joined with newlines; other part types
-//!   (images, audio) are rejected: the served models read text only.
+//! * Content parts: text parts are joined with newlines. `image_url` parts
+//!   (user messages only) keep the content a list of parts for the chat
+//!   template, `{"type": "image"}` where each image goes; the images
+//!   themselves are listed in `ChatRequest::images`, and whether the model
+//!   reads images is the handler's check. Other part types are rejected.
 
 use serde_json::{json, Map, Value};
 
 use crate::api::validate::{gen_options, wrong_type, GenOptions, RawBody};
 use crate::api::ApiError;
+use crate::vision::ImagePart;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum ToolChoice {
@@ -49,12 +53,15 @@ pub struct ChatRequest {
     pub response_format: ResponseFormat,
     pub template_kwargs: Map<String, Value>,
     pub options: GenOptions,
+    /// The `image_url` parts, in prompt order.
+    pub images: Vec<ImagePart>,
 }
 
 impl ChatRequest {
     pub fn parse(body: &RawBody, vocab: usize) -> Result<Self, ApiError> {
         let model = body.string("model")?.map(str::to_owned);
-        let messages = messages(body)?;
+        let mut images = Vec::new();
+        let messages = messages(body, &mut images)?;
         let tools = tools(body)?;
         let tool_choice = tool_choice(body, &tools)?;
         let response_format = response_format(body)?;
@@ -93,6 +100,7 @@ impl ChatRequest {
             response_format,
             template_kwargs,
             options,
+            images,
         })
     }
 
@@ -133,7 +141,7 @@ impl ChatRequest {
     }
 }
 
-fn messages(body: &RawBody) -> Result<Vec<Value>, ApiError> {
+fn messages(body: &RawBody, images: &mut Vec<ImagePart>) -> Result<Vec<Value>, ApiError> {
     let list = body
         .array("messages")?
         .ok_or_else(|| ApiError::invalid("`messages` is required", "messages"))?;
@@ -145,11 +153,11 @@ fn messages(body: &RawBody) -> Result<Vec<Value>, ApiError> {
     }
     list.iter()
         .enumerate()
-        .map(|(i, m)| message(i, m))
+        .map(|(i, m)| message(i, m, images))
         .collect()
 }
 
-fn message(i: usize, raw: &Value) -> Result<Value, ApiError> {
+fn message(i: usize, raw: &Value, images: &mut Vec<ImagePart>) -> Result<Value, ApiError> {
     let at = format!("messages[{i}]");
     let obj = raw
         .as_object()
@@ -178,7 +186,14 @@ fn message(i: usize, raw: &Value) -> Result<Value, ApiError> {
     };
     let mut out = Map::new();
     out.insert("role".into(), json!(role));
-    let content = content(&at, field("content"))?;
+    let before = images.len();
+    let content = content(&at, field("content"), images)?;
+    if images.len() > before && role != "user" {
+        return Err(ApiError::invalid(
+            format!("image parts are only allowed in user messages, not in {role} messages"),
+            format!("{at}.content"),
+        ));
+    }
     let tool_calls = match (role, field("tool_calls")) {
         ("assistant", Some(calls)) => Some(tool_calls(&at, calls)?),
         (_, Some(_)) => {
@@ -204,10 +219,7 @@ fn message(i: usize, raw: &Value) -> Result<Value, ApiError> {
             ))
         }
     }
-    out.insert(
-        "content".into(),
-        content.map(Value::String).unwrap_or(Value::Null),
-    );
+    out.insert("content".into(), content.unwrap_or(Value::Null));
     if let Some(calls) = tool_calls {
         out.insert("tool_calls".into(), Value::Array(calls));
     }
@@ -237,25 +249,39 @@ fn message(i: usize, raw: &Value) -> Result<Value, ApiError> {
     Ok(Value::Object(out))
 }
 
-/// A string, or text parts joined with newlines.
-fn content(at: &str, raw: Option<&Value>) -> Result<Option<String>, ApiError> {
+/// A string, text parts joined with newlines; or, with images, the list of
+/// text and image parts for the template.
+fn content(
+    at: &str,
+    raw: Option<&Value>,
+    images: &mut Vec<ImagePart>,
+) -> Result<Option<Value>, ApiError> {
     let param = format!("{at}.content");
     match raw {
         None => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(Value::String(s)) => Ok(Some(Value::String(s.clone()))),
         Some(Value::Array(parts)) => {
             let mut texts = Vec::with_capacity(parts.len());
+            let mut listed = Vec::with_capacity(parts.len());
+            let before = images.len();
             for (j, part) in parts.iter().enumerate() {
                 let p = format!("{param}[{j}]");
                 let kind = part.get("type").and_then(Value::as_str);
                 match (kind, part.get("text")) {
-                    (Some("text"), Some(Value::String(t))) => texts.push(t.as_str()),
+                    (Some("text"), Some(Value::String(t))) => {
+                        texts.push(t.as_str());
+                        listed.push(json!({ "type": "text", "text": t }));
+                    }
+                    (Some("image_url"), _) => {
+                        images.push(image_part(&p, part)?);
+                        listed.push(json!({ "type": "image" }));
+                    }
                     (Some("text"), other) => {
                         return Err(wrong_type(&format!("{p}.text"), "a string", other.unwrap_or(&Value::Null)))
                     }
                     (Some(other), _) => {
                         return Err(ApiError::invalid(
-                            format!("content parts of type {other:?} are not supported; this model reads text only"),
+                            format!("content parts of type {other:?} are not supported (only text and image_url)"),
                             format!("{p}.type"),
                         ))
                     }
@@ -264,7 +290,11 @@ fn content(at: &str, raw: Option<&Value>) -> Result<Option<String>, ApiError> {
                     }
                 }
             }
-            Ok(Some(texts.join("\n")))
+            if images.len() > before {
+                Ok(Some(Value::Array(listed)))
+            } else {
+                Ok(Some(Value::String(texts.join("\n"))))
+            }
         }
         Some(v) => Err(wrong_type(
             &param,
@@ -272,6 +302,35 @@ fn content(at: &str, raw: Option<&Value>) -> Result<Option<String>, ApiError> {
             v,
         )),
     }
+}
+
+/// `{"type": "image_url", "image_url": {"url": ...}}` (a bare string URL is
+/// accepted too, as some clients send it).
+fn image_part(p: &str, part: &Value) -> Result<ImagePart, ApiError> {
+    let url = match part.get("image_url") {
+        Some(Value::Object(obj)) => match obj.get("url") {
+            Some(Value::String(u)) => u.clone(),
+            Some(v) => return Err(wrong_type(&format!("{p}.image_url.url"), "a string", v)),
+            None => {
+                return Err(ApiError::invalid(
+                    format!("`{p}.image_url.url` is required"),
+                    format!("{p}.image_url.url"),
+                ))
+            }
+        },
+        Some(Value::String(u)) => u.clone(),
+        Some(v) => return Err(wrong_type(&format!("{p}.image_url"), "an object", v)),
+        None => {
+            return Err(ApiError::invalid(
+                format!("`{p}.image_url` is required"),
+                format!("{p}.image_url"),
+            ))
+        }
+    };
+    Ok(ImagePart {
+        url,
+        param: format!("{p}.image_url.url"),
+    })
 }
 
 /// `{p}.function` of a tool or tool call: an object with a non-empty name.
@@ -528,6 +587,24 @@ mod tests {
     }
 
     #[test]
+    fn image_parts_keep_their_place_for_the_template() {
+        let r = parse(json!({"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+            {"type": "text", "text": "and"},
+            {"type": "image_url", "image_url": "/tmp/x.png"}
+        ]}]}))
+        .unwrap();
+        assert_eq!(
+            r.messages[0]["content"],
+            json!([{"type": "text", "text": "what is"}, {"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}])
+        );
+        assert_eq!(r.images.len(), 2);
+        assert_eq!(r.images[1].url, "/tmp/x.png");
+        assert_eq!(r.images[1].param, "messages[0].content[3].image_url.url");
+    }
+
+    #[test]
     fn json_mode_adds_a_system_message_when_there_is_none() {
         let r = parse(json!({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}})).unwrap();
         let msgs = r.template_messages();
@@ -574,7 +651,15 @@ mod tests {
             ),
             (
                 json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
+                "messages[0].content[0].image_url.url",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}),
                 "messages[0].content[0].type",
+            ),
+            (
+                json!({"messages": [{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}),
+                "messages[0].content",
             ),
             (
                 json!({"messages": [{"role": "tool", "content": "x"}]}),

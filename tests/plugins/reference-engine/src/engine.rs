@@ -114,6 +114,7 @@ impl Engine for ReferenceEngine {
             tools: self.options.tools,
             max_concurrent: Some(1),
             speculative: false,
+            images: false,
         }
     }
 

@@ -1,0 +1,71 @@
+//! The forward pass with some positions' input embeddings replaced: image
+//! soft tokens, whose rows come from the vision tower instead of the
+//! embedding table. Everything after the embedding is `forward`'s.
+
+use mlx_rs::{ops, Array, Dtype};
+
+use super::{last_position, Logits, Model};
+use crate::cache::KvCache;
+use crate::mask;
+use crate::vision::mask as image_mask;
+
+/// Positions of a `[1, L]` chunk whose embeddings are replaced: `mask` is
+/// `[1, L, 1]` bool, `rows` is `[1, L, hidden]` (ignored where `mask` is
+/// false). `blocks`: absolute `[start, end)` spans of images whose tokens
+/// attend to each other bidirectionally (each whole within this chunk or
+/// before it); empty for causal attention throughout.
+pub struct Replacement {
+    pub mask: Array,
+    pub rows: Array,
+    pub blocks: Vec<(i32, i32)>,
+}
+
+impl Model {
+    /// `forward` for one sequence whose embeddings at `replace.mask` are
+    /// `replace.rows`. The family's embedding scale (Gemma) applies to the
+    /// replaced rows too, as in mlx-vlm, whose tower output is divided by
+    /// the scale beforehand.
+    pub fn forward_replacing(
+        &self,
+        tokens: &Array,
+        replace: &Replacement,
+        cache: &mut KvCache,
+        which: Logits,
+    ) -> anyhow::Result<Array> {
+        let n = tokens.dim(1);
+        let text = self.embed.forward(tokens)?;
+        let rows = replace.rows.as_dtype(text.dtype())?;
+        let mut h = ops::select(&replace.mask, &rows, &text)?;
+        if let Some(scale) = self.embed_scale {
+            h = h.multiply(Array::from_f32(scale).as_dtype(h.dtype())?)?;
+        }
+        let blocks = &replace.blocks;
+        let build = |window| {
+            if blocks.is_empty() {
+                mask::build(cache, n, window)
+            } else {
+                image_mask::with_image_blocks(cache, n, window, blocks)
+            }
+        };
+        let global_mask = build(None);
+        let window_mask = self.config.sliding_window.map(|w| build(Some(w)));
+        let offsets = cache.offsets();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let mask = match (&layer.window, &window_mask) {
+                (Some(_), Some(m)) => m,
+                _ => &global_mask,
+            };
+            h = layer.forward(&h, mask, &offsets, cache, i)?;
+        }
+        cache.advance(n);
+        let mut h = self.norm.forward(&h)?;
+        if which == Logits::Last && n > 1 {
+            h = last_position(&h)?;
+        }
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(&h)?,
+            None => self.embed.as_linear(&h)?,
+        };
+        Ok(logits.as_dtype(Dtype::Float32)?)
+    }
+}

@@ -1,0 +1,112 @@
+//! Our image preprocessing and prompt expansion against the reference:
+//! mlx-vlm's Gemma 3 processor (Hugging Face's image processor: PIL
+//! bilinear resize, rescale, normalise; the `<start_of_image>` expansion)
+//! on the same files. Prompt ids must be equal; pixels equal for images at
+//! the model's size and within a few 8-bit levels where resizing happens
+//! (PIL's and the `image` crate's bilinear filters round differently).
+
+use std::io::{Cursor, Write};
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use gateway::vision::pixels::{decode, preprocess};
+use gateway::vision::ImageTokens;
+use image::{ImageFormat, Rgb, RgbImage};
+use runtime::tiny_vision::{write_vision_model, TinyVisionSpec, BOI, EOI, IMAGE_TOKEN};
+use runtime::vision::VisionConfig;
+use serde_json::json;
+
+fn picture(w: u32, h: u32) -> RgbImage {
+    RgbImage::from_fn(w, h, |x, y| {
+        Rgb([
+            (x * 5 % 256) as u8,
+            (y * 3 % 256) as u8,
+            ((x * y) % 256) as u8,
+        ])
+    })
+}
+
+#[test]
+fn pixels_and_prompt_ids_match_the_reference_processor() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    write_vision_model(&model, &TinyVisionSpec::tiny()).unwrap();
+    let cfg = VisionConfig::from_dir(&model).unwrap().unwrap();
+    let tokenizer = text::Tokenizer::from_dir(&model).unwrap();
+
+    // (file, format, resized?)
+    let files = [
+        ("same.png", ImageFormat::Png, picture(56, 56), false),
+        ("down.png", ImageFormat::Png, picture(97, 61), true),
+        ("up.jpg", ImageFormat::Jpeg, picture(40, 30), true),
+    ];
+    let prompt =
+        format!("<bos><start_of_turn>user\nLook{BOI}<end_of_turn>\n<start_of_turn>model\n");
+    let mut cases = Vec::new();
+    for (name, format, img, _) in &files {
+        let path = dir.path().join(name);
+        let mut bytes = Cursor::new(Vec::new());
+        img.write_to(&mut bytes, *format).unwrap();
+        std::fs::write(&path, bytes.into_inner()).unwrap();
+        cases.push(json!({"prompt": prompt, "images": [path]}));
+    }
+    let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.mlx/venv/bin/python");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/mlx_vlm_oracle.py");
+    let mut child = Command::new(py)
+        .arg(script)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start the mlx-vlm oracle (run scripts/setup)");
+    let req = json!({"model": model, "processor": cases});
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(req.to_string().as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "mlx-vlm oracle failed");
+    let reference: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+
+    let tokens = ImageTokens {
+        boi: BOI.into(),
+        eoi: EOI.into(),
+        soft: IMAGE_TOKEN.into(),
+        soft_id: cfg.image_token_id,
+        per_image: cfg.tokens_per_image as usize,
+    };
+    let ours_ids = tokenizer
+        .encode_chat(&tokens.expand(&prompt, 1).unwrap())
+        .unwrap();
+    for (k, (name, _, _, resized)) in files.iter().enumerate() {
+        let theirs = &reference["processed"][k];
+        let ids: Vec<u32> = serde_json::from_value(theirs["ids"].clone()).unwrap();
+        assert_eq!(
+            ours_ids, ids,
+            "{name}: prompt ids differ from the processor's"
+        );
+        let bytes = std::fs::read(dir.path().join(name)).unwrap();
+        let ours = preprocess(&decode(&bytes, 1 << 20).unwrap(), &cfg.preprocess);
+        let theirs: Vec<f32> = serde_json::from_value(theirs["pixels"].clone()).unwrap();
+        assert_eq!(ours.len(), theirs.len(), "{name}");
+        let diffs: Vec<f32> = ours
+            .iter()
+            .zip(&theirs)
+            .map(|(a, b)| (a - b).abs())
+            .collect();
+        let worst = diffs.iter().cloned().fold(0f32, f32::max);
+        let mean = diffs.iter().sum::<f32>() / diffs.len() as f32;
+        let level = 2.0 / 255.0;
+        eprintln!("{name}: worst pixel difference {worst}, mean {mean}");
+        if *resized {
+            assert!(
+                worst <= 2.0 * level + 1e-6 && mean <= 0.25 * level,
+                "{name}: resized pixels differ by up to {worst} (mean {mean})"
+            );
+        } else {
+            assert!(worst <= 1e-6, "{name}: pixels differ by {worst}");
+        }
+    }
+}

@@ -1,0 +1,144 @@
+"""Reference greedy decoding with mlx-vlm (Gemma 3 vision), for the vision
+oracle tests.
+
+Reads a JSON request on stdin and prints JSON results. Two modes:
+
+* {"model": DIR, "cases": [{"ids": [...], "pixels": FILE, "images": N}],
+   "max_tokens": N}: the prompt ids and the exact pixel tensor (raw
+  little-endian float32, [N, H, W, 3]) are given; prints {"results":
+  [{"tokens": [...], "logits": [[...] per step]}]}. Tokens come from
+  mlx-vlm's own generate_step; logits from the model called step by step
+  (prefill through get_input_embeddings), and the two must agree. With
+  "bidirectional": true the prefill gets Hugging Face's Gemma 3 mask
+  (causal, or within the same image) and only the stepwise run is used.
+* {"model": DIR, "processor": [{"messages": [...] or "prompt": TEXT,
+  "images": [FILE...], "max_tokens": N (optional)}]}: renders the chat
+  template, runs mlx-vlm's processor (Hugging Face's Gemma 3 image
+  processor and the Gemma 3 prompt expansion) and, with max_tokens, greedy
+  generation; prints {"processed": [{"ids": [...], "pixels": [...flat
+  float32 NHWC...], "tokens": [...], "logprobs": [...]}]}.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_vlm.generate import generate_step
+from mlx_vlm.models.cache import make_prompt_cache
+from mlx_vlm.utils import load_model
+
+
+def greedy(x):
+    return mx.argmax(x, axis=-1)
+
+
+def image_block_mask(ids, image_token):
+    """Hugging Face's Gemma 3 prefill mask: causal, or within one image."""
+    ids = np.array(ids).reshape(-1)
+    is_image = ids == image_token
+    starts = is_image & ~np.concatenate([[False], is_image[:-1]])
+    block = np.where(is_image, np.cumsum(starts) - 1, -1)
+    n = len(ids)
+    causal = np.tril(np.ones((n, n), dtype=bool))
+    same = (block[:, None] == block[None, :]) & (block[:, None] >= 0)
+    return mx.array(causal | same)[None, None]
+
+
+def stepwise(model, ids, pixels, n, mask=None):
+    cache = make_prompt_cache(model.language_model)
+    emb = model.get_input_embeddings(ids, pixels, mask=mx.ones_like(ids))
+    out = model.language_model(ids, inputs_embeds=emb.inputs_embeds, cache=cache, mask=mask)
+    logits = out.logits[:, -1, :]
+    tokens, rows = [], []
+    for _ in range(n):
+        logits = logits.astype(mx.float32)
+        rows.append(logits[0].tolist())
+        token = int(mx.argmax(logits, axis=-1).item())
+        tokens.append(token)
+        logits = model.language_model(mx.array([[token]]), cache=cache).logits[:, -1, :]
+    return tokens, rows
+
+
+def run_cases(req):
+    model = load_model(Path(req["model"]))
+    size = model.config.vision_config.image_size
+    n = req["max_tokens"]
+    results = []
+    for case in req["cases"]:
+        ids = mx.array(case["ids"])[None]
+        raw = np.fromfile(case["pixels"], dtype="<f4").reshape(case["images"], size, size, 3)
+        pixels = mx.array(raw).transpose(0, 3, 1, 2)  # the model takes NCHW
+        if case.get("bidirectional"):
+            # mlx-vlm's own generation is causal; the model takes a mask.
+            mask = image_block_mask(case["ids"], model.config.image_token_index)
+            tokens, rows = stepwise(model, ids, pixels, n, mask)
+            results.append({"tokens": tokens, "logits": rows})
+            continue
+        official = [
+            int(t)
+            for t, _ in generate_step(
+                ids, model, pixels, mx.ones_like(ids), max_tokens=n, sampler=greedy
+            )
+        ]
+        tokens, rows = stepwise(model, ids, pixels, n)
+        if tokens != official:
+            raise SystemExit(f"mlx-vlm disagrees with itself: {tokens} vs {official}")
+        results.append({"tokens": tokens, "logits": rows if req.get("logits", True) else []})
+    return {"results": results}
+
+
+def run_processor(req):
+    from mlx_vlm.utils import load_processor
+    from PIL import Image
+
+    model = load_model(Path(req["model"])) if any(c.get("max_tokens") for c in req["processor"]) else None
+    processor = load_processor(Path(req["model"]))
+    tokenizer = processor.tokenizer
+    out = []
+    for case in req["processor"]:
+        images = [Image.open(p) for p in case["images"]]
+        prompt = case.get("prompt")
+        if prompt is None:
+            prompt = tokenizer.apply_chat_template(
+                case["messages"], add_generation_prompt=True, tokenize=False
+            )
+        # The rendered template already starts with <bos>.
+        inputs = processor(
+            text=prompt,
+            images=images or None,
+            return_tensors="np",
+            add_special_tokens=not prompt.startswith(tokenizer.bos_token),
+        )
+        ids = np.array(inputs["input_ids"]).reshape(-1).tolist()
+        result = {"ids": [int(i) for i in ids], "pixels": []}
+        pv = None
+        if images:
+            pv = np.array(inputs["pixel_values"], dtype=np.float32)  # NCHW
+            result["pixels"] = pv.transpose(0, 2, 3, 1).reshape(-1).tolist()
+        n = case.get("max_tokens")
+        if n:
+            x = mx.array(ids)[None]
+            pixels = mx.array(pv) if pv is not None else None
+            tokens, logprobs = [], []
+            for t, lp in generate_step(x, model, pixels, mx.ones_like(x), max_tokens=n, sampler=greedy):
+                tokens.append(int(t))
+                logprobs.append(float(lp[int(t)].item()))
+            result["tokens"] = tokens
+            result["logprobs"] = logprobs
+        out.append(result)
+    return {"processed": out}
+
+
+def main():
+    req = json.load(sys.stdin)
+    if "processor" in req:
+        result = run_processor(req)
+    else:
+        result = run_cases(req)
+    json.dump(result, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
