@@ -5,9 +5,7 @@
 //! the model's size and within a few 8-bit levels where resizing happens
 //! (PIL's and the `image` crate's bilinear filters round differently).
 
-use std::io::{Cursor, Write};
-use std::path::Path;
-use std::process::{Command, Stdio};
+use std::io::Cursor;
 
 use gateway::vision::pixels::{decode, preprocess};
 use gateway::vision::ImageTokens;
@@ -50,25 +48,8 @@ fn pixels_and_prompt_ids_match_the_reference_processor() {
         std::fs::write(&path, bytes.into_inner()).unwrap();
         cases.push(json!({"prompt": prompt, "images": [path]}));
     }
-    let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.mlx/venv/bin/python");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/mlx_vlm_oracle.py");
-    let mut child = Command::new(py)
-        .arg(script)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start the mlx-vlm oracle (run scripts/setup)");
     let req = json!({"model": model, "processor": cases});
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(req.to_string().as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "mlx-vlm oracle failed");
-    let reference: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let reference = runtime::reference::run("mlx_vlm_oracle.py", &req);
 
     let tokens = ImageTokens {
         boi: BOI.into(),

@@ -8,8 +8,7 @@
 
 use std::io::{Cursor, Read, Write};
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::PathBuf;
 
 use base64::Engine as _;
 use e2e_tests::{models, Gateway};
@@ -84,30 +83,8 @@ fn post_ok(gw: &Gateway, body: &Value) -> Value {
     r.json()
 }
 
-fn python() -> PathBuf {
-    let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.mlx/venv/bin/python");
-    assert!(py.exists(), "{} missing: run scripts/setup", py.display());
-    py
-}
-
 fn oracle(req: &Value) -> Value {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/mlx_vlm_oracle.py");
-    let mut child = Command::new(python())
-        .arg(script)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start the mlx-vlm oracle");
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(req.to_string().as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "mlx-vlm oracle failed");
-    serde_json::from_slice(&out.stdout).unwrap()
+    runtime::reference::run("mlx_vlm_oracle.py", req)
 }
 
 #[test]

@@ -10,6 +10,7 @@ pub mod config;
 pub mod generate;
 pub mod handover;
 pub mod kv_pool;
+pub mod reference;
 pub mod sampling;
 pub mod shared;
 pub mod tiny;

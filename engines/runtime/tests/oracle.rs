@@ -3,9 +3,7 @@
 //! .mlx/venv). Every family, fp32, bf16 and 4/8-bit quantized, single
 //! sequences and a left-padded batch of mixed prompt lengths.
 
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::Path;
 
 use mlx_rs::Dtype;
 use runtime::config::ModelConfig;
@@ -23,36 +21,9 @@ struct Reference {
     logits: Vec<Vec<f32>>,
 }
 
-fn python() -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let py = root.join(".mlx/venv/bin/python");
-    assert!(
-        py.exists(),
-        "{} missing: run scripts/setup (it installs mlx-lm, the oracle)",
-        py.display()
-    );
-    py
-}
-
 fn reference(dir: &Path, prompts: &[Vec<u32>], steps: usize, logits: bool) -> Vec<Reference> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/mlx_lm_oracle.py");
-    let mut child = Command::new(python())
-        .arg(script)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start mlx-lm oracle");
     let req = serde_json::json!({ "model": dir, "prompts": prompts, "max_tokens": steps, "logits": logits });
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(req.to_string().as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "mlx-lm oracle failed");
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = runtime::reference::run("mlx_lm_oracle.py", &req);
     v["results"]
         .as_array()
         .unwrap()

@@ -7,9 +7,7 @@
 //! (The pixels path, decoding and resizing, is compared against mlx-vlm's
 //! processor in the gateway's end-to-end vision test.)
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 
 use engine_core::ImageInput;
@@ -29,39 +27,17 @@ struct Reference {
     logits: Vec<Vec<f32>>,
 }
 
-fn python() -> PathBuf {
-    let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.mlx/venv/bin/python");
-    assert!(py.exists(), "{} missing: run scripts/setup", py.display());
-    py
-}
-
 fn reference(
     dir: &Path,
     cases: &[(Vec<u32>, PathBuf, usize)],
     bidirectional: bool,
 ) -> Vec<Reference> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/mlx_vlm_oracle.py");
-    let mut child = Command::new(python())
-        .arg(script)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start the mlx-vlm oracle");
     let cases: Vec<_> = cases
         .iter()
         .map(|(ids, pixels, n)| serde_json::json!({ "ids": ids, "pixels": pixels, "images": n, "bidirectional": bidirectional }))
         .collect();
     let req = serde_json::json!({ "model": dir, "cases": cases, "max_tokens": STEPS });
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(req.to_string().as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "mlx-vlm oracle failed");
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = runtime::reference::run("mlx_vlm_oracle.py", &req);
     v["results"]
         .as_array()
         .unwrap()
