@@ -29,8 +29,8 @@ impl Default for PromptLookup {
 }
 
 impl PromptLookup {
-    /// What followed the most recent earlier occurrence of the longest
-    /// matching suffix of `history`, at most `k` tokens.
+    /// `k` tokens continuing what followed the most recent earlier
+    /// occurrence of the longest matching suffix of `history`.
     pub fn lookup(&self, history: &[u32], k: usize) -> Vec<u32> {
         let len = history.len();
         for n in (self.min_ngram.max(1)..=self.max_ngram).rev() {
@@ -44,11 +44,15 @@ impl PromptLookup {
                 .rev()
                 .find(|&start| &history[start..start + n] == pattern);
             if let Some(start) = found {
+                // Copy what followed, reading on into the copy itself when
+                // the match overlaps the end: a loop of period p keeps
+                // repeating instead of stopping after p tokens.
                 let from = start + n;
-                let to = (from + k).min(len);
-                if to > from {
-                    return history[from..to].to_vec();
+                let mut out: Vec<u32> = Vec::with_capacity(k);
+                for i in from..from + k {
+                    out.push(if i < len { history[i] } else { out[i - len] });
                 }
+                return out;
             }
         }
         Vec::new()
@@ -118,9 +122,17 @@ mod tests {
     }
 
     #[test]
-    fn stops_at_the_end_of_history_and_handles_no_match() {
-        let h = [4, 4];
-        assert_eq!(pl(2, 5).lookup(&h, 5), vec![4]);
+    fn a_match_at_the_end_continues_its_period() {
+        assert_eq!(pl(2, 5).lookup(&[4, 4], 5), vec![4; 5]);
+        // "7 1 2 3 1 2": "1 2" last occurred one period back, before "3".
+        assert_eq!(
+            pl(2, 7).lookup(&[7, 1, 2, 3, 1, 2], 7),
+            vec![3, 1, 2, 3, 1, 2, 3]
+        );
+    }
+
+    #[test]
+    fn no_match_no_draft() {
         assert!(pl(3, 4).lookup(&[1, 2, 3], 4).is_empty());
         assert!(pl(3, 4).lookup(&[], 4).is_empty());
         assert!(pl(3, 4).lookup(&[1, 2, 1, 2], 0).is_empty());
