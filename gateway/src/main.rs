@@ -10,6 +10,7 @@ use gateway::cli::{Cli, Command};
 use gateway::{make_tiny, server, telemetry};
 
 fn main() -> ExitCode {
+    runtime::cuda_env::apply_defaults();
     let cli = Cli::parse();
     let dispatch = telemetry::init_tracing();
     let result = match cli.command {

@@ -1,6 +1,9 @@
 //! What a speculative verify forward of L tokens costs against one decode
 //! step, synchronously (as a draft-and-verify round runs) and pipelined (as
-//! the fast path runs):
+//! the fast path runs). Each verify keeps one token, so the context grows
+//! by one per round as in a real sequence; on a GPU both attention paths
+//! are timed (one single-query kernel per drafted token, the default, and
+//! the masked causal kernel):
 //!
 //!     cargo run --release -p runtime --example verify_cost [-- --preset qwen3-4b]
 
@@ -9,11 +12,13 @@ use std::time::Instant;
 
 use mlx_rs::transforms::eval;
 use runtime::generate::{argmax_tokens, prefill, tokens_array, GreedyStream};
+use runtime::mask::{set_row_attention, RowAttention};
 use runtime::model::Logits;
 use runtime::tiny::{random_prompt, write_model, TinySpec};
 use runtime::{Family, LoadedModel};
 
 fn main() {
+    runtime::cuda_env::apply_defaults();
     let preset = std::env::args()
         .skip_while(|a| a != "--preset")
         .nth(1)
@@ -43,27 +48,38 @@ fn main() {
     let pipelined = t.elapsed().as_secs_f64() * 1e3 / steps as f64;
     println!("pipelined decode step: {pipelined:.2} ms");
 
-    for l in [1usize, 2, 4, 8] {
-        let mut cache = m.new_cache(1);
-        prefill(m, &mut cache, &prompt, 512).unwrap();
-        eval(cache.state()).unwrap();
-        let input = tokens_array(&random_prompt(2, l, 1000));
-        let mut time = || {
-            let logits = m.forward(&input, &mut cache, Logits::All).unwrap();
-            let tokens = argmax_tokens(&logits.reshape(&[l as i32, 1, -1]).unwrap()).unwrap();
-            eval([&tokens]).unwrap();
-            let _ = tokens.as_slice::<i32>()[0];
-            cache.truncate(l as i32);
-        };
-        time();
-        let t = Instant::now();
-        for _ in 0..steps {
+    let modes: &[(&str, RowAttention)] = if runtime::mask::on_gpu() {
+        &[
+            ("per-query", RowAttention::Auto),
+            ("causal", RowAttention::Never),
+        ]
+    } else {
+        &[("causal", RowAttention::Auto)]
+    };
+    for &(label, mode) in modes {
+        set_row_attention(mode);
+        for l in [1usize, 2, 4, 8] {
+            let mut cache = m.new_cache(1);
+            prefill(m, &mut cache, &prompt, 512).unwrap();
+            eval(cache.state()).unwrap();
+            let input = tokens_array(&random_prompt(2, l, 1000));
+            let mut time = || {
+                let logits = m.forward(&input, &mut cache, Logits::All).unwrap();
+                let tokens = argmax_tokens(&logits.reshape(&[l as i32, 1, -1]).unwrap()).unwrap();
+                eval([&tokens]).unwrap();
+                let _ = tokens.as_slice::<i32>()[0];
+                cache.truncate(l as i32 - 1);
+            };
             time();
+            let t = Instant::now();
+            for _ in 0..steps {
+                time();
+            }
+            let ms = t.elapsed().as_secs_f64() * 1e3 / steps as f64;
+            println!(
+                "{label}: synchronous forward of {l}: {ms:.2} ms ({:.2}x a pipelined step)",
+                ms / pipelined
+            );
         }
-        let ms = t.elapsed().as_secs_f64() * 1e3 / steps as f64;
-        println!(
-            "synchronous forward of {l}: {ms:.2} ms ({:.2}x a pipelined step)",
-            ms / pipelined
-        );
     }
 }

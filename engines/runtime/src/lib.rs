@@ -7,6 +7,7 @@ pub mod activations;
 pub mod admission;
 pub mod cache;
 pub mod config;
+pub mod cuda_env;
 pub mod generate;
 pub mod handover;
 pub mod kv_pool;

@@ -17,6 +17,15 @@ pub enum AttnMask {
     /// `[starts[b], total)`. One fused attention kernel per row beats the
     /// masked attention, which MLX's CUDA backend runs unfused.
     RowStarts(Vec<i32>),
+    /// A few causal queries of one unpadded sequence on a GPU (verifying
+    /// drafted tokens): query `i` attends to the first `past + i + 1` keys,
+    /// one single-query kernel each. The causal path builds and caches a
+    /// cuDNN graph per (queries, keys) shape, so a verify whose context
+    /// grows every round would build one per round and wear out MLX CUDA's
+    /// SDPA cache.
+    CausalRows {
+        past: i32,
+    },
 }
 
 /// When single-token decode of a padded batch attends row by row.
@@ -32,6 +41,9 @@ pub enum RowAttention {
 }
 
 pub const ROW_ATTENTION_MAX_BATCH: usize = 4;
+
+/// Most queries verified with [`AttnMask::CausalRows`].
+pub const CAUSAL_ROWS_MAX: i32 = 16;
 
 thread_local! {
     static ROW_ATTENTION: Cell<RowAttention> = const { Cell::new(RowAttention::Auto) };
@@ -60,10 +72,12 @@ pub fn build(cache: &KvCache, n: i32, window: Option<i32>) -> AttnMask {
     let padded = cache.batch_size() > 1 || cache.left_padding().iter().any(|&p| p > 0);
     let window_bites = window.is_some_and(|w| total > w);
     if !padded && !window_bites {
-        return if n == 1 {
-            AttnMask::None
-        } else {
-            AttnMask::Causal
+        return match n {
+            1 => AttnMask::None,
+            _ if past > 0 && n <= CAUSAL_ROWS_MAX && row_attention(1) => {
+                AttnMask::CausalRows { past }
+            }
+            _ => AttnMask::Causal,
         };
     }
     let pads = cache.left_padding();

@@ -468,6 +468,21 @@ impl Attention {
                     .collect::<anyhow::Result<Vec<_>>>()?;
                 ops::concatenate(&rows, 0)?
             }
+            AttnMask::CausalRows { past } => {
+                let (qs, ks) = (q.shape().to_vec(), k.shape().to_vec());
+                let rows = (0..qs[2])
+                    .map(|i| -> anyhow::Result<Array> {
+                        let qi = slice(&q, &[0, 0, i, 0], &[qs[0], qs[1], i + 1, qs[3]])?;
+                        let end = past + i + 1;
+                        let ki = slice(&k, &[0, 0, 0, 0], &[ks[0], ks[1], end, ks[3]])?;
+                        let vi = slice(&v, &[0, 0, 0, 0], &[ks[0], ks[1], end, ks[3]])?;
+                        Ok(fast::scaled_dot_product_attention(
+                            &qi, &ki, &vi, self.scale, None, None,
+                        )?)
+                    })
+                    .collect::<anyhow::Result<Vec<_>>>()?;
+                ops::concatenate(&rows, 2)?
+            }
         };
         let out =
             out.transpose_axes(&[0, 2, 1, 3])?

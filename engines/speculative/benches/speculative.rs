@@ -200,6 +200,7 @@ fn level(engine: Arc<dyn Engine>, c: usize, a: &Args, vocab: u32, serial: bool) 
 }
 
 fn main() {
+    runtime::cuda_env::apply_defaults();
     let a = args();
     let (target, dflash_dir, mtp_dir) = models(&a);
     let model = LoadedModel::load(&target, Some("bench")).expect("load model");
