@@ -52,12 +52,13 @@ unsafe impl Send for Net {}
 #[derive(Clone)]
 pub struct Dflash {
     net: Arc<Net>,
-    kv_bytes_per_token: usize,
+    max_draft: usize,
 }
 
 impl Dflash {
-    /// Loads the checkpoint at `dir`, checked against `target`.
-    pub fn load(dir: &Path, target: &Model) -> anyhow::Result<Self> {
+    /// Loads the checkpoint at `dir`, checked against `target`; drafts
+    /// `block_size - 1` tokens per round, or `draft_tokens` when fewer.
+    pub fn load(dir: &Path, target: &Model, draft_tokens: Option<usize>) -> anyhow::Result<Self> {
         let cfg = DflashConfig::load(dir, &target.config)?;
         let mut w = Weights::from_dir(dir)?;
         let q = cfg.quantization;
@@ -103,12 +104,8 @@ impl Dflash {
         if let Some(extra) = w.remaining().next() {
             tracing::warn!(weight = %extra, "unused weight in the drafter checkpoint");
         }
-        let elem = match target.dtype() {
-            Dtype::Float32 => 4,
-            _ => 2,
-        };
         Ok(Self {
-            kv_bytes_per_token: cfg.kv_bytes_per_token(elem),
+            max_draft: (cfg.block_size - 1).min(draft_tokens.unwrap_or(usize::MAX)),
             net: Arc::new(net),
         })
     }
@@ -148,11 +145,7 @@ impl DraftSource for Dflash {
     }
 
     fn max_draft(&self) -> usize {
-        self.net.cfg.block_size - 1
-    }
-
-    fn kv_bytes_per_token(&self) -> usize {
-        self.kv_bytes_per_token
+        self.max_draft
     }
 
     fn start(&self) -> Box<dyn DraftState> {

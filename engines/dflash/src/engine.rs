@@ -39,43 +39,15 @@ pub fn new_engine(
             // so a wrong checkpoint fails at startup.
             let cfg =
                 DflashConfig::load(&dir, &target.config).map_err(|e| format!("{name}: {e:#}"))?;
-            let elem = if target.dtype() == mlx_rs::Dtype::Float32 {
-                4
-            } else {
-                2
-            };
-            let max_draft = (cfg.block_size - 1).min(settings.draft_tokens.unwrap_or(usize::MAX));
             let limit = settings.draft_tokens;
             DraftPlan {
-                max_draft,
-                kv_bytes_per_token: cfg.kv_bytes_per_token(elem),
+                max_draft: (cfg.block_size - 1).min(limit.unwrap_or(usize::MAX)),
+                kv_bytes_per_token: cfg.kv_bytes_per_token(target.activation_bytes()),
                 loader: Box::new(move |model| {
-                    let d = Dflash::load(&dir, &model.model)?;
-                    Ok(match limit {
-                        Some(k) => Arc::new(Limited(d, k)) as Arc<dyn DraftSource>,
-                        None => Arc::new(d) as Arc<dyn DraftSource>,
-                    })
+                    Ok(Arc::new(Dflash::load(&dir, &model.model, limit)?) as Arc<dyn DraftSource>)
                 }),
             }
         }
     };
     SpecEngine::new(name, shared, settings, plan)
-}
-
-/// A drafter that proposes fewer tokens than its block (`draft_tokens:`).
-struct Limited(Dflash, usize);
-
-impl DraftSource for Limited {
-    fn taps(&self) -> runtime::model::Taps {
-        self.0.taps()
-    }
-    fn max_draft(&self) -> usize {
-        self.0.max_draft().min(self.1)
-    }
-    fn kv_bytes_per_token(&self) -> usize {
-        self.0.kv_bytes_per_token()
-    }
-    fn start(&self) -> Box<dyn speculative::DraftState> {
-        self.0.start()
-    }
 }

@@ -135,11 +135,6 @@ impl DraftSource for Assistant {
         self.draft_tokens
     }
 
-    /// No cache of its own: it reads the target's.
-    fn kv_bytes_per_token(&self) -> usize {
-        0
-    }
-
     fn start(&self) -> Box<dyn DraftState> {
         Box::new(State {
             net: self.net.clone(),

@@ -214,15 +214,18 @@ impl Model {
         self.embed.dtype()
     }
 
-    /// Bytes of K+V one token occupies in this model's cache (stored in the
-    /// activation dtype).
-    pub fn kv_bytes_per_token(&self) -> usize {
-        let elem = match self.dtype() {
+    /// Bytes of one activation value (K and V are cached in this dtype).
+    pub fn activation_bytes(&self) -> usize {
+        match self.dtype() {
             Dtype::Float32 => 4,
             Dtype::Float16 | Dtype::Bfloat16 => 2,
             other => unreachable!("activations are floating point, not {other:?}"),
-        };
-        self.config.kv_bytes_per_token(elem)
+        }
+    }
+
+    /// Bytes of K+V one token occupies in this model's cache.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        self.config.kv_bytes_per_token(self.activation_bytes())
     }
 
     /// Runs `tokens` (`[B, L]` int32) through the model, appending their keys

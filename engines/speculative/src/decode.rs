@@ -208,9 +208,7 @@ impl Sequence {
             return;
         }
         self.finished = Some(reason);
-        self.held.take();
-        self.cache = KvCache::new(0, 1);
-        self.draft = None;
+        self.release();
         let _ = self.events.send(Event::Finished(Finish {
             reason,
             prompt_tokens: self.request.prompt.len() as u32,
@@ -226,10 +224,15 @@ impl Sequence {
             return;
         }
         self.finished = Some(FinishReason::Cancelled);
+        self.release();
+        let _ = self.events.send(Event::Error(message));
+    }
+
+    /// Gives back the KV blocks and the engine slot, and drops the caches.
+    fn release(&mut self) {
         self.held.take();
         self.cache = KvCache::new(0, 1);
         self.draft = None;
-        let _ = self.events.send(Event::Error(message));
     }
 
     /// Cancelled from outside (client gone, shutdown) between rounds.

@@ -21,9 +21,6 @@ pub trait DraftSource: Send + Sync {
     fn taps(&self) -> Taps;
     /// Most tokens proposed per round.
     fn max_draft(&self) -> usize;
-    /// KV bytes per token the drafter keeps for each sequence (reserved
-    /// from the shared pool together with the target's).
-    fn kv_bytes_per_token(&self) -> usize;
     /// Per-sequence drafting state.
     fn start(&self) -> Box<dyn DraftState>;
 }

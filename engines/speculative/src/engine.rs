@@ -33,7 +33,8 @@ pub struct DraftPlan {
     pub loader: SourceLoader,
     /// Tokens proposed per round at most (KV is reserved for the overshoot).
     pub max_draft: usize,
-    /// Drafter KV bytes per token, from its config.
+    /// Drafter KV bytes per token, from its config (reserved from the
+    /// shared pool together with the target's).
     pub kv_bytes_per_token: usize,
 }
 

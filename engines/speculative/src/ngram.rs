@@ -68,10 +68,6 @@ impl DraftSource for PromptLookup {
         self.draft_tokens
     }
 
-    fn kv_bytes_per_token(&self) -> usize {
-        0
-    }
-
     fn start(&self) -> Box<dyn DraftState> {
         Box::new(*self)
     }

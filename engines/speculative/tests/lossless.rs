@@ -228,9 +228,6 @@ impl DraftSource for Oracle {
     fn max_draft(&self) -> usize {
         self.k
     }
-    fn kv_bytes_per_token(&self) -> usize {
-        0
-    }
     fn start(&self) -> Box<dyn DraftState> {
         Box::new(OracleState(self.continuations.clone()))
     }
