@@ -1,6 +1,8 @@
 """mlx-lm's raw generation loop, timed the way benches/raw_loop.rs times
 ours: prefill tok/s (prompt tokens / time to the first token) and decode
-tok/s (further tokens / their time), best of `reps`. Prints JSON."""
+tok/s (further tokens / their time), best of `reps`. Prints JSON.
+An optional fifth argument (float32, ...) casts the model's floating-point
+parameters first."""
 
 import json
 import sys
@@ -14,6 +16,8 @@ from mlx_lm.generate import generate_step
 def main():
     model_dir, prompt_len, gen, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     model, _ = load(model_dir)
+    if len(sys.argv) > 5:
+        model.set_dtype(getattr(mx, sys.argv[5]))
     vocab = model.args.vocab_size
     prompt = mx.array([(i * 7919 + 13) % vocab for i in range(prompt_len)])
     best = {"prefill_tps": 0.0, "decode_tps": 0.0}

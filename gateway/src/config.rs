@@ -8,6 +8,8 @@
 //!   kv_cache_mb: 1024         # shared KV block pool budget
 //!   kv_block_size: 16         # tokens per block
 //!   default_max_tokens: 4096  # cap on max_tokens when a request omits it
+//!   compute_dtype: auto       # auto (fp32 on the CPU, the checkpoint's on the GPU),
+//!                             # float32, bfloat16 or float16
 //! server:
 //!   host: 127.0.0.1
 //!   port: 8000
@@ -91,6 +93,9 @@ pub struct ModelConfig {
     pub kv_block_size: usize,
     #[serde(default = "defaults::default_max_tokens")]
     pub default_max_tokens: u32,
+    /// The dtype weights and activations compute in (KV is cached in it).
+    #[serde(default)]
+    pub compute_dtype: runtime::ComputeDtype,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -127,6 +127,9 @@ impl Router {
             if let Some(rate) = load.accept_rate {
                 s.engine_accept_rate.insert(entry.name.clone(), rate as f64);
             }
+            if let Some(speedup) = load.expected_speedup {
+                s.engine_speedup.insert(entry.name.clone(), speedup as f64);
+            }
         }
         s
     }

@@ -34,6 +34,7 @@ pub mod metric {
     pub const SPEC_ACCEPTED: &str = "gateway_spec_accepted_tokens_total";
     pub const SPEC_TARGET_FORWARDS: &str = "gateway_spec_target_forwards_total";
     pub const ENGINE_ACCEPT_RATE: &str = "gateway_engine_accept_rate";
+    pub const ENGINE_SPEEDUP: &str = "gateway_engine_speedup";
     pub const VISION_CACHE_HITS: &str = "gateway_vision_cache_hits_total";
     pub const VISION_CACHE_MISSES: &str = "gateway_vision_cache_misses_total";
     pub const VISION_CACHE_IMAGES: &str = "gateway_vision_cache_images";
@@ -120,6 +121,10 @@ fn describe() {
     describe_gauge!(ENGINE_ACTIVE, "Requests running on the engine");
     describe_gauge!(ENGINE_QUEUED, "Requests waiting on the engine");
     describe_gauge!(ENGINE_KV_BLOCKS, "KV blocks the engine holds");
+    describe_gauge!(
+        ENGINE_SPEEDUP,
+        "Speculative engine's recent speed over plain decoding (tokens per target forward x decode-step cost / round cost)"
+    );
     describe_gauge!(ENGINES_FAILED, "Configured engines that failed to load");
     describe_counter!(
         ENGINE_FAULTS,

@@ -8,14 +8,14 @@ use std::collections::HashMap;
 use serde_yaml::{Mapping, Value};
 
 use crate::error::{At, PolicyError};
-use crate::eval::{Cond, Count, Flag, Fraction, Op};
+use crate::eval::{Cond, Count, Flag, Measure, Op};
 use crate::policy::{Policy, Rule};
 use crate::schema::{RawPolicy, RawRule};
 
 /// Listed in "unknown signal" errors.
 pub(crate) const KNOWN_KEYS: &str = "prompt_tokens, max_tokens, greedy, has_tools, has_images, \
      total_active, total_queued, kv_pressure, model, engine_active.NAME, engine_queued.NAME, \
-     engine_accept_rate.NAME, all, any, not";
+     engine_accept_rate.NAME, engine_speedup.NAME, all, any, not";
 
 const NUMERIC_OPS: &str = "eq, ne, lt, lte, gt, gte";
 
@@ -181,9 +181,15 @@ impl Ctx<'_> {
             })
         };
         let fraction = |signal| -> R {
-            Ok(Cond::Fraction {
+            Ok(Cond::Measure {
                 signal,
-                tests: self.fraction_tests(value, field)?,
+                tests: self.measure_tests(value, field, Self::fraction)?,
+            })
+        };
+        let ratio = |signal| -> R {
+            Ok(Cond::Measure {
+                signal,
+                tests: self.measure_tests(value, field, Self::ratio)?,
             })
         };
         let flag = |signal| -> R {
@@ -203,7 +209,7 @@ impl Ctx<'_> {
             "max_tokens" => count(Count::MaxTokens),
             "total_active" => count(Count::TotalActive),
             "total_queued" => count(Count::TotalQueued),
-            "kv_pressure" => fraction(Fraction::KvPressure),
+            "kv_pressure" => fraction(Measure::KvPressure),
             "model" => self.model(value, field),
             _ => match key.split_once('.') {
                 Some(("engine_active", e)) => {
@@ -213,7 +219,10 @@ impl Ctx<'_> {
                     count(Count::EngineQueued(self.signal_engine(field, e)?))
                 }
                 Some(("engine_accept_rate", e)) => {
-                    fraction(Fraction::EngineAcceptRate(self.signal_engine(field, e)?))
+                    fraction(Measure::EngineAcceptRate(self.signal_engine(field, e)?))
+                }
+                Some(("engine_speedup", e)) => {
+                    ratio(Measure::EngineSpeedup(self.signal_engine(field, e)?))
                 }
                 _ => Err(PolicyError::UnknownSignal {
                     at: self.at.clone(),
@@ -274,11 +283,30 @@ impl Ctx<'_> {
             .ok_or_else(|| self.wrong_type(field, "a non-negative integer", value))
     }
 
-    fn fraction_tests(&self, value: &Value, field: &str) -> Result<Box<[(Op, f64)]>, PolicyError> {
+    fn measure_tests(
+        &self,
+        value: &Value,
+        field: &str,
+        bound: fn(&Self, &Value, &str) -> Result<f64, PolicyError>,
+    ) -> Result<Box<[(Op, f64)]>, PolicyError> {
         match value {
-            Value::Mapping(ops) => self.operators(ops, field, |v, f| self.fraction(v, f)),
-            bare => Ok(Box::new([(Op::Eq, self.fraction(bare, field)?)])),
+            Value::Mapping(ops) => self.operators(ops, field, |v, f| bound(self, v, f)),
+            bare => Ok(Box::new([(Op::Eq, bound(self, bare, field)?)])),
         }
+    }
+
+    /// A non-negative ratio such as a speedup (1.0 = no change).
+    fn ratio(&self, value: &Value, field: &str) -> Result<f64, PolicyError> {
+        let x = match value {
+            Value::Number(n) => n.as_f64().unwrap_or(f64::NAN),
+            other => {
+                return Err(self.wrong_type(field, "a number >= 0 or a map of operators", other))
+            }
+        };
+        if !(x >= 0.0 && x.is_finite()) {
+            return Err(self.invalid(field, &format!("must be a finite number >= 0, got {x}")));
+        }
+        Ok(x)
     }
 
     fn fraction(&self, value: &Value, field: &str) -> Result<f64, PolicyError> {

@@ -14,8 +14,8 @@ pub(crate) enum Cond {
         signal: Count,
         tests: Box<[(Op, u64)]>,
     },
-    Fraction {
-        signal: Fraction,
+    Measure {
+        signal: Measure,
         tests: Box<[(Op, f64)]>,
     },
     Flag {
@@ -36,11 +36,13 @@ pub(crate) enum Count {
     EngineQueued(Box<str>),
 }
 
-/// Signals in 0..=1 that may be unknown.
+/// Real-valued signals that may be unknown: fractions in 0..=1 and
+/// non-negative ratios.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Fraction {
+pub(crate) enum Measure {
     KvPressure,
     EngineAcceptRate(Box<str>),
+    EngineSpeedup(Box<str>),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,13 +89,14 @@ impl Count {
     }
 }
 
-impl Fraction {
+impl Measure {
     /// `None` when unknown; NaN is treated as unknown too, so a broken
     /// measurement cannot satisfy `ne`.
     fn read(&self, s: &Signals) -> Option<f64> {
         let v = match self {
-            Fraction::KvPressure => s.kv_pressure,
-            Fraction::EngineAcceptRate(e) => *s.engine_accept_rate.get(&**e)?,
+            Measure::KvPressure => s.kv_pressure,
+            Measure::EngineAcceptRate(e) => *s.engine_accept_rate.get(&**e)?,
+            Measure::EngineSpeedup(e) => *s.engine_speedup.get(&**e)?,
         };
         (!v.is_nan()).then_some(v)
     }
@@ -121,7 +124,7 @@ impl Cond {
             }
             // An unknown value fails every comparison, including `ne`;
             // `not` then inverts that like any other false.
-            Cond::Fraction { signal, tests } => match signal.read(s) {
+            Cond::Measure { signal, tests } => match signal.read(s) {
                 Some(v) => tests.iter().all(|&(op, bound)| op.holds(v, bound)),
                 None => false,
             },

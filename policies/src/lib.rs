@@ -45,6 +45,7 @@
 //! | `engine_active.NAME`, `engine_queued.NAME` | integer | the same for engine `NAME` (missing data counts as 0) |
 //! | `kv_pressure` | fraction 0..=1 | allocated KV blocks over total |
 //! | `engine_accept_rate.NAME` | fraction 0..=1 | draft acceptance of speculative engine `NAME`; may be unknown |
+//! | `engine_speedup.NAME` | ratio >= 0 | speculative engine `NAME`'s recent speed over plain decoding (tokens per target forward x decode-step cost / round cost); may be unknown |
 //! | `greedy`, `has_tools`, `has_images` | `true` / `false` | request features |
 //! | `model` | string or `{ in: [a, b] }` | the requested model |
 //! | `all` / `any` | list of conditions | every one / at least one holds |
@@ -53,7 +54,8 @@
 //! Numeric keys take a bare number (equality) or a map of operators, all of
 //! which must hold: `eq`, `ne`, `lt`, `lte`, `gt`, `gte`, e.g.
 //! `prompt_tokens: { gte: 1024, lt: 8192 }`. Integer signals need integer
-//! bounds; fraction bounds must lie in 0..=1 (so `85` for 85% is caught).
+//! bounds; fraction bounds must lie in 0..=1 (so `85` for 85% is caught),
+//! ratio bounds must be finite and >= 0.
 //! Engine names inside dotted keys must be loaded engines.
 //!
 //! ## Unknown values
@@ -63,7 +65,8 @@
 //! like any false, so `not: { engine_accept_rate.dflash: { lt: 0.3 } }`
 //! holds while the rate is unknown: "speculate until proven bad". Write
 //! `engine_accept_rate.dflash: { gte: 0.3 }` instead for "only once proven
-//! good".
+//! good". "Speculate while it pays" is one comparison:
+//! `not: { engine_speedup.dflash: { lt: 1.0 } }`.
 //!
 //! # Use
 //!

@@ -7,7 +7,8 @@ use std::collections::HashMap;
 ///
 /// Per-engine maps are keyed by engine name. A loaded engine missing from
 /// `engine_active` / `engine_queued` counts as 0 (nothing reported means
-/// nothing running). A missing `engine_accept_rate` entry means *unknown*
+/// nothing running). A missing `engine_accept_rate` or `engine_speedup`
+/// entry means *unknown*
 /// (no drafts measured yet), which is different from 0.0: see the crate
 /// docs for how unknown values compare.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -26,6 +27,10 @@ pub struct Signals {
     pub engine_queued: HashMap<String, u64>,
     /// Moving-window draft acceptance rate in 0..=1, for speculative engines.
     pub engine_accept_rate: HashMap<String, f64>,
+    /// Moving-window speed of a speculative engine relative to plain
+    /// decoding (tokens per target forward x decode-step cost / round
+    /// cost): above 1.0 speculation pays. Missing means unknown.
+    pub engine_speedup: HashMap<String, f64>,
     /// Allocated KV blocks over total blocks, in 0..=1.
     pub kv_pressure: f64,
     /// The model the request names.

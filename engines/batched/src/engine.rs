@@ -129,6 +129,7 @@ impl Engine for BatchedEngine {
                 .as_ref()
                 .is_some_and(|t| !t.is_finished()),
             accept_rate: None,
+            expected_speedup: None,
         }
     }
 

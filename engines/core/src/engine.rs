@@ -25,6 +25,10 @@ pub struct EngineLoad {
     pub healthy: bool,
     /// Moving-window draft acceptance rate, for speculative engines.
     pub accept_rate: Option<f32>,
+    /// Moving-window speed relative to plain decoding, for speculative
+    /// engines: tokens per target forward times a decode step's cost over
+    /// the rounds' cost (above 1.0, speculation pays).
+    pub expected_speedup: Option<f32>,
 }
 
 /// Why an engine declined a request it could otherwise serve; the router

@@ -155,6 +155,7 @@ impl Engine for FastpathEngine {
                 .as_ref()
                 .is_some_and(|t| !t.is_finished()),
             accept_rate: None,
+            expected_speedup: None,
         }
     }
 

@@ -221,6 +221,7 @@ impl Engine for RemoteEngine {
             kv_blocks_held: 0,
             healthy: self.pool.healthy_count() > 0,
             accept_rate: None,
+            expected_speedup: None,
         }
     }
 

@@ -3,8 +3,13 @@
 //!
 //!     cargo bench -p runtime --bench raw_loop [-- --family qwen3 --prompt 512 --gen 256 --reps 3]
 //!
-//! mlx-lm runs twice: as pip installs it (the wheel's reference BLAS) and
-//! with Debian's OpenBLAS preloaded, which is what our build links.
+//! or on a real checkpoint, ours in a chosen compute dtype (default auto):
+//!
+//!     cargo bench -p runtime --bench raw_loop -- --model DIR [--dtype float32]
+//!
+//! mlx-lm runs as pip installs it (the wheel's reference BLAS) and with
+//! Debian's OpenBLAS preloaded, which is what our build links; on a real
+//! checkpoint each both as loaded and cast to fp32.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -12,10 +17,12 @@ use std::time::Instant;
 
 use runtime::generate;
 use runtime::tiny::{write_model, TinySpec};
-use runtime::{Family, LoadedModel};
+use runtime::{ComputeDtype, Family, LoadedModel};
 
 struct Args {
     family: Family,
+    model: Option<PathBuf>,
+    dtype: ComputeDtype,
     prompt: usize,
     gen: usize,
     reps: usize,
@@ -24,6 +31,8 @@ struct Args {
 fn args() -> Args {
     let mut a = Args {
         family: Family::Qwen3,
+        model: None,
+        dtype: ComputeDtype::Auto,
         prompt: 512,
         gen: 256,
         reps: 3,
@@ -34,6 +43,8 @@ fn args() -> Args {
         let value = argv.get(i + 1).cloned().unwrap_or_default();
         match argv[i].as_str() {
             "--family" => a.family = value.parse().expect("family"),
+            "--model" => a.model = Some(value.into()),
+            "--dtype" => a.dtype = value.parse().expect("compute dtype"),
             "--prompt" => a.prompt = value.parse().expect("prompt length"),
             "--gen" => a.gen = value.parse().expect("tokens to generate"),
             "--reps" => a.reps = value.parse().expect("repetitions"),
@@ -63,7 +74,7 @@ fn python() -> PathBuf {
 }
 
 fn ours(dir: &Path, a: &Args) -> (f64, f64) {
-    let loaded = LoadedModel::load(dir, None).expect("load the bench model");
+    let loaded = LoadedModel::load_as(dir, None, a.dtype).expect("load the bench model");
     let vocab = loaded.vocab_size() as u32;
     let prompt: Vec<u32> = (0..a.prompt as u32)
         .map(|i| (i * 7919 + 13) % vocab)
@@ -82,11 +93,12 @@ fn ours(dir: &Path, a: &Args) -> (f64, f64) {
     (prefill, decode)
 }
 
-fn mlx_lm(dir: &Path, a: &Args, preload: Option<&str>) -> (f64, f64) {
+fn mlx_lm(dir: &Path, a: &Args, preload: Option<&str>, cast: Option<&str>) -> (f64, f64) {
     let mut cmd = Command::new(python());
     cmd.arg(root().join("scripts/bench_mlx_lm.py"))
         .arg(dir)
-        .args([a.prompt.to_string(), a.gen.to_string(), a.reps.to_string()]);
+        .args([a.prompt.to_string(), a.gen.to_string(), a.reps.to_string()])
+        .args(cast);
     if let Some(lib) = preload {
         cmd.env("LD_PRELOAD", lib);
     }
@@ -105,6 +117,65 @@ fn mlx_lm(dir: &Path, a: &Args, preload: Option<&str>) -> (f64, f64) {
 
 fn main() {
     let a = args();
+    let dir = match &a.model {
+        Some(dir) => {
+            println!("model: {}", dir.display());
+            dir.clone()
+        }
+        None => generated_model(&a),
+    };
+    println!(
+        "prompt {} tokens, {} generated; best of {}; device {:?}; ours in compute dtype {:?}",
+        a.prompt,
+        a.gen,
+        a.reps,
+        mlx_rs::Device::default(),
+        a.dtype
+    );
+    println!("BLAS (ours): {}", mlx_sys::blas_backend());
+    let openblas = [
+        "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+        "/usr/lib64/libopenblas.so.0",
+    ]
+    .into_iter()
+    .find(|p| Path::new(p).exists());
+    let ours = ours(&dir, &a);
+    // A real checkpoint's mlx-lm also runs cast to fp32, its fastest CPU form.
+    let casts: &[Option<&str>] = if a.model.is_some() {
+        &[None, Some("float32")]
+    } else {
+        &[None]
+    };
+    let mut peers = Vec::new();
+    for &cast in casts {
+        let dtype = cast.map_or(String::new(), |c| format!(", {c}"));
+        peers.push((format!("mlx-lm (pip install{dtype})"), mlx_lm(&dir, &a, None, cast)));
+        if let Some(lib) = openblas {
+            peers.push((
+                format!("mlx-lm (OpenBLAS preloaded{dtype})"),
+                mlx_lm(&dir, &a, Some(lib), cast),
+            ));
+        }
+    }
+    println!("{:<40} {:>13} {:>12}", "", "prefill tok/s", "decode tok/s");
+    println!(
+        "{:<40} {:>13.1} {:>12.1}",
+        "ours (runtime::generate::greedy)", ours.0, ours.1
+    );
+    for (name, p) in &peers {
+        println!("{name:<40} {:>13.1} {:>12.1}", p.0, p.1);
+    }
+    for (name, p) in &peers {
+        println!(
+            "ratio ours / {name}: prefill {:.2}x, decode {:.2}x",
+            ours.0 / p.0,
+            ours.1 / p.1
+        );
+    }
+}
+
+/// The generated bench model of `--family` (written once).
+fn generated_model(a: &Args) -> PathBuf {
     let spec = match std::env::var("BENCH_PRESET").as_deref() {
         Ok("qwen3-4b") => TinySpec::qwen3_4b(),
         _ => TinySpec::bench(a.family),
@@ -118,50 +189,10 @@ fn main() {
         write_model(&dir, &spec).expect("write the bench model");
     }
     println!(
-        "model: {} shape, {:.0}M parameters, {:?}; prompt {} tokens, {} generated; best of {}; device {:?}",
+        "model: {} shape, {:.0}M parameters, {:?}",
         a.family,
         spec.parameters() as f64 / 1e6,
-        spec.dtype,
-        a.prompt,
-        a.gen,
-        a.reps,
-        mlx_rs::Device::default()
+        spec.dtype
     );
-    println!("BLAS (ours): {}", mlx_sys::blas_backend());
-    let openblas = [
-        "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
-        "/usr/lib64/libopenblas.so.0",
-    ]
-    .into_iter()
-    .find(|p| Path::new(p).exists());
-    let ours = ours(&dir, &a);
-    let plain = mlx_lm(&dir, &a, None);
-    let preloaded = openblas.map(|lib| mlx_lm(&dir, &a, Some(lib)));
-    println!("{:<34} {:>12} {:>12}", "", "prefill tok/s", "decode tok/s");
-    println!(
-        "{:<34} {:>12.1} {:>12.1}",
-        "ours (runtime::generate::greedy)", ours.0, ours.1
-    );
-    println!(
-        "{:<34} {:>12.1} {:>12.1}",
-        "mlx-lm (pip install)", plain.0, plain.1
-    );
-    if let Some(p) = preloaded {
-        println!(
-            "{:<34} {:>12.1} {:>12.1}",
-            "mlx-lm (OpenBLAS preloaded)", p.0, p.1
-        );
-    }
-    println!(
-        "ratio ours / mlx-lm (pip): prefill {:.2}x, decode {:.2}x",
-        ours.0 / plain.0,
-        ours.1 / plain.1
-    );
-    if let Some(p) = preloaded {
-        println!(
-            "ratio ours / mlx-lm (OpenBLAS): prefill {:.2}x, decode {:.2}x",
-            ours.0 / p.0,
-            ours.1 / p.1
-        );
-    }
+    dir
 }

@@ -6,6 +6,7 @@
 pub mod activations;
 pub mod admission;
 pub mod cache;
+pub mod compute;
 pub mod config;
 pub mod cuda_env;
 pub mod generate;
@@ -27,6 +28,7 @@ pub mod model;
 pub mod weights;
 
 pub use cache::KvCache;
+pub use compute::ComputeDtype;
 pub use config::{Family, ModelConfig};
 
 pub use kv_pool::{KvPool, Reservation};

@@ -9,6 +9,7 @@ use std::time::Instant;
 use anyhow::Context;
 use std::sync::{Mutex, MutexGuard};
 
+use crate::compute::ComputeDtype;
 use crate::config::ModelConfig;
 use crate::model::Model;
 use crate::vision::{VisionConfig, VisionTower};
@@ -40,10 +41,19 @@ pub struct LoadedModel {
 unsafe impl Sync for LoadedModel {}
 
 impl LoadedModel {
+    /// Loads with the compute dtype chosen for the device
+    /// ([`ComputeDtype::Auto`]).
     pub fn load(dir: &Path, name: Option<&str>) -> anyhow::Result<Self> {
+        Self::load_as(dir, name, ComputeDtype::Auto)
+    }
+
+    pub fn load_as(dir: &Path, name: Option<&str>, compute: ComputeDtype) -> anyhow::Result<Self> {
         let started = Instant::now();
         let config = ModelConfig::from_dir(dir)?;
         let mut weights = Weights::from_dir(dir)?;
+        if let Some(dtype) = compute.resolve() {
+            weights.cast_floats(dtype)?;
+        }
         let vision = match VisionConfig::from_dir(dir)? {
             Some(v) => Some(
                 VisionTower::load(v, &mut weights, config.quantization)
@@ -54,11 +64,12 @@ impl LoadedModel {
         let model =
             Model::load(config, weights).with_context(|| format!("loading {}", dir.display()))?;
         // Materialise the weights now, not on the first request.
-        model.eval_weights()?;
+        let mut weight_bytes = model.eval_weights()?;
         if let Some(tower) = &vision {
             let mut all = Vec::new();
             tower.collect(&mut all);
-            mlx_rs::transforms::eval(all)?;
+            mlx_rs::transforms::eval(all.iter().copied())?;
+            weight_bytes += all.iter().map(|a| a.nbytes()).sum::<usize>();
         }
         let tokenizer = Arc::new(text::Tokenizer::from_dir(dir)?);
         let template = text::ChatTemplate::from_dir(dir)?;
@@ -74,6 +85,9 @@ impl LoadedModel {
             layers = model.config.num_layers,
             hidden = model.config.hidden_size,
             dtype = ?model.dtype(),
+            compute_dtype = ?compute,
+            weight_mb = weight_bytes >> 20,
+            kv_bytes_per_token = model.kv_bytes_per_token(),
             blas = %mlx_sys::blas_backend(),
             seconds = started.elapsed().as_secs_f32(),
             "model loaded"

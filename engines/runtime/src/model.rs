@@ -187,8 +187,9 @@ impl Model {
         })
     }
 
-    /// Evaluates every weight so loading cost is paid at startup.
-    pub fn eval_weights(&self) -> anyhow::Result<()> {
+    /// Evaluates every weight so loading cost is paid at startup; returns
+    /// their bytes in memory.
+    pub fn eval_weights(&self) -> anyhow::Result<usize> {
         let mut all: Vec<&Array> = Vec::new();
         self.embed.collect(&mut all);
         for l in &self.layers {
@@ -198,8 +199,8 @@ impl Model {
         if let Some(h) = &self.lm_head {
             h.collect(&mut all);
         }
-        mlx_rs::transforms::eval(all)?;
-        Ok(())
+        mlx_rs::transforms::eval(all.iter().copied())?;
+        Ok(all.iter().map(|a| a.nbytes()).sum())
     }
 
     pub fn num_layers(&self) -> usize {

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::{anyhow, Context};
-use mlx_rs::Array;
+use mlx_rs::{Array, Dtype};
 
 pub struct Weights {
     tensors: HashMap<String, Array>,
@@ -49,6 +49,18 @@ impl Weights {
 
     pub fn remaining(&self) -> impl Iterator<Item = &String> {
         self.tensors.keys()
+    }
+
+    /// Casts every floating-point tensor to `dtype` (lazily: the copy is
+    /// made when the weights are evaluated, and the checkpoint's arrays are
+    /// dropped then).
+    pub fn cast_floats(&mut self, dtype: Dtype) -> anyhow::Result<()> {
+        for t in self.tensors.values_mut() {
+            if crate::compute::casts(t.dtype()) && t.dtype() != dtype {
+                *t = t.as_dtype(dtype)?;
+            }
+        }
+        Ok(())
     }
 }
 

@@ -16,9 +16,10 @@ use runtime::generate::{tokens_array, DEFAULT_PREFILL_CHUNK};
 use runtime::model::{Logits, Taps};
 use runtime::{KvCache, Model};
 
+use crate::adaptive::{DraftSizer, RoundCost};
 use crate::draft::{DraftSource, DraftState, Proposal};
 
-/// What one round did, for the engine's acceptance window.
+/// What one round did, for the engine's acceptance window and cost model.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RoundStats {
     pub drafted: u32,
@@ -38,6 +39,8 @@ pub struct Sequence {
     taps: Taps,
     /// Most tokens the draft source proposes per round.
     max_draft: usize,
+    /// How many of them are worth verifying, learned from this sequence.
+    sizer: DraftSizer,
     stats: SpecStats,
     generated: u32,
     finished: Option<FinishReason>,
@@ -61,6 +64,10 @@ impl Sequence {
             draft: source.map(|s| s.start()),
             taps: source.map(|s| s.taps()).unwrap_or_default(),
             max_draft: source.map_or(0, |s| s.max_draft()),
+            sizer: DraftSizer::new(
+                source.map_or(0, |s| s.max_draft()),
+                source.map_or(1, |s| s.kinds()),
+            ),
             stats: SpecStats::default(),
             generated: 0,
             finished: None,
@@ -105,8 +112,15 @@ impl Sequence {
         Ok(())
     }
 
-    /// One round: draft (when `speculate`), verify, commit, roll back.
-    pub fn round(&mut self, model: &Model, speculate: bool) -> anyhow::Result<RoundStats> {
+    /// One round: draft (when `speculate` and the drafts are expected to
+    /// pay for their verify at the engine's `cost`), verify, commit, roll
+    /// back.
+    pub fn round(
+        &mut self,
+        model: &Model,
+        speculate: bool,
+        cost: &RoundCost,
+    ) -> anyhow::Result<RoundStats> {
         if self.is_finished() {
             return Ok(RoundStats::default());
         }
@@ -114,35 +128,38 @@ impl Sequence {
         // Never draft past max_tokens: a round commits at most k + 1.
         let budget = ((self.request.max_tokens - self.generated).saturating_sub(1) as usize)
             .min(self.max_draft);
-        let proposal = match (&mut self.draft, speculate) {
-            (Some(draft), true) if budget > 0 => {
-                draft.propose(model, &self.cache, &self.history, budget)?
-            }
+        let limit = match (&self.draft, speculate) {
+            (Some(_), true) => self.sizer.plan(cost, budget),
+            _ => 0,
+        };
+        let proposal = match &mut self.draft {
+            Some(draft) if limit > 0 => draft.propose(model, &self.cache, &self.history, limit)?,
             _ => Proposal::None,
         };
         let newest_arr = Array::from_slice(&[newest as i32], &[1, 1]);
-        // Drafts on the device (lazy) or already on the host.
-        let (input, lazy, mut proposed) = match proposal {
-            Proposal::None => (newest_arr, None, Vec::new()),
-            Proposal::Tokens(mut t) => {
-                t.truncate(budget);
+        // Drafts on the device (lazy) or already on the host, cut to the
+        // size worth verifying for their kind of evidence.
+        let (input, lazy, mut proposed, kind) = match proposal {
+            Proposal::Tokens { mut tokens, kind } => {
+                tokens.truncate(self.sizer.size(cost, kind, tokens.len().min(limit)));
                 let mut ids = vec![newest];
-                ids.extend(&t);
-                (tokens_array(&ids), None, t)
+                ids.extend(&tokens);
+                (tokens_array(&ids), None, tokens, kind)
             }
-            Proposal::Lazy(d) => {
-                let d = if d.dim(1) as usize > budget {
-                    runtime::cache::slice(&d, &[0, 0], &[1, budget as i32])?
-                } else {
-                    d
-                };
-                let d = d.as_dtype(Dtype::Int32)?;
-                (
-                    ops::concatenate(&[newest_arr, d.clone()], 1)?,
-                    Some(d),
-                    Vec::new(),
-                )
-            }
+            Proposal::Lazy(d) => match self.sizer.size(cost, 0, (d.dim(1) as usize).min(limit)) {
+                0 => (newest_arr, None, Vec::new(), 0),
+                k => {
+                    let d = runtime::cache::slice(&d, &[0, 0], &[1, k as i32])?
+                        .as_dtype(Dtype::Int32)?;
+                    (
+                        ops::concatenate(&[newest_arr, d.clone()], 1)?,
+                        Some(d),
+                        Vec::new(),
+                        0,
+                    )
+                }
+            },
+            Proposal::None => (newest_arr, None, Vec::new(), 0),
         };
         let k = input.dim(1) - 1;
         let out = model.forward_tapped(&input, &mut self.cache, Logits::All, &self.taps)?;
@@ -161,6 +178,7 @@ impl Sequence {
             .take_while(|(d, t)| d == t)
             .count();
         self.cache.truncate(k - accepted as i32);
+        self.sizer.learn(kind, k as usize, accepted);
         if let Some(draft) = &mut self.draft {
             draft.observe(model, &out, rows(accepted))?;
         }

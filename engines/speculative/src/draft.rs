@@ -8,8 +8,10 @@ use runtime::{KvCache, Model};
 pub enum Proposal {
     /// Nothing worth verifying: the loop takes a plain decode step.
     None,
-    /// Tokens already known on the host (prompt lookup).
-    Tokens(Vec<u32>),
+    /// Tokens already known on the host (prompt lookup), with the kind of
+    /// evidence behind them (below [`DraftSource::kinds`]): acceptance is
+    /// learned per kind.
+    Tokens { tokens: Vec<u32>, kind: usize },
     /// `[1, k]` int32 tokens still being computed on the device; the verify
     /// forward is chained onto them so a round syncs with the host once.
     Lazy(Array),
@@ -21,6 +23,12 @@ pub trait DraftSource: Send + Sync {
     fn taps(&self) -> Taps;
     /// Most tokens proposed per round.
     fn max_draft(&self) -> usize;
+    /// Kinds of evidence its proposals tell apart (prompt lookup: match
+    /// lengths), each with its own acceptance estimate; lazy proposals are
+    /// kind 0.
+    fn kinds(&self) -> usize {
+        1
+    }
     /// Per-sequence drafting state.
     fn start(&self) -> Box<dyn DraftState>;
 }

@@ -7,6 +7,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender};
 use engine_core::event::{event_channel, EventSender};
@@ -17,6 +18,7 @@ use engine_core::{
 use runtime::kv_pool::PoolError;
 use runtime::{LoadedModel, Reservation, SharedModel};
 
+use crate::adaptive::RoundCost;
 use crate::config::SpecSettings;
 use crate::decode::Sequence;
 use crate::draft::DraftSource;
@@ -153,6 +155,7 @@ impl SpecEngine {
             shared: shared.clone(),
             state: state.clone(),
             max_batch: settings.max_batch,
+            cost: RoundCost::default(),
             source,
             name: name.clone(),
         };
@@ -264,12 +267,14 @@ impl Engine for SpecEngine {
         let alive = lock(&self.thread)
             .as_ref()
             .is_some_and(|t| !t.is_finished());
+        let mut window = lock(&self.state.window);
         EngineLoad {
             active: self.state.in_flight.load(Ordering::Acquire),
             queued: 0,
             kv_blocks_held: self.state.kv_blocks.load(Ordering::Acquire),
             healthy: alive && lock(&self.state.failed).is_none(),
-            accept_rate: lock(&self.state.window).rate(),
+            accept_rate: window.rate(),
+            expected_speedup: window.speedup(),
         }
     }
 
@@ -295,6 +300,8 @@ struct Worker {
     shared: Arc<SharedModel>,
     state: Arc<Shared>,
     max_batch: Option<usize>,
+    /// What rounds cost on this engine, by tokens drafted.
+    cost: RoundCost,
     source: Source,
     name: String,
 }
@@ -323,10 +330,17 @@ impl Worker {
                 }
                 let result = {
                     let _device = self.shared.model.lock_device();
-                    seq.round(&self.shared.model.model, speculate)
+                    let started = Instant::now();
+                    seq.round(&self.shared.model.model, speculate, &self.cost)
+                        .map(|round| (round, started.elapsed()))
                 };
                 match result {
-                    Ok(round) => lock(&self.state.window).record(round.drafted, round.accepted),
+                    Ok((round, took)) => {
+                        let drafted = round.drafted as usize;
+                        self.cost.record(drafted, took);
+                        let decode = self.cost.decode_seconds(drafted, took);
+                        lock(&self.state.window).record(round, took, decode);
+                    }
                     Err(e) => {
                         tracing::error!(engine = %self.name, request = %seq.request.id, error = %e, "speculative round failed");
                         seq.fail(format!("generation failed: {e}"));

@@ -12,6 +12,7 @@
 //! `engine_accept_rate.NAME`. [`ngram`] is a draft source that needs no
 //! drafter weights (prompt lookup).
 
+pub mod adaptive;
 pub mod checkpoint;
 pub mod config;
 pub mod decode;
@@ -20,6 +21,7 @@ pub mod engine;
 pub mod ngram;
 pub mod window;
 
+pub use adaptive::{DraftSizer, RoundCost};
 pub use config::{DraftChoice, SpecSettings};
 pub use decode::Sequence;
 pub use draft::{DraftSource, DraftState, Proposal};

@@ -30,8 +30,9 @@ impl Default for PromptLookup {
 
 impl PromptLookup {
     /// `k` tokens continuing what followed the most recent earlier
-    /// occurrence of the longest matching suffix of `history`.
-    pub fn lookup(&self, history: &[u32], k: usize) -> Vec<u32> {
+    /// occurrence of the longest matching suffix of `history`, and that
+    /// suffix's length.
+    pub fn lookup(&self, history: &[u32], k: usize) -> (Vec<u32>, usize) {
         let len = history.len();
         for n in (self.min_ngram.max(1)..=self.max_ngram).rev() {
             if len <= n {
@@ -52,10 +53,10 @@ impl PromptLookup {
                 for i in from..from + k {
                     out.push(if i < len { history[i] } else { out[i - len] });
                 }
-                return out;
+                return (out, n);
             }
         }
-        Vec::new()
+        (Vec::new(), 0)
     }
 }
 
@@ -66,6 +67,13 @@ impl DraftSource for PromptLookup {
 
     fn max_draft(&self) -> usize {
         self.draft_tokens
+    }
+
+    /// One kind per match length: a 1-token match is weaker evidence than
+    /// a 3-token one, and only the lengths whose continuations are
+    /// accepted often enough are verified.
+    fn kinds(&self) -> usize {
+        self.max_ngram
     }
 
     fn start(&self) -> Box<dyn DraftState> {
@@ -85,11 +93,14 @@ impl DraftState for PromptLookup {
         history: &[u32],
         k: usize,
     ) -> anyhow::Result<Proposal> {
-        let tokens = self.lookup(history, k);
+        let (tokens, matched) = self.lookup(history, k);
         Ok(if tokens.is_empty() {
             Proposal::None
         } else {
-            Proposal::Tokens(tokens)
+            Proposal::Tokens {
+                tokens,
+                kind: matched - 1,
+            }
         })
     }
 }
@@ -111,26 +122,26 @@ mod tests {
         // "1 2 3 9 ... 5 2 3 7 ... 2 3": the 2-gram "2 3" last occurred
         // before 7; the 3-gram "4 2 3" does not occur.
         let h = [1, 2, 3, 9, 9, 5, 2, 3, 7, 8, 4, 2, 3];
-        assert_eq!(pl(3, 2).lookup(&h, 2), vec![7, 8]);
+        assert_eq!(pl(3, 2).lookup(&h, 2), (vec![7, 8], 2));
         // A longer match wins over a more recent shorter one.
         let h = [5, 6, 7, 1, 2, 0, 7, 3, 5, 6, 7];
-        assert_eq!(pl(3, 3).lookup(&h, 3), vec![1, 2, 0]);
+        assert_eq!(pl(3, 3).lookup(&h, 3), (vec![1, 2, 0], 3));
     }
 
     #[test]
     fn a_match_at_the_end_continues_its_period() {
-        assert_eq!(pl(2, 5).lookup(&[4, 4], 5), vec![4; 5]);
+        assert_eq!(pl(2, 5).lookup(&[4, 4], 5).0, vec![4; 5]);
         // "7 1 2 3 1 2": "1 2" last occurred one period back, before "3".
         assert_eq!(
             pl(2, 7).lookup(&[7, 1, 2, 3, 1, 2], 7),
-            vec![3, 1, 2, 3, 1, 2, 3]
+            (vec![3, 1, 2, 3, 1, 2, 3], 2)
         );
     }
 
     #[test]
     fn no_match_no_draft() {
-        assert!(pl(3, 4).lookup(&[1, 2, 3], 4).is_empty());
-        assert!(pl(3, 4).lookup(&[], 4).is_empty());
-        assert!(pl(3, 4).lookup(&[1, 2, 1, 2], 0).is_empty());
+        assert!(pl(3, 4).lookup(&[1, 2, 3], 4).0.is_empty());
+        assert!(pl(3, 4).lookup(&[], 4).0.is_empty());
+        assert!(pl(3, 4).lookup(&[1, 2, 1, 2], 0).0.is_empty());
     }
 }

@@ -253,7 +253,10 @@ impl DraftState for OracleState {
                 return Ok(if next.is_empty() {
                     Proposal::None
                 } else {
-                    Proposal::Tokens(next)
+                    Proposal::Tokens {
+                        tokens: next,
+                        kind: 0,
+                    }
                 });
             }
         }

@@ -29,7 +29,10 @@ pub async fn render(State(state): State<SharedState>) -> Response {
         metrics::gauge!(metric::ENGINE_KV_BLOCKS, "engine" => name.clone())
             .set(load.kv_blocks_held as f64);
         if let Some(rate) = load.accept_rate {
-            metrics::gauge!(metric::ENGINE_ACCEPT_RATE, "engine" => name).set(rate as f64);
+            metrics::gauge!(metric::ENGINE_ACCEPT_RATE, "engine" => name.clone()).set(rate as f64);
+        }
+        if let Some(speedup) = load.expected_speedup {
+            metrics::gauge!(metric::ENGINE_SPEEDUP, "engine" => name).set(speedup as f64);
         }
     }
     for failed in &registry.failed {

@@ -143,7 +143,7 @@ impl Registry {
 
 fn load_shared(config: &Config) -> anyhow::Result<SharedModel> {
     let m = &config.model;
-    let model = LoadedModel::load(&m.path, m.name.as_deref())
+    let model = LoadedModel::load_as(&m.path, m.name.as_deref(), m.compute_dtype)
         .with_context(|| format!("loading the model from {}", m.path.display()))?;
     let per_token = model.model.kv_bytes_per_token();
     let kv_pool = KvPool::with_budget(m.kv_cache_mb << 20, m.kv_block_size, per_token);

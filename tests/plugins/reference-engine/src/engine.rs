@@ -171,6 +171,7 @@ impl Engine for ReferenceEngine {
             healthy: self.state.worker_alive.load(Ordering::Acquire)
                 && !self.state.stopping.load(Ordering::Acquire),
             accept_rate: None,
+            expected_speedup: None,
         }
     }
 

@@ -1,0 +1,78 @@
+//! The dtype the model computes in, chosen for the device.
+//!
+//! Checkpoints ship bf16 or fp16, which suit GPUs. On the CPU MLX has no
+//! half-precision BLAS: every half matmul converts its operands and runs a
+//! slower kernel, so a bf16 checkpoint decodes well below the fp32 speed of
+//! the same weights. `auto` therefore upcasts half-precision tensors to
+//! fp32 at load on the CPU and keeps them elsewhere. Quantized weights stay
+//! packed (MLX's CPU quantized matmul reads 4-8x fewer bytes than fp32);
+//! their scales and biases take the compute dtype, which sets the dtype of
+//! the activations and of the KV cache.
+
+use mlx_rs::{Device, DeviceType, Dtype};
+use serde::Deserialize;
+
+/// `model.compute_dtype` in config.yaml.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ComputeDtype {
+    /// fp32 on the CPU, the checkpoint's own dtype on the GPU.
+    #[default]
+    Auto,
+    Float32,
+    Bfloat16,
+    Float16,
+}
+
+impl ComputeDtype {
+    /// The dtype floating-point tensors are cast to at load on the default
+    /// device; `None` keeps the checkpoint's.
+    pub fn resolve(self) -> Option<Dtype> {
+        match self {
+            ComputeDtype::Auto => on_cpu().then_some(Dtype::Float32),
+            ComputeDtype::Float32 => Some(Dtype::Float32),
+            ComputeDtype::Bfloat16 => Some(Dtype::Bfloat16),
+            ComputeDtype::Float16 => Some(Dtype::Float16),
+        }
+    }
+}
+
+impl std::str::FromStr for ComputeDtype {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        serde_json::from_value(serde_json::Value::String(s.into())).map_err(|_| {
+            format!("unknown compute dtype `{s}` (auto, float32, bfloat16, float16)")
+        })
+    }
+}
+
+/// Whether MLX computes on the CPU by default (no GPU backend, or none
+/// present).
+pub fn on_cpu() -> bool {
+    !matches!(Device::default().get_type(), Ok(DeviceType::Gpu))
+}
+
+/// Whether a checkpoint tensor of dtype `from` takes the compute dtype:
+/// floating-point tensors do; packed quantized weights and integer tensors
+/// keep theirs.
+pub fn casts(from: Dtype) -> bool {
+    matches!(from, Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_and_fixed_choices_resolve() {
+        assert_eq!("auto".parse::<ComputeDtype>(), Ok(ComputeDtype::Auto));
+        assert_eq!(
+            "bfloat16".parse::<ComputeDtype>().unwrap().resolve(),
+            Some(Dtype::Bfloat16)
+        );
+        assert_eq!(ComputeDtype::Float32.resolve(), Some(Dtype::Float32));
+        assert!("fp8".parse::<ComputeDtype>().unwrap_err().contains("float32"));
+        assert!(!casts(Dtype::Uint32));
+    }
+}

@@ -1,0 +1,279 @@
+//! How many tokens to draft: as many as the expected accepted tokens pay
+//! for, given what a round of that size costs on this engine.
+//!
+//! A round that drafts `k` tokens commits `1 + E(k)` tokens on average,
+//! `E(k) = Σ_{j<=k} Π_{i<=j} p_i` with `p_i` the chance that draft `i` is
+//! accepted once drafts `1..i` were, and costs `cost(k)`, measured by the
+//! engine as a multiple of a plain decode step (`cost(0) = 1`). The
+//! sequence drafts the `k` with the best `(1 + E(k)) / cost(k)`, and nothing
+//! unless that beats a decode step by [`MARGIN`].
+//!
+//! Each sequence keeps its own `p_i`, per kind of evidence behind a draft
+//! (prompt lookup: the length of the matched suffix; trained drafters: one
+//! kind), moved by [`RATE`] toward every outcome: deep rejections pull the
+//! size down within a few rounds, acceptances push it up, and a depth never
+//! tried borrows the rate of the one above it so the size can grow. A kind
+//! that stops paying is probed again with one token after a pause that
+//! doubles with every failed probe, so a source with nothing credible
+//! drafts (almost) nothing and its sequence runs as plain decode steps.
+
+use std::time::Duration;
+
+/// Weight of the newest outcome in every moving estimate.
+const RATE: f64 = 0.3;
+/// Acceptance assumed before anything is measured: optimistic enough that a
+/// fresh sequence tries drafting.
+const PRIOR_ACCEPT: f64 = 0.9;
+/// Extra cost per drafted token, relative to a decode step, assumed until
+/// the engine has measured both.
+const PRIOR_COST_PER_TOKEN: f64 = 0.15;
+/// Expected gain a round must promise over a decode step (noise guard).
+const MARGIN: f64 = 1.03;
+/// Rounds between probes of a kind that stopped paying: first and longest.
+const PROBE_FIRST: u32 = 8;
+const PROBE_LONGEST: u32 = 1024;
+
+/// The engine's measured cost of a round, as a function of the tokens it
+/// drafted: `cost(k) / cost(0) = 1 + per_token * k`, both terms moving
+/// averages of the rounds its sequences ran (drafting included).
+#[derive(Debug, Clone)]
+pub struct RoundCost {
+    /// Seconds of a round that drafted nothing.
+    decode: Option<f64>,
+    /// Extra cost per drafted token, relative to a decode step.
+    per_token: Option<f64>,
+}
+
+impl Default for RoundCost {
+    fn default() -> Self {
+        Self {
+            decode: None,
+            per_token: None,
+        }
+    }
+}
+
+impl RoundCost {
+    pub fn record(&mut self, drafted: usize, took: Duration) {
+        let t = took.as_secs_f64();
+        if drafted == 0 {
+            self.decode = Some(ewma(self.decode, t));
+            return;
+        }
+        if let Some(decode) = self.decode {
+            let extra = ((t / decode - 1.0) / drafted as f64).max(0.0);
+            self.per_token = Some(ewma(self.per_token, extra));
+        }
+    }
+
+    /// `cost(k) / cost(0)`.
+    pub fn relative(&self, k: usize) -> f64 {
+        1.0 + self.per_token.unwrap_or(PRIOR_COST_PER_TOKEN) * k as f64
+    }
+
+    /// Seconds of a plain decode step: measured, or inferred from a round
+    /// of `drafted` tokens that took `took`.
+    pub fn decode_seconds(&self, drafted: usize, took: Duration) -> f64 {
+        self.decode
+            .unwrap_or_else(|| took.as_secs_f64() / self.relative(drafted))
+    }
+}
+
+fn ewma(old: Option<f64>, new: f64) -> f64 {
+    match old {
+        Some(o) => o + RATE * (new - o),
+        None => new,
+    }
+}
+
+/// One kind of evidence's acceptance estimates and probing state.
+#[derive(Debug, Clone)]
+struct Kind {
+    /// `p_i` per depth, `None` until that depth was tried.
+    accept: Vec<Option<f64>>,
+    /// Rounds to wait before the next probe, and rounds waited.
+    probe_every: u32,
+    waited: u32,
+}
+
+impl Kind {
+    fn new(max_draft: usize) -> Self {
+        Self {
+            accept: vec![None; max_draft],
+            probe_every: PROBE_FIRST,
+            waited: 0,
+        }
+    }
+
+    /// `p_i` for every depth: untried depths borrow the rate above them.
+    fn rates(&self) -> impl Iterator<Item = f64> + '_ {
+        let mut last = PRIOR_ACCEPT;
+        self.accept.iter().map(move |p| {
+            last = p.unwrap_or(last);
+            last
+        })
+    }
+
+    /// The draft size with the best expected tokens per unit of cost, or
+    /// 0 when none beats a decode step.
+    fn best(&self, cost: &RoundCost, limit: usize) -> usize {
+        let (mut expected, mut reach) = (0.0, 1.0);
+        let (mut best, mut best_gain) = (0, MARGIN);
+        for (i, p) in self.rates().take(limit).enumerate() {
+            reach *= p;
+            expected += reach;
+            let k = i + 1;
+            let gain = (1.0 + expected) / cost.relative(k);
+            if gain > best_gain {
+                (best, best_gain) = (k, gain);
+            }
+        }
+        best
+    }
+
+    fn learn(&mut self, drafted: usize, accepted: usize) {
+        for (i, p) in self.accept.iter_mut().enumerate().take(drafted) {
+            let hit = if i < accepted { 1.0 } else { 0.0 };
+            *p = Some(ewma(Some(p.unwrap_or(PRIOR_ACCEPT)), hit));
+            if i >= accepted {
+                break; // deeper drafts were never judged
+            }
+        }
+    }
+}
+
+/// One sequence's draft sizing.
+#[derive(Debug, Clone)]
+pub struct DraftSizer {
+    kinds: Vec<Kind>,
+}
+
+impl DraftSizer {
+    /// `kinds`: how many kinds of evidence the source tells apart.
+    pub fn new(max_draft: usize, kinds: usize) -> Self {
+        Self {
+            kinds: vec![Kind::new(max_draft); kinds.max(1)],
+        }
+    }
+
+    /// Before proposing: the most tokens any kind may draft this round
+    /// (the source proposes that many at most), or 0 for a plain decode
+    /// step, so that a source with device work does not run it for
+    /// nothing. A kind not tried yet is worth its full block.
+    pub fn plan(&mut self, cost: &RoundCost, limit: usize) -> usize {
+        let most = self
+            .kinds
+            .iter()
+            .map(|k| match k.accept.first() {
+                Some(None) => limit,
+                _ => k.best(cost, limit).max(k.probe_due() as usize),
+            })
+            .max()
+            .unwrap_or(0)
+            .min(limit);
+        if most == 0 {
+            for k in &mut self.kinds {
+                k.waited += 1;
+            }
+        }
+        most
+    }
+
+    /// After proposing `limit` tokens with evidence `kind`: how many of
+    /// them to verify (0 = a plain decode step).
+    pub fn size(&mut self, cost: &RoundCost, kind: usize, limit: usize) -> usize {
+        let last = self.kinds.len() - 1;
+        let k = &mut self.kinds[kind.min(last)];
+        let best = match k.accept.first() {
+            Some(None) => limit,
+            _ => k.best(cost, limit),
+        };
+        if best > 0 || k.probe_due() {
+            k.waited = 0;
+            return best.max(1).min(limit);
+        }
+        k.waited += 1;
+        0
+    }
+
+    /// The verify of a round that drafted `drafted` tokens with evidence
+    /// `kind` accepted `accepted` of them.
+    pub fn learn(&mut self, kind: usize, drafted: usize, accepted: usize) {
+        if drafted == 0 {
+            return;
+        }
+        let last = self.kinds.len() - 1;
+        let k = &mut self.kinds[kind.min(last)];
+        k.learn(drafted, accepted);
+        // A probe (one token) that failed waits twice as long next time.
+        if drafted == 1 {
+            k.probe_every = if accepted > 0 {
+                PROBE_FIRST
+            } else {
+                (k.probe_every * 2).min(PROBE_LONGEST)
+            };
+        }
+    }
+}
+
+impl Kind {
+    fn probe_due(&self) -> bool {
+        self.waited >= self.probe_every
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(sizer: &mut DraftSizer, cost: &RoundCost, rounds: usize, mut accept: impl FnMut(usize) -> usize) -> Vec<usize> {
+        (0..rounds)
+            .map(|_| {
+                let k = match sizer.plan(cost, 8) {
+                    0 => 0,
+                    limit => sizer.size(cost, 0, limit),
+                };
+                sizer.learn(0, k, accept(k));
+                k
+            })
+            .collect()
+    }
+
+    #[test]
+    fn always_rejected_drafts_stop_and_probes_thin_out() {
+        let (mut s, cost) = (DraftSizer::new(8, 1), RoundCost::default());
+        let sizes = run(&mut s, &cost, 400, |_| 0);
+        let late: usize = sizes[200..].iter().sum();
+        assert!(sizes[..5].iter().any(|&k| k > 0), "a fresh sequence tries");
+        assert!(late <= 2, "probes back off: {late} tokens drafted in the last 200 rounds");
+    }
+
+    #[test]
+    fn always_accepted_drafts_grow_to_the_full_block() {
+        let (mut s, cost) = (DraftSizer::new(8, 1), RoundCost::default());
+        let sizes = run(&mut s, &cost, 20, |k| k);
+        assert!(sizes[5..].iter().all(|&k| k == 8), "{sizes:?}");
+    }
+
+    #[test]
+    fn deep_rejections_shrink_the_block() {
+        let (mut s, cost) = (DraftSizer::new(8, 1), RoundCost::default());
+        let sizes = run(&mut s, &cost, 30, |k| k.min(2));
+        assert!(sizes[10..].iter().all(|&k| (2..=4).contains(&k)), "{sizes:?}");
+    }
+
+    #[test]
+    fn expensive_verifies_draft_less() {
+        let mut cost = RoundCost::default();
+        cost.record(0, Duration::from_millis(10));
+        cost.record(4, Duration::from_millis(30)); // +50% per token
+        let mut s = DraftSizer::new(8, 1);
+        // 50% acceptance cannot pay for +50% per token.
+        let mut flip = false;
+        let sizes = run(&mut s, &cost, 60, |k| {
+            flip = !flip;
+            usize::from(flip && k > 0)
+        });
+        assert!(sizes[30..].iter().filter(|&&k| k > 1).count() == 0, "{sizes:?}");
+    }
+}
