@@ -146,13 +146,16 @@ impl Kind {
 #[derive(Debug, Clone)]
 pub struct DraftSizer {
     kinds: Vec<Kind>,
+    /// `false`: always the full block (`adaptive: false`, for comparison).
+    adaptive: bool,
 }
 
 impl DraftSizer {
     /// `kinds`: how many kinds of evidence the source tells apart.
-    pub fn new(max_draft: usize, kinds: usize) -> Self {
+    pub fn new(max_draft: usize, kinds: usize, adaptive: bool) -> Self {
         Self {
             kinds: vec![Kind::new(max_draft); kinds.max(1)],
+            adaptive,
         }
     }
 
@@ -161,6 +164,9 @@ impl DraftSizer {
     /// step, so that a source with device work does not run it for
     /// nothing. A kind not tried yet is worth its full block.
     pub fn plan(&mut self, cost: &RoundCost, limit: usize) -> usize {
+        if !self.adaptive {
+            return limit;
+        }
         let most = self
             .kinds
             .iter()
@@ -182,6 +188,9 @@ impl DraftSizer {
     /// After proposing `limit` tokens with evidence `kind`: how many of
     /// them to verify (0 = a plain decode step).
     pub fn size(&mut self, cost: &RoundCost, kind: usize, limit: usize) -> usize {
+        if !self.adaptive {
+            return limit;
+        }
         let last = self.kinds.len() - 1;
         let k = &mut self.kinds[kind.min(last)];
         let best = match k.accept.first() {
@@ -241,7 +250,7 @@ mod tests {
 
     #[test]
     fn always_rejected_drafts_stop_and_probes_thin_out() {
-        let (mut s, cost) = (DraftSizer::new(8, 1), RoundCost::default());
+        let (mut s, cost) = (DraftSizer::new(8, 1, true), RoundCost::default());
         let sizes = run(&mut s, &cost, 400, |_| 0);
         let late: usize = sizes[200..].iter().sum();
         assert!(sizes[..5].iter().any(|&k| k > 0), "a fresh sequence tries");
@@ -250,14 +259,14 @@ mod tests {
 
     #[test]
     fn always_accepted_drafts_grow_to_the_full_block() {
-        let (mut s, cost) = (DraftSizer::new(8, 1), RoundCost::default());
+        let (mut s, cost) = (DraftSizer::new(8, 1, true), RoundCost::default());
         let sizes = run(&mut s, &cost, 20, |k| k);
         assert!(sizes[5..].iter().all(|&k| k == 8), "{sizes:?}");
     }
 
     #[test]
     fn deep_rejections_shrink_the_block() {
-        let (mut s, cost) = (DraftSizer::new(8, 1), RoundCost::default());
+        let (mut s, cost) = (DraftSizer::new(8, 1, true), RoundCost::default());
         let sizes = run(&mut s, &cost, 30, |k| k.min(2));
         assert!(sizes[10..].iter().all(|&k| (2..=4).contains(&k)), "{sizes:?}");
     }
@@ -267,7 +276,7 @@ mod tests {
         let mut cost = RoundCost::default();
         cost.record(0, Duration::from_millis(10));
         cost.record(4, Duration::from_millis(30)); // +50% per token
-        let mut s = DraftSizer::new(8, 1);
+        let mut s = DraftSizer::new(8, 1, true);
         // 50% acceptance cannot pay for +50% per token.
         let mut flip = false;
         let sizes = run(&mut s, &cost, 60, |k| {

@@ -9,6 +9,7 @@
 //!   lazy_drafter: false
 //!   ngram: { max_ngram: 3, min_ngram: 1, draft_tokens: 8 }
 //!   accept_window: { rounds: 256, seconds: 120 }
+//!   adaptive: true                      # draft only what pays (false: always the full block)
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -87,6 +88,14 @@ pub struct SpecSettings {
     /// Tokens drafted per round by the trained drafter (mtp; dflash uses
     /// its checkpoint's block size unless this is set lower).
     pub draft_tokens: Option<usize>,
+    /// Size each round's draft by measured acceptance and round cost
+    /// ([`crate::adaptive`]); `false` verifies every full block.
+    #[serde(default = "yes")]
+    pub adaptive: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl SpecSettings {
@@ -149,6 +158,7 @@ impl SpecSettings {
             accept_window: WindowOptions::default(),
             max_batch,
             draft_tokens: None,
+            adaptive: true,
         }
     }
 

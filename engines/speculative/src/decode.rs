@@ -53,6 +53,7 @@ impl Sequence {
         held: Box<dyn Send>,
         model: &Model,
         source: Option<&dyn DraftSource>,
+        adaptive: bool,
     ) -> Self {
         let history = request.prompt.clone();
         Self {
@@ -67,6 +68,7 @@ impl Sequence {
             sizer: DraftSizer::new(
                 source.map_or(0, |s| s.max_draft()),
                 source.map_or(1, |s| s.kinds()),
+                adaptive,
             ),
             stats: SpecStats::default(),
             generated: 0,

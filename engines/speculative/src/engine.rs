@@ -155,6 +155,7 @@ impl SpecEngine {
             shared: shared.clone(),
             state: state.clone(),
             max_batch: settings.max_batch,
+            adaptive: settings.adaptive,
             cost: RoundCost::default(),
             source,
             name: name.clone(),
@@ -300,6 +301,7 @@ struct Worker {
     shared: Arc<SharedModel>,
     state: Arc<Shared>,
     max_batch: Option<usize>,
+    adaptive: bool,
     /// What rounds cost on this engine, by tokens drafted.
     cost: RoundCost,
     source: Source,
@@ -362,9 +364,11 @@ impl Worker {
         } = job;
         let held = Box::new(ticket);
         let mut seq = match source {
-            Ok(source) => Sequence::new(request, events, held, model, Some(&*source)),
+            Ok(source) => {
+                Sequence::new(request, events, held, model, Some(&*source), self.adaptive)
+            },
             Err(msg) => {
-                let mut seq = Sequence::new(request, events, held, model, None);
+                let mut seq = Sequence::new(request, events, held, model, None, false);
                 seq.fail(format!("the drafter could not be loaded: {msg}"));
                 return seq;
             }

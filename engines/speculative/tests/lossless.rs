@@ -215,10 +215,11 @@ fn prompt_lookup_is_lossless_and_accepts_repeated_text() {
 }
 
 /// Proposes what plain greedy decoding of the prompt produces: every draft
-/// is accepted.
+/// is accepted. `garble` turns it into a drafter that is always wrong.
 struct Oracle {
     continuations: HashMap<Vec<u32>, Vec<u32>>,
     k: usize,
+    garble: bool,
 }
 
 impl DraftSource for Oracle {
@@ -229,7 +230,11 @@ impl DraftSource for Oracle {
         self.k
     }
     fn start(&self) -> Box<dyn DraftState> {
-        Box::new(OracleState(self.continuations.clone()))
+        let mut c = self.continuations.clone();
+        if self.garble {
+            c.values_mut().flatten().for_each(|t| *t ^= 1);
+        }
+        Box::new(OracleState(c))
     }
 }
 
@@ -265,11 +270,19 @@ impl DraftState for OracleState {
 }
 
 fn oracle_engine(t: &Target, prompts: &[Vec<u32>], k: usize) -> SpecEngine {
+    oracle_engine_of(t, prompts, k, false)
+}
+
+fn oracle_engine_of(t: &Target, prompts: &[Vec<u32>], k: usize, garble: bool) -> SpecEngine {
     let continuations = prompts
         .iter()
-        .map(|p| (p.clone(), t.greedy(p, 128, &[])))
+        .map(|p| (p.clone(), t.greedy(p, 256, &[])))
         .collect();
-    let oracle = Arc::new(Oracle { continuations, k });
+    let oracle = Arc::new(Oracle {
+        continuations,
+        k,
+        garble,
+    });
     let mut settings = SpecSettings::defaults(4, None);
     settings.draft = DraftChoice::Ngram;
     SpecEngine::new(
@@ -285,6 +298,7 @@ fn oracle_engine(t: &Target, prompts: &[Vec<u32>], k: usize) -> SpecEngine {
     .unwrap()
 }
 
+/// Draft sizing grows to the full block while every draft is accepted.
 #[test]
 fn an_agreeing_drafter_is_fully_accepted() {
     let t = target(Family::Qwen3);
@@ -294,6 +308,26 @@ fn an_agreeing_drafter_is_fully_accepted() {
     // 40 tokens: the prefill's first, then rounds of 1 + 5.
     assert_eq!(stats.target_forwards, 4 * (1 + 7));
     assert_eq!(e.load().accept_rate, Some(1.0));
+}
+
+/// A drafter that is always wrong stops being verified within a few
+/// rounds: its sequence then runs plain decode steps (one target forward
+/// per token, as the fast path), probing one token at doubling intervals.
+#[test]
+fn an_always_wrong_drafter_ends_up_drafting_nothing() {
+    let t = target(Family::Qwen3);
+    let p = random_prompt(5, 10, 500);
+    let e = oracle_engine_of(&t, std::slice::from_ref(&p), 8, true);
+    let n = 240;
+    let (tokens, f) = run(e.submit(GenerateRequest::new(p.clone(), n)).unwrap());
+    assert_eq!(tokens, t.greedy(&p, n as usize, &[]));
+    let spec = f.spec.unwrap();
+    assert_eq!(spec.accepted, 0);
+    assert_eq!(spec.target_forwards, n as u64, "one forward per token");
+    // The first block in full, a few shrinking ones, then rare probes
+    // (a fixed block would have drafted 8 x 239).
+    assert!(spec.drafted <= 40, "{spec:?}");
+    assert!(e.load().expected_speedup.is_some());
 }
 
 #[test]

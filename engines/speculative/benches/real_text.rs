@@ -1,0 +1,272 @@
+//! Speculative engines with prompt lookup against the fast path, on a real
+//! checkpoint and real prompts, one request at a time, per prompt type:
+//!
+//!     cargo bench -p speculative --bench real_text -- --model DIR [--gen 128 --reps 2 --per-kind 1]
+//!
+//! Prompt types: the bundled mixed set (`bench/prompts/mixed.jsonl`; tool
+//! calls left out, they need the gateway's tool rendering) and two that
+//! quote their input (`edit`, `extract`). Engines: the fast path, `dflash`
+//! and `mtp` with `draft: ngram` (3/1/8, adaptive sizing, the default), and
+//! `dflash` with `adaptive: false` (every round verifies the full block of
+//! 8: the fixed-k behaviour). Each cell: decode tok/s (after the first
+//! token), its ratio to the fast path on the same prompts, accepted /
+//! drafted and tokens per target forward; engines interleaved per prompt,
+//! each keeping its best of `reps`. Every engine's tokens are checked
+//! against the fast path's.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use engine_core::{Engine, Event, GenerateRequest, SpecStats};
+use fastpath::FastpathEngine;
+use runtime::{ComputeDtype, KvPool, LoadedModel, SharedModel};
+use speculative::SpecSettings;
+
+const EDIT: &str = "Here is a Python function:\n\n```python\ndef summarize(orders):\n    total = 0\n    count = 0\n    for order in orders:\n        if order.status == \"paid\":\n            total += order.amount\n            count += 1\n    average = total / count if count else 0\n    return {\"total\": total, \"count\": count, \"average\": average}\n```\n\nRename the variable `total` to `paid_total` everywhere and return the complete updated function in a code block.";
+
+const EXTRACT: &str = "Here is a configuration file:\n\n```\nserver.host = 0.0.0.0\nserver.port = 8080\nserver.read_timeout = 30s\ndatabase.url = postgres://db:5432/shop\ndatabase.pool_size = 16\ndatabase.connect_timeout = 5s\ncache.enabled = true\ncache.ttl = 600s\n```\n\nCopy out, unchanged and in a code block, every line of this file that starts with `server.` or `database.`.";
+
+struct Args {
+    model: PathBuf,
+    dtype: ComputeDtype,
+    gen: usize,
+    reps: usize,
+    per_kind: usize,
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        model: PathBuf::new(),
+        dtype: ComputeDtype::Auto,
+        gen: 128,
+        reps: 2,
+        per_kind: 1,
+    };
+    let argv: Vec<String> = std::env::args().collect();
+    for w in argv.windows(2) {
+        let v = &w[1];
+        match w[0].as_str() {
+            "--model" => a.model = v.into(),
+            "--dtype" => a.dtype = v.parse().expect("compute dtype"),
+            "--gen" => a.gen = v.parse().expect("gen"),
+            "--reps" => a.reps = v.parse().expect("reps"),
+            "--per-kind" => a.per_kind = v.parse().expect("per-kind"),
+            _ => {}
+        }
+    }
+    assert!(
+        !a.model.as_os_str().is_empty(),
+        "--model DIR (a real checkpoint) is required"
+    );
+    a
+}
+
+fn root() -> PathBuf {
+    std::env::var_os("REPO_ROOT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))
+}
+
+/// (kind, prompt text): `per_kind` of each kind of the mixed set, then the
+/// quoting prompts.
+fn prompts(per_kind: usize) -> Vec<(String, String)> {
+    let file = root().join("bench/prompts/mixed.jsonl");
+    let text = std::fs::read_to_string(&file).expect("read the mixed prompt set");
+    let mut taken: BTreeMap<String, usize> = BTreeMap::new();
+    let mut out = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let v: serde_json::Value = serde_json::from_str(line).expect("prompt line");
+        let kind = v["kind"].as_str().unwrap_or_default().to_string();
+        if kind == "tool_call" {
+            continue;
+        }
+        let n = taken.entry(kind.clone()).or_default();
+        if *n < per_kind {
+            *n += 1;
+            out.push((kind, v["prompt"].as_str().unwrap_or_default().to_string()));
+        }
+    }
+    out.push(("edit (quotes)".into(), EDIT.into()));
+    out.push(("extract (quotes)".into(), EXTRACT.into()));
+    out
+}
+
+#[derive(Default, Clone, Copy)]
+struct Run {
+    decode_tokens: usize,
+    decode_seconds: f64,
+    spec: SpecStats,
+}
+
+fn one(engine: &dyn Engine, prompt: &[u32], gen: usize) -> (Vec<u32>, Run) {
+    let mut stream = engine
+        .submit(GenerateRequest::new(prompt.to_vec(), gen as u32))
+        .expect("submit");
+    let (mut ids, mut run, mut first) = (Vec::new(), Run::default(), None::<Instant>);
+    while let Some(ev) = stream.blocking_recv() {
+        match ev {
+            Event::Token(t) => {
+                first.get_or_insert_with(Instant::now);
+                ids.push(t.id);
+            }
+            Event::Finished(f) => {
+                run.spec = f.spec.unwrap_or_default();
+                break;
+            }
+            Event::Error(e) => panic!("{e}"),
+        }
+    }
+    run.decode_seconds = first.map_or(0.0, |t| t.elapsed().as_secs_f64());
+    run.decode_tokens = ids.len().saturating_sub(1);
+    (ids, run)
+}
+
+fn main() {
+    runtime::cuda_env::apply_defaults();
+    let a = args();
+    let model = LoadedModel::load_as(&a.model, Some("bench"), a.dtype).expect("load model");
+    let bytes = model.model.kv_bytes_per_token();
+    let encoded: Vec<(String, Vec<u32>)> = prompts(a.per_kind)
+        .into_iter()
+        .map(|(kind, text)| {
+            let messages = [serde_json::json!({"role": "user", "content": text})];
+            let options = text::template::RenderOptions::default().with_generation_prompt();
+            let rendered = model
+                .template
+                .as_ref()
+                .expect("the checkpoint has a chat template")
+                .render(&messages, &options)
+                .expect("render");
+            (kind, model.tokenizer.encode_chat(&rendered).expect("encode"))
+        })
+        .collect();
+    let dtype = model.model.dtype();
+    let shared = Arc::new(SharedModel::new(
+        model,
+        KvPool::with_budget(1 << 30, 16, bytes),
+    ));
+    let settings = |yaml: &str, max_batch: Option<usize>| {
+        let section: serde_yaml::Value = serde_yaml::from_str(yaml).unwrap();
+        SpecSettings::from_yaml(
+            "bench",
+            &section,
+            Path::new("/"),
+            SpecSettings::defaults(4, max_batch),
+        )
+        .unwrap()
+    };
+    let ngram = "{ draft: ngram, ngram: { max_ngram: 3, min_ngram: 1, draft_tokens: 8 } }";
+    let fixed = "{ draft: ngram, adaptive: false, ngram: { max_ngram: 3, min_ngram: 1, draft_tokens: 8 } }";
+    let spec = |e: Result<speculative::SpecEngine, String>| {
+        Arc::new(e.expect("engine")) as Arc<dyn Engine>
+    };
+    let engines: Vec<(&str, Arc<dyn Engine>)> = vec![
+        (
+            "fastpath",
+            Arc::new(FastpathEngine::new("fastpath".into(), shared.clone())),
+        ),
+        (
+            "dflash ngram",
+            spec(dflash::new_engine(
+                "dflash".into(),
+                shared.clone(),
+                settings(ngram, None),
+            )),
+        ),
+        (
+            "mtp ngram",
+            spec(mtp::new_engine(
+                "mtp".into(),
+                shared.clone(),
+                settings(ngram, Some(2)),
+            )),
+        ),
+        (
+            "dflash ngram, fixed k=8",
+            spec(dflash::new_engine(
+                "dflash-fixed".into(),
+                shared.clone(),
+                settings(fixed, None),
+            )),
+        ),
+    ];
+    // Warm-up: every engine's graphs once.
+    for (_, e) in &engines {
+        one(e.as_ref(), &encoded[0].1, 8);
+    }
+    // best[prompt][engine]
+    let mut best = vec![vec![Run::default(); engines.len()]; encoded.len()];
+    for _ in 0..a.reps {
+        for (pi, (kind, prompt)) in encoded.iter().enumerate() {
+            let mut reference = Vec::new();
+            for (ei, (name, e)) in engines.iter().enumerate() {
+                let (ids, run) = one(e.as_ref(), prompt, a.gen);
+                if ei == 0 {
+                    reference = ids;
+                } else if ids != reference {
+                    let same = ids.iter().zip(&reference).take_while(|(a, b)| a == b).count();
+                    println!("{kind}: {name} diverged from the fast path after {same} tokens");
+                }
+                let cell = &mut best[pi][ei];
+                let rate = |r: &Run| r.decode_tokens as f64 / r.decode_seconds.max(1e-9);
+                if cell.decode_seconds == 0.0 || rate(&run) > rate(cell) {
+                    *cell = run;
+                }
+            }
+        }
+    }
+    println!(
+        "model {} ({dtype:?}), {} generated, best of {}, one request at a time, blas {}",
+        a.model.display(),
+        a.gen,
+        a.reps,
+        mlx_sys::blas_backend()
+    );
+    println!();
+    println!("| prompt type | engine | decode tok/s | vs fastpath | accepted/drafted | tokens/target forward |");
+    println!("|---|---|---|---|---|---|");
+    // Prompts of one kind are summed.
+    let mut kinds: Vec<&str> = Vec::new();
+    for (kind, _) in &encoded {
+        if !kinds.contains(&kind.as_str()) {
+            kinds.push(kind);
+        }
+    }
+    for kind in kinds {
+        let rows: Vec<usize> = (0..encoded.len()).filter(|&p| encoded[p].0 == kind).collect();
+        let sum = |ei: usize| {
+            rows.iter().fold(Run::default(), |mut acc, &p| {
+                let r = best[p][ei];
+                acc.decode_tokens += r.decode_tokens;
+                acc.decode_seconds += r.decode_seconds;
+                acc.spec.drafted += r.spec.drafted;
+                acc.spec.accepted += r.spec.accepted;
+                acc.spec.target_forwards += r.spec.target_forwards;
+                acc
+            })
+        };
+        let base = sum(0);
+        let base_tps = base.decode_tokens as f64 / base.decode_seconds;
+        for (ei, (name, _)) in engines.iter().enumerate() {
+            let r = sum(ei);
+            let tps = r.decode_tokens as f64 / r.decode_seconds;
+            let (rate, per_forward) = if ei == 0 {
+                (String::new(), "1.00".to_string())
+            } else {
+                (
+                    format!("{}/{}", r.spec.accepted, r.spec.drafted),
+                    format!(
+                        "{:.2}",
+                        (r.decode_tokens + rows.len()) as f64 / r.spec.target_forwards.max(1) as f64
+                    ),
+                )
+            };
+            println!(
+                "| {kind} | {name} | {tps:.2} | {:.2}x | {rate} | {per_forward} |",
+                tps / base_tps
+            );
+        }
+    }
+}
