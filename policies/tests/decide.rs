@@ -169,6 +169,29 @@ policy:
 }
 
 #[test]
+fn speculate_while_it_pays_is_one_comparison_on_the_speedup() {
+    let yaml = r#"
+policy:
+  default: fastpath
+  rules:
+    - { name: pays, when: { greedy: true, not: { engine_speedup.dflash: { lt: 1.0 } } }, route: dflash }
+"#;
+    let policy = Policy::from_yaml(yaml, ENGINES).unwrap();
+    let mut s = Signals {
+        greedy: true,
+        ..Signals::default()
+    };
+    assert_eq!(policy.decide(&s).rule, "pays", "unknown: try it");
+    // Speedups above 1 are ratios, not fractions.
+    s.engine_speedup.insert("dflash".into(), 1.8);
+    assert_eq!(policy.decide(&s).rule, "pays");
+    s.engine_speedup.insert("dflash".into(), 0.9);
+    assert_eq!(policy.decide(&s).rule, "default");
+    s.engine_speedup.insert("dflash".into(), f64::NAN);
+    assert_eq!(policy.decide(&s).rule, "pays", "NaN counts as unknown");
+}
+
+#[test]
 fn every_operator_on_both_sides_of_its_bound() {
     let cases: &[(&str, &[(u64, bool)])] = &[
         ("eq", &[(9, false), (10, true), (11, false)]),

@@ -121,6 +121,11 @@ fn empty_and_out_of_range_values() {
     assert!(msg(&when("{ engine_accept_rate.dflash: -0.1 }"))
         .ends_with("must be a fraction in 0..=1, got -0.1"));
     assert!(msg(&when("{ kv_pressure: .nan }")).ends_with("must be a fraction in 0..=1, got NaN"));
+    assert!(msg(&when("{ engine_speedup.dflash: { gte: -1 } }"))
+        .ends_with("must be a finite number >= 0, got -1"));
+    assert!(msg(&when("{ engine_speedup.dflash: .inf }"))
+        .ends_with("must be a finite number >= 0, got inf"));
+    assert!(msg(&when("{ engine_speedup.nope: 1.5 }")).contains("engine `nope` is not loaded"));
     assert!(msg(&when("{ prompt_tokens: {} }"))
         .ends_with("field `when.prompt_tokens`: empty operator map"));
     assert!(msg(&when("{ model: {} }")).ends_with("field `when.model`: empty operator map"));
