@@ -1,7 +1,7 @@
 """Reference greedy decoding with mlx-lm, for the oracle tests.
 
 Reads a JSON request on stdin: {"model": DIR, "prompts": [[ids]...],
-"max_tokens": N} and prints {"results": [{"tokens": [...], "logits":
+"max_tokens": N, "dtype": null | "float32" | ...} and prints {"results": [{"tokens": [...], "logits":
 [[...V floats] per step]}]}. EOS is ignored: exactly N tokens per prompt.
 Tokens come from mlx-lm's own generate_step; logits from the same model
 called step by step, and the two token sequences must agree.
@@ -32,6 +32,10 @@ def stepwise(model, prompt, n):
 def main():
     req = json.load(sys.stdin)
     model, _ = load(req["model"])
+    if req.get("dtype"):
+        # What our `model.compute_dtype` does at load: every floating-point
+        # parameter (quantized scales and biases included) in that dtype.
+        model.set_dtype(getattr(mx, req["dtype"]))
     n = req["max_tokens"]
     results = []
     for prompt in req["prompts"]:

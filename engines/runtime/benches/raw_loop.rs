@@ -7,6 +7,7 @@
 //!
 //!     cargo bench -p runtime --bench raw_loop -- --model DIR [--dtype float32]
 //!
+//! `--ours-only` skips the peers (for pairing runs with farm-bench).
 //! mlx-lm runs as pip installs it (the wheel's reference BLAS) and with
 //! Debian's OpenBLAS preloaded, which is what our build links; on a real
 //! checkpoint each both as loaded and cast to fp32.
@@ -26,6 +27,7 @@ struct Args {
     prompt: usize,
     gen: usize,
     reps: usize,
+    ours_only: bool,
 }
 
 fn args() -> Args {
@@ -36,12 +38,18 @@ fn args() -> Args {
         prompt: 512,
         gen: 256,
         reps: 3,
+        ours_only: false,
     };
     let argv: Vec<String> = std::env::args().collect();
     let mut i = 1;
     while i < argv.len() {
         let value = argv.get(i + 1).cloned().unwrap_or_default();
         match argv[i].as_str() {
+            "--ours-only" => {
+                a.ours_only = true;
+                i += 1;
+                continue;
+            }
             "--family" => a.family = value.parse().expect("family"),
             "--model" => a.model = Some(value.into()),
             "--dtype" => a.dtype = value.parse().expect("compute dtype"),
@@ -140,6 +148,10 @@ fn main() {
     .into_iter()
     .find(|p| Path::new(p).exists());
     let ours = ours(&dir, &a);
+    if a.ours_only {
+        println!("ours decode tok/s {:.2} prefill tok/s {:.1}", ours.1, ours.0);
+        return;
+    }
     // A real checkpoint's mlx-lm also runs cast to fp32, its fastest CPU form.
     let casts: &[Option<&str>] = if a.model.is_some() {
         &[None, Some("float32")]

@@ -21,8 +21,15 @@ struct Reference {
     logits: Vec<Vec<f32>>,
 }
 
-fn reference(dir: &Path, prompts: &[Vec<u32>], steps: usize, logits: bool) -> Vec<Reference> {
-    let req = serde_json::json!({ "model": dir, "prompts": prompts, "max_tokens": steps, "logits": logits });
+/// mlx-lm's greedy run; `cast` casts its floating-point parameters first.
+fn reference(
+    dir: &Path,
+    prompts: &[Vec<u32>],
+    steps: usize,
+    logits: bool,
+    cast: Option<&str>,
+) -> Vec<Reference> {
+    let req = serde_json::json!({ "model": dir, "prompts": prompts, "max_tokens": steps, "logits": logits, "dtype": cast });
     let v = runtime::reference::run("mlx_lm_oracle.py", &req);
     v["results"]
         .as_array()
@@ -51,12 +58,14 @@ fn reference(dir: &Path, prompts: &[Vec<u32>], steps: usize, logits: bool) -> Ve
         .collect()
 }
 
-fn load(dir: &Path) -> Model {
-    Model::load(
-        ModelConfig::from_dir(dir).unwrap(),
-        Weights::from_dir(dir).unwrap(),
-    )
-    .unwrap()
+/// The model, its floating-point weights cast to `compute` (as
+/// `model.compute_dtype` does at load).
+fn load(dir: &Path, compute: Option<Dtype>) -> Model {
+    let mut weights = Weights::from_dir(dir).unwrap();
+    if let Some(dtype) = compute {
+        weights.cast_floats(dtype).unwrap();
+    }
+    Model::load(ModelConfig::from_dir(dir).unwrap(), weights).unwrap()
 }
 
 /// Our greedy decode, step by step, keeping every step's logits.
@@ -101,12 +110,27 @@ fn prompts(vocab: u32) -> Vec<Vec<u32>> {
 }
 
 fn check_family(spec: TinySpec, logit_tol: Option<f32>) {
+    check_computed_in(spec, logit_tol, None)
+}
+
+/// Ours with the checkpoint's floats cast to `compute` against mlx-lm with
+/// its parameters cast the same way.
+fn check_computed_in(spec: TinySpec, logit_tol: Option<f32>, compute: Option<Dtype>) {
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path(), &spec).unwrap();
-    let model = load(dir.path());
+    let model = load(dir.path(), compute);
     let prompts = prompts(spec.vocab as u32);
-    let refs = reference(dir.path(), &prompts, STEPS, logit_tol.is_some());
-    let label = format!("{:?} {:?} q{:?}", spec.family, spec.dtype, spec.quant_bits);
+    let cast = compute.map(|d| match d {
+        Dtype::Float32 => "float32",
+        Dtype::Bfloat16 => "bfloat16",
+        Dtype::Float16 => "float16",
+        other => unreachable!("not a compute dtype: {other:?}"),
+    });
+    let refs = reference(dir.path(), &prompts, STEPS, logit_tol.is_some(), cast);
+    let label = format!(
+        "{:?} {:?} q{:?} computed in {:?}",
+        spec.family, spec.dtype, spec.quant_bits, compute
+    );
     for (i, (prompt, r)) in prompts.iter().zip(&refs).enumerate() {
         let (tokens, rows) = ours(&model, prompt, STEPS);
         assert_eq!(
@@ -180,4 +204,24 @@ fn quantized_and_bf16_match_mlx_lm() {
         ..TinySpec::tiny(Family::Llama)
     };
     check_family(spec, None);
+}
+
+/// `model.compute_dtype: auto` on the CPU: a bf16 checkpoint upcast to fp32
+/// at load, and a 4-bit one whose scales and biases are, match mlx-lm
+/// running the same weights cast to fp32, tokens and logits.
+#[test]
+fn checkpoints_upcast_to_fp32_match_mlx_lm_in_fp32() {
+    for family in [Family::Llama, Family::Gemma3] {
+        let spec = TinySpec {
+            dtype: Dtype::Bfloat16,
+            ..TinySpec::tiny(family)
+        };
+        check_computed_in(spec, Some(1e-3), Some(Dtype::Float32));
+    }
+    let spec = TinySpec {
+        dtype: Dtype::Bfloat16,
+        quant_bits: Some(4),
+        ..TinySpec::tiny(Family::Qwen3)
+    };
+    check_computed_in(spec, Some(1e-3), Some(Dtype::Float32));
 }
