@@ -97,6 +97,12 @@ fn speculative_engines_answer_exactly_like_plain_greedy() {
         .metric("gateway_engine_accept_rate", &[("engine", "mtp")])
         .unwrap();
     assert!((0.0..=1.0).contains(&rate));
+    // Speed over plain decoding: positive, and a random drafter cannot
+    // make the engine several times faster.
+    let speedup = gw
+        .metric("gateway_engine_speedup", &[("engine", "mtp")])
+        .unwrap();
+    assert!(speedup > 0.0 && speedup < 3.0, "{speedup}");
     assert_eq!(gw.metric("gateway_kv_blocks_allocated", &[]), Some(0.0));
 }
 

@@ -61,6 +61,8 @@ impl Dflash {
     pub fn load(dir: &Path, target: &Model, draft_tokens: Option<usize>) -> anyhow::Result<Self> {
         let cfg = DflashConfig::load(dir, &target.config)?;
         let mut w = Weights::from_dir(dir)?;
+        // The drafter computes in the target's compute dtype.
+        w.cast_floats(target.dtype())?;
         let q = cfg.quantization;
         let eps = cfg.rms_norm_eps;
         let load = |w: &mut Weights| -> anyhow::Result<Net> {

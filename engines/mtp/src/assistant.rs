@@ -71,6 +71,8 @@ impl Assistant {
     pub fn load(dir: &Path, target: &Model, draft_tokens: usize) -> anyhow::Result<Self> {
         let cfg = AssistantConfig::load(dir, &target.config)?;
         let mut w = Weights::from_dir(dir)?;
+        // The drafter computes in the target's compute dtype.
+        w.cast_floats(target.dtype())?;
         let q = cfg.quantization;
         let eps = cfg.rms_norm_eps;
         let net = (|| -> anyhow::Result<Net> {
