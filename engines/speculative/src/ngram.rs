@@ -30,8 +30,10 @@ impl Default for PromptLookup {
 
 impl PromptLookup {
     /// `k` tokens continuing what followed the most recent earlier
-    /// occurrence of the longest matching suffix of `history`, and that
-    /// suffix's length.
+    /// occurrence of the longest matching suffix of `history` (up to
+    /// `max_ngram` tokens), and how far the agreement between the two
+    /// places actually reaches back (at least the suffix, at most
+    /// [`MATCH_CAP`]): the evidence behind the draft.
     pub fn lookup(&self, history: &[u32], k: usize) -> (Vec<u32>, usize) {
         let len = history.len();
         for n in (self.min_ngram.max(1)..=self.max_ngram).rev() {
@@ -53,10 +55,26 @@ impl PromptLookup {
                 for i in from..from + k {
                     out.push(if i < len { history[i] } else { out[i - len] });
                 }
-                return (out, n);
+                let reach = (n..MATCH_CAP)
+                    .take_while(|&m| m < start + n && history[start + n - 1 - m] == history[len - 1 - m])
+                    .count();
+                return (out, n + reach);
             }
         }
         (Vec::new(), 0)
+    }
+}
+
+/// Match lengths worth telling apart; longer ones count as this long.
+pub const MATCH_CAP: usize = 16;
+
+/// The kind of evidence a match of `len` tokens is: 1, 2, 3, 4-7, 8-15, 16+.
+fn kind_of(len: usize) -> usize {
+    match len {
+        0..=3 => len.saturating_sub(1),
+        4..=7 => 3,
+        8..=15 => 4,
+        _ => 5,
     }
 }
 
@@ -69,11 +87,12 @@ impl DraftSource for PromptLookup {
         self.draft_tokens
     }
 
-    /// One kind per match length: a 1-token match is weaker evidence than
-    /// a 3-token one, and only the lengths whose continuations are
-    /// accepted often enough are verified.
+    /// One kind per class of match length ([`kind_of`]): a 1-token match
+    /// is weak evidence, a passage quoted for 16 tokens strong, and only
+    /// the classes whose continuations are accepted often enough are
+    /// verified.
     fn kinds(&self) -> usize {
-        self.max_ngram
+        kind_of(MATCH_CAP) + 1
     }
 
     fn start(&self) -> Box<dyn DraftState> {
@@ -99,7 +118,7 @@ impl DraftState for PromptLookup {
         } else {
             Proposal::Tokens {
                 tokens,
-                kind: matched - 1,
+                kind: kind_of(matched),
             }
         })
     }
@@ -126,6 +145,22 @@ mod tests {
         // A longer match wins over a more recent shorter one.
         let h = [5, 6, 7, 1, 2, 0, 7, 3, 5, 6, 7];
         assert_eq!(pl(3, 3).lookup(&h, 3), (vec![1, 2, 0], 3));
+    }
+
+    #[test]
+    fn the_evidence_is_how_far_the_match_reaches_back() {
+        // "9 1 2 3 4 | 5 ... 0 1 2 3 4": the 3-gram "2 3 4" matched, and
+        // the agreement reaches back over "1" too (not "9" vs "0").
+        let h = [9, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4];
+        assert_eq!(pl(3, 2).lookup(&h, 2), (vec![5, 6], 4));
+        // A quoted passage reaches as far as it goes, capped.
+        let passage: Vec<u32> = (100..140).collect();
+        let h: Vec<u32> = passage.iter().chain(&[7, 7]).chain(&passage[..30]).copied().collect();
+        assert_eq!(pl(3, 1).lookup(&h, 1), (vec![130], MATCH_CAP));
+        assert_eq!(
+            [1, 2, 3, 4, 7, 8, 15, 16, 40].map(kind_of),
+            [0, 1, 2, 3, 3, 4, 4, 5, 5]
+        );
     }
 
     #[test]
