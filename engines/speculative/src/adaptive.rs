@@ -36,21 +36,12 @@ const PROBE_LONGEST: u32 = 1024;
 /// The engine's measured cost of a round, as a function of the tokens it
 /// drafted: `cost(k) / cost(0) = 1 + per_token * k`, both terms moving
 /// averages of the rounds its sequences ran (drafting included).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct RoundCost {
     /// Seconds of a round that drafted nothing.
     decode: Option<f64>,
     /// Extra cost per drafted token, relative to a decode step.
     per_token: Option<f64>,
-}
-
-impl Default for RoundCost {
-    fn default() -> Self {
-        Self {
-            decode: None,
-            per_token: None,
-        }
-    }
 }
 
 impl RoundCost {
@@ -129,6 +120,10 @@ impl Kind {
             }
         }
         best
+    }
+
+    fn probe_due(&self) -> bool {
+        self.waited >= self.probe_every
     }
 
     fn learn(&mut self, drafted: usize, accepted: usize) {
@@ -222,12 +217,6 @@ impl DraftSizer {
                 (k.probe_every * 2).min(PROBE_LONGEST)
             };
         }
-    }
-}
-
-impl Kind {
-    fn probe_due(&self) -> bool {
-        self.waited >= self.probe_every
     }
 }
 
