@@ -15,6 +15,7 @@ pub mod reference;
 pub mod sampling;
 pub mod shared;
 pub mod tiny;
+pub mod tiny_gemma4;
 pub mod tiny_vision;
 pub mod vision;
 

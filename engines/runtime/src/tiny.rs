@@ -11,6 +11,7 @@ use mlx_rs::{ops, random, Array, Dtype};
 use serde_json::json;
 
 use crate::config::Family;
+use crate::tiny_gemma4::{self, Gemma4Shape};
 
 #[derive(Debug, Clone)]
 pub struct TinySpec {
@@ -32,6 +33,8 @@ pub struct TinySpec {
     /// `max_position_embeddings`: the context window servers enforce.
     pub context: i32,
     pub seed: u64,
+    /// Gemma 4 only: which of the family's features the model has.
+    pub gemma4: Option<Gemma4Shape>,
 }
 
 impl TinySpec {
@@ -53,6 +56,7 @@ impl TinySpec {
             sliding_window_pattern: 2,
             context: 32768,
             seed: 0,
+            gemma4: (family == Family::Gemma4).then(|| Gemma4Shape::moe_26b(4)),
         }
     }
 
@@ -75,6 +79,7 @@ impl TinySpec {
             sliding_window_pattern: 6,
             context: 32768,
             seed: 0,
+            gemma4: (family == Family::Gemma4).then(|| Gemma4Shape::moe_26b(12)),
         }
     }
 
@@ -97,6 +102,16 @@ impl TinySpec {
             sliding_window_pattern: 6,
             context: 32768,
             seed: 0,
+            gemma4: None,
+        }
+    }
+
+    /// A tiny Gemma 4 of the given shape.
+    pub fn gemma4(shape: Gemma4Shape) -> Self {
+        Self {
+            layers: shape.full_attention.len() as i32,
+            gemma4: Some(shape),
+            ..Self::tiny(Family::Gemma4)
         }
     }
 
@@ -130,7 +145,7 @@ pub fn random_prompt(seed: u64, len: usize, vocab: u32) -> Vec<u32> {
 /// Writes the model into `dir` (created if needed).
 pub fn write_model(dir: &Path, spec: &TinySpec) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let tok = text::tiny::write_tokenizer(dir, spec.family, spec.vocab as usize)?;
+    let tok = text::tiny::write_tokenizer(dir, spec.family.tokenizer(), spec.vocab as usize)?;
     anyhow::ensure!(
         tok.vocab_size as i32 == spec.vocab,
         "tokenizer has {} ids, wanted {}",
@@ -139,6 +154,10 @@ pub fn write_model(dir: &Path, spec: &TinySpec) -> anyhow::Result<()> {
     );
 
     let weights = random_weights(spec)?;
+    let weights = match &spec.gemma4 {
+        Some(g) => tiny_gemma4::apply_layout(g, spec.layers, weights)?,
+        None => weights,
+    };
     let weights = match spec.quant_bits {
         Some(bits) => quantize(weights, spec.group_size, bits)?,
         None => weights,
@@ -221,6 +240,10 @@ fn config_json(
             "sliding_window_pattern": spec.sliding_window_pattern,
             "hidden_activation": "gelu_pytorch_tanh", "rope_scaling": null,
         }),
+        Family::Gemma4 => {
+            let g = spec.gemma4.as_ref().expect("a Gemma 4 spec has a Gemma 4 shape");
+            tiny_gemma4::text_config(spec, g)
+        }
     };
     for (k, v) in extra.as_object().unwrap() {
         c[k] = v.clone();
@@ -231,6 +254,42 @@ fn config_json(
     }
     if let Some(bits) = spec.quant_bits {
         c["quantization"] = json!({ "group_size": spec.group_size, "bits": bits });
+        if let Some(g) = &spec.gemma4 {
+            // mlx-lm records layers quantized differently by their module path.
+            let prefix = match tiny_gemma4::nested(g) {
+                true => "language_model.model",
+                false => "model",
+            };
+            for l in 0..spec.layers {
+                if g.moe.is_some() {
+                    let (gs, b) = tiny_gemma4::quant_override("router.proj.weight").unwrap();
+                    c["quantization"][format!("{prefix}.layers.{l}.router.proj")] =
+                        json!({ "group_size": gs, "bits": b });
+                }
+            }
+        }
+    }
+    if let Some(g) = &spec.gemma4 {
+        if tiny_gemma4::nested(g) {
+            let mut text = c.clone();
+            for k in ["architectures", "torch_dtype", "quantization"] {
+                text.as_object_mut().unwrap().remove(k);
+            }
+            let mut outer = json!({
+                "architectures": ["Gemma4ForConditionalGeneration"],
+                "model_type": "gemma4",
+                "text_config": text,
+                "vocab_size": spec.vocab,
+                "torch_dtype": c["torch_dtype"],
+                "eos_token_id": c["eos_token_id"],
+                "tie_word_embeddings": true,
+            });
+            if let Some(q) = c.get("quantization") {
+                outer["quantization"] = q.clone();
+            }
+            return outer;
+        }
+        c["architectures"] = json!(["Gemma4ForCausalLM"]);
     }
     c
 }
@@ -245,6 +304,12 @@ fn random_weights(spec: &TinySpec) -> anyhow::Result<Vec<(String, Array)>> {
         out.push((name, w));
         Ok(())
     };
+    if let Some(g) = &spec.gemma4 {
+        for (name, shape, std, mean) in tiny_gemma4::tensors(spec, g) {
+            add(name, &shape, std, mean)?;
+        }
+        return Ok(out);
+    }
     let (h, i) = (spec.hidden, spec.intermediate);
     let q = spec.heads * spec.head_dim;
     let kv = spec.kv_heads * spec.head_dim;
@@ -331,8 +396,11 @@ fn quantize(
 ) -> anyhow::Result<Vec<(String, Array)>> {
     let mut out = Vec::new();
     for (name, w) in weights {
-        let quantizable = name.ends_with("proj.weight") || name == "model.embed_tokens.weight";
-        if quantizable && w.ndim() == 2 && w.dim(1) % group_size == 0 {
+        // mlx-lm quantizes every linear and embedding layer (2-D weights;
+        // 3-D for stacked experts) whose inputs split into groups.
+        let (group_size, bits) = tiny_gemma4::quant_override(&name).unwrap_or((group_size, bits));
+        let quantizable = name.ends_with(".weight") && w.ndim() >= 2;
+        if quantizable && w.dim(-1) % group_size == 0 {
             let (q, scales, biases) = ops::quantize(&w, group_size, bits)?;
             let base = name.trim_end_matches(".weight");
             out.push((format!("{base}.scales"), scales));
