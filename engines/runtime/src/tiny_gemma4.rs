@@ -115,7 +115,7 @@ pub fn text_config(spec: &TinySpec, g: &Gemma4Shape) -> serde_json::Value {
         "num_global_key_value_heads": g.global_kv_heads,
         "attention_k_eq_v": g.k_eq_v,
         "num_kv_shared_layers": g.kv_shared_layers,
-        "hidden_size_per_layer_input": g.per_layer_input,
+        "hidden_size_per_layer_input": g.per_layer_input.unwrap_or(0),
         "vocab_size_per_layer_input": spec.vocab,
         "use_double_wide_mlp": g.double_wide_mlp,
         "final_logit_softcapping": g.softcap,
