@@ -28,8 +28,18 @@ impl Default for TinyAssistant {
 pub fn write_drafter(target_dir: &Path, out: &Path, spec: &TinyAssistant) -> anyhow::Result<()> {
     let t = ModelConfig::from_dir(target_dir)?;
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    let (h, backbone, hd) = (spec.hidden, t.hidden_size, t.head_dim);
-    let heads = t.num_kv_heads * 2;
+    let (h, backbone) = (spec.hidden, t.hidden_size);
+    // Layers meet the target's last sliding and last full layers with keys
+    // and values of their own (Gemma 4 sizes their heads differently).
+    let owner = |full: bool| {
+        (0..t.num_layers)
+            .rev()
+            .map(|i| t.layer(i))
+            .find(|l| l.kv_source.is_none() && l.window.is_none() == full)
+            .unwrap_or_else(|| t.layer(t.num_layers - 1))
+    };
+    let (sliding, full) = (owner(false), owner(true));
+    let heads = sliding.kv_heads.max(full.kv_heads) * 2;
     let inter = h * 2;
     let dtype = declared_dtype(target_dir);
     let mut w = RandomTensors::new(spec.seed, dtype)?;
@@ -41,6 +51,9 @@ pub fn write_drafter(target_dir: &Path, out: &Path, spec: &TinyAssistant) -> any
     let mut layer_types = Vec::new();
     for i in 0..spec.layers {
         let p = format!("model.layers.{i}");
+        // Gemma 4's pattern: sliding layers, the last one global.
+        let is_full = i + 1 == spec.layers;
+        let hd = if is_full { full.head_dim } else { sliding.head_dim };
         w.normal(
             format!("{p}.self_attn.q_proj.weight"),
             &[heads * hd, h],
@@ -66,8 +79,7 @@ pub fn write_drafter(target_dir: &Path, out: &Path, spec: &TinyAssistant) -> any
             w.normal(format!("{p}.{n}.weight"), &[h], 0.02, 1.0)?;
         }
         w.normal(format!("{p}.layer_scalar"), &[1], 0.0, 1.0)?;
-        // Gemma 4's pattern: sliding layers, the last one global.
-        layer_types.push(if i + 1 == spec.layers {
+        layer_types.push(if is_full {
             "full_attention"
         } else {
             "sliding_attention"
@@ -86,11 +98,12 @@ pub fn write_drafter(target_dir: &Path, out: &Path, spec: &TinyAssistant) -> any
             "num_hidden_layers": spec.layers,
             "num_attention_heads": heads,
             "num_key_value_heads": t.num_kv_heads,
-            "head_dim": hd,
+            "head_dim": sliding.head_dim,
+            "global_head_dim": full.head_dim,
             "vocab_size": t.vocab_size,
             "rms_norm_eps": 1e-6,
             "layer_types": layer_types,
-            "query_pre_attn_scalar": hd,
+            "query_pre_attn_scalar": sliding.head_dim,
             "max_position_embeddings": t.max_position_embeddings,
             "hidden_activation": "gelu_pytorch_tanh",
         },

@@ -397,6 +397,7 @@ impl Model {
         AttentionInfo {
             kv_heads: a.kv_heads,
             head_dim: a.head_dim,
+            owns_kv: a.kv_source.is_none(),
             window: self.layers[i].window,
             rope: &a.rope,
         }
@@ -423,6 +424,9 @@ pub struct Tapped {
 pub struct AttentionInfo<'a> {
     pub kv_heads: i32,
     pub head_dim: i32,
+    /// Whether the layer's keys and values are in the cache (Gemma 4's
+    /// KV-shared layers attend to an earlier layer's).
+    pub owns_kv: bool,
     pub window: Option<i32>,
     pub rope: &'a Rope,
 }
