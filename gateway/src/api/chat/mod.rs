@@ -26,7 +26,7 @@ use crate::state::SharedState;
 pub fn reasoning_format(family: Family) -> ReasoningFormat {
     match family {
         Family::Qwen3 => ReasoningFormat::Think,
-        Family::Gemma3 => ReasoningFormat::GemmaChannel,
+        Family::Gemma3 | Family::Gemma4 => ReasoningFormat::GemmaChannel,
         Family::Llama | Family::Qwen2 => ReasoningFormat::None,
     }
 }
@@ -35,7 +35,7 @@ pub fn tool_format(family: Family) -> ToolFormat {
     match family {
         Family::Qwen2 | Family::Qwen3 => ToolFormat::Hermes,
         Family::Llama => ToolFormat::Llama3Json,
-        Family::Gemma3 => ToolFormat::Gemma,
+        Family::Gemma3 | Family::Gemma4 => ToolFormat::Gemma,
     }
 }
 
