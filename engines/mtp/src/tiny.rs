@@ -53,7 +53,11 @@ pub fn write_drafter(target_dir: &Path, out: &Path, spec: &TinyAssistant) -> any
         let p = format!("model.layers.{i}");
         // Gemma 4's pattern: sliding layers, the last one global.
         let is_full = i + 1 == spec.layers;
-        let hd = if is_full { full.head_dim } else { sliding.head_dim };
+        let hd = if is_full {
+            full.head_dim
+        } else {
+            sliding.head_dim
+        };
         w.normal(
             format!("{p}.self_attn.q_proj.weight"),
             &[heads * hd, h],

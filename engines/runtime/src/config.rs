@@ -85,41 +85,41 @@ pub type QuantizationOverrides = HashMap<String, Option<Quantization>>;
 fn parse_quantization(
     value: Option<&serde_json::Value>,
 ) -> anyhow::Result<(Option<Quantization>, QuantizationOverrides)> {
-        let Some(obj) = value.and_then(|v| v.as_object()) else {
-            return Ok((None, HashMap::new()));
-        };
-        if let Some(mode) = obj.get("mode").and_then(|m| m.as_str()) {
-            if mode != "affine" {
-                bail!("quantization mode `{mode}` is not supported (only MLX affine)");
-            }
+    let Some(obj) = value.and_then(|v| v.as_object()) else {
+        return Ok((None, HashMap::new()));
+    };
+    if let Some(mode) = obj.get("mode").and_then(|m| m.as_str()) {
+        if mode != "affine" {
+            bail!("quantization mode `{mode}` is not supported (only MLX affine)");
         }
-        let spec = |v: &serde_json::Value| -> anyhow::Result<Quantization> {
-            let q: Quantization = serde_json::from_value(v.clone())
-                .with_context(|| format!("quantization entry {v}"))?;
-            if !AFFINE_BITS.contains(&q.bits) || q.group_size <= 0 {
-                bail!(
+    }
+    let spec = |v: &serde_json::Value| -> anyhow::Result<Quantization> {
+        let q: Quantization =
+            serde_json::from_value(v.clone()).with_context(|| format!("quantization entry {v}"))?;
+        if !AFFINE_BITS.contains(&q.bits) || q.group_size <= 0 {
+            bail!(
                     "quantization with {} bits, group size {} is not supported (bits: 2, 3, 4, 5, 6, 8)",
                     q.bits,
                     q.group_size
                 );
-            }
-            Ok(q)
-        };
-        let default = match (obj.get("bits"), obj.get("group_size")) {
-            (None, None) => None,
-            _ => Some(spec(&serde_json::Value::Object(obj.clone()))?),
-        };
-        let mut overrides = HashMap::new();
-        for (path, v) in obj {
-            let q = match v {
-                serde_json::Value::Object(_) => Some(spec(v)?),
-                serde_json::Value::Bool(false) => None,
-                _ => continue,
-            };
-            let weight = crate::weights::canonical_name(&format!("{path}.weight"));
-            overrides.insert(weight.trim_end_matches(".weight").to_string(), q);
         }
-        Ok((default, overrides))
+        Ok(q)
+    };
+    let default = match (obj.get("bits"), obj.get("group_size")) {
+        (None, None) => None,
+        _ => Some(spec(&serde_json::Value::Object(obj.clone()))?),
+    };
+    let mut overrides = HashMap::new();
+    for (path, v) in obj {
+        let q = match v {
+            serde_json::Value::Object(_) => Some(spec(v)?),
+            serde_json::Value::Bool(false) => None,
+            _ => continue,
+        };
+        let weight = crate::weights::canonical_name(&format!("{path}.weight"));
+        overrides.insert(weight.trim_end_matches(".weight").to_string(), q);
+    }
+    Ok((default, overrides))
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -317,8 +317,7 @@ impl ModelConfig {
             ),
         };
         let gemma = matches!(family, Family::Gemma3 | Family::Gemma4);
-        let (quantization, quantization_overrides) =
-            parse_quantization(raw.quantization.as_ref())?;
+        let (quantization, quantization_overrides) = parse_quantization(raw.quantization.as_ref())?;
         let gemma4 = if family == Family::Gemma4 {
             Some(gemma4_config(&raw)?)
         } else {
@@ -413,7 +412,11 @@ impl ModelConfig {
         };
         LayerSpec {
             window,
-            head_dim: if full { g.global_head_dim } else { self.head_dim },
+            head_dim: if full {
+                g.global_head_dim
+            } else {
+                self.head_dim
+            },
             kv_heads: match g.global_kv_heads {
                 Some(n) if k_eq_v => n,
                 _ => self.num_kv_heads,
@@ -532,7 +535,10 @@ fn gemma4_config(raw: &Raw) -> anyhow::Result<Gemma4Config> {
             })
         }
     };
-    let per_layer_width = raw.hidden_size_per_layer_input.unwrap_or(Some(256)).unwrap_or(0);
+    let per_layer_width = raw
+        .hidden_size_per_layer_input
+        .unwrap_or(Some(256))
+        .unwrap_or(0);
     Ok(Gemma4Config {
         full_attention,
         global_head_dim: raw.global_head_dim.unwrap_or(512),

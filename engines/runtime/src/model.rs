@@ -106,7 +106,12 @@ impl Model {
             let spec = cfg.layer(i);
             let (hd, kvh) = (spec.head_dim, spec.kv_heads);
             let attn = format!("{p}.self_attn");
-            let mut qkv = vec![linear(&mut w, &format!("{attn}.q_proj"), cfg.num_heads * hd, h)?];
+            let mut qkv = vec![linear(
+                &mut w,
+                &format!("{attn}.q_proj"),
+                cfg.num_heads * hd,
+                h,
+            )?];
             let own_kv = spec.kv_source.is_none();
             if own_kv {
                 qkv.push(linear(&mut w, &format!("{attn}.k_proj"), kvh * hd, h)?);
@@ -301,7 +306,14 @@ impl Model {
             .config
             .sliding_window
             .map(|w| mask::build(cache, n, Some(w)));
-        self.run_layers(tokens, h, (&global_mask, window_mask.as_ref()), cache, which, taps)
+        self.run_layers(
+            tokens,
+            h,
+            (&global_mask, window_mask.as_ref()),
+            cache,
+            which,
+            taps,
+        )
     }
 
     /// Everything after the input embeddings `h` of `tokens`: the layers

@@ -241,7 +241,10 @@ fn config_json(
             "hidden_activation": "gelu_pytorch_tanh", "rope_scaling": null,
         }),
         Family::Gemma4 => {
-            let g = spec.gemma4.as_ref().expect("a Gemma 4 spec has a Gemma 4 shape");
+            let g = spec
+                .gemma4
+                .as_ref()
+                .expect("a Gemma 4 spec has a Gemma 4 shape");
             tiny_gemma4::text_config(spec, g)
         }
     };
@@ -283,6 +286,8 @@ fn config_json(
                 "torch_dtype": c["torch_dtype"],
                 "eos_token_id": c["eos_token_id"],
                 "tie_word_embeddings": true,
+                // The towers the text model is served without.
+                "vision_config": { "model_type": "gemma4_vision" },
             });
             if let Some(q) = c.get("quantization") {
                 outer["quantization"] = q.clone();

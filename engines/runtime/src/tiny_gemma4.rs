@@ -100,11 +100,17 @@ pub fn text_config(spec: &TinySpec, g: &Gemma4Shape) -> serde_json::Value {
     let types: Vec<&str> = g
         .full_attention
         .iter()
-        .map(|&f| if f { "full_attention" } else { "sliding_attention" })
+        .map(|&f| {
+            if f {
+                "full_attention"
+            } else {
+                "sliding_attention"
+            }
+        })
         .collect();
-    let (experts, top_k, moe_inter) = g.moe.map_or((None, None, None), |(e, k, i)| {
-        (Some(e), Some(k), Some(i))
-    });
+    let (experts, top_k, moe_inter) = g
+        .moe
+        .map_or((None, None, None), |(e, k, i)| (Some(e), Some(k), Some(i)));
     json!({
         "model_type": "gemma4_text",
         "hidden_activation": "gelu_pytorch_tanh",
@@ -149,12 +155,21 @@ pub fn tensors(spec: &TinySpec, g: &Gemma4Shape) -> Vec<(String, Vec<i32>, f32, 
     let mut add = |name: String, shape: &[i32], std: f32, mean: f32| {
         out.push((name, shape.to_vec(), std, mean))
     };
-    add("model.embed_tokens.weight".into(), &[spec.vocab, h], 1.0, 0.0);
+    add(
+        "model.embed_tokens.weight".into(),
+        &[spec.vocab, h],
+        1.0,
+        0.0,
+    );
     let first_shared = n - g.kv_shared_layers;
     for l in 0..n {
         let p = format!("model.layers.{l}");
         let full = g.full_attention[l as usize];
-        let hd = if full { g.global_head_dim } else { spec.head_dim };
+        let hd = if full {
+            g.global_head_dim
+        } else {
+            spec.head_dim
+        };
         let k_eq_v = g.k_eq_v && full;
         let kvh = match g.global_kv_heads {
             Some(k) if k_eq_v => k,
@@ -163,9 +178,19 @@ pub fn tensors(spec: &TinySpec, g: &Gemma4Shape) -> Vec<(String, Vec<i32>, f32, 
         let (q, kv) = (spec.heads * hd, kvh * hd);
         add(format!("{p}.self_attn.q_proj.weight"), &[q, h], lin(h), 0.0);
         // Hugging Face checkpoints keep these on KV-shared layers too.
-        add(format!("{p}.self_attn.k_proj.weight"), &[kv, h], lin(h), 0.0);
+        add(
+            format!("{p}.self_attn.k_proj.weight"),
+            &[kv, h],
+            lin(h),
+            0.0,
+        );
         if !k_eq_v {
-            add(format!("{p}.self_attn.v_proj.weight"), &[kv, h], lin(h), 0.0);
+            add(
+                format!("{p}.self_attn.v_proj.weight"),
+                &[kv, h],
+                lin(h),
+                0.0,
+            );
         }
         add(format!("{p}.self_attn.o_proj.weight"), &[h, q], lin(q), 0.0);
         add(format!("{p}.self_attn.q_norm.weight"), &[hd], 0.1, 1.0);
@@ -187,7 +212,12 @@ pub fn tensors(spec: &TinySpec, g: &Gemma4Shape) -> Vec<(String, Vec<i32>, f32, 
             add(format!("{p}.router.proj.weight"), &[e, h], lin(h), 0.0);
             add(format!("{p}.router.scale"), &[h], 0.1, 1.0);
             add(format!("{p}.router.per_expert_scale"), &[e], 0.1, 1.0);
-            add(format!("{p}.experts.gate_up_proj"), &[e, 2 * mi, h], lin(h), 0.0);
+            add(
+                format!("{p}.experts.gate_up_proj"),
+                &[e, 2 * mi, h],
+                lin(h),
+                0.0,
+            );
             add(format!("{p}.experts.down_proj"), &[e, h, mi], lin(mi), 0.0);
             for norm in [
                 "post_feedforward_layernorm_1",
@@ -198,9 +228,24 @@ pub fn tensors(spec: &TinySpec, g: &Gemma4Shape) -> Vec<(String, Vec<i32>, f32, 
             }
         }
         if let Some(w) = g.per_layer_input {
-            add(format!("{p}.per_layer_input_gate.weight"), &[w, h], lin(h), 0.0);
-            add(format!("{p}.per_layer_projection.weight"), &[h, w], lin(w), 0.0);
-            add(format!("{p}.post_per_layer_input_norm.weight"), &[h], 0.1, 1.0);
+            add(
+                format!("{p}.per_layer_input_gate.weight"),
+                &[w, h],
+                lin(h),
+                0.0,
+            );
+            add(
+                format!("{p}.per_layer_projection.weight"),
+                &[h, w],
+                lin(w),
+                0.0,
+            );
+            add(
+                format!("{p}.post_per_layer_input_norm.weight"),
+                &[h],
+                0.1,
+                1.0,
+            );
         }
         add(format!("{p}.layer_scalar"), &[1], 0.1, 1.0);
     }
@@ -217,7 +262,12 @@ pub fn tensors(spec: &TinySpec, g: &Gemma4Shape) -> Vec<(String, Vec<i32>, f32, 
             lin(h),
             0.0,
         );
-        add("model.per_layer_projection_norm.weight".into(), &[w], 0.1, 1.0);
+        add(
+            "model.per_layer_projection_norm.weight".into(),
+            &[w],
+            0.1,
+            1.0,
+        );
     }
     add("model.norm.weight".into(), &[h], 0.1, 1.0);
     out
@@ -232,6 +282,9 @@ pub fn apply_layout(
 ) -> anyhow::Result<Vec<(String, Array)>> {
     let first_shared = layers - g.kv_shared_layers;
     let mut out = Vec::new();
+    if let Some(name) = vision_tensor(g) {
+        out.push((name.to_string(), Array::zeros::<f32>(&[8, 12])?));
+    }
     for (name, w) in weights {
         let rest = name.strip_prefix("model.").unwrap_or(&name).to_string();
         match g.layout {
@@ -243,17 +296,27 @@ pub fn apply_layout(
                     .and_then(|r| r.split('.').next())
                     .and_then(|i| i.parse().ok());
                 let shared = layer.is_some_and(|l| l >= first_shared && g.kv_shared_layers > 0);
-                let kv_part = [".self_attn.k_proj", ".self_attn.v_proj", ".self_attn.k_norm"]
-                    .iter()
-                    .any(|p| rest.contains(p));
+                let kv_part = [
+                    ".self_attn.k_proj",
+                    ".self_attn.v_proj",
+                    ".self_attn.k_norm",
+                ]
+                .iter()
+                .any(|p| rest.contains(p));
                 if shared && kv_part {
                     continue;
                 }
                 let full = format!("language_model.model.{rest}");
                 if let Some(base) = full.strip_suffix(".experts.gate_up_proj") {
                     let halves = mlx_rs::ops::split_equal(&w, 2, 1)?;
-                    out.push((format!("{base}.experts.switch_glu.gate_proj.weight"), halves[0].clone()));
-                    out.push((format!("{base}.experts.switch_glu.up_proj.weight"), halves[1].clone()));
+                    out.push((
+                        format!("{base}.experts.switch_glu.gate_proj.weight"),
+                        halves[0].clone(),
+                    ));
+                    out.push((
+                        format!("{base}.experts.switch_glu.up_proj.weight"),
+                        halves[1].clone(),
+                    ));
                 } else if let Some(base) = full.strip_suffix(".experts.down_proj") {
                     out.push((format!("{base}.experts.switch_glu.down_proj.weight"), w));
                 } else {
@@ -263,6 +326,17 @@ pub fn apply_layout(
         }
     }
     Ok(out)
+}
+
+/// A stand-in for the vision tower's tensors of a multimodal checkpoint
+/// (never loaded: the text model serves without it), in the layout's
+/// naming, `None` for text-only checkpoints.
+pub fn vision_tensor(g: &Gemma4Shape) -> Option<&'static str> {
+    match g.layout {
+        Layout::HfText => None,
+        Layout::HfMultimodal => Some("model.vision_tower.patch_embedder.input_proj.weight"),
+        Layout::Mlx => Some("vision_tower.patch_embedder.input_proj.weight"),
+    }
 }
 
 /// mlx-lm's Gemma 4 `quant_predicate`: routers at 8 bits in groups of 64.

@@ -73,9 +73,10 @@ impl Weights {
 
     /// The file a tensor was read from, for messages.
     pub fn file_of(&self, name: &str) -> String {
-        self.files
-            .get(name)
-            .map_or_else(|| self.dir.display().to_string(), |f| f.display().to_string())
+        self.files.get(name).map_or_else(
+            || self.dir.display().to_string(),
+            |f| f.display().to_string(),
+        )
     }
 
     pub fn take_optional(&mut self, name: &str) -> Option<Array> {

@@ -57,7 +57,10 @@ fn an_unknown_model_type_is_refused_naming_it() {
     tiny(dir.path(), None);
     edit_config(dir.path(), |c| c["model_type"] = "gemma9_text".into());
     let err = load_error(dir.path());
-    assert!(err.contains("gemma9_text") && err.contains("config.json"), "{err}");
+    assert!(
+        err.contains("gemma9_text") && err.contains("config.json"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -93,7 +96,10 @@ fn a_misshapen_tensor_is_named_with_its_file() {
         t.insert(name.into(), Array::zeros::<f32>(&[7, 128, 64]).unwrap());
     });
     let err = load_error(dir.path());
-    assert!(err.contains(name) && err.contains("model.safetensors"), "{err}");
+    assert!(
+        err.contains(name) && err.contains("model.safetensors"),
+        "{err}"
+    );
 }
 
 #[test]

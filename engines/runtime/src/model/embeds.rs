@@ -48,6 +48,8 @@ impl Model {
         let window_mask = self.config.sliding_window.map(|w| build(Some(w)));
         let taps = Taps::default();
         let masks = (&global_mask, window_mask.as_ref());
-        Ok(self.run_layers(tokens, h, masks, cache, which, &taps)?.logits)
+        Ok(self
+            .run_layers(tokens, h, masks, cache, which, &taps)?
+            .logits)
     }
 }

@@ -64,7 +64,8 @@ impl Moe {
     ) -> anyhow::Result<Self> {
         let (h, e, i) = (cfg.hidden_size, moe.num_experts, moe.intermediate);
         let eps = cfg.rms_norm_eps;
-        let norm = |w: &mut Weights, n: &str| RmsNorm::load_sized(w, &format!("{p}.{n}"), h, eps, false);
+        let norm =
+            |w: &mut Weights, n: &str| RmsNorm::load_sized(w, &format!("{p}.{n}"), h, eps, false);
         let router_prefix = format!("{p}.router.proj");
         let proj = Linear::load_checked(w, &router_prefix, cfg.quant_for(&router_prefix), e, h)?;
         let scale = w.take_shaped(&format!("{p}.router.scale"), &[h])?;
@@ -219,15 +220,25 @@ impl SwitchLinear {
                         w.file_of(&name)
                     )
                 })?;
-                let (packed, groups) = quantized_shape(inp, q.group_size, q.bits)
-                    .ok_or_else(|| anyhow::anyhow!(
+                let (packed, groups) =
+                    quantized_shape(inp, q.group_size, q.bits).ok_or_else(|| {
+                        anyhow::anyhow!(
                         "tensor `{name}` in {}: {inp} inputs do not split into {}-bit groups of {}",
                         w.file_of(&name), q.bits, q.group_size
-                    ))?;
+                    )
+                    })?;
                 let biases = w.take(&format!("{prefix}.biases"))?;
                 w.check_shape(&name, &weight, &[experts, out, packed])?;
-                w.check_shape(&format!("{prefix}.scales"), &scales, &[experts, out, groups])?;
-                w.check_shape(&format!("{prefix}.biases"), &biases, &[experts, out, groups])?;
+                w.check_shape(
+                    &format!("{prefix}.scales"),
+                    &scales,
+                    &[experts, out, groups],
+                )?;
+                w.check_shape(
+                    &format!("{prefix}.biases"),
+                    &biases,
+                    &[experts, out, groups],
+                )?;
                 Ok(SwitchLinear::Quantized {
                     weight,
                     scales,
@@ -301,7 +312,13 @@ impl PerLayerInputs {
         let table_prefix = "model.embed_tokens_per_layer";
         let projection_prefix = "model.per_layer_model_projection";
         Ok(Self {
-            table: Embedding::load_checked(w, table_prefix, cfg.quant_for(table_prefix), vocab, n * width)?,
+            table: Embedding::load_checked(
+                w,
+                table_prefix,
+                cfg.quant_for(table_prefix),
+                vocab,
+                n * width,
+            )?,
             projection: Linear::load_checked(
                 w,
                 projection_prefix,
@@ -309,7 +326,13 @@ impl PerLayerInputs {
                 n * width,
                 cfg.hidden_size,
             )?,
-            norm: RmsNorm::load_sized(w, "model.per_layer_projection_norm", width, cfg.rms_norm_eps, false)?,
+            norm: RmsNorm::load_sized(
+                w,
+                "model.per_layer_projection_norm",
+                width,
+                cfg.rms_norm_eps,
+                false,
+            )?,
             layers: n,
             width,
             table_scale: (width as f32).sqrt(),
@@ -325,7 +348,8 @@ impl PerLayerInputs {
         let dtype = h.dtype();
         let scale = |x: Array, s: f32| x.multiply(Array::from_f32(s).as_dtype(dtype)?);
         let from_table = scale(self.table.forward(tokens)?, self.table_scale)?.reshape(&split)?;
-        let projected = scale(self.projection.forward(h)?, self.projection_scale)?.reshape(&split)?;
+        let projected =
+            scale(self.projection.forward(h)?, self.projection_scale)?.reshape(&split)?;
         let projected = self.norm.forward(&projected)?;
         scale(projected.add(&from_table)?, std::f32::consts::FRAC_1_SQRT_2)
     }
@@ -353,7 +377,13 @@ impl PerLayerGate {
         Ok(Self {
             gate: Linear::load_checked(w, &gate, cfg.quant_for(&gate), width, h)?,
             projection: Linear::load_checked(w, &projection, cfg.quant_for(&projection), h, width)?,
-            norm: RmsNorm::load_sized(w, &format!("{p}.post_per_layer_input_norm"), h, cfg.rms_norm_eps, false)?,
+            norm: RmsNorm::load_sized(
+                w,
+                &format!("{p}.post_per_layer_input_norm"),
+                h,
+                cfg.rms_norm_eps,
+                false,
+            )?,
         })
     }
 

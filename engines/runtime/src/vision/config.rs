@@ -103,8 +103,8 @@ impl VisionConfig {
             );
             return Ok(None);
         }
-        let top: RawTop = serde_json::from_value(value)
-            .with_context(|| format!("parsing {}", path.display()))?;
+        let top: RawTop =
+            serde_json::from_value(value).with_context(|| format!("parsing {}", path.display()))?;
         let Some(v) = top.vision_config else {
             return Ok(None);
         };
