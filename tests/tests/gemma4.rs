@@ -5,7 +5,7 @@
 //! window, prefix-cache hits and concurrent (batched) requests.
 
 use e2e_tests::{models, Gateway};
-use runtime::tiny::TinySpec;
+use fixtures::model::TinySpec;
 use runtime::Family;
 use serde_json::json;
 
@@ -54,7 +54,7 @@ policy:
         mtp.path.display()
     );
     let gw = Gateway::start(&config);
-    let long: Vec<u32> = runtime::tiny::random_prompt(3, 40, 500);
+    let long: Vec<u32> = fixtures::model::random_prompt(3, 40, 500);
     let prompts: Vec<Vec<u32>> = vec![vec![5, 9, 14], long.clone(), vec![7; 24]];
     let mut oracle = Vec::new();
     for prompt in &prompts {

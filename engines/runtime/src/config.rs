@@ -1,7 +1,9 @@
 //! `config.json` of a Hugging Face model directory, for the families we run.
 
 use std::collections::HashMap;
+use std::fmt;
 use std::path::Path;
+use std::str::FromStr;
 
 use anyhow::{bail, Context};
 use serde::Deserialize;
@@ -34,34 +36,26 @@ impl Family {
             Family::Gemma4 => "gemma4",
         }
     }
-
-    /// The tokenizer family of generated models. Gemma 4's own tokenizer
-    /// (its turn and channel tokens) is not generated yet: tiny Gemma 4
-    /// models carry Gemma 3's.
-    pub fn tokenizer(self) -> text::tiny::Family {
-        match self {
-            Family::Llama => text::tiny::Family::Llama,
-            Family::Qwen2 => text::tiny::Family::Qwen2,
-            Family::Qwen3 => text::tiny::Family::Qwen3,
-            Family::Gemma3 | Family::Gemma4 => text::tiny::Family::Gemma3,
-        }
-    }
 }
 
-impl std::fmt::Display for Family {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+impl fmt::Display for Family {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
     }
 }
 
-impl std::str::FromStr for Family {
+impl FromStr for Family {
     type Err = anyhow::Error;
 
     fn from_str(s: &str) -> anyhow::Result<Self> {
         Family::ALL
             .into_iter()
             .find(|f| f.name() == s)
-            .ok_or_else(|| anyhow::anyhow!("unknown model family {s:?}"))
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "unknown model family {s:?} (expected llama, qwen2, qwen3, gemma3 or gemma4)"
+                )
+            })
     }
 }
 
@@ -600,4 +594,18 @@ fn parse_rope_scaling(value: Option<&serde_json::Value>) -> anyhow::Result<RopeS
             "unsupported rope_scaling type `{other}` (supported: linear, llama3, proportional)"
         ),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn family_names_round_trip() {
+        for f in Family::ALL {
+            assert_eq!(f.to_string().parse::<Family>().unwrap(), f);
+        }
+        let err = "mistral".parse::<Family>().unwrap_err().to_string();
+        assert!(err.contains("mistral"), "{err}");
+    }
 }

@@ -4,9 +4,9 @@
 use std::collections::HashMap;
 use std::path::Path;
 
+use fixtures::gemma4::{Gemma4Shape, Layout};
+use fixtures::model::{write_model, TinySpec};
 use mlx_rs::Array;
-use runtime::tiny::{write_model, TinySpec};
-use runtime::tiny_gemma4::{Gemma4Shape, Layout};
 use runtime::LoadedModel;
 
 fn tiny(dir: &Path, quant_bits: Option<i32>) {
