@@ -9,6 +9,7 @@ pub mod cache;
 pub mod config;
 pub mod cuda_env;
 pub mod generate;
+pub mod gguf;
 pub mod handover;
 pub mod kv_pool;
 pub mod reference;

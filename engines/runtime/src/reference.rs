@@ -39,3 +39,30 @@ pub fn run(script: &str, request: &serde_json::Value) -> serde_json::Value {
     assert!(out.status.success(), "{script} failed");
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{script} answered: {e}"))
 }
+
+/// The default model scripts/setup fetches (SmolLM2-135M-Instruct, Q4_1
+/// GGUF): the real-text tests' model. Panics with a pointer to
+/// scripts/setup when it is missing.
+pub fn default_gguf() -> PathBuf {
+    let path = repo_root().join("models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        path.exists(),
+        "{} missing: run scripts/setup (it fetches the default model)",
+        path.display()
+    );
+    path
+}
+
+/// Chat conversations the real-text tests run (short answers, mixed kinds).
+pub fn chat_prompts() -> Vec<serde_json::Value> {
+    use serde_json::json;
+    vec![
+        json!([{"role": "user", "content": "What is the capital of France?"}]),
+        json!([{"role": "user", "content": "Write a Python function that returns the square of a number."}]),
+        json!([{"role": "system", "content": "You are a concise assistant."},
+               {"role": "user", "content": "Give me three tips for staying healthy."}]),
+        json!([{"role": "user", "content": "Hi!"},
+               {"role": "assistant", "content": "Hello! How can I help you today?"},
+               {"role": "user", "content": "Tell me a fun fact about octopuses."}]),
+    ]
+}

@@ -1,4 +1,5 @@
-//! Reads every `*.safetensors` file of a model directory into named arrays.
+//! Named weight arrays: every `*.safetensors` file of a model directory, or
+//! the tensors of a GGUF file (see [`crate::gguf`]).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -6,8 +7,14 @@ use std::path::Path;
 use anyhow::{anyhow, Context};
 use mlx_rs::Array;
 
+use crate::config::Quantization;
+
+#[derive(Default)]
 pub struct Weights {
     tensors: HashMap<String, Array>,
+    /// Per-layer quantization (by weight prefix) where it differs from the
+    /// config's, as in GGUF files that mix block types.
+    quantization: HashMap<String, Quantization>,
 }
 
 impl Weights {
@@ -30,7 +37,23 @@ impl Weights {
                 tensors.insert(canonical_name(&name), array);
             }
         }
-        Ok(Self { tensors })
+        Ok(Self {
+            tensors,
+            quantization: HashMap::new(),
+        })
+    }
+
+    pub fn insert(&mut self, name: String, array: Array) {
+        self.tensors.insert(name, array);
+    }
+
+    pub fn set_quantization(&mut self, prefix: String, q: Quantization) {
+        self.quantization.insert(prefix, q);
+    }
+
+    /// The quantization of the layer at `prefix`, if it has its own.
+    pub fn quantization(&self, prefix: &str) -> Option<Quantization> {
+        self.quantization.get(prefix).copied()
     }
 
     pub fn take(&mut self, name: &str) -> anyhow::Result<Array> {
