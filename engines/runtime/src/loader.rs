@@ -107,10 +107,11 @@ impl LoadedModel {
             mlx_rs::transforms::eval(all)?;
         }
         let tokenizer = Arc::new(tokenizer_source.load()?);
-        let stop_tokens = match metadata_stops {
-            Some(ids) => text::eos::stop_set(ids, &tokenizer),
-            None => text::eos::eos_token_ids(checkpoint.dir(), &tokenizer)?,
-        };
+        // Files next to a GGUF (a tokenizer_config.json) add their stops.
+        let mut stop_tokens = text::eos::eos_token_ids(checkpoint.dir(), &tokenizer)?;
+        if let Some(ids) = metadata_stops {
+            stop_tokens = text::eos::stop_set(ids.into_iter().chain(stop_tokens), &tokenizer);
+        }
         let name = name.map(str::to_string).unwrap_or_else(|| checkpoint.default_name());
         tracing::info!(
             model = %name,

@@ -111,13 +111,17 @@ impl GgufVocab {
             })
             .collect();
         let post_processor = match self.add_bos_token.then(|| self.token(self.bos_token_id)).flatten() {
-            Some(bos) => json!({
-                "type": "TemplateProcessing",
-                "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-                "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                         {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
-                "special_tokens": {bos: {"id": bos, "ids": [self.bos_token_id], "tokens": [bos]}},
-            }),
+            Some(bos) => {
+                let mut special = serde_json::Map::new();
+                special.insert(bos.to_owned(), json!({"id": bos, "ids": [self.bos_token_id], "tokens": [bos]}));
+                json!({
+                    "type": "TemplateProcessing",
+                    "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                    "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                             {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                    "special_tokens": special,
+                })
+            }
             None => Value::Null,
         };
         let tokenizer = json!({

@@ -1160,7 +1160,7 @@ Thanks!<end_of_turn>
     #[test]
     fn null_fields_are_dropped_and_reasoning_aliased() {
         let t = ChatTemplate::new(
-            "{% for m in messages %}{{ m.role }}:{{ 'content' in m }}:{{ m.thinking }}:{{ m.reasoning_content }};{% endfor %}",
+            "{% for m in messages %}{{ m.role }}:{{ m.content | length }}:{{ 'name' in m }}:{{ m.thinking }}:{{ m.reasoning_content }};{% endfor %}",
             None,
             None,
         )
@@ -1168,13 +1168,44 @@ Thanks!<end_of_turn>
         let got = t
             .render(
                 &[
-                    json!({"role": "assistant", "content": null, "thinking": "t"}),
+                    json!({"role": "assistant", "content": null, "name": null, "thinking": "t"}),
                     json!({"role": "user", "content": "x"}),
                 ],
                 &RenderOptions::default(),
             )
             .unwrap();
-        assert_eq!(got, "assistant:False:t:t;user:True::;");
+        assert_eq!(got, "assistant:0:False:t:t;user:1:False::;");
+    }
+
+    /// SmolLM2's ChatML template adds `message['content']` to strings: a
+    /// tool round as OpenAI clients send it (assistant `content: null` with
+    /// `tool_calls`, then `role: tool`) renders, the missing content as "",
+    /// as vLLM renders it.
+    #[test]
+    fn tool_rounds_render_on_templates_that_concatenate_content() {
+        let t = ChatTemplate::new(
+            "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}",
+            None,
+            None,
+        )
+        .unwrap();
+        let got = t
+            .render(
+                &[
+                    json!({"role": "user", "content": "weather?"}),
+                    json!({"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+                        "function": {"name": "get_weather", "arguments": "{}"}}]}),
+                    json!({"role": "tool", "tool_call_id": "c1", "content": "sunny"}),
+                    json!({"role": "assistant", "tool_calls": []}),
+                ],
+                &RenderOptions::default(),
+            )
+            .unwrap();
+        assert_eq!(
+            got,
+            "<|im_start|>user\nweather?<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n\
+             <|im_start|>tool\nsunny<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
+        );
     }
 
     #[test]

@@ -268,14 +268,13 @@ fn permute(a: &Array, heads: i32) -> Array {
 fn convert(dir: &Path, family: Family) -> std::path::PathBuf {
     let config: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
-    let arch = match family {
-        Family::Gemma3 => "gemma3",
-        other => &other.to_string(),
-    }
-    .to_string();
+    let arch = family.to_string();
     let u = |k: &str| Meta::U32(config[k].as_u64().unwrap() as u32);
     let f = |k: &str| Meta::F32(config[k].as_f64().unwrap() as f32);
     let key = |k: &str| -> &'static str { Box::leak(format!("{arch}.{k}").into_boxed_str()) };
+    let head_dim = config["head_dim"].as_u64().unwrap_or(
+        config["hidden_size"].as_u64().unwrap() / config["num_attention_heads"].as_u64().unwrap(),
+    ) as u32;
     let mut meta = vec![
         ("general.architecture", Meta::Str(arch.clone())),
         (key("embedding_length"), u("hidden_size")),
@@ -283,8 +282,8 @@ fn convert(dir: &Path, family: Family) -> std::path::PathBuf {
         (key("block_count"), u("num_hidden_layers")),
         (key("attention.head_count"), u("num_attention_heads")),
         (key("attention.head_count_kv"), u("num_key_value_heads")),
-        (key("attention.key_length"), u("head_dim")),
-        (key("rope.dimension_count"), u("head_dim")),
+        (key("attention.key_length"), Meta::U32(head_dim)),
+        (key("rope.dimension_count"), Meta::U32(head_dim)),
         (key("context_length"), u("max_position_embeddings")),
         (key("vocab_size"), u("vocab_size")),
         (key("attention.layer_norm_rms_epsilon"), f("rms_norm_eps")),
@@ -295,6 +294,9 @@ fn convert(dir: &Path, family: Family) -> std::path::PathBuf {
     if family == Family::Gemma3 {
         meta.push((key("attention.sliding_window"), u("sliding_window")));
     }
+    let eos = &config["eos_token_id"];
+    let eos = eos.as_u64().or_else(|| eos[0].as_u64()).unwrap();
+    meta.push(("tokenizer.ggml.eos_token_id", Meta::U32(eos as u32)));
     let weights = Array::load_safetensors(dir.join("model.safetensors")).unwrap();
     let mut names: Vec<_> = weights.keys().cloned().collect();
     names.sort();
