@@ -28,6 +28,7 @@ policy:
 "#;
 const ENGINES: [(&str, u32); 4] = [("batched", 20), ("fastpath", 21), ("dflash", 22), ("mtp", 23)];
 const STEPS: usize = 24;
+const LOGPROB_STEPS: usize = 8;
 
 fn tool_prompt() -> Value {
     json!([{"role": "user", "content":
@@ -53,8 +54,10 @@ fn tool_conversation(content: Value) -> Value {
 struct Reference {
     tokenizer: text::Tokenizer,
     stops: Vec<u32>,
-    /// Per chat: greedy tokens and every step's logits.
-    runs: Vec<(Vec<u32>, Vec<Vec<f32>>)>,
+    /// Per chat: greedy tokens.
+    runs: Vec<Vec<u32>>,
+    /// The first chat's logits for its first `LOGPROB_STEPS` steps.
+    logits: Vec<Vec<f32>>,
     /// Prompt length of the tool conversation (content rendered as "").
     tool_round_prompt: usize,
     _dir: tempfile::TempDir,
@@ -76,21 +79,18 @@ fn reference(gguf: &Path, chats: &[Value]) -> Reference {
     let tool_round_prompt = prompts.pop().unwrap().len();
     let out = runtime::reference::run(
         "mlx_lm_oracle.py",
-        &json!({"model": dir.path(), "prompts": prompts, "max_tokens": STEPS}),
+        &json!({"model": dir.path(), "prompts": prompts, "max_tokens": STEPS, "logits": false}),
     );
-    let runs = out["results"]
+    let runs = out["results"].as_array().unwrap().iter().map(|r| ids(&r["tokens"])).collect();
+    let first = runtime::reference::run(
+        "mlx_lm_oracle.py",
+        &json!({"model": dir.path(), "prompts": [prompts[0]], "max_tokens": LOGPROB_STEPS}),
+    );
+    let logits = first["results"][0]["logits"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|r| {
-            let logits = r["logits"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|row| row.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect())
-                .collect();
-            (ids(&r["tokens"]), logits)
-        })
+        .map(|row| row.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect())
         .collect();
     // The tokenizer transformers converted from the same file.
     let tokenizer = text::Tokenizer::from_dir(dir.path()).unwrap();
@@ -99,6 +99,7 @@ fn reference(gguf: &Path, chats: &[Value]) -> Reference {
         tokenizer,
         stops,
         runs,
+        logits,
         tool_round_prompt,
         _dir: dir,
     }
@@ -108,7 +109,7 @@ impl Reference {
     /// The answer a chat request with `max_tokens` gets: the greedy tokens
     /// up to the first stop token, and the finish reason.
     fn answer(&self, chat: usize, max_tokens: usize) -> (String, &'static str) {
-        let tokens = &self.runs[chat].0[..max_tokens];
+        let tokens = &self.runs[chat][..max_tokens];
         let (kept, reason) = match tokens.iter().position(|t| self.stops.contains(t)) {
             Some(end) => (&tokens[..end], "stop"),
             None => (tokens, "length"),
@@ -193,8 +194,12 @@ fn logprobs_tool_calls_and_tool_rounds(gw: &Gateway, reference: &Reference, chat
     let tool_chat = chats.len() - 1;
 
     // Logprobs of the real answer are the reference's log-softmax.
-    let (got, _) = chat(gw, &chats[0], json!({"max_tokens": 12, "logprobs": true, "top_logprobs": 2}));
-    let (tokens, logits) = &reference.runs[0];
+    let (got, _) = chat(
+        gw,
+        &chats[0],
+        json!({"max_tokens": LOGPROB_STEPS, "logprobs": true, "top_logprobs": 2}),
+    );
+    let (tokens, logits) = (&reference.runs[0], &reference.logits);
     let content = got["logprobs"]["content"].as_array().unwrap();
     assert!(!content.is_empty());
     for (step, entry) in content.iter().enumerate() {
