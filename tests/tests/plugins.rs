@@ -5,7 +5,7 @@
 //! share them.
 
 use e2e_tests::{binaries, models, Gateway, MODEL};
-use runtime::tiny::TinySpec;
+use fixtures::model::TinySpec;
 use runtime::Family;
 use serde_json::json;
 

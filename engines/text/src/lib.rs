@@ -9,7 +9,6 @@ pub mod gguf;
 pub mod reasoning;
 pub mod stop;
 pub mod template;
-pub mod tiny;
 pub mod tokenizer;
 pub mod tools;
 
