@@ -187,7 +187,7 @@ fn handover_between_plugins_never_stalls() {
 #[test]
 fn shipped_config_serves_the_trained_default_model() {
     let text = std::fs::read_to_string(workspace_root().join("config.yaml")).expect("config.yaml");
-    let model = runtime::reference::default_gguf();
+    let model = fixtures::reference::default_gguf();
     // The test's config lives in a temporary directory: make the relative
     // model path absolute, nothing else.
     let gw = Gateway::start(&text.replace(

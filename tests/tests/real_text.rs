@@ -71,18 +71,18 @@ fn reference(gguf: &Path, chats: &[Value]) -> Reference {
     let dir = tempfile::tempdir().unwrap();
     let mut all = chats.to_vec();
     all.push(tool_conversation(json!("")));
-    let conv = runtime::reference::run(
+    let conv = fixtures::reference::run(
         "gguf_reference.py",
         &json!({"gguf": gguf, "out": dir.path(), "chats": all}),
     );
     let mut prompts: Vec<Vec<u32>> = conv["prompts"].as_array().unwrap().iter().map(ids).collect();
     let tool_round_prompt = prompts.pop().unwrap().len();
-    let out = runtime::reference::run(
+    let out = fixtures::reference::run(
         "mlx_lm_oracle.py",
         &json!({"model": dir.path(), "prompts": prompts, "max_tokens": STEPS, "logits": false}),
     );
     let runs = out["results"].as_array().unwrap().iter().map(|r| ids(&r["tokens"])).collect();
-    let first = runtime::reference::run(
+    let first = fixtures::reference::run(
         "mlx_lm_oracle.py",
         &json!({"model": dir.path(), "prompts": [prompts[0]], "max_tokens": LOGPROB_STEPS}),
     );
@@ -151,8 +151,8 @@ fn chat(gw: &Gateway, messages: &Value, extra: Value) -> (Value, String) {
 /// the model load are the slow part).
 #[test]
 fn real_text_through_every_engine() {
-    let gguf = runtime::reference::default_gguf();
-    let mut chats = runtime::reference::chat_prompts();
+    let gguf = fixtures::reference::default_gguf();
+    let mut chats = fixtures::reference::chat_prompts();
     chats.push(tool_prompt());
     let reference = reference(&gguf, &chats);
     let gw = Gateway::start(&CONFIG.replace("{gguf}", &gguf.display().to_string()));
@@ -243,7 +243,7 @@ fn logprobs_tool_calls_and_tool_rounds(gw: &Gateway, reference: &Reference, chat
 /// with an error naming the file and what is missing, not a crash.
 #[test]
 fn truncated_gguf_fails_at_start_naming_the_file() {
-    let gguf = runtime::reference::default_gguf();
+    let gguf = fixtures::reference::default_gguf();
     let dir = tempfile::tempdir().unwrap();
     let cut = dir.path().join("cut.gguf");
     let bytes = std::fs::read(&gguf).unwrap();

@@ -22,7 +22,7 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
 
 #[test]
 fn smollm2_gguf_matches_mlx_lm_and_transformers() {
-    let gguf = runtime::reference::default_gguf();
+    let gguf = fixtures::reference::default_gguf();
     let out = tempfile::tempdir().unwrap();
     let texts = [
         "Hello world! 12345 héllo",
@@ -30,8 +30,8 @@ fn smollm2_gguf_matches_mlx_lm_and_transformers() {
         "Ünïcödé, emoji 🎉 and   spaces\n\n\ttabs",
         "<|im_start|>user\nspecial tokens<|im_end|>",
     ];
-    let chats = runtime::reference::chat_prompts();
-    let reference = runtime::reference::run(
+    let chats = fixtures::reference::chat_prompts();
+    let reference = fixtures::reference::run(
         "gguf_reference.py",
         &serde_json::json!({"gguf": gguf, "out": out.path(), "texts": texts, "chats": chats}),
     );
@@ -59,7 +59,7 @@ fn smollm2_gguf_matches_mlx_lm_and_transformers() {
 
     // Greedy tokens of every prompt; full logits (49,152 a step, sent as
     // JSON) for the first prompt's first steps only.
-    let oracle = runtime::reference::run(
+    let oracle = fixtures::reference::run(
         "mlx_lm_oracle.py",
         &serde_json::json!({"model": out.path(), "prompts": prompts, "max_tokens": STEPS, "logits": false}),
     );
@@ -68,7 +68,7 @@ fn smollm2_gguf_matches_mlx_lm_and_transformers() {
         let run = generate::greedy(m, prompt, STEPS, &[], |_| true).unwrap();
         assert_eq!(run.tokens, ids(&r["tokens"]), "greedy tokens differ from mlx-lm");
     }
-    let with_logits = runtime::reference::run(
+    let with_logits = fixtures::reference::run(
         "mlx_lm_oracle.py",
         &serde_json::json!({"model": out.path(), "prompts": [prompts[0]], "max_tokens": LOGIT_STEPS}),
     );
