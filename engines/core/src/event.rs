@@ -1,8 +1,10 @@
-//! What an engine streams back for one request.
+//! What an engine streams back for one request. Plain data (serde), so
+//! events can cross a process or ABI boundary as they are.
 
+use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TokenEvent {
     pub id: u32,
     /// Log-probability of the chosen token, when the request asked for it.
@@ -11,7 +13,7 @@ pub struct TokenEvent {
     pub top_logprobs: Vec<(u32, f32)>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum FinishReason {
     /// A stop token was produced.
     Stop,
@@ -22,7 +24,7 @@ pub enum FinishReason {
 }
 
 /// Speculative decoding accounting for one request.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SpecStats {
     /// Draft tokens the target verified.
     pub drafted: u64,
@@ -32,7 +34,7 @@ pub struct SpecStats {
     pub target_forwards: u64,
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Finish {
     pub reason: FinishReason,
     pub prompt_tokens: u32,
@@ -44,11 +46,26 @@ pub struct Finish {
     pub spec: Option<SpecStats>,
 }
 
-#[derive(Debug, Clone, PartialEq)]
+/// Why a request that an engine accepted ended without finishing. The
+/// kind decides what the client sees: `Invalid` is the client's mistake
+/// (400), `Overloaded` a capacity problem worth retrying (503
+/// `server_overloaded` with Retry-After), `Internal` the engine's failure
+/// (500, and a fault against the engine).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum StreamError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{0}")]
+    Overloaded(String),
+    #[error("{0}")]
+    Internal(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Event {
     Token(TokenEvent),
     Finished(Finish),
-    Error(String),
+    Error(StreamError),
 }
 
 /// The receiving half of a request's events. The engine drops its sender

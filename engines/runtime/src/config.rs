@@ -6,6 +6,8 @@ use std::str::FromStr;
 
 use anyhow::{bail, Context};
 use serde::Deserialize;
+use text::reasoning::ReasoningFormat;
+use text::tools::ToolFormat;
 
 /// The model families the runtime runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -25,6 +27,26 @@ impl Family {
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
             Family::Gemma3 => "gemma3",
+        }
+    }
+}
+
+impl Family {
+    /// How the family marks reasoning in its output.
+    pub fn reasoning_format(self) -> ReasoningFormat {
+        match self {
+            Family::Qwen3 => ReasoningFormat::Think,
+            Family::Gemma3 => ReasoningFormat::GemmaChannel,
+            Family::Llama | Family::Qwen2 => ReasoningFormat::None,
+        }
+    }
+
+    /// How the family writes tool calls.
+    pub fn tool_format(self) -> ToolFormat {
+        match self {
+            Family::Qwen2 | Family::Qwen3 => ToolFormat::Hermes,
+            Family::Llama => ToolFormat::Llama3Json,
+            Family::Gemma3 => ToolFormat::Gemma,
         }
     }
 }
@@ -275,5 +297,18 @@ mod tests {
         }
         let err = "mistral".parse::<Family>().unwrap_err().to_string();
         assert!(err.contains("mistral"), "{err}");
+    }
+
+    #[test]
+    fn formats_by_family() {
+        assert_eq!(Family::Qwen3.tool_format(), ToolFormat::Hermes);
+        assert_eq!(Family::Llama.tool_format(), ToolFormat::Llama3Json);
+        assert_eq!(Family::Gemma3.tool_format(), ToolFormat::Gemma);
+        assert_eq!(Family::Qwen3.reasoning_format(), ReasoningFormat::Think);
+        assert_eq!(
+            Family::Gemma3.reasoning_format(),
+            ReasoningFormat::GemmaChannel
+        );
+        assert_eq!(Family::Llama.reasoning_format(), ReasoningFormat::None);
     }
 }
