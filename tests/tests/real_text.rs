@@ -123,7 +123,17 @@ fn chat(gw: &Gateway, messages: &Value, extra: Value) -> (Value, String) {
     for (k, v) in extra.as_object().unwrap() {
         body[k] = v.clone();
     }
-    let r = gw.post("/v1/chat/completions", &body);
+    // An engine can still be releasing the previous request's slot when
+    // the next one arrives right after its last byte: 503 server_overloaded
+    // says "retry shortly", as a client would.
+    let mut r = gw.post("/v1/chat/completions", &body);
+    for _ in 0..100 {
+        if r.status != 503 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        r = gw.post("/v1/chat/completions", &body);
+    }
     assert_eq!(r.status, 200, "{}", r.text());
     let engine = r.header("x-engine").unwrap_or_default().to_owned();
     if body["stream"] == json!(true) {
