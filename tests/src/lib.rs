@@ -37,7 +37,8 @@ pub fn with_model(config: &str, model: &std::path::Path) -> String {
 /// config.yaml on the generated tiny model (fast; the routing and engine
 /// tests need no real text).
 pub fn default_config_on_tiny_model() -> String {
-    let text = std::fs::read_to_string(build::workspace_root().join("config.yaml")).expect("config.yaml");
+    let text =
+        std::fs::read_to_string(build::workspace_root().join("config.yaml")).expect("config.yaml");
     with_model(&text, &models::tiny_qwen3())
 }
 

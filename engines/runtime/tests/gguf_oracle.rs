@@ -40,7 +40,11 @@ fn smollm2_gguf_matches_mlx_lm_and_transformers() {
     assert_eq!(model.model.config.num_layers, 30);
 
     for (text, want) in texts.iter().zip(reference["ids"].as_array().unwrap()) {
-        assert_eq!(model.tokenizer.encode(text, false).unwrap(), ids(want), "{text:?}");
+        assert_eq!(
+            model.tokenizer.encode(text, false).unwrap(),
+            ids(want),
+            "{text:?}"
+        );
     }
     let template = model.template.as_ref().expect("the GGUF's chat template");
     let prompts: Vec<Vec<u32>> = chats
@@ -66,7 +70,11 @@ fn smollm2_gguf_matches_mlx_lm_and_transformers() {
     let m = &model.model;
     for (prompt, r) in prompts.iter().zip(oracle["results"].as_array().unwrap()) {
         let run = generate::greedy(m, prompt, STEPS, &[], |_| true).unwrap();
-        assert_eq!(run.tokens, ids(&r["tokens"]), "greedy tokens differ from mlx-lm");
+        assert_eq!(
+            run.tokens,
+            ids(&r["tokens"]),
+            "greedy tokens differ from mlx-lm"
+        );
     }
     let with_logits = fixtures::reference::run(
         "mlx_lm_oracle.py",
@@ -83,11 +91,18 @@ fn smollm2_gguf_matches_mlx_lm_and_transformers() {
             worst = worst.max((a - b.as_f64().unwrap() as f32).abs());
         }
         logits = m
-            .forward(&generate::tokens_array(&[want[step]]), &mut cache, Logits::Last)
+            .forward(
+                &generate::tokens_array(&[want[step]]),
+                &mut cache,
+                Logits::Last,
+            )
             .unwrap();
     }
     eprintln!("max |logit - mlx-lm logit| over {LOGIT_STEPS} steps: {worst}");
-    assert!(worst < LOGIT_TOLERANCE, "logits differ from mlx-lm by {worst}");
+    assert!(
+        worst < LOGIT_TOLERANCE,
+        "logits differ from mlx-lm by {worst}"
+    );
     // The factual prompt is answered.
     let answer = ids(&oracle["results"][0]["tokens"]);
     let text = model.tokenizer.decode(&answer, true).unwrap();

@@ -263,7 +263,8 @@ fn level(
 /// bench/prompts/mixed.jsonl rendered with the model's chat template.
 fn mixed_prompts(model: &LoadedModel) -> Work {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let text = std::fs::read_to_string(root.join("bench/prompts/mixed.jsonl")).expect("mixed.jsonl");
+    let text =
+        std::fs::read_to_string(root.join("bench/prompts/mixed.jsonl")).expect("mixed.jsonl");
     let template = model.template.as_ref().expect("a chat model");
     text.lines()
         .filter(|l| !l.trim().is_empty())
@@ -429,7 +430,10 @@ fn main() {
     }
     let shape = match &prompt_set {
         Some(set) => format!("{} mixed chat prompts shared by the clients", set.len()),
-        None => format!("prompt {} tokens, {} requests per client", a.prompt, a.rounds),
+        None => format!(
+            "prompt {} tokens, {} requests per client",
+            a.prompt, a.rounds
+        ),
     };
     println!(
         "target {} ({}), {shape}, up to {} generated, dflash block {}, mtp k {}, best of {}, blas {}",

@@ -41,7 +41,14 @@ pub enum GgufVocabError {
     Inconsistent(String),
 }
 
-const KNOWN_PRE: &[&str] = &["default", "gpt-2", "smollm", "starcoder", "qwen2", "llama-bpe"];
+const KNOWN_PRE: &[&str] = &[
+    "default",
+    "gpt-2",
+    "smollm",
+    "starcoder",
+    "qwen2",
+    "llama-bpe",
+];
 
 /// The split regexes of Llama 3's and Qwen2's tokenizer.json (the two
 /// differ in how many digits one piece takes).
@@ -50,7 +57,8 @@ const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}
 
 impl GgufVocab {
     fn token(&self, id: Option<u32>) -> Option<&str> {
-        id.and_then(|i| self.tokens.get(i as usize)).map(String::as_str)
+        id.and_then(|i| self.tokens.get(i as usize))
+            .map(String::as_str)
     }
 
     /// `tokenizer.json` text for this vocabulary.
@@ -65,12 +73,8 @@ impl GgufVocab {
                 self.token_types.len()
             )));
         }
-        let byte_level = |use_regex: bool| {
-            json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex})
-        };
-        let split = |pattern: &str| {
-            json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false})
-        };
+        let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
+        let split = |pattern: &str| json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false});
         let pre = self.pre.as_deref().unwrap_or("default");
         let (normalizer, pre_tokenizer) = match pre {
             "default" | "gpt-2" => (Value::Null, byte_level(true)),
@@ -110,10 +114,17 @@ impl GgufVocab {
                        "rstrip": false, "normalized": false, "special": ty == 3})
             })
             .collect();
-        let post_processor = match self.add_bos_token.then(|| self.token(self.bos_token_id)).flatten() {
+        let post_processor = match self
+            .add_bos_token
+            .then(|| self.token(self.bos_token_id))
+            .flatten()
+        {
             Some(bos) => {
                 let mut special = serde_json::Map::new();
-                special.insert(bos.to_owned(), json!({"id": bos, "ids": [self.bos_token_id], "tokens": [bos]}));
+                special.insert(
+                    bos.to_owned(),
+                    json!({"id": bos, "ids": [self.bos_token_id], "tokens": [bos]}),
+                );
                 json!({
                     "type": "TemplateProcessing",
                     "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],

@@ -38,8 +38,14 @@ const GROUP: usize = 32;
 pub fn load(info: &TensorInfo, bytes: &[u8]) -> Loaded {
     let shape: Vec<i32> = info.shape.iter().map(|&d| d as i32).collect();
     match info.ty {
-        TensorType::F32 => Loaded::Dense(Array::from_slice(&le_words(bytes, f32::from_le_bytes), &shape)),
-        TensorType::F16 => Loaded::Dense(Array::from_slice(&le_halves(bytes, f16::from_le_bytes), &shape)),
+        TensorType::F32 => Loaded::Dense(Array::from_slice(
+            &le_words(bytes, f32::from_le_bytes),
+            &shape,
+        )),
+        TensorType::F16 => Loaded::Dense(Array::from_slice(
+            &le_halves(bytes, f16::from_le_bytes),
+            &shape,
+        )),
         TensorType::Bf16 => Loaded::Dense(Array::from_slice(
             &le_halves(bytes, half::bf16::from_le_bytes),
             &shape,
@@ -123,9 +129,7 @@ fn affine(info: &TensorInfo, bytes: &[u8], shape: &[i32]) -> Loaded {
         }
     }
     let (lead, last) = shape.split_at(shape.len() - 1);
-    let with_last = |n: usize| -> Vec<i32> {
-        lead.iter().copied().chain([n as i32]).collect()
-    };
+    let with_last = |n: usize| -> Vec<i32> { lead.iter().copied().chain([n as i32]).collect() };
     let row = last[0] as usize;
     Loaded::Quantized {
         weight: Array::from_slice(&words, &with_last(row * bits / 32)),

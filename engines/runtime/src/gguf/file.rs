@@ -184,7 +184,10 @@ pub struct GgufFile {
 
 impl GgufFile {
     pub fn parse(data: Vec<u8>) -> Result<Self, GgufError> {
-        let mut r = Reader { data: &data, pos: 0 };
+        let mut r = Reader {
+            data: &data,
+            pos: 0,
+        };
         let magic: [u8; 4] = r.bytes(4, "magic")?.try_into().expect("4 bytes");
         if &magic != b"GGUF" {
             return Err(GgufError::Magic(magic));

@@ -33,8 +33,8 @@ pub fn load(path: &Path) -> anyhow::Result<GgufCheckpoint> {
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
     let file = GgufFile::parse(bytes).with_context(|| format!("reading {}", path.display()))?;
     let config = config(&file).with_context(|| format!("model config of {}", path.display()))?;
-    let weights =
-        weights(&file, &config).with_context(|| format!("loading the tensors of {}", path.display()))?;
+    let weights = weights(&file, &config)
+        .with_context(|| format!("loading the tensors of {}", path.display()))?;
     Ok(GgufCheckpoint {
         vocab: vocab(&file),
         config,
@@ -115,11 +115,17 @@ fn config(file: &GgufFile) -> anyhow::Result<ModelConfig> {
         None | Some("none") => {}
         Some("linear") => {
             let factor = float("rope.scaling.factor").unwrap_or(1.0);
-            obj.insert("rope_scaling".into(), json!({"rope_type": "linear", "factor": factor}));
+            obj.insert(
+                "rope_scaling".into(),
+                json!({"rope_type": "linear", "factor": factor}),
+            );
         }
         Some(other) => bail!("RoPE scaling `{other}` is not supported (linear is)"),
     }
-    if let Some(eos) = file.get("tokenizer.ggml.eos_token_id").and_then(Value::as_u64) {
+    if let Some(eos) = file
+        .get("tokenizer.ggml.eos_token_id")
+        .and_then(Value::as_u64)
+    {
         obj.insert("eos_token_id".into(), json!(eos));
     }
     ModelConfig::from_json(raw)
@@ -130,17 +136,32 @@ fn vocab(file: &GgufFile) -> text::gguf::GgufVocab {
     let strings = |k: &str| -> Vec<String> {
         get(k)
             .and_then(Value::as_array)
-            .map(|a| a.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect())
+            .map(|a| {
+                a.iter()
+                    .filter_map(|v| v.as_str().map(str::to_owned))
+                    .collect()
+            })
             .unwrap_or_default()
     };
-    let id = |k: &str| get(k).and_then(Value::as_u64).and_then(|v| u32::try_from(v).ok());
+    let id = |k: &str| {
+        get(k)
+            .and_then(Value::as_u64)
+            .and_then(|v| u32::try_from(v).ok())
+    };
     text::gguf::GgufVocab {
-        model: get("model").and_then(Value::as_str).unwrap_or_default().to_owned(),
+        model: get("model")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned(),
         pre: get("pre").and_then(Value::as_str).map(str::to_owned),
         tokens: strings("tokens"),
         token_types: get("token_type")
             .and_then(Value::as_array)
-            .map(|a| a.iter().map(|v| v.as_u64().map_or(-1, |t| t as i64)).collect())
+            .map(|a| {
+                a.iter()
+                    .map(|v| v.as_u64().map_or(-1, |t| t as i64))
+                    .collect()
+            })
             .unwrap_or_default(),
         merges: strings("merges"),
         bos_token_id: id("bos_token_id"),
@@ -148,7 +169,9 @@ fn vocab(file: &GgufFile) -> text::gguf::GgufVocab {
         eot_token_id: id("eot_token_id"),
         padding_token_id: id("padding_token_id"),
         unknown_token_id: id("unknown_token_id"),
-        add_bos_token: get("add_bos_token").and_then(Value::as_bool).unwrap_or(false),
+        add_bos_token: get("add_bos_token")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
         chat_template: file
             .get("tokenizer.chat_template")
             .and_then(Value::as_str)
@@ -247,7 +270,11 @@ fn weights(file: &GgufFile, config: &ModelConfig) -> anyhow::Result<Weights> {
 /// `h*d + j*d/2 + i` is stored at `h*d + 2i + j`.
 fn unpermute_rows(info: &TensorInfo, bytes: &[u8], heads: usize) -> anyhow::Result<Vec<u8>> {
     // A bias is one element per row.
-    let rows = if info.shape.len() == 1 { info.shape[0] } else { info.rows() };
+    let rows = if info.shape.len() == 1 {
+        info.shape[0]
+    } else {
+        info.rows()
+    };
     if heads == 0 || rows % (2 * heads) != 0 {
         bail!("{rows} rows do not split into {heads} heads of two rotary halves");
     }

@@ -9,10 +9,14 @@ use super::file::{TensorInfo, TensorType};
 
 /// Deterministic bytes for block payloads.
 fn noise(seed: u64, n: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             (x >> 33) as u8
         })
         .collect()
@@ -45,7 +49,11 @@ fn info(name: &str, ty: TensorType, shape: Vec<usize>, len: usize) -> TensorInfo
 
 #[test]
 fn affine_blocks_load_as_mlx_quantized_without_loss() {
-    for (ty, bits) in [(TensorType::Q4_0, 4), (TensorType::Q4_1, 4), (TensorType::Q8_0, 8)] {
+    for (ty, bits) in [
+        (TensorType::Q4_0, 4),
+        (TensorType::Q4_1, 4),
+        (TensorType::Q8_0, 8),
+    ] {
         let (rows, cols) = (3, 96);
         let bytes = random_blocks(ty, rows * cols / 32, bits as u64);
         let Loaded::Quantized {
@@ -58,7 +66,10 @@ fn affine_blocks_load_as_mlx_quantized_without_loss() {
             panic!("{ty:?} loads quantized");
         };
         assert_eq!((quantization.group_size, quantization.bits), (32, bits));
-        assert_eq!(weight.shape(), &[rows as i32, (cols * bits as usize / 32) as i32]);
+        assert_eq!(
+            weight.shape(),
+            &[rows as i32, (cols * bits as usize / 32) as i32]
+        );
         let got = ops::dequantize(&weight, &scales, &biases, 32, bits)
             .unwrap()
             .as_dtype(Dtype::Float32)
@@ -71,7 +82,10 @@ fn affine_blocks_load_as_mlx_quantized_without_loss() {
             .collect();
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             // MLX computes scale * q + bias in float16: within its rounding.
-            assert!((g - w).abs() <= 1e-3 * w.abs().max(1.0) * 2.0, "{ty:?}[{i}]: {g} vs {w}");
+            assert!(
+                (g - w).abs() <= 1e-3 * w.abs().max(1.0) * 2.0,
+                "{ty:?}[{i}]: {g} vs {w}"
+            );
         }
     }
 }
