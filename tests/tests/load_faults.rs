@@ -22,7 +22,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use e2e_tests::build::workspace_root;
 use e2e_tests::http::{self, SseStream};
 use e2e_tests::{Gateway, MODEL};
 use serde_json::{json, Value};
@@ -35,8 +34,7 @@ fn env_usize(key: &str, default: usize) -> usize {
 }
 
 fn start() -> Gateway {
-    let text = std::fs::read_to_string(workspace_root().join("config.yaml")).expect("config.yaml");
-    Gateway::start(&text.replace("path: models/tiny-qwen3", "path: \"{model}\""))
+    Gateway::start(&e2e_tests::default_config_on_tiny_model())
 }
 
 /// A small deterministic generator (splitmix64), so a failing run can be

@@ -95,7 +95,6 @@ fn official_openai_python_client_with_the_reference_engine() {
 
 #[test]
 fn official_openai_python_client_with_the_default_config() {
-    let text = std::fs::read_to_string(workspace_root().join("config.yaml")).expect("config.yaml");
-    let gw = Gateway::start(&text.replace("path: models/tiny-qwen3", "path: \"{model}\""));
+    let gw = Gateway::start(&e2e_tests::default_config_on_tiny_model());
     run_client(&gw, "batched,fastpath");
 }

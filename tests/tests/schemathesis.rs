@@ -22,12 +22,8 @@ fn no_generated_input_gets_a_server_error() {
             ..TinySpec::tiny(Family::Qwen3)
         },
     );
-    let config = std::fs::read_to_string(workspace_root().join("config.yaml"))
-        .expect("config.yaml")
-        .replace(
-            "path: models/tiny-qwen3",
-            &format!("path: \"{}\"", model.path.display()),
-        );
+    let config = std::fs::read_to_string(workspace_root().join("config.yaml")).expect("config.yaml");
+    let config = e2e_tests::with_model(&config, &model.path);
     let gw = Gateway::start(&config);
     let st = fixtures::reference::venv_bin("st");
     let examples = std::env::var("SCHEMATHESIS_EXAMPLES").unwrap_or_else(|_| "40".into());

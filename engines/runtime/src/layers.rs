@@ -31,6 +31,7 @@ impl Linear {
     ) -> anyhow::Result<Self> {
         let bias = w.take_optional(&format!("{prefix}.bias"));
         let weight = w.take(&format!("{prefix}.weight"))?;
+        let quant = w.quantization(prefix).or(quant);
         match (quant, w.take_optional(&format!("{prefix}.scales"))) {
             (Some(q), Some(scales)) => Ok(Linear::Quantized {
                 weight,

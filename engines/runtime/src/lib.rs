@@ -11,6 +11,7 @@ pub mod config;
 pub mod cuda_env;
 pub mod emit;
 pub mod generate;
+pub mod gguf;
 pub mod handover;
 pub mod kv_pool;
 pub mod sampling;

@@ -1,4 +1,4 @@
-//! A model directory loaded once: weights, tokenizer, chat template and the
+//! A model (Hugging Face directory or GGUF file) loaded once: weights, tokenizer, chat template and the
 //! full stop-token set. The gateway shares one `LoadedModel` (behind an
 //! `Arc`) with every engine.
 
@@ -16,6 +16,7 @@ use crate::vision::{VisionConfig, VisionTower};
 use crate::weights::Weights;
 
 pub struct LoadedModel {
+    /// The model directory (for a GGUF file, the directory holding it).
     pub dir: PathBuf,
     /// The name the API serves the model under.
     pub name: String,
@@ -24,6 +25,8 @@ pub struct LoadedModel {
     /// text-only models.
     pub vision: Option<VisionTower>,
     pub tokenizer: Arc<text::Tokenizer>,
+    /// Where the tokenizer came from, for a plugin that needs its own copy.
+    pub tokenizer_source: TokenizerSource,
     pub template: Option<text::ChatTemplate>,
     /// Every token that ends a generation (config, generation config,
     /// tokenizer config, end-of-turn tokens), the same for every engine.
@@ -43,26 +46,69 @@ unsafe impl Sync for LoadedModel {}
 impl LoadedModel {
     /// Loads with the compute dtype chosen for the device
     /// ([`ComputeDtype::Auto`]).
-    pub fn load(dir: &Path, name: Option<&str>) -> anyhow::Result<Self> {
-        Self::load_as(dir, name, ComputeDtype::Auto)
+    pub fn load(path: &Path, name: Option<&str>) -> anyhow::Result<Self> {
+        Self::load_as(path, name, ComputeDtype::Auto)
     }
 
-    pub fn load_as(dir: &Path, name: Option<&str>, compute: ComputeDtype) -> anyhow::Result<Self> {
+    /// Loads a Hugging Face model directory, a GGUF file, or a directory
+    /// holding one GGUF file (and no safetensors).
+    pub fn load_as(path: &Path, name: Option<&str>, compute: ComputeDtype) -> anyhow::Result<Self> {
         let started = Instant::now();
-        let config = ModelConfig::from_dir(dir)?;
-        let mut weights = Weights::from_dir(dir)?;
+        let checkpoint = Checkpoint::find(path)?;
+        let (config, mut weights, tokenizer_source, template, metadata_stops) = match &checkpoint {
+            Checkpoint::Dir(dir) => (
+                ModelConfig::from_dir(dir)?,
+                Weights::from_dir(dir)?,
+                TokenizerSource::Dir(dir.clone()),
+                text::ChatTemplate::from_dir(dir)?,
+                None,
+            ),
+            Checkpoint::Gguf { file, dir } => {
+                let gguf = crate::gguf::load(file)?;
+                let config = gguf.vocab.tokenizer_config();
+                // A tokenizer.json (and template) next to the file wins over
+                // the one rebuilt from the metadata.
+                let tokenizer_source = if dir.join("tokenizer.json").exists() {
+                    TokenizerSource::Dir(dir.clone())
+                } else {
+                    let json = gguf
+                        .vocab
+                        .tokenizer_json()
+                        .with_context(|| format!("the tokenizer of {}", file.display()))?;
+                    TokenizerSource::Json {
+                        json,
+                        config: config.clone(),
+                        origin: file.clone(),
+                    }
+                };
+                let template = match text::ChatTemplate::from_dir(dir)? {
+                    Some(t) => Some(t),
+                    None => text::ChatTemplate::from_tokenizer_config(&config, file)?,
+                };
+                (
+                    gguf.config,
+                    gguf.weights,
+                    tokenizer_source,
+                    template,
+                    Some(gguf.vocab.eos_token_ids()),
+                )
+            }
+        };
         if let Some(dtype) = compute.resolve() {
             weights.cast_floats(dtype)?;
         }
-        let vision = match VisionConfig::from_dir(dir)? {
-            Some(v) => Some(
-                VisionTower::load(v, &mut weights, config.quantization)
-                    .with_context(|| format!("loading the vision tower of {}", dir.display()))?,
-            ),
-            None => None,
+        let shown = checkpoint.path().display().to_string();
+        let vision = match &checkpoint {
+            Checkpoint::Dir(dir) => match VisionConfig::from_dir(dir)? {
+                Some(v) => Some(
+                    VisionTower::load(v, &mut weights, config.quantization)
+                        .with_context(|| format!("loading the vision tower of {shown}"))?,
+                ),
+                None => None,
+            },
+            Checkpoint::Gguf { .. } => None,
         };
-        let model =
-            Model::load(config, weights).with_context(|| format!("loading {}", dir.display()))?;
+        let model = Model::load(config, weights).with_context(|| format!("loading {shown}"))?;
         // Materialise the weights now, not on the first request.
         let mut weight_bytes = model.eval_weights()?;
         if let Some(tower) = &vision {
@@ -71,14 +117,15 @@ impl LoadedModel {
             mlx_rs::transforms::eval(all.iter().copied())?;
             weight_bytes += all.iter().map(|a| a.nbytes()).sum::<usize>();
         }
-        let tokenizer = Arc::new(text::Tokenizer::from_dir(dir)?);
-        let template = text::ChatTemplate::from_dir(dir)?;
-        let stop_tokens = text::eos::eos_token_ids(dir, &tokenizer)?;
-        let name = name.map(str::to_string).unwrap_or_else(|| {
-            dir.file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_else(|| "model".into())
-        });
+        let tokenizer = Arc::new(tokenizer_source.load()?);
+        // Files next to a GGUF (a tokenizer_config.json) add their stops.
+        let mut stop_tokens = text::eos::eos_token_ids(checkpoint.dir(), &tokenizer)?;
+        if let Some(ids) = metadata_stops {
+            stop_tokens = text::eos::stop_set(ids.into_iter().chain(stop_tokens), &tokenizer);
+        }
+        let name = name
+            .map(str::to_string)
+            .unwrap_or_else(|| checkpoint.default_name());
         tracing::info!(
             model = %name,
             family = %model.config.family,
@@ -93,11 +140,12 @@ impl LoadedModel {
             "model loaded"
         );
         Ok(Self {
-            dir: dir.to_path_buf(),
+            dir: checkpoint.dir().to_path_buf(),
             name,
             model,
             vision,
             tokenizer,
+            tokenizer_source,
             template,
             stop_tokens,
             device: Mutex::new(()),
@@ -118,5 +166,98 @@ impl LoadedModel {
 
     pub fn context_window(&self) -> usize {
         self.model.config.max_position_embeddings as usize
+    }
+}
+
+/// Where a model's files are.
+enum Checkpoint {
+    /// A Hugging Face layout: config.json, *.safetensors, tokenizer files.
+    Dir(PathBuf),
+    /// One GGUF file, and the directory it is in (for a tokenizer.json or
+    /// chat template placed next to it).
+    Gguf { file: PathBuf, dir: PathBuf },
+}
+
+impl Checkpoint {
+    fn find(path: &Path) -> anyhow::Result<Self> {
+        let is_gguf = |p: &Path| p.extension().is_some_and(|e| e == "gguf");
+        if path.is_file() {
+            if !is_gguf(path) {
+                anyhow::bail!("{}: a model is a directory or a .gguf file", path.display());
+            }
+            let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
+            return Ok(Self::Gguf {
+                file: path.to_path_buf(),
+                dir,
+            });
+        }
+        let entries: Vec<PathBuf> = std::fs::read_dir(path)
+            .with_context(|| format!("reading model directory {}", path.display()))?
+            .flatten()
+            .map(|e| e.path())
+            .collect();
+        let has_safetensors = entries
+            .iter()
+            .any(|p| p.extension().is_some_and(|e| e == "safetensors"));
+        let mut ggufs: Vec<_> = entries.into_iter().filter(|p| is_gguf(p)).collect();
+        match (has_safetensors, ggufs.len()) {
+            (false, 1) => Ok(Self::Gguf {
+                file: ggufs.remove(0),
+                dir: path.to_path_buf(),
+            }),
+            (false, n) if n > 1 => anyhow::bail!(
+                "{} holds {n} .gguf files; name the one to serve",
+                path.display()
+            ),
+            _ => Ok(Self::Dir(path.to_path_buf())),
+        }
+    }
+
+    fn dir(&self) -> &Path {
+        match self {
+            Self::Dir(dir) | Self::Gguf { dir, .. } => dir,
+        }
+    }
+
+    fn path(&self) -> &Path {
+        match self {
+            Self::Dir(dir) => dir,
+            Self::Gguf { file, .. } => file,
+        }
+    }
+
+    /// The directory's name, or the GGUF file's without `.gguf`.
+    fn default_name(&self) -> String {
+        let name = match self {
+            Self::Dir(dir) => dir.file_name(),
+            Self::Gguf { file, .. } => file.file_stem(),
+        };
+        name.map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into())
+    }
+}
+
+/// Where the tokenizer is read from: a directory's tokenizer.json (and
+/// tokenizer_config.json), or one rebuilt from GGUF metadata.
+#[derive(Debug, Clone)]
+pub enum TokenizerSource {
+    Dir(PathBuf),
+    Json {
+        json: String,
+        config: serde_json::Value,
+        origin: PathBuf,
+    },
+}
+
+impl TokenizerSource {
+    pub fn load(&self) -> Result<text::Tokenizer, text::tokenizer::TokenizerError> {
+        match self {
+            Self::Dir(dir) => text::Tokenizer::from_dir(dir),
+            Self::Json {
+                json,
+                config,
+                origin,
+            } => text::Tokenizer::from_json(json, Some(config), origin),
+        }
     }
 }

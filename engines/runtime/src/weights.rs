@@ -1,4 +1,5 @@
-//! Reads every `*.safetensors` file of a model directory into named arrays.
+//! Named weight arrays: every `*.safetensors` file of a model directory, or
+//! the tensors of a GGUF file (see [`crate::gguf`]).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -6,8 +7,14 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, Context};
 use mlx_rs::{Array, Dtype};
 
+use crate::config::Quantization;
+
+#[derive(Default)]
 pub struct Weights {
     tensors: HashMap<String, Array>,
+    /// Per-layer quantization (by weight prefix) where it differs from the
+    /// config's, as in GGUF files that mix block types.
+    quantization: HashMap<String, Quantization>,
     /// The file each tensor came from (kept after `take`, for errors).
     files: HashMap<String, PathBuf>,
     dir: PathBuf,
@@ -38,9 +45,23 @@ impl Weights {
         }
         Ok(Self {
             tensors,
+            quantization: HashMap::new(),
             files: names,
             dir: dir.to_path_buf(),
         })
+    }
+
+    pub fn insert(&mut self, name: String, array: Array) {
+        self.tensors.insert(name, array);
+    }
+
+    pub fn set_quantization(&mut self, prefix: String, q: Quantization) {
+        self.quantization.insert(prefix, q);
+    }
+
+    /// The quantization of the layer at `prefix`, if it has its own.
+    pub fn quantization(&self, prefix: &str) -> Option<Quantization> {
+        self.quantization.get(prefix).copied()
     }
 
     pub fn take(&mut self, name: &str) -> anyhow::Result<Array> {

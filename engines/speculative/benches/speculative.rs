@@ -4,6 +4,14 @@
 //!     cargo bench -p speculative --bench speculative [-- --preset bench|qwen3-4b
 //!         --levels 1,2,4 --prompt 128 --gen 64 --rounds 2 --block 8 --mtp-k 3 --reps 2]
 //!
+//! or on a real checkpoint with the bundled mixed chat prompts
+//! (bench/prompts/mixed.jsonl: prose, code, JSON, math, tool calls), where
+//! only the engines that need no drafter weights run (fast path, batched,
+//! prompt lookup), the `c` clients share the prompt set, generation stops at
+//! the model's stop tokens, and a second table splits the c=1 run by kind:
+//!
+//!     cargo bench -p speculative --bench speculative -- --model PATH --prompts mixed --gen 64
+//!
 //! A random drafter is almost never right, so this measures what a round
 //! costs, not what a trained drafter gains: per engine and concurrency it
 //! reports aggregate output tok/s, the ratio to the fast path (which serves
@@ -35,6 +43,10 @@ struct Args {
     /// Sweeps run, interleaved; each cell keeps its best (machines here are
     /// shared and noisy).
     reps: usize,
+    /// A checkpoint to serve instead of a generated target.
+    model: Option<PathBuf>,
+    /// `mixed`: the bundled chat prompts instead of synthetic ids.
+    prompts: Option<String>,
 }
 
 fn args() -> Args {
@@ -47,6 +59,8 @@ fn args() -> Args {
         block: 8,
         mtp_k: 3,
         reps: 2,
+        model: None,
+        prompts: None,
     };
     let argv: Vec<String> = std::env::args().collect();
     for w in argv.windows(2) {
@@ -60,6 +74,8 @@ fn args() -> Args {
             "--block" => a.block = v.parse().expect("block"),
             "--mtp-k" => a.mtp_k = v.parse().expect("mtp-k"),
             "--reps" => a.reps = v.parse().expect("reps"),
+            "--model" => a.model = Some(PathBuf::from(v)),
+            "--prompts" => a.prompts = Some(v.clone()),
             _ => {}
         }
     }
@@ -115,6 +131,8 @@ fn prompt(seed: usize, len: usize, vocab: u32) -> Vec<u32> {
 
 #[derive(Default, Clone, Copy)]
 struct Run {
+    /// Requests served (prefills: not decode rounds).
+    requests: usize,
     tokens: usize,
     seconds: f64,
     /// Decode-only (after each request's first token).
@@ -126,6 +144,7 @@ struct Run {
 impl Run {
     /// Adds another run's counts (not its wall time).
     fn add(&mut self, other: &Run) {
+        self.requests += other.requests;
         self.tokens += other.tokens;
         self.decode_tokens += other.decode_tokens;
         self.decode_seconds += other.decode_seconds;
@@ -137,7 +156,10 @@ impl Run {
 
 fn one(engine: &dyn Engine, req: GenerateRequest) -> Run {
     let mut stream = engine.submit(req).expect("submit");
-    let mut run = Run::default();
+    let mut run = Run {
+        requests: 1,
+        ..Run::default()
+    };
     let mut first = None::<Instant>;
     while let Some(ev) = stream.blocking_recv() {
         match ev {
@@ -161,50 +183,131 @@ fn one(engine: &dyn Engine, req: GenerateRequest) -> Run {
     run
 }
 
-/// `c` clients, each sending `rounds` requests back to back. The fast path
-/// serves one at a time, so its clients run one after another.
-fn level(engine: Arc<dyn Engine>, c: usize, a: &Args, vocab: u32, serial: bool) -> Run {
-    let start = Instant::now();
-    let client =
-        move |id: usize, engine: Arc<dyn Engine>, (p, g, rounds): (usize, usize, usize)| {
-            let mut total = Run::default();
-            for r in 0..rounds {
-                let run = one(
-                    engine.as_ref(),
-                    GenerateRequest::new(prompt(id * 31 + r, p, vocab), g as u32),
-                );
-                total.add(&run);
-            }
-            total
-        };
-    let shape = (a.prompt, a.gen, a.rounds);
-    let runs: Vec<Run> = if serial {
-        (0..c).map(|id| client(id, engine.clone(), shape)).collect()
-    } else {
-        let handles: Vec<_> = (0..c)
+/// One request of a client's work: its kind (for the per-kind table) and
+/// prompt ids.
+type Work = Vec<(String, Vec<u32>)>;
+
+/// Each client's requests at concurrency `c`: `rounds` synthetic prompts
+/// each, or the prompt set dealt out round-robin.
+fn work(c: usize, a: &Args, vocab: u32, set: Option<&Work>) -> Vec<Work> {
+    match set {
+        None => (0..c)
             .map(|id| {
+                (0..a.rounds)
+                    .map(|r| ("random".to_string(), prompt(id * 31 + r, a.prompt, vocab)))
+                    .collect()
+            })
+            .collect(),
+        Some(set) => (0..c)
+            .map(|id| set.iter().skip(id).step_by(c).cloned().collect())
+            .collect(),
+    }
+}
+
+/// The clients, each sending its requests back to back. The fast path
+/// serves one at a time, so its clients run one after another. Returns the
+/// whole level's run and one run per request kind (counts only).
+fn level(
+    engine: Arc<dyn Engine>,
+    clients: Vec<Work>,
+    gen: usize,
+    stops: &[u32],
+    serial: bool,
+) -> (Run, Vec<(String, Run)>) {
+    let start = Instant::now();
+    let stops = stops.to_vec();
+    let client = move |engine: Arc<dyn Engine>, requests: Work| {
+        requests
+            .into_iter()
+            .map(|(kind, ids)| {
+                let mut req = GenerateRequest::new(ids, gen as u32);
+                req.stop_tokens = stops.clone();
+                (kind, one(engine.as_ref(), req))
+            })
+            .collect::<Vec<_>>()
+    };
+    let runs: Vec<(String, Run)> = if serial {
+        clients
+            .into_iter()
+            .flat_map(|w| client(engine.clone(), w))
+            .collect()
+    } else {
+        let handles: Vec<_> = clients
+            .into_iter()
+            .map(|w| {
                 let engine = engine.clone();
-                std::thread::spawn(move || client(id, engine, shape))
+                let client = client.clone();
+                std::thread::spawn(move || client(engine, w))
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap())
+            .collect()
     };
     let mut all = Run {
         seconds: start.elapsed().as_secs_f64(),
         ..Run::default()
     };
-    for r in &runs {
+    let mut kinds: Vec<(String, Run)> = Vec::new();
+    for (kind, r) in &runs {
         all.add(r);
+        match kinds.iter_mut().find(|(k, _)| k == kind) {
+            Some((_, acc)) => acc.add(r),
+            None => kinds.push((kind.clone(), *r)),
+        }
     }
-    all
+    (all, kinds)
+}
+
+/// bench/prompts/mixed.jsonl rendered with the model's chat template.
+fn mixed_prompts(model: &LoadedModel) -> Work {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let text =
+        std::fs::read_to_string(root.join("bench/prompts/mixed.jsonl")).expect("mixed.jsonl");
+    let template = model.template.as_ref().expect("a chat model");
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|line| {
+            let v: serde_json::Value = serde_json::from_str(line).expect("JSON line");
+            let messages = [serde_json::json!({"role": "user", "content": v["prompt"]})];
+            let options = text::RenderOptions {
+                tools: v["tools"].as_array().cloned(),
+                ..Default::default()
+            }
+            .with_generation_prompt();
+            let rendered = template.render(&messages, &options).expect("render");
+            let ids = model.tokenizer.encode_chat(&rendered).expect("encode");
+            (v["kind"].as_str().unwrap().to_string(), ids)
+        })
+        .collect()
 }
 
 fn main() {
     runtime::cuda_env::apply_defaults();
     let a = args();
-    let (target, dflash_dir, mtp_dir) = models(&a);
+    // A real checkpoint has no drafters here: only the weightless engines.
+    let (target, drafters) = match &a.model {
+        Some(path) => (path.clone(), None),
+        None => {
+            let (target, dflash, mtp) = models(&a);
+            (target, Some((dflash, mtp)))
+        }
+    };
     let model = LoadedModel::load(&target, Some("bench")).expect("load model");
     let vocab = model.vocab_size() as u32;
+    let prompt_set = match a.prompts.as_deref() {
+        None => None,
+        Some("mixed") => Some(mixed_prompts(&model)),
+        Some(other) => panic!("--prompts {other}: only `mixed` is bundled"),
+    };
+    // Synthetic prompts run to their length, as before; chat prompts stop
+    // where the model ends its turn, as served.
+    let stops = if prompt_set.is_some() {
+        model.stop_tokens.clone()
+    } else {
+        Vec::new()
+    };
     let bytes = model.model.kv_bytes_per_token();
     let shared = Arc::new(SharedModel::new(
         model,
@@ -221,7 +324,7 @@ fn main() {
         .unwrap()
     };
     let spec = |e: Result<SpecEngine, String>| Arc::new(e.expect("engine")) as Arc<dyn Engine>;
-    let engines: Vec<(&str, Arc<dyn Engine>)> = vec![
+    let mut engines: Vec<(&str, Arc<dyn Engine>)> = vec![
         (
             "fastpath",
             Arc::new(FastpathEngine::new("fastpath".into(), shared.clone())),
@@ -234,7 +337,9 @@ fn main() {
                 BatchedConfig::default(),
             )),
         ),
-        (
+    ];
+    if let Some((dflash_dir, mtp_dir)) = &drafters {
+        engines.push((
             "dflash",
             spec(dflash::new_engine(
                 "dflash".into(),
@@ -247,8 +352,8 @@ fn main() {
                     None,
                 ),
             )),
-        ),
-        (
+        ));
+        engines.push((
             "mtp",
             spec(mtp::new_engine(
                 "mtp".into(),
@@ -262,80 +367,87 @@ fn main() {
                     Some(2),
                 ),
             )),
-        ),
-        (
-            "lookup",
-            spec(dflash::new_engine(
-                "lookup".into(),
-                shared.clone(),
-                settings("{ draft: ngram, max_concurrent: 16 }".into(), None),
-            )),
-        ),
-    ];
+        ));
+    }
+    engines.push((
+        "lookup",
+        spec(dflash::new_engine(
+            "lookup".into(),
+            shared.clone(),
+            settings("{ draft: ngram, max_concurrent: 16 }".into(), None),
+        )),
+    ));
     // Warm up every engine's graphs once, and check each answers like the
     // fast path on this device (numerics differ between a verify of k+1
     // tokens and one-token steps only at near-ties).
-    let check = prompt(999, a.prompt, vocab);
-    let mut reference = Vec::new();
+    let checks: Vec<Vec<u32>> = match &prompt_set {
+        Some(set) => set.iter().map(|(_, ids)| ids.clone()).collect(),
+        None => vec![prompt(999, a.prompt, vocab)],
+    };
+    let mut reference: Vec<Vec<u32>> = Vec::new();
     for (name, e) in &engines {
-        let mut stream = e
-            .submit(GenerateRequest::new(check.clone(), a.gen as u32))
-            .expect("submit");
-        let mut ids = Vec::new();
-        while let Some(Event::Token(t)) = stream.blocking_recv() {
-            ids.push(t.id);
+        let (mut same, mut total) = (0, 0);
+        for (i, check) in checks.iter().enumerate() {
+            let mut req = GenerateRequest::new(check.clone(), a.gen as u32);
+            req.stop_tokens = stops.clone();
+            let mut stream = e.submit(req).expect("submit");
+            let mut ids = Vec::new();
+            while let Some(Event::Token(t)) = stream.blocking_recv() {
+                ids.push(t.id);
+            }
+            if *name == "fastpath" {
+                reference.push(ids);
+            } else {
+                same += ids
+                    .iter()
+                    .zip(&reference[i])
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                total += reference[i].len();
+            }
         }
-        if *name == "fastpath" {
-            reference = ids;
-        } else {
-            let same = ids
-                .iter()
-                .zip(&reference)
-                .take_while(|(a, b)| a == b)
-                .count();
+        if *name != "fastpath" {
             println!(
-                "{name}: {same} of {} tokens equal the fast path's{}",
-                reference.len(),
-                if same == reference.len() {
-                    ""
-                } else {
-                    " (diverged)"
-                }
+                "{name}: {same} of {total} tokens equal the fast path's{}",
+                if same == total { "" } else { " (diverged)" }
             );
         }
     }
-    // Warm up every engine's graphs once.
-    for (_, e) in &engines {
-        one(
-            e.as_ref(),
-            GenerateRequest::new(prompt(999, a.prompt, vocab), 8),
-        );
-    }
     // Every (level, engine) cell keeps the fastest of `reps` interleaved runs.
-    let mut best: Vec<Vec<Run>> = vec![vec![Run::default(); engines.len()]; a.levels.len()];
+    let mut best: Vec<Vec<(Run, Vec<(String, Run)>)>> =
+        vec![vec![(Run::default(), Vec::new()); engines.len()]; a.levels.len()];
     for _ in 0..a.reps {
         for (li, &c) in a.levels.iter().enumerate() {
             for (ei, (name, engine)) in engines.iter().enumerate() {
-                let run = level(engine.clone(), c, &a, vocab, *name == "fastpath");
+                let clients = work(c, &a, vocab, prompt_set.as_ref());
+                let run = level(engine.clone(), clients, a.gen, &stops, *name == "fastpath");
                 let cell = &mut best[li][ei];
-                if cell.seconds == 0.0 || run.seconds < cell.seconds {
+                if cell.0.seconds == 0.0 || run.0.seconds < cell.0.seconds {
                     *cell = run;
                 }
             }
         }
     }
+    let shape = match &prompt_set {
+        Some(set) => format!("{} mixed chat prompts shared by the clients", set.len()),
+        None => format!(
+            "prompt {} tokens, {} requests per client",
+            a.prompt, a.rounds
+        ),
+    };
     println!(
-        "target {} ({}), prompt {} tokens, {} generated, {} requests per client, dflash block {}, mtp k {}, best of {}, blas {}",
-        a.preset, target.display(), a.prompt, a.gen, a.rounds, a.block, a.mtp_k, a.reps, mlx_sys::blas_backend()
+        "target {} ({}), {shape}, up to {} generated, dflash block {}, mtp k {}, best of {}, blas {}",
+        a.model.as_ref().map_or(a.preset.clone(), |_| "checkpoint".into()),
+        target.display(), a.gen, a.block, a.mtp_k, a.reps, mlx_sys::blas_backend()
     );
     println!();
     println!("| engine | c | tok/s | vs fastpath | vs batched | accepted/drafted | tokens/target forward | break-even acceptance |");
     println!("|---|---|---|---|---|---|---|---|");
+    let mut t_token = f64::NAN;
     for (li, &c) in a.levels.iter().enumerate() {
         let mut base = (0.0, 0.0);
-        let mut t_token = f64::NAN;
         for (ei, (name, _)) in engines.iter().enumerate() {
-            let run = best[li][ei];
+            let run = best[li][ei].0;
             let tps = run.tokens as f64 / run.seconds;
             match *name {
                 "fastpath" => {
@@ -345,26 +457,7 @@ fn main() {
                 "batched" => base.1 = tps,
                 _ => {}
             }
-            let s = run.spec;
-            let (rate, per_forward, break_even) = if s.target_forwards > 0 {
-                // Decode rounds only: each request's prefill is not a round.
-                let requests = (c * a.rounds) as u64;
-                let rounds = s.target_forwards.saturating_sub(requests).max(1);
-                let k = s.drafted as f64 / rounds as f64;
-                let t_round = run.decode_seconds / rounds as f64;
-                let be = if c == 1 && k > 0.0 {
-                    format!("{:.2}", ((t_round / t_token) - 1.0) / k)
-                } else {
-                    "".into()
-                };
-                (
-                    format!("{:.3}", s.accepted as f64 / s.drafted.max(1) as f64),
-                    format!("{:.2}", run.tokens as f64 / s.target_forwards as f64),
-                    be,
-                )
-            } else {
-                ("".into(), "1.00".into(), "".into())
-            };
+            let (rate, per_forward, break_even) = spec_columns(&run, (c == 1).then_some(t_token));
             let vs_batched = if base.1 > 0.0 {
                 format!("{:.2}x", tps / base.1)
             } else {
@@ -376,4 +469,47 @@ fn main() {
             );
         }
     }
+    // Per kind at c=1 (one request at a time: decode rates compare).
+    if let (Some(_), Some(li)) = (&prompt_set, a.levels.iter().position(|&c| c == 1)) {
+        println!();
+        println!("| kind | engine | decode tok/s | vs fastpath | accepted/drafted | tokens/target forward |");
+        println!("|---|---|---|---|---|---|");
+        let fast = &best[li][0].1;
+        for (kind, base) in fast {
+            let base_rate = base.decode_tokens as f64 / base.decode_seconds;
+            for (ei, (name, _)) in engines.iter().enumerate() {
+                let Some((_, run)) = best[li][ei].1.iter().find(|(k, _)| k == kind) else {
+                    continue;
+                };
+                let rate = run.decode_tokens as f64 / run.decode_seconds;
+                let (acc, per_forward, _) = spec_columns(run, None);
+                println!(
+                    "| {kind} | {name} | {rate:.1} | {:.2}x | {acc} | {per_forward} |",
+                    rate / base_rate
+                );
+            }
+        }
+    }
+}
+
+/// Acceptance, tokens per target forward and (given the fast path's
+/// decode time per token) the break-even acceptance of one run.
+fn spec_columns(run: &Run, t_token: Option<f64>) -> (String, String, String) {
+    let s = run.spec;
+    if s.target_forwards == 0 {
+        return ("".into(), "1.00".into(), "".into());
+    }
+    // Decode rounds only: each request's prefill is not a round.
+    let rounds = s.target_forwards.saturating_sub(run.requests as u64).max(1);
+    let k = s.drafted as f64 / rounds as f64;
+    let t_round = run.decode_seconds / rounds as f64;
+    let break_even = match t_token {
+        Some(t) if k > 0.0 => format!("{:.2}", ((t_round / t) - 1.0) / k),
+        _ => String::new(),
+    };
+    (
+        format!("{:.3}", s.accepted as f64 / s.drafted.max(1) as f64),
+        format!("{:.2}", run.tokens as f64 / s.target_forwards as f64),
+        break_even,
+    )
 }

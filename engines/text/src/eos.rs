@@ -68,13 +68,20 @@ pub fn eos_token_ids(dir: &Path, tokenizer: &Tokenizer) -> Result<Vec<u32>, EosE
             ids.extend(tokenizer.token_to_id(&tok));
         }
     }
+    Ok(stop_set(ids, tokenizer))
+}
+
+/// `ids` (what the checkpoint's files name) plus the tokenizer's EOS and the
+/// well-known end-of-turn markers in its vocabulary, sorted and deduplicated.
+pub fn stop_set(ids: impl IntoIterator<Item = u32>, tokenizer: &Tokenizer) -> Vec<u32> {
+    let mut ids: BTreeSet<u32> = ids.into_iter().collect();
     ids.extend(tokenizer.eos_token_id());
     ids.extend(
         WELL_KNOWN_EOS
             .iter()
             .filter_map(|t| tokenizer.token_to_id(t)),
     );
-    Ok(ids.into_iter().collect())
+    ids.into_iter().collect()
 }
 
 /// `eos_token_id` of a config: absent/null, an integer, or a list of them.

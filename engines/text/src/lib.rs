@@ -5,6 +5,7 @@
 
 pub mod detokenizer;
 pub mod eos;
+pub mod gguf;
 pub mod reasoning;
 pub mod stop;
 pub mod template;

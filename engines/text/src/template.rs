@@ -162,13 +162,20 @@ impl ChatTemplate {
         if templates.is_empty() {
             return Ok(None);
         }
-        let mut special = BTreeMap::new();
-        for key in ["bos_token", "eos_token", "pad_token", "unk_token"] {
-            if let Some(tok) = config.get(key).and_then(token_string) {
-                special.insert(key.to_owned(), tok);
-            }
+        Self::with_templates(templates, special_tokens(&config)).map(Some)
+    }
+
+    /// The template of an in-memory `tokenizer_config.json` (a GGUF file's
+    /// metadata); `origin` names it in errors. `Ok(None)` without one.
+    pub fn from_tokenizer_config(config: &Json, origin: &Path) -> Result<Option<Self>> {
+        let templates = match config.get("chat_template") {
+            Some(v) => parse_template_field(v, origin)?,
+            None => Vec::new(),
+        };
+        if templates.is_empty() {
+            return Ok(None);
         }
-        Self::with_templates(templates, special).map(Some)
+        Self::with_templates(templates, special_tokens(config)).map(Some)
     }
 
     /// One template source with its special tokens.
@@ -305,9 +312,9 @@ impl ChatTemplate {
     }
 }
 
-/// Mirrors what transformers does to each message before rendering: keys
-/// whose value is null are dropped (OpenAI clients send `content: null`
-/// next to `tool_calls`; templates test for presence), and reasoning sent
+/// Mirrors what vLLM does to each message before rendering: keys whose
+/// value is null are dropped, except `content`, which becomes "" (OpenAI
+/// clients send `content: null` next to `tool_calls`), and reasoning sent
 /// as `reasoning_content`, `thinking` or `reasoning` is visible under both
 /// `reasoning_content` and `thinking`.
 fn normalize_message(m: &Map<String, Json>) -> Map<String, Json> {
@@ -327,7 +334,19 @@ fn normalize_message(m: &Map<String, Json>) -> Map<String, Json> {
     if let Some(r) = reasoning {
         out.insert("reasoning_content".into(), r);
     }
+    // A missing or null content (an assistant turn that only calls tools)
+    // renders as "", as vLLM does, so templates that concatenate
+    // `message['content']` work on every message.
+    out.entry("content").or_insert_with(|| Json::String(String::new()));
     out
+}
+
+/// The special-token variables every render sees, from `tokenizer_config.json`.
+fn special_tokens(config: &Json) -> BTreeMap<String, String> {
+    ["bos_token", "eos_token", "pad_token", "unk_token"]
+        .into_iter()
+        .filter_map(|key| Some((key.to_owned(), config.get(key).and_then(token_string)?)))
+        .collect()
 }
 
 /// `chat_template` is a string, or a list of `{"name", "template"}`.
@@ -1141,7 +1160,7 @@ Thanks!<end_of_turn>
     #[test]
     fn null_fields_are_dropped_and_reasoning_aliased() {
         let t = ChatTemplate::new(
-            "{% for m in messages %}{{ m.role }}:{{ 'content' in m }}:{{ m.thinking }}:{{ m.reasoning_content }};{% endfor %}",
+            "{% for m in messages %}{{ m.role }}:{{ m.content | length }}:{{ 'name' in m }}:{{ m.thinking }}:{{ m.reasoning_content }};{% endfor %}",
             None,
             None,
         )
@@ -1149,13 +1168,44 @@ Thanks!<end_of_turn>
         let got = t
             .render(
                 &[
-                    json!({"role": "assistant", "content": null, "thinking": "t"}),
+                    json!({"role": "assistant", "content": null, "name": null, "thinking": "t"}),
                     json!({"role": "user", "content": "x"}),
                 ],
                 &RenderOptions::default(),
             )
             .unwrap();
-        assert_eq!(got, "assistant:False:t:t;user:True::;");
+        assert_eq!(got, "assistant:0:False:t:t;user:1:False::;");
+    }
+
+    /// SmolLM2's ChatML template adds `message['content']` to strings: a
+    /// tool round as OpenAI clients send it (assistant `content: null` with
+    /// `tool_calls`, then `role: tool`) renders, the missing content as "",
+    /// as vLLM renders it.
+    #[test]
+    fn tool_rounds_render_on_templates_that_concatenate_content() {
+        let t = ChatTemplate::new(
+            "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}",
+            None,
+            None,
+        )
+        .unwrap();
+        let got = t
+            .render(
+                &[
+                    json!({"role": "user", "content": "weather?"}),
+                    json!({"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+                        "function": {"name": "get_weather", "arguments": "{}"}}]}),
+                    json!({"role": "tool", "tool_call_id": "c1", "content": "sunny"}),
+                    json!({"role": "assistant", "tool_calls": []}),
+                ],
+                &RenderOptions::default(),
+            )
+            .unwrap();
+        assert_eq!(
+            got,
+            "<|im_start|>user\nweather?<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n\
+             <|im_start|>tool\nsunny<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
+        );
     }
 
     #[test]

@@ -82,6 +82,22 @@ impl Tokenizer {
             path: path.to_owned(),
             message: e.to_string(),
         })?;
+        Ok(Self::from_hf(hf, config))
+    }
+
+    /// A tokenizer from the text of a `tokenizer.json` (built in memory, e.g.
+    /// from a GGUF file's vocabulary); `origin` names it in errors.
+    pub fn from_json(json: &str, config: Option<&Value>, origin: &Path) -> Result<Self> {
+        let hf: tokenizers::Tokenizer = json.parse().map_err(|e: tokenizers::Error| {
+            TokenizerError::Load {
+                path: origin.to_owned(),
+                message: e.to_string(),
+            }
+        })?;
+        Ok(Self::from_hf(hf, config))
+    }
+
+    fn from_hf(hf: tokenizers::Tokenizer, config: Option<&Value>) -> Self {
         let token = |key: &str| config.and_then(|c| token_string(c.get(key)?));
         let bos_token = token("bos_token");
         let eos_token = token("eos_token");
@@ -94,7 +110,7 @@ impl Tokenizer {
                 .unwrap_or(false),
             None => false,
         };
-        Ok(Tokenizer {
+        Tokenizer {
             inner: Arc::new(Inner {
                 hf,
                 bos_token,
@@ -103,7 +119,7 @@ impl Tokenizer {
                 unk_token,
                 adds_bos,
             }),
-        })
+        }
     }
 
     /// Encodes text. `add_special_tokens` runs the post-processor (which may
