@@ -1,8 +1,13 @@
 //! What an engine streams back for one request.
 
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
-#[derive(Debug, Clone, PartialEq)]
+use crate::plugin::handles::ForeignEvents;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TokenEvent {
     pub id: u32,
     /// Log-probability of the chosen token, when the request asked for it.
@@ -11,7 +16,7 @@ pub struct TokenEvent {
     pub top_logprobs: Vec<(u32, f32)>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum FinishReason {
     /// A stop token was produced.
     Stop,
@@ -22,7 +27,7 @@ pub enum FinishReason {
 }
 
 /// Speculative decoding accounting for one request.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SpecStats {
     /// Draft tokens the target verified.
     pub drafted: u64,
@@ -32,7 +37,7 @@ pub struct SpecStats {
     pub target_forwards: u64,
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Finish {
     pub reason: FinishReason,
     pub prompt_tokens: u32,
@@ -44,7 +49,7 @@ pub struct Finish {
     pub spec: Option<SpecStats>,
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Event {
     Token(TokenEvent),
     Finished(Finish),
@@ -54,8 +59,50 @@ pub enum Event {
 /// The receiving half of a request's events. The engine drops its sender
 /// after `Finished` or `Error`; a dropped receiver means the client is gone.
 pub type EventStream = mpsc::UnboundedReceiver<Event>;
-pub type EventSender = mpsc::UnboundedSender<Event>;
+
+/// The sending half, one per request. Inside one build it is a tokio
+/// channel; a sender that crossed the plugin boundary sends through the
+/// host's C sink (`plugin::abi::RawEventSink`).
+#[derive(Clone)]
+pub struct EventSender(pub(crate) Sink);
+
+#[derive(Clone)]
+pub(crate) enum Sink {
+    Local(mpsc::UnboundedSender<Event>),
+    Foreign(Arc<ForeignEvents>),
+}
+
+impl EventSender {
+    /// Fails (giving the event back) when the receiver is gone.
+    pub fn send(&self, event: Event) -> Result<(), mpsc::error::SendError<Event>> {
+        match &self.0 {
+            Sink::Local(tx) => tx.send(event),
+            Sink::Foreign(sink) => sink.send(event),
+        }
+    }
+
+    pub fn is_closed(&self) -> bool {
+        match &self.0 {
+            Sink::Local(tx) => tx.is_closed(),
+            Sink::Foreign(sink) => sink.is_closed(),
+        }
+    }
+
+    /// Completes when the receiver is gone.
+    pub async fn closed(&self) {
+        match &self.0 {
+            Sink::Local(tx) => tx.closed().await,
+            // A C sink cannot wake a future; poll it.
+            Sink::Foreign(sink) => {
+                while !sink.is_closed() {
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                }
+            }
+        }
+    }
+}
 
 pub fn event_channel() -> (EventSender, EventStream) {
-    mpsc::unbounded_channel()
+    let (tx, rx) = mpsc::unbounded_channel();
+    (EventSender(Sink::Local(tx)), rx)
 }

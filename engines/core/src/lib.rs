@@ -10,5 +10,6 @@ pub mod request;
 
 pub use engine::{Capabilities, Engine, EngineError, EngineLoad, Refusal};
 pub use event::{Event, EventStream, Finish, FinishReason, SpecStats, TokenEvent};
-pub use plugin::{EngineContext, PluginDescriptor};
+pub use event::EventSender;
+pub use plugin::EngineContext;
 pub use request::{CancelToken, GenerateRequest, ImageInput, RequestId, SamplingParams};

@@ -5,9 +5,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use crossbeam_channel::Sender;
-use engine_core::event::event_channel;
 use engine_core::{
-    Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventStream, GenerateRequest,
+    Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventSender, GenerateRequest,
     Refusal, RequestId,
 };
 use parking_lot::Mutex;
@@ -29,10 +28,6 @@ pub struct FastpathEngine {
 
 impl FastpathEngine {
     pub fn from_context(ctx: EngineContext) -> Result<Self, String> {
-        // This plugin's copy of `tracing` logs through the host's subscriber;
-        // its callsites cached "disabled" before the dispatcher was set.
-        let _ = tracing::dispatcher::set_global_default(ctx.dispatch.clone());
-        tracing::callsite::rebuild_interest_cache();
         let shared = SharedModel::from_context(&ctx)?;
         Ok(Self::new(ctx.name, shared))
     }
@@ -87,13 +82,11 @@ impl Engine for FastpathEngine {
         Capabilities {
             greedy_only: true,
             tools: false,
-            max_concurrent: Some(1),
-            speculative: false,
             images: false,
         }
     }
 
-    fn submit(&self, request: GenerateRequest) -> Result<EventStream, EngineError> {
+    fn submit_to(&self, request: GenerateRequest, events: EventSender) -> Result<(), EngineError> {
         eligibility::check(&request, &self.shared)?;
         let tx = self.tx.lock().clone().ok_or(EngineError::ShuttingDown)?;
         if self
@@ -121,7 +114,6 @@ impl Engine for FastpathEngine {
                 });
             }
         };
-        let (events, stream) = event_channel();
         *self.running.lock() = Some(request.cancel.clone());
         if tx
             .send(Job {
@@ -134,7 +126,7 @@ impl Engine for FastpathEngine {
             self.busy.store(false, Ordering::Release);
             return Err(EngineError::ShuttingDown);
         }
-        Ok(stream)
+        Ok(())
     }
 
     fn cancel(&self, _id: RequestId) {

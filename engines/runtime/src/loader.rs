@@ -7,8 +7,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
-use std::sync::{Mutex, MutexGuard};
+use mlx_rs::Array;
 
+use crate::abi::{DeviceLock, DeviceGuard};
 use crate::config::ModelConfig;
 use crate::model::Model;
 use crate::vision::{VisionConfig, VisionTower};
@@ -28,11 +29,9 @@ pub struct LoadedModel {
     /// tokenizer config, end-of-turn tokens), the same for every engine.
     pub stop_tokens: Vec<u32>,
     /// Serialises device work across engines: MLX streams are not safe to
-    /// evaluate from several threads at once. A std (futex) mutex on
-    /// purpose: each plugin links its own copy of parking_lot, whose parked
-    /// threads live in a per-copy global table, so one plugin's unlock could
-    /// never wake another plugin's waiter.
-    device: Mutex<()>,
+    /// evaluate from several threads at once. The host owns the lock;
+    /// plugins take it through C calls.
+    pub(crate) device: DeviceLock,
 }
 
 // MLX arrays are reference-counted handles to immutable buffers; the weights
@@ -42,24 +41,71 @@ unsafe impl Sync for LoadedModel {}
 impl LoadedModel {
     pub fn load(dir: &Path, name: Option<&str>) -> anyhow::Result<Self> {
         let started = Instant::now();
-        let config = ModelConfig::from_dir(dir)?;
-        let mut weights = Weights::from_dir(dir)?;
-        let vision = match VisionConfig::from_dir(dir)? {
-            Some(v) => Some(
-                VisionTower::load(v, &mut weights, config.quantization)
-                    .with_context(|| format!("loading the vision tower of {}", dir.display()))?,
-            ),
-            None => None,
-        };
-        let model =
-            Model::load(config, weights).with_context(|| format!("loading {}", dir.display()))?;
+        let (model, vision) = build(dir)?;
         // Materialise the weights now, not on the first request.
-        model.eval_weights()?;
-        if let Some(tower) = &vision {
-            let mut all = Vec::new();
-            tower.collect(&mut all);
-            mlx_rs::transforms::eval(all)?;
+        mlx_rs::transforms::eval(parameters(&model, vision.as_ref()))?;
+        let loaded = Self::assemble(dir, name, model, vision, DeviceLock::new())?;
+        tracing::info!(
+            model = %loaded.name,
+            family = %loaded.model.config.family,
+            layers = loaded.model.config.num_layers,
+            hidden = loaded.model.config.hidden_size,
+            dtype = ?loaded.model.dtype(),
+            blas = %mlx_sys::blas_backend(),
+            seconds = started.elapsed().as_secs_f32(),
+            "model loaded"
+        );
+        Ok(loaded)
+    }
+
+    /// A plugin's view of the host's model: the same structure built from
+    /// the checkpoint's lazy (never read) arrays, each then pointed at the
+    /// host's evaluated array, so the weights are in memory once.
+    pub(crate) fn view(
+        dir: &Path,
+        name: &str,
+        host: &[mlx_sys::mlx_array],
+        device: DeviceLock,
+    ) -> anyhow::Result<Self> {
+        let (model, vision) = build(dir)?;
+        let mine = parameters(&model, vision.as_ref());
+        anyhow::ensure!(
+            mine.len() == host.len(),
+            "the host's model has {} arrays, this plugin's build of {} has {}",
+            host.len(),
+            dir.display(),
+            mine.len()
+        );
+        // SAFETY: the host's handles are live for the process; ours are
+        // owned by the model, which nothing else sees yet.
+        unsafe {
+            let host: Vec<Array> = host.iter().map(|&h| crate::abi::retain(h)).collect();
+            for (i, (m, h)) in mine.iter().zip(&host).enumerate() {
+                anyhow::ensure!(
+                    m.shape() == h.shape() && m.dtype() == h.dtype(),
+                    "array {i} of the model differs between the host ({:?} {:?}) and this plugin ({:?} {:?})",
+                    h.shape(),
+                    h.dtype(),
+                    m.shape(),
+                    m.dtype()
+                );
+            }
+            for (m, h) in mine.iter().zip(&host) {
+                // mlx-c assigns into the array object behind our handle.
+                let mut handle = m.as_ptr();
+                mlx_sys::mlx_array_set(&mut handle, h.as_ptr());
+            }
         }
+        Self::assemble(dir, Some(name), model, vision, device)
+    }
+
+    fn assemble(
+        dir: &Path,
+        name: Option<&str>,
+        model: Model,
+        vision: Option<VisionTower>,
+        device: DeviceLock,
+    ) -> anyhow::Result<Self> {
         let tokenizer = Arc::new(text::Tokenizer::from_dir(dir)?);
         let template = text::ChatTemplate::from_dir(dir)?;
         let stop_tokens = text::eos::eos_token_ids(dir, &tokenizer)?;
@@ -68,16 +114,6 @@ impl LoadedModel {
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_else(|| "model".into())
         });
-        tracing::info!(
-            model = %name,
-            family = %model.config.family,
-            layers = model.config.num_layers,
-            hidden = model.config.hidden_size,
-            dtype = ?model.dtype(),
-            blas = %mlx_sys::blas_backend(),
-            seconds = started.elapsed().as_secs_f32(),
-            "model loaded"
-        );
         Ok(Self {
             dir: dir.to_path_buf(),
             name,
@@ -86,16 +122,20 @@ impl LoadedModel {
             tokenizer,
             template,
             stop_tokens,
-            device: Mutex::new(()),
+            device,
         })
+    }
+
+    /// Every weight array, the text model's then the vision tower's, in an
+    /// order fixed by the model's structure.
+    pub fn parameters(&self) -> Vec<&Array> {
+        parameters(&self.model, self.vision.as_ref())
     }
 
     /// Exclusive use of the device for one engine step (or one fast-path
     /// run). A panicked holder left nothing half-written that matters here.
-    pub fn lock_device(&self) -> MutexGuard<'_, ()> {
-        self.device
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    pub fn lock_device(&self) -> DeviceGuard<'_> {
+        self.device.lock()
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -105,4 +145,27 @@ impl LoadedModel {
     pub fn context_window(&self) -> usize {
         self.model.config.max_position_embeddings as usize
     }
+}
+
+/// The model (and vision tower) of a checkpoint directory, unevaluated.
+fn build(dir: &Path) -> anyhow::Result<(Model, Option<VisionTower>)> {
+    let config = ModelConfig::from_dir(dir)?;
+    let mut weights = Weights::from_dir(dir)?;
+    let vision = match VisionConfig::from_dir(dir)? {
+        Some(v) => Some(
+            VisionTower::load(v, &mut weights, config.quantization)
+                .with_context(|| format!("loading the vision tower of {}", dir.display()))?,
+        ),
+        None => None,
+    };
+    let model = Model::load(config, weights).with_context(|| format!("loading {}", dir.display()))?;
+    Ok((model, vision))
+}
+
+fn parameters<'a>(model: &'a Model, vision: Option<&'a VisionTower>) -> Vec<&'a Array> {
+    let mut all = model.parameters();
+    if let Some(tower) = vision {
+        tower.collect(&mut all);
+    }
+    all
 }

@@ -187,8 +187,8 @@ impl Model {
         })
     }
 
-    /// Evaluates every weight so loading cost is paid at startup.
-    pub fn eval_weights(&self) -> anyhow::Result<()> {
+    /// Every weight array, in an order fixed by the model's structure.
+    pub fn parameters(&self) -> Vec<&Array> {
         let mut all: Vec<&Array> = Vec::new();
         self.embed.collect(&mut all);
         for l in &self.layers {
@@ -198,8 +198,7 @@ impl Model {
         if let Some(h) = &self.lm_head {
             h.collect(&mut all);
         }
-        mlx_rs::transforms::eval(all)?;
-        Ok(())
+        all
     }
 
     pub fn num_layers(&self) -> usize {
