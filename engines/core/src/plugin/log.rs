@@ -70,8 +70,25 @@ impl Visit for Message {
     }
 }
 
+thread_local! {
+    /// Set while a record is being forwarded: when host and plugin are one
+    /// image (in-process tests), the host's re-emitted record would come
+    /// back here.
+    static FORWARDING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 impl<S: tracing::Subscriber> Layer<S> for Forward {
     fn on_event(&self, event: &tracing::Event<'_>, _ctx: Context<'_, S>) {
+        if FORWARDING.with(|f| f.replace(true)) {
+            return;
+        }
+        self.forward(event);
+        FORWARDING.with(|f| f.set(false));
+    }
+}
+
+impl Forward {
+    fn forward(&self, event: &tracing::Event<'_>) {
         let meta = event.metadata();
         let mut m = Message::default();
         event.record(&mut m);
