@@ -28,7 +28,8 @@ pub struct SharedModel {
 }
 
 enum Slot {
-    Local(RwLock<Option<Arc<dyn HandoverSink>>>),
+    /// The sink, and its C handle for plugins (made once, at registration).
+    Local(RwLock<Option<(Arc<dyn HandoverSink>, RawHandoverSink)>>),
     Foreign(RawHandoverSlot),
 }
 
@@ -47,7 +48,10 @@ impl SharedModel {
 
     pub fn set_handover_sink(&self, sink: Arc<dyn HandoverSink>) {
         match &self.handover {
-            Slot::Local(slot) => *slot.write().unwrap_or_else(|e| e.into_inner()) = Some(sink),
+            Slot::Local(slot) => {
+                let raw = export_sink(sink.clone(), self.kv_pool.clone());
+                *slot.write().unwrap_or_else(|e| e.into_inner()) = Some((sink, raw));
+            }
             Slot::Foreign(raw) => unsafe {
                 (raw.set)(raw.ctx, export_sink(sink, self.kv_pool.clone()))
             },
@@ -56,7 +60,11 @@ impl SharedModel {
 
     pub fn handover_sink(&self) -> Option<Arc<dyn HandoverSink>> {
         match &self.handover {
-            Slot::Local(slot) => slot.read().unwrap_or_else(|e| e.into_inner()).clone(),
+            Slot::Local(slot) => slot
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_ref()
+                .map(|(sink, _)| sink.clone()),
             Slot::Foreign(raw) => unsafe {
                 let mut sink = std::mem::MaybeUninit::<RawHandoverSink>::uninit();
                 (raw.get)(raw.ctx, sink.as_mut_ptr())
@@ -108,10 +116,12 @@ impl SharedModel {
             (*(ctx as *const SharedModel)).set_handover_sink(Arc::new(ForeignSink(sink)));
         }
         unsafe extern "C" fn get(ctx: *mut c_void, out: *mut RawHandoverSink) -> bool {
-            let shared = &*(ctx as *const SharedModel);
-            match shared.handover_sink() {
-                Some(sink) => {
-                    out.write(export_sink(sink, shared.kv_pool.clone()));
+            let Slot::Local(slot) = &(*(ctx as *const SharedModel)).handover else {
+                return false;
+            };
+            match &*slot.read().unwrap_or_else(|e| e.into_inner()) {
+                Some((_, raw)) => {
+                    out.write(*raw);
                     true
                 }
                 None => false,
