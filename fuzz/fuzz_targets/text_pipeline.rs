@@ -8,7 +8,8 @@ use std::sync::OnceLock;
 use gateway::pipeline::{Pipeline, PipelineOptions};
 use libfuzzer_sys::fuzz_target;
 use text::reasoning::ReasoningFormat;
-use text::tiny::{write_tokenizer, Family};
+use fixtures::tokenizer::write_tokenizer;
+use fixtures::Family;
 use text::tools::ToolFormat;
 use text::Tokenizer;
 

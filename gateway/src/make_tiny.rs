@@ -2,9 +2,9 @@
 //! tokenizer and chat template, for tests, benchmarks and the default config.
 
 use anyhow::{bail, Context};
+use fixtures::model::{write_model, TinySpec};
+use fixtures::vision::{write_vision_model, TinyVisionSpec};
 use mlx_rs::Dtype;
-use runtime::tiny::{write_model, TinySpec};
-use runtime::tiny_vision::{write_vision_model, TinyVisionSpec};
 use runtime::Family;
 
 use crate::cli::{DrafterKind, DtypeArg, FamilyArg, MakeTinyArgs, MakeTinyDrafterArgs, PresetArg};
@@ -66,19 +66,19 @@ pub fn run(args: &MakeTinyArgs) -> anyhow::Result<()> {
 /// `gateway make-tiny-drafter`.
 pub fn run_drafter(args: &MakeTinyDrafterArgs) -> anyhow::Result<()> {
     match args.kind {
-        DrafterKind::Dflash => dflash::tiny::write_drafter(
+        DrafterKind::Dflash => fixtures::dflash::write_drafter(
             &args.target,
             &args.out,
-            &dflash::tiny::TinyDflash {
+            &fixtures::dflash::TinyDflash {
                 layers: args.layers,
                 block_size: args.block_size,
                 seed: args.seed,
             },
         ),
-        DrafterKind::Mtp => mtp::tiny::write_drafter(
+        DrafterKind::Mtp => fixtures::mtp::write_drafter(
             &args.target,
             &args.out,
-            &mtp::tiny::TinyAssistant {
+            &fixtures::mtp::TinyAssistant {
                 hidden: args.hidden,
                 layers: args.layers,
                 seed: args.seed,

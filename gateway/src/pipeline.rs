@@ -205,7 +205,8 @@ pub fn push_delta(out: &mut Vec<Delta>, delta: Delta) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use text::tiny::{write_tokenizer, Family};
+    use fixtures::tokenizer::write_tokenizer;
+    use fixtures::Family;
 
     fn tokenizer(family: Family) -> (tempfile::TempDir, Tokenizer) {
         let dir = tempfile::tempdir().unwrap();

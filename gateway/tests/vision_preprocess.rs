@@ -7,10 +7,10 @@
 
 use std::io::Cursor;
 
+use fixtures::vision::{write_vision_model, TinyVisionSpec, BOI, EOI, IMAGE_TOKEN};
 use gateway::vision::pixels::{decode, preprocess};
 use gateway::vision::ImageTokens;
 use image::{ImageFormat, Rgb, RgbImage};
-use runtime::tiny_vision::{write_vision_model, TinyVisionSpec, BOI, EOI, IMAGE_TOKEN};
 use runtime::vision::VisionConfig;
 use serde_json::json;
 
@@ -49,7 +49,7 @@ fn pixels_and_prompt_ids_match_the_reference_processor() {
         cases.push(json!({"prompt": prompt, "images": [path]}));
     }
     let req = json!({"model": model, "processor": cases});
-    let reference = runtime::reference::run("mlx_vlm_oracle.py", &req);
+    let reference = fixtures::reference::run("mlx_vlm_oracle.py", &req);
 
     let tokens = ImageTokens {
         boi: BOI.into(),

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use e2e_tests::{build, Gateway, SseStream};
-use runtime::tiny::{write_model, TinySpec};
+use fixtures::model::{write_model, TinySpec};
 use runtime::{generate, Family, LoadedModel};
 use serde_json::{json, Value};
 

@@ -4,8 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use runtime::tiny::{write_model, TinySpec};
-use runtime::tiny_vision::{write_vision_model, TinyVisionSpec};
+use fixtures::model::{write_model, TinySpec};
+use fixtures::vision::{write_vision_model, TinyVisionSpec};
 use runtime::Family;
 
 pub struct ModelDir {

@@ -3,7 +3,7 @@
 //! whose templates take tools.
 
 use e2e_tests::{models, Gateway};
-use runtime::tiny::TinySpec;
+use fixtures::model::TinySpec;
 use runtime::Family;
 use serde_json::json;
 

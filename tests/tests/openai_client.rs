@@ -70,13 +70,7 @@ print("openai client ok")
 "#;
 
 fn run_client(gw: &Gateway, engines: &str) {
-    let python = workspace_root().join(".mlx/venv/bin/python");
-    assert!(
-        python.exists(),
-        "{} is missing: run ./scripts/setup",
-        python.display()
-    );
-    let out = Command::new(python)
+    let out = Command::new(fixtures::reference::python())
         .arg("-c")
         .arg(SCRIPT)
         .arg(format!("http://{}/v1", gw.addr))

@@ -8,7 +8,7 @@
 
 use e2e_tests::build::template_plugin;
 use e2e_tests::{binaries, models, Gateway, MODEL};
-use runtime::tiny::TinySpec;
+use fixtures::model::TinySpec;
 use runtime::Family;
 use serde_json::json;
 

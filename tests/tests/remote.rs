@@ -345,8 +345,8 @@ fn refuses_an_upstream_serving_another_model() {
     assert_eq!(r.header("x-engine"), Some("local"));
 }
 
-fn runtime_spec() -> runtime::tiny::TinySpec {
-    runtime::tiny::TinySpec::tiny(runtime::Family::Qwen3)
+fn runtime_spec() -> fixtures::model::TinySpec {
+    fixtures::model::TinySpec::tiny(runtime::Family::Qwen3)
 }
 
 fn free_port() -> u16 {
@@ -370,7 +370,7 @@ impl MlxLmServer {
         // Its /v1/models scans the Hugging Face cache, which must exist.
         let hf_home = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(hf_home.path().join("hub")).unwrap();
-        let child = Command::new(workspace_root().join(".mlx/venv/bin/python"))
+        let child = Command::new(fixtures::reference::python())
             .args(["-m", "mlx_lm.server", "--host", "127.0.0.1", "--port"])
             .arg(port.to_string())
             .arg("--model")

@@ -10,7 +10,7 @@ use std::process::Command;
 
 use e2e_tests::build::workspace_root;
 use e2e_tests::{models, Gateway};
-use runtime::tiny::TinySpec;
+use fixtures::model::TinySpec;
 use runtime::Family;
 
 #[test]
@@ -29,7 +29,7 @@ fn no_generated_input_gets_a_server_error() {
             &format!("path: \"{}\"", model.path.display()),
         );
     let gw = Gateway::start(&config);
-    let st = workspace_root().join(".mlx/venv/bin/st");
+    let st = fixtures::reference::venv_bin("st");
     let examples = std::env::var("SCHEMATHESIS_EXAMPLES").unwrap_or_else(|_| "40".into());
     let out = Command::new(&st)
         .args(["run", &format!("http://{}/openapi.json", gw.addr)])

@@ -84,7 +84,7 @@ fn post_ok(gw: &Gateway, body: &Value) -> Value {
 }
 
 fn oracle(req: &Value) -> Value {
-    runtime::reference::run("mlx_vlm_oracle.py", req)
+    fixtures::reference::run("mlx_vlm_oracle.py", req)
 }
 
 #[test]

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use batched::{BatchedConfig, BatchedEngine};
 use engine_core::{Engine, Event, GenerateRequest};
 use fastpath::FastpathEngine;
-use runtime::tiny::{write_model, TinySpec};
+use fixtures::model::{write_model, TinySpec};
 use runtime::{generate, Family, KvPool, LoadedModel, SharedModel};
 
 struct Args {

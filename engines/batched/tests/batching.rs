@@ -9,7 +9,7 @@ use batched::{BatchedConfig, BatchedEngine};
 use engine_core::{
     Engine, EngineError, Event, EventStream, Finish, FinishReason, GenerateRequest, SamplingParams,
 };
-use runtime::tiny::{random_prompt, write_model, TinySpec};
+use fixtures::model::{random_prompt, write_model, TinySpec};
 use runtime::{generate, Family, KvPool, LoadedModel, SharedModel};
 
 fn setup(

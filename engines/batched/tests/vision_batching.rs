@@ -7,12 +7,12 @@ use std::sync::Arc;
 
 use batched::{BatchedConfig, BatchedEngine};
 use engine_core::{Engine, EngineError, Event, EventStream, GenerateRequest, ImageInput};
+use fixtures::model::random_prompt;
+use fixtures::vision::{write_vision_model, TinyVisionSpec};
 use mlx_rs::transforms::eval;
 use mlx_rs::{Array, Dtype};
 use runtime::generate::{self, argmax_tokens, tokens_array};
 use runtime::model::Logits;
-use runtime::tiny::random_prompt;
-use runtime::tiny_vision::{write_vision_model, TinyVisionSpec};
 use runtime::vision::{image_spans, replacement};
 use runtime::{KvPool, LoadedModel, SharedModel};
 

@@ -10,7 +10,6 @@
 mod checkpoint;
 mod drafter;
 mod engine;
-pub mod tiny;
 
 pub use checkpoint::DflashConfig;
 pub use drafter::Dflash;

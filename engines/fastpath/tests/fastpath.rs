@@ -12,7 +12,7 @@ use engine_core::{
     GenerateRequest, Refusal, SamplingParams,
 };
 use fastpath::FastpathEngine;
-use runtime::tiny::{random_prompt, write_model, TinySpec};
+use fixtures::model::{random_prompt, write_model, TinySpec};
 use runtime::{generate, Family, KvPool, LoadedModel, SharedModel};
 
 struct Setup {

@@ -17,7 +17,6 @@
 mod assistant;
 mod checkpoint;
 mod engine;
-pub mod tiny;
 
 pub use assistant::Assistant;
 pub use checkpoint::AssistantConfig;

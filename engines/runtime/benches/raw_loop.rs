@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
+use fixtures::model::{write_model, TinySpec};
 use runtime::generate;
-use runtime::tiny::{write_model, TinySpec};
 use runtime::{Family, LoadedModel};
 
 struct Args {

@@ -7,9 +7,9 @@
 
 use std::time::Instant;
 
+use fixtures::model::{write_model, TinySpec};
 use mlx_rs::transforms::eval;
 use mlx_rs::{random, Device, Dtype, Stream};
-use runtime::tiny::{write_model, TinySpec};
 use runtime::{generate, Family, LoadedModel};
 
 fn main() -> anyhow::Result<()> {

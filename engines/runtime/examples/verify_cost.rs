@@ -10,11 +10,11 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use fixtures::model::{random_prompt, write_model, TinySpec};
 use mlx_rs::transforms::eval;
 use runtime::generate::{argmax_tokens, prefill, tokens_array, GreedyStream};
 use runtime::mask::{set_row_attention, RowAttention};
 use runtime::model::Logits;
-use runtime::tiny::{random_prompt, write_model, TinySpec};
 use runtime::{Family, LoadedModel};
 
 fn main() {

@@ -1,11 +1,54 @@
 //! `config.json` of a Hugging Face model directory, for the families we run.
 
+use std::fmt;
 use std::path::Path;
+use std::str::FromStr;
 
 use anyhow::{bail, Context};
 use serde::Deserialize;
 
-pub use text::tiny::Family;
+/// The model families the runtime runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Family {
+    Llama,
+    Qwen2,
+    Qwen3,
+    Gemma3,
+}
+
+impl Family {
+    pub const ALL: [Family; 4] = [Family::Llama, Family::Qwen2, Family::Qwen3, Family::Gemma3];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
+            Family::Gemma3 => "gemma3",
+        }
+    }
+}
+
+impl fmt::Display for Family {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Family {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> anyhow::Result<Self> {
+        Family::ALL
+            .into_iter()
+            .find(|f| f.name() == s)
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "unknown model family {s:?} (expected llama, qwen2, qwen3 or gemma3)"
+                )
+            })
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 pub struct Quantization {
@@ -219,4 +262,18 @@ fn parse_rope_scaling(value: Option<&serde_json::Value>) -> anyhow::Result<RopeS
         },
         other => bail!("unsupported rope_scaling type `{other}` (supported: linear, llama3)"),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn family_names_round_trip() {
+        for f in Family::ALL {
+            assert_eq!(f.to_string().parse::<Family>().unwrap(), f);
+        }
+        let err = "mistral".parse::<Family>().unwrap_err().to_string();
+        assert!(err.contains("mistral"), "{err}");
+    }
 }

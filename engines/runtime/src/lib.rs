@@ -12,11 +12,8 @@ pub mod cuda_env;
 pub mod generate;
 pub mod handover;
 pub mod kv_pool;
-pub mod reference;
 pub mod sampling;
 pub mod shared;
-pub mod tiny;
-pub mod tiny_vision;
 pub mod vision;
 
 pub mod layers;

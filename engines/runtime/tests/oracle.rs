@@ -5,12 +5,12 @@
 
 use std::path::Path;
 
+use fixtures::model::{write_model, TinySpec};
 use mlx_rs::Dtype;
 use runtime::config::ModelConfig;
 use runtime::generate::{self, prefill};
 use runtime::mask::{set_row_attention, RowAttention};
 use runtime::model::{Logits, Model};
-use runtime::tiny::{write_model, TinySpec};
 use runtime::weights::Weights;
 use runtime::Family;
 
@@ -23,7 +23,7 @@ struct Reference {
 
 fn reference(dir: &Path, prompts: &[Vec<u32>], steps: usize, logits: bool) -> Vec<Reference> {
     let req = serde_json::json!({ "model": dir, "prompts": prompts, "max_tokens": steps, "logits": logits });
-    let v = runtime::reference::run("mlx_lm_oracle.py", &req);
+    let v = fixtures::reference::run("mlx_lm_oracle.py", &req);
     v["results"]
         .as_array()
         .unwrap()

@@ -11,12 +11,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use engine_core::ImageInput;
+use fixtures::model::random_prompt;
+use fixtures::vision::{write_vision_model, TinyVisionSpec};
 use mlx_rs::transforms::eval;
 use mlx_rs::{Array, Dtype};
 use runtime::generate::{argmax_tokens, tokens_array};
 use runtime::model::Logits;
-use runtime::tiny::random_prompt;
-use runtime::tiny_vision::{write_vision_model, TinyVisionSpec};
 use runtime::vision::{chunk_end, image_spans, replacement};
 use runtime::LoadedModel;
 
@@ -37,7 +37,7 @@ fn reference(
         .map(|(ids, pixels, n)| serde_json::json!({ "ids": ids, "pixels": pixels, "images": n, "bidirectional": bidirectional }))
         .collect();
     let req = serde_json::json!({ "model": dir, "cases": cases, "max_tokens": STEPS });
-    let v = runtime::reference::run("mlx_vlm_oracle.py", &req);
+    let v = fixtures::reference::run("mlx_vlm_oracle.py", &req);
     v["results"]
         .as_array()
         .unwrap()

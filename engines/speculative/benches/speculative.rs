@@ -20,7 +20,7 @@ use std::time::Instant;
 use batched::{BatchedConfig, BatchedEngine};
 use engine_core::{Engine, Event, GenerateRequest, SpecStats};
 use fastpath::FastpathEngine;
-use runtime::tiny::{write_model, TinySpec};
+use fixtures::model::{write_model, TinySpec};
 use runtime::{Family, KvPool, LoadedModel, SharedModel};
 use speculative::{SpecEngine, SpecSettings};
 
@@ -88,21 +88,21 @@ fn models(a: &Args) -> (PathBuf, PathBuf, PathBuf) {
     }
     let dflash = dir.with_file_name(format!("qwen3-{}-dflash-b{}", a.preset, a.block));
     if !dflash.join("model.safetensors").exists() {
-        let spec = dflash::tiny::TinyDflash {
+        let spec = fixtures::dflash::TinyDflash {
             layers: 2,
             block_size: a.block,
             seed: 7,
         };
-        dflash::tiny::write_drafter(&dir, &dflash, &spec).expect("write dflash drafter");
+        fixtures::dflash::write_drafter(&dir, &dflash, &spec).expect("write dflash drafter");
     }
     let mtp = dir.with_file_name(format!("qwen3-{}-mtp", a.preset));
     if !mtp.join("model.safetensors").exists() {
-        let spec = mtp::tiny::TinyAssistant {
+        let spec = fixtures::mtp::TinyAssistant {
             hidden: 256,
             layers: 2,
             seed: 11,
         };
-        mtp::tiny::write_drafter(&dir, &mtp, &spec).expect("write mtp drafter");
+        fixtures::mtp::write_drafter(&dir, &mtp, &spec).expect("write mtp drafter");
     }
     (dir, dflash, mtp)
 }

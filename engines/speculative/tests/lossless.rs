@@ -13,8 +13,8 @@ use engine_core::{
     Engine, EngineError, Event, EventStream, Finish, FinishReason, GenerateRequest, Refusal,
     SamplingParams, SpecStats,
 };
+use fixtures::model::{random_prompt, write_model, TinySpec};
 use runtime::model::{Tapped, Taps};
-use runtime::tiny::{random_prompt, write_model, TinySpec};
 use runtime::{generate, Family, KvCache, KvPool, LoadedModel, Model, SharedModel};
 use speculative::engine::DraftPlan;
 use speculative::{DraftChoice, DraftSource, DraftState, Proposal, SpecEngine, SpecSettings};
@@ -42,15 +42,15 @@ impl Target {
         let out = self.dir.path().join(format!("drafter-{kind}"));
         if !out.exists() {
             match kind {
-                "dflash" => dflash::tiny::write_drafter(
+                "dflash" => fixtures::dflash::write_drafter(
                     self.dir.path(),
                     &out,
-                    &dflash::tiny::TinyDflash::default(),
+                    &fixtures::dflash::TinyDflash::default(),
                 ),
-                "mtp" => mtp::tiny::write_drafter(
+                "mtp" => fixtures::mtp::write_drafter(
                     self.dir.path(),
                     &out,
-                    &mtp::tiny::TinyAssistant::default(),
+                    &fixtures::mtp::TinyAssistant::default(),
                 ),
                 _ => unreachable!(),
             }

@@ -132,7 +132,8 @@ fn suffix_after(new: &str, old: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tiny::{write_tokenizer, Family};
+    use fixtures::tokenizer::write_tokenizer;
+    use fixtures::Family;
 
     fn tokenizer(family: Family, vocab: usize) -> (tempfile::TempDir, Tokenizer) {
         let dir = tempfile::tempdir().unwrap();

@@ -127,7 +127,8 @@ fn read_optional_json(path: &Path) -> Result<Option<Value>, EosError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tiny::{write_tokenizer, Family};
+    use fixtures::tokenizer::write_tokenizer;
+    use fixtures::Family;
     use serde_json::json;
 
     fn write(dir: &Path, name: &str, v: Value) {

@@ -8,7 +8,6 @@ pub mod eos;
 pub mod reasoning;
 pub mod stop;
 pub mod template;
-pub mod tiny;
 pub mod tokenizer;
 pub mod tools;
 

@@ -806,7 +806,7 @@ fn read_json(path: &Path) -> Result<Json> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tiny::Family;
+    use fixtures::Family;
     use serde_json::json;
 
     // Expected outputs, produced by transformers' own
@@ -989,7 +989,7 @@ Thanks!<end_of_turn>
     }
 
     fn family(f: Family, bos: Option<&str>, eos: &str) -> ChatTemplate {
-        ChatTemplate::new(f.chat_template(), bos, Some(eos)).unwrap()
+        ChatTemplate::new(fixtures::tokenizer::chat_template(f), bos, Some(eos)).unwrap()
     }
 
     #[test]

@@ -229,7 +229,8 @@ pub(crate) fn read_json(path: &Path) -> Result<Value> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tiny::{write_tokenizer, Family};
+    use fixtures::tokenizer::write_tokenizer;
+    use fixtures::Family;
 
     fn load(family: Family) -> (tempfile::TempDir, Tokenizer) {
         let dir = tempfile::tempdir().unwrap();

@@ -158,7 +158,7 @@ mod tests {
 
     fn tokenizer() -> (tempfile::TempDir, Tokenizer) {
         let dir = tempfile::tempdir().unwrap();
-        text::tiny::write_tokenizer(dir.path(), text::tiny::Family::Qwen3, 512).unwrap();
+        fixtures::tokenizer::write_tokenizer(dir.path(), fixtures::Family::Qwen3, 512).unwrap();
         let tok = Tokenizer::from_dir(dir.path()).unwrap();
         (dir, tok)
     }
