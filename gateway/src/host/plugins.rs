@@ -27,6 +27,8 @@ pub enum PluginError {
         path: PathBuf,
         error: libloading::Error,
     },
+    #[error("cannot load plugin {}: {reason} (a stripped, truncated or foreign file? rebuild it)", path.display())]
+    Truncated { path: PathBuf, reason: String },
     #[error("plugin {} was built for an older gateway (Rust-ABI plugins, entry `engine_plugin_entry_v1`); rebuild it against this gateway's engine-core", path.display())]
     OldBoundary { path: PathBuf },
     #[error("{} is not an engine plugin (no `engine_plugin_entry_v2` symbol): {error}", path.display())]
@@ -111,9 +113,36 @@ impl std::fmt::Debug for Plugin {
     }
 }
 
+/// Refuses a file whose loadable segments reach past its end: the dynamic
+/// loader maps them anyway and the process dies of SIGBUS when it touches
+/// them (a truncated copy, an interrupted build). Files that are not ELF
+/// are left to the loader's own checks.
+fn check_segments(path: &Path) -> Result<(), String> {
+    use object::{Object, ObjectSegment};
+    let data = std::fs::read(path).map_err(|e| e.to_string())?;
+    let Ok(file) = object::File::parse(&*data) else {
+        return Ok(());
+    };
+    let len = data.len() as u64;
+    for segment in file.segments() {
+        let (offset, size) = segment.file_range();
+        if offset.saturating_add(size) > len {
+            return Err(format!(
+                "truncated: a segment spans bytes {offset}..{} of a {len}-byte file",
+                offset + size
+            ));
+        }
+    }
+    Ok(())
+}
+
 impl Plugin {
     pub fn open(path: &Path) -> Result<Plugin, PluginError> {
         let path_buf = || path.to_owned();
+        check_segments(path).map_err(|reason| PluginError::Truncated {
+            path: path_buf(),
+            reason,
+        })?;
         // SAFETY: loading runs the library's initialisers; plugins are
         // trusted code named by the operator.
         let lib = unsafe { Library::new(path) }.map_err(|error| PluginError::Open {
@@ -282,5 +311,18 @@ mod tests {
         let e = Plugin::open(&path).unwrap_err();
         assert!(matches!(e, PluginError::Open { .. }), "{e}");
         assert!(Plugin::open(&dir.path().join("missing.so")).is_err());
+    }
+
+    #[test]
+    fn a_truncated_shared_object_is_refused_before_the_loader_maps_it() {
+        // This test binary is an ELF file like any plugin; cut short, the
+        // loader would map its segments past the end and die of SIGBUS.
+        let me = std::fs::read(std::env::current_exe().unwrap()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("libengine_cut.so");
+        std::fs::write(&path, &me[..4096]).unwrap();
+        let e = Plugin::open(&path).unwrap_err();
+        assert!(matches!(e, PluginError::Truncated { .. }), "{e}");
+        assert!(e.to_string().contains("truncated") && e.to_string().contains("rebuild"), "{e}");
     }
 }
