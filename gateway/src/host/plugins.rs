@@ -116,13 +116,14 @@ impl std::fmt::Debug for Plugin {
 /// Refuses a file whose loadable segments reach past its end: the dynamic
 /// loader maps them anyway and the process dies of SIGBUS when it touches
 /// them (a truncated copy, an interrupted build). Files that are not ELF
-/// are left to the loader's own checks.
+/// at all are left to the loader's own checks.
 fn check_segments(path: &Path) -> Result<(), String> {
     use object::{Object, ObjectSegment};
     let data = std::fs::read(path).map_err(|e| e.to_string())?;
-    let Ok(file) = object::File::parse(&*data) else {
+    if !data.starts_with(b"\x7fELF") {
         return Ok(());
-    };
+    }
+    let file = object::File::parse(&*data).map_err(|e| format!("a damaged ELF file: {e}"))?;
     let len = data.len() as u64;
     for segment in file.segments() {
         let (offset, size) = segment.file_range();
