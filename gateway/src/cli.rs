@@ -52,6 +52,17 @@ pub enum FamilyArg {
     /// Gemma 3 with a vision tower (`Gemma3ForConditionalGeneration`);
     /// tiny preset, unquantized.
     Gemma3Vision,
+    /// Gemma 4 shaped like 26B-A4B: experts beside every MLP, K=V global
+    /// layers (mlx-community layout).
+    Gemma4,
+    /// Gemma 4 shaped like E2B/E4B: per-layer inputs, KV-shared layers
+    /// (Hugging Face layout).
+    #[value(name = "gemma4-e2b")]
+    Gemma4E2b,
+    /// Gemma 4 shaped like 31B: dense, K=V global layers (Hugging Face
+    /// multimodal layout, text only).
+    #[value(name = "gemma4-dense")]
+    Gemma4Dense,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]

@@ -5,34 +5,16 @@
 
 use std::time::Instant;
 
-use engine_core::{
-    Event, FinishReason as EngineFinish, GenerateRequest, ImageInput, SamplingParams, SpecStats,
-    TokenEvent,
-};
+use engine_core::{Event, FinishReason as EngineFinish, SpecStats, StreamError, TokenEvent};
 use serde_json::{json, Value};
 
 use crate::api::ApiError;
 use crate::host::FaultKind;
-use crate::pipeline::{push_delta, Delta, Pipeline, PipelineOptions};
+use crate::pipeline::{push_delta, Delta, Pipeline};
+use crate::prepare::Prepared;
 use crate::router::CancelGuard;
 use crate::state::AppState;
 use crate::telemetry::metric;
-
-/// Everything decided about a request before it is routed.
-#[derive(Debug, Clone)]
-pub struct Plan {
-    pub model: String,
-    pub prompt: Vec<u32>,
-    pub max_tokens: u32,
-    pub sampling: SamplingParams,
-    pub text: PipelineOptions,
-    pub has_tools: bool,
-    pub cache_scope: Option<String>,
-    /// Generate through the model's end-of-sequence tokens.
-    pub ignore_eos: bool,
-    /// Image soft tokens of the prompt (vision models).
-    pub images: Vec<ImageInput>,
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
@@ -129,21 +111,18 @@ pub struct Generation {
 }
 
 impl Generation {
-    /// Routes the plan to an engine.
-    pub fn start(state: &AppState, plan: Plan) -> Result<Self, ApiError> {
-        let shared = &state.registry.shared;
-        let pipeline = Pipeline::new((*shared.model.tokenizer).clone(), &plan.prompt, &plan.text);
-        let mut req = GenerateRequest::new(plan.prompt, plan.max_tokens);
-        let prompt_tokens = req.prompt.len() as u32;
-        let want_logprobs = plan.sampling.logprobs;
-        req.sampling = plan.sampling;
-        if !plan.ignore_eos {
-            req.stop_tokens = shared.model.stop_tokens.clone();
-        }
-        req.cache_scope = plan.cache_scope;
-        req.has_tools = plan.has_tools;
-        req.images = plan.images;
-        let routed = state.router.route(req, &plan.model)?;
+    /// Routes the prepared request to an engine.
+    pub fn start(state: &AppState, prepared: Prepared) -> Result<Self, ApiError> {
+        let Prepared {
+            model,
+            request,
+            text,
+        } = prepared;
+        let tokenizer = (*state.registry.shared.model.tokenizer).clone();
+        let pipeline = Pipeline::new(tokenizer, &request.prompt, &text);
+        let prompt_tokens = request.prompt.len() as u32;
+        let want_logprobs = request.sampling.logprobs;
+        let routed = state.router.route(request, &model)?;
         Ok(Generation {
             engine: routed.entry.name.clone(),
             rule: routed.rule,
@@ -173,10 +152,9 @@ impl Generation {
                     }
                 }
                 Some(Event::Finished(finish)) => return Some(self.on_finish(finish, batch)),
-                Some(Event::Error(message)) => {
+                Some(Event::Error(error)) => {
                     self.end("error");
-                    self.guard.fault(FaultKind::RequestError, &message);
-                    return Some(Err(ApiError::Engine(message)));
+                    return Some(Err(self.stream_error(error)));
                 }
                 None => {
                     self.end("error");
@@ -191,6 +169,27 @@ impl Generation {
             }
         }
         Some(Ok(batch))
+    }
+
+    /// What the client sees of an engine's error event. Only an internal
+    /// failure is a fault against the engine; capacity and the request's
+    /// own input are not the engine's.
+    fn stream_error(&mut self, error: StreamError) -> ApiError {
+        match error {
+            StreamError::Invalid(message) => {
+                self.guard.disarm();
+                ApiError::invalid_no_param(message)
+            }
+            StreamError::Overloaded(message) => {
+                self.guard.disarm();
+                tracing::info!(engine = %self.engine, reason = %message, "engine overloaded after admission");
+                ApiError::Overloaded
+            }
+            StreamError::Internal(message) => {
+                self.guard.fault(FaultKind::RequestError, &message);
+                ApiError::Engine(message)
+            }
+        }
     }
 
     /// Runs to the end: every delta and logprob, and the summary.

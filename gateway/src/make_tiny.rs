@@ -2,6 +2,7 @@
 //! tokenizer and chat template, for tests, benchmarks and the default config.
 
 use anyhow::{bail, Context};
+use fixtures::gemma4::Gemma4Shape;
 use fixtures::model::{write_model, TinySpec};
 use fixtures::vision::{write_vision_model, TinyVisionSpec};
 use mlx_rs::Dtype;
@@ -15,6 +16,7 @@ pub fn run(args: &MakeTinyArgs) -> anyhow::Result<()> {
         FamilyArg::Qwen2 => Family::Qwen2,
         FamilyArg::Qwen3 => Family::Qwen3,
         FamilyArg::Gemma3 | FamilyArg::Gemma3Vision => Family::Gemma3,
+        FamilyArg::Gemma4 | FamilyArg::Gemma4E2b | FamilyArg::Gemma4Dense => Family::Gemma4,
     };
     let vision = matches!(args.family, FamilyArg::Gemma3Vision);
     if vision && (!matches!(args.preset, PresetArg::Tiny) || args.quant_bits.is_some()) {
@@ -26,6 +28,14 @@ pub fn run(args: &MakeTinyArgs) -> anyhow::Result<()> {
         PresetArg::Qwen3_4b if family == Family::Qwen3 => TinySpec::qwen3_4b(),
         PresetArg::Qwen3_4b => bail!("the qwen3-4b preset is a Qwen3 shape; use --family qwen3"),
     };
+    if family == Family::Gemma4 {
+        let layers = spec.layers;
+        spec.gemma4 = Some(match args.family {
+            FamilyArg::Gemma4E2b => Gemma4Shape::e2b(layers),
+            FamilyArg::Gemma4Dense => Gemma4Shape::dense_31b(layers),
+            _ => Gemma4Shape::moe_26b(layers),
+        });
+    }
     if let Some(dtype) = args.dtype {
         spec.dtype = match dtype {
             DtypeArg::F32 => Dtype::Float32,

@@ -109,7 +109,7 @@ impl Router {
         let mut s = Signals {
             prompt_tokens: req.prompt.len() as u64,
             max_tokens: req.max_tokens as u64,
-            greedy: req.sampling.is_plain_greedy(),
+            greedy: req.is_plain_greedy(),
             has_tools: req.has_tools,
             has_images: !req.images.is_empty(),
             kv_pressure: self.registry.shared.kv_pool.pressure(),
@@ -216,7 +216,7 @@ impl Router {
 
 /// Why an engine cannot take this request, from its advertised capabilities.
 fn unsupported(entry: &EngineEntry, req: &GenerateRequest) -> Option<&'static str> {
-    if entry.capabilities.greedy_only && !req.sampling.is_plain_greedy() {
+    if entry.capabilities.greedy_only && !req.is_plain_greedy() {
         return Some("it serves plain greedy requests only");
     }
     if req.has_tools && !entry.capabilities.tools {

@@ -5,7 +5,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use metrics_exporter_prometheus::PrometheusHandle;
-use runtime::Family;
 
 use crate::api::validate::Limits;
 use crate::api::ApiError;
@@ -16,7 +15,6 @@ use crate::vision::Vision;
 
 pub struct ModelInfo {
     pub name: String,
-    pub family: Family,
     pub context_window: usize,
     pub vocab: usize,
     /// Unix time the gateway started serving it (`created` in /v1/models).
@@ -45,7 +43,6 @@ impl AppState {
         let loaded = &registry.shared.model;
         let model = ModelInfo {
             name: loaded.name.clone(),
-            family: loaded.model.config.family,
             context_window: loaded.context_window(),
             vocab: loaded.vocab_size().max(loaded.tokenizer.vocab_size()),
             created: crate::api::unix_now(),

@@ -217,6 +217,20 @@ impl SseStream {
         }
     }
 
+    /// The whole body of a response that did not start a stream (an
+    /// error answer).
+    pub fn body(mut self) -> Vec<u8> {
+        let mut body = std::mem::take(&mut self.buffer).into_bytes();
+        if is_chunked(&self.headers) {
+            while let Some(chunk) = read_chunk(&mut self.reader) {
+                body.extend(chunk);
+            }
+        } else {
+            let _ = self.reader.read_to_end(&mut body);
+        }
+        body
+    }
+
     /// Closes the connection at once.
     pub fn disconnect(self) {
         let _ = self.reader.get_ref().shutdown(Shutdown::Both);

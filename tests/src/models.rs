@@ -61,19 +61,24 @@ pub fn tiny_qwen3_drafter(kind: &str) -> &'static Path {
         "mtp" => &MTP,
         other => panic!("no drafter kind {other}"),
     };
-    &cell
-        .get_or_init(|| {
-            let dir = tempfile::tempdir().expect("tempdir");
-            let path = dir.path().join(format!("tiny-qwen3-{kind}"));
-            let status = std::process::Command::new(&crate::build::binaries().gateway)
-                .args(["make-tiny-drafter", "--kind", kind, "--target"])
-                .arg(tiny_qwen3())
-                .arg("--out")
-                .arg(&path)
-                .status()
-                .expect("run make-tiny-drafter");
-            assert!(status.success(), "make-tiny-drafter --kind {kind} failed");
-            ModelDir { _dir: dir, path }
-        })
-        .path
+    &cell.get_or_init(|| drafter(kind, tiny_qwen3())).path
+}
+
+/// A random-weight drafter of `kind` (`dflash` or `mtp`) for the model in
+/// `target`, written by `gateway make-tiny-drafter` (the CLI under test).
+pub fn drafter(kind: &str, target: &Path) -> ModelDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let name = target.file_name().expect("a named model directory");
+    let path = dir
+        .path()
+        .join(format!("{}-{kind}", name.to_string_lossy()));
+    let status = std::process::Command::new(&crate::build::binaries().gateway)
+        .args(["make-tiny-drafter", "--kind", kind, "--target"])
+        .arg(target)
+        .arg("--out")
+        .arg(&path)
+        .status()
+        .expect("run make-tiny-drafter");
+    assert!(status.success(), "make-tiny-drafter --kind {kind} failed");
+    ModelDir { _dir: dir, path }
 }

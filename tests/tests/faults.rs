@@ -27,6 +27,21 @@ fn body(stream: bool) -> Value {
     json!({"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "stream": stream})
 }
 
+/// A streamed request read to its end: the status and every event.
+fn stream(gw: &Gateway) -> (u16, Vec<String>) {
+    let mut stream = SseStream::open(gw.addr, "/v1/chat/completions", &body(true));
+    let events = std::iter::from_fn(|| stream.next_event()).collect();
+    (stream.status, events)
+}
+
+/// Failed requests counted against the flaky engine.
+fn request_errors(gw: &Gateway) -> Option<f64> {
+    gw.metric(
+        "gateway_engine_faults_total",
+        &[("engine", "flaky"), ("kind", "request_error")],
+    )
+}
+
 fn flaky_health(gw: &Gateway) -> Value {
     let health = gw.health();
     health["engines"]
@@ -73,12 +88,8 @@ fn check(fault: &str, expected_kind: &str) {
         assert_eq!(r.status, 200, "{fault}: {}", r.text());
         assert_eq!(r.header("x-engine"), Some("steady"));
     }
-    let mut stream = SseStream::open(gw.addr, "/v1/chat/completions", &body(true));
-    assert_eq!(stream.status, 200);
-    let mut events = Vec::new();
-    while let Some(event) = stream.next_event() {
-        events.push(event);
-    }
+    let (status, events) = stream(&gw);
+    assert_eq!(status, 200);
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
     assert_eq!(gw.health()["kv_pool"]["allocated_blocks"], 0, "{fault}");
 }
@@ -108,14 +119,47 @@ fn a_request_error_fails_only_that_request() {
         assert_eq!(r.header("x-engine"), Some("flaky"), "still routed to it");
     }
     assert_eq!(flaky_health(&gw)["status"], "ready");
-    assert_eq!(
-        gw.metric(
-            "gateway_engine_faults_total",
-            &[("engine", "flaky"), ("kind", "request_error")]
-        ),
-        Some(2.0)
-    );
+    assert_eq!(request_errors(&gw), Some(2.0));
     assert_eq!(gw.health()["kv_pool"]["allocated_blocks"], 0);
+}
+
+/// An engine that runs out of capacity after accepting a request answers
+/// 503 `server_overloaded` with Retry-After (streamed: the same error as
+/// an event), and that is no fault of the engine's.
+#[test]
+fn an_overload_after_admission_is_a_503_to_retry() {
+    let gw = Gateway::start(&config("overload_in_stream"));
+    let r = gw.post("/v1/chat/completions", &body(false));
+    assert_eq!(r.status, 503, "{}", r.text());
+    let error = &r.json()["error"];
+    assert_eq!(error["code"], "server_overloaded", "{error}");
+    assert_eq!(error["type"], "server_error", "{error}");
+    assert!(r.header("retry-after").is_some(), "no Retry-After");
+    let (status, events) = stream(&gw);
+    let codes: Vec<Value> = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter_map(|v| v.get("error").map(|e| e["code"].clone()))
+        .collect();
+    if status == 200 {
+        assert_eq!(codes, vec![json!("server_overloaded")], "{events:?}");
+    } else {
+        assert_eq!(status, 503, "{events:?}");
+    }
+    assert_eq!(flaky_health(&gw)["status"], "ready");
+    assert_eq!(request_errors(&gw).unwrap_or(0.0), 0.0, "not a fault");
+    assert_eq!(gw.health()["kv_pool"]["allocated_blocks"], 0);
+}
+
+/// An engine that finds the request's input invalid after accepting it
+/// answers 400, not 500.
+#[test]
+fn invalid_input_found_by_the_engine_is_a_400() {
+    let gw = Gateway::start(&config("invalid_in_stream"));
+    let r = gw.post("/v1/chat/completions", &body(false));
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.json()["error"]["type"], "invalid_request_error");
+    assert_eq!(flaky_health(&gw)["status"], "ready");
 }
 
 /// A streamed request whose engine dies ends with an error event and
@@ -123,12 +167,8 @@ fn a_request_error_fails_only_that_request() {
 #[test]
 fn a_stream_whose_engine_dies_ends_cleanly() {
     let gw = Gateway::start(&config("panic_in_worker"));
-    let mut stream = SseStream::open(gw.addr, "/v1/chat/completions", &body(true));
-    let mut events = Vec::new();
-    while let Some(event) = stream.next_event() {
-        events.push(event);
-    }
-    if stream.status == 200 {
+    let (status, events) = stream(&gw);
+    if status == 200 {
         let error = events
             .iter()
             .filter_map(|e| serde_json::from_str::<Value>(e).ok())
@@ -137,7 +177,7 @@ fn a_stream_whose_engine_dies_ends_cleanly() {
         assert_eq!(error["error"]["type"], "server_error");
         assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
     } else {
-        assert_eq!(stream.status, 500, "{events:?}");
+        assert_eq!(status, 500, "{events:?}");
     }
     assert_eq!(gw.health()["kv_pool"]["allocated_blocks"], 0);
     let r = gw.post("/v1/chat/completions", &body(false));

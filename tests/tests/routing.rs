@@ -63,6 +63,11 @@ fn rules_route_and_headers_name_engine_and_rule() {
     let gw = Gateway::start(&two_engines(POLICY_V1));
     assert_eq!(route(&gw, &greedy()), ("b".into(), "greedy-to-b".into()));
     assert_eq!(route(&gw, &sampled()), ("a".into(), "default".into()));
+    // Greedy with logprobs is not plain greedy: the policy and the engines
+    // agree on it (one definition), so it is not sent where it is refused.
+    let mut with_logprobs = greedy();
+    with_logprobs["logprobs"] = json!(true);
+    assert_eq!(route(&gw, &with_logprobs), ("a".into(), "default".into()));
     let mut tools = greedy();
     tools["tools"] =
         json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);

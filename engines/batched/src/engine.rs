@@ -90,19 +90,21 @@ impl Engine for BatchedEngine {
         if self.thread.lock().is_none() {
             return Err(EngineError::ShuttingDown);
         }
-        if self.stats.queued.load(Ordering::Acquire) >= self.cfg.max_queue {
+        if !runtime::admission::take_slot(&self.stats.queued, self.cfg.max_queue) {
             return Err(EngineError::Overloaded(
                 "the request queue is full; retry shortly".into(),
             ));
         }
-        self.stats.queued.fetch_add(1, Ordering::AcqRel);
         self.tx
             .send(Msg::Submit(Waiting {
                 request,
                 blocks,
                 events,
             }))
-            .map_err(|_| EngineError::ShuttingDown)?;
+            .map_err(|_| {
+                self.stats.queued.fetch_sub(1, Ordering::AcqRel);
+                EngineError::ShuttingDown
+            })?;
         Ok(())
     }
 

@@ -3,6 +3,7 @@
 //! and merged into the running batch without draining it, finished rows
 //! leave at once, and every row samples with its own parameters.
 
+mod admit;
 mod config;
 mod engine;
 mod prefix_cache;

@@ -1,9 +1,11 @@
 //! Requests waiting for a batch slot or KV blocks, first come first served.
+//! Its bound is the engine's queue length, checked at submit.
 
 use std::collections::VecDeque;
 
 use engine_core::event::EventSender;
-use engine_core::GenerateRequest;
+use engine_core::{FinishReason, GenerateRequest};
+use runtime::emit::Emitter;
 
 pub struct Waiting {
     pub request: GenerateRequest,
@@ -11,34 +13,34 @@ pub struct Waiting {
     pub events: EventSender,
 }
 
+impl Waiting {
+    /// Ends it before it ran (cancelled, or the engine stops).
+    pub fn cancel(self) {
+        Emitter::new(self.request, self.events).finish(FinishReason::Cancelled, None);
+    }
+}
+
+#[derive(Default)]
 pub struct WaitQueue {
     items: VecDeque<Waiting>,
-    capacity: usize,
 }
 
 impl WaitQueue {
-    pub fn new(capacity: usize) -> Self {
-        Self {
-            items: VecDeque::new(),
-            capacity,
-        }
-    }
-
     pub fn is_empty(&self) -> bool {
         self.items.is_empty()
     }
 
-    /// Gives the request back when the queue is full.
-    pub fn push(&mut self, w: Waiting) -> Result<(), Waiting> {
-        if self.items.len() >= self.capacity {
-            return Err(w);
-        }
+    pub fn push(&mut self, w: Waiting) {
         self.items.push_back(w);
-        Ok(())
     }
 
     pub fn front(&self) -> Option<&Waiting> {
         self.items.front()
+    }
+
+    /// Front to back.
+    pub fn iter(&self) -> impl Iterator<Item = &Waiting> {
+        self.items.iter()
     }
 
     pub fn pop(&mut self) -> Option<Waiting> {

@@ -8,18 +8,20 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crossbeam_channel::{Receiver, TryRecvError};
-use engine_core::{Event, FinishReason, RequestId};
+use engine_core::{FinishReason, RequestId, StreamError, TokenEvent};
 use mlx_rs::transforms::eval;
 use mlx_rs::{ops, Array};
+use runtime::emit::Emitter;
 use runtime::handover::Handover;
 use runtime::model::Logits;
 use runtime::sampling::{self, Sampler};
 use runtime::{generate, vision, KvCache, SharedModel};
 
+use crate::admit::{self, Candidate, Start};
 use crate::config::BatchedConfig;
 use crate::prefix_cache::{Hit, PrefixCache};
 use crate::queue::{WaitQueue, Waiting};
-use crate::row::{self, Row};
+use crate::row::Row;
 
 pub enum Msg {
     Submit(Waiting),
@@ -32,7 +34,9 @@ pub enum Msg {
 #[derive(Default)]
 pub struct Stats {
     pub active: AtomicUsize,
-    /// Submitted and not yet admitted (in the channel or the wait queue).
+    /// Submitted and not yet admitted (in the channel or the wait queue);
+    /// `submit` bounds it by `max_queue`, so the wait queue needs no bound
+    /// of its own.
     pub queued: AtomicUsize,
     pub kv_blocks: AtomicUsize,
 }
@@ -67,7 +71,7 @@ impl Scheduler {
     ) -> Self {
         let prefix = PrefixCache::new(shared.kv_pool.block_size(), cfg.prefix_cache_entries);
         Self {
-            waiting: WaitQueue::new(cfg.max_queue),
+            waiting: WaitQueue::default(),
             shared,
             cfg,
             rx,
@@ -127,14 +131,7 @@ impl Scheduler {
 
     fn handle(&mut self, msg: Msg) {
         match msg {
-            Msg::Submit(w) => {
-                if let Err(w) = self.waiting.push(w) {
-                    self.stats.queued.fetch_sub(1, Ordering::AcqRel);
-                    let _ = w.events.send(Event::Error(
-                        "server overloaded: request queue is full".into(),
-                    ));
-                }
-            }
+            Msg::Submit(w) => self.waiting.push(w),
             Msg::Adopt(h) => self.adopt(*h),
             Msg::Cancel(id) => {
                 for r in self
@@ -142,8 +139,8 @@ impl Scheduler {
                     .iter()
                     .chain(self.prefill.as_ref().map(|p| &p.row))
                 {
-                    if r.request.id == id {
-                        r.request.cancel.cancel();
+                    if r.request().id == id {
+                        r.request().cancel.cancel();
                     }
                 }
             }
@@ -152,27 +149,21 @@ impl Scheduler {
     }
 
     fn adopt(&mut self, h: Handover) {
-        let sampler = match Sampler::new(
-            &h.request.sampling,
-            self.shared.model.vocab_size() as i32,
-            &h.request.prompt,
-        ) {
+        let mut out = Emitter::resume(h.request, h.events, h.generated, h.cached_tokens);
+        let vocab = self.shared.model.vocab_size() as i32;
+        let sampler = match Sampler::new(&out.request.sampling, vocab, &out.request.prompt) {
             Ok(s) => s,
             Err(e) => {
-                let _ = h
-                    .events
-                    .send(Event::Error(format!("cannot continue the request: {e}")));
-                return;
+                return out.fail(StreamError::Internal(format!(
+                    "cannot continue the request: {e}"
+                )))
             }
         };
         let row = Row {
-            request: h.request,
+            out,
             sampler,
-            events: h.events,
             reservation: h.reservation,
-            generated: h.generated,
             last_token: h.last_token,
-            cached_tokens: h.cached_tokens,
         };
         if let Err(e) = self.join_batch(vec![row], h.cache) {
             tracing::error!(error = %e, "adopting a handed-over sequence failed");
@@ -192,7 +183,7 @@ impl Scheduler {
             }
             Err(e) => {
                 for row in rows {
-                    let _ = row.events.send(Event::Error(format!(
+                    row.fail(StreamError::Internal(format!(
                         "internal error joining the batch: {e}"
                     )));
                 }
@@ -205,7 +196,7 @@ impl Scheduler {
     fn drop_cancelled(&mut self) {
         for w in self.waiting.drain_cancelled() {
             self.stats.queued.fetch_sub(1, Ordering::AcqRel);
-            row::finish(&w.events, &w.request, FinishReason::Cancelled, 0, 0);
+            w.cancel();
         }
         if self.prefill.as_ref().is_some_and(|p| p.row.is_cancelled()) {
             let p = self.prefill.take().unwrap();
@@ -240,59 +231,41 @@ impl Scheduler {
         }
     }
 
+    /// Starts what the front of the queue allows (see [`admit::plan`]):
+    /// one request chunk by chunk, or a group of short ones together.
     fn admit(&mut self) {
-        while self.prefill.is_none()
-            && self.group.is_empty()
-            && self.rows.len() < self.cfg.max_batch
-        {
-            let Some((row, hit)) = self.take_next() else {
-                return;
-            };
-            let chunk = self.cfg.prefill_chunk;
-            match hit {
-                Some(h) => {
-                    self.prefill = Some(Prefilling {
-                        row,
-                        cache: h.cache,
-                        done: h.tokens,
-                    })
+        if self.prefill.is_some() || !self.group.is_empty() {
+            return;
+        }
+        let pool = &self.shared.kv_pool;
+        let prefix = &self.prefix;
+        let candidates = self.waiting.iter().map(|w| Candidate {
+            prompt_len: w.request.prompt.len(),
+            blocks: w.blocks,
+            images: !w.request.images.is_empty(),
+            prefix_hit: prefix.has_hit(w.request.cache_scope.as_deref(), &w.request.prompt),
+        });
+        let room = self.cfg.max_batch.saturating_sub(self.rows.len());
+        let free = pool.total().saturating_sub(pool.allocated());
+        match admit::plan(candidates, room, free, self.cfg.prefill_chunk) {
+            None => {}
+            Some(Start::Chunked) => {
+                if let Some((row, hit)) = self.take_next() {
+                    let (cache, done) = match hit {
+                        Some(h) => (h.cache, h.tokens),
+                        None => (self.shared.model.model.new_cache(1), 0),
+                    };
+                    self.prefill = Some(Prefilling { row, cache, done });
                 }
-                // Image requests prefill alone: their chunks replace the
-                // soft tokens' embeddings.
-                None if row.request.prompt.len() > chunk || !row.request.images.is_empty() => {
-                    let cache = self.shared.model.model.new_cache(1);
-                    self.prefill = Some(Prefilling {
-                        row,
-                        cache,
-                        done: 0,
-                    });
-                }
-                None => {
-                    // Short prompts that arrive together share one padded
-                    // prefill forward (within the step's token budget).
-                    let mut longest = row.request.prompt.len();
+            }
+            // Another engine may take blocks meanwhile: the group is what
+            // could be reserved.
+            Some(Start::Group(n)) => {
+                while self.group.len() < n {
+                    let Some((row, _)) = self.take_next() else {
+                        break;
+                    };
                     self.group.push(row);
-                    while self.rows.len() + self.group.len() < self.cfg.max_batch {
-                        let Some(front) = self.waiting.front() else {
-                            break;
-                        };
-                        let len = front.request.prompt.len();
-                        let padded = longest.max(len) * (self.group.len() + 1);
-                        if padded > chunk
-                            || !front.request.images.is_empty()
-                            || self.prefix.has_hit(
-                                front.request.cache_scope.as_deref(),
-                                &front.request.prompt,
-                            )
-                        {
-                            break;
-                        }
-                        let Some((row, _)) = self.take_next() else {
-                            break;
-                        };
-                        longest = longest.max(len);
-                        self.group.push(row);
-                    }
                 }
             }
         }
@@ -308,28 +281,26 @@ impl Scheduler {
             let w = self.waiting.pop()?;
             self.stats.queued.fetch_sub(1, Ordering::AcqRel);
             let vocab = self.shared.model.vocab_size() as i32;
-            let sampler = match Sampler::new(&w.request.sampling, vocab, &w.request.prompt) {
+            let mut out = Emitter::new(w.request, w.events);
+            let sampler = match Sampler::new(&out.request.sampling, vocab, &out.request.prompt) {
                 Ok(s) => s,
                 Err(e) => {
-                    let _ = w.events.send(Event::Error(format!(
-                        "{}: invalid sampling parameters: {e}",
-                        w.request.id
+                    let id = out.request.id;
+                    out.fail(StreamError::Invalid(format!(
+                        "{id}: invalid sampling parameters: {e}"
                     )));
                     continue;
                 }
             };
             let hit = self
                 .prefix
-                .lookup(w.request.cache_scope.as_deref(), &w.request.prompt);
-            let cached = hit.as_ref().map_or(0, |h| h.tokens as u32);
+                .lookup(out.request.cache_scope.as_deref(), &out.request.prompt);
+            out.set_cached_tokens(hit.as_ref().map_or(0, |h| h.tokens as u32));
             let row = Row {
-                request: w.request,
+                out,
                 sampler,
-                events: w.events,
                 reservation,
-                generated: 0,
                 last_token: 0,
-                cached_tokens: cached,
             };
             return Some((row, hit));
         }
@@ -350,14 +321,14 @@ impl Scheduler {
         }
         let mut rows = std::mem::take(&mut self.group);
         let model = &self.shared.model.model;
-        let (ids, pads) = generate::left_padded(rows.iter().map(|r| r.request.prompt.as_slice()));
+        let (ids, pads) = generate::left_padded(rows.iter().map(|r| r.request().prompt.as_slice()));
         let mut cache = KvCache::with_left_padding(model.num_layers(), pads);
         let logits = model.forward(&ids, &mut cache, Logits::Last)?;
         for (i, row) in rows.iter().enumerate() {
-            if self.prefix.wants(&row.request.prompt) {
+            if self.prefix.wants(&row.request().prompt) {
                 self.prefix.insert(
-                    row.request.cache_scope.as_deref(),
-                    &row.request.prompt,
+                    row.request().cache_scope.as_deref(),
+                    &row.request().prompt,
                     &cache.extract_row(i)?,
                 );
             }
@@ -384,12 +355,12 @@ impl Scheduler {
             return Ok(());
         };
         let model = &self.shared.model.model;
-        let prompt = &p.row.request.prompt;
+        let prompt = &p.row.request().prompt;
         let end = (p.done + self.cfg.prefill_chunk).min(prompt.len());
         // An image whose tokens attend both ways is prefilled in one chunk.
-        let end = vision::chunk_end(&p.row.request.images, p.done, end);
+        let end = vision::chunk_end(&p.row.request().images, p.done, end);
         let ids = generate::tokens_array(&prompt[p.done..end]);
-        let logits = match vision::replacement(&p.row.request.images, p.done, end - p.done) {
+        let logits = match vision::replacement(&p.row.request().images, p.done, end - p.done) {
             Some(images) => model.forward_replacing(&ids, &images, &mut p.cache, Logits::Last)?,
             None => model.forward(&ids, &mut p.cache, Logits::Last)?,
         };
@@ -400,8 +371,8 @@ impl Scheduler {
         }
         let mut p = self.prefill.take().unwrap();
         self.prefix.insert(
-            p.row.request.cache_scope.as_deref(),
-            &p.row.request.prompt,
+            p.row.request().cache_scope.as_deref(),
+            &p.row.request().prompt,
             &p.cache,
         );
         match advance_rows(std::slice::from_mut(&mut p.row), &logits)?.first() {
@@ -451,7 +422,7 @@ impl Scheduler {
             .chain(self.group.drain(..))
             .chain(self.prefill.take().map(|p| p.row))
         {
-            let _ = r.events.send(Event::Error(message.to_string()));
+            r.fail(StreamError::Internal(message.to_string()));
         }
         self.batch = None;
     }
@@ -459,21 +430,27 @@ impl Scheduler {
     fn cancel_everything(&mut self) {
         for w in self.waiting.drain() {
             self.stats.queued.fetch_sub(1, Ordering::AcqRel);
-            row::finish(&w.events, &w.request, FinishReason::Cancelled, 0, 0);
+            w.cancel();
         }
         while let Ok(msg) = self.rx.try_recv() {
             match msg {
                 Msg::Submit(w) => {
                     self.stats.queued.fetch_sub(1, Ordering::AcqRel);
-                    row::finish(&w.events, &w.request, FinishReason::Cancelled, 0, 0);
+                    w.cancel();
                 }
-                Msg::Adopt(h) => row::finish(
-                    &h.events,
-                    &h.request,
-                    FinishReason::Cancelled,
-                    h.generated,
-                    h.cached_tokens,
-                ),
+                Msg::Adopt(h) => {
+                    let Handover {
+                        request,
+                        events,
+                        generated,
+                        cached_tokens,
+                        reservation,
+                        ..
+                    } = *h;
+                    drop(reservation);
+                    Emitter::resume(request, events, generated, cached_tokens)
+                        .finish(FinishReason::Cancelled, None);
+                }
                 _ => {}
             }
         }
@@ -497,8 +474,13 @@ fn advance_rows(rows: &mut [Row], logits: &Array) -> anyhow::Result<Vec<(usize, 
         let t = tokens[i];
         row.sampler.observe(t)?;
         let lp = lps.iter().find(|(j, _)| *j == i).map(|(_, a)| a);
-        let (chosen, top) = read_logprobs(lp, t, row.request.sampling.top_logprobs);
-        if let Some(reason) = row.accept(t, chosen, top) {
+        let (logprob, top_logprobs) = read_logprobs(lp, t, row.request().sampling.top_logprobs);
+        let token = TokenEvent {
+            id: t,
+            logprob,
+            top_logprobs,
+        };
+        if let Some(reason) = row.accept(token) {
             finished.push((i, reason));
         }
     }

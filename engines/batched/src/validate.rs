@@ -7,12 +7,9 @@ use runtime::SharedModel;
 
 pub fn check(req: &GenerateRequest, shared: &SharedModel) -> Result<usize, EngineError> {
     runtime::admission::check_request(req, &shared.model)?;
-    let blocks = shared
-        .kv_pool
-        .blocks_for(req.prompt.len() + req.max_tokens as usize);
-    shared
-        .kv_pool
-        .check_fits(blocks)
-        .map_err(|e| EngineError::Invalid(format!("{}: {e}", req.id)))?;
-    Ok(blocks)
+    runtime::admission::blocks_that_fit(
+        &shared.kv_pool,
+        req,
+        req.prompt.len() + req.max_tokens as usize,
+    )
 }

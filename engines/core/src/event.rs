@@ -1,4 +1,5 @@
-//! What an engine streams back for one request.
+//! What an engine streams back for one request. Plain data (serde), so
+//! events can cross a process or ABI boundary as they are.
 
 use std::sync::Arc;
 
@@ -49,11 +50,26 @@ pub struct Finish {
     pub spec: Option<SpecStats>,
 }
 
+/// Why a request that an engine accepted ended without finishing. The
+/// kind decides what the client sees: `Invalid` is the client's mistake
+/// (400), `Overloaded` a capacity problem worth retrying (503
+/// `server_overloaded` with Retry-After), `Internal` the engine's failure
+/// (500, and a fault against the engine).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum StreamError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{0}")]
+    Overloaded(String),
+    #[error("{0}")]
+    Internal(String),
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Event {
     Token(TokenEvent),
     Finished(Finish),
-    Error(String),
+    Error(StreamError),
 }
 
 /// The receiving half of a request's events. The engine drops its sender

@@ -126,17 +126,6 @@ impl SamplingParams {
             || self.frequency_penalty != 0.0
             || !self.logit_bias.is_empty()
     }
-
-    /// Plain argmax decoding with nothing that needs per-step bookkeeping:
-    /// what the fast path and the speculative engines accept.
-    pub fn is_plain_greedy(&self) -> bool {
-        self.is_greedy()
-            && self.top_p >= 1.0
-            && self.top_k == 0
-            && self.min_p <= 0.0
-            && self.seed.is_none()
-            && !self.has_penalties()
-    }
 }
 
 /// A validated generation request. It crosses the plugin boundary as JSON;
@@ -183,6 +172,22 @@ impl ImageInput {
 }
 
 impl GenerateRequest {
+    /// Plain argmax decoding with nothing that needs per-step bookkeeping
+    /// (no truncation, penalties, seed or logprobs): what the router calls
+    /// greedy, what the fast path and the speculative engines serve, and
+    /// what the batched engine decodes with one shared argmax. The one
+    /// definition; everything asks here.
+    pub fn is_plain_greedy(&self) -> bool {
+        let s = &self.sampling;
+        s.is_greedy()
+            && s.top_p >= 1.0
+            && s.top_k == 0
+            && s.min_p <= 0.0
+            && s.seed.is_none()
+            && !s.has_penalties()
+            && !s.logprobs
+    }
+
     pub fn new(prompt: Vec<u32>, max_tokens: u32) -> Self {
         Self {
             id: RequestId::next(),
@@ -195,5 +200,31 @@ impl GenerateRequest {
             images: Vec::new(),
             cancel: CancelToken::new(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_greedy_is_argmax_without_bookkeeping() {
+        let mut req = GenerateRequest::new(vec![1], 1);
+        assert!(req.is_plain_greedy());
+        req.sampling.logprobs = true;
+        assert!(
+            !req.is_plain_greedy(),
+            "logprobs need the full distribution"
+        );
+        req.sampling = SamplingParams {
+            seed: Some(1),
+            ..SamplingParams::greedy()
+        };
+        assert!(!req.is_plain_greedy());
+        req.sampling = SamplingParams {
+            temperature: 0.5,
+            ..SamplingParams::greedy()
+        };
+        assert!(!req.is_plain_greedy());
     }
 }

@@ -5,7 +5,7 @@ use engine_core::{EngineError, GenerateRequest, Refusal};
 use runtime::SharedModel;
 
 pub fn check(req: &GenerateRequest, shared: &SharedModel) -> Result<(), EngineError> {
-    if !req.sampling.is_plain_greedy() || req.sampling.logprobs {
+    if !req.is_plain_greedy() {
         return Err(Refusal::NotPlainGreedy.into());
     }
     if req.has_tools {

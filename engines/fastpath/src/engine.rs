@@ -6,8 +6,8 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::Sender;
 use engine_core::{
-    Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventSender, GenerateRequest,
-    Refusal, RequestId,
+    CancelToken, Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventSender,
+    GenerateRequest, Refusal, RequestId,
 };
 use parking_lot::Mutex;
 use runtime::SharedModel;
@@ -21,7 +21,9 @@ pub struct FastpathEngine {
     /// Set while a request owns the slot (from submit until its loop ends).
     busy: Arc<AtomicBool>,
     handovers: Arc<AtomicU64>,
-    running: Mutex<Option<engine_core::CancelToken>>,
+    /// The request that last took the slot. It may have ended already (the
+    /// slot is freed before its final event), so cancellation matches ids.
+    running: Mutex<Option<(RequestId, CancelToken)>>,
     tx: Mutex<Option<Sender<Job>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -96,25 +98,15 @@ impl Engine for FastpathEngine {
         {
             return Err(Refusal::Busy.into());
         }
-        let tokens = request.prompt.len() + request.max_tokens as usize;
         // Reserved at the byte rate of this engine's own (unquantized) cache.
-        let blocks = self
-            .shared
-            .kv_pool
-            .blocks_for_bytes(tokens, self.shared.model.model.kv_bytes_per_token());
-        let reservation = match self.shared.kv_pool.try_reserve(blocks) {
-            Ok(r) => r,
-            Err(e) => {
-                self.busy.store(false, Ordering::Release);
-                return Err(match e {
-                    runtime::kv_pool::PoolError::NeverFits { .. } => {
-                        EngineError::Invalid(format!("{}: {e}", request.id))
-                    }
-                    runtime::kv_pool::PoolError::Exhausted => Refusal::Busy.into(),
-                });
-            }
-        };
-        *self.running.lock() = Some(request.cancel.clone());
+        let reservation = runtime::admission::reserve(
+            &self.shared.kv_pool,
+            &request,
+            request.prompt.len() + request.max_tokens as usize,
+            self.shared.model.model.kv_bytes_per_token(),
+        )
+        .inspect_err(|_| self.busy.store(false, Ordering::Release))?;
+        *self.running.lock() = Some((request.id, request.cancel.clone()));
         if tx
             .send(Job {
                 request,
@@ -129,9 +121,11 @@ impl Engine for FastpathEngine {
         Ok(())
     }
 
-    fn cancel(&self, _id: RequestId) {
-        if let Some(c) = self.running.lock().as_ref() {
-            c.cancel();
+    fn cancel(&self, id: RequestId) {
+        if let Some((running, c)) = self.running.lock().as_ref() {
+            if *running == id {
+                c.cancel();
+            }
         }
     }
 
@@ -154,7 +148,7 @@ impl Engine for FastpathEngine {
     /// returning, so no memory it uses is freed under it.
     fn shutdown(&self) {
         self.tx.lock().take();
-        if let Some(c) = self.running.lock().as_ref() {
+        if let Some((_, c)) = self.running.lock().as_ref() {
             c.cancel();
         }
         if let Some(t) = self.thread.lock().take() {

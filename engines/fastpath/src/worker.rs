@@ -4,7 +4,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use engine_core::event::EventSender;
-use engine_core::{Event, Finish, FinishReason, GenerateRequest, TokenEvent};
+use engine_core::{Event, FinishReason, GenerateRequest, StreamError};
+use runtime::emit::Emitter;
 use runtime::generate::GreedyStream;
 use runtime::handover::{Handover, HandoverSink};
 use runtime::{KvCache, Reservation, SharedModel};
@@ -23,15 +24,11 @@ pub enum Outcome {
 
 /// How the loop ended, before anything is released.
 enum End {
-    Done {
-        reason: FinishReason,
-        generated: u32,
-    },
+    Done(FinishReason),
     HandOver {
         sink: Arc<dyn HandoverSink>,
         cache: KvCache,
         last_token: u32,
-        generated: u32,
     },
 }
 
@@ -44,41 +41,36 @@ pub fn run(shared: &Arc<SharedModel>, job: Job, slot: &AtomicBool) -> Outcome {
         reservation,
         events,
     } = job;
-    match decode(shared, &request, &events) {
-        Ok(End::Done { reason, generated }) => {
+    let mut out = Emitter::new(request, events);
+    match decode(shared, &mut out) {
+        Ok(End::Done(reason)) => {
             drop(reservation);
             slot.store(false, Ordering::Release);
-            let _ = events.send(Event::Finished(Finish {
-                reason,
-                prompt_tokens: request.prompt.len() as u32,
-                completion_tokens: generated,
-                cached_tokens: 0,
-                spec: None,
-            }));
+            out.finish(reason, None);
             Outcome::Finished(reason)
         }
         Ok(End::HandOver {
             sink,
             cache,
             last_token,
-            generated,
         }) => {
             slot.store(false, Ordering::Release);
+            let (request, events, generated, cached_tokens) = out.into_parts();
             let handover = Handover {
                 request,
                 cache,
                 last_token,
                 generated,
-                cached_tokens: 0,
+                cached_tokens,
                 reservation,
                 events,
             };
             match sink.adopt(handover) {
                 Ok(()) => Outcome::HandedOver,
                 Err(h) => {
-                    let _ = h
-                        .events
-                        .send(Event::Error("generation could not continue".into()));
+                    let _ = h.events.send(Event::Error(StreamError::Internal(
+                        "generation could not continue".into(),
+                    )));
                     Outcome::Failed
                 }
             }
@@ -87,55 +79,29 @@ pub fn run(shared: &Arc<SharedModel>, job: Job, slot: &AtomicBool) -> Outcome {
             tracing::error!(error = %e, "fast path decode failed");
             drop(reservation);
             slot.store(false, Ordering::Release);
-            let _ = events.send(Event::Error(format!("generation failed: {e}")));
+            out.fail(StreamError::Internal(format!("generation failed: {e}")));
             Outcome::Failed
         }
     }
 }
 
-fn decode(
-    shared: &Arc<SharedModel>,
-    request: &GenerateRequest,
-    events: &EventSender,
-) -> anyhow::Result<End> {
+fn decode(shared: &Arc<SharedModel>, out: &mut Emitter) -> anyhow::Result<End> {
     let _device = shared.model.lock_device();
-    let mut stream = GreedyStream::start(&shared.model.model, &request.prompt)?;
-    let mut generated = 0u32;
+    let max_tokens = out.request.max_tokens;
+    let mut stream = GreedyStream::start(&shared.model.model, &out.request.prompt)?;
     loop {
         let hand_over = shared.handover_sink().filter(|s| s.busy());
         // Queue the next step unless this is the last token we may need or
         // we are about to hand over.
-        let token = stream.next_token(hand_over.is_none() && generated + 1 < request.max_tokens)?;
-        if request.stop_tokens.contains(&token) {
-            return Ok(End::Done {
-                reason: FinishReason::Stop,
-                generated,
-            });
-        }
-        let event = Event::Token(TokenEvent {
-            id: token,
-            logprob: None,
-            top_logprobs: Vec::new(),
-        });
-        if request.cancel.is_cancelled() || events.send(event).is_err() {
-            return Ok(End::Done {
-                reason: FinishReason::Cancelled,
-                generated,
-            });
-        }
-        generated += 1;
-        if generated >= request.max_tokens {
-            return Ok(End::Done {
-                reason: FinishReason::Length,
-                generated,
-            });
+        let token = stream.next_token(hand_over.is_none() && out.generated() + 1 < max_tokens)?;
+        if let Some(reason) = out.plain(token) {
+            return Ok(End::Done(reason));
         }
         if let Some(sink) = hand_over {
             return Ok(End::HandOver {
                 sink,
                 cache: stream.into_cache(),
                 last_token: token,
-                generated,
             });
         }
     }

@@ -293,3 +293,32 @@ fn handover_right_after_the_first_tokens_while_batched_admits() {
         assert_eq!(head, alone(&s.shared, &first, 200));
     }
 }
+
+/// The fast path frees its slot before its final event, so the next
+/// request can start while the gateway still holds the previous one's
+/// guard. Cancelling the previous request then (its client left, a stop
+/// string matched) must not touch the new one.
+#[test]
+fn cancelling_a_finished_request_leaves_the_next_one_alone() {
+    let s = setup();
+    let first = GenerateRequest::new(prompt(7, 10), 3);
+    let first_id = first.id;
+    let (_, finish) = rest(s.fast.submit(first).unwrap());
+    assert_eq!(finish.reason, FinishReason::Length);
+    // The slot is free: the next request starts before the guard of the
+    // first one is dropped.
+    // Long enough to be running still when the cancel arrives.
+    let mut b = s
+        .fast
+        .submit(GenerateRequest::new(prompt(8, 10), 2000))
+        .unwrap();
+    next_token(&mut b);
+    s.fast.cancel(first_id);
+    let (tail, finish) = rest(b);
+    assert_eq!(
+        (finish.reason, finish.completion_tokens),
+        (FinishReason::Length, 2000),
+        "the second request was cancelled"
+    );
+    assert_eq!(tail.len(), 1999);
+}

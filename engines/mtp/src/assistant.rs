@@ -27,6 +27,7 @@ struct Layer {
     scalar: Array,
     /// The target layer whose cache this layer reads.
     target_layer: usize,
+    head_dim: i32,
 }
 
 struct Net {
@@ -52,13 +53,16 @@ pub struct Assistant {
 }
 
 /// The target layers an assistant reads: the last sliding-window layer for
-/// its sliding layers and the last global layer for its full ones.
+/// its sliding layers and the last global layer for its full ones, of the
+/// layers that hold keys and values of their own (Gemma 4's KV-shared
+/// layers hold none).
 fn bind(target: &Model, sliding: bool) -> usize {
     let n = target.num_layers();
     let last = |want_window: bool| {
-        (0..n)
-            .rev()
-            .find(|&i| target.attention_info(i).window.is_some() == want_window)
+        (0..n).rev().find(|&i| {
+            let info = target.attention_info(i);
+            info.owns_kv && info.window.is_some() == want_window
+        })
     };
     if sliding {
         last(true).or(last(false)).unwrap_or(n - 1)
@@ -83,6 +87,21 @@ impl Assistant {
                     let norm = |w: &mut Weights, n: &str| {
                         RmsNorm::load(w, &format!("{p}.{n}"), eps, false)
                     };
+                    let target_layer = bind(target, sliding);
+                    // Its queries meet the target's cached keys head for head.
+                    let info = target.attention_info(target_layer);
+                    let head_dim = cfg.layer_head_dim(sliding);
+                    anyhow::ensure!(
+                        head_dim == info.head_dim,
+                        "layer {i}: the drafter's head size ({head_dim}) differs from target layer {target_layer}'s ({})",
+                        info.head_dim
+                    );
+                    anyhow::ensure!(
+                        cfg.num_heads % info.kv_heads == 0,
+                        "layer {i}: the drafter's {} query heads do not group over target layer {target_layer}'s {} KV heads",
+                        cfg.num_heads,
+                        info.kv_heads
+                    );
                     Ok(Layer {
                         q: Linear::load(&mut w, &format!("{p}.self_attn.q_proj"), q)?,
                         o: Linear::load(&mut w, &format!("{p}.self_attn.o_proj"), q)?,
@@ -93,7 +112,8 @@ impl Assistant {
                         pre_ff_norm: norm(&mut w, "pre_feedforward_layernorm")?,
                         post_ff_norm: norm(&mut w, "post_feedforward_layernorm")?,
                         scalar: w.take(&format!("{p}.layer_scalar"))?,
-                        target_layer: bind(target, sliding),
+                        target_layer,
+                        head_dim,
                     })
                 })
                 .collect::<anyhow::Result<Vec<_>>>()?;
@@ -266,7 +286,7 @@ impl Layer {
                 &self
                     .q
                     .forward(&h)?
-                    .reshape(&[b, l, cfg.num_heads, cfg.head_dim])?,
+                    .reshape(&[b, l, cfg.num_heads, self.head_dim])?,
             )?
             .transpose_axes(&[0, 2, 1, 3])?;
         // Queries rotate like the target layer's keys they meet.
@@ -287,7 +307,7 @@ impl Layer {
             .forward(&att.transpose_axes(&[0, 2, 1, 3])?.reshape(&[
                 b,
                 l,
-                cfg.num_heads * cfg.head_dim,
+                cfg.num_heads * self.head_dim,
             ])?)?;
         let h = x.add(&self.post_attn_norm.forward(&att)?)?;
         let r = self.mlp.forward(&self.pre_ff_norm.forward(&h)?)?;

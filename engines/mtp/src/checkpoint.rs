@@ -13,7 +13,10 @@ pub struct AssistantConfig {
     pub backbone_hidden_size: i32,
     pub hidden_size: i32,
     pub num_heads: i32,
+    /// Head size of sliding layers, and of full ones without
+    /// `global_head_dim`.
     pub head_dim: i32,
+    pub global_head_dim: Option<i32>,
     pub rms_norm_eps: f32,
     /// `sliding_attention` or not, per layer.
     pub sliding: Vec<bool>,
@@ -44,6 +47,14 @@ struct RawText {
 }
 
 impl AssistantConfig {
+    /// Head size of a sliding or full layer.
+    pub fn layer_head_dim(&self, sliding: bool) -> i32 {
+        match (sliding, self.global_head_dim) {
+            (false, Some(g)) => g,
+            _ => self.head_dim,
+        }
+    }
+
     pub fn load(dir: &Path, target: &ModelConfig) -> anyhow::Result<Self> {
         let value = speculative::checkpoint::read_config(
             dir,
@@ -69,20 +80,6 @@ impl AssistantConfig {
             raw.backbone_hidden_size,
             target.hidden_size
         );
-        // Its queries meet the target's cached keys head for head.
-        for hd in std::iter::once(t.head_dim).chain(t.global_head_dim) {
-            ensure!(
-                hd == target.head_dim,
-                "the drafter's head_dim ({hd}) differs from the target's ({})",
-                target.head_dim
-            );
-        }
-        ensure!(
-            t.num_attention_heads % target.num_kv_heads == 0,
-            "the drafter's {} query heads do not group over the target's {} KV heads",
-            t.num_attention_heads,
-            target.num_kv_heads
-        );
         let layer_types = if t.layer_types.is_empty() {
             vec!["full_attention".to_string(); t.num_hidden_layers as usize]
         } else {
@@ -107,6 +104,7 @@ impl AssistantConfig {
             hidden_size: t.hidden_size,
             num_heads: t.num_attention_heads,
             head_dim: t.head_dim,
+            global_head_dim: t.global_head_dim,
             rms_norm_eps: t.rms_norm_eps.unwrap_or(1e-6),
             sliding,
             scale: t.query_pre_attn_scalar.map_or(1.0, |s| s.powf(-0.5)),

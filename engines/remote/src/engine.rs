@@ -38,10 +38,8 @@ pub struct RemoteEngine {
 }
 
 impl RemoteEngine {
-    /// The plugin's constructor: installs the host's tracing dispatcher in
-    /// this copy of `tracing`, then builds the engine.
+    /// The plugin's constructor (logging is installed by `export_engine!`).
     pub fn from_context(ctx: EngineContext, model: ModelFacts) -> Result<Self, String> {
-        tracing::callsite::rebuild_interest_cache();
         let config = RemoteConfig::from_yaml(&ctx.config)?;
         Self::new(ctx.name, config, model)
     }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use engine_core::event::EventSender;
-use engine_core::{Event, Finish, FinishReason, GenerateRequest, TokenEvent};
+use engine_core::{Event, Finish, FinishReason, GenerateRequest, StreamError, TokenEvent};
 use http_body_util::BodyExt;
 use hyper::StatusCode;
 use tokio::sync::Notify;
@@ -40,7 +40,7 @@ enum Attempt {
     },
     /// Final: the upstream rejected the request itself, or failed after
     /// tokens were delivered.
-    Failed(String),
+    Failed(StreamError),
 }
 
 /// Tokens delivered so far for a request, across attempts (only the last
@@ -60,6 +60,8 @@ impl Forwarder {
         };
         let mut tried = Vec::new();
         let mut last_failure = String::from("no healthy upstream");
+        // Every upstream at its limit: capacity, worth retrying later.
+        let mut overloaded = false;
         for _ in 0..=self.retries {
             if request.cancel.is_cancelled() {
                 self.finish(&request, &mut delivery, FinishReason::Cancelled);
@@ -69,6 +71,7 @@ impl Forwarder {
                 Pick::Leased(lease) => lease,
                 Pick::AllBusy => {
                     last_failure = "every upstream is at its in-flight limit".into();
+                    overloaded = true;
                     break;
                 }
                 Pick::NoneHealthy => break,
@@ -92,17 +95,22 @@ impl Forwarder {
                     tracing::warn!(request = %request.id, upstream = %upstream.url, %reason, "upstream failed before its first token; trying another");
                     last_failure = reason;
                 }
-                Attempt::Failed(message) => {
-                    let _ = delivery.events.send(Event::Error(message));
+                Attempt::Failed(error) => {
+                    let _ = delivery.events.send(Event::Error(error));
                     return;
                 }
             }
         }
         // Says nothing about other requests: only this one's attempts.
-        let _ = delivery.events.send(Event::Error(format!(
+        let message = format!(
             "the remote pool could not serve the request after {} attempt(s): {last_failure}",
             tried.len()
-        )));
+        );
+        let _ = delivery.events.send(Event::Error(if overloaded {
+            StreamError::Overloaded(message)
+        } else {
+            StreamError::Internal(message)
+        }));
     }
 
     fn finish(&self, request: &GenerateRequest, delivery: &mut Delivery, reason: FinishReason) {
@@ -136,7 +144,11 @@ impl Forwarder {
                 // them as the same specials.
                 prompt_text = match self.tokenizer.decode(&request.prompt, false) {
                     Ok(t) => t,
-                    Err(e) => return Attempt::Failed(format!("cannot decode the prompt: {e}")),
+                    Err(e) => {
+                        return Attempt::Failed(StreamError::Invalid(format!(
+                            "cannot decode the prompt: {e}"
+                        )))
+                    }
                 };
                 WirePrompt::Text(&prompt_text)
             }
@@ -166,9 +178,9 @@ impl Forwarder {
                     upstream_down: false,
                 }
             } else {
-                Attempt::Failed(format!(
+                Attempt::Failed(StreamError::Invalid(format!(
                     "the upstream rejected the request ({status}): {message}"
-                ))
+                )))
             };
         }
         let mut body = response.into_body();
@@ -214,9 +226,9 @@ impl Forwarder {
                 }
             } else {
                 tracing::warn!(request = %request.id, upstream = %upstream.url, reason = %failure, "upstream failed mid-stream");
-                Attempt::Failed(format!(
+                Attempt::Failed(StreamError::Internal(format!(
                     "the upstream failed after the response started: {failure}"
-                ))
+                )))
             };
         }
     }

@@ -2,8 +2,11 @@
 //! so a bad request gets the same clear error, naming it, whichever engine
 //! the router picked.
 
-use engine_core::{EngineError, GenerateRequest};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
+use engine_core::{EngineError, GenerateRequest, Refusal};
+
+use crate::kv_pool::{KvPool, PoolError, Reservation};
 use crate::loader::LoadedModel;
 
 pub fn check_request(req: &GenerateRequest, model: &LoadedModel) -> Result<(), EngineError> {
@@ -72,4 +75,47 @@ fn check_images(req: &GenerateRequest, model: &LoadedModel) -> Result<(), Engine
         end = im.end();
     }
     Ok(())
+}
+
+/// Reserves KV for `tokens` of `req` at `bytes_per_token` now, for engines
+/// that do not queue: a request that could never fit the pool is invalid;
+/// a pool that is full right now is a refusal, so the router tries the
+/// next engine.
+pub fn reserve(
+    pool: &KvPool,
+    req: &GenerateRequest,
+    tokens: usize,
+    bytes_per_token: usize,
+) -> Result<Reservation, EngineError> {
+    pool.try_reserve(pool.blocks_for_bytes(tokens, bytes_per_token))
+        .map_err(|e| pool_error(req, e))
+}
+
+/// The blocks `req` needs for `tokens` at the pool's own rate, for engines
+/// that queue until they are free; invalid when they could never be.
+pub fn blocks_that_fit(
+    pool: &KvPool,
+    req: &GenerateRequest,
+    tokens: usize,
+) -> Result<usize, EngineError> {
+    let blocks = pool.blocks_for(tokens);
+    pool.check_fits(blocks).map_err(|e| pool_error(req, e))?;
+    Ok(blocks)
+}
+
+fn pool_error(req: &GenerateRequest, e: PoolError) -> EngineError {
+    match e {
+        PoolError::NeverFits { .. } => EngineError::Invalid(format!("{}: {e}", req.id)),
+        PoolError::Exhausted => Refusal::Busy.into(),
+    }
+}
+
+/// Counts one more in `count` unless it is at `cap` already, in one atomic
+/// step: concurrent submits cannot both pass the check and overshoot.
+pub fn take_slot(count: &AtomicUsize, cap: usize) -> bool {
+    count
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < cap).then_some(n + 1)
+        })
+        .is_ok()
 }

@@ -166,6 +166,9 @@ impl KvCache {
             .len();
         let len = parts.iter().map(|c| c.len).max().unwrap_or(0);
         let capacity = round_up(len.max(1));
+        let without_kv: Vec<bool> = (0..num_layers)
+            .map(|l| parts.iter().all(|p| p.keys[l].is_none()))
+            .collect();
         let mut left_pad = Vec::new();
         let mut keys = vec![Vec::new(); num_layers];
         let mut values = vec![Vec::new(); num_layers];
@@ -173,22 +176,30 @@ impl KvCache {
             let shift = len - part.len;
             left_pad.extend(part.left_pad.iter().map(|p| p + shift));
             for l in 0..num_layers {
-                let (Some(k), Some(v)) = (&part.keys[l], &part.values[l]) else {
-                    return Err(anyhow!("cannot merge an empty cache"));
-                };
-                keys[l].push(align(k, part.len, shift, capacity)?);
-                values[l].push(align(v, part.len, shift, capacity)?);
+                match (&part.keys[l], &part.values[l]) {
+                    (Some(k), Some(v)) => {
+                        keys[l].push(align(k, part.len, shift, capacity)?);
+                        values[l].push(align(v, part.len, shift, capacity)?);
+                    }
+                    // Layers that attend to another layer's keys and values
+                    // hold none of their own, in every part alike.
+                    _ if without_kv[l] => {}
+                    _ => return Err(anyhow!("cannot merge an empty cache")),
+                }
             }
         }
+        let stack = |parts: Vec<Vec<Array>>| -> anyhow::Result<Vec<Option<Array>>> {
+            parts
+                .into_iter()
+                .map(|p| match p.is_empty() {
+                    true => Ok(None),
+                    false => Ok(Some(ops::concatenate(&p, 0)?)),
+                })
+                .collect()
+        };
         Ok(KvCache {
-            keys: keys
-                .into_iter()
-                .map(|k| ops::concatenate(&k, 0).map(Some))
-                .collect::<Result<_, _>>()?,
-            values: values
-                .into_iter()
-                .map(|v| ops::concatenate(&v, 0).map(Some))
-                .collect::<Result<_, _>>()?,
+            keys: stack(keys)?,
+            values: stack(values)?,
             len,
             capacity,
             left_pad,

@@ -1,11 +1,14 @@
 //! `config.json` of a Hugging Face model directory, for the families we run.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::path::Path;
 use std::str::FromStr;
 
 use anyhow::{bail, Context};
 use serde::Deserialize;
+use text::reasoning::ReasoningFormat;
+use text::tools::ToolFormat;
 
 /// The model families the runtime runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -14,10 +17,17 @@ pub enum Family {
     Qwen2,
     Qwen3,
     Gemma3,
+    Gemma4,
 }
 
 impl Family {
-    pub const ALL: [Family; 4] = [Family::Llama, Family::Qwen2, Family::Qwen3, Family::Gemma3];
+    pub const ALL: [Family; 5] = [
+        Family::Llama,
+        Family::Qwen2,
+        Family::Qwen3,
+        Family::Gemma3,
+        Family::Gemma4,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -25,6 +35,27 @@ impl Family {
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
             Family::Gemma3 => "gemma3",
+            Family::Gemma4 => "gemma4",
+        }
+    }
+}
+
+impl Family {
+    /// How the family marks reasoning in its output.
+    pub fn reasoning_format(self) -> ReasoningFormat {
+        match self {
+            Family::Qwen3 => ReasoningFormat::Think,
+            Family::Gemma3 | Family::Gemma4 => ReasoningFormat::GemmaChannel,
+            Family::Llama | Family::Qwen2 => ReasoningFormat::None,
+        }
+    }
+
+    /// How the family writes tool calls.
+    pub fn tool_format(self) -> ToolFormat {
+        match self {
+            Family::Qwen2 | Family::Qwen3 => ToolFormat::Hermes,
+            Family::Llama => ToolFormat::Llama3Json,
+            Family::Gemma3 | Family::Gemma4 => ToolFormat::Gemma,
         }
     }
 }
@@ -44,7 +75,7 @@ impl FromStr for Family {
             .find(|f| f.name() == s)
             .ok_or_else(|| {
                 anyhow::anyhow!(
-                    "unknown model family {s:?} (expected llama, qwen2, qwen3 or gemma3)"
+                    "unknown model family {s:?} (expected llama, qwen2, qwen3, gemma3 or gemma4)"
                 )
             })
     }
@@ -56,11 +87,69 @@ pub struct Quantization {
     pub bits: i32,
 }
 
+/// Bit widths of MLX's affine quantization (`mx.quantize`).
+const AFFINE_BITS: [i32; 6] = [2, 3, 4, 5, 6, 8];
+
+/// Module path (canonical weight naming, no `.weight`) to the layer's own
+/// quantization, `None` where it stays unquantized: mlx-lm writes these
+/// for layers a model's `quant_predicate` treats differently, like Gemma
+/// 4's routers.
+pub type QuantizationOverrides = HashMap<String, Option<Quantization>>;
+
+/// The `quantization` block of an MLX checkpoint: the default for every
+/// quantized layer and the per-layer overrides.
+fn parse_quantization(
+    value: Option<&serde_json::Value>,
+) -> anyhow::Result<(Option<Quantization>, QuantizationOverrides)> {
+    let Some(obj) = value.and_then(|v| v.as_object()) else {
+        return Ok((None, HashMap::new()));
+    };
+    if let Some(mode) = obj.get("mode").and_then(|m| m.as_str()) {
+        if mode != "affine" {
+            bail!("quantization mode `{mode}` is not supported (only MLX affine)");
+        }
+    }
+    let spec = |v: &serde_json::Value| -> anyhow::Result<Quantization> {
+        let q: Quantization =
+            serde_json::from_value(v.clone()).with_context(|| format!("quantization entry {v}"))?;
+        if !AFFINE_BITS.contains(&q.bits) || q.group_size <= 0 {
+            bail!(
+                    "quantization with {} bits, group size {} is not supported (bits: 2, 3, 4, 5, 6, 8)",
+                    q.bits,
+                    q.group_size
+                );
+        }
+        Ok(q)
+    };
+    let default = match (obj.get("bits"), obj.get("group_size")) {
+        (None, None) => None,
+        _ => Some(spec(&serde_json::Value::Object(obj.clone()))?),
+    };
+    let mut overrides = HashMap::new();
+    for (path, v) in obj {
+        let q = match v {
+            serde_json::Value::Object(_) => Some(spec(v)?),
+            serde_json::Value::Bool(false) => None,
+            _ => continue,
+        };
+        let weight = crate::weights::canonical_name(&format!("{path}.weight"));
+        overrides.insert(weight.trim_end_matches(".weight").to_string(), q);
+    }
+    Ok((default, overrides))
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
     None,
     /// Positions divided by `factor` (Gemma 3 global layers).
     Linear {
+        factor: f32,
+    },
+    /// Gemma 4 full-attention layers: only the first `rotated` of the head's
+    /// dimensions turn, at the frequencies a rotation over the whole head
+    /// would give them (times `factor`); the rest pass through.
+    Proportional {
+        rotated_fraction: f32,
         factor: f32,
     },
     /// Llama 3.1 frequency smoothing.
@@ -97,6 +186,60 @@ pub struct ModelConfig {
     pub query_pre_attn_scalar: Option<f32>,
     pub eos_token_id: Vec<u32>,
     pub quantization: Option<Quantization>,
+    pub quantization_overrides: QuantizationOverrides,
+    pub gemma4: Option<Gemma4Config>,
+}
+
+/// What Gemma 4 adds to the decoder (`gemma4_text`, or a `gemma4`
+/// checkpoint's `text_config`).
+#[derive(Debug, Clone)]
+pub struct Gemma4Config {
+    /// Per layer: full attention (`true`) or sliding (`layer_types`).
+    pub full_attention: Vec<bool>,
+    /// Head size of the full-attention layers (sliding ones use `head_dim`).
+    pub global_head_dim: i32,
+    /// KV heads of full-attention layers whose values are their keys.
+    pub global_kv_heads: Option<i32>,
+    /// Full-attention layers compute no values: V is K before its norms.
+    pub attention_k_eq_v: bool,
+    /// The last this many layers compute no keys or values of their own;
+    /// each reads those of the last earlier layer of its attention kind.
+    pub num_kv_shared_layers: i32,
+    /// Per-layer input embeddings (E2B/E4B): width per layer and the
+    /// vocabulary of their table.
+    pub per_layer_input: Option<(i32, i32)>,
+    /// KV-shared layers have MLPs twice `intermediate_size` wide.
+    pub double_wide_mlp: bool,
+    pub final_logit_softcapping: Option<f32>,
+    pub moe: Option<MoeConfig>,
+    /// Rope base and scaling of full and sliding layers (`rope_parameters`).
+    pub rope_full: (f32, RopeScaling),
+    pub rope_sliding: (f32, RopeScaling),
+}
+
+/// A sparse mixture-of-experts block beside the dense MLP (26B-A4B).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MoeConfig {
+    pub num_experts: i32,
+    pub top_k: i32,
+    pub intermediate: i32,
+}
+
+/// One decoder layer's geometry, whatever the family.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerSpec {
+    /// Sliding-window size, `None` for full attention.
+    pub window: Option<i32>,
+    pub head_dim: i32,
+    pub kv_heads: i32,
+    pub rope_base: f32,
+    pub rope_scaling: RopeScaling,
+    /// Values are the keys (no `v_proj`).
+    pub k_eq_v: bool,
+    /// The earlier layer whose keys and values this layer attends to
+    /// instead of computing its own.
+    pub kv_source: Option<usize>,
+    pub intermediate: i32,
 }
 
 #[derive(Deserialize)]
@@ -120,8 +263,24 @@ struct Raw {
     rope_local_base_freq: Option<f32>,
     query_pre_attn_scalar: Option<f32>,
     eos_token_id: Option<serde_json::Value>,
-    quantization: Option<Quantization>,
-    text_config: Option<serde_json::Value>,
+    quantization: Option<serde_json::Value>,
+    // Gemma 4.
+    layer_types: Option<Vec<String>>,
+    global_head_dim: Option<i32>,
+    num_global_key_value_heads: Option<i32>,
+    attention_k_eq_v: Option<bool>,
+    num_kv_shared_layers: Option<i32>,
+    /// Absent means the default width, `null` no per-layer inputs.
+    #[serde(default, deserialize_with = "present")]
+    hidden_size_per_layer_input: Option<Option<i32>>,
+    vocab_size_per_layer_input: Option<i32>,
+    use_double_wide_mlp: Option<bool>,
+    final_logit_softcapping: Option<f32>,
+    enable_moe_block: Option<bool>,
+    num_experts: Option<i32>,
+    top_k_experts: Option<i32>,
+    moe_intermediate_size: Option<i32>,
+    rope_parameters: Option<serde_json::Value>,
 }
 
 /// `eos_token_id` may be an int, a list of ints, or absent.
@@ -163,17 +322,23 @@ impl ModelConfig {
 
     pub fn from_json(value: serde_json::Value) -> anyhow::Result<Self> {
         let raw: Raw = serde_json::from_value(value)?;
-        let _ = &raw.text_config;
         let family = match raw.model_type.as_str() {
             "llama" | "mistral" => Family::Llama,
             "qwen2" => Family::Qwen2,
             "qwen3" => Family::Qwen3,
             "gemma3_text" | "gemma3" => Family::Gemma3,
+            "gemma4_text" | "gemma4" => Family::Gemma4,
             other => bail!(
-                "unsupported model_type `{other}` (supported: llama, qwen2, qwen3, gemma3_text)"
+                "unsupported model_type `{other}` (supported: llama, mistral, qwen2, qwen3, gemma3, gemma3_text, gemma4, gemma4_text)"
             ),
         };
-        let gemma = family == Family::Gemma3;
+        let gemma = matches!(family, Family::Gemma3 | Family::Gemma4);
+        let (quantization, quantization_overrides) = parse_quantization(raw.quantization.as_ref())?;
+        let gemma4 = if family == Family::Gemma4 {
+            Some(gemma4_config(&raw)?)
+        } else {
+            None
+        };
         let head_dim = raw
             .head_dim
             .unwrap_or(raw.hidden_size / raw.num_attention_heads);
@@ -209,29 +374,212 @@ impl ModelConfig {
                 None
             },
             eos_token_id: token_ids(raw.eos_token_id.as_ref()),
-            quantization: raw.quantization,
+            quantization,
+            quantization_overrides,
+            gemma4,
         })
     }
 
     /// Gemma 3 uses sliding-window attention except on every
-    /// `sliding_window_pattern`-th layer.
+    /// `sliding_window_pattern`-th layer; Gemma 4 lists each layer's kind.
     pub fn layer_window(&self, layer: i32) -> Option<i32> {
         let window = self.sliding_window?;
-        let global = (layer + 1) % self.sliding_window_pattern == 0;
+        let global = match &self.gemma4 {
+            Some(g) => g.full_attention[layer as usize],
+            None => (layer + 1) % self.sliding_window_pattern == 0,
+        };
         (!global).then_some(window)
     }
 
-    pub fn has_qk_norm(&self) -> bool {
-        matches!(self.family, Family::Qwen3 | Family::Gemma3)
+    /// Layer `layer`'s attention and MLP geometry.
+    pub fn layer(&self, layer: i32) -> LayerSpec {
+        let window = self.layer_window(layer);
+        let Some(g) = &self.gemma4 else {
+            let (rope_base, rope_scaling) = if window.is_some() {
+                (self.rope_local_theta, RopeScaling::None)
+            } else {
+                (self.rope_theta, self.rope_scaling.clone())
+            };
+            return LayerSpec {
+                window,
+                head_dim: self.head_dim,
+                kv_heads: self.num_kv_heads,
+                rope_base,
+                rope_scaling,
+                k_eq_v: false,
+                kv_source: None,
+                intermediate: self.intermediate_size,
+            };
+        };
+        let i = layer as usize;
+        let full = g.full_attention[i];
+        let k_eq_v = g.attention_k_eq_v && full;
+        let first_shared = (self.num_layers - g.num_kv_shared_layers) as usize;
+        let kv_source = (g.num_kv_shared_layers > 0 && i >= first_shared).then(|| {
+            (0..first_shared)
+                .rev()
+                .find(|&j| g.full_attention[j] == full)
+                .expect("checked when the config was read")
+        });
+        let (rope_base, rope_scaling) = if full {
+            g.rope_full.clone()
+        } else {
+            g.rope_sliding.clone()
+        };
+        LayerSpec {
+            window,
+            head_dim: if full {
+                g.global_head_dim
+            } else {
+                self.head_dim
+            },
+            kv_heads: match g.global_kv_heads {
+                Some(n) if k_eq_v => n,
+                _ => self.num_kv_heads,
+            },
+            rope_base,
+            rope_scaling,
+            k_eq_v,
+            kv_source,
+            intermediate: self.intermediate_size
+                * if g.double_wide_mlp && kv_source.is_some() {
+                    2
+                } else {
+                    1
+                },
+        }
     }
 
-    /// Bytes of K+V per token across all layers at the given element size.
-    pub fn kv_bytes_per_token(&self, elem_bytes: usize) -> usize {
-        2 * self.num_layers as usize
-            * self.num_kv_heads as usize
-            * self.head_dim as usize
-            * elem_bytes
+    pub fn has_qk_norm(&self) -> bool {
+        matches!(self.family, Family::Qwen3 | Family::Gemma3 | Family::Gemma4)
     }
+
+    /// Softmax scale of attention scores.
+    pub fn attention_scale(&self, head_dim: i32) -> f32 {
+        if self.family == Family::Gemma4 {
+            // q and k are RMS-normed instead.
+            return 1.0;
+        }
+        self.query_pre_attn_scalar
+            .unwrap_or(head_dim as f32)
+            .powf(-0.5)
+    }
+
+    /// The quantization of the layer whose weights are `{prefix}.*`.
+    pub fn quant_for(&self, prefix: &str) -> Option<Quantization> {
+        self.quantization_overrides
+            .get(prefix)
+            .copied()
+            .unwrap_or(self.quantization)
+    }
+
+    /// Bytes of K+V per token across all layers at the given element size:
+    /// layers that read another layer's keys and values hold none.
+    pub fn kv_bytes_per_token(&self, elem_bytes: usize) -> usize {
+        (0..self.num_layers)
+            .map(|i| self.layer(i))
+            .filter(|l| l.kv_source.is_none())
+            .map(|l| 2 * l.kv_heads as usize * l.head_dim as usize * elem_bytes)
+            .sum()
+    }
+}
+
+/// `Some(value)` for a key that is present, even as `null`.
+fn present<'de, D, T>(d: D) -> Result<Option<Option<T>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Option::<T>::deserialize(d).map(Some)
+}
+
+fn gemma4_config(raw: &Raw) -> anyhow::Result<Gemma4Config> {
+    let n = raw.num_hidden_layers as usize;
+    let full_attention: Vec<bool> = match &raw.layer_types {
+        Some(types) => {
+            if types.len() != n {
+                bail!(
+                    "layer_types lists {} layers, num_hidden_layers is {n}",
+                    types.len()
+                );
+            }
+            types
+                .iter()
+                .map(|t| match t.as_str() {
+                    "full_attention" => Ok(true),
+                    "sliding_attention" => Ok(false),
+                    other => bail!("unsupported layer type `{other}` in layer_types"),
+                })
+                .collect::<anyhow::Result<_>>()?
+        }
+        None => {
+            let pattern = raw.sliding_window_pattern.unwrap_or(6);
+            (0..n).map(|i| (i + 1) % pattern as usize == 0).collect()
+        }
+    };
+    let shared = raw.num_kv_shared_layers.unwrap_or(0);
+    if shared < 0 || shared >= raw.num_hidden_layers {
+        bail!("num_kv_shared_layers {shared} leaves no layer computing keys and values");
+    }
+    let first_shared = n - shared as usize;
+    for kind in [true, false] {
+        let used = full_attention[first_shared..].contains(&kind);
+        if used && !full_attention[..first_shared].contains(&kind) {
+            bail!("KV-shared layers of a kind no earlier layer computes keys and values for");
+        }
+    }
+    let rope = |kind: &str, default_base: f32, default: RopeScaling| -> anyhow::Result<_> {
+        let Some(p) = raw.rope_parameters.as_ref().and_then(|r| r.get(kind)) else {
+            return Ok((default_base, default));
+        };
+        let base = p
+            .get("rope_theta")
+            .and_then(|v| v.as_f64())
+            .map_or(default_base, |v| v as f32);
+        Ok((base, parse_rope_scaling(Some(p))?))
+    };
+    let moe = match raw.enable_moe_block.unwrap_or(false) {
+        false => None,
+        true => {
+            let need = |v: Option<i32>, name: &str| {
+                v.with_context(|| format!("enable_moe_block is set but {name} is missing"))
+            };
+            Some(MoeConfig {
+                num_experts: need(raw.num_experts, "num_experts")?,
+                top_k: need(raw.top_k_experts, "top_k_experts")?,
+                intermediate: need(raw.moe_intermediate_size, "moe_intermediate_size")?,
+            })
+        }
+    };
+    let per_layer_width = raw
+        .hidden_size_per_layer_input
+        .unwrap_or(Some(256))
+        .unwrap_or(0);
+    Ok(Gemma4Config {
+        full_attention,
+        global_head_dim: raw.global_head_dim.unwrap_or(512),
+        global_kv_heads: raw.num_global_key_value_heads,
+        attention_k_eq_v: raw.attention_k_eq_v.unwrap_or(false),
+        num_kv_shared_layers: shared,
+        per_layer_input: (per_layer_width > 0).then(|| {
+            (
+                per_layer_width,
+                raw.vocab_size_per_layer_input.unwrap_or(raw.vocab_size),
+            )
+        }),
+        double_wide_mlp: raw.use_double_wide_mlp.unwrap_or(false),
+        final_logit_softcapping: raw.final_logit_softcapping,
+        moe,
+        rope_full: rope(
+            "full_attention",
+            1_000_000.0,
+            RopeScaling::Proportional {
+                rotated_fraction: 0.25,
+                factor: 1.0,
+            },
+        )?,
+        rope_sliding: rope("sliding_attention", 10_000.0, RopeScaling::None)?,
+    })
 }
 
 fn parse_rope_scaling(value: Option<&serde_json::Value>) -> anyhow::Result<RopeScaling> {
@@ -254,13 +602,19 @@ fn parse_rope_scaling(value: Option<&serde_json::Value>) -> anyhow::Result<RopeS
         "linear" => RopeScaling::Linear {
             factor: num("factor", 1.0),
         },
+        "proportional" => RopeScaling::Proportional {
+            rotated_fraction: num("partial_rotary_factor", 1.0),
+            factor: num("factor", 1.0),
+        },
         "llama3" => RopeScaling::Llama3 {
             factor: num("factor", 1.0),
             low_freq_factor: num("low_freq_factor", 1.0),
             high_freq_factor: num("high_freq_factor", 4.0),
             original_max_position_embeddings: num("original_max_position_embeddings", 8192.0),
         },
-        other => bail!("unsupported rope_scaling type `{other}` (supported: linear, llama3)"),
+        other => bail!(
+            "unsupported rope_scaling type `{other}` (supported: linear, llama3, proportional)"
+        ),
     })
 }
 
@@ -275,5 +629,18 @@ mod tests {
         }
         let err = "mistral".parse::<Family>().unwrap_err().to_string();
         assert!(err.contains("mistral"), "{err}");
+    }
+
+    #[test]
+    fn formats_by_family() {
+        assert_eq!(Family::Qwen3.tool_format(), ToolFormat::Hermes);
+        assert_eq!(Family::Llama.tool_format(), ToolFormat::Llama3Json);
+        assert_eq!(Family::Gemma3.tool_format(), ToolFormat::Gemma);
+        assert_eq!(Family::Qwen3.reasoning_format(), ReasoningFormat::Think);
+        assert_eq!(
+            Family::Gemma3.reasoning_format(),
+            ReasoningFormat::GemmaChannel
+        );
+        assert_eq!(Family::Llama.reasoning_format(), ReasoningFormat::None);
     }
 }

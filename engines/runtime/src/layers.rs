@@ -3,7 +3,7 @@
 
 use mlx_rs::{fast, ops, Array, Dtype};
 
-use crate::config::{ModelConfig, Quantization, RopeScaling};
+use crate::config::{Quantization, RopeScaling};
 use crate::weights::Weights;
 
 type R<T> = Result<T, mlx_rs::error::Exception>;
@@ -42,6 +42,55 @@ impl Linear {
             }),
             _ => Ok(Linear::Dense { weight, bias }),
         }
+    }
+
+    /// [`Linear::load`] of a layer mapping `in_features` to `out_features`:
+    /// a tensor of another shape, or quantized weights the config does not
+    /// describe, fail naming the tensor and its file.
+    pub fn load_checked(
+        w: &mut Weights,
+        prefix: &str,
+        quant: Option<Quantization>,
+        out_features: i32,
+        in_features: i32,
+    ) -> anyhow::Result<Self> {
+        let name = format!("{prefix}.weight");
+        let quantized = w.contains(&format!("{prefix}.scales"));
+        if quantized && quant.is_none() {
+            anyhow::bail!(
+                "tensor `{name}` in {} is quantized (it has scales) but config.json has no quantization for it",
+                w.file_of(&name)
+            );
+        }
+        let layer = Self::load(w, prefix, quant)?;
+        match &layer {
+            Linear::Dense { weight, bias } => {
+                w.check_shape(&name, weight, &[out_features, in_features])?;
+                if let Some(b) = bias {
+                    w.check_shape(&format!("{prefix}.bias"), b, &[out_features])?;
+                }
+            }
+            Linear::Quantized {
+                weight,
+                scales,
+                biases,
+                group_size,
+                bits,
+                ..
+            } => {
+                let (packed, groups) = quantized_shape(in_features, *group_size, *bits)
+                    .ok_or_else(|| {
+                        anyhow::anyhow!(
+                            "tensor `{name}` in {}: {in_features} inputs do not split into {bits}-bit groups of {group_size}",
+                            w.file_of(&name)
+                        )
+                    })?;
+                w.check_shape(&name, weight, &[out_features, packed])?;
+                w.check_shape(&format!("{prefix}.scales"), scales, &[out_features, groups])?;
+                w.check_shape(&format!("{prefix}.biases"), biases, &[out_features, groups])?;
+            }
+        }
+        Ok(layer)
     }
 
     pub fn forward(&self, x: &Array) -> R<Array> {
@@ -157,6 +206,13 @@ impl Linear {
     }
 }
 
+/// Packed uint32 columns and scale groups of `in_features` quantized to
+/// `bits` in groups of `group_size`, `None` when they do not divide.
+pub fn quantized_shape(in_features: i32, group_size: i32, bits: i32) -> Option<(i32, i32)> {
+    let fits = in_features % group_size == 0 && (in_features * bits) % 32 == 0;
+    fits.then(|| (in_features * bits / 32, in_features / group_size))
+}
+
 /// Several projections of the same input (q/k/v, or gate/up), computed by
 /// one stacked matmul whose output is split, when their weights allow it.
 pub enum Projections {
@@ -256,6 +312,19 @@ impl Embedding {
         })
     }
 
+    /// A `rows` x `dims` table, checked like [`Linear::load_checked`].
+    pub fn load_checked(
+        w: &mut Weights,
+        prefix: &str,
+        quant: Option<Quantization>,
+        rows: i32,
+        dims: i32,
+    ) -> anyhow::Result<Self> {
+        Ok(Self {
+            table: Linear::load_checked(w, prefix, quant, rows, dims)?,
+        })
+    }
+
     pub fn forward(&self, ids: &Array) -> R<Array> {
         match &self.table {
             Linear::Dense { weight, .. } => weight.take_axis(ids, 0),
@@ -300,7 +369,23 @@ pub struct RmsNorm {
 impl RmsNorm {
     /// Gemma stores `w` and normalises with `1 + w`; folded in at load.
     pub fn load(w: &mut Weights, name: &str, eps: f32, plus_one: bool) -> anyhow::Result<Self> {
-        let mut weight = w.take(&format!("{name}.weight"))?;
+        let weight = w.take(&format!("{name}.weight"))?;
+        Self::new(weight, eps, plus_one)
+    }
+
+    /// [`RmsNorm::load`] of a norm over `dims` features.
+    pub fn load_sized(
+        w: &mut Weights,
+        name: &str,
+        dims: i32,
+        eps: f32,
+        plus_one: bool,
+    ) -> anyhow::Result<Self> {
+        let weight = w.take_shaped(&format!("{name}.weight"), &[dims])?;
+        Self::new(weight, eps, plus_one)
+    }
+
+    fn new(mut weight: Array, eps: f32, plus_one: bool) -> anyhow::Result<Self> {
         if plus_one {
             weight = weight.add(Array::from_f32(1.0))?.as_dtype(weight.dtype())?;
         }
@@ -325,8 +410,8 @@ pub struct Rope {
 }
 
 impl Rope {
-    pub fn new(cfg: &ModelConfig, base: f32, scaling: &RopeScaling) -> Self {
-        let dims = cfg.head_dim;
+    /// Rotary embedding over heads of `dims` features.
+    pub fn new(dims: i32, base: f32, scaling: &RopeScaling) -> Self {
         match *scaling {
             RopeScaling::None => Self {
                 dims,
@@ -340,6 +425,28 @@ impl Rope {
                 scale: 1.0 / factor,
                 freqs: None,
             },
+            RopeScaling::Proportional {
+                rotated_fraction,
+                factor,
+            } => {
+                // Infinite wavelengths leave the unrotated tail unchanged.
+                let rotated = (dims as f32 * rotated_fraction) as i32;
+                let freqs: Vec<f32> = (0..dims / 2)
+                    .map(|i| {
+                        if 2 * i < rotated {
+                            factor * base.powf((2 * i) as f32 / dims as f32)
+                        } else {
+                            f32::INFINITY
+                        }
+                    })
+                    .collect();
+                Self {
+                    dims,
+                    base: None,
+                    scale: 1.0,
+                    freqs: Some(Array::from_slice(&freqs, &[dims / 2])),
+                }
+            }
             RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,

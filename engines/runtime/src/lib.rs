@@ -9,6 +9,7 @@ pub mod admission;
 pub mod cache;
 pub mod config;
 pub mod cuda_env;
+pub mod emit;
 pub mod generate;
 pub mod handover;
 pub mod kv_pool;

@@ -9,12 +9,13 @@ use mlx_rs::{ops, Array, Dtype};
 
 use crate::activations;
 use crate::cache::{slice, KvCache};
-use crate::config::{Family, ModelConfig, RopeScaling};
+use crate::config::{Family, ModelConfig};
 use crate::layers::{Embedding, Linear, Offsets, Projections, RmsNorm, Rope};
 use crate::mask::{self, AttnMask};
 use crate::weights::Weights;
 
 mod embeds;
+mod gemma4;
 pub use embeds::Replacement;
 
 type R<T> = Result<T, mlx_rs::error::Exception>;
@@ -29,16 +30,21 @@ pub enum Logits {
 }
 
 struct Attention {
-    /// q, k and v projections.
+    /// q, k and v projections; q alone where the layer reads another
+    /// layer's keys and values, q and k where values are the keys.
     qkv: Projections,
     o: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
+    /// Gemma 4 normalises values too (no learned scale).
+    v_norm: Option<f32>,
     rope: Rope,
     heads: i32,
     kv_heads: i32,
     head_dim: i32,
     scale: f32,
+    /// The layer whose keys and values this one attends to.
+    kv_source: Option<usize>,
 }
 
 struct Mlp {
@@ -57,6 +63,13 @@ struct Layer {
     pre_ff_norm: Option<RmsNorm>,
     post_ff_norm: Option<RmsNorm>,
     window: Option<i32>,
+    /// Gemma 4: experts beside the MLP, the per-layer input branch and a
+    /// learned scale of the layer's output.
+    moe: Option<gemma4::Moe>,
+    per_layer: Option<gemma4::PerLayerGate>,
+    scalar: Option<Array>,
+    /// Gemma 3 clips float16 residual sums.
+    clip_f16: bool,
 }
 
 pub struct Model {
@@ -65,110 +78,140 @@ pub struct Model {
     layers: Vec<Layer>,
     norm: RmsNorm,
     lm_head: Option<Linear>,
-    /// Gemma multiplies embeddings by sqrt(hidden), rounded to bf16.
+    /// Gemma multiplies embeddings by sqrt(hidden) (Gemma 3 rounds it to
+    /// bf16 first).
     embed_scale: Option<f32>,
+    per_layer_inputs: Option<gemma4::PerLayerInputs>,
+    /// `tanh(logits / cap) * cap` (Gemma 4).
+    softcap: Option<f32>,
 }
 
 impl Model {
     pub fn load(config: ModelConfig, mut w: Weights) -> anyhow::Result<Self> {
         let cfg = &config;
-        let q = cfg.quantization;
-        let gemma = cfg.family == Family::Gemma3;
+        let gemma3 = cfg.family == Family::Gemma3;
+        let gemma = gemma3 || cfg.family == Family::Gemma4;
+        let g4 = cfg.gemma4.as_ref();
         let eps = cfg.rms_norm_eps;
+        let h = cfg.hidden_size;
+        let linear = |w: &mut Weights, name: &str, out: i32, inp: i32| {
+            Linear::load_checked(w, name, cfg.quant_for(name), out, inp)
+        };
+        let norm = |w: &mut Weights, name: &str, dims: i32| {
+            RmsNorm::load_sized(w, name, dims, eps, gemma3)
+        };
         let mut layers = Vec::with_capacity(cfg.num_layers as usize);
         for i in 0..cfg.num_layers {
             let p = format!("model.layers.{i}");
-            let window = cfg.layer_window(i);
-            let (base, scaling) = if window.is_some() {
-                (cfg.rope_local_theta, RopeScaling::None)
+            let spec = cfg.layer(i);
+            let (hd, kvh) = (spec.head_dim, spec.kv_heads);
+            let attn = format!("{p}.self_attn");
+            let mut qkv = vec![linear(
+                &mut w,
+                &format!("{attn}.q_proj"),
+                cfg.num_heads * hd,
+                h,
+            )?];
+            let own_kv = spec.kv_source.is_none();
+            if own_kv {
+                qkv.push(linear(&mut w, &format!("{attn}.k_proj"), kvh * hd, h)?);
+                if !spec.k_eq_v {
+                    qkv.push(linear(&mut w, &format!("{attn}.v_proj"), kvh * hd, h)?);
+                }
             } else {
-                (cfg.rope_theta, cfg.rope_scaling.clone())
-            };
+                // Hugging Face checkpoints keep the projections of layers
+                // that reuse another layer's keys and values; nothing reads
+                // them.
+                for unused in ["k_proj", "v_proj", "k_norm"] {
+                    for part in ["weight", "scales", "biases"] {
+                        w.take_optional(&format!("{attn}.{unused}.{part}"));
+                    }
+                }
+            }
             let (q_norm, k_norm) = if cfg.has_qk_norm() {
                 (
-                    Some(RmsNorm::load(
-                        &mut w,
-                        &format!("{p}.self_attn.q_norm"),
-                        eps,
-                        gemma,
-                    )?),
-                    Some(RmsNorm::load(
-                        &mut w,
-                        &format!("{p}.self_attn.k_norm"),
-                        eps,
-                        gemma,
-                    )?),
+                    Some(norm(&mut w, &format!("{attn}.q_norm"), hd)?),
+                    own_kv
+                        .then(|| norm(&mut w, &format!("{attn}.k_norm"), hd))
+                        .transpose()?,
                 )
             } else {
                 (None, None)
             };
-            let scale = cfg
-                .query_pre_attn_scalar
-                .unwrap_or(cfg.head_dim as f32)
-                .powf(-0.5);
+            let moe = match g4.and_then(|g| g.moe) {
+                Some(m) => Some(gemma4::Moe::load(&mut w, cfg, m, &p)?),
+                None => None,
+            };
+            let per_layer = match g4.and_then(|g| g.per_layer_input) {
+                Some((width, _)) => Some(gemma4::PerLayerGate::load(&mut w, cfg, &p, width)?),
+                None => None,
+            };
+            let scalar = match g4 {
+                Some(_) => Some(w.take_shaped(&format!("{p}.layer_scalar"), &[1])?),
+                None => None,
+            };
+            let inter = spec.intermediate;
             layers.push(Layer {
                 attn: Attention {
-                    qkv: Projections::new(vec![
-                        Linear::load(&mut w, &format!("{p}.self_attn.q_proj"), q)?,
-                        Linear::load(&mut w, &format!("{p}.self_attn.k_proj"), q)?,
-                        Linear::load(&mut w, &format!("{p}.self_attn.v_proj"), q)?,
-                    ])?,
-                    o: Linear::load(&mut w, &format!("{p}.self_attn.o_proj"), q)?,
+                    qkv: Projections::new(qkv)?,
+                    o: linear(&mut w, &format!("{attn}.o_proj"), h, cfg.num_heads * hd)?,
                     q_norm,
                     k_norm,
-                    rope: Rope::new(cfg, base, &scaling),
+                    v_norm: (g4.is_some() && own_kv).then_some(eps),
+                    rope: Rope::new(hd, spec.rope_base, &spec.rope_scaling),
                     heads: cfg.num_heads,
-                    kv_heads: cfg.num_kv_heads,
-                    head_dim: cfg.head_dim,
-                    scale,
+                    kv_heads: kvh,
+                    head_dim: hd,
+                    scale: cfg.attention_scale(hd),
+                    kv_source: spec.kv_source,
                 },
                 mlp: Mlp {
                     gate_up: Projections::new(vec![
-                        Linear::load(&mut w, &format!("{p}.mlp.gate_proj"), q)?,
-                        Linear::load(&mut w, &format!("{p}.mlp.up_proj"), q)?,
+                        linear(&mut w, &format!("{p}.mlp.gate_proj"), inter, h)?,
+                        linear(&mut w, &format!("{p}.mlp.up_proj"), inter, h)?,
                     ])?,
-                    down: Linear::load(&mut w, &format!("{p}.mlp.down_proj"), q)?,
+                    down: linear(&mut w, &format!("{p}.mlp.down_proj"), h, inter)?,
                     gelu: gemma,
                 },
-                input_norm: RmsNorm::load(&mut w, &format!("{p}.input_layernorm"), eps, gemma)?,
-                post_attn_norm: RmsNorm::load(
-                    &mut w,
-                    &format!("{p}.post_attention_layernorm"),
-                    eps,
-                    gemma,
-                )?,
-                pre_ff_norm: if gemma {
-                    Some(RmsNorm::load(
-                        &mut w,
-                        &format!("{p}.pre_feedforward_layernorm"),
-                        eps,
-                        true,
-                    )?)
-                } else {
-                    None
-                },
-                post_ff_norm: if gemma {
-                    Some(RmsNorm::load(
-                        &mut w,
-                        &format!("{p}.post_feedforward_layernorm"),
-                        eps,
-                        true,
-                    )?)
-                } else {
-                    None
-                },
-                window,
+                input_norm: norm(&mut w, &format!("{p}.input_layernorm"), h)?,
+                post_attn_norm: norm(&mut w, &format!("{p}.post_attention_layernorm"), h)?,
+                pre_ff_norm: gemma
+                    .then(|| norm(&mut w, &format!("{p}.pre_feedforward_layernorm"), h))
+                    .transpose()?,
+                post_ff_norm: gemma
+                    .then(|| norm(&mut w, &format!("{p}.post_feedforward_layernorm"), h))
+                    .transpose()?,
+                window: spec.window,
+                moe,
+                per_layer,
+                scalar,
+                clip_f16: gemma3,
             });
         }
-        let embed = Embedding::load(&mut w, "model.embed_tokens", q)?;
-        let norm = RmsNorm::load(&mut w, "model.norm", eps, gemma)?;
+        let embed_prefix = "model.embed_tokens";
+        let embed = Embedding::load_checked(
+            &mut w,
+            embed_prefix,
+            cfg.quant_for(embed_prefix),
+            cfg.vocab_size,
+            h,
+        )?;
+        let final_norm = norm(&mut w, "model.norm", h)?;
         let lm_head = if w.contains("lm_head.weight") && !(cfg.tie_word_embeddings && gemma) {
-            Some(Linear::load(&mut w, "lm_head", q)?)
+            Some(linear(&mut w, "lm_head", cfg.vocab_size, h)?)
         } else {
             None
         };
-        let embed_scale =
-            gemma.then(|| half::bf16::from_f32((cfg.hidden_size as f32).sqrt()).to_f32());
+        let per_layer_inputs = match g4.and_then(|g| g.per_layer_input) {
+            Some((width, vocab)) => Some(gemma4::PerLayerInputs::load(&mut w, cfg, width, vocab)?),
+            None => None,
+        };
+        let sqrt_hidden = (h as f32).sqrt();
+        let embed_scale = match cfg.family {
+            Family::Gemma3 => Some(half::bf16::from_f32(sqrt_hidden).to_f32()),
+            Family::Gemma4 => Some(sqrt_hidden),
+            _ => None,
+        };
         let leftover: Vec<_> = w
             .remaining()
             .filter(|n| !n.contains("rotary_emb"))
@@ -178,12 +221,14 @@ impl Model {
             tracing::warn!(count = leftover.len(), first = %leftover[0], "unused weights in checkpoint");
         }
         Ok(Self {
+            softcap: g4.and_then(|g| g.final_logit_softcapping),
             config,
             embed,
             layers,
-            norm,
+            norm: final_norm,
             lm_head,
             embed_scale,
+            per_layer_inputs,
         })
     }
 
@@ -197,6 +242,9 @@ impl Model {
         self.norm.collect(&mut all);
         if let Some(h) = &self.lm_head {
             h.collect(&mut all);
+        }
+        if let Some(p) = &self.per_layer_inputs {
+            p.collect(&mut all);
         }
         all
     }
@@ -251,20 +299,56 @@ impl Model {
         taps: &Taps,
     ) -> anyhow::Result<Tapped> {
         let n = tokens.dim(1);
-        let mut h = self.embed(tokens)?;
+        let h = self.embed(tokens)?;
         let global_mask = mask::build(cache, n, None);
         let window_mask = self
             .config
             .sliding_window
             .map(|w| mask::build(cache, n, Some(w)));
+        self.run_layers(
+            tokens,
+            h,
+            (&global_mask, window_mask.as_ref()),
+            cache,
+            which,
+            taps,
+        )
+    }
+
+    /// Everything after the input embeddings `h` of `tokens`: the layers
+    /// (with the full-attention and sliding-window masks), the final norm
+    /// and the output head.
+    fn run_layers(
+        &self,
+        tokens: &Array,
+        mut h: Array,
+        (global_mask, window_mask): (&AttnMask, Option<&AttnMask>),
+        cache: &mut KvCache,
+        which: Logits,
+        taps: &Taps,
+    ) -> anyhow::Result<Tapped> {
+        let n = tokens.dim(1);
+        let per_layer = match &self.per_layer_inputs {
+            Some(p) => Some(p.forward(tokens, &h)?),
+            None => None,
+        };
         let offsets = cache.offsets();
         let mut tapped = Vec::with_capacity(taps.layers.len());
+        // Keys and values of this pass per layer, for layers that share them.
+        let mut kvs: Vec<Option<(Array, Array)>> = vec![None; self.layers.len()];
         for (i, layer) in self.layers.iter().enumerate() {
-            let mask = match (&layer.window, &window_mask) {
+            let mask = match (&layer.window, window_mask) {
                 (Some(_), Some(m)) => m,
-                _ => &global_mask,
+                _ => global_mask,
             };
-            h = layer.forward(&h, mask, &offsets, cache, i)?;
+            let shared = layer.attn.kv_source.and_then(|s| kvs[s].clone());
+            let input = match &per_layer {
+                Some(p) => Some(p.take_axis(Array::from_int(i as i32), 2)?),
+                None => None,
+            };
+            let (out, kv) = layer.forward(&h, mask, &offsets, cache, i, shared, input.as_ref())?;
+            h = out;
+            kvs[i] = Some(kv);
             if taps.layers.contains(&i) {
                 tapped.push(h.clone());
             }
@@ -289,7 +373,10 @@ impl Model {
 
     /// Token embeddings as the first layer sees them (Gemma's scale applied).
     pub fn embed(&self, tokens: &Array) -> anyhow::Result<Array> {
-        let h = self.embed.forward(tokens)?;
+        self.scale_embeddings(self.embed.forward(tokens)?)
+    }
+
+    fn scale_embeddings(&self, h: Array) -> anyhow::Result<Array> {
         Ok(match self.embed_scale {
             Some(scale) => h.multiply(Array::from_f32(scale).as_dtype(h.dtype())?)?,
             None => h,
@@ -303,10 +390,14 @@ impl Model {
 
     /// Float32 logits from final normed hidden states.
     pub fn logits(&self, h: &Array) -> anyhow::Result<Array> {
-        let logits = match &self.lm_head {
+        let mut logits = match &self.lm_head {
             Some(head) => head.forward(h)?,
             None => self.embed.as_linear(h)?,
         };
+        if let Some(cap) = self.softcap {
+            let cap = Array::from_f32(cap).as_dtype(logits.dtype())?;
+            logits = ops::tanh(logits.divide(&cap)?)?.multiply(&cap)?;
+        }
         Ok(logits.as_dtype(Dtype::Float32)?)
     }
 
@@ -317,6 +408,7 @@ impl Model {
         AttentionInfo {
             kv_heads: a.kv_heads,
             head_dim: a.head_dim,
+            owns_kv: a.kv_source.is_none(),
             window: self.layers[i].window,
             rope: &a.rope,
         }
@@ -343,6 +435,9 @@ pub struct Tapped {
 pub struct AttentionInfo<'a> {
     pub kv_heads: i32,
     pub head_dim: i32,
+    /// Whether the layer's keys and values are in the cache (Gemma 4's
+    /// KV-shared layers attend to an earlier layer's).
+    pub owns_kv: bool,
     pub window: Option<i32>,
     pub rope: &'a Rope,
 }
@@ -367,8 +462,17 @@ impl Layer {
         }
         self.input_norm.collect(out);
         self.post_attn_norm.collect(out);
+        if let Some(m) = &self.moe {
+            m.collect(out);
+        }
+        if let Some(p) = &self.per_layer {
+            p.collect(out);
+        }
+        out.extend(self.scalar.as_ref());
     }
 
+    /// The layer's output and the keys and values it attended to.
+    #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         x: &Array,
@@ -376,22 +480,42 @@ impl Layer {
         offsets: &Offsets,
         cache: &mut KvCache,
         idx: usize,
-    ) -> anyhow::Result<Array> {
-        let r = self
-            .attn
-            .forward(&self.input_norm.forward(x)?, mask, offsets, cache, idx)?;
-        match (&self.pre_ff_norm, &self.post_ff_norm) {
-            (Some(pre), Some(post)) => {
-                let h = residual(x, &self.post_attn_norm.forward(&r)?)?;
-                let r = self.mlp.forward(&pre.forward(&h)?)?;
-                Ok(residual(&h, &post.forward(&r)?)?)
+        shared_kv: Option<(Array, Array)>,
+        per_layer_input: Option<&Array>,
+    ) -> anyhow::Result<(Array, (Array, Array))> {
+        let (r, kv) = self.attn.forward(
+            &self.input_norm.forward(x)?,
+            mask,
+            offsets,
+            cache,
+            idx,
+            shared_kv,
+        )?;
+        let add = |a: &Array, b: &Array| -> R<Array> {
+            if self.clip_f16 {
+                residual(a, b)
+            } else {
+                a.add(b)
             }
-            _ => {
-                let h = x.add(&r)?;
-                let r = self.mlp.forward(&self.post_attn_norm.forward(&h)?)?;
-                Ok(h.add(&r)?)
-            }
+        };
+        let (Some(pre), Some(post)) = (&self.pre_ff_norm, &self.post_ff_norm) else {
+            let h = x.add(&r)?;
+            let r = self.mlp.forward(&self.post_attn_norm.forward(&h)?)?;
+            return Ok((h.add(&r)?, kv));
+        };
+        let h = add(x, &self.post_attn_norm.forward(&r)?)?;
+        let mut r = self.mlp.forward(&pre.forward(&h)?)?;
+        if let Some(moe) = &self.moe {
+            r = moe.post_mlp_norm.forward(&r)?.add(moe.forward(&h)?)?;
         }
+        let mut h = add(&h, &post.forward(&r)?)?;
+        if let (Some(gate), Some(input)) = (&self.per_layer, per_layer_input) {
+            h = gate.forward(&h, input)?;
+        }
+        if let Some(s) = &self.scalar {
+            h = h.multiply(s)?;
+        }
+        Ok((h, kv))
     }
 }
 
@@ -415,7 +539,8 @@ impl Attention {
         offsets: &Offsets,
         cache: &mut KvCache,
         idx: usize,
-    ) -> anyhow::Result<Array> {
+        shared_kv: Option<(Array, Array)>,
+    ) -> anyhow::Result<(Array, (Array, Array))> {
         let (b, l) = (x.dim(0), x.dim(1));
         let heads = |t: Array, n: i32, norm: &Option<RmsNorm>| -> R<Array> {
             let mut t = t.reshape(&[b, l, n, self.head_dim])?;
@@ -425,17 +550,26 @@ impl Attention {
             t.transpose_axes(&[0, 2, 1, 3])
         };
         let mut qkv = self.qkv.forward(x)?.into_iter();
-        let (q, k, v) = (
-            qkv.next().unwrap(),
-            qkv.next().unwrap(),
-            qkv.next().unwrap(),
-        );
-        let q = heads(q, self.heads, &self.q_norm)?;
-        let k = heads(k, self.kv_heads, &self.k_norm)?;
-        let v = heads(v, self.kv_heads, &None)?;
+        let q = heads(qkv.next().unwrap(), self.heads, &self.q_norm)?;
         let q = self.rope.forward(&q, offsets)?;
-        let k = self.rope.forward(&k, offsets)?;
-        let (k, v) = cache.update(idx, k, v)?;
+        let (k, v) = match shared_kv {
+            Some(kv) => kv,
+            None => {
+                let k_raw = qkv.next().ok_or_else(|| {
+                    anyhow::anyhow!("layer {idx} reads another layer's keys and values, none given")
+                })?;
+                // Without v_proj the values are the keys before their norm
+                // and rotation.
+                let v_raw = qkv.next().unwrap_or_else(|| k_raw.clone());
+                let k = heads(k_raw, self.kv_heads, &self.k_norm)?;
+                let mut v = heads(v_raw, self.kv_heads, &None)?;
+                if let Some(eps) = self.v_norm {
+                    v = fast::rms_norm(&v, None, eps)?;
+                }
+                let k = self.rope.forward(&k, offsets)?;
+                cache.update(idx, k, v)?
+            }
+        };
         let out = match mask {
             AttnMask::None => {
                 fast::scaled_dot_product_attention(&q, &k, &v, self.scale, None, None)?
@@ -489,7 +623,7 @@ impl Attention {
         let out =
             out.transpose_axes(&[0, 2, 1, 3])?
                 .reshape(&[b, l, self.heads * self.head_dim])?;
-        Ok(self.o.forward(&out)?)
+        Ok((self.o.forward(&out)?, (k, v)))
     }
 }
 

@@ -1,13 +1,16 @@
 //! Reads every `*.safetensors` file of a model directory into named arrays.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, Context};
 use mlx_rs::Array;
 
 pub struct Weights {
     tensors: HashMap<String, Array>,
+    /// The file each tensor came from (kept after `take`, for errors).
+    files: HashMap<String, PathBuf>,
+    dir: PathBuf,
 }
 
 impl Weights {
@@ -23,20 +26,57 @@ impl Weights {
             anyhow::bail!("no *.safetensors files in {}", dir.display());
         }
         let mut tensors = HashMap::new();
+        let mut names = HashMap::new();
         for file in files {
             let loaded = Array::load_safetensors(&file)
                 .map_err(|e| anyhow!("loading {}: {e}", file.display()))?;
             for (name, array) in loaded {
-                tensors.insert(canonical_name(&name), array);
+                let canonical = canonical_name(&name);
+                names.insert(canonical.clone(), file.clone());
+                tensors.insert(canonical, array);
             }
         }
-        Ok(Self { tensors })
+        Ok(Self {
+            tensors,
+            files: names,
+            dir: dir.to_path_buf(),
+        })
     }
 
     pub fn take(&mut self, name: &str) -> anyhow::Result<Array> {
-        self.tensors
-            .remove(name)
-            .ok_or_else(|| anyhow!("weight `{name}` missing from the checkpoint"))
+        self.tensors.remove(name).ok_or_else(|| {
+            anyhow!(
+                "weight `{name}` missing from the checkpoint (*.safetensors in {})",
+                self.dir.display()
+            )
+        })
+    }
+
+    /// [`Weights::take`] of a tensor that must have `shape`.
+    pub fn take_shaped(&mut self, name: &str, shape: &[i32]) -> anyhow::Result<Array> {
+        let a = self.take(name)?;
+        self.check_shape(name, &a, shape)?;
+        Ok(a)
+    }
+
+    /// An error naming the tensor and its file unless `a` has `shape`.
+    pub fn check_shape(&self, name: &str, a: &Array, shape: &[i32]) -> anyhow::Result<()> {
+        if a.shape() != shape {
+            anyhow::bail!(
+                "tensor `{name}` in {} has shape {:?}, expected {shape:?}",
+                self.file_of(name),
+                a.shape()
+            );
+        }
+        Ok(())
+    }
+
+    /// The file a tensor was read from, for messages.
+    pub fn file_of(&self, name: &str) -> String {
+        self.files.get(name).map_or_else(
+            || self.dir.display().to_string(),
+            |f| f.display().to_string(),
+        )
     }
 
     pub fn take_optional(&mut self, name: &str) -> Option<Array> {
@@ -57,7 +97,7 @@ impl Weights {
 /// `model.language_model.*` with `model.vision_tower.*` and
 /// `model.multi_modal_projector.*` beside it (Transformers 5). Both become
 /// `model.*`, `vision_tower.*` and `multi_modal_projector.*`.
-fn canonical_name(name: &str) -> String {
+pub fn canonical_name(name: &str) -> String {
     if let Some(rest) = name.strip_prefix("language_model.") {
         return rest.to_string();
     }

@@ -181,3 +181,46 @@ fn quantized_and_bf16_match_mlx_lm() {
     };
     check_family(spec, None);
 }
+
+/// Gemma 4 shapes: prompts of up to 30 tokens plus 64 steps cross the
+/// 24-token sliding window, and prefill runs in chunks of 7.
+mod gemma4 {
+    use super::*;
+    use fixtures::gemma4::{Gemma4Shape, Layout};
+
+    #[test]
+    fn e2b_like_matches_mlx_lm() {
+        // Per-layer inputs, KV-shared layers with double-wide MLPs,
+        // softcapping; Hugging Face text-only layout.
+        check_family(TinySpec::gemma4(Gemma4Shape::e2b(6)), Some(1e-3));
+    }
+
+    #[test]
+    fn dense_31b_like_matches_mlx_lm() {
+        // K=V full-attention layers with their own head size and KV heads;
+        // Hugging Face multimodal layout.
+        check_family(TinySpec::gemma4(Gemma4Shape::dense_31b(4)), Some(1e-3));
+    }
+
+    #[test]
+    fn moe_26b_like_matches_mlx_lm_in_both_layouts() {
+        for layout in [Layout::Mlx, Layout::HfText] {
+            let shape = Gemma4Shape {
+                layout,
+                ..Gemma4Shape::moe_26b(4)
+            };
+            check_family(TinySpec::gemma4(shape), Some(1e-3));
+        }
+    }
+
+    #[test]
+    fn quantized_moe_matches_mlx_lm() {
+        for bits in [4, 8] {
+            let spec = TinySpec {
+                quant_bits: Some(bits),
+                ..TinySpec::gemma4(Gemma4Shape::moe_26b(4))
+            };
+            check_family(spec, None);
+        }
+    }
+}

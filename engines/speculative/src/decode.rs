@@ -9,9 +9,10 @@
 use std::ops::Range;
 
 use engine_core::event::EventSender;
-use engine_core::{Event, Finish, FinishReason, GenerateRequest, SpecStats, TokenEvent};
+use engine_core::{FinishReason, GenerateRequest, SpecStats, StreamError};
 use mlx_rs::transforms::eval;
 use mlx_rs::{ops, Array, Dtype};
+use runtime::emit::Emitter;
 use runtime::generate::{tokens_array, DEFAULT_PREFILL_CHUNK};
 use runtime::model::{Logits, Taps};
 use runtime::{KvCache, Model};
@@ -26,8 +27,7 @@ pub struct RoundStats {
 }
 
 pub struct Sequence {
-    pub request: GenerateRequest,
-    events: EventSender,
+    pub out: Emitter,
     /// Held until the sequence ends (KV blocks, the engine slot) and
     /// released before the final event, so the next request finds them.
     held: Option<Box<dyn Send>>,
@@ -39,8 +39,6 @@ pub struct Sequence {
     /// Most tokens the draft source proposes per round.
     max_draft: usize,
     stats: SpecStats,
-    generated: u32,
-    finished: Option<FinishReason>,
 }
 
 impl Sequence {
@@ -53,8 +51,7 @@ impl Sequence {
     ) -> Self {
         let history = request.prompt.clone();
         Self {
-            request,
-            events,
+            out: Emitter::new(request, events),
             held: Some(held),
             cache: model.new_cache(1),
             history,
@@ -62,13 +59,11 @@ impl Sequence {
             taps: source.map(|s| s.taps()).unwrap_or_default(),
             max_draft: source.map_or(0, |s| s.max_draft()),
             stats: SpecStats::default(),
-            generated: 0,
-            finished: None,
         }
     }
 
     pub fn is_finished(&self) -> bool {
-        self.finished.is_some()
+        self.out.ended()
     }
 
     pub fn stats(&self) -> SpecStats {
@@ -78,7 +73,7 @@ impl Sequence {
     /// Runs the prompt through the target (chunked) and commits its first
     /// token.
     pub fn prefill(&mut self, model: &Model) -> anyhow::Result<()> {
-        let prompt = self.request.prompt.clone();
+        let prompt = self.out.request.prompt.clone();
         let mut done = 0;
         let mut last = None;
         for chunk in prompt.chunks(DEFAULT_PREFILL_CHUNK) {
@@ -112,7 +107,8 @@ impl Sequence {
         }
         let newest = *self.history.last().expect("prefilled");
         // Never draft past max_tokens: a round commits at most k + 1.
-        let budget = ((self.request.max_tokens - self.generated).saturating_sub(1) as usize)
+        let budget = ((self.out.request.max_tokens - self.out.generated()).saturating_sub(1)
+            as usize)
             .min(self.max_draft);
         let proposal = match (&mut self.draft, speculate) {
             (Some(draft), true) if budget > 0 => {
@@ -180,52 +176,30 @@ impl Sequence {
     /// token limit or cancellation; tokens after the end are dropped.
     fn commit(&mut self, tokens: &[u32]) {
         for &token in tokens {
-            if self.request.stop_tokens.contains(&token) {
-                return self.finish(FinishReason::Stop);
+            if let Some(reason) = self.out.plain(token) {
+                return self.finish(reason);
             }
             self.history.push(token);
-            let event = Event::Token(TokenEvent {
-                id: token,
-                logprob: None,
-                top_logprobs: Vec::new(),
-            });
-            if self.request.cancel.is_cancelled() || self.events.send(event).is_err() {
-                return self.finish(FinishReason::Cancelled);
-            }
-            self.generated += 1;
-            if self.generated >= self.request.max_tokens {
-                return self.finish(FinishReason::Length);
-            }
         }
-        if self.request.cancel.is_cancelled() {
-            self.finish(FinishReason::Cancelled);
-        }
+        self.check_cancelled();
     }
 
     /// Ends the sequence, releasing what it holds before the final event.
     fn finish(&mut self, reason: FinishReason) {
-        if self.finished.is_some() {
+        if self.is_finished() {
             return;
         }
-        self.finished = Some(reason);
         self.release();
-        let _ = self.events.send(Event::Finished(Finish {
-            reason,
-            prompt_tokens: self.request.prompt.len() as u32,
-            completion_tokens: self.generated,
-            cached_tokens: 0,
-            spec: Some(self.stats),
-        }));
+        self.out.finish(reason, Some(self.stats));
     }
 
     /// Ends the sequence with an error (the engine keeps running).
-    pub fn fail(&mut self, message: String) {
-        if self.finished.is_some() {
+    pub fn fail(&mut self, error: StreamError) {
+        if self.is_finished() {
             return;
         }
-        self.finished = Some(FinishReason::Cancelled);
         self.release();
-        let _ = self.events.send(Event::Error(message));
+        self.out.fail(error);
     }
 
     /// Gives back the KV blocks and the engine slot, and drops the caches.
@@ -237,7 +211,7 @@ impl Sequence {
 
     /// Cancelled from outside (client gone, shutdown) between rounds.
     pub fn check_cancelled(&mut self) {
-        if self.request.cancel.is_cancelled() {
+        if self.out.request.cancel.is_cancelled() {
             self.finish(FinishReason::Cancelled);
         }
     }

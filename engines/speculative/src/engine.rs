@@ -12,9 +12,8 @@ use crossbeam_channel::{Receiver, Sender};
 use engine_core::event::EventSender;
 use engine_core::{
     CancelToken, Capabilities, Engine, EngineContext, EngineError, EngineLoad,
-    GenerateRequest, Refusal, RequestId,
+    GenerateRequest, Refusal, RequestId, StreamError,
 };
-use runtime::kv_pool::PoolError;
 use runtime::{LoadedModel, Reservation, SharedModel};
 
 use crate::config::SpecSettings;
@@ -185,7 +184,7 @@ impl Engine for SpecEngine {
 
     fn submit_to(&self, request: GenerateRequest, events: EventSender) -> Result<(), EngineError> {
         // Lossless only for argmax decoding; anything else goes elsewhere.
-        if !request.sampling.is_plain_greedy() || request.sampling.logprobs {
+        if !request.is_plain_greedy() {
             return Err(Refusal::NotPlainGreedy.into());
         }
         if !request.images.is_empty() {
@@ -196,37 +195,18 @@ impl Engine for SpecEngine {
             return Err(Refusal::NotReady.into());
         }
         let tx = lock(&self.tx).clone().ok_or(EngineError::ShuttingDown)?;
-        let cap = self.settings.max_concurrent;
-        if self
-            .state
-            .in_flight
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < cap).then_some(n + 1)
-            })
-            .is_err()
-        {
+        if !runtime::admission::take_slot(&self.state.in_flight, self.settings.max_concurrent) {
             return Err(Refusal::Busy.into());
         }
-        let release = || {
-            self.state.in_flight.fetch_sub(1, Ordering::AcqRel);
-        };
         // The verify forward writes up to max_draft positions past the
         // last committed token before rolling back.
         let tokens = request.prompt.len() + request.max_tokens as usize + self.max_draft + 1;
         let per_token = self.shared.model.model.kv_bytes_per_token() + self.kv_bytes_per_token;
-        let pool = &self.shared.kv_pool;
-        let reservation = match pool.try_reserve(pool.blocks_for_bytes(tokens, per_token)) {
-            Ok(r) => r,
-            Err(e) => {
-                release();
-                return Err(match e {
-                    PoolError::NeverFits { .. } => {
-                        EngineError::Invalid(format!("{}: {e}", request.id))
-                    }
-                    PoolError::Exhausted => Refusal::Busy.into(),
-                });
-            }
-        };
+        let reservation =
+            runtime::admission::reserve(&self.shared.kv_pool, &request, tokens, per_token)
+                .inspect_err(|_| {
+                    self.state.in_flight.fetch_sub(1, Ordering::AcqRel);
+                })?;
         let blocks = reservation.blocks();
         self.state.kv_blocks.fetch_add(blocks, Ordering::AcqRel);
         lock(&self.state.cancels).insert(request.id, request.cancel.clone());
@@ -320,8 +300,8 @@ impl Worker {
                 match result {
                     Ok(round) => lock(&self.state.window).record(round.drafted, round.accepted),
                     Err(e) => {
-                        tracing::error!(engine = %self.name, request = %seq.request.id, error = %e, "speculative round failed");
-                        seq.fail(format!("generation failed: {e}"));
+                        tracing::error!(engine = %self.name, request = %seq.out.request.id, error = %e, "speculative round failed");
+                        seq.fail(StreamError::Internal(format!("generation failed: {e}")));
                     }
                 }
             }
@@ -343,7 +323,9 @@ impl Worker {
             Ok(source) => Sequence::new(request, events, held, model, Some(&*source)),
             Err(msg) => {
                 let mut seq = Sequence::new(request, events, held, model, None);
-                seq.fail(format!("the drafter could not be loaded: {msg}"));
+                seq.fail(StreamError::Internal(format!(
+                    "the drafter could not be loaded: {msg}"
+                )));
                 return seq;
             }
         };
@@ -354,8 +336,8 @@ impl Worker {
                 seq.prefill(model)
             };
             if let Err(e) = result {
-                tracing::error!(engine = %self.name, request = %seq.request.id, error = %e, "prefill failed");
-                seq.fail(format!("generation failed: {e}"));
+                tracing::error!(engine = %self.name, request = %seq.out.request.id, error = %e, "prefill failed");
+                seq.fail(StreamError::Internal(format!("generation failed: {e}")));
             }
         }
         seq

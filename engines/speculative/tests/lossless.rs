@@ -479,7 +479,9 @@ fn lazy_drafter_loads_on_first_use_and_a_failed_load_takes_the_engine_out() {
     assert!(e.load().healthy);
     let mut s = e.submit(GenerateRequest::new(p.clone(), 20)).unwrap();
     match s.blocking_recv() {
-        Some(Event::Error(msg)) => assert!(msg.contains("drafter could not be loaded"), "{msg}"),
+        Some(Event::Error(e)) => {
+            assert!(e.to_string().contains("drafter could not be loaded"), "{e}")
+        }
         other => panic!("expected an error, got {other:?}"),
     }
     assert!(!e.load().healthy);

@@ -13,10 +13,11 @@ use text::Tokenizer;
 
 use super::body::{CacheScope, RawJson};
 use super::sse::ChunkFormat;
-use super::validate::{as_int, gen_options, resolve_max_tokens, wrong_type, GenOptions, RawBody};
+use super::validate::{as_int, gen_options, wrong_type, GenOptions, RawBody};
 use super::{json_response, logprobs, random_id, sse, unix_now, with_route, ApiError};
-use crate::generation::{Batch, Generation, Plan, Summary};
-use crate::pipeline::{Delta, PipelineOptions};
+use crate::generation::{Batch, Generation, Summary};
+use crate::pipeline::Delta;
+use crate::prepare;
 use crate::state::SharedState;
 
 /// A prompt as text or as token ids.
@@ -137,39 +138,11 @@ pub async fn create(
     RawJson(body): RawJson,
 ) -> Result<Response, ApiError> {
     let request = CompletionRequest::parse(&body, state.model.vocab)?;
-    let model = state.check_model(request.model.as_deref())?;
+    let (prepared, text) =
+        prepare::completion(&state, &request, scope.map(|Extension(s)| s.0)).await?;
+    let model = prepared.model.clone();
     let tokenizer: Tokenizer = (*state.registry.shared.model.tokenizer).clone();
-    let (ids, text) = match &request.prompt {
-        Prompt::Text(t) => {
-            let ids = tokenizer
-                .encode_completion(t)
-                .map_err(|e| ApiError::Internal(e.to_string()))?;
-            (ids, t.clone())
-        }
-        Prompt::Tokens(ids) => (
-            ids.clone(),
-            tokenizer.decode(ids, false).unwrap_or_default(),
-        ),
-    };
-    let max_tokens = resolve_max_tokens(
-        ids.len(),
-        request.options.max_tokens,
-        &state.limits(),
-        "prompt",
-        "max_tokens",
-    )?;
-    let plan = Plan {
-        model: model.clone(),
-        prompt: ids,
-        max_tokens,
-        sampling: request.options.sampling.clone(),
-        text: PipelineOptions::plain(request.options.stop.clone()),
-        has_tools: false,
-        cache_scope: scope.map(|Extension(s)| s.0),
-        ignore_eos: request.options.ignore_eos,
-        images: Vec::new(),
-    };
-    let generation = Generation::start(&state, plan)?;
+    let generation = Generation::start(&state, prepared)?;
     let (engine, rule) = (generation.engine.clone(), generation.rule.clone());
     let echo = if request.echo { text } else { String::new() };
     let chunks = CompletionChunks {

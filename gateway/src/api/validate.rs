@@ -401,7 +401,7 @@ mod tests {
         assert_eq!(o.sampling.logit_bias, vec![(7, -100.0), (9, 2.5)]);
         assert_eq!(o.stop, vec!["END".to_string()]);
         assert!(o.stream && o.include_usage && o.ignore_eos);
-        assert!(!o.sampling.is_plain_greedy());
+        assert!(!o.sampling.is_greedy() && o.sampling.has_penalties());
     }
 
     #[test]

@@ -2,9 +2,9 @@
 //! soft tokens, whose rows come from the vision tower instead of the
 //! embedding table. Everything after the embedding is `forward`'s.
 
-use mlx_rs::{ops, Array, Dtype};
+use mlx_rs::{ops, Array};
 
-use super::{last_position, Logits, Model};
+use super::{Logits, Model, Taps};
 use crate::cache::KvCache;
 use crate::mask;
 use crate::vision::mask as image_mask;
@@ -35,10 +35,7 @@ impl Model {
         let n = tokens.dim(1);
         let text = self.embed.forward(tokens)?;
         let rows = replace.rows.as_dtype(text.dtype())?;
-        let mut h = ops::select(&replace.mask, &rows, &text)?;
-        if let Some(scale) = self.embed_scale {
-            h = h.multiply(Array::from_f32(scale).as_dtype(h.dtype())?)?;
-        }
+        let h = self.scale_embeddings(ops::select(&replace.mask, &rows, &text)?)?;
         let blocks = &replace.blocks;
         let build = |window| {
             if blocks.is_empty() {
@@ -49,23 +46,10 @@ impl Model {
         };
         let global_mask = build(None);
         let window_mask = self.config.sliding_window.map(|w| build(Some(w)));
-        let offsets = cache.offsets();
-        for (i, layer) in self.layers.iter().enumerate() {
-            let mask = match (&layer.window, &window_mask) {
-                (Some(_), Some(m)) => m,
-                _ => &global_mask,
-            };
-            h = layer.forward(&h, mask, &offsets, cache, i)?;
-        }
-        cache.advance(n);
-        let mut h = self.norm.forward(&h)?;
-        if which == Logits::Last && n > 1 {
-            h = last_position(&h)?;
-        }
-        let logits = match &self.lm_head {
-            Some(head) => head.forward(&h)?,
-            None => self.embed.as_linear(&h)?,
-        };
-        Ok(logits.as_dtype(Dtype::Float32)?)
+        let taps = Taps::default();
+        let masks = (&global_mask, window_mask.as_ref());
+        Ok(self
+            .run_layers(tokens, h, masks, cache, which, &taps)?
+            .logits)
     }
 }

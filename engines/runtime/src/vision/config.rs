@@ -92,8 +92,19 @@ impl VisionConfig {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path)
             .with_context(|| format!("reading {}", path.display()))?;
-        let top: RawTop =
+        let value: serde_json::Value =
             serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        if value["model_type"] == "gemma4" && !value["vision_config"].is_null() {
+            // As mlx-lm does: the text model serves, requests with images
+            // are refused.
+            tracing::warn!(
+                "{}: the Gemma 4 vision and audio towers are not supported; serving text only",
+                path.display()
+            );
+            return Ok(None);
+        }
+        let top: RawTop =
+            serde_json::from_value(value).with_context(|| format!("parsing {}", path.display()))?;
         let Some(v) = top.vision_config else {
             return Ok(None);
         };

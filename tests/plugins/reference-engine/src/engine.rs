@@ -74,7 +74,7 @@ impl ReferenceEngine {
         if !self.state.worker_alive.load(Ordering::Acquire) {
             return Err(Refusal::NotReady.into());
         }
-        if self.options.greedy_only && !req.sampling.is_plain_greedy() {
+        if self.options.greedy_only && !req.is_plain_greedy() {
             return Err(Refusal::NotPlainGreedy.into());
         }
         if req.has_tools && !self.options.tools {

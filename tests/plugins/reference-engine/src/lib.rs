@@ -17,7 +17,8 @@
 //!     greedy_only: false   # advertise and enforce plain-greedy-only
 //!     tools: true          # accept requests that carry tools
 //!     fault: panic_in_worker  # inject a fault: panic_on_submit | panic_in_worker |
-//!                          #   error_on_submit | error_in_stream
+//!                          #   error_on_submit | error_in_stream |
+//!                          #   overload_in_stream | invalid_in_stream
 //!     token_delay_ms: 0    # pause after each token (tests that need slow streams)
 //! ```
 

@@ -28,8 +28,13 @@ pub enum Fault {
     PanicInWorker,
     /// `submit` answers with an internal error.
     ErrorOnSubmit,
-    /// The request ends with an `Error` event.
+    /// The request ends with an internal `Error` event.
     ErrorInStream,
+    /// The request ends with an overload `Error` event (capacity lost
+    /// after admission).
+    OverloadInStream,
+    /// The request ends with an invalid-input `Error` event.
+    InvalidInStream,
 }
 
 impl Default for Options {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use engine_core::event::EventSender;
-use engine_core::{Event, Finish, FinishReason, GenerateRequest, TokenEvent};
+use engine_core::{Event, Finish, FinishReason, GenerateRequest, StreamError, TokenEvent};
 use mlx_rs::transforms::eval;
 use mlx_rs::{Array, Dtype};
 use runtime::generate::{self, DEFAULT_PREFILL_CHUNK};
@@ -23,7 +23,7 @@ pub struct Job {
     pub events: EventSender,
 }
 
-/// Errors leave the engine as text (`Event::Error`).
+/// Errors leave the engine as `StreamError::Internal` with this text.
 type GenResult<T> = Result<T, String>;
 
 /// How a generation ended, before it is reported.
@@ -75,17 +75,22 @@ fn serve(shared: &SharedModel, state: &State, job: Job, options: &Options) {
     match options.fault {
         // Unwinding returns the reservation; the stream is dropped unfinished.
         Some(Fault::PanicInWorker) => panic!("injected fault: panic in the worker"),
-        Some(Fault::ErrorInStream) => {
+        Some(fault @ (Fault::ErrorInStream | Fault::OverloadInStream | Fault::InvalidInStream)) => {
             drop(reservation);
             state.kv_blocks.store(0, Ordering::Release);
-            let _ = events.send(Event::Error("injected fault".into()));
+            let message = "injected fault".to_owned();
+            let _ = events.send(Event::Error(match fault {
+                Fault::OverloadInStream => StreamError::Overloaded(message),
+                Fault::InvalidInStream => StreamError::Invalid(message),
+                _ => StreamError::Internal(message),
+            }));
             return;
         }
         Some(Fault::PanicOnSubmit | Fault::ErrorOnSubmit) | None => {}
     }
     tracing::debug!(request = %req.id, prompt_tokens, max_tokens = req.max_tokens, "reference engine started a request");
     let pause = Duration::from_millis(options.token_delay_ms);
-    let result = if req.sampling.is_plain_greedy() && !req.sampling.logprobs {
+    let result = if req.is_plain_greedy() {
         run_greedy(shared, &req, &events, pause)
     } else {
         run_sampled(shared, &req, &events, pause)
@@ -98,7 +103,9 @@ fn serve(shared: &SharedModel, state: &State, job: Job, options: &Options) {
         Ok(outcome) => events.send(finish(outcome.reason, outcome.delivered)),
         Err(e) => {
             tracing::warn!(request = %req.id, error = %e, "reference engine generation failed");
-            events.send(Event::Error(format!("generation failed: {e}")))
+            events.send(Event::Error(StreamError::Internal(format!(
+                "generation failed: {e}"
+            ))))
         }
     };
 }

@@ -1,0 +1,266 @@
+//! The prepare stage: the one place an API request becomes what generation
+//! needs, the validated [`GenerateRequest`] (prompt ids, limits, sampling,
+//! stop tokens, tools, images, cache scope) and the text pipeline's
+//! [`PipelineOptions`]. Chat template rendering and tokenization run on
+//! tokio's blocking pool: a long prompt must not stall the other
+//! connections on the async executor. How the output is parsed (reasoning,
+//! tool calls) comes from the loaded model's family.
+
+use engine_core::GenerateRequest;
+use serde_json::Value;
+use text::reasoning::ReasoningFormat;
+use text::template::TemplateError;
+use text::RenderOptions;
+
+use crate::api::chat::ChatRequest;
+use crate::api::completions::{CompletionRequest, Prompt};
+use crate::api::validate::{resolve_max_tokens, GenOptions};
+use crate::api::ApiError;
+use crate::pipeline::PipelineOptions;
+use crate::state::{AppState, SharedState};
+
+/// A request ready to route.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    /// The served model's name, as the request gave it.
+    pub model: String,
+    pub request: GenerateRequest,
+    pub text: PipelineOptions,
+}
+
+/// `/v1/chat/completions`: renders the chat template, places the images,
+/// tokenizes, and encodes the images once the rest is known to be valid.
+/// `max_param` names the field the client set its limit with.
+pub async fn chat(
+    state: &SharedState,
+    request: &ChatRequest,
+    max_param: &'static str,
+    scope: Option<String>,
+) -> Result<Prepared, ApiError> {
+    let model = state.check_model(request.model.as_deref())?;
+    if let (None, Some(first)) = (&state.vision, request.images.first()) {
+        return Err(ApiError::InvalidRequest {
+            message: format!("the model `{model}` does not read images"),
+            param: Some(first.param.clone()),
+            code: Some("images_not_supported"),
+        });
+    }
+    let tools = request.offered_tools();
+    let has_tools = tools.as_ref().is_some_and(|t| !t.is_empty());
+    let options = RenderOptions {
+        tools,
+        add_generation_prompt: true,
+        kwargs: request.template_kwargs.clone(),
+    };
+    let messages = request.template_messages();
+    let images = request.images.len();
+    let rendered = blocking(state, move |state| {
+        render_chat(state, &messages, &options, images)
+    })
+    .await?;
+    let max_tokens = resolve_max_tokens(
+        rendered.prompt.len(),
+        request.options.max_tokens,
+        &state.limits(),
+        "messages",
+        max_param,
+    )?;
+    let mut req = engine_request(state, rendered.prompt, max_tokens, &request.options);
+    req.has_tools = has_tools;
+    req.cache_scope = scope;
+    // Images are fetched and encoded only for a request that is otherwise
+    // valid: the tower is the expensive part.
+    if let Some(vision) = state.vision.as_ref().filter(|_| images > 0) {
+        let prepared = vision.prepare(&request.images).await?;
+        req.images = vision.inputs(&prepared, &rendered.image_starts);
+        // Image placeholders are the same ids for every image: prefix
+        // cache entries are shared only between requests with the same
+        // images.
+        let images = image_scope(&prepared);
+        req.cache_scope = Some(match req.cache_scope {
+            Some(s) => format!("{s}|{images}"),
+            None => images,
+        });
+    }
+    let family = state.registry.shared.model.model.config.family;
+    let reasoning = family.reasoning_format();
+    let text = PipelineOptions {
+        stop: request.options.stop.clone(),
+        reasoning,
+        starts_in_reasoning: ends_in_reasoning(&rendered.text, reasoning),
+        tools: has_tools.then(|| family.tool_format()),
+    };
+    Ok(Prepared {
+        model,
+        request: req,
+        text,
+    })
+}
+
+/// `/v1/completions`: tokenizes a text prompt (or decodes a token prompt,
+/// for `echo`). Returns the prompt's text too.
+pub async fn completion(
+    state: &SharedState,
+    request: &CompletionRequest,
+    scope: Option<String>,
+) -> Result<(Prepared, String), ApiError> {
+    let model = state.check_model(request.model.as_deref())?;
+    let prompt = request.prompt.clone();
+    let (ids, text) = blocking(state, move |state| {
+        let tokenizer = &state.registry.shared.model.tokenizer;
+        Ok(match prompt {
+            Prompt::Text(t) => {
+                let ids = tokenizer
+                    .encode_completion(&t)
+                    .map_err(|e| ApiError::Internal(e.to_string()))?;
+                (ids, t)
+            }
+            Prompt::Tokens(ids) => {
+                let text = tokenizer.decode(&ids, false).unwrap_or_default();
+                (ids, text)
+            }
+        })
+    })
+    .await?;
+    let max_tokens = resolve_max_tokens(
+        ids.len(),
+        request.options.max_tokens,
+        &state.limits(),
+        "prompt",
+        "max_tokens",
+    )?;
+    let mut req = engine_request(state, ids, max_tokens, &request.options);
+    req.cache_scope = scope;
+    let prepared = Prepared {
+        model,
+        request: req,
+        text: PipelineOptions::plain(request.options.stop.clone()),
+    };
+    Ok((prepared, text))
+}
+
+/// The rendered chat prompt: its text, its ids, where its images start.
+struct Rendered {
+    text: String,
+    prompt: Vec<u32>,
+    image_starts: Vec<usize>,
+}
+
+fn render_chat(
+    state: &AppState,
+    messages: &[Value],
+    options: &RenderOptions,
+    images: usize,
+) -> Result<Rendered, ApiError> {
+    let loaded = &state.registry.shared.model;
+    let template = loaded.template.as_ref().ok_or_else(|| {
+        ApiError::invalid_no_param(
+            "This model has no chat template; use /v1/completions with a plain prompt",
+        )
+    })?;
+    let text = template.render(messages, options).map_err(|e| match e {
+        TemplateError::Raised(message) => ApiError::invalid(message, "messages"),
+        TemplateError::Render(message) => ApiError::invalid(
+            format!("The chat template cannot render these messages: {message}"),
+            "messages",
+        ),
+        other => ApiError::Internal(other.to_string()),
+    })?;
+    let vision = state.vision.as_ref().filter(|_| images > 0);
+    let expanded = match vision {
+        Some(vision) => vision
+            .tokens
+            .expand(&text, images)
+            .map_err(|e| e.into_api("messages"))?,
+        None => text.clone(),
+    };
+    let prompt = loaded
+        .tokenizer
+        .encode_chat(&expanded)
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
+    let image_starts = match vision {
+        Some(vision) => vision
+            .tokens
+            .spans(&prompt, images)
+            .map_err(|e| e.into_api("messages"))?,
+        None => Vec::new(),
+    };
+    Ok(Rendered {
+        text,
+        prompt,
+        image_starts,
+    })
+}
+
+/// What both endpoints set the same way: the prompt, the limit, the
+/// sampling parameters, and the model's stop tokens unless `ignore_eos`.
+fn engine_request(
+    state: &AppState,
+    prompt: Vec<u32>,
+    max_tokens: u32,
+    options: &GenOptions,
+) -> GenerateRequest {
+    let mut req = GenerateRequest::new(prompt, max_tokens);
+    req.sampling = options.sampling.clone();
+    if !options.ignore_eos {
+        req.stop_tokens = state.registry.shared.model.stop_tokens.clone();
+    }
+    req
+}
+
+/// Runs CPU-bound preparation (template, tokenizer) on the blocking pool.
+async fn blocking<T: Send + 'static>(
+    state: &SharedState,
+    work: impl FnOnce(&AppState) -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let state = state.clone();
+    tokio::task::spawn_blocking(move || work(&state))
+        .await
+        .map_err(|e| ApiError::Internal(format!("preparing the request failed: {e}")))?
+}
+
+/// The prefix-cache scope of a request's images: their content hashes.
+fn image_scope(images: &[crate::vision::PreparedImage]) -> String {
+    let hashes: Vec<String> = images
+        .iter()
+        .map(|i| crate::vision::cache::hex(&i.hash))
+        .collect();
+    format!("images:{}", hashes.join(","))
+}
+
+/// Whether the rendered prompt ends inside an open reasoning block (e.g. a
+/// template that appends `<think>\n`): then generation starts in reasoning.
+pub fn ends_in_reasoning(prompt: &str, format: ReasoningFormat) -> bool {
+    let tags = format.tags();
+    let last = |tags: &[&str]| tags.iter().filter_map(|t| prompt.rfind(t)).max();
+    match (last(tags.open), last(tags.close)) {
+        (Some(open), Some(close)) => open > close,
+        (Some(_), None) => true,
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reasoning_open_at_the_end_of_the_prompt() {
+        let think = ReasoningFormat::Think;
+        assert!(ends_in_reasoning("<|im_start|>assistant\n<think>\n", think));
+        assert!(!ends_in_reasoning(
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n",
+            think
+        ));
+        assert!(!ends_in_reasoning("<|im_start|>assistant\n", think));
+        assert!(!ends_in_reasoning(
+            "<think>x</think> a <think>y</think>",
+            think
+        ));
+        assert!(!ends_in_reasoning("<think>", ReasoningFormat::None));
+        assert!(ends_in_reasoning(
+            "<start_of_turn>model\n<|channel>thought\n",
+            ReasoningFormat::GemmaChannel
+        ));
+    }
+}
