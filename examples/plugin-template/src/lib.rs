@@ -16,7 +16,8 @@ use std::sync::{mpsc, Arc, Mutex};
 
 use engine_core::{
     CancelToken, Capabilities, Engine, EngineContext, EngineError, EngineLoad, Event,
-    EventSender, Finish, FinishReason, GenerateRequest, Refusal, RequestId, TokenEvent,
+    EventSender, Finish, FinishReason, GenerateRequest, Refusal, RequestId, StreamError,
+    TokenEvent,
 };
 use runtime::SharedModel;
 
@@ -113,7 +114,7 @@ fn serve(shared: &SharedModel, Job { req, events }: Job) {
             cached_tokens: 0,
             spec: None,
         }),
-        Err(e) => Event::Error(format!("generation failed: {e}")),
+        Err(e) => Event::Error(StreamError::Internal(format!("generation failed: {e}"))),
     };
     let _ = events.send(event);
 }
@@ -131,7 +132,7 @@ impl Engine for Template {
     }
 
     fn submit_to(&self, req: GenerateRequest, events: EventSender) -> Result<(), EngineError> {
-        if !req.sampling.is_plain_greedy() || req.sampling.logprobs {
+        if !req.is_plain_greedy() {
             return Err(Refusal::NotPlainGreedy.into());
         }
         if req.has_tools || !req.images.is_empty() {
