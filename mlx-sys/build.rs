@@ -100,6 +100,29 @@ fn generate_bindings(mlx_c: &Path, declare_half_types: bool) {
         .expect("unable to write mlx-c bindings");
 }
 
+/// Tells dependents (`DEP_MLX_MLX_VERSION`, `DEP_MLX_MLX_C_VERSION`) which
+/// MLX headers and which mlx-c this build compiled against: the runtime
+/// puts both in the plugin fingerprint, since mlx-c is compiled into every
+/// plugin while libmlx is one shared library in the process.
+fn export_versions(include: &Path) {
+    let header = include.join("mlx/version.h");
+    println!("cargo:rerun-if-changed={}", header.display());
+    let text = fs::read_to_string(&header).unwrap_or_default();
+    let part = |name: &str| {
+        text.lines()
+            .find_map(|l| l.trim().strip_prefix(&format!("#define MLX_VERSION_{name} ")))
+            .map(|v| v.trim().to_string())
+            .unwrap_or_else(|| "?".into())
+    };
+    println!(
+        "cargo:mlx_version={}.{}.{}",
+        part("MAJOR"),
+        part("MINOR"),
+        part("PATCH")
+    );
+    println!("cargo:mlx_c_version={MLX_SYS_VERSION}");
+}
+
 mod linux {
     use super::*;
 
@@ -151,6 +174,7 @@ mod linux {
         println!("cargo:rustc-link-lib=dylib=mlx");
         println!("cargo:lib_dir={}", lib.display());
         println!("cargo:include={}", include.display());
+        super::export_versions(&include);
     }
 
     fn mlx_dir() -> PathBuf {
@@ -208,6 +232,7 @@ mod apple {
             config.define("MLX_METAL_JIT", "ON");
         }
         let dst = config.build();
+        super::export_versions(&dst.join("include"));
         println!("cargo:rustc-link-search=native={}/build/lib", dst.display());
         println!("cargo:rustc-link-search=native={}/build", dst.display());
         println!("cargo:rustc-link-lib=static=mlx");

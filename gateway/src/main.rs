@@ -12,7 +12,7 @@ use gateway::{make_tiny, server, telemetry};
 fn main() -> ExitCode {
     runtime::cuda_env::apply_defaults();
     let cli = Cli::parse();
-    let dispatch = telemetry::init_tracing();
+    telemetry::init_tracing();
     let result = match cli.command {
         Command::MakeTinyModel(args) => make_tiny::run(&args),
         Command::MakeTinyDrafter(args) => make_tiny::run_drafter(&args),
@@ -20,7 +20,7 @@ fn main() -> ExitCode {
             .enable_all()
             .build()
             .map_err(anyhow::Error::from)
-            .and_then(|rt| rt.block_on(server::serve(args, dispatch))),
+            .and_then(|rt| rt.block_on(server::serve(args))),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

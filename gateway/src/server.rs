@@ -83,7 +83,7 @@ pub fn app(state: SharedState) -> axum::Router {
         .with_state(state)
 }
 
-pub async fn serve(args: ServeArgs, dispatch: tracing::Dispatch) -> anyhow::Result<()> {
+pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let overrides = Overrides {
         model: args.model.clone(),
         host: args.host,
@@ -92,10 +92,9 @@ pub async fn serve(args: ServeArgs, dispatch: tracing::Dispatch) -> anyhow::Resu
     let config = Config::load(&args.config, &overrides)?;
     let metrics = telemetry::init_metrics()?;
 
-    let tokio = tokio::runtime::Handle::current();
     let registry = {
         let config = config.clone();
-        tokio::task::spawn_blocking(move || Registry::load(&config, dispatch, tokio)).await??
+        tokio::task::spawn_blocking(move || Registry::load(&config)).await??
     };
     let registry = Arc::new(registry);
     // A policy may name an engine that failed to load (the router skips

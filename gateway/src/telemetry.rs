@@ -1,5 +1,5 @@
 //! Logs (tracing, `RUST_LOG`) and metrics (Prometheus text): installed once
-//! by the host; the tracing dispatcher is handed to every plugin.
+//! by the host; plugins forward their log records to it.
 
 use std::time::Duration;
 
@@ -41,8 +41,9 @@ pub mod metric {
 }
 
 /// Logs go to stderr (stdout carries only the "listening" line), filtered
-/// by `RUST_LOG` (default `info`). Returns the dispatcher plugins install.
-pub fn init_tracing() -> tracing::Dispatch {
+/// by `RUST_LOG` (default `info`). Plugins forward their records here
+/// (`engine_core::plugin`'s log callback, target `plugin`).
+pub fn init_tracing() {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let subscriber = tracing_subscriber::registry().with(filter).with(
         tracing_subscriber::fmt::layer()
@@ -51,7 +52,6 @@ pub fn init_tracing() -> tracing::Dispatch {
     );
     // A second init (unit tests) keeps the first subscriber.
     let _ = subscriber.try_init();
-    tracing::dispatcher::get_default(|d| d.clone())
 }
 
 const LATENCY_BUCKETS: &[f64] = &[

@@ -1,9 +1,10 @@
 //! The binaries under test, built once per test process.
 //!
 //! `cargo test -p e2e-tests` only builds this crate, so the gateway and the
-//! plugins are built here with one `cargo build` of all three packages: the
-//! host and its plugins must come from the same build, or the plugins'
-//! copy of the runtime crate is a different type from the host's.
+//! plugins are built here with one `cargo build` of the packages below.
+//! The out-of-tree template plugin is built apart, in its own cargo
+//! invocation with its own lock file and target directory
+//! ([`template_plugin`]), as a third-party author builds one.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -81,5 +82,47 @@ pub fn binaries() -> &'static Binaries {
             bench: dir.join(format!("bench{}", std::env::consts::EXE_SUFFIX)),
             dir,
         }
+    })
+}
+
+/// The out-of-tree template plugin (examples/plugin-template), built once
+/// per test process by a separate `cargo build --release --locked` with its
+/// own manifest, lock file and target directory (`target/plugin-template`,
+/// kept between runs so CI compiles its dependencies once). Returns the
+/// `.so` and how long the build took.
+pub fn template_plugin() -> &'static (PathBuf, std::time::Duration) {
+    static BUILT: OnceLock<(PathBuf, std::time::Duration)> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let root = workspace_root();
+        let manifest = root.join("examples/plugin-template/Cargo.toml");
+        let target_dir = binaries()
+            .dir
+            .parent()
+            .expect("target dir")
+            .join("plugin-template");
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let started = std::time::Instant::now();
+        let status = Command::new(cargo)
+            .current_dir(root.join("examples/plugin-template"))
+            .args(["build", "--release", "--locked", "--manifest-path"])
+            .arg(&manifest)
+            .arg("--target-dir")
+            .arg(&target_dir)
+            // Nothing of the workspace's build leaks into this one.
+            .env_remove("CARGO_TARGET_DIR")
+            .env_remove("RUSTFLAGS")
+            .env_remove("CARGO_ENCODED_RUSTFLAGS")
+            .status()
+            .expect("run cargo build for the template plugin");
+        assert!(status.success(), "building examples/plugin-template failed");
+        let elapsed = started.elapsed();
+        eprintln!(
+            "built examples/plugin-template apart in {:.1} s",
+            elapsed.as_secs_f64()
+        );
+        (
+            target_dir.join("release").join(plugin_file("engine_template")),
+            elapsed,
+        )
     })
 }

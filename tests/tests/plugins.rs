@@ -1,9 +1,12 @@
 //! The plugin host: plugins load by path and from the build's plugin
-//! directory, a plugin built against other versions is refused by name
-//! while the gateway serves with the rest, plugin log lines reach the
-//! host's log, and the weights are in memory once however many engines
-//! share them.
+//! directory, a plugin built against another boundary or MLX (or a garbage
+//! file) is refused by name while the gateway serves with the rest, plugin
+//! log lines reach the host's log, the weights are in memory once however
+//! many engines share them, and a plugin built apart (its own cargo
+//! invocation, lock file and target directory) loads, serves and shares
+//! them too.
 
+use e2e_tests::build::template_plugin;
 use e2e_tests::{binaries, models, Gateway, MODEL};
 use fixtures::model::TinySpec;
 use runtime::Family;
@@ -18,16 +21,25 @@ fn chat(gw: &Gateway) -> e2e_tests::Response {
 
 #[test]
 fn mismatched_plugin_is_refused_and_the_gateway_serves_with_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let garbage = dir.path().join("libengine_garbage.so");
+    std::fs::write(&garbage, b"\x7fELF but not really a shared object").unwrap();
+    // A real plugin cut short, as a failed copy or a bad strip leaves it.
+    let truncated = dir.path().join("libengine_truncated.so");
+    let real = std::fs::read(&binaries().reference_plugin).unwrap();
+    std::fs::write(&truncated, &real[..real.len().min(4096)]).unwrap();
     let config = r#"model: { path: "{model}", kv_cache_mb: 64 }
-plugins: ["{reference}", "{mismatch}"]
+plugins: ["{reference}", "{mismatch}", "GARBAGE", "TRUNCATED"]
 engines:
   ref: { kind: reference }
   old: { kind: mismatch }
   gone: { kind: not-built-anywhere }
 policy:
   default: ref
-"#;
-    let gw = Gateway::start(config);
+"#
+    .replace("GARBAGE", &garbage.display().to_string())
+    .replace("TRUNCATED", &truncated.display().to_string());
+    let gw = Gateway::start(&config);
     // Still serving.
     let r = chat(&gw);
     assert_eq!(r.status, 200, "{}", r.text());
@@ -54,22 +66,33 @@ policy:
             .contains("libengine_not_built_anywhere"),
         "{v}"
     );
-    let refused = v["refused_plugins"][0]["error"].as_str().unwrap();
-    // Both versions of each mismatched field are named.
-    let host_core = env!("CARGO_PKG_VERSION");
-    let abi = engine_core::plugin::PLUGIN_ABI_VERSION;
+    let refused = v["refused_plugins"].as_array().unwrap();
+    assert_eq!(refused.len(), 3, "{v}");
+    let refusal = |file: &str| {
+        let r = refused
+            .iter()
+            .find(|r| r["path"].as_str().unwrap().ends_with(file))
+            .unwrap_or_else(|| panic!("{file} not refused: {v}"));
+        r["error"].as_str().unwrap().to_owned()
+    };
+    // Both values of each mismatched fingerprint are named, with what to
+    // rebuild.
+    let mismatch = refusal("libengine_mismatch.so");
+    let host_boundary = engine_core::plugin::BOUNDARY.trim_end_matches('\0');
     for needle in [
-        &format!("plugin ABI version {}", abi + 1000),
-        &format!("gateway has {abi})"),
-        "0.0.0-mismatch",
-        &format!("gateway has {host_core}"),
+        "built against `engine-core 0.0.0-mismatch boundary 0000000000000000`",
+        &format!("gateway has `{host_boundary}`"),
+        "rebuild the plugin against this gateway's engine-core",
+        "built against `mlx 0.0.0-mismatch",
+        &format!("gateway has `{}`", runtime::abi::mlx_fingerprint()),
+        "rebuild the plugin with this gateway's MLX",
     ] {
-        assert!(refused.contains(needle), "{needle:?} not in {refused}");
+        assert!(mismatch.contains(needle), "{needle:?} not in {mismatch}");
     }
-    assert!(v["refused_plugins"][0]["path"]
-        .as_str()
-        .unwrap()
-        .ends_with("libengine_mismatch.so"));
+    for file in ["libengine_garbage.so", "libengine_truncated.so"] {
+        let e = refusal(file);
+        assert!(e.contains("cannot load plugin") && e.contains("rebuild"), "{e}");
+    }
     let logs = gw.logs();
     assert!(
         logs.contains("plugin refused") && logs.contains("0.0.0-mismatch"),
@@ -112,9 +135,9 @@ policy: { default: ref }
     assert_eq!(chat(&gw).status, 200);
 }
 
-#[test]
-fn weights_are_in_memory_once_however_many_engines_share_them() {
-    // About 84 MB of float32 weights.
+/// A model big enough for resident memory to show a copy of its weights:
+/// about 84 MB of float32. Returns the model and its weight bytes.
+fn rss_model() -> (models::ModelDir, u64) {
     let spec = TinySpec {
         hidden: 512,
         layers: 6,
@@ -125,8 +148,12 @@ fn weights_are_in_memory_once_however_many_engines_share_them() {
         vocab: 4096,
         ..TinySpec::tiny(Family::Qwen3)
     };
-    let weights = spec.parameters() as u64 * 4;
-    let model = models::write("rss-qwen3", &spec);
+    (models::write("rss-qwen3", &spec), spec.parameters() as u64 * 4)
+}
+
+#[test]
+fn weights_are_in_memory_once_however_many_engines_share_them() {
+    let (model, weights) = rss_model();
     let config = |engines: usize| {
         let mut c = format!(
             "model: {{ path: \"{}\", kv_cache_mb: 64 }}\nplugins: [\"{{reference}}\"]\nengines:\n",
@@ -172,5 +199,72 @@ fn weights_are_in_memory_once_however_many_engines_share_them() {
         four < one + weights / 4,
         "4 engines use {:.1} MB more than 1",
         mb(four.saturating_sub(one))
+    );
+}
+
+#[test]
+fn a_plugin_built_apart_serves_and_shares_the_weights() {
+    let (template, build_time) = template_plugin();
+    eprintln!("template plugin: {} (built in {:.1} s)", template.display(), build_time.as_secs_f64());
+    let (model, weights) = rss_model();
+    let config = |engines: &str, default: &str| {
+        format!(
+            "model: {{ path: \"{}\", kv_cache_mb: 64 }}\nplugins: [\"{{reference}}\", \"{}\"]\nengines:\n{engines}policy: {{ default: {default} }}\n",
+            model.path.display(),
+            template.display()
+        )
+    };
+    let greedy = json!({
+        "model": "rss-qwen3",
+        "messages": [{"role": "user", "content": "tell me a story"}],
+        "max_tokens": 8,
+        "temperature": 0
+    });
+    // The reference engine alone: its greedy text and resident memory.
+    let (reference_text, one) = {
+        let gw = Gateway::start(&config("  ref: { kind: reference }\n", "ref"));
+        let r = gw.post("/v1/chat/completions", &greedy);
+        assert_eq!(r.status, 200, "{}", r.text());
+        (r.json()["choices"][0]["message"]["content"].clone(), gw.rss_bytes())
+    };
+    // With the plugin built apart beside it, serving by default.
+    let gw = Gateway::start(&config(
+        "  ref: { kind: reference }\n  tmpl: { kind: template }\n",
+        "tmpl",
+    ));
+    let h = gw.get("/health");
+    assert_eq!(h.status, 200, "{}", h.text());
+    let r = gw.post("/v1/chat/completions", &greedy);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-engine"), Some("tmpl"));
+    let v = r.json();
+    // The same weights give the same greedy text as the in-tree engine.
+    assert_eq!(v["choices"][0]["message"]["content"], reference_text, "{v}");
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() > 0, "{v}");
+    // Streaming works across the boundary too.
+    let mut stream_req = greedy.clone();
+    stream_req["stream"] = json!(true);
+    let s = gw.post("/v1/chat/completions", &stream_req);
+    assert_eq!(s.status, 200, "{}", s.text());
+    assert!(s.text().contains("data: [DONE]"), "{}", s.text());
+    // Its log lines reach the host's log through the boundary.
+    let logs = gw.logs();
+    assert!(
+        logs.contains("template engine ready") && logs.contains("engine=tmpl"),
+        "{logs}"
+    );
+    let two = gw.rss_bytes();
+    let mb = |b: u64| b as f64 / (1 << 20) as f64;
+    eprintln!(
+        "weights {:.1} MB; RSS with the reference engine {:.1} MB, with the template plugin beside it {:.1} MB",
+        mb(weights),
+        mb(one),
+        mb(two)
+    );
+    // A copy of the weights would add all of them.
+    assert!(
+        two < one + weights / 4,
+        "the plugin built apart adds {:.1} MB",
+        mb(two.saturating_sub(one))
     );
 }

@@ -5,9 +5,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use crossbeam_channel::Sender;
-use engine_core::event::event_channel;
 use engine_core::{
-    Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventStream, GenerateRequest,
+    Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventSender, GenerateRequest,
     RequestId,
 };
 use parking_lot::Mutex;
@@ -47,10 +46,6 @@ impl HandoverSink for Sink {
 
 impl BatchedEngine {
     pub fn from_context(ctx: EngineContext) -> Result<Self, String> {
-        // This plugin's copy of `tracing` logs through the host's subscriber;
-        // its callsites cached "disabled" before the dispatcher was set.
-        let _ = tracing::dispatcher::set_global_default(ctx.dispatch.clone());
-        tracing::callsite::rebuild_interest_cache();
         let shared = SharedModel::from_context(&ctx)?;
         let cfg = BatchedConfig::from_yaml(&ctx.config)?;
         Ok(Self::new(ctx.name, shared, cfg))
@@ -86,13 +81,11 @@ impl Engine for BatchedEngine {
         Capabilities {
             greedy_only: false,
             tools: true,
-            max_concurrent: Some(self.cfg.max_batch),
-            speculative: false,
             images: true,
         }
     }
 
-    fn submit(&self, request: GenerateRequest) -> Result<EventStream, EngineError> {
+    fn submit_to(&self, request: GenerateRequest, events: EventSender) -> Result<(), EngineError> {
         let blocks = validate::check(&request, &self.shared)?;
         if self.thread.lock().is_none() {
             return Err(EngineError::ShuttingDown);
@@ -102,7 +95,6 @@ impl Engine for BatchedEngine {
                 "the request queue is full; retry shortly".into(),
             ));
         }
-        let (events, stream) = event_channel();
         self.tx
             .send(Msg::Submit(Waiting {
                 request,
@@ -113,7 +105,7 @@ impl Engine for BatchedEngine {
                 self.stats.queued.fetch_sub(1, Ordering::AcqRel);
                 EngineError::ShuttingDown
             })?;
-        Ok(stream)
+        Ok(())
     }
 
     fn cancel(&self, id: RequestId) {

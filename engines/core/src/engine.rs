@@ -1,23 +1,22 @@
 //! The engine interface: schedule a validated request, get a stream back.
 
-use crate::event::EventStream;
+use serde::{Deserialize, Serialize};
+
+use crate::event::{event_channel, EventSender, EventStream};
 use crate::request::{GenerateRequest, RequestId};
 
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Capabilities {
     /// Serves only plain greedy requests (no sampling, penalties, seed).
     pub greedy_only: bool,
     /// Can serve requests that carry tool definitions.
     pub tools: bool,
-    /// Most requests in flight at once; `None` when bounded only by KV.
-    pub max_concurrent: Option<usize>,
-    pub speculative: bool,
     /// Can serve requests with images (their soft-token embeddings).
     pub images: bool,
 }
 
 /// A snapshot of an engine's load, read by the router per request.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct EngineLoad {
     pub active: usize,
     pub queued: usize,
@@ -33,7 +32,7 @@ pub struct EngineLoad {
 
 /// Why an engine declined a request it could otherwise serve; the router
 /// falls back to the next engine in the chain.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum Refusal {
     #[error("engine serves only plain greedy requests")]
     NotPlainGreedy,
@@ -47,7 +46,7 @@ pub enum Refusal {
     Other(String),
 }
 
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error, Serialize, Deserialize)]
 pub enum EngineError {
     /// Declined; another engine may serve it.
     #[error("refused: {0}")]
@@ -71,9 +70,17 @@ pub enum EngineError {
 pub trait Engine: Send + Sync {
     fn name(&self) -> &str;
     fn capabilities(&self) -> Capabilities;
-    /// Schedules the request. Events arrive on the returned stream; every
-    /// stream ends with exactly one `Finished` or `Error`.
-    fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError>;
+    /// Schedules the request; its events go to `events`, and every stream
+    /// ends with exactly one `Finished` or `Error`. On `Err` nothing was
+    /// sent. The caller owns the stream (across the plugin boundary the
+    /// sender is the host's C sink).
+    fn submit_to(&self, req: GenerateRequest, events: EventSender) -> Result<(), EngineError>;
+    /// [`Engine::submit_to`] a new channel, returning its stream.
+    fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError> {
+        let (events, stream) = event_channel();
+        self.submit_to(req, events)?;
+        Ok(stream)
+    }
     /// Stops a request at the next step; its KV blocks return to the pool.
     fn cancel(&self, id: RequestId);
     fn load(&self) -> EngineLoad;

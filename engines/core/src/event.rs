@@ -1,8 +1,12 @@
 //! What an engine streams back for one request. Plain data (serde), so
 //! events can cross a process or ABI boundary as they are.
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
+
+use crate::plugin::handles::ForeignEvents;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TokenEvent {
@@ -71,8 +75,50 @@ pub enum Event {
 /// The receiving half of a request's events. The engine drops its sender
 /// after `Finished` or `Error`; a dropped receiver means the client is gone.
 pub type EventStream = mpsc::UnboundedReceiver<Event>;
-pub type EventSender = mpsc::UnboundedSender<Event>;
+
+/// The sending half, one per request. Inside one build it is a tokio
+/// channel; a sender that crossed the plugin boundary sends through the
+/// host's C sink (`plugin::abi::RawEventSink`).
+#[derive(Clone)]
+pub struct EventSender(pub(crate) Sink);
+
+#[derive(Clone)]
+pub(crate) enum Sink {
+    Local(mpsc::UnboundedSender<Event>),
+    Foreign(Arc<ForeignEvents>),
+}
+
+impl EventSender {
+    /// Fails (giving the event back) when the receiver is gone.
+    pub fn send(&self, event: Event) -> Result<(), mpsc::error::SendError<Event>> {
+        match &self.0 {
+            Sink::Local(tx) => tx.send(event),
+            Sink::Foreign(sink) => sink.send(event),
+        }
+    }
+
+    pub fn is_closed(&self) -> bool {
+        match &self.0 {
+            Sink::Local(tx) => tx.is_closed(),
+            Sink::Foreign(sink) => sink.is_closed(),
+        }
+    }
+
+    /// Completes when the receiver is gone.
+    pub async fn closed(&self) {
+        match &self.0 {
+            Sink::Local(tx) => tx.closed().await,
+            // A C sink cannot wake a future; poll it.
+            Sink::Foreign(sink) => {
+                while !sink.is_closed() {
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                }
+            }
+        }
+    }
+}
 
 pub fn event_channel() -> (EventSender, EventStream) {
-    mpsc::unbounded_channel()
+    let (tx, rx) = mpsc::unbounded_channel();
+    (EventSender(Sink::Local(tx)), rx)
 }

@@ -9,6 +9,8 @@ pub mod plugin;
 pub mod request;
 
 pub use engine::{Capabilities, Engine, EngineError, EngineLoad, Refusal};
-pub use event::{Event, EventStream, Finish, FinishReason, SpecStats, StreamError, TokenEvent};
-pub use plugin::{EngineContext, PluginDescriptor};
+pub use event::{
+    Event, EventSender, EventStream, Finish, FinishReason, SpecStats, StreamError, TokenEvent,
+};
+pub use plugin::EngineContext;
 pub use request::{CancelToken, GenerateRequest, ImageInput, RequestId, SamplingParams};

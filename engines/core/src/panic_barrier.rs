@@ -11,7 +11,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Mutex;
 
 use crate::engine::{Capabilities, Engine, EngineError, EngineLoad};
-use crate::event::EventStream;
+use crate::event::EventSender;
 use crate::plugin::EngineContext;
 use crate::request::{GenerateRequest, RequestId};
 
@@ -77,13 +77,13 @@ impl Engine for PanicBarrier {
             .unwrap_or_default()
     }
 
-    fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError> {
+    fn submit_to(&self, req: GenerateRequest, events: EventSender) -> Result<(), EngineError> {
         if self.has_panicked() {
             return Err(EngineError::Failed(
                 "the engine is out of service after a panic".into(),
             ));
         }
-        self.guard("submit", || self.inner.submit(req))
+        self.guard("submit", || self.inner.submit_to(req, events))
             .unwrap_or_else(|message| Err(EngineError::Failed(message)))
     }
 

@@ -5,8 +5,13 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
+use serde::{Deserialize, Serialize};
+
+use crate::plugin::handles::ForeignCancel;
+
 /// Process-unique request id.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
 pub struct RequestId(pub u64);
 
 impl RequestId {
@@ -23,24 +28,49 @@ impl std::fmt::Display for RequestId {
 }
 
 /// Set by whoever wants the request stopped (client disconnect, stop string,
-/// shutdown); engines check it between steps.
-#[derive(Debug, Clone, Default)]
-pub struct CancelToken(Arc<AtomicBool>);
+/// shutdown); engines check it between steps. A token that crossed the
+/// plugin boundary reads and sets the host's flag through C calls.
+#[derive(Clone)]
+pub struct CancelToken(pub(crate) Flag);
+
+#[derive(Clone)]
+pub(crate) enum Flag {
+    Local(Arc<AtomicBool>),
+    Foreign(Arc<ForeignCancel>),
+}
+
+impl Default for CancelToken {
+    fn default() -> Self {
+        CancelToken(Flag::Local(Arc::default()))
+    }
+}
+
+impl std::fmt::Debug for CancelToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CancelToken({})", self.is_cancelled())
+    }
+}
 
 impl CancelToken {
     pub fn new() -> Self {
         Self::default()
     }
     pub fn cancel(&self) {
-        self.0.store(true, Ordering::Release);
+        match &self.0 {
+            Flag::Local(flag) => flag.store(true, Ordering::Release),
+            Flag::Foreign(flag) => flag.cancel(),
+        }
     }
     pub fn is_cancelled(&self) -> bool {
-        self.0.load(Ordering::Acquire)
+        match &self.0 {
+            Flag::Local(flag) => flag.load(Ordering::Acquire),
+            Flag::Foreign(flag) => flag.is_cancelled(),
+        }
     }
 }
 
 /// Sampling parameters, already range-checked by the gateway.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SamplingParams {
     /// 0 means greedy (argmax).
     pub temperature: f32,
@@ -98,8 +128,9 @@ impl SamplingParams {
     }
 }
 
-/// A validated generation request.
-#[derive(Debug, Clone)]
+/// A validated generation request. It crosses the plugin boundary as JSON;
+/// its cancel token crosses beside it as a C handle.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct GenerateRequest {
     pub id: RequestId,
     pub prompt: Vec<u32>,
@@ -114,6 +145,7 @@ pub struct GenerateRequest {
     /// Image soft tokens of the prompt and their embeddings (vision
     /// models); empty for text-only requests.
     pub images: Vec<ImageInput>,
+    #[serde(skip)]
     pub cancel: CancelToken,
 }
 
@@ -121,7 +153,7 @@ pub struct GenerateRequest {
 /// hold its soft-token placeholders, whose input embeddings engines replace
 /// with `embeddings` (`tokens` rows of `width` floats, in the text model's
 /// embedding units). Plain data, so it crosses the plugin boundary as is.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ImageInput {
     pub start: u32,
     pub tokens: u32,

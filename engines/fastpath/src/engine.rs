@@ -5,9 +5,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use crossbeam_channel::Sender;
-use engine_core::event::event_channel;
 use engine_core::{
-    CancelToken, Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventStream,
+    CancelToken, Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventSender,
     GenerateRequest, Refusal, RequestId,
 };
 use parking_lot::Mutex;
@@ -31,10 +30,6 @@ pub struct FastpathEngine {
 
 impl FastpathEngine {
     pub fn from_context(ctx: EngineContext) -> Result<Self, String> {
-        // This plugin's copy of `tracing` logs through the host's subscriber;
-        // its callsites cached "disabled" before the dispatcher was set.
-        let _ = tracing::dispatcher::set_global_default(ctx.dispatch.clone());
-        tracing::callsite::rebuild_interest_cache();
         let shared = SharedModel::from_context(&ctx)?;
         Ok(Self::new(ctx.name, shared))
     }
@@ -89,13 +84,11 @@ impl Engine for FastpathEngine {
         Capabilities {
             greedy_only: true,
             tools: false,
-            max_concurrent: Some(1),
-            speculative: false,
             images: false,
         }
     }
 
-    fn submit(&self, request: GenerateRequest) -> Result<EventStream, EngineError> {
+    fn submit_to(&self, request: GenerateRequest, events: EventSender) -> Result<(), EngineError> {
         eligibility::check(&request, &self.shared)?;
         let tx = self.tx.lock().clone().ok_or(EngineError::ShuttingDown)?;
         if self
@@ -113,7 +106,6 @@ impl Engine for FastpathEngine {
             self.shared.model.model.kv_bytes_per_token(),
         )
         .inspect_err(|_| self.busy.store(false, Ordering::Release))?;
-        let (events, stream) = event_channel();
         *self.running.lock() = Some((request.id, request.cancel.clone()));
         if tx
             .send(Job {
@@ -126,7 +118,7 @@ impl Engine for FastpathEngine {
             self.busy.store(false, Ordering::Release);
             return Err(EngineError::ShuttingDown);
         }
-        Ok(stream)
+        Ok(())
     }
 
     fn cancel(&self, id: RequestId) {

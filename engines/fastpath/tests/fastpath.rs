@@ -1,12 +1,15 @@
 //! The fast path: eligibility, plain greedy output, handover to the batched
-//! engine mid-stream (token for token), cancellation and the shutdown fence.
+//! engine mid-stream (token for token, also between engines that reach the
+//! shared model only through the plugin boundary's C tables), cancellation
+//! and the shutdown fence.
 
 use std::sync::Arc;
 
 use batched::{BatchedConfig, BatchedEngine};
+use engine_core::plugin::SharedHandle;
 use engine_core::{
-    Engine, EngineError, Event, EventStream, Finish, FinishReason, GenerateRequest, Refusal,
-    SamplingParams,
+    Engine, EngineContext, EngineError, Event, EventStream, Finish, FinishReason,
+    GenerateRequest, Refusal, SamplingParams,
 };
 use fastpath::FastpathEngine;
 use fixtures::model::{random_prompt, write_model, TinySpec};
@@ -19,14 +22,42 @@ struct Setup {
     batched: BatchedEngine,
 }
 
-fn setup() -> Setup {
+fn host_model() -> (tempfile::TempDir, Arc<SharedModel>) {
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path(), &TinySpec::tiny(Family::Llama)).unwrap();
     let model = LoadedModel::load(dir.path(), Some("tiny")).unwrap();
     let bytes = model.model.config.kv_bytes_per_token(4);
     let shared = Arc::new(SharedModel::new(model, KvPool::new(4096, 16, bytes * 16)));
+    (dir, shared)
+}
+
+fn setup() -> Setup {
+    let (dir, shared) = host_model();
     let batched = BatchedEngine::new("batched".into(), shared.clone(), BatchedConfig::default());
     let fast = FastpathEngine::new("fastpath".into(), shared.clone());
+    Setup {
+        _dir: dir,
+        shared,
+        fast,
+        batched,
+    }
+}
+
+/// Both engines built as plugins build theirs: each over its own
+/// `SharedModel` view of the host's exported C tables (weights as mlx-c
+/// handles, the host's KV ledger, device lock and handover slot).
+fn setup_apart() -> Setup {
+    let (dir, shared) = host_model();
+    let tables = shared.export();
+    let ctx = |name: &str| EngineContext {
+        name: name.into(),
+        config: serde_yaml::Value::Null,
+        config_dir: dir.path().to_owned(),
+        // SAFETY: the tables live for the process.
+        shared: unsafe { SharedHandle::from_ptr(tables) },
+    };
+    let batched = BatchedEngine::from_context(ctx("batched")).unwrap();
+    let fast = FastpathEngine::from_context(ctx("fastpath")).unwrap();
     Setup {
         _dir: dir,
         shared,
@@ -142,7 +173,15 @@ fn refuses_what_it_cannot_serve() {
 
 #[test]
 fn hands_over_to_batched_without_a_seam() {
-    let s = setup();
+    hand_over(setup());
+}
+
+#[test]
+fn hands_over_across_the_plugin_boundary() {
+    hand_over(setup_apart());
+}
+
+fn hand_over(s: Setup) {
     let first = prompt(3, 15);
     let mut a = s
         .fast

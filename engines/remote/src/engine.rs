@@ -7,9 +7,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use engine_core::event::event_channel;
 use engine_core::{
-    Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventStream, GenerateRequest,
+    Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventSender, GenerateRequest,
     Refusal, RequestId,
 };
 use tokio::sync::Notify;
@@ -39,11 +38,8 @@ pub struct RemoteEngine {
 }
 
 impl RemoteEngine {
-    /// The plugin's constructor: installs the host's tracing dispatcher in
-    /// this copy of `tracing`, then builds the engine.
+    /// The plugin's constructor (logging is installed by `export_engine!`).
     pub fn from_context(ctx: EngineContext, model: ModelFacts) -> Result<Self, String> {
-        let _ = tracing::dispatcher::set_global_default(ctx.dispatch.clone());
-        tracing::callsite::rebuild_interest_cache();
         let config = RemoteConfig::from_yaml(&ctx.config)?;
         Self::new(ctx.name, config, model)
     }
@@ -165,13 +161,11 @@ impl Engine for RemoteEngine {
         Capabilities {
             greedy_only: false,
             tools: true,
-            max_concurrent: None,
-            speculative: false,
             images: false,
         }
     }
 
-    fn submit(&self, request: GenerateRequest) -> Result<EventStream, EngineError> {
+    fn submit_to(&self, request: GenerateRequest, events: EventSender) -> Result<(), EngineError> {
         let runtime = self.runtime.lock().unwrap_or_else(|e| e.into_inner());
         let Some(runtime) = runtime.as_ref() else {
             return Err(EngineError::ShuttingDown);
@@ -190,7 +184,6 @@ impl Engine for RemoteEngine {
             _ if self.pool.all_at_cap() => return Err(Refusal::Busy.into()),
             _ => {}
         }
-        let (events, stream) = event_channel();
         let cancel = Arc::new(Notify::new());
         let id = request.id;
         self.running().insert(id, cancel.clone());
@@ -203,7 +196,7 @@ impl Engine for RemoteEngine {
                 .unwrap_or_else(|e| e.into_inner())
                 .remove(&id);
         });
-        Ok(stream)
+        Ok(())
     }
 
     /// Wakes the request's task, which drops its upstream connection (the

@@ -16,12 +16,12 @@ const STEP: i32 = 256;
 
 #[derive(Clone)]
 pub struct KvCache {
-    keys: Vec<Option<Array>>,
-    values: Vec<Option<Array>>,
+    pub(crate) keys: Vec<Option<Array>>,
+    pub(crate) values: Vec<Option<Array>>,
     /// Filled columns (padding included).
-    len: i32,
-    capacity: i32,
-    left_pad: Vec<i32>,
+    pub(crate) len: i32,
+    pub(crate) capacity: i32,
+    pub(crate) left_pad: Vec<i32>,
 }
 
 impl KvCache {

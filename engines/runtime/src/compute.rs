@@ -25,6 +25,16 @@ pub enum ComputeDtype {
 }
 
 impl ComputeDtype {
+    /// The name config.yaml gives it.
+    pub fn name(self) -> &'static str {
+        match self {
+            ComputeDtype::Auto => "auto",
+            ComputeDtype::Float32 => "float32",
+            ComputeDtype::Bfloat16 => "bfloat16",
+            ComputeDtype::Float16 => "float16",
+        }
+    }
+
     /// The dtype floating-point tensors are cast to at load on the default
     /// device; `None` keeps the checkpoint's.
     pub fn resolve(self) -> Option<Dtype> {

@@ -1,7 +1,8 @@
 //! Moving a running sequence from one engine to another without recomputing
 //! its prefix: the fast path hands its request, KV cache and KV reservation
 //! to the batched engine when a second request arrives, and the client's
-//! stream continues uninterrupted.
+//! stream continues uninterrupted. Across plugins the sequence travels as
+//! `abi::RawHandover` (the KV arrays as mlx-c handles).
 
 use engine_core::event::EventSender;
 use engine_core::GenerateRequest;
@@ -30,4 +31,9 @@ pub trait HandoverSink: Send + Sync {
     /// Whether the sink has work of its own (running or waiting): the
     /// moment an exclusive engine should hand its sequence over.
     fn busy(&self) -> bool;
+    /// The C handle behind a sink that came through the plugin boundary.
+    #[doc(hidden)]
+    fn raw(&self) -> Option<crate::abi::RawHandoverSink> {
+        None
+    }
 }

@@ -4,10 +4,14 @@
 //! [`Reservation`] for as long as the request lives; dropping it (finish,
 //! cancel, error, unwinding) returns the blocks. Reservations move between
 //! engines with the sequence they cover (fast path to batched handover).
-//! Pressure is allocated / total blocks.
+//! Pressure is allocated / total blocks. The host owns the count; plugins
+//! reach it through a C ledger ([`KvPool::export`] / [`KvPool::import`]).
 
+use std::ffi::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+
+use crate::abi::RawKvLedger;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PoolError {
@@ -17,15 +21,60 @@ pub enum PoolError {
     Exhausted,
 }
 
+/// Who keeps the count of allocated blocks: this image (the host's pool),
+/// or the host through C calls (a plugin's view of the same pool).
 #[derive(Debug)]
-struct Inner {
-    total: usize,
-    allocated: AtomicUsize,
+enum Ledger {
+    Local {
+        total: usize,
+        allocated: AtomicUsize,
+    },
+    Foreign(RawKvLedger),
+}
+
+// The host's ledger functions are thread-safe (atomics behind C calls).
+unsafe impl Send for Ledger {}
+unsafe impl Sync for Ledger {}
+
+impl Ledger {
+    fn total(&self) -> usize {
+        match self {
+            Ledger::Local { total, .. } => *total,
+            Ledger::Foreign(raw) => raw.total,
+        }
+    }
+
+    fn allocated(&self) -> usize {
+        match self {
+            Ledger::Local { allocated, .. } => allocated.load(Ordering::Acquire),
+            Ledger::Foreign(raw) => unsafe { (raw.allocated)(raw.ctx) },
+        }
+    }
+
+    fn try_add(&self, blocks: usize) -> bool {
+        match self {
+            Ledger::Local { total, allocated } => allocated
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |current| {
+                    (current + blocks <= *total).then_some(current + blocks)
+                })
+                .is_ok(),
+            Ledger::Foreign(raw) => unsafe { (raw.try_reserve)(raw.ctx, blocks) },
+        }
+    }
+
+    fn release(&self, blocks: usize) {
+        match self {
+            Ledger::Local { allocated, .. } => {
+                allocated.fetch_sub(blocks, Ordering::AcqRel);
+            }
+            Ledger::Foreign(raw) => unsafe { (raw.release)(raw.ctx, blocks) },
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
 pub struct KvPool {
-    inner: Arc<Inner>,
+    ledger: Arc<Ledger>,
     block_size: usize,
     bytes_per_block: usize,
 }
@@ -33,7 +82,7 @@ pub struct KvPool {
 impl KvPool {
     pub fn new(total_blocks: usize, block_size: usize, bytes_per_block: usize) -> Self {
         Self {
-            inner: Arc::new(Inner {
+            ledger: Arc::new(Ledger::Local {
                 total: total_blocks,
                 allocated: AtomicUsize::new(0),
             }),
@@ -53,6 +102,40 @@ impl KvPool {
         )
     }
 
+    /// This pool as a C ledger; it stays alive for the process.
+    pub fn export(&self) -> RawKvLedger {
+        unsafe extern "C" fn try_reserve(ctx: *mut c_void, blocks: usize) -> bool {
+            (*(ctx as *const Ledger)).try_add(blocks)
+        }
+        unsafe extern "C" fn release(ctx: *mut c_void, blocks: usize) {
+            (*(ctx as *const Ledger)).release(blocks)
+        }
+        unsafe extern "C" fn allocated(ctx: *mut c_void) -> usize {
+            (*(ctx as *const Ledger)).allocated()
+        }
+        RawKvLedger {
+            ctx: Arc::into_raw(self.ledger.clone()) as *mut c_void,
+            total: self.total(),
+            block_size: self.block_size,
+            bytes_per_block: self.bytes_per_block,
+            try_reserve,
+            release,
+            allocated,
+        }
+    }
+
+    /// A view of the host's pool.
+    ///
+    /// # Safety
+    /// `raw` came from [`KvPool::export`] and lives for the process.
+    pub unsafe fn import(raw: &RawKvLedger) -> Self {
+        Self {
+            ledger: Arc::new(Ledger::Foreign(RawKvLedger { ..*raw })),
+            block_size: raw.block_size,
+            bytes_per_block: raw.bytes_per_block,
+        }
+    }
+
     pub fn block_size(&self) -> usize {
         self.block_size
     }
@@ -62,18 +145,18 @@ impl KvPool {
     }
 
     pub fn total(&self) -> usize {
-        self.inner.total
+        self.ledger.total()
     }
 
     pub fn allocated(&self) -> usize {
-        self.inner.allocated.load(Ordering::Acquire)
+        self.ledger.allocated()
     }
 
     pub fn pressure(&self) -> f64 {
-        if self.inner.total == 0 {
+        if self.total() == 0 {
             return 1.0;
         }
-        self.allocated() as f64 / self.inner.total as f64
+        self.allocated() as f64 / self.total() as f64
     }
 
     pub fn blocks_for(&self, tokens: usize) -> usize {
@@ -88,10 +171,10 @@ impl KvPool {
     }
 
     pub fn check_fits(&self, blocks: usize) -> Result<(), PoolError> {
-        if blocks > self.inner.total {
+        if blocks > self.total() {
             return Err(PoolError::NeverFits {
                 needed: blocks,
-                total: self.inner.total,
+                total: self.total(),
             });
         }
         Ok(())
@@ -99,25 +182,21 @@ impl KvPool {
 
     pub fn try_reserve(&self, blocks: usize) -> Result<Reservation, PoolError> {
         self.check_fits(blocks)?;
-        let mut current = self.inner.allocated.load(Ordering::Acquire);
-        loop {
-            if current + blocks > self.inner.total {
-                return Err(PoolError::Exhausted);
-            }
-            match self.inner.allocated.compare_exchange_weak(
-                current,
-                current + blocks,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => {
-                    return Ok(Reservation {
-                        inner: self.inner.clone(),
-                        blocks,
-                    })
-                }
-                Err(actual) => current = actual,
-            }
+        if !self.ledger.try_add(blocks) {
+            return Err(PoolError::Exhausted);
+        }
+        Ok(Reservation {
+            ledger: self.ledger.clone(),
+            blocks,
+        })
+    }
+
+    /// Takes over `blocks` that another engine reserved in this pool and
+    /// gave up with [`Reservation::into_blocks`] (a handed-over sequence).
+    pub fn adopt(&self, blocks: usize) -> Reservation {
+        Reservation {
+            ledger: self.ledger.clone(),
+            blocks,
         }
     }
 }
@@ -125,7 +204,7 @@ impl KvPool {
 /// Blocks held by one request; returned to the pool on drop.
 #[derive(Debug)]
 pub struct Reservation {
-    inner: Arc<Inner>,
+    ledger: Arc<Ledger>,
     blocks: usize,
 }
 
@@ -133,13 +212,18 @@ impl Reservation {
     pub fn blocks(&self) -> usize {
         self.blocks
     }
+
+    /// Gives the blocks up without returning them, for [`KvPool::adopt`].
+    pub fn into_blocks(self) -> usize {
+        let blocks = self.blocks;
+        std::mem::forget(self);
+        blocks
+    }
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        self.inner
-            .allocated
-            .fetch_sub(self.blocks, Ordering::AcqRel);
+        self.ledger.release(self.blocks);
     }
 }
 
@@ -167,5 +251,21 @@ mod tests {
         ));
         drop(b);
         assert_eq!(pool.allocated(), 0);
+    }
+
+    #[test]
+    fn an_imported_pool_shares_the_hosts_count() {
+        let host = KvPool::new(10, 16, 1024);
+        let raw = host.export();
+        let view = unsafe { KvPool::import(&raw) };
+        assert_eq!((view.total(), view.block_size()), (10, 16));
+        let r = view.try_reserve(7).unwrap();
+        assert_eq!(host.allocated(), 7);
+        assert_eq!(host.try_reserve(4).unwrap_err(), PoolError::Exhausted);
+        // Handed from the view to the host, returned once.
+        let adopted = host.adopt(r.into_blocks());
+        assert_eq!(view.allocated(), 7);
+        drop(adopted);
+        assert_eq!(view.allocated(), 0);
     }
 }

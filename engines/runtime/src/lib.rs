@@ -3,6 +3,7 @@
 //! samples on the device. Engines build on it; the gateway shares one
 //! [`LoadedModel`] between all of them.
 
+pub mod abi;
 pub mod activations;
 pub mod admission;
 pub mod cache;
@@ -36,3 +37,6 @@ pub use model::Model;
 pub use shared::SharedModel;
 
 pub type Result<T> = anyhow::Result<T>;
+
+#[doc(hidden)]
+pub use engine_core as __engine_core;

@@ -7,8 +7,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
-use std::sync::{Mutex, MutexGuard};
+use mlx_rs::Array;
 
+use crate::abi::{DeviceGuard, DeviceLock};
 use crate::compute::ComputeDtype;
 use crate::config::ModelConfig;
 use crate::model::Model;
@@ -18,6 +19,10 @@ use crate::weights::Weights;
 pub struct LoadedModel {
     /// The model directory (for a GGUF file, the directory holding it).
     pub dir: PathBuf,
+    /// The checkpoint as given: the directory, or the GGUF file.
+    pub path: PathBuf,
+    /// The dtype the weights were cast to at load.
+    pub compute: ComputeDtype,
     /// The name the API serves the model under.
     pub name: String,
     pub model: Model,
@@ -32,11 +37,9 @@ pub struct LoadedModel {
     /// tokenizer config, end-of-turn tokens), the same for every engine.
     pub stop_tokens: Vec<u32>,
     /// Serialises device work across engines: MLX streams are not safe to
-    /// evaluate from several threads at once. A std (futex) mutex on
-    /// purpose: each plugin links its own copy of parking_lot, whose parked
-    /// threads live in a per-copy global table, so one plugin's unlock could
-    /// never wake another plugin's waiter.
-    device: Mutex<()>,
+    /// evaluate from several threads at once. The host owns the lock;
+    /// plugins take it through C calls.
+    pub(crate) device: DeviceLock,
 }
 
 // MLX arrays are reference-counted handles to immutable buffers; the weights
@@ -54,69 +57,84 @@ impl LoadedModel {
     /// holding one GGUF file (and no safetensors).
     pub fn load_as(path: &Path, name: Option<&str>, compute: ComputeDtype) -> anyhow::Result<Self> {
         let started = Instant::now();
-        let checkpoint = Checkpoint::find(path)?;
-        let (config, mut weights, tokenizer_source, template, metadata_stops) = match &checkpoint {
-            Checkpoint::Dir(dir) => (
-                ModelConfig::from_dir(dir)?,
-                Weights::from_dir(dir)?,
-                TokenizerSource::Dir(dir.clone()),
-                text::ChatTemplate::from_dir(dir)?,
-                None,
-            ),
-            Checkpoint::Gguf { file, dir } => {
-                let gguf = crate::gguf::load(file)?;
-                let config = gguf.vocab.tokenizer_config();
-                // A tokenizer.json (and template) next to the file wins over
-                // the one rebuilt from the metadata.
-                let tokenizer_source = if dir.join("tokenizer.json").exists() {
-                    TokenizerSource::Dir(dir.clone())
-                } else {
-                    let json = gguf
-                        .vocab
-                        .tokenizer_json()
-                        .with_context(|| format!("the tokenizer of {}", file.display()))?;
-                    TokenizerSource::Json {
-                        json,
-                        config: config.clone(),
-                        origin: file.clone(),
-                    }
-                };
-                let template = match text::ChatTemplate::from_dir(dir)? {
-                    Some(t) => Some(t),
-                    None => text::ChatTemplate::from_tokenizer_config(&config, file)?,
-                };
-                (
-                    gguf.config,
-                    gguf.weights,
-                    tokenizer_source,
-                    template,
-                    Some(gguf.vocab.eos_token_ids()),
-                )
-            }
-        };
-        if let Some(dtype) = compute.resolve() {
-            weights.cast_floats(dtype)?;
-        }
-        let shown = checkpoint.path().display().to_string();
-        let vision = match &checkpoint {
-            Checkpoint::Dir(dir) => match VisionConfig::from_dir(dir)? {
-                Some(v) => Some(
-                    VisionTower::load(v, &mut weights, config.quantization)
-                        .with_context(|| format!("loading the vision tower of {shown}"))?,
-                ),
-                None => None,
-            },
-            Checkpoint::Gguf { .. } => None,
-        };
-        let model = Model::load(config, weights).with_context(|| format!("loading {shown}"))?;
+        let built = build(path, compute)?;
+        let params = parameters(&built.model, built.vision.as_ref());
         // Materialise the weights now, not on the first request.
-        let mut weight_bytes = model.eval_weights()?;
-        if let Some(tower) = &vision {
-            let mut all = Vec::new();
-            tower.collect(&mut all);
-            mlx_rs::transforms::eval(all.iter().copied())?;
-            weight_bytes += all.iter().map(|a| a.nbytes()).sum::<usize>();
+        mlx_rs::transforms::eval(params.iter().copied())?;
+        let weight_bytes: usize = params.iter().map(|a| a.nbytes()).sum();
+        let loaded = Self::assemble(built, name, compute, DeviceLock::new())?;
+        tracing::info!(
+            model = %loaded.name,
+            family = %loaded.model.config.family,
+            layers = loaded.model.config.num_layers,
+            hidden = loaded.model.config.hidden_size,
+            dtype = ?loaded.model.dtype(),
+            compute_dtype = ?compute,
+            weight_mb = weight_bytes >> 20,
+            kv_bytes_per_token = loaded.model.kv_bytes_per_token(),
+            blas = %mlx_sys::blas_backend(),
+            seconds = started.elapsed().as_secs_f32(),
+            "model loaded"
+        );
+        Ok(loaded)
+    }
+
+    /// A plugin's view of the host's model: the same structure built from
+    /// the checkpoint (lazily for safetensors), each array then pointed at
+    /// the host's evaluated array, so the weights are in memory once.
+    pub(crate) fn view(
+        path: &Path,
+        name: &str,
+        compute: ComputeDtype,
+        host: &[mlx_sys::mlx_array],
+        device: DeviceLock,
+    ) -> anyhow::Result<Self> {
+        let built = build(path, compute)?;
+        let mine = parameters(&built.model, built.vision.as_ref());
+        anyhow::ensure!(
+            mine.len() == host.len(),
+            "the host's model has {} arrays, this plugin's build of {} has {}",
+            host.len(),
+            path.display(),
+            mine.len()
+        );
+        // SAFETY: the host's handles are live for the process; ours are
+        // owned by the model, which nothing else sees yet.
+        unsafe {
+            let host: Vec<Array> = host.iter().map(|&h| crate::abi::retain(h)).collect();
+            for (i, (m, h)) in mine.iter().zip(&host).enumerate() {
+                anyhow::ensure!(
+                    m.shape() == h.shape() && m.dtype() == h.dtype(),
+                    "array {i} of the model differs between the host ({:?} {:?}) and this plugin ({:?} {:?})",
+                    h.shape(),
+                    h.dtype(),
+                    m.shape(),
+                    m.dtype()
+                );
+            }
+            for (m, h) in mine.iter().zip(&host) {
+                // mlx-c assigns into the array object behind our handle.
+                let mut handle = m.as_ptr();
+                mlx_sys::mlx_array_set(&mut handle, h.as_ptr());
+            }
         }
+        Self::assemble(built, Some(name), compute, device)
+    }
+
+    fn assemble(
+        built: Built,
+        name: Option<&str>,
+        compute: ComputeDtype,
+        device: DeviceLock,
+    ) -> anyhow::Result<Self> {
+        let Built {
+            checkpoint,
+            model,
+            vision,
+            tokenizer_source,
+            template,
+            metadata_stops,
+        } = built;
         let tokenizer = Arc::new(tokenizer_source.load()?);
         // Files next to a GGUF (a tokenizer_config.json) add their stops.
         let mut stop_tokens = text::eos::eos_token_ids(checkpoint.dir(), &tokenizer)?;
@@ -126,21 +144,10 @@ impl LoadedModel {
         let name = name
             .map(str::to_string)
             .unwrap_or_else(|| checkpoint.default_name());
-        tracing::info!(
-            model = %name,
-            family = %model.config.family,
-            layers = model.config.num_layers,
-            hidden = model.config.hidden_size,
-            dtype = ?model.dtype(),
-            compute_dtype = ?compute,
-            weight_mb = weight_bytes >> 20,
-            kv_bytes_per_token = model.kv_bytes_per_token(),
-            blas = %mlx_sys::blas_backend(),
-            seconds = started.elapsed().as_secs_f32(),
-            "model loaded"
-        );
         Ok(Self {
             dir: checkpoint.dir().to_path_buf(),
+            path: checkpoint.path().to_path_buf(),
+            compute,
             name,
             model,
             vision,
@@ -148,16 +155,20 @@ impl LoadedModel {
             tokenizer_source,
             template,
             stop_tokens,
-            device: Mutex::new(()),
+            device,
         })
+    }
+
+    /// Every weight array, the text model's then the vision tower's, in an
+    /// order fixed by the model's structure.
+    pub fn parameters(&self) -> Vec<&Array> {
+        parameters(&self.model, self.vision.as_ref())
     }
 
     /// Exclusive use of the device for one engine step (or one fast-path
     /// run). A panicked holder left nothing half-written that matters here.
-    pub fn lock_device(&self) -> MutexGuard<'_, ()> {
-        self.device
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    pub fn lock_device(&self) -> DeviceGuard<'_> {
+        self.device.lock()
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -260,4 +271,89 @@ impl TokenizerSource {
             } => text::Tokenizer::from_json(json, Some(config), origin),
         }
     }
+}
+
+/// A checkpoint's model and text pipeline files, its weights unevaluated.
+struct Built {
+    checkpoint: Checkpoint,
+    model: Model,
+    vision: Option<VisionTower>,
+    tokenizer_source: TokenizerSource,
+    template: Option<text::ChatTemplate>,
+    /// The end-of-generation tokens a GGUF file's metadata names.
+    metadata_stops: Option<Vec<u32>>,
+}
+
+fn build(path: &Path, compute: ComputeDtype) -> anyhow::Result<Built> {
+    let checkpoint = Checkpoint::find(path)?;
+    let (config, mut weights, tokenizer_source, template, metadata_stops) = match &checkpoint {
+        Checkpoint::Dir(dir) => (
+            ModelConfig::from_dir(dir)?,
+            Weights::from_dir(dir)?,
+            TokenizerSource::Dir(dir.clone()),
+            text::ChatTemplate::from_dir(dir)?,
+            None,
+        ),
+        Checkpoint::Gguf { file, dir } => {
+            let gguf = crate::gguf::load(file)?;
+            let config = gguf.vocab.tokenizer_config();
+            // A tokenizer.json (and template) next to the file wins over
+            // the one rebuilt from the metadata.
+            let tokenizer_source = if dir.join("tokenizer.json").exists() {
+                TokenizerSource::Dir(dir.clone())
+            } else {
+                let json = gguf
+                    .vocab
+                    .tokenizer_json()
+                    .with_context(|| format!("the tokenizer of {}", file.display()))?;
+                TokenizerSource::Json {
+                    json,
+                    config: config.clone(),
+                    origin: file.clone(),
+                }
+            };
+            let template = match text::ChatTemplate::from_dir(dir)? {
+                Some(t) => Some(t),
+                None => text::ChatTemplate::from_tokenizer_config(&config, file)?,
+            };
+            (
+                gguf.config,
+                gguf.weights,
+                tokenizer_source,
+                template,
+                Some(gguf.vocab.eos_token_ids()),
+            )
+        }
+    };
+    if let Some(dtype) = compute.resolve() {
+        weights.cast_floats(dtype)?;
+    }
+    let shown = checkpoint.path().display().to_string();
+    let vision = match &checkpoint {
+        Checkpoint::Dir(dir) => match VisionConfig::from_dir(dir)? {
+            Some(v) => Some(
+                VisionTower::load(v, &mut weights, config.quantization)
+                    .with_context(|| format!("loading the vision tower of {shown}"))?,
+            ),
+            None => None,
+        },
+        Checkpoint::Gguf { .. } => None,
+    };
+    let model = Model::load(config, weights).with_context(|| format!("loading {shown}"))?;
+    Ok(Built {
+        checkpoint,
+        model,
+        vision,
+        tokenizer_source,
+        template,
+        metadata_stops,
+    })
+}
+
+fn parameters<'a>(model: &'a Model, vision: Option<&'a VisionTower>) -> Vec<&'a Array> {
+    let mut all = model.parameters();
+    if let Some(tower) = vision {
+        tower.collect(&mut all);
+    }
+    all
 }

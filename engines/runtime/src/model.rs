@@ -232,9 +232,8 @@ impl Model {
         })
     }
 
-    /// Evaluates every weight so loading cost is paid at startup; returns
-    /// their bytes in memory.
-    pub fn eval_weights(&self) -> anyhow::Result<usize> {
+    /// Every weight array, in an order fixed by the model's structure.
+    pub fn parameters(&self) -> Vec<&Array> {
         let mut all: Vec<&Array> = Vec::new();
         self.embed.collect(&mut all);
         for l in &self.layers {
@@ -247,8 +246,7 @@ impl Model {
         if let Some(p) = &self.per_layer_inputs {
             p.collect(&mut all);
         }
-        mlx_rs::transforms::eval(all.iter().copied())?;
-        Ok(all.iter().map(|a| a.nbytes()).sum())
+        all
     }
 
     pub fn num_layers(&self) -> usize {

@@ -1,51 +1,154 @@
-//! What the host shares with every engine plugin through
-//! `EngineContext::shared`: the one loaded model and the one KV pool.
+//! What the host shares with every engine: the one loaded model, the one KV
+//! pool, the device lock and the handover slot. The host holds the
+//! originals and exports them as C tables ([`SharedModel::export`]); each
+//! plugin builds its own `SharedModel` over those tables
+//! ([`SharedModel::from_context`]), so no Rust type crosses the boundary.
 
-use std::sync::Arc;
+use std::ffi::c_void;
+use std::path::PathBuf;
+use std::sync::{Arc, RwLock};
 
+use engine_core::plugin::read_c_str;
 use engine_core::EngineContext;
-use std::sync::RwLock;
 
+use crate::abi::{
+    export_sink, mlx_fingerprint, DeviceLock, ForeignSink, RawDeviceLock, RawHandoverSink,
+    RawHandoverSlot, RawShared, MLX_FINGERPRINT,
+};
 use crate::handover::HandoverSink;
-
 use crate::kv_pool::KvPool;
+use crate::compute::ComputeDtype;
 use crate::loader::LoadedModel;
 
 pub struct SharedModel {
     pub model: LoadedModel,
     pub kv_pool: KvPool,
     /// The engine that adopts sequences other engines hand over (the
-    /// batched engine registers itself here). std's lock, not parking_lot's:
-    /// plugins share this object but not parking_lot's global tables.
-    handover: RwLock<Option<Arc<dyn HandoverSink>>>,
+    /// batched engine registers itself here).
+    handover: Slot,
 }
+
+enum Slot {
+    /// The sink, and its C handle for plugins (made once, at registration).
+    Local(RwLock<Option<(Arc<dyn HandoverSink>, RawHandoverSink)>>),
+    Foreign(RawHandoverSlot),
+}
+
+// The host's slot functions are thread-safe.
+unsafe impl Send for Slot {}
+unsafe impl Sync for Slot {}
 
 impl SharedModel {
     pub fn new(model: LoadedModel, kv_pool: KvPool) -> Self {
         Self {
             model,
             kv_pool,
-            handover: RwLock::new(None),
+            handover: Slot::Local(RwLock::new(None)),
         }
     }
 
     pub fn set_handover_sink(&self, sink: Arc<dyn HandoverSink>) {
-        *self.handover.write().unwrap_or_else(|e| e.into_inner()) = Some(sink);
+        match &self.handover {
+            Slot::Local(slot) => {
+                let raw = export_sink(sink.clone(), self.kv_pool.clone());
+                *slot.write().unwrap_or_else(|e| e.into_inner()) = Some((sink, raw));
+            }
+            Slot::Foreign(raw) => unsafe {
+                (raw.set)(raw.ctx, export_sink(sink, self.kv_pool.clone()))
+            },
+        }
     }
 
     pub fn handover_sink(&self) -> Option<Arc<dyn HandoverSink>> {
-        self.handover
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        match &self.handover {
+            Slot::Local(slot) => slot
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_ref()
+                .map(|(sink, _)| sink.clone()),
+            Slot::Foreign(raw) => unsafe {
+                let mut sink = std::mem::MaybeUninit::<RawHandoverSink>::uninit();
+                (raw.get)(raw.ctx, sink.as_mut_ptr())
+                    .then(|| Arc::new(ForeignSink(sink.assume_init())) as Arc<dyn HandoverSink>)
+            },
+        }
     }
 
-    /// The shared model from an engine's context. Fails when the plugin was
-    /// built against a different runtime crate than the host.
+    /// This engine's view of the host's shared model. Fails with what to
+    /// rebuild when the host's MLX or shared-state layout is not this
+    /// build's, and when the host shares no model.
     pub fn from_context(ctx: &EngineContext) -> Result<Arc<SharedModel>, String> {
-        ctx.shared
-            .clone()
-            .downcast::<SharedModel>()
-            .map_err(|_| "the host's shared model is not this plugin's runtime::SharedModel (built from another runtime crate?)".to_string())
+        let ptr = ctx.shared.as_ptr() as *const RawShared;
+        // SAFETY: the host passes null or its `RawShared`, live for the
+        // process; the descriptor check made sure the layout is ours, and
+        // the fingerprint below checks again for plugins that did not
+        // declare MLX.
+        let raw = unsafe { ptr.as_ref() }.ok_or("the host shares no model with this engine")?;
+        let host_mlx = unsafe { read_c_str(raw.mlx) };
+        if host_mlx != mlx_fingerprint() {
+            return Err(format!(
+                "the gateway's model runtime is `{host_mlx}`, this plugin's is `{}`; rebuild the plugin with the gateway's MLX (scripts/setup) and engine sources",
+                mlx_fingerprint()
+            ));
+        }
+        let path = PathBuf::from(unsafe { read_c_str(raw.model_path) });
+        let name = unsafe { read_c_str(raw.model_name) };
+        let compute: ComputeDtype = unsafe { read_c_str(raw.compute_dtype) }.parse()?;
+        let arrays = unsafe { std::slice::from_raw_parts(raw.arrays, raw.arrays_len) };
+        let model = LoadedModel::view(&path, &name, compute, arrays, DeviceLock::Foreign(raw.device))
+            .map_err(|e| format!("cannot build a view of the host's model: {e:#}"))?;
+        Ok(Arc::new(SharedModel {
+            model,
+            kv_pool: unsafe { KvPool::import(&raw.kv) },
+            handover: Slot::Foreign(raw.handover),
+        }))
+    }
+
+    /// The host's end: this model as the C tables every plugin receives
+    /// (`HostServices::shared`). The tables, and a reference to `self`,
+    /// live for the process.
+    pub fn export(self: &Arc<Self>) -> *const c_void {
+        unsafe extern "C" fn lock(ctx: *mut c_void) {
+            std::mem::forget((*(ctx as *const SharedModel)).model.lock_device());
+        }
+        unsafe extern "C" fn unlock(ctx: *mut c_void) {
+            (*(ctx as *const SharedModel)).model.device.release_raw();
+        }
+        unsafe extern "C" fn set(ctx: *mut c_void, sink: RawHandoverSink) {
+            (*(ctx as *const SharedModel)).set_handover_sink(Arc::new(ForeignSink(sink)));
+        }
+        unsafe extern "C" fn get(ctx: *mut c_void, out: *mut RawHandoverSink) -> bool {
+            let Slot::Local(slot) = &(*(ctx as *const SharedModel)).handover else {
+                return false;
+            };
+            match &*slot.read().unwrap_or_else(|e| e.into_inner()) {
+                Some((_, raw)) => {
+                    out.write(*raw);
+                    true
+                }
+                None => false,
+            }
+        }
+        let ctx = Arc::into_raw(self.clone()) as *mut c_void;
+        let leak = |s: &str| {
+            std::ffi::CString::new(s)
+                .unwrap_or_default()
+                .into_raw()
+                .cast_const()
+        };
+        let arrays: Vec<_> = self.model.parameters().iter().map(|a| a.as_ptr()).collect();
+        let arrays = arrays.leak();
+        let raw = RawShared {
+            mlx: MLX_FINGERPRINT.as_ptr().cast(),
+            model_path: leak(&self.model.path.to_string_lossy()),
+            model_name: leak(&self.model.name),
+            compute_dtype: leak(self.model.compute.name()),
+            arrays: arrays.as_ptr(),
+            arrays_len: arrays.len(),
+            device: RawDeviceLock { ctx, lock, unlock },
+            kv: self.kv_pool.export(),
+            handover: RawHandoverSlot { ctx, set, get },
+        };
+        Box::into_raw(Box::new(raw)) as *const c_void
     }
 }

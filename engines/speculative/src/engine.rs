@@ -10,9 +10,9 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender};
-use engine_core::event::{event_channel, EventSender};
+use engine_core::event::EventSender;
 use engine_core::{
-    CancelToken, Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventStream,
+    CancelToken, Capabilities, Engine, EngineContext, EngineError, EngineLoad,
     GenerateRequest, Refusal, RequestId, StreamError,
 };
 use runtime::{LoadedModel, Reservation, SharedModel};
@@ -51,17 +51,12 @@ impl DraftPlan {
 }
 
 /// What a speculative plugin's constructor reads from its context: the
-/// shared model and its section, parsed over `defaults`. Also routes this
-/// plugin's logs to the host's subscriber.
+/// shared model and its section, parsed over `defaults`.
 pub fn from_context(
     ctx: &EngineContext,
     kind: &str,
     defaults: SpecSettings,
 ) -> Result<(Arc<SharedModel>, SpecSettings), String> {
-    // This plugin's copy of `tracing` logs through the host's subscriber;
-    // its callsites cached "disabled" before the dispatcher was set.
-    let _ = tracing::dispatcher::set_global_default(ctx.dispatch.clone());
-    tracing::callsite::rebuild_interest_cache();
     let shared = SharedModel::from_context(ctx)?;
     let settings = SpecSettings::from_yaml(kind, &ctx.config, &ctx.config_dir, defaults)?;
     Ok((shared, settings))
@@ -186,14 +181,12 @@ impl Engine for SpecEngine {
         Capabilities {
             greedy_only: true,
             tools: true,
-            max_concurrent: Some(self.settings.max_concurrent),
-            speculative: true,
             // The drafters read text positions only.
             images: false,
         }
     }
 
-    fn submit(&self, request: GenerateRequest) -> Result<EventStream, EngineError> {
+    fn submit_to(&self, request: GenerateRequest, events: EventSender) -> Result<(), EngineError> {
         // Lossless only for argmax decoding; anything else goes elsewhere.
         if !request.is_plain_greedy() {
             return Err(Refusal::NotPlainGreedy.into());
@@ -227,7 +220,6 @@ impl Engine for SpecEngine {
             _reservation: reservation,
             blocks,
         };
-        let (events, stream) = event_channel();
         // A send to a stopped worker hands the job (and its ticket) back.
         tx.send(Job {
             request,
@@ -235,7 +227,7 @@ impl Engine for SpecEngine {
             events,
         })
         .map_err(|_| EngineError::ShuttingDown)?;
-        Ok(stream)
+        Ok(())
     }
 
     fn cancel(&self, id: RequestId) {

@@ -1,15 +1,18 @@
-//! Opening engine plugins. The descriptor's version fields are read and
-//! compared with the host's before the plugin's Rust constructor is touched:
-//! a plugin built against another ABI, engine-core or rustc is refused with
-//! both versions named, and the rest of the gateway carries on.
+//! Opening engine plugins. The descriptor is C: its layout version is read
+//! first, then the fingerprints of everything else the boundary depends on
+//! (engine-core's boundary and wire types; MLX, mlx-c and the shared-state
+//! tables). A plugin that differs in any is refused here, at load, with
+//! both values and what to rebuild named, and the rest of the gateway
+//! carries on. Nothing of the plugin is called before that.
 
-use std::ffi::c_char;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
+use engine_core::plugin::abi::{EntryFn, PluginDescriptor, PluginVTable};
+use engine_core::plugin::export::CreateArgs;
+use engine_core::plugin::import::PluginEngine;
 use engine_core::plugin::{
-    Constructor, EntryFn, PluginDescriptor, CORE_VERSION, ENTRY_SYMBOL, PLUGIN_ABI_VERSION,
-    RUSTC_VERSION,
+    read_c_str, BOUNDARY, ENTRY_SYMBOL, OLD_ENTRY_SYMBOL, PLUGIN_ABI_VERSION,
 };
 use libloading::Library;
 
@@ -19,76 +22,86 @@ static LIBRARIES: Mutex<Vec<Library>> = Mutex::new(Vec::new());
 
 #[derive(Debug, thiserror::Error)]
 pub enum PluginError {
-    #[error("cannot load plugin {}: {error}", path.display())]
+    #[error("cannot load plugin {}: {error} (a stripped, truncated or foreign file? rebuild it)", path.display())]
     Open {
         path: PathBuf,
         error: libloading::Error,
     },
-    #[error("{} is not an engine plugin (no `engine_plugin_entry_v1` symbol): {error}", path.display())]
+    #[error("cannot load plugin {}: {reason} (a stripped, truncated or foreign file? rebuild it)", path.display())]
+    Truncated { path: PathBuf, reason: String },
+    #[error("plugin {} was built for an older gateway (Rust-ABI plugins, entry `engine_plugin_entry_v1`); rebuild it against this gateway's engine-core", path.display())]
+    OldBoundary { path: PathBuf },
+    #[error("{} is not an engine plugin (no `engine_plugin_entry_v2` symbol): {error}", path.display())]
     NoEntry {
         path: PathBuf,
         error: libloading::Error,
     },
     #[error("plugin {} returned no descriptor", path.display())]
     NullDescriptor { path: PathBuf },
-    #[error("plugin {} refused: {}; rebuild it against this gateway's engine-core", path.display(), mismatches.join("; "))]
+    #[error("plugin {} refused: {}", path.display(), mismatches.join("; "))]
     Mismatch {
         path: PathBuf,
         mismatches: Vec<String>,
     },
-    #[error("plugin {} names no engine kind", path.display())]
-    NoKind { path: PathBuf },
+    #[error("plugin {} names no engine kind or exports no functions", path.display())]
+    Incomplete { path: PathBuf },
 }
 
-/// The version fields of a descriptor, as plain values.
+/// What a descriptor says it was built against, as plain values.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Versions {
+pub struct Fingerprint {
+    /// The descriptor's layout.
     pub abi: u32,
-    pub core: String,
-    pub rustc: String,
+    /// engine-core's version and boundary hash.
+    pub boundary: String,
+    /// MLX, mlx-c and the shared-state tables; empty for a plugin that
+    /// does not link MLX.
+    pub mlx: String,
 }
 
-impl Versions {
+impl Fingerprint {
     pub fn host() -> Self {
-        Versions {
+        Fingerprint {
             abi: PLUGIN_ABI_VERSION,
-            core: CORE_VERSION.trim_end_matches('\0').to_owned(),
-            rustc: RUSTC_VERSION.trim_end_matches('\0').to_owned(),
+            boundary: BOUNDARY.trim_end_matches('\0').to_owned(),
+            mlx: runtime::abi::mlx_fingerprint().to_owned(),
         }
     }
 
-    /// Every field that differs, each naming the plugin's and the host's
-    /// value.
-    pub fn mismatches(&self, host: &Versions) -> Vec<String> {
+    /// Every field that differs, each naming the plugin's value, the
+    /// host's, and what to rebuild.
+    pub fn mismatches(&self, host: &Fingerprint) -> Vec<String> {
         let mut out = Vec::new();
         if self.abi != host.abi {
             out.push(format!(
-                "plugin ABI version {} (gateway has {})",
+                "plugin ABI version {} (gateway has {}): rebuild the plugin against this gateway's engine-core",
                 self.abi, host.abi
             ));
+            // The other fields' layout is unknown.
+            return out;
         }
-        if self.core != host.core {
+        if self.boundary != host.boundary {
             out.push(format!(
-                "engine-core version {} (gateway has {})",
-                self.core, host.core
+                "built against `{}` (gateway has `{}`): rebuild the plugin against this gateway's engine-core sources",
+                self.boundary, host.boundary
             ));
         }
-        if self.rustc != host.rustc {
+        if !self.mlx.is_empty() && self.mlx != host.mlx {
             out.push(format!(
-                "built with `{}` (gateway built with `{}`)",
-                self.rustc, host.rustc
+                "built against `{}` (gateway has `{}`): rebuild the plugin with this gateway's MLX (scripts/setup) and runtime crate",
+                self.mlx, host.mlx
             ));
         }
         out
     }
 }
 
-/// A plugin whose versions matched; its constructor is safe to call.
+/// A plugin whose fingerprints matched; its functions are safe to call.
 pub struct Plugin {
     pub path: PathBuf,
     pub kind: String,
-    pub versions: Versions,
-    create: Constructor,
+    pub fingerprint: Fingerprint,
+    vtable: &'static PluginVTable,
 }
 
 impl std::fmt::Debug for Plugin {
@@ -100,80 +113,114 @@ impl std::fmt::Debug for Plugin {
     }
 }
 
+/// Refuses a file whose loadable segments reach past its end: the dynamic
+/// loader maps them anyway and the process dies of SIGBUS when it touches
+/// them (a truncated copy, an interrupted build). Files that are not ELF
+/// at all are left to the loader's own checks.
+fn check_segments(path: &Path) -> Result<(), String> {
+    use object::{Object, ObjectSegment};
+    let data = std::fs::read(path).map_err(|e| e.to_string())?;
+    if !data.starts_with(b"\x7fELF") {
+        return Ok(());
+    }
+    let file = object::File::parse(&*data).map_err(|e| format!("a damaged ELF file: {e}"))?;
+    let len = data.len() as u64;
+    for segment in file.segments() {
+        let (offset, size) = segment.file_range();
+        if offset.saturating_add(size) > len {
+            return Err(format!(
+                "truncated: a segment spans bytes {offset}..{} of a {len}-byte file",
+                offset + size
+            ));
+        }
+    }
+    Ok(())
+}
+
 impl Plugin {
     pub fn open(path: &Path) -> Result<Plugin, PluginError> {
+        let path_buf = || path.to_owned();
+        check_segments(path).map_err(|reason| PluginError::Truncated {
+            path: path_buf(),
+            reason,
+        })?;
         // SAFETY: loading runs the library's initialisers; plugins are
         // trusted code named by the operator.
         let lib = unsafe { Library::new(path) }.map_err(|error| PluginError::Open {
-            path: path.to_owned(),
+            path: path_buf(),
             error,
         })?;
         // SAFETY: the symbol's type is fixed by the plugin ABI.
-        let entry: EntryFn = unsafe { lib.get::<EntryFn>(ENTRY_SYMBOL) }
-            .map(|sym| *sym)
-            .map_err(|error| PluginError::NoEntry {
-                path: path.to_owned(),
-                error,
-            })?;
-        // SAFETY: calling the entry only returns a pointer to a static.
-        let descriptor = unsafe { entry() };
-        if descriptor.is_null() {
-            return Err(PluginError::NullDescriptor {
-                path: path.to_owned(),
-            });
-        }
-        // SAFETY: the leading C-layout fields are read one by one, without
-        // forming a reference to the whole (Rust-typed) descriptor.
-        let (versions, kind) = unsafe {
-            let abi = std::ptr::addr_of!((*descriptor).abi_version).read();
-            let core = read_c_str(std::ptr::addr_of!((*descriptor).core_version).read());
-            let rustc = read_c_str(std::ptr::addr_of!((*descriptor).rustc_version).read());
-            (
-                Versions { abi, core, rustc },
-                std::ptr::addr_of!((*descriptor).kind),
-            )
+        let entry: EntryFn = match unsafe { lib.get::<EntryFn>(ENTRY_SYMBOL) } {
+            Ok(sym) => *sym,
+            Err(error) => {
+                let old = unsafe { lib.get::<EntryFn>(OLD_ENTRY_SYMBOL) }.is_ok();
+                return Err(if old {
+                    PluginError::OldBoundary { path: path_buf() }
+                } else {
+                    PluginError::NoEntry {
+                        path: path_buf(),
+                        error,
+                    }
+                });
+            }
         };
-        let mismatches = versions.mismatches(&Versions::host());
+        // SAFETY: the entry only returns a pointer to a static.
+        let descriptor: *const PluginDescriptor = unsafe { entry() };
+        if descriptor.is_null() {
+            return Err(PluginError::NullDescriptor { path: path_buf() });
+        }
+        // SAFETY: the layout version is the first field of every
+        // descriptor layout; the rest is read only once it matches.
+        let abi = unsafe { std::ptr::addr_of!((*descriptor).abi_version).read() };
+        let mut fingerprint = Fingerprint {
+            abi,
+            boundary: String::new(),
+            mlx: String::new(),
+        };
+        let host = Fingerprint::host();
+        if abi == host.abi {
+            let d = unsafe { &*descriptor };
+            fingerprint.boundary = unsafe { read_c_str(d.boundary) };
+            fingerprint.mlx = unsafe { read_c_str(d.mlx) };
+        }
+        let mismatches = fingerprint.mismatches(&host);
         if !mismatches.is_empty() {
             return Err(PluginError::Mismatch {
-                path: path.to_owned(),
+                path: path_buf(),
                 mismatches,
             });
         }
-        // SAFETY: the versions match, so the descriptor's layout is ours.
-        let (kind, create) = unsafe { (read_c_str(kind.read()), (*descriptor).create) };
-        if kind.is_empty() {
-            return Err(PluginError::NoKind {
-                path: path.to_owned(),
-            });
-        }
+        // SAFETY: the layout is ours; the strings and table are statics.
+        let d = unsafe { &*descriptor };
+        let kind = unsafe { read_c_str(d.kind) };
+        let Some(vtable) = (unsafe { d.vtable.as_ref() }).filter(|_| !kind.is_empty()) else {
+            return Err(PluginError::Incomplete { path: path_buf() });
+        };
         LIBRARIES
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push(lib);
         Ok(Plugin {
-            path: path.to_owned(),
+            path: path_buf(),
             kind,
-            versions,
-            create,
+            fingerprint,
+            vtable,
         })
     }
 
-    /// Builds an engine. A panicking constructor is reported as an error.
+    /// Builds an engine over the host's shared state
+    /// (`runtime::SharedModel::export`).
     pub fn create(
         &self,
-        ctx: engine_core::EngineContext,
+        args: &CreateArgs,
+        shared: *const std::ffi::c_void,
     ) -> Result<Box<dyn engine_core::Engine>, String> {
-        let create = self.create;
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| create(ctx)))
-            .unwrap_or_else(|_| Err("the engine constructor panicked".to_owned()))
+        // SAFETY: the plugin stays loaded, its fingerprints matched, and
+        // `shared` lives for the process.
+        let engine = unsafe { PluginEngine::create(self.vtable, args, shared)? };
+        Ok(Box::new(engine))
     }
-}
-
-/// # Safety
-/// `ptr` is null or a NUL-terminated string in a loaded library.
-unsafe fn read_c_str(ptr: *const c_char) -> String {
-    PluginDescriptor::read_str(ptr)
 }
 
 /// The file name a plugin of `kind` has in the plugin directory
@@ -216,34 +263,37 @@ mod tests {
     use super::*;
 
     #[test]
-    fn mismatch_names_both_versions() {
-        let host = Versions {
-            abi: 1,
-            core: "0.1.0".into(),
-            rustc: "rustc 1.95.0".into(),
+    fn mismatches_name_both_values_and_what_to_rebuild() {
+        let host = Fingerprint {
+            abi: 4,
+            boundary: "engine-core 0.1.0 boundary 00aa".into(),
+            mlx: "mlx 0.32.2, mlx-c of mlx-sys 0.7.0, shared state 11bb".into(),
         };
-        let plugin = Versions {
-            abi: 2,
-            core: "0.2.0".into(),
-            rustc: "rustc 1.95.0".into(),
-        };
-        let m = plugin.mismatches(&host);
-        assert_eq!(m.len(), 2);
-        assert!(m[0].contains('2') && m[0].contains('1'), "{m:?}");
-        assert!(m[1].contains("0.2.0") && m[1].contains("0.1.0"), "{m:?}");
         assert!(host.mismatches(&host).is_empty());
-        let other_rustc = Versions {
-            rustc: "rustc 1.80.0".into(),
+        let other = Fingerprint {
+            boundary: "engine-core 0.1.0 boundary 00ff".into(),
+            mlx: "mlx 0.30.0, mlx-c of mlx-sys 0.7.0, shared state 11bb".into(),
             ..host.clone()
         };
-        assert!(other_rustc.mismatches(&host)[0].contains("1.80.0"));
+        let m = other.mismatches(&host);
+        assert_eq!(m.len(), 2, "{m:?}");
+        assert!(m[0].contains("00ff") && m[0].contains("00aa") && m[0].contains("engine-core"));
+        assert!(m[1].contains("mlx 0.30.0") && m[1].contains("mlx 0.32.2") && m[1].contains("MLX"));
+        // A plugin that does not link MLX has no MLX to mismatch.
+        let no_mlx = Fingerprint { mlx: String::new(), ..host.clone() };
+        assert!(no_mlx.mismatches(&host).is_empty());
+        // Another descriptor layout: nothing else can be read.
+        let old = Fingerprint { abi: 3, ..other };
+        let m = old.mismatches(&host);
+        assert_eq!(m.len(), 1);
+        assert!(m[0].contains("plugin ABI version 3 (gateway has 4)"), "{m:?}");
     }
 
     #[test]
-    fn host_versions_are_clean_strings() {
-        let v = Versions::host();
-        assert!(!v.core.is_empty() && !v.core.contains('\0'));
-        assert!(v.rustc.starts_with("rustc "));
+    fn host_fingerprint_is_clean() {
+        let f = Fingerprint::host();
+        assert!(f.boundary.starts_with("engine-core ") && !f.boundary.contains('\0'));
+        assert!(f.mlx.starts_with("mlx ") && !f.mlx.contains('\0'), "{}", f.mlx);
     }
 
     #[test]
@@ -262,5 +312,18 @@ mod tests {
         let e = Plugin::open(&path).unwrap_err();
         assert!(matches!(e, PluginError::Open { .. }), "{e}");
         assert!(Plugin::open(&dir.path().join("missing.so")).is_err());
+    }
+
+    #[test]
+    fn a_truncated_shared_object_is_refused_before_the_loader_maps_it() {
+        // This test binary is an ELF file like any plugin; cut short, the
+        // loader would map its segments past the end and die of SIGBUS.
+        let me = std::fs::read(std::env::current_exe().unwrap()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("libengine_cut.so");
+        std::fs::write(&path, &me[..4096]).unwrap();
+        let e = Plugin::open(&path).unwrap_err();
+        assert!(matches!(e, PluginError::Truncated { .. }), "{e}");
+        assert!(e.to_string().contains("truncated") && e.to_string().contains("rebuild"), "{e}");
     }
 }

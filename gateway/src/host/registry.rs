@@ -1,14 +1,14 @@
 //! Startup: the model is loaded once and shared, with one KV pool, by every
-//! engine; each `engines:` entry gets its own `EngineContext`. An engine
+//! engine through the C tables of `SharedModel::export`; each `engines:`
+//! entry is built from its own config section. An engine
 //! whose plugin is missing, refused or fails to build is recorded and
 //! logged, and the gateway carries on with the rest.
 
-use std::any::Any;
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use anyhow::Context;
-use engine_core::EngineContext;
+use engine_core::plugin::export::CreateArgs;
 use runtime::{KvPool, LoadedModel, SharedModel};
 
 use super::entry::EngineEntry;
@@ -40,12 +40,9 @@ pub struct Registry {
 impl Registry {
     /// Loads the model, opens the plugins and builds every engine. Fails only
     /// when the model cannot load or no engine at all could be built.
-    pub fn load(
-        config: &Config,
-        dispatch: tracing::Dispatch,
-        tokio: tokio::runtime::Handle,
-    ) -> anyhow::Result<Self> {
+    pub fn load(config: &Config) -> anyhow::Result<Self> {
         let shared = Arc::new(load_shared(config)?);
+        let shared_tables = shared.export();
         let (by_kind, refused_plugins) = open_listed_plugins(config);
         let dirs = match &config.plugin_dir {
             Some(dir) => vec![dir.clone()],
@@ -56,20 +53,19 @@ impl Registry {
         let mut failed = Vec::new();
         for spec in &config.engines {
             let built = plugin_for(spec, &mut opened, &dirs).and_then(|plugin| {
-                let ctx = EngineContext {
+                let args = CreateArgs {
                     name: spec.name.clone(),
-                    config: spec.section.clone(),
+                    config_yaml: serde_yaml::to_string(&spec.section)
+                        .map_err(|e| format!("cannot encode the engine's config: {e}"))?,
                     config_dir: config
                         .path
                         .parent()
                         .map(std::path::Path::to_path_buf)
                         .unwrap_or_default(),
-                    shared: shared.clone() as Arc<dyn Any + Send + Sync>,
-                    peers: Arc::new(()),
-                    dispatch: dispatch.clone(),
-                    tokio: tokio.clone(),
                 };
-                plugin.create(ctx).map(|engine| (engine, plugin))
+                plugin
+                    .create(&args, shared_tables)
+                    .map(|engine| (engine, plugin))
             });
             match built {
                 Ok((engine, plugin)) => {
@@ -78,7 +74,7 @@ impl Registry {
                         engine = %spec.name,
                         kind = %spec.kind,
                         plugin = %plugin.path.display(),
-                        core_version = %plugin.versions.core,
+                        boundary = %plugin.fingerprint.boundary,
                         capabilities = ?entry.capabilities,
                         "engine loaded"
                     );

@@ -4,4 +4,4 @@ fn create(ctx: engine_core::EngineContext) -> Result<Box<dyn engine_core::Engine
     Ok(Box::new(batched::BatchedEngine::from_context(ctx)?))
 }
 
-engine_core::export_engine!("batched", create);
+runtime::export_engine!("batched", create);

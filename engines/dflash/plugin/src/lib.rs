@@ -4,4 +4,4 @@ fn create(ctx: engine_core::EngineContext) -> Result<Box<dyn engine_core::Engine
     Ok(Box::new(dflash::engine_from_context(ctx)?))
 }
 
-engine_core::export_engine!("dflash", create);
+runtime::export_engine!("dflash", create);

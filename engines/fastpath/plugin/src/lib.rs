@@ -4,4 +4,4 @@ fn create(ctx: engine_core::EngineContext) -> Result<Box<dyn engine_core::Engine
     Ok(Box::new(fastpath::FastpathEngine::from_context(ctx)?))
 }
 
-engine_core::export_engine!("fastpath", create);
+runtime::export_engine!("fastpath", create);

@@ -18,4 +18,4 @@ fn create(ctx: engine_core::EngineContext) -> Result<Box<dyn engine_core::Engine
     Ok(Box::new(remote::RemoteEngine::from_context(ctx, model)?))
 }
 
-engine_core::export_engine!("remote", create);
+runtime::export_engine!("remote", create);

@@ -1,25 +1,39 @@
-//! A plugin as an older or newer build would look to the host: the entry
-//! symbol is the same, the descriptor's ABI and engine-core versions are
-//! not. The host must refuse it after reading the descriptor and never call
-//! `create`.
+//! A plugin as a build against another engine-core and another MLX would
+//! look to the host: the entry symbol and descriptor layout are current,
+//! the boundary and MLX fingerprints are not. The host must refuse it after
+//! reading the descriptor and never call `create`.
 
 use std::ffi::c_char;
 
-use engine_core::plugin::{PluginDescriptor, PLUGIN_ABI_VERSION, RUSTC_VERSION};
-use engine_core::{Engine, EngineContext};
+use engine_core::plugin::abi::{
+    ByteSink, Bytes, EngineHandle, HostServices, PluginDescriptor, PluginVTable,
+};
+use engine_core::plugin::{export, PLUGIN_ABI_VERSION};
 
-fn create(_ctx: EngineContext) -> Result<Box<dyn Engine>, String> {
-    Err("engine-mismatch must never be constructed: its versions do not match".into())
+pub const BOUNDARY: &std::ffi::CStr = c"engine-core 0.0.0-mismatch boundary 0000000000000000";
+pub const MLX: &std::ffi::CStr =
+    c"mlx 0.0.0-mismatch, mlx-c of mlx-sys 0.0.0, shared state 0000000000000000";
+
+unsafe extern "C" fn create(
+    _args: Bytes,
+    _host: *const HostServices,
+    _out: *mut EngineHandle,
+    error: ByteSink,
+) -> bool {
+    error.put(b"engine-mismatch must never be constructed: its fingerprints do not match");
+    false
 }
 
+static VTABLE: PluginVTable = export::vtable(create);
+
 #[no_mangle]
-pub extern "C" fn engine_plugin_entry_v1() -> *const PluginDescriptor {
+pub extern "C" fn engine_plugin_entry_v2() -> *const PluginDescriptor {
     static DESCRIPTOR: PluginDescriptor = PluginDescriptor {
-        abi_version: PLUGIN_ABI_VERSION + 1000,
-        core_version: c"0.0.0-mismatch".as_ptr(),
-        rustc_version: RUSTC_VERSION.as_ptr() as *const c_char,
-        kind: c"mismatch".as_ptr(),
-        create,
+        abi_version: PLUGIN_ABI_VERSION,
+        boundary: BOUNDARY.as_ptr(),
+        mlx: MLX.as_ptr(),
+        kind: c"mismatch".as_ptr() as *const c_char,
+        vtable: &VTABLE,
     };
     &DESCRIPTOR
 }

@@ -7,9 +7,8 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use engine_core::event::event_channel;
 use engine_core::{
-    CancelToken, Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventStream,
+    CancelToken, Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventSender,
     GenerateRequest, Refusal, RequestId,
 };
 use runtime::SharedModel;
@@ -112,13 +111,11 @@ impl Engine for ReferenceEngine {
         Capabilities {
             greedy_only: self.options.greedy_only,
             tools: self.options.tools,
-            max_concurrent: Some(1),
-            speculative: false,
             images: false,
         }
     }
 
-    fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError> {
+    fn submit_to(&self, req: GenerateRequest, tx: EventSender) -> Result<(), EngineError> {
         match self.options.fault {
             Some(Fault::PanicOnSubmit) => panic!("injected fault: panic on submit"),
             Some(Fault::ErrorOnSubmit) => {
@@ -127,7 +124,6 @@ impl Engine for ReferenceEngine {
             _ => {}
         }
         self.admit(&req)?;
-        let (tx, rx) = event_channel();
         let id = req.id;
         self.state
             .cancels
@@ -148,7 +144,7 @@ impl Engine for ReferenceEngine {
                 .remove(&id);
             return Err(EngineError::ShuttingDown);
         }
-        Ok(rx)
+        Ok(())
     }
 
     fn cancel(&self, id: RequestId) {

@@ -29,17 +29,8 @@ mod worker;
 use engine_core::{Engine, EngineContext};
 
 fn create(ctx: EngineContext) -> Result<Box<dyn Engine>, String> {
-    // This cdylib has its own copy of `tracing`; without the host's
-    // dispatcher its log lines would go nowhere. A second engine of this
-    // kind finds it already installed, which is fine. Installing alone is
-    // not enough: this copy's level filter stays OFF until its callsite
-    // registry learns about the dispatcher (the host's `Dispatch::new`
-    // registered it only with the host's copy), hence the rebuild.
-    if tracing::dispatcher::set_global_default(ctx.dispatch.clone()).is_ok() {
-        tracing::callsite::rebuild_interest_cache();
-    }
     let engine = engine::ReferenceEngine::start(ctx)?;
     Ok(Box::new(engine))
 }
 
-engine_core::export_engine!("reference", create);
+runtime::export_engine!("reference", create);

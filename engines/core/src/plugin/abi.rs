@@ -1,0 +1,162 @@
+//! The C structures that cross the plugin boundary. Nothing here depends on
+//! how a crate was compiled: plain integers, pointers and `extern "C"`
+//! functions, with every richer value (requests, events, errors, loads,
+//! capabilities) passed as JSON bytes of the engine-core types.
+//!
+//! Ownership: a `Raw*` handle has exactly one owner, who calls its
+//! `release` once. Handles passed into a call are owned by the callee from
+//! then on, whatever the call returns.
+//!
+//! Any change to this file or to the wire types (request.rs, event.rs,
+//! engine.rs) changes [`BOUNDARY`](super::BOUNDARY), and the host refuses
+//! plugins built against the old one.
+
+use std::ffi::{c_char, c_void};
+
+/// Bytes lent for the duration of one call.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Bytes {
+    pub ptr: *const u8,
+    pub len: usize,
+}
+
+impl Bytes {
+    pub fn new(bytes: &[u8]) -> Self {
+        Bytes {
+            ptr: bytes.as_ptr(),
+            len: bytes.len(),
+        }
+    }
+
+    /// # Safety
+    /// `ptr` points at `len` readable bytes for the lifetime `'a`.
+    pub unsafe fn as_slice<'a>(self) -> &'a [u8] {
+        if self.ptr.is_null() || self.len == 0 {
+            return &[];
+        }
+        std::slice::from_raw_parts(self.ptr, self.len)
+    }
+}
+
+/// Where a callee writes bytes it returns (the caller owns the buffer, so
+/// no allocation crosses the boundary).
+#[repr(C)]
+pub struct ByteSink {
+    pub ctx: *mut c_void,
+    pub write: unsafe extern "C" fn(ctx: *mut c_void, bytes: Bytes),
+}
+
+impl ByteSink {
+    /// A sink that appends to `out`, valid while `out` is.
+    pub fn to_vec(out: &mut Vec<u8>) -> ByteSink {
+        unsafe extern "C" fn write(ctx: *mut c_void, bytes: Bytes) {
+            (*(ctx as *mut Vec<u8>)).extend_from_slice(bytes.as_slice());
+        }
+        ByteSink {
+            ctx: out as *mut Vec<u8> as *mut c_void,
+            write,
+        }
+    }
+
+    /// # Safety
+    /// The sink's context is still valid.
+    pub unsafe fn put(&self, bytes: &[u8]) {
+        (self.write)(self.ctx, Bytes::new(bytes))
+    }
+}
+
+/// The receiving end of one request's events (JSON of [`crate::Event`]).
+#[repr(C)]
+pub struct RawEventSink {
+    pub ctx: *mut c_void,
+    /// False when the receiver is gone (the client left).
+    pub send: unsafe extern "C" fn(ctx: *mut c_void, event: Bytes) -> bool,
+    pub is_closed: unsafe extern "C" fn(ctx: *mut c_void) -> bool,
+    pub release: unsafe extern "C" fn(ctx: *mut c_void),
+}
+
+/// One request's cancellation flag.
+#[repr(C)]
+pub struct RawCancel {
+    pub ctx: *mut c_void,
+    pub is_cancelled: unsafe extern "C" fn(ctx: *mut c_void) -> bool,
+    pub cancel: unsafe extern "C" fn(ctx: *mut c_void),
+    pub release: unsafe extern "C" fn(ctx: *mut c_void),
+}
+
+/// Log records from the plugin's `tracing` into the host's.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct RawLog {
+    pub ctx: *mut c_void,
+    /// `level`: 1 error, 2 warn, 3 info, 4 debug, 5 trace. `target`: the
+    /// plugin's module path; `message`: the message and its fields.
+    pub log: unsafe extern "C" fn(ctx: *mut c_void, level: u8, target: Bytes, message: Bytes),
+    /// The most verbose level the host records (same codes; 0: none).
+    pub max_level: u8,
+}
+
+/// What the host lends a plugin for the life of the process.
+#[repr(C)]
+pub struct HostServices {
+    pub log: RawLog,
+    /// The shared model state (`runtime::abi::RawShared`); null when the
+    /// host shares none.
+    pub shared: *const c_void,
+}
+
+/// An engine built by a plugin.
+pub type EngineHandle = *mut c_void;
+
+/// The functions a plugin exports, all panic-free (panics are caught on the
+/// plugin's side and reported as errors).
+#[repr(C)]
+pub struct PluginVTable {
+    /// Builds an engine from `args` (JSON: name, YAML config section,
+    /// config directory). On success writes the engine to `out`; on failure
+    /// writes the reason to `error` and returns false.
+    pub create: unsafe extern "C" fn(
+        args: Bytes,
+        host: *const HostServices,
+        out: *mut EngineHandle,
+        error: ByteSink,
+    ) -> bool,
+    /// Schedules a request (JSON); takes `cancel` and `events` whatever it
+    /// returns. On failure writes the JSON `EngineError` to `error`.
+    pub submit: unsafe extern "C" fn(
+        engine: EngineHandle,
+        request: Bytes,
+        cancel: RawCancel,
+        events: RawEventSink,
+        error: ByteSink,
+    ) -> bool,
+    pub cancel: unsafe extern "C" fn(engine: EngineHandle, request_id: u64),
+    /// Writes the JSON `Capabilities`.
+    pub capabilities: unsafe extern "C" fn(engine: EngineHandle, out: ByteSink),
+    /// Writes the JSON `EngineLoad`.
+    pub load: unsafe extern "C" fn(engine: EngineHandle, out: ByteSink),
+    pub shutdown: unsafe extern "C" fn(engine: EngineHandle),
+    pub destroy: unsafe extern "C" fn(engine: EngineHandle),
+}
+
+/// What the entry symbol returns: a static in the plugin image.
+#[repr(C)]
+pub struct PluginDescriptor {
+    /// The layout of this struct; read before any other field.
+    pub abi_version: u32,
+    /// NUL-terminated [`BOUNDARY`](super::BOUNDARY) the plugin was built
+    /// against.
+    pub boundary: *const c_char,
+    /// NUL-terminated MLX fingerprint (`runtime::abi::MLX_FINGERPRINT`),
+    /// empty when the plugin does not link MLX.
+    pub mlx: *const c_char,
+    /// NUL-terminated engine kind (`batched`, `fastpath`, ...).
+    pub kind: *const c_char,
+    pub vtable: *const PluginVTable,
+}
+
+// The pointers refer to statics inside the plugin image.
+unsafe impl Sync for PluginDescriptor {}
+
+pub type EntryFn = unsafe extern "C" fn() -> *const PluginDescriptor;
