@@ -150,7 +150,7 @@ mod tests {
             }
         }
         fn submit_to(&self, req: GenerateRequest, events: EventSender) -> Result<(), EngineError> {
-            if !req.sampling.is_plain_greedy() {
+            if !req.is_plain_greedy() {
                 return Err(Refusal::NotPlainGreedy.into());
             }
             if req.prompt.is_empty() {
