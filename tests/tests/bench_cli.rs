@@ -5,13 +5,12 @@
 use std::path::Path;
 use std::process::Command;
 
-use e2e_tests::build::{binaries, workspace_root};
+use e2e_tests::build::binaries;
 use e2e_tests::Gateway;
 use serde_json::Value;
 
 fn start() -> Gateway {
-    let text = std::fs::read_to_string(workspace_root().join("config.yaml")).expect("config.yaml");
-    Gateway::start(&text.replace("path: models/tiny-qwen3", "path: \"{model}\""))
+    Gateway::start(&e2e_tests::default_config_on_tiny_model())
 }
 
 fn bench(args: &[&str]) -> String {

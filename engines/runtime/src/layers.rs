@@ -57,7 +57,8 @@ impl Linear {
     ) -> anyhow::Result<Self> {
         let name = format!("{prefix}.weight");
         let quantized = w.contains(&format!("{prefix}.scales"));
-        if quantized && quant.is_none() {
+        // A GGUF file gives each tensor its own quantization, as `load` reads.
+        if quantized && w.quantization(prefix).or(quant).is_none() {
             anyhow::bail!(
                 "tensor `{name}` in {} is quantized (it has scales) but config.json has no quantization for it",
                 w.file_of(&name)
