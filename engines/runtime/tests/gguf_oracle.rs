@@ -6,10 +6,11 @@
 
 use runtime::generate::{self, prefill};
 use runtime::model::Logits;
-use runtime::LoadedModel;
+use runtime::{ComputeDtype, LoadedModel};
 
 const STEPS: usize = 24;
 const LOGIT_STEPS: usize = 6;
+const COMPUTE: &str = "float32";
 const LOGIT_TOLERANCE: f32 = 0.05;
 
 fn ids(v: &serde_json::Value) -> Vec<u32> {
@@ -35,7 +36,8 @@ fn smollm2_gguf_matches_mlx_lm_and_transformers() {
         "gguf_reference.py",
         &serde_json::json!({"gguf": gguf, "out": out.path(), "texts": texts, "chats": chats}),
     );
-    let model = LoadedModel::load(&gguf, None).unwrap();
+    // `auto` computes in fp32 on the CPU; the reference is cast to match.
+    let model = LoadedModel::load_as(&gguf, None, ComputeDtype::Float32).unwrap();
     assert_eq!(model.name, "SmolLM2-135M-Instruct.Q4_1");
     assert_eq!(model.model.config.num_layers, 30);
 
@@ -65,7 +67,7 @@ fn smollm2_gguf_matches_mlx_lm_and_transformers() {
     // JSON) for the first prompt's first steps only.
     let oracle = fixtures::reference::run(
         "mlx_lm_oracle.py",
-        &serde_json::json!({"model": out.path(), "prompts": prompts, "max_tokens": STEPS, "logits": false}),
+        &serde_json::json!({"model": out.path(), "prompts": prompts, "max_tokens": STEPS, "logits": false, "dtype": COMPUTE}),
     );
     let m = &model.model;
     for (prompt, r) in prompts.iter().zip(oracle["results"].as_array().unwrap()) {
@@ -78,7 +80,7 @@ fn smollm2_gguf_matches_mlx_lm_and_transformers() {
     }
     let with_logits = fixtures::reference::run(
         "mlx_lm_oracle.py",
-        &serde_json::json!({"model": out.path(), "prompts": [prompts[0]], "max_tokens": LOGIT_STEPS}),
+        &serde_json::json!({"model": out.path(), "prompts": [prompts[0]], "max_tokens": LOGIT_STEPS, "dtype": COMPUTE}),
     );
     let r = &with_logits["results"][0];
     let want = ids(&r["tokens"]);
