@@ -160,7 +160,8 @@ impl Engine for Template {
             queued,
             kv_blocks_held: 0,
             healthy: self.jobs.lock().unwrap().is_some(),
-            accept_rate: None,
+            // accept_rate and expected_speedup are for speculative engines.
+            ..EngineLoad::default()
         }
     }
 
