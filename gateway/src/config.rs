@@ -403,7 +403,10 @@ mod tests {
     fn shipped_config_routes_as_documented() {
         let text = include_str!("../../config.yaml");
         let c = Config::parse(text, Path::new("/repo/config.yaml"), &Overrides::default()).unwrap();
-        assert_eq!(c.model.path, PathBuf::from("/repo/models/tiny-qwen3"));
+        assert_eq!(
+            c.model.path,
+            PathBuf::from("/repo/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
+        );
         let kinds: Vec<_> = c
             .engines
             .iter()

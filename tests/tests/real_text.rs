@@ -32,7 +32,9 @@ const ENGINES: [(&str, u32); 4] = [
     ("dflash", 22),
     ("mtp", 23),
 ];
-const STEPS: usize = 24;
+// Long enough for the tool chat's whole JSON call (the model writes it
+// pretty-printed in fp32).
+const STEPS: usize = 32;
 const LOGPROB_STEPS: usize = 8;
 
 fn tool_prompt() -> Value {

@@ -12,9 +12,70 @@ use crate::plugin::handles::ForeignEvents;
 pub struct TokenEvent {
     pub id: u32,
     /// Log-probability of the chosen token, when the request asked for it.
+    #[serde(with = "logprob_json::option")]
     pub logprob: Option<f32>,
     /// The most likely alternatives with their log-probabilities.
+    #[serde(with = "logprob_json::pairs")]
     pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// JSON has no infinities (serde_json writes them as null), but a token the
+/// sampler ruled out has a log-probability of -inf: events cross the plugin
+/// boundary as JSON, so non-finite values travel as text ("-inf").
+mod logprob_json {
+    use serde::{Deserialize, Serialize};
+
+    #[derive(Serialize, Deserialize)]
+    #[serde(untagged)]
+    enum Wire {
+        Number(f32),
+        Text(String),
+    }
+
+    fn put(x: f32) -> Wire {
+        if x.is_finite() {
+            Wire::Number(x)
+        } else {
+            Wire::Text(x.to_string())
+        }
+    }
+
+    fn get<E: serde::de::Error>(w: Wire) -> Result<f32, E> {
+        match w {
+            Wire::Number(x) => Ok(x),
+            Wire::Text(t) => t.parse().map_err(E::custom),
+        }
+    }
+
+    pub mod option {
+        use super::*;
+
+        pub fn serialize<S: serde::Serializer>(x: &Option<f32>, s: S) -> Result<S::Ok, S::Error> {
+            x.map(put).serialize(s)
+        }
+
+        pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<f32>, D::Error> {
+            Option::<Wire>::deserialize(d)?.map(get).transpose()
+        }
+    }
+
+    pub mod pairs {
+        use super::*;
+
+        pub fn serialize<S: serde::Serializer>(v: &[(u32, f32)], s: S) -> Result<S::Ok, S::Error> {
+            v.iter()
+                .map(|&(t, x)| (t, put(x)))
+                .collect::<Vec<_>>()
+                .serialize(s)
+        }
+
+        pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<(u32, f32)>, D::Error> {
+            Vec::<(u32, Wire)>::deserialize(d)?
+                .into_iter()
+                .map(|(t, w)| Ok((t, get(w)?)))
+                .collect()
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -121,4 +182,24 @@ impl EventSender {
 pub fn event_channel() -> (EventSender, EventStream) {
     let (tx, rx) = mpsc::unbounded_channel();
     (EventSender(Sink::Local(tx)), rx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ruled_out_tokens_keep_their_minus_infinity_through_json() {
+        let event = TokenEvent {
+            id: 7,
+            logprob: Some(f32::NEG_INFINITY),
+            top_logprobs: vec![(7, f32::NEG_INFINITY), (3, -0.5)],
+        };
+        let back: TokenEvent = serde_json::from_str(&serde_json::to_string(&event).unwrap()).unwrap();
+        assert_eq!(back.logprob, Some(f32::NEG_INFINITY));
+        assert_eq!(back.top_logprobs, event.top_logprobs);
+        let none: TokenEvent =
+            serde_json::from_str(r#"{"id":1,"logprob":null,"top_logprobs":[]}"#).unwrap();
+        assert_eq!(none.logprob, None);
+    }
 }
