@@ -121,7 +121,9 @@ pub fn template_plugin() -> &'static (PathBuf, std::time::Duration) {
             elapsed.as_secs_f64()
         );
         (
-            target_dir.join("release").join(plugin_file("engine_template")),
+            target_dir
+                .join("release")
+                .join(plugin_file("engine_template")),
             elapsed,
         )
     })

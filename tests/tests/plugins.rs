@@ -91,7 +91,10 @@ policy:
     }
     for file in ["libengine_garbage.so", "libengine_truncated.so"] {
         let e = refusal(file);
-        assert!(e.contains("cannot load plugin") && e.contains("rebuild"), "{e}");
+        assert!(
+            e.contains("cannot load plugin") && e.contains("rebuild"),
+            "{e}"
+        );
     }
     let logs = gw.logs();
     assert!(
@@ -148,7 +151,10 @@ fn rss_model() -> (models::ModelDir, u64) {
         vocab: 4096,
         ..TinySpec::tiny(Family::Qwen3)
     };
-    (models::write("rss-qwen3", &spec), spec.parameters() as u64 * 4)
+    (
+        models::write("rss-qwen3", &spec),
+        spec.parameters() as u64 * 4,
+    )
 }
 
 #[test]
@@ -205,7 +211,11 @@ fn weights_are_in_memory_once_however_many_engines_share_them() {
 #[test]
 fn a_plugin_built_apart_serves_and_shares_the_weights() {
     let (template, build_time) = template_plugin();
-    eprintln!("template plugin: {} (built in {:.1} s)", template.display(), build_time.as_secs_f64());
+    eprintln!(
+        "template plugin: {} (built in {:.1} s)",
+        template.display(),
+        build_time.as_secs_f64()
+    );
     let (model, weights) = rss_model();
     let config = |engines: &str, default: &str| {
         format!(
@@ -225,7 +235,10 @@ fn a_plugin_built_apart_serves_and_shares_the_weights() {
         let gw = Gateway::start(&config("  ref: { kind: reference }\n", "ref"));
         let r = gw.post("/v1/chat/completions", &greedy);
         assert_eq!(r.status, 200, "{}", r.text());
-        (r.json()["choices"][0]["message"]["content"].clone(), gw.rss_bytes())
+        (
+            r.json()["choices"][0]["message"]["content"].clone(),
+            gw.rss_bytes(),
+        )
     };
     // With the plugin built apart beside it, serving by default.
     let gw = Gateway::start(&config(

@@ -22,7 +22,8 @@ fn no_generated_input_gets_a_server_error() {
             ..TinySpec::tiny(Family::Qwen3)
         },
     );
-    let config = std::fs::read_to_string(workspace_root().join("config.yaml")).expect("config.yaml");
+    let config =
+        std::fs::read_to_string(workspace_root().join("config.yaml")).expect("config.yaml");
     let config = e2e_tests::with_model(&config, &model.path);
     let gw = Gateway::start(&config);
     let st = fixtures::reference::venv_bin("st");

@@ -54,7 +54,9 @@ mod logprob_json {
             x.map(put).serialize(s)
         }
 
-        pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<f32>, D::Error> {
+        pub fn deserialize<'de, D: serde::Deserializer<'de>>(
+            d: D,
+        ) -> Result<Option<f32>, D::Error> {
             Option::<Wire>::deserialize(d)?.map(get).transpose()
         }
     }
@@ -69,7 +71,9 @@ mod logprob_json {
                 .serialize(s)
         }
 
-        pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<(u32, f32)>, D::Error> {
+        pub fn deserialize<'de, D: serde::Deserializer<'de>>(
+            d: D,
+        ) -> Result<Vec<(u32, f32)>, D::Error> {
             Vec::<(u32, Wire)>::deserialize(d)?
                 .into_iter()
                 .map(|(t, w)| Ok((t, get(w)?)))
@@ -195,7 +199,8 @@ mod tests {
             logprob: Some(f32::NEG_INFINITY),
             top_logprobs: vec![(7, f32::NEG_INFINITY), (3, -0.5)],
         };
-        let back: TokenEvent = serde_json::from_str(&serde_json::to_string(&event).unwrap()).unwrap();
+        let back: TokenEvent =
+            serde_json::from_str(&serde_json::to_string(&event).unwrap()).unwrap();
         assert_eq!(back.logprob, Some(f32::NEG_INFINITY));
         assert_eq!(back.top_logprobs, event.top_logprobs);
         let none: TokenEvent =

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use batched::{BatchedConfig, BatchedEngine};
 use engine_core::plugin::SharedHandle;
 use engine_core::{
-    Engine, EngineContext, EngineError, Event, EventStream, Finish, FinishReason,
-    GenerateRequest, Refusal, SamplingParams,
+    Engine, EngineContext, EngineError, Event, EventStream, Finish, FinishReason, GenerateRequest,
+    Refusal, SamplingParams,
 };
 use fastpath::FastpathEngine;
 use fixtures::model::{random_prompt, write_model, TinySpec};

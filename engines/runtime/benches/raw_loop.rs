@@ -149,7 +149,10 @@ fn main() {
     .find(|p| Path::new(p).exists());
     let ours = ours(&dir, &a);
     if a.ours_only {
-        println!("ours decode tok/s {:.2} prefill tok/s {:.1}", ours.1, ours.0);
+        println!(
+            "ours decode tok/s {:.2} prefill tok/s {:.1}",
+            ours.1, ours.0
+        );
         return;
     }
     // A real checkpoint's mlx-lm also runs cast to fp32, its fastest CPU form.
@@ -161,7 +164,10 @@ fn main() {
     let mut peers = Vec::new();
     for &cast in casts {
         let dtype = cast.map_or(String::new(), |c| format!(", {c}"));
-        peers.push((format!("mlx-lm (pip install{dtype})"), mlx_lm(&dir, &a, None, cast)));
+        peers.push((
+            format!("mlx-lm (pip install{dtype})"),
+            mlx_lm(&dir, &a, None, cast),
+        ));
         if let Some(lib) = openblas {
             peers.push((
                 format!("mlx-lm (OpenBLAS preloaded{dtype})"),

@@ -51,9 +51,8 @@ impl std::str::FromStr for ComputeDtype {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, String> {
-        serde_json::from_value(serde_json::Value::String(s.into())).map_err(|_| {
-            format!("unknown compute dtype `{s}` (auto, float32, bfloat16, float16)")
-        })
+        serde_json::from_value(serde_json::Value::String(s.into()))
+            .map_err(|_| format!("unknown compute dtype `{s}` (auto, float32, bfloat16, float16)"))
     }
 }
 
@@ -82,7 +81,10 @@ mod tests {
             Some(Dtype::Bfloat16)
         );
         assert_eq!(ComputeDtype::Float32.resolve(), Some(Dtype::Float32));
-        assert!("fp8".parse::<ComputeDtype>().unwrap_err().contains("float32"));
+        assert!("fp8"
+            .parse::<ComputeDtype>()
+            .unwrap_err()
+            .contains("float32"));
         assert!(!casts(Dtype::Uint32));
     }
 }

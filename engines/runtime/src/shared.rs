@@ -15,9 +15,9 @@ use crate::abi::{
     export_sink, mlx_fingerprint, DeviceLock, ForeignSink, RawDeviceLock, RawHandoverSink,
     RawHandoverSlot, RawShared, MLX_FINGERPRINT,
 };
+use crate::compute::ComputeDtype;
 use crate::handover::HandoverSink;
 use crate::kv_pool::KvPool;
-use crate::compute::ComputeDtype;
 use crate::loader::LoadedModel;
 
 pub struct SharedModel {
@@ -95,8 +95,14 @@ impl SharedModel {
         let name = unsafe { read_c_str(raw.model_name) };
         let compute: ComputeDtype = unsafe { read_c_str(raw.compute_dtype) }.parse()?;
         let arrays = unsafe { std::slice::from_raw_parts(raw.arrays, raw.arrays_len) };
-        let model = LoadedModel::view(&path, &name, compute, arrays, DeviceLock::Foreign(raw.device))
-            .map_err(|e| format!("cannot build a view of the host's model: {e:#}"))?;
+        let model = LoadedModel::view(
+            &path,
+            &name,
+            compute,
+            arrays,
+            DeviceLock::Foreign(raw.device),
+        )
+        .map_err(|e| format!("cannot build a view of the host's model: {e:#}"))?;
         Ok(Arc::new(SharedModel {
             model,
             kv_pool: unsafe { KvPool::import(&raw.kv) },

@@ -139,7 +139,10 @@ fn main() {
                 .expect("the checkpoint has a chat template")
                 .render(&messages, &options)
                 .expect("render");
-            (kind, model.tokenizer.encode_chat(&rendered).expect("encode"))
+            (
+                kind,
+                model.tokenizer.encode_chat(&rendered).expect("encode"),
+            )
         })
         .collect();
     let dtype = model.model.dtype();
@@ -158,7 +161,8 @@ fn main() {
         .unwrap()
     };
     let ngram = "{ draft: ngram, ngram: { max_ngram: 3, min_ngram: 1, draft_tokens: 8 } }";
-    let fixed = "{ draft: ngram, adaptive: false, ngram: { max_ngram: 3, min_ngram: 1, draft_tokens: 8 } }";
+    let fixed =
+        "{ draft: ngram, adaptive: false, ngram: { max_ngram: 3, min_ngram: 1, draft_tokens: 8 } }";
     let spec = |e: Result<speculative::SpecEngine, String>| {
         Arc::new(e.expect("engine")) as Arc<dyn Engine>
     };
@@ -206,7 +210,11 @@ fn main() {
                 if ei == 0 {
                     reference = ids;
                 } else if ids != reference {
-                    let same = ids.iter().zip(&reference).take_while(|(a, b)| a == b).count();
+                    let same = ids
+                        .iter()
+                        .zip(&reference)
+                        .take_while(|(a, b)| a == b)
+                        .count();
                     println!("{kind}: {name} diverged from the fast path after {same} tokens");
                 }
                 let cell = &mut best[pi][ei];
@@ -235,7 +243,9 @@ fn main() {
         }
     }
     for kind in kinds {
-        let rows: Vec<usize> = (0..encoded.len()).filter(|&p| encoded[p].0 == kind).collect();
+        let rows: Vec<usize> = (0..encoded.len())
+            .filter(|&p| encoded[p].0 == kind)
+            .collect();
         let sum = |ei: usize| {
             rows.iter().fold(Run::default(), |mut acc, &p| {
                 let r = best[p][ei];
@@ -259,7 +269,8 @@ fn main() {
                     format!("{}/{}", r.spec.accepted, r.spec.drafted),
                     format!(
                         "{:.2}",
-                        (r.decode_tokens + rows.len()) as f64 / r.spec.target_forwards.max(1) as f64
+                        (r.decode_tokens + rows.len()) as f64
+                            / r.spec.target_forwards.max(1) as f64
                     ),
                 )
             };

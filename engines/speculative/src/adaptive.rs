@@ -224,7 +224,12 @@ impl DraftSizer {
 mod tests {
     use super::*;
 
-    fn run(sizer: &mut DraftSizer, cost: &RoundCost, rounds: usize, mut accept: impl FnMut(usize) -> usize) -> Vec<usize> {
+    fn run(
+        sizer: &mut DraftSizer,
+        cost: &RoundCost,
+        rounds: usize,
+        mut accept: impl FnMut(usize) -> usize,
+    ) -> Vec<usize> {
         (0..rounds)
             .map(|_| {
                 let k = match sizer.plan(cost, 8) {
@@ -243,7 +248,10 @@ mod tests {
         let sizes = run(&mut s, &cost, 400, |_| 0);
         let late: usize = sizes[200..].iter().sum();
         assert!(sizes[..5].iter().any(|&k| k > 0), "a fresh sequence tries");
-        assert!(late <= 2, "probes back off: {late} tokens drafted in the last 200 rounds");
+        assert!(
+            late <= 2,
+            "probes back off: {late} tokens drafted in the last 200 rounds"
+        );
     }
 
     #[test]
@@ -257,7 +265,10 @@ mod tests {
     fn deep_rejections_shrink_the_block() {
         let (mut s, cost) = (DraftSizer::new(8, 1, true), RoundCost::default());
         let sizes = run(&mut s, &cost, 30, |k| k.min(2));
-        assert!(sizes[10..].iter().all(|&k| (2..=4).contains(&k)), "{sizes:?}");
+        assert!(
+            sizes[10..].iter().all(|&k| (2..=4).contains(&k)),
+            "{sizes:?}"
+        );
     }
 
     #[test]
@@ -272,6 +283,9 @@ mod tests {
             flip = !flip;
             usize::from(flip && k > 0)
         });
-        assert!(sizes[30..].iter().filter(|&&k| k > 1).count() == 0, "{sizes:?}");
+        assert!(
+            sizes[30..].iter().filter(|&&k| k > 1).count() == 0,
+            "{sizes:?}"
+        );
     }
 }

@@ -12,8 +12,8 @@ use std::time::Instant;
 use crossbeam_channel::{Receiver, Sender};
 use engine_core::event::EventSender;
 use engine_core::{
-    CancelToken, Capabilities, Engine, EngineContext, EngineError, EngineLoad,
-    GenerateRequest, Refusal, RequestId, StreamError,
+    CancelToken, Capabilities, Engine, EngineContext, EngineError, EngineLoad, GenerateRequest,
+    Refusal, RequestId, StreamError,
 };
 use runtime::{LoadedModel, Reservation, SharedModel};
 

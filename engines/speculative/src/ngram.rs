@@ -56,7 +56,9 @@ impl PromptLookup {
                     out.push(if i < len { history[i] } else { out[i - len] });
                 }
                 let reach = (n..MATCH_CAP)
-                    .take_while(|&m| m < start + n && history[start + n - 1 - m] == history[len - 1 - m])
+                    .take_while(|&m| {
+                        m < start + n && history[start + n - 1 - m] == history[len - 1 - m]
+                    })
                     .count();
                 return (out, n + reach);
             }
@@ -155,7 +157,12 @@ mod tests {
         assert_eq!(pl(3, 2).lookup(&h, 2), (vec![5, 6], 4));
         // A quoted passage reaches as far as it goes, capped.
         let passage: Vec<u32> = (100..140).collect();
-        let h: Vec<u32> = passage.iter().chain(&[7, 7]).chain(&passage[..30]).copied().collect();
+        let h: Vec<u32> = passage
+            .iter()
+            .chain(&[7, 7])
+            .chain(&passage[..30])
+            .copied()
+            .collect();
         assert_eq!(pl(3, 1).lookup(&h, 1), (vec![130], MATCH_CAP));
         assert_eq!(
             [1, 2, 3, 4, 7, 8, 15, 16, 40].map(kind_of),

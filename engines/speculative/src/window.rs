@@ -89,7 +89,10 @@ impl AcceptWindow {
     fn speedup_at(&mut self, now: Instant) -> Option<f32> {
         self.expire(now);
         let (worth, spent) = self.rounds.iter().fold((0.0, 0.0), |(w, s), r| {
-            (w + (r.accepted + 1) as f64 * r.decode_seconds, s + r.seconds)
+            (
+                w + (r.accepted + 1) as f64 * r.decode_seconds,
+                s + r.seconds,
+            )
         });
         (spent > 0.0).then(|| (worth / spent) as f32)
     }

@@ -337,7 +337,8 @@ fn normalize_message(m: &Map<String, Json>) -> Map<String, Json> {
     // A missing or null content (an assistant turn that only calls tools)
     // renders as "", as vLLM does, so templates that concatenate
     // `message['content']` work on every message.
-    out.entry("content").or_insert_with(|| Json::String(String::new()));
+    out.entry("content")
+        .or_insert_with(|| Json::String(String::new()));
     out
 }
 

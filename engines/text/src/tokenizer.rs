@@ -88,12 +88,12 @@ impl Tokenizer {
     /// A tokenizer from the text of a `tokenizer.json` (built in memory, e.g.
     /// from a GGUF file's vocabulary); `origin` names it in errors.
     pub fn from_json(json: &str, config: Option<&Value>, origin: &Path) -> Result<Self> {
-        let hf: tokenizers::Tokenizer = json.parse().map_err(|e: tokenizers::Error| {
-            TokenizerError::Load {
-                path: origin.to_owned(),
-                message: e.to_string(),
-            }
-        })?;
+        let hf: tokenizers::Tokenizer =
+            json.parse()
+                .map_err(|e: tokenizers::Error| TokenizerError::Load {
+                    path: origin.to_owned(),
+                    message: e.to_string(),
+                })?;
         Ok(Self::from_hf(hf, config))
     }
 

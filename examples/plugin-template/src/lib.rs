@@ -15,9 +15,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 
 use engine_core::{
-    CancelToken, Capabilities, Engine, EngineContext, EngineError, EngineLoad, Event,
-    EventSender, Finish, FinishReason, GenerateRequest, Refusal, RequestId, StreamError,
-    TokenEvent,
+    CancelToken, Capabilities, Engine, EngineContext, EngineError, EngineLoad, Event, EventSender,
+    Finish, FinishReason, GenerateRequest, Refusal, RequestId, StreamError, TokenEvent,
 };
 use runtime::SharedModel;
 
@@ -141,9 +140,13 @@ impl Engine for Template {
         runtime::admission::check_request(&req, &self.shared.model)?;
         let jobs = self.jobs.lock().unwrap();
         let jobs = jobs.as_ref().ok_or(EngineError::ShuttingDown)?;
-        self.cancels.lock().unwrap().insert(req.id, req.cancel.clone());
+        self.cancels
+            .lock()
+            .unwrap()
+            .insert(req.id, req.cancel.clone());
         self.queued.fetch_add(1, Ordering::AcqRel);
-        jobs.send(Job { req, events }).map_err(|_| EngineError::ShuttingDown)
+        jobs.send(Job { req, events })
+            .map_err(|_| EngineError::ShuttingDown)
     }
 
     fn cancel(&self, id: RequestId) {

@@ -280,20 +280,30 @@ mod tests {
         assert!(m[0].contains("00ff") && m[0].contains("00aa") && m[0].contains("engine-core"));
         assert!(m[1].contains("mlx 0.30.0") && m[1].contains("mlx 0.32.2") && m[1].contains("MLX"));
         // A plugin that does not link MLX has no MLX to mismatch.
-        let no_mlx = Fingerprint { mlx: String::new(), ..host.clone() };
+        let no_mlx = Fingerprint {
+            mlx: String::new(),
+            ..host.clone()
+        };
         assert!(no_mlx.mismatches(&host).is_empty());
         // Another descriptor layout: nothing else can be read.
         let old = Fingerprint { abi: 3, ..other };
         let m = old.mismatches(&host);
         assert_eq!(m.len(), 1);
-        assert!(m[0].contains("plugin ABI version 3 (gateway has 4)"), "{m:?}");
+        assert!(
+            m[0].contains("plugin ABI version 3 (gateway has 4)"),
+            "{m:?}"
+        );
     }
 
     #[test]
     fn host_fingerprint_is_clean() {
         let f = Fingerprint::host();
         assert!(f.boundary.starts_with("engine-core ") && !f.boundary.contains('\0'));
-        assert!(f.mlx.starts_with("mlx ") && !f.mlx.contains('\0'), "{}", f.mlx);
+        assert!(
+            f.mlx.starts_with("mlx ") && !f.mlx.contains('\0'),
+            "{}",
+            f.mlx
+        );
     }
 
     #[test]
@@ -324,6 +334,9 @@ mod tests {
         std::fs::write(&path, &me[..4096]).unwrap();
         let e = Plugin::open(&path).unwrap_err();
         assert!(matches!(e, PluginError::Truncated { .. }), "{e}");
-        assert!(e.to_string().contains("truncated") && e.to_string().contains("rebuild"), "{e}");
+        assert!(
+            e.to_string().contains("truncated") && e.to_string().contains("rebuild"),
+            "{e}"
+        );
     }
 }

@@ -6,7 +6,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use serde::{Deserialize, Serialize};
 
-use super::abi::{ByteSink, Bytes, EngineHandle, HostServices, PluginVTable, RawCancel, RawEventSink};
+use super::abi::{
+    ByteSink, Bytes, EngineHandle, HostServices, PluginVTable, RawCancel, RawEventSink,
+};
 use super::{log, EngineContext, SharedHandle};
 use crate::engine::{Engine, EngineError};
 use crate::event::EventSender;
@@ -76,7 +78,12 @@ pub unsafe fn create(
         };
         guarded_create(ctx, constructor)
     }))
-    .unwrap_or_else(|panic| Err(format!("the plugin panicked while creating the engine: {}", panic_message(&*panic))));
+    .unwrap_or_else(|panic| {
+        Err(format!(
+            "the plugin panicked while creating the engine: {}",
+            panic_message(&*panic)
+        ))
+    });
     match built {
         Ok(engine) => {
             *out = Box::into_raw(Box::new(engine)) as EngineHandle;

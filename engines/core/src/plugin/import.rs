@@ -157,7 +157,11 @@ mod tests {
                 panic!("an empty prompt");
             }
             for &id in &req.prompt {
-                let token = TokenEvent { id, logprob: None, top_logprobs: Vec::new() };
+                let token = TokenEvent {
+                    id,
+                    logprob: None,
+                    top_logprobs: Vec::new(),
+                };
                 events.send(Event::Token(token)).unwrap();
             }
             events
@@ -178,7 +182,11 @@ mod tests {
             }
         }
         fn load(&self) -> EngineLoad {
-            EngineLoad { active: 3, healthy: true, ..EngineLoad::default() }
+            EngineLoad {
+                active: 3,
+                healthy: true,
+                ..EngineLoad::default()
+            }
         }
         fn shutdown(&self) {}
     }
@@ -188,7 +196,10 @@ mod tests {
         if greeting == "fail" {
             return Err("asked to fail".into());
         }
-        Ok(Box::new(Echo(format!("{} {greeting}", ctx.name), Mutex::new(None))))
+        Ok(Box::new(Echo(
+            format!("{} {greeting}", ctx.name),
+            Mutex::new(None),
+        )))
     }
 
     unsafe extern "C" fn create(
@@ -212,7 +223,8 @@ mod tests {
 
     #[test]
     fn an_engine_serves_through_the_function_table() {
-        let engine = unsafe { PluginEngine::create(&VTABLE, &args("hi"), std::ptr::null()) }.unwrap();
+        let engine =
+            unsafe { PluginEngine::create(&VTABLE, &args("hi"), std::ptr::null()) }.unwrap();
         assert_eq!(engine.name(), "echo");
         assert!(engine.capabilities().greedy_only && engine.capabilities().images);
         assert_eq!((engine.load().active, engine.load().healthy), (3, true));
@@ -243,7 +255,10 @@ mod tests {
         // A panic stays in the plugin: the request fails, the engine is
         // out of service.
         let e = engine.submit(GenerateRequest::new(vec![], 1)).unwrap_err();
-        assert!(matches!(&e, EngineError::Failed(m) if m.contains("an empty prompt")), "{e:?}");
+        assert!(
+            matches!(&e, EngineError::Failed(m) if m.contains("an empty prompt")),
+            "{e:?}"
+        );
         assert!(!engine.load().healthy);
     }
 

@@ -119,7 +119,12 @@ pub fn install(log: RawLog) {
 /// The host's end: plugin records re-emitted under the `plugin` target, the
 /// plugin's module path in `module`.
 pub fn host_log() -> RawLog {
-    unsafe extern "C" fn log(_ctx: *mut std::ffi::c_void, level: u8, target: Bytes, message: Bytes) {
+    unsafe extern "C" fn log(
+        _ctx: *mut std::ffi::c_void,
+        level: u8,
+        target: Bytes,
+        message: Bytes,
+    ) {
         let target = String::from_utf8_lossy(target.as_slice());
         let message = String::from_utf8_lossy(message.as_slice());
         match level {
