@@ -38,6 +38,14 @@ impl Row {
         end
     }
 
+    /// What the row's KV holds: the prompt and every delivered token but
+    /// the newest, which is the next decode input.
+    pub fn context(&self) -> Vec<u32> {
+        let delivered = self.out.delivered();
+        let fed = delivered.len().saturating_sub(1);
+        [self.request().prompt.as_slice(), &delivered[..fed]].concat()
+    }
+
     pub fn is_cancelled(&self) -> bool {
         self.out.is_cancelled()
     }

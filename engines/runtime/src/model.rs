@@ -354,6 +354,7 @@ impl Model {
             }
         }
         cache.advance(n);
+        crate::memory::injected_fault()?;
         let mut h = self.norm.forward(&h)?;
         if which == Logits::Last && n > 1 {
             h = last_position(&h)?;
