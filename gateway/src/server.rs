@@ -115,7 +115,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         Duration::from_millis(config.server.policy_reload_ms.max(1)),
     );
     if config.server.engine_probe_s > 0.0 {
-        host::probe::spawn(
+        crate::host::probe::spawn(
             registry.clone(),
             Duration::from_secs_f64(config.server.engine_probe_s),
         );

@@ -105,13 +105,17 @@ fn a_worker_panic_fails_only_its_request() {
 #[test]
 fn an_engine_benched_by_a_panic_returns_when_it_serves_again() {
     let config = config("panic_in_worker")
-        .replace("fault: panic_in_worker", "fault: panic_in_worker, fault_requests: 1")
+        .replace(
+            "fault: panic_in_worker",
+            "fault: panic_in_worker, fault_requests: 1",
+        )
         .replace("plugins:", "server: { engine_probe_s: 0.2 }\nplugins:");
     let gw = Gateway::start(&config);
     let r = gw.post("/v1/chat/completions", &body(false));
     assert_eq!(r.status, 500, "{}", r.text());
     assert!(
-        gw.wait_for(Duration::from_secs(20), |gw| flaky_health(gw)["status"] == "ready"),
+        gw.wait_for(Duration::from_secs(20), |gw| flaky_health(gw)["status"]
+            == "ready"),
         "still benched: {}",
         flaky_health(&gw)
     );

@@ -21,7 +21,10 @@ policy: { default: batched }
 
 fn prompt(i: usize) -> String {
     let words = ["alpha", "river", "stone", "cloud", "seven", "amber"];
-    (0..4 + i * 7).map(|j| words[(i + j) % words.len()]).collect::<Vec<_>>().join(" ")
+    (0..4 + i * 7)
+        .map(|j| words[(i + j) % words.len()])
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// Greedy completions of six prompts of different lengths, sent at once;
@@ -33,7 +36,7 @@ fn run_together(gw: &Gateway) -> Vec<(String, String)> {
                 s.spawn(move || {
                     let body = json!({"model": MODEL, "prompt": prompt(i), "max_tokens": 12 + i as u32, "temperature": 0});
                     let r = gw.post("/v1/completions", &body);
-                    assert_eq!(r.status, 200, "request {i}: {}", r.text());
+                    assert_eq!(r.status, 200, "request {i}: {}\n{}", r.text(), gw.logs());
                     let choice = &r.json()["choices"][0];
                     (
                         choice["text"].as_str().unwrap().to_owned(),
@@ -71,11 +74,18 @@ fn a_step_out_of_memory_recomputes_its_rows_and_fails_nothing() {
         logs.matches("ran out of memory").count() >= 3,
         "the injected failures did not happen:\n{logs}"
     );
-    assert_eq!(disturbed, reference, "outputs differ from the undisturbed run");
+    assert_eq!(
+        disturbed, reference,
+        "outputs differ from the undisturbed run"
+    );
     let engine = batched_health(&gw);
     assert_eq!(engine["status"], "ready", "{engine}");
     assert!(engine.get("fault").is_none(), "{engine}");
-    assert_eq!(gw.health()["kv_pool"]["allocated_blocks"], 0, "KV blocks leaked");
+    assert_eq!(
+        gw.health()["kv_pool"]["allocated_blocks"],
+        0,
+        "KV blocks leaked"
+    );
     assert_eq!(
         gw.metric("gateway_engine_faults_total", &[("engine", "batched")]),
         None,
@@ -92,7 +102,12 @@ fn a_request_that_alone_cannot_fit_gets_a_503_and_the_engine_stays() {
     let body = json!({"model": MODEL, "prompt": "hello there", "max_tokens": 4, "temperature": 0});
     let r = gw.post("/v1/completions", &body);
     assert_eq!(r.status, 503, "{}", r.text());
-    assert_eq!(r.json()["error"]["code"], "server_overloaded", "{}", r.text());
+    assert_eq!(
+        r.json()["error"]["code"],
+        "server_overloaded",
+        "{}",
+        r.text()
+    );
     assert!(r.header("retry-after").is_some());
     assert_eq!(batched_health(&gw)["status"], "ready");
     assert_eq!(gw.health()["kv_pool"]["allocated_blocks"], 0);
@@ -109,7 +124,11 @@ fn a_memory_budget_is_divided_at_startup_and_reported() {
     let gw = Gateway::start(&config);
     let health = gw.health();
     let budget = &health["memory"]["budget"];
-    let bytes = |k: &str| budget[k].as_u64().unwrap_or_else(|| panic!("{k}: {health}"));
+    let bytes = |k: &str| {
+        budget[k]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{k}: {health}"))
+    };
     assert_eq!(bytes("budget"), 2048 << 20);
     assert!(bytes("weights") > 0 && bytes("activations") > 0, "{budget}");
     assert_eq!(
@@ -127,7 +146,11 @@ fn a_memory_budget_is_divided_at_startup_and_reported() {
     );
     let body = json!({"model": MODEL, "prompt": "hello", "max_tokens": 4});
     assert_eq!(gw.post("/v1/completions", &body).status, 200);
-    assert!(gw.metric("gateway_memory_bytes", &[("kind", "peak")]).unwrap() > 0.0);
+    assert!(
+        gw.metric("gateway_memory_bytes", &[("kind", "peak")])
+            .unwrap()
+            > 0.0
+    );
 }
 
 #[test]
@@ -161,6 +184,13 @@ fn a_burst_stays_within_the_budget() {
     let mlx = &health["memory"]["mlx"];
     let plan = &health["memory"]["budget"];
     assert!(mlx["peak"].as_u64() <= plan["budget"].as_u64(), "{health}");
-    assert!(mlx["cache"].as_u64() <= plan["activations"].as_u64(), "{health}");
-    assert!(gw.wait_for(Duration::from_secs(5), |gw| gw.health()["kv_pool"]["allocated_blocks"] == 0));
+    assert!(
+        mlx["cache"].as_u64() <= plan["activations"].as_u64(),
+        "{health}"
+    );
+    assert!(
+        gw.wait_for(Duration::from_secs(5), |gw| gw.health()["kv_pool"]
+            ["allocated_blocks"]
+            == 0)
+    );
 }

@@ -82,8 +82,10 @@ pub struct Scheduler {
     /// Rows allowed in the batch since memory ran out (halved then, one
     /// more per row that finishes); `None`: `max_batch`.
     row_cap: Option<usize>,
-    /// The last step ran out of memory with a single row in it.
-    lone_oom: bool,
+    /// The last step that ran out of memory had a single row: its id and
+    /// how many of its tokens had KV then (see
+    /// [`Scheduler::recover_from_oom`]).
+    lone_oom: Option<(RequestId, usize)>,
     prefix: PrefixCache,
     shutting_down: bool,
 }
@@ -108,7 +110,7 @@ impl Scheduler {
             batch: None,
             preempted: VecDeque::new(),
             row_cap: None,
-            lone_oom: false,
+            lone_oom: None,
             prefix,
             shutting_down: false,
         }
@@ -118,13 +120,20 @@ impl Scheduler {
     /// panics loses the requests it held (their streams end without a
     /// final event, which benches the engine until the host's probe finds
     /// it serving again) and a fresh one takes over the same channel.
-    pub fn supervise(shared: Arc<SharedModel>, cfg: BatchedConfig, rx: Receiver<Msg>, stats: Arc<Stats>) {
+    pub fn supervise(
+        shared: Arc<SharedModel>,
+        cfg: BatchedConfig,
+        rx: Receiver<Msg>,
+        stats: Arc<Stats>,
+    ) {
         loop {
             let scheduler = Scheduler::new(shared.clone(), cfg.clone(), rx.clone(), stats.clone());
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| scheduler.run())) {
                 Ok(()) => return,
                 Err(_) => {
-                    tracing::error!("the batched scheduler panicked; its requests are lost; starting a new one");
+                    tracing::error!(
+                        "the batched scheduler panicked; its requests are lost; starting a new one"
+                    );
                     stats.active.store(0, Ordering::Release);
                     stats.kv_blocks.store(0, Ordering::Release);
                     stats.queued.store(0, Ordering::Release);
@@ -302,11 +311,19 @@ impl Scheduler {
         }
         if let Some(row) = self.preempted.pop_front() {
             let tokens = row.context();
-            let (cache, done) = match self.prefix.lookup(row.request().cache_scope.as_deref(), &tokens) {
+            let (cache, done) = match self
+                .prefix
+                .lookup(row.request().cache_scope.as_deref(), &tokens)
+            {
                 Some(h) => (h.cache, h.tokens),
                 None => (self.shared.model.model.new_cache(1), 0),
             };
-            self.prefill = Some(Prefilling { row, cache, tokens, done });
+            self.prefill = Some(Prefilling {
+                row,
+                cache,
+                tokens,
+                done,
+            });
             return;
         }
         let pool = &self.shared.kv_pool;
@@ -491,8 +508,6 @@ impl Scheduler {
             Logits::Last,
         )?;
         let finished = advance_rows(&mut self.rows, &logits)?;
-        // Decoding fits again: a lone row that ran out before may retry.
-        self.lone_oom = false;
         if !finished.is_empty() {
             self.remove_rows(&finished);
         }
@@ -520,7 +535,9 @@ impl Scheduler {
     }
 
     fn publish(&self) {
-        self.stats.active.store(self.started().count(), Ordering::Release);
+        self.stats
+            .active
+            .store(self.started().count(), Ordering::Release);
         let blocks: usize = self.started().map(|r| r.reservation.blocks()).sum();
         self.stats.kv_blocks.store(blocks, Ordering::Release);
     }
@@ -530,18 +547,35 @@ impl Scheduler {
     /// buffers go back to the device, every row gives up its KV and waits
     /// (keeping its reservation and its stream) to be recomputed from its
     /// tokens, and the batch restarts at half the rows, growing back as
-    /// rows finish. A row that runs out of memory alone twice in a row
+    /// rows finish. A row that runs out of memory alone, and again alone
+    /// before it got further (fewer or as many of its tokens computed),
     /// cannot fit: it ends with 503.
     fn recover_from_oom(&mut self, error: &anyhow::Error) {
         memory::release_cache();
+        let lone = (self.started().count() == 1).then(|| match &self.prefill {
+            Some(p) => (p.row.request().id, p.done),
+            None => {
+                let row = self.started().next().expect("one row");
+                let computed = if self.rows.is_empty() {
+                    0
+                } else {
+                    row.context_len()
+                };
+                (row.request().id, computed)
+            }
+        });
         let mut rows = self.take_started();
         tracing::warn!(error = %error, rows = rows.len(), "batched step ran out of memory; recomputing its rows with fewer at once");
-        if rows.len() == 1 && std::mem::replace(&mut self.lone_oom, true) {
-            self.lone_oom = false;
-            rows.pop().unwrap().fail(memory::failed_step(error));
+        let stuck = matches!((lone, self.lone_oom), (Some((id, now)), Some((last_id, last)))
+            if id == last_id && now <= last);
+        self.lone_oom = lone;
+        if stuck {
+            self.lone_oom = None;
+            rows.pop()
+                .expect("one row")
+                .fail(memory::failed_step(error));
             return;
         }
-        self.lone_oom = rows.len() == 1;
         self.row_cap = Some((rows.len() / 2).max(1));
         self.preempted = rows.into();
     }

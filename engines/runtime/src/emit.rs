@@ -75,10 +75,11 @@ impl Emitter {
         if self.request.stop_tokens.contains(&token.id) {
             return Some(FinishReason::Stop);
         }
+        let id = token.id;
         if self.request.cancel.is_cancelled() || self.events.send(Event::Token(token)).is_err() {
             return Some(FinishReason::Cancelled);
         }
-        self.delivered.push(token.id);
+        self.delivered.push(id);
         (self.generated() >= self.request.max_tokens).then_some(FinishReason::Length)
     }
 

@@ -129,7 +129,7 @@ pub fn is_out_of_memory(error: &anyhow::Error) -> bool {
         [
             "out of memory",
             "unable to allocate",
-            "resource limit exceeded",
+            "resource limit",
             "greater than the maximum allowed buffer size",
         ]
         .iter()

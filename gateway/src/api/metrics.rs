@@ -44,7 +44,11 @@ pub async fn render(State(state): State<SharedState>) -> Response {
     metrics::gauge!(metric::KV_BLOCKS_ALLOCATED).set(pool.allocated() as f64);
     metrics::gauge!(metric::KV_PRESSURE).set(pool.pressure());
     let mlx = runtime::memory::mlx_memory();
-    for (kind, bytes) in [("active", mlx.active), ("cache", mlx.cache), ("peak", mlx.peak)] {
+    for (kind, bytes) in [
+        ("active", mlx.active),
+        ("cache", mlx.cache),
+        ("peak", mlx.peak),
+    ] {
         metrics::gauge!(metric::MEMORY_BYTES, "kind" => kind).set(bytes as f64);
     }
     if let Some(plan) = &registry.memory {

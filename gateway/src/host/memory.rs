@@ -39,7 +39,9 @@ impl MemoryConfig {
     pub fn check(&self) -> Result<(), String> {
         match (self.fraction, self.limit_mb) {
             (Some(_), Some(_)) => Err("memory: give `fraction` or `limit_mb`, not both".into()),
-            (None, None) => Err("memory: give `fraction` (of the device's memory) or `limit_mb`".into()),
+            (None, None) => {
+                Err("memory: give `fraction` (of the device's memory) or `limit_mb`".into())
+            }
             (Some(f), None) if !(f > 0.0 && f <= 1.0) => {
                 Err(format!("memory.fraction must be in (0, 1], not {f}"))
             }
@@ -65,7 +67,11 @@ pub struct MemoryPlan {
 /// Divides the budget (see the module doc); `kv_cap` (from
 /// `model.kv_cache_mb`, when set) bounds the KV pool's share. Applies the
 /// limits to MLX.
-pub fn plan(cfg: &MemoryConfig, model: &LoadedModel, kv_cap: Option<u64>) -> anyhow::Result<MemoryPlan> {
+pub fn plan(
+    cfg: &MemoryConfig,
+    model: &LoadedModel,
+    kv_cap: Option<u64>,
+) -> anyhow::Result<MemoryPlan> {
     let device_total = memory::device_total()
         .context("the device's memory size cannot be read; give memory.limit_mb instead")?;
     let budget = match (cfg.limit_mb, cfg.fraction) {

@@ -155,7 +155,10 @@ fn load_shared(config: &Config) -> anyhow::Result<(SharedModel, Option<MemoryPla
         Some(budget) => Some(memory::plan(budget, &model, kv_cap)?),
         None => None,
     };
-    let kv_bytes = plan.map_or((m.kv_cache_mb.unwrap_or(DEFAULT_KV_CACHE_MB) as u64) << 20, |p| p.kv_pool);
+    let kv_bytes = plan.map_or(
+        (m.kv_cache_mb.unwrap_or(DEFAULT_KV_CACHE_MB) as u64) << 20,
+        |p| p.kv_pool,
+    );
     let kv_pool = KvPool::with_budget(kv_bytes as usize, m.kv_block_size, per_token);
     anyhow::ensure!(
         kv_pool.total() > 0,
