@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use e2e_tests::{Gateway, MODEL};
-use runtime::memory::INJECT_ENV;
+use runtime::inject::{OOM_ENV, PANIC_ENV};
 use serde_json::{json, Value};
 
 /// The batched engine alone, with small chunks so long prompts prefill
@@ -67,7 +67,7 @@ fn a_step_out_of_memory_recomputes_its_rows_and_fails_nothing() {
     };
     // Failures in group prefills, chunked prefills, decode steps and
     // recomputations alike.
-    let gw = Gateway::start_with_env(BATCHED, &[(INJECT_ENV, "3,7,12,20")]);
+    let gw = Gateway::start_with_env(BATCHED, &[(OOM_ENV, "3,7,12,20")]);
     let disturbed = run_together(&gw);
     let logs = gw.logs();
     assert!(
@@ -98,7 +98,7 @@ fn a_step_out_of_memory_recomputes_its_rows_and_fails_nothing() {
 #[test]
 fn a_request_that_alone_cannot_fit_gets_a_503_and_the_engine_stays() {
     // The first two forwards fail: the lone request, then its recomputation.
-    let gw = Gateway::start_with_env(BATCHED, &[(INJECT_ENV, "1,2")]);
+    let gw = Gateway::start_with_env(BATCHED, &[(OOM_ENV, "1,2")]);
     let body = json!({"model": MODEL, "prompt": "hello there", "max_tokens": 4, "temperature": 0});
     let r = gw.post("/v1/completions", &body);
     assert_eq!(r.status, 503, "{}", r.text());
@@ -193,4 +193,22 @@ fn a_burst_stays_within_the_budget() {
             ["allocated_blocks"]
             == 0)
     );
+}
+
+#[test]
+fn a_batched_engine_whose_scheduler_panicked_serves_again() {
+    let config = BATCHED.replace("engines:", "server: { engine_probe_s: 0.2 }\nengines:");
+    let gw = Gateway::start_with_env(&config, &[(PANIC_ENV, "2")]);
+    let body = json!({"model": MODEL, "prompt": "hello there", "max_tokens": 4, "temperature": 0});
+    let r = gw.post("/v1/completions", &body);
+    assert_eq!(r.status, 500, "{}", r.text());
+    assert!(
+        gw.wait_for(Duration::from_secs(20), |gw| batched_health(gw)["status"]
+            == "ready"),
+        "still benched: {}",
+        batched_health(&gw)
+    );
+    let r = gw.post("/v1/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(gw.health()["kv_pool"]["allocated_blocks"], 0);
 }

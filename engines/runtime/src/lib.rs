@@ -14,6 +14,7 @@ pub mod emit;
 pub mod generate;
 pub mod gguf;
 pub mod handover;
+pub mod inject;
 pub mod kv_pool;
 pub mod memory;
 pub mod sampling;

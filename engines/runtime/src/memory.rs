@@ -11,8 +11,6 @@
 //! errors.
 
 use std::ffi::CString;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::OnceLock;
 
 use engine_core::StreamError;
 
@@ -121,8 +119,8 @@ pub fn reset_peak() {
 
 /// Whether `error` is an allocation failure: MLX's CUDA (`cudaMalloc...
 /// out of memory`), Metal (`Resource limit exceeded`, a buffer over the
-/// maximum size) and CPU (`Unable to allocate`) allocators, and the
-/// injected fault below.
+/// maximum size) and CPU (`Unable to allocate`) allocators, and
+/// [`crate::inject`]'s.
 pub fn is_out_of_memory(error: &anyhow::Error) -> bool {
     error.chain().any(|cause| {
         let text = cause.to_string().to_ascii_lowercase();
@@ -147,31 +145,6 @@ pub fn failed_step(error: &anyhow::Error) -> StreamError {
     } else {
         StreamError::Internal(format!("generation failed: {error}"))
     }
-}
-
-/// Fault injection for the tests: `GATEWAY_INJECT_OOM=3,7` makes the 3rd
-/// and 7th model forward of each engine image fail as an allocation
-/// failure does, after the forward wrote its KV cache (a failed
-/// evaluation leaves the cache unusable the same way).
-pub const INJECT_ENV: &str = "GATEWAY_INJECT_OOM";
-
-static FORWARDS: AtomicU64 = AtomicU64::new(0);
-
-pub(crate) fn injected_fault() -> anyhow::Result<()> {
-    static AT: OnceLock<Vec<u64>> = OnceLock::new();
-    let at = AT.get_or_init(|| {
-        std::env::var(INJECT_ENV)
-            .map(|v| v.split(',').filter_map(|n| n.trim().parse().ok()).collect())
-            .unwrap_or_default()
-    });
-    if at.is_empty() {
-        return Ok(());
-    }
-    let n = FORWARDS.fetch_add(1, Ordering::Relaxed) + 1;
-    if at.contains(&n) {
-        anyhow::bail!("[injected] cudaMallocAsync: out of memory (forward {n}, {INJECT_ENV})");
-    }
-    Ok(())
 }
 
 /// A readable figure for logs.
