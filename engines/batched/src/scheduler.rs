@@ -11,6 +11,7 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, TryRecvError};
 use engine_core::{FinishReason, RequestId, StreamError, TokenEvent};
@@ -79,9 +80,8 @@ pub struct Scheduler {
     /// Rows that gave up their KV when a step ran out of memory, oldest
     /// first; they rejoin before anything new is admitted.
     preempted: VecDeque<Row>,
-    /// Rows allowed in the batch since memory ran out (halved then, one
-    /// more per row that finishes); `None`: `max_batch`.
-    row_cap: Option<usize>,
+    /// Rows allowed in the batch since memory ran out; `None`: `max_batch`.
+    row_cap: Option<RowCap>,
     /// The last step that ran out of memory had a single row: its id and
     /// how many of its tokens had KV then (see
     /// [`Scheduler::recover_from_oom`]).
@@ -285,9 +285,11 @@ impl Scheduler {
         }
         let keep: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].is_some()).collect();
         self.rows = rows.into_iter().flatten().collect();
-        if let Some(cap) = self.row_cap {
-            let cap = cap + gone.len();
-            self.row_cap = (cap < self.cfg.max_batch).then_some(cap);
+        if let Some(cap) = &mut self.row_cap {
+            cap.rows_finished(gone.len());
+            if cap.limit() >= self.cfg.max_batch {
+                self.row_cap = None;
+            }
         }
         if self.rows.is_empty() {
             self.batch = None;
@@ -305,7 +307,10 @@ impl Scheduler {
         if self.prefill.is_some() || !self.group.is_empty() {
             return;
         }
-        let cap = self.row_cap.unwrap_or(self.cfg.max_batch);
+        let cap = self
+            .row_cap
+            .as_ref()
+            .map_or(self.cfg.max_batch, |c| c.limit().min(self.cfg.max_batch));
         if self.rows.len() >= cap {
             return;
         }
@@ -546,8 +551,8 @@ impl Scheduler {
     /// writing the KV caches, so no row's KV can be trusted: MLX's cached
     /// buffers go back to the device, every row gives up its KV and waits
     /// (keeping its reservation and its stream) to be recomputed from its
-    /// tokens, and the batch restarts at half the rows, growing back as
-    /// rows finish. A row that runs out of memory alone, and again alone
+    /// tokens, and the batch restarts at half the rows (see [`RowCap`]).
+    /// A row that runs out of memory alone, and again alone
     /// before it got further (fewer or as many of its tokens computed),
     /// cannot fit: it ends with 503.
     fn recover_from_oom(&mut self, error: &anyhow::Error) {
@@ -576,7 +581,7 @@ impl Scheduler {
                 .fail(memory::failed_step(error));
             return;
         }
-        self.row_cap = Some((rows.len() / 2).max(1));
+        self.row_cap = Some(RowCap::after_failure(rows.len()));
         self.preempted = rows.into();
     }
 
@@ -616,6 +621,45 @@ impl Scheduler {
         for r in self.take_started() {
             r.finish(FinishReason::Cancelled);
         }
+    }
+}
+
+/// How long the row count that ran out of memory stays out of reach.
+const ROW_CEILING_LIFTS_AFTER: Duration = Duration::from_secs(60);
+
+/// The row limit after a step ran out of memory with `n` rows: half of
+/// them at first, one more per row that finishes, but below `n` until a
+/// minute passes without another failure (else the batch would grow back
+/// into the same failure again and again, recomputing its rows each time).
+struct RowCap {
+    rows: usize,
+    ceiling: usize,
+    since: Instant,
+}
+
+impl RowCap {
+    fn after_failure(n: usize) -> Self {
+        Self {
+            rows: (n / 2).max(1),
+            ceiling: n.saturating_sub(1).max(1),
+            since: Instant::now(),
+        }
+    }
+
+    fn ceiling(&self) -> usize {
+        if self.since.elapsed() < ROW_CEILING_LIFTS_AFTER {
+            self.ceiling
+        } else {
+            usize::MAX
+        }
+    }
+
+    fn rows_finished(&mut self, n: usize) {
+        self.rows = (self.rows + n).min(self.ceiling());
+    }
+
+    fn limit(&self) -> usize {
+        self.rows
     }
 }
 
