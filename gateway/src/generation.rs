@@ -69,6 +69,32 @@ impl Usage {
     }
 }
 
+impl Usage {
+    /// The usage of several choices together: each prompt counted once
+    /// (with the cached tokens of the choice that `leads` it, which
+    /// prefilled it), the generated tokens of all.
+    pub fn merged(choices: impl IntoIterator<Item = (bool, Usage)>) -> Usage {
+        let mut all = Usage::default();
+        for (leads, u) in choices {
+            if leads {
+                all.prompt_tokens += u.prompt_tokens;
+                all.cached_tokens += u.cached_tokens;
+            }
+            all.completion_tokens += u.completion_tokens;
+            all.reasoning_tokens += u.reasoning_tokens;
+            all.spec = match (all.spec, u.spec) {
+                (Some(a), Some(b)) => Some(SpecStats {
+                    drafted: a.drafted + b.drafted,
+                    accepted: a.accepted + b.accepted,
+                    target_forwards: a.target_forwards + b.target_forwards,
+                }),
+                (a, b) => a.or(b),
+            };
+        }
+        all
+    }
+}
+
 /// `a / b` rounded to 4 places; 0 when nothing was counted.
 fn ratio(a: u64, b: u64) -> f64 {
     if b == 0 {
@@ -101,6 +127,8 @@ pub struct Generation {
     pub engine: String,
     pub rule: String,
     events: engine_core::EventStream,
+    /// The first event, taken early by [`Generation::started`].
+    peeked: Option<Option<Event>>,
     guard: CancelGuard,
     pipeline: Pipeline,
     prompt_tokens: u32,
@@ -127,6 +155,7 @@ impl Generation {
             engine: routed.entry.name.clone(),
             rule: routed.rule,
             events: routed.events,
+            peeked: None,
             guard: routed.guard,
             pipeline,
             prompt_tokens,
@@ -137,12 +166,24 @@ impl Generation {
         })
     }
 
+    /// Waits for the engine's first event: by then the prompt is
+    /// prefilled and in the shared prefix cache, where requests sharing it
+    /// find it. The event is kept for [`Generation::next`].
+    pub async fn started(&mut self) {
+        if self.peeked.is_none() && !self.done {
+            self.peeked = Some(self.events.recv().await);
+        }
+    }
+
     /// The next batch, `None` after the last one (or after an error).
     pub async fn next(&mut self) -> Option<Result<Batch, ApiError>> {
         if self.done {
             return None;
         }
-        let mut event = self.events.recv().await;
+        let mut event = match self.peeked.take() {
+            Some(event) => event,
+            None => self.events.recv().await,
+        };
         let mut batch = Batch::default();
         for _ in 0..MAX_EVENTS_PER_BATCH {
             match event {

@@ -14,14 +14,14 @@ use mlx_rs::{ops, Array};
 use runtime::emit::Emitter;
 use runtime::handover::Handover;
 use runtime::model::Logits;
+use runtime::prefix_cache::Hit;
 use runtime::sampling::{self, Sampler};
 use runtime::{generate, vision, KvCache, SharedModel};
 
 use crate::admit::{self, Candidate, Start};
 use crate::config::BatchedConfig;
-use crate::prefix_cache::{Hit, PrefixCache};
 use crate::queue::{WaitQueue, Waiting};
-use crate::row::Row;
+use crate::row::{Active, Row};
 
 pub enum Msg {
     Submit(Waiting),
@@ -33,6 +33,7 @@ pub enum Msg {
 /// Figures the engine reports in `load()`, written by the scheduler.
 #[derive(Default)]
 pub struct Stats {
+    /// Rows admitted and not yet ended (each [`Active`] counts itself).
     pub active: AtomicUsize,
     /// Submitted and not yet admitted (in the channel or the wait queue);
     /// `submit` bounds it by `max_queue`, so the wait queue needs no bound
@@ -58,7 +59,6 @@ pub struct Scheduler {
     group: Vec<Row>,
     rows: Vec<Row>,
     batch: Option<KvCache>,
-    prefix: PrefixCache,
     shutting_down: bool,
 }
 
@@ -69,7 +69,6 @@ impl Scheduler {
         rx: Receiver<Msg>,
         stats: Arc<Stats>,
     ) -> Self {
-        let prefix = PrefixCache::new(shared.kv_pool.block_size(), cfg.prefix_cache_entries);
         Self {
             waiting: WaitQueue::default(),
             shared,
@@ -80,7 +79,6 @@ impl Scheduler {
             group: Vec::new(),
             rows: Vec::new(),
             batch: None,
-            prefix,
             shutting_down: false,
         }
     }
@@ -149,6 +147,7 @@ impl Scheduler {
     }
 
     fn adopt(&mut self, h: Handover) {
+        let active = Active::take(&self.stats);
         let mut out = Emitter::resume(h.request, h.events, h.generated, h.cached_tokens);
         let vocab = self.shared.model.vocab_size() as i32;
         let sampler = match Sampler::new(&out.request.sampling, vocab, &out.request.prompt) {
@@ -163,7 +162,9 @@ impl Scheduler {
             out,
             sampler,
             reservation: h.reservation,
+            active,
             last_token: h.last_token,
+            sequence: None,
         };
         if let Err(e) = self.join_batch(vec![row], h.cache) {
             tracing::error!(error = %e, "adopting a handed-over sequence failed");
@@ -193,6 +194,28 @@ impl Scheduler {
         }
     }
 
+    /// Keeps row `i`'s prompt and answer in the prefix cache, before its
+    /// final event (the chat's next turn, sent the moment it arrives,
+    /// starts from it). Runs under the device lock: it extends the graph.
+    fn publish_row(&self, i: usize) {
+        let (Some(batch), row) = (self.batch.as_ref(), &self.rows[i]) else {
+            return;
+        };
+        let Some(sequence) = row.sequence.as_deref() else {
+            return;
+        };
+        if !self.shared.prefix.wants(sequence.len()) {
+            return;
+        }
+        match batch.extract_row(i) {
+            Ok(cache) => {
+                let scope = row.request().cache_scope.as_deref();
+                self.shared.prefix.insert(scope, sequence, &cache);
+            }
+            Err(e) => tracing::warn!(error = %e, "keeping a finished row's prefix failed"),
+        }
+    }
+
     fn drop_cancelled(&mut self) {
         for w in self.waiting.drain_cancelled() {
             self.stats.queued.fetch_sub(1, Ordering::AcqRel);
@@ -213,6 +236,11 @@ impl Scheduler {
 
     /// Takes finished rows out of the batch (and their KV out of the cache).
     fn remove_rows(&mut self, gone: &[(usize, FinishReason)]) {
+        for &(i, reason) in gone {
+            if reason != FinishReason::Cancelled {
+                self.publish_row(i);
+            }
+        }
         let mut rows: Vec<Option<Row>> = self.rows.drain(..).map(Some).collect();
         for &(i, reason) in gone {
             if let Some(r) = rows[i].take() {
@@ -238,7 +266,7 @@ impl Scheduler {
             return;
         }
         let pool = &self.shared.kv_pool;
-        let prefix = &self.prefix;
+        let prefix = &self.shared.prefix;
         let candidates = self.waiting.iter().map(|w| Candidate {
             prompt_len: w.request.prompt.len(),
             blocks: w.blocks,
@@ -279,6 +307,8 @@ impl Scheduler {
             // When the pool is full, wait for running rows to return blocks.
             let reservation = self.shared.kv_pool.try_reserve(front.blocks).ok()?;
             let w = self.waiting.pop()?;
+            // Counted active before it leaves the queue: never idle between.
+            let active = Active::take(&self.stats);
             self.stats.queued.fetch_sub(1, Ordering::AcqRel);
             let vocab = self.shared.model.vocab_size() as i32;
             let mut out = Emitter::new(w.request, w.events);
@@ -292,15 +322,20 @@ impl Scheduler {
                     continue;
                 }
             };
-            let hit = self
-                .prefix
-                .lookup(out.request.cache_scope.as_deref(), &out.request.prompt);
+            let hit = self.shared.prefix.lookup(
+                out.request.cache_scope.as_deref(),
+                &out.request.prompt,
+                self.shared.model.model.num_layers(),
+            );
             out.set_cached_tokens(hit.as_ref().map_or(0, |h| h.tokens as u32));
+            let sequence = Some(out.request.prompt.clone());
             let row = Row {
                 out,
                 sampler,
                 reservation,
+                active,
                 last_token: 0,
+                sequence,
             };
             return Some((row, hit));
         }
@@ -325,8 +360,8 @@ impl Scheduler {
         let mut cache = KvCache::with_left_padding(model.num_layers(), pads);
         let logits = model.forward(&ids, &mut cache, Logits::Last)?;
         for (i, row) in rows.iter().enumerate() {
-            if self.prefix.wants(&row.request().prompt) {
-                self.prefix.insert(
+            if self.shared.prefix.wants(row.request().prompt.len()) {
+                self.shared.prefix.insert(
                     row.request().cache_scope.as_deref(),
                     &row.request().prompt,
                     &cache.extract_row(i)?,
@@ -370,7 +405,7 @@ impl Scheduler {
             return Ok(());
         }
         let mut p = self.prefill.take().unwrap();
-        self.prefix.insert(
+        self.shared.prefix.insert(
             p.row.request().cache_scope.as_deref(),
             &p.row.request().prompt,
             &p.cache,
@@ -403,8 +438,6 @@ impl Scheduler {
     }
 
     fn publish(&self) {
-        let active = self.rows.len() + self.group.len() + usize::from(self.prefill.is_some());
-        self.stats.active.store(active, Ordering::Release);
         let blocks: usize = self
             .rows
             .iter()

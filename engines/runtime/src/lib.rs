@@ -15,6 +15,7 @@ pub mod generate;
 pub mod gguf;
 pub mod handover;
 pub mod kv_pool;
+pub mod prefix_cache;
 pub mod sampling;
 pub mod shared;
 pub mod vision;

@@ -155,7 +155,11 @@ fn load_shared(config: &Config) -> anyhow::Result<SharedModel> {
         tokens = kv_pool.total() * kv_pool.block_size(),
         "shared KV pool ready"
     );
-    Ok(SharedModel::new(model, kv_pool))
+    Ok(SharedModel::with_prefix_cache(
+        model,
+        kv_pool,
+        m.prefix_cache_entries,
+    ))
 }
 
 /// Opens every file under `plugins:`, keyed by the kind it reports. A
