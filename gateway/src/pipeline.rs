@@ -24,6 +24,9 @@ pub struct PipelineOptions {
     pub starts_in_reasoning: bool,
     /// `Some` when the request offered tools the model may call.
     pub tools: Option<ToolFormat>,
+    /// Reasoning tokens allowed before the think block is closed for the
+    /// model (`Generation` enforces it); `None` for no limit.
+    pub thinking_budget: Option<u32>,
 }
 
 impl PipelineOptions {
@@ -34,6 +37,7 @@ impl PipelineOptions {
             reasoning: ReasoningFormat::None,
             starts_in_reasoning: false,
             tools: None,
+            thinking_budget: None,
         }
     }
 }
@@ -130,6 +134,11 @@ impl Pipeline {
     /// Generated tokens seen so far.
     pub fn tokens(&self) -> u32 {
         self.tokens
+    }
+
+    /// Inside a reasoning block now.
+    pub fn in_reasoning(&self) -> bool {
+        self.reasoning.in_reasoning()
     }
 
     pub fn reasoning_tokens(&self) -> u32 {
@@ -271,6 +280,7 @@ mod tests {
             reasoning: ReasoningFormat::Think,
             starts_in_reasoning: false,
             tools: None,
+            thinking_budget: None,
         };
         let (content, reasoning, _, _, p) = run(
             Family::Qwen3,

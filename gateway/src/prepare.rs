@@ -102,6 +102,7 @@ pub async fn chat(
         reasoning,
         starts_in_reasoning: ends_in_reasoning(&rendered.text, reasoning),
         tools: has_tools.then(|| family.tool_format()),
+        thinking_budget: request.options.thinking_budget,
     };
     Ok(Prepared {
         model,

@@ -109,3 +109,105 @@ policy:
         assert_eq!(r.header("x-engine"), Some("fastpath"));
     }
 }
+
+/// `thinking_budget` on a generated model whose chat template opens the
+/// think block in the prompt (random weights never close it): reasoning
+/// stops after the budget, the gateway closes the block for the model
+/// (newline and `</think>`, counted as reasoning, with no logprob: not
+/// sampled), and the answer follows in a continuation that starts from the
+/// first leg's cached KV. The reasoning is the unbudgeted run's, cut at
+/// the budget; the usage counts it all, streamed or not.
+#[test]
+fn thinking_budget_closes_the_think_block_and_the_answer_follows() {
+    let dir = e2e_tests::models::write(
+        "tiny-qwen3",
+        &fixtures::model::TinySpec::tiny(runtime::Family::Qwen3),
+    );
+    let config_path = dir.path.join("tokenizer_config.json");
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    let template = config["chat_template"].as_str().unwrap();
+    let opened = template.replace(
+        "{{- '<|im_start|>assistant\\n' }}",
+        "{{- '<|im_start|>assistant\\n<think>\\n' }}",
+    );
+    assert_ne!(opened, template, "the template's generation prompt moved");
+    config["chat_template"] = opened.into();
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let gw = Gateway::start(&format!(
+        r#"model: {{ path: "{}", kv_cache_mb: 64 }}
+engines:
+  batched: {{ kind: batched }}
+  fastpath: {{ kind: fastpath }}
+policy: {{ default: fastpath, fallback: [batched] }}
+"#,
+        dir.path.display()
+    ));
+    let ask = |extra: Value| -> Value {
+        let mut body = json!({"model": MODEL, "temperature": 0, "max_tokens": 24, "ignore_eos": true,
+            "messages": [{"role": "user", "content": "Think first, then answer: what is two and two?"}]});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let r = gw.post("/v1/chat/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        if body["stream"] == json!(true) {
+            let chunks = e2e_tests::http::json_chunks(&r.sse_data());
+            let text = |field: &str| -> String {
+                chunks
+                    .iter()
+                    .filter_map(|c| c["choices"][0]["delta"][field].as_str())
+                    .collect()
+            };
+            json!({"message": {"reasoning_content": text("reasoning_content"), "content": text("content")},
+                   "usage": chunks.last().unwrap()["usage"].clone()})
+        } else {
+            let v = r.json();
+            json!({"message": v["choices"][0]["message"].clone(), "usage": v["usage"].clone(),
+                   "logprobs": v["choices"][0]["logprobs"].clone()})
+        }
+    };
+    // The tokens (logprobs ask for the batched engine, still greedy).
+    let tokens = |v: &Value| -> Vec<(String, Value)> {
+        v["logprobs"]["content"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{v}"))
+            .iter()
+            .map(|t| (t["token"].as_str().unwrap().to_owned(), t["logprob"].clone()))
+            .collect()
+    };
+    let free = ask(json!({"logprobs": true}));
+    assert_eq!(
+        free["usage"]["completion_tokens_details"]["reasoning_tokens"], 24,
+        "the model never closes the block itself: {free}"
+    );
+    let budget = 6;
+    let cut = ask(json!({"logprobs": true, "thinking_budget": budget}));
+    let usage = &cut["usage"];
+    assert_eq!(usage["completion_tokens"], 24, "{cut}");
+    // The budget's tokens, then the forced newline and closing tag.
+    assert_eq!(
+        usage["completion_tokens_details"]["reasoning_tokens"],
+        budget + 2,
+        "{cut}"
+    );
+    let (free, cut) = (tokens(&free), tokens(&cut));
+    assert_eq!(cut.len(), 24);
+    assert_eq!(cut[..6], free[..6], "the reasoning up to the budget");
+    assert_eq!(
+        cut[6..8],
+        [("\n".to_owned(), Value::Null), ("</think>".to_owned(), Value::Null)],
+        "forced, not sampled"
+    );
+    assert!(cut[8..].iter().all(|(_, lp)| lp.is_number()), "the answer is the model's");
+    // The fast path (plain greedy) the same way, streamed or not.
+    let whole = ask(json!({"thinking_budget": budget}));
+    let streamed = ask(json!({"thinking_budget": budget, "stream": true,
+        "stream_options": {"include_usage": true}}));
+    for v in [&whole, &streamed] {
+        let details = &v["usage"]["completion_tokens_details"];
+        assert_eq!(details["reasoning_tokens"], budget + 2, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], 24, "{v}");
+    }
+    assert_eq!(streamed["message"]["content"], whole["message"]["content"]);
+}

@@ -16,7 +16,7 @@ use super::sse::{self, ChunkFormat};
 use super::{json_response, with_route, ApiError};
 use crate::generation::{Batch, Generation, Summary, Usage};
 use crate::prepare::Prepared;
-use crate::state::AppState;
+use crate::state::SharedState;
 
 /// The started choices, in index order, and which of them lead their
 /// prompt.
@@ -27,7 +27,7 @@ pub struct Choices {
 
 impl Choices {
     /// Starts `n` choices of each prompt.
-    pub async fn start(state: &AppState, prompts: Vec<Prepared>, n: u32) -> Result<Self, ApiError> {
+    pub async fn start(state: &SharedState, prompts: Vec<Prepared>, n: u32) -> Result<Self, ApiError> {
         let mut leads = Vec::with_capacity(prompts.len());
         for p in &prompts {
             leads.push(Generation::start(state, p.choice(0))?);

@@ -147,6 +147,9 @@ pub fn as_int(v: &Value) -> Option<i64> {
 pub struct GenOptions {
     /// Choices per prompt (`server.max_n` bounds it, in the handler).
     pub n: u32,
+    /// Most tokens a thinking model may reason for before its think block
+    /// is closed for it (chat on models that think; as mlx-vlm's server).
+    pub thinking_budget: Option<u32>,
     /// `None`: fill the rest of the context (capped by the config).
     pub max_tokens: Option<u32>,
     pub sampling: SamplingParams,
@@ -256,8 +259,19 @@ pub fn gen_options(body: &RawBody, vocab: usize) -> Result<GenOptions, ApiError>
         None => false,
     };
     let ignore_eos = body.bool("ignore_eos")?.unwrap_or(false);
+    let thinking_budget = match body.int("thinking_budget")? {
+        None => None,
+        Some(b) if b < 0 => {
+            return Err(ApiError::invalid(
+                format!("`thinking_budget` must be 0 or more, got {b}"),
+                "thinking_budget",
+            ))
+        }
+        Some(b) => Some(u32::try_from(b).unwrap_or(u32::MAX)),
+    };
     Ok(GenOptions {
         n,
+        thinking_budget,
         max_tokens,
         sampling: s,
         stop,
@@ -444,6 +458,8 @@ mod tests {
             (json!({"n": 0}), "n"),
             (json!({"n": 1.5}), "n"),
             (json!({"best_of": 2}), "best_of"),
+            (json!({"thinking_budget": -1}), "thinking_budget"),
+            (json!({"thinking_budget": "lots"}), "thinking_budget"),
             (json!({"stop": 3}), "stop"),
             (json!({"stop": ["a", 1]}), "stop[1]"),
             (json!({"stream": "yes"}), "stream"),
