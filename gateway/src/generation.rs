@@ -358,8 +358,14 @@ impl Generation {
         self.earlier_tokens += finish.completion_tokens;
         if self.pipeline.in_reasoning() {
             for &id in &close {
-                if self.on_token(TokenEvent { id, logprob: None, top_logprobs: Vec::new() }, &mut batch).is_some() {
-                    return Ok(batch);
+                let forced = TokenEvent {
+                    id,
+                    logprob: None,
+                    top_logprobs: Vec::new(),
+                };
+                // A stop string in the forced text ends the generation.
+                if let Some(ended) = self.on_token(forced, &mut batch) {
+                    return ended.map(|()| batch);
                 }
                 tokens.push(id);
             }

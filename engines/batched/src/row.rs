@@ -27,7 +27,11 @@ impl Active {
 
 impl Drop for Active {
     fn drop(&mut self) {
-        self.0.active.fetch_sub(1, Ordering::AcqRel);
+        // Saturating: a scheduler restarted after a panic zeroes the count.
+        let _ = self
+            .0
+            .active
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
     }
 }
 
@@ -40,10 +44,6 @@ pub struct Row {
     pub active: Active,
     /// Input of the next decode step.
     pub last_token: u32,
-    /// The prompt and every token chosen since, for the prefix cache;
-    /// `None` for a sequence adopted mid-way (its earlier tokens are not
-    /// known here).
-    pub sequence: Option<Vec<u32>>,
 }
 
 impl Row {
@@ -63,12 +63,25 @@ impl Row {
     /// Handles a freshly sampled token; returns why the row ends, if it does.
     pub fn accept(&mut self, token: TokenEvent) -> Option<FinishReason> {
         let id = token.id;
-        if let Some(seq) = &mut self.sequence {
-            seq.push(id);
-        }
         let end = self.out.token(token);
         self.last_token = id;
         end
+    }
+
+    /// What the row's KV holds: the prompt and every delivered token but
+    /// the newest, which is the next decode input.
+    pub fn context(&self) -> Vec<u32> {
+        let fed = self.out.delivered().len().saturating_sub(1);
+        [
+            self.request().prompt.as_slice(),
+            &self.out.delivered()[..fed],
+        ]
+        .concat()
+    }
+
+    /// `context().len()`, without building it.
+    pub fn context_len(&self) -> usize {
+        self.request().prompt.len() + self.out.delivered().len().saturating_sub(1)
     }
 
     pub fn is_cancelled(&self) -> bool {
@@ -118,7 +131,6 @@ mod tests {
             reservation: pool.try_reserve(1).unwrap(),
             active: Active::take(&stats),
             last_token: 0,
-            sequence: None,
         };
         assert_eq!(stats.active.load(Ordering::Acquire), 1);
         row.finish(FinishReason::Stop);

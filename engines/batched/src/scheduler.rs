@@ -3,7 +3,12 @@
 //! prefill chunk and one decode step for the whole batch. The prefill chunk
 //! budget bounds the inter-token latency of running rows while a long
 //! prompt arrives.
+//!
+//! A step that runs out of device memory fails no request by itself: its
+//! rows give up their KV and wait to be recomputed from their tokens
+//! ([`Scheduler::recover_from_oom`]), as vLLM's recompute preemption.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -16,7 +21,7 @@ use runtime::handover::Handover;
 use runtime::model::Logits;
 use runtime::prefix_cache::Hit;
 use runtime::sampling::{self, Sampler};
-use runtime::{generate, vision, KvCache, SharedModel};
+use runtime::{generate, memory, vision, KvCache, SharedModel};
 
 use crate::admit::{self, Candidate, Start};
 use crate::config::BatchedConfig;
@@ -42,9 +47,22 @@ pub struct Stats {
     pub kv_blocks: AtomicUsize,
 }
 
+impl Stats {
+    /// One request left the queue. Saturating: a scheduler restarted after
+    /// a panic starts the count again from zero.
+    pub fn dequeued(&self) {
+        let _ = self
+            .queued
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+    }
+}
+
 struct Prefilling {
     row: Row,
     cache: KvCache,
+    /// What the prefill computes: the prompt, or for a preempted row its
+    /// whole context (see [`Row::context`]).
+    tokens: Vec<u32>,
     done: usize,
 }
 
@@ -59,6 +77,16 @@ pub struct Scheduler {
     group: Vec<Row>,
     rows: Vec<Row>,
     batch: Option<KvCache>,
+    /// Rows that gave up their KV when a step ran out of memory, oldest
+    /// first; they rejoin before anything new is admitted.
+    preempted: VecDeque<Row>,
+    /// Rows allowed in the batch since memory ran out (halved then, one
+    /// more per row that finishes); `None`: `max_batch`.
+    row_cap: Option<usize>,
+    /// The last step that ran out of memory had a single row: its id and
+    /// how many of its tokens had KV then (see
+    /// [`Scheduler::recover_from_oom`]).
+    lone_oom: Option<(RequestId, usize)>,
     shutting_down: bool,
 }
 
@@ -79,7 +107,36 @@ impl Scheduler {
             group: Vec::new(),
             rows: Vec::new(),
             batch: None,
+            preempted: VecDeque::new(),
+            row_cap: None,
+            lone_oom: None,
             shutting_down: false,
+        }
+    }
+
+    /// Runs schedulers on this thread until shutdown. A scheduler that
+    /// panics loses the requests it held (their streams end without a
+    /// final event, which benches the engine until the host's probe finds
+    /// it serving again) and a fresh one takes over the same channel.
+    pub fn supervise(
+        shared: Arc<SharedModel>,
+        cfg: BatchedConfig,
+        rx: Receiver<Msg>,
+        stats: Arc<Stats>,
+    ) {
+        loop {
+            let scheduler = Scheduler::new(shared.clone(), cfg.clone(), rx.clone(), stats.clone());
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| scheduler.run())) {
+                Ok(()) => return,
+                Err(_) => {
+                    tracing::error!(
+                        "the batched scheduler panicked; its requests are lost; starting a new one"
+                    );
+                    stats.active.store(0, Ordering::Release);
+                    stats.kv_blocks.store(0, Ordering::Release);
+                    stats.queued.store(0, Ordering::Release);
+                }
+            }
         }
     }
 
@@ -93,9 +150,13 @@ impl Scheduler {
             // Published before stepping: an exclusive engine holding the
             // device must see this work to hand over and let it run.
             self.publish();
-            if let Err(e) = self.step() {
-                tracing::error!(error = %e, "batched step failed; failing its requests");
-                self.fail_all(&format!("engine step failed: {e}"));
+            match self.step() {
+                Ok(()) => {}
+                Err(e) if memory::is_out_of_memory(&e) => self.recover_from_oom(&e),
+                Err(e) => {
+                    tracing::error!(error = %e, "batched step failed; failing its requests");
+                    self.fail_all(&format!("engine step failed: {e}"));
+                }
             }
             self.publish();
         }
@@ -107,6 +168,7 @@ impl Scheduler {
         self.rows.is_empty()
             && self.prefill.is_none()
             && self.group.is_empty()
+            && self.preempted.is_empty()
             && self.waiting.is_empty()
     }
 
@@ -132,11 +194,7 @@ impl Scheduler {
             Msg::Submit(w) => self.waiting.push(w),
             Msg::Adopt(h) => self.adopt(*h),
             Msg::Cancel(id) => {
-                for r in self
-                    .rows
-                    .iter()
-                    .chain(self.prefill.as_ref().map(|p| &p.row))
-                {
+                for r in self.started() {
                     if r.request().id == id {
                         r.request().cancel.cancel();
                     }
@@ -164,7 +222,6 @@ impl Scheduler {
             reservation: h.reservation,
             active,
             last_token: h.last_token,
-            sequence: None,
         };
         if let Err(e) = self.join_batch(vec![row], h.cache) {
             tracing::error!(error = %e, "adopting a handed-over sequence failed");
@@ -196,21 +253,18 @@ impl Scheduler {
 
     /// Keeps row `i`'s prompt and answer in the prefix cache, before its
     /// final event (the chat's next turn, sent the moment it arrives,
-    /// starts from it). Runs under the device lock: it extends the graph.
+    /// starts from it). Runs under the device lock (decode steps).
     fn publish_row(&self, i: usize) {
         let (Some(batch), row) = (self.batch.as_ref(), &self.rows[i]) else {
             return;
         };
-        let Some(sequence) = row.sequence.as_deref() else {
-            return;
-        };
-        if !self.shared.prefix.wants(sequence.len()) {
+        if !self.shared.prefix.wants(row.context_len()) {
             return;
         }
         match batch.extract_row(i) {
             Ok(cache) => {
                 let scope = row.request().cache_scope.as_deref();
-                self.shared.prefix.insert(scope, sequence, &cache);
+                self.shared.prefix.insert(scope, &row.context(), &cache);
             }
             Err(e) => tracing::warn!(error = %e, "keeping a finished row's prefix failed"),
         }
@@ -218,12 +272,18 @@ impl Scheduler {
 
     fn drop_cancelled(&mut self) {
         for w in self.waiting.drain_cancelled() {
-            self.stats.queued.fetch_sub(1, Ordering::AcqRel);
+            self.stats.dequeued();
             w.cancel();
         }
         if self.prefill.as_ref().is_some_and(|p| p.row.is_cancelled()) {
             let p = self.prefill.take().unwrap();
             p.row.finish(FinishReason::Cancelled);
+        }
+        let (gone, kept): (Vec<Row>, Vec<Row>) =
+            self.preempted.drain(..).partition(Row::is_cancelled);
+        self.preempted = kept.into();
+        for row in gone {
+            row.finish(FinishReason::Cancelled);
         }
         let cancelled: Vec<(usize, FinishReason)> = (0..self.rows.len())
             .filter(|&i| self.rows[i].is_cancelled())
@@ -249,6 +309,10 @@ impl Scheduler {
         }
         let keep: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].is_some()).collect();
         self.rows = rows.into_iter().flatten().collect();
+        if let Some(cap) = self.row_cap {
+            let cap = cap + gone.len();
+            self.row_cap = (cap < self.cfg.max_batch).then_some(cap);
+        }
         if self.rows.is_empty() {
             self.batch = None;
         } else if let Some(b) = self.batch.as_mut() {
@@ -265,6 +329,29 @@ impl Scheduler {
         if self.prefill.is_some() || !self.group.is_empty() {
             return;
         }
+        let cap = self.row_cap.unwrap_or(self.cfg.max_batch);
+        if self.rows.len() >= cap {
+            return;
+        }
+        if let Some(row) = self.preempted.pop_front() {
+            let tokens = row.context();
+            let layers = self.shared.model.model.num_layers();
+            let (cache, done) = match self.shared.prefix.lookup(
+                row.request().cache_scope.as_deref(),
+                &tokens,
+                layers,
+            ) {
+                Some(h) => (h.cache, h.tokens),
+                None => (self.shared.model.model.new_cache(1), 0),
+            };
+            self.prefill = Some(Prefilling {
+                row,
+                cache,
+                tokens,
+                done,
+            });
+            return;
+        }
         let pool = &self.shared.kv_pool;
         let prefix = &self.shared.prefix;
         let candidates = self.waiting.iter().map(|w| Candidate {
@@ -273,7 +360,7 @@ impl Scheduler {
             images: !w.request.images.is_empty(),
             prefix_hit: prefix.has_hit(w.request.cache_scope.as_deref(), &w.request.prompt),
         });
-        let room = self.cfg.max_batch.saturating_sub(self.rows.len());
+        let room = cap - self.rows.len();
         let free = pool.total().saturating_sub(pool.allocated());
         match admit::plan(candidates, room, free, self.cfg.prefill_chunk) {
             None => {}
@@ -283,7 +370,13 @@ impl Scheduler {
                         Some(h) => (h.cache, h.tokens),
                         None => (self.shared.model.model.new_cache(1), 0),
                     };
-                    self.prefill = Some(Prefilling { row, cache, done });
+                    let tokens = row.request().prompt.clone();
+                    self.prefill = Some(Prefilling {
+                        row,
+                        cache,
+                        tokens,
+                        done,
+                    });
                 }
             }
             // Another engine may take blocks meanwhile: the group is what
@@ -309,7 +402,7 @@ impl Scheduler {
             let w = self.waiting.pop()?;
             // Counted active before it leaves the queue: never idle between.
             let active = Active::take(&self.stats);
-            self.stats.queued.fetch_sub(1, Ordering::AcqRel);
+            self.stats.dequeued();
             let vocab = self.shared.model.vocab_size() as i32;
             let mut out = Emitter::new(w.request, w.events);
             let sampler = match Sampler::new(&out.request.sampling, vocab, &out.request.prompt) {
@@ -328,14 +421,12 @@ impl Scheduler {
                 self.shared.model.model.num_layers(),
             );
             out.set_cached_tokens(hit.as_ref().map_or(0, |h| h.tokens as u32));
-            let sequence = Some(out.request.prompt.clone());
             let row = Row {
                 out,
                 sampler,
                 reservation,
                 active,
                 last_token: 0,
-                sequence,
             };
             return Some((row, hit));
         }
@@ -354,11 +445,16 @@ impl Scheduler {
         if self.group.is_empty() {
             return Ok(());
         }
-        let mut rows = std::mem::take(&mut self.group);
+        // The rows stay in the group until their first token is out: a
+        // step that fails leaves them to the caller's recovery.
         let model = &self.shared.model.model;
-        let (ids, pads) = generate::left_padded(rows.iter().map(|r| r.request().prompt.as_slice()));
+        let (ids, pads) =
+            generate::left_padded(self.group.iter().map(|r| r.request().prompt.as_slice()));
         let mut cache = KvCache::with_left_padding(model.num_layers(), pads);
         let logits = model.forward(&ids, &mut cache, Logits::Last)?;
+        let finished = advance_rows(&mut self.group, &logits)?;
+        let rows = std::mem::take(&mut self.group);
+        // Cached only now that the forward evaluated.
         for (i, row) in rows.iter().enumerate() {
             if self.shared.prefix.wants(row.request().prompt.len()) {
                 self.shared.prefix.insert(
@@ -368,7 +464,6 @@ impl Scheduler {
                 );
             }
         }
-        let finished = advance_rows(&mut rows, &logits)?;
         let keep: Vec<usize> = (0..rows.len())
             .filter(|i| !finished.iter().any(|(j, _)| j == i))
             .collect();
@@ -390,27 +485,40 @@ impl Scheduler {
             return Ok(());
         };
         let model = &self.shared.model.model;
-        let prompt = &p.row.request().prompt;
-        let end = (p.done + self.cfg.prefill_chunk).min(prompt.len());
+        let end = (p.done + self.cfg.prefill_chunk).min(p.tokens.len());
         // An image whose tokens attend both ways is prefilled in one chunk.
         let end = vision::chunk_end(&p.row.request().images, p.done, end);
-        let ids = generate::tokens_array(&prompt[p.done..end]);
+        let ids = generate::tokens_array(&p.tokens[p.done..end]);
         let logits = match vision::replacement(&p.row.request().images, p.done, end - p.done) {
             Some(images) => model.forward_replacing(&ids, &images, &mut p.cache, Logits::Last)?,
             None => model.forward(&ids, &mut p.cache, Logits::Last)?,
         };
-        p.done = end;
-        if end < prompt.len() {
+        let resumed = p.row.out.generated() > 0;
+        if end < p.tokens.len() || resumed {
+            // A preempted row's next input is its newest token: no sample.
             eval(p.cache.state())?;
-            return Ok(());
+            p.done = end;
+            if end < p.tokens.len() {
+                return Ok(());
+            }
+            let p = self.prefill.take().unwrap();
+            return self.join_batch(vec![p.row], p.cache);
         }
         let mut p = self.prefill.take().unwrap();
+        let finished = match advance_rows(std::slice::from_mut(&mut p.row), &logits) {
+            Ok(finished) => finished,
+            Err(e) => {
+                // Back in place for the caller's recovery.
+                self.prefill = Some(p);
+                return Err(e);
+            }
+        };
         self.shared.prefix.insert(
             p.row.request().cache_scope.as_deref(),
             &p.row.request().prompt,
             &p.cache,
         );
-        match advance_rows(std::slice::from_mut(&mut p.row), &logits)?.first() {
+        match finished.first() {
             Some(&(_, reason)) => {
                 p.row.finish(reason);
                 Ok(())
@@ -437,38 +545,86 @@ impl Scheduler {
         Ok(())
     }
 
-    fn publish(&self) {
-        let blocks: usize = self
-            .rows
+    /// Every admitted row: in the batch, being prefilled, or preempted.
+    fn started(&self) -> impl Iterator<Item = &Row> {
+        self.rows
             .iter()
             .chain(&self.group)
             .chain(self.prefill.as_ref().map(|p| &p.row))
-            .map(|r| r.reservation.blocks())
-            .sum();
+            .chain(&self.preempted)
+    }
+
+    /// Takes every admitted row out of the scheduler (the batch's KV goes
+    /// with them), oldest first.
+    fn take_started(&mut self) -> Vec<Row> {
+        self.batch = None;
+        let mut rows: Vec<Row> = self.rows.drain(..).collect();
+        rows.extend(self.prefill.take().map(|p| p.row));
+        rows.extend(self.group.drain(..));
+        rows.extend(self.preempted.drain(..));
+        rows
+    }
+
+    /// The figures `load()` reports that the scheduler counts (rows count
+    /// themselves active).
+    fn publish(&self) {
+        let blocks: usize = self.started().map(|r| r.reservation.blocks()).sum();
         self.stats.kv_blocks.store(blocks, Ordering::Release);
     }
 
+    /// A step ran out of device memory. Its graph failed part way through
+    /// writing the KV caches, so no row's KV can be trusted: MLX's cached
+    /// buffers go back to the device, every row gives up its KV and waits
+    /// (keeping its reservation and its stream) to be recomputed from its
+    /// tokens, and the batch restarts at half the rows, growing back as
+    /// rows finish. A row that runs out of memory alone, and again alone
+    /// before it got further (fewer or as many of its tokens computed),
+    /// cannot fit: it ends with 503.
+    fn recover_from_oom(&mut self, error: &anyhow::Error) {
+        memory::release_cache();
+        let lone = (self.started().count() == 1).then(|| match &self.prefill {
+            Some(p) => (p.row.request().id, p.done),
+            None => {
+                let row = self.started().next().expect("one row");
+                let computed = if self.rows.is_empty() {
+                    0
+                } else {
+                    row.context_len()
+                };
+                (row.request().id, computed)
+            }
+        });
+        let mut rows = self.take_started();
+        tracing::warn!(error = %error, rows = rows.len(), "batched step ran out of memory; recomputing its rows with fewer at once");
+        let stuck = matches!((lone, self.lone_oom), (Some((id, now)), Some((last_id, last)))
+            if id == last_id && now <= last);
+        self.lone_oom = lone;
+        if stuck {
+            self.lone_oom = None;
+            rows.pop()
+                .expect("one row")
+                .fail(memory::failed_step(error));
+            return;
+        }
+        self.row_cap = Some((rows.len() / 2).max(1));
+        self.preempted = rows.into();
+    }
+
     fn fail_all(&mut self, message: &str) {
-        for r in self
-            .rows
-            .drain(..)
-            .chain(self.group.drain(..))
-            .chain(self.prefill.take().map(|p| p.row))
-        {
+        for r in self.take_started() {
             r.fail(StreamError::Internal(message.to_string()));
         }
-        self.batch = None;
     }
 
     fn cancel_everything(&mut self) {
         for w in self.waiting.drain() {
-            self.stats.queued.fetch_sub(1, Ordering::AcqRel);
+            self.stats.dequeued();
             w.cancel();
         }
         while let Ok(msg) = self.rx.try_recv() {
             match msg {
                 Msg::Submit(w) => {
-                    self.stats.queued.fetch_sub(1, Ordering::AcqRel);
+                    self.stats.dequeued();
                     w.cancel();
                 }
                 Msg::Adopt(h) => {
@@ -487,13 +643,9 @@ impl Scheduler {
                 _ => {}
             }
         }
-        if let Some(p) = self.prefill.take() {
-            p.row.finish(FinishReason::Cancelled);
-        }
-        for r in self.rows.drain(..).chain(self.group.drain(..)) {
+        for r in self.take_started() {
             r.finish(FinishReason::Cancelled);
         }
-        self.batch = None;
     }
 }
 
