@@ -300,6 +300,7 @@ mod tests {
             reasoning: ReasoningFormat::Think,
             starts_in_reasoning: true,
             tools: None,
+            thinking_budget: None,
         };
         let (content, reasoning, _, _, _) = run(Family::Qwen3, "hmm</think>fine", opts);
         assert_eq!((reasoning.as_str(), content.as_str()), ("hmm", "fine"));
@@ -312,6 +313,7 @@ mod tests {
             reasoning: ReasoningFormat::Think,
             starts_in_reasoning: false,
             tools: Some(ToolFormat::Hermes),
+            thinking_budget: None,
         };
         let text = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
         let (content, _, calls, _, p) = run(Family::Qwen3, text, opts);
@@ -331,6 +333,7 @@ mod tests {
             reasoning: ReasoningFormat::None,
             starts_in_reasoning: false,
             tools: Some(ToolFormat::Llama3Json),
+            thinking_budget: None,
         };
         let text = "{\"name\": \"lookup\", \"parameters\": {\"q\": \"rust\"}}";
         let (content, _, calls, _, _) = run(Family::Llama, text, opts);
@@ -346,6 +349,7 @@ mod tests {
             reasoning: ReasoningFormat::None,
             starts_in_reasoning: false,
             tools: Some(ToolFormat::Hermes),
+            thinking_budget: None,
         };
         let text = "ok <tool_call>\n{\"name\": \"f\", \"argu";
         let (content, _, calls, _, _) = run(Family::Qwen3, text, opts);
