@@ -202,6 +202,9 @@ impl Generation {
             match event {
                 Some(Event::Token(token)) => {
                     if let Some(done) = self.on_token(token, &mut batch) {
+                        if batch.done.is_some() {
+                            self.until_the_engine_stops().await;
+                        }
                         return Some(done.map(|()| batch));
                     }
                 }
@@ -223,6 +226,21 @@ impl Generation {
             }
         }
         Some(Ok(batch))
+    }
+
+    /// A stop string ended the generation and cancelled the request: waits
+    /// (a step, boundedly) for the engine's final event, so that the
+    /// engine has given back its slot and KV blocks by the time the client
+    /// has its answer and sends the next request.
+    async fn until_the_engine_stops(&mut self) {
+        let ended = async {
+            while let Some(event) = self.events.recv().await {
+                if matches!(event, Event::Finished(_) | Event::Error(_)) {
+                    break;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(2), ended).await;
     }
 
     /// What the client sees of an engine's error event. Only an internal
