@@ -7,6 +7,7 @@
 //!   name: tiny-qwen3          # served name (default: the directory name)
 //!   kv_cache_mb: 1024         # shared KV block pool (default 1024, or what `memory:` leaves)
 //!   kv_block_size: 16         # tokens per block
+//!   prefix_cache_entries: 16  # block-aligned prefixes kept for every engine (0: off)
 //!   default_max_tokens: 4096  # cap on max_tokens when a request omits it
 //!   compute_dtype: auto       # auto (fp32 on the CPU, the checkpoint's on the GPU),
 //!                             # float32, bfloat16 or float16
@@ -21,6 +22,7 @@
 //!   api_keys_env: GATEWAY_API_KEYS   # comma-separated keys from the environment
 //!   policy_reload_ms: 1000    # how often the policy file is checked for edits
 //!   shutdown_grace_s: 30      # on SIGTERM: in-flight requests get this long to finish
+//!   max_n: 8                  # choices per request (`n`), prompts x n per completions request
 //!   engine_probe_s: 10        # an engine benched by a panic is probed this often (0: never)
 //! memory:                     # optional: a memory budget the server keeps
 //!   fraction: 0.9             # of the device's memory (or `limit_mb: 20000`)
@@ -100,6 +102,9 @@ pub struct ModelConfig {
     pub kv_cache_mb: Option<usize>,
     #[serde(default = "defaults::kv_block_size")]
     pub kv_block_size: usize,
+    /// Block-aligned prefixes kept in the prefix cache all engines share.
+    #[serde(default = "defaults::prefix_cache_entries")]
+    pub prefix_cache_entries: usize,
     #[serde(default = "defaults::default_max_tokens")]
     pub default_max_tokens: u32,
     /// The dtype weights and activations compute in (KV is cached in it).
@@ -120,6 +125,9 @@ pub struct ServerConfig {
     pub api_keys_env: Option<String>,
     pub policy_reload_ms: u64,
     pub shutdown_grace_s: f64,
+    /// Most choices one request may ask for (`n`, and on completions the
+    /// prompts times `n`).
+    pub max_n: u32,
     /// Seconds between probe requests to an engine benched by a panic or
     /// a lost stream (0: it stays out until restart).
     pub engine_probe_s: f64,
@@ -138,6 +146,7 @@ impl Default for ServerConfig {
             api_keys_env: None,
             policy_reload_ms: 1000,
             shutdown_grace_s: 30.0,
+            max_n: 8,
             engine_probe_s: 10.0,
         }
     }
@@ -146,6 +155,9 @@ impl Default for ServerConfig {
 mod defaults {
     pub fn kv_block_size() -> usize {
         16
+    }
+    pub fn prefix_cache_entries() -> usize {
+        runtime::shared::DEFAULT_PREFIX_CACHE_ENTRIES
     }
     pub fn default_max_tokens() -> u32 {
         4096
@@ -245,6 +257,9 @@ impl Config {
         }
         if server.max_concurrent == 0 {
             return Err(invalid("server.max_concurrent must be at least 1".into()));
+        }
+        if server.max_n == 0 {
+            return Err(invalid("server.max_n must be at least 1".into()));
         }
         let engines = raw
             .engines

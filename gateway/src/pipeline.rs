@@ -24,6 +24,9 @@ pub struct PipelineOptions {
     pub starts_in_reasoning: bool,
     /// `Some` when the request offered tools the model may call.
     pub tools: Option<ToolFormat>,
+    /// Reasoning tokens allowed before the think block is closed for the
+    /// model (`Generation` enforces it); `None` for no limit.
+    pub thinking_budget: Option<u32>,
 }
 
 impl PipelineOptions {
@@ -34,6 +37,7 @@ impl PipelineOptions {
             reasoning: ReasoningFormat::None,
             starts_in_reasoning: false,
             tools: None,
+            thinking_budget: None,
         }
     }
 }
@@ -130,6 +134,11 @@ impl Pipeline {
     /// Generated tokens seen so far.
     pub fn tokens(&self) -> u32 {
         self.tokens
+    }
+
+    /// Inside a reasoning block now.
+    pub fn in_reasoning(&self) -> bool {
+        self.reasoning.in_reasoning()
     }
 
     pub fn reasoning_tokens(&self) -> u32 {
@@ -271,6 +280,7 @@ mod tests {
             reasoning: ReasoningFormat::Think,
             starts_in_reasoning: false,
             tools: None,
+            thinking_budget: None,
         };
         let (content, reasoning, _, _, p) = run(
             Family::Qwen3,
@@ -290,6 +300,7 @@ mod tests {
             reasoning: ReasoningFormat::Think,
             starts_in_reasoning: true,
             tools: None,
+            thinking_budget: None,
         };
         let (content, reasoning, _, _, _) = run(Family::Qwen3, "hmm</think>fine", opts);
         assert_eq!((reasoning.as_str(), content.as_str()), ("hmm", "fine"));
@@ -302,6 +313,7 @@ mod tests {
             reasoning: ReasoningFormat::Think,
             starts_in_reasoning: false,
             tools: Some(ToolFormat::Hermes),
+            thinking_budget: None,
         };
         let text = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
         let (content, _, calls, _, p) = run(Family::Qwen3, text, opts);
@@ -321,6 +333,7 @@ mod tests {
             reasoning: ReasoningFormat::None,
             starts_in_reasoning: false,
             tools: Some(ToolFormat::Llama3Json),
+            thinking_budget: None,
         };
         let text = "{\"name\": \"lookup\", \"parameters\": {\"q\": \"rust\"}}";
         let (content, _, calls, _, _) = run(Family::Llama, text, opts);
@@ -336,6 +349,7 @@ mod tests {
             reasoning: ReasoningFormat::None,
             starts_in_reasoning: false,
             tools: Some(ToolFormat::Hermes),
+            thinking_budget: None,
         };
         let text = "ok <tool_call>\n{\"name\": \"f\", \"argu";
         let (content, _, calls, _, _) = run(Family::Qwen3, text, opts);

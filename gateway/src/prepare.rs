@@ -28,6 +28,19 @@ pub struct Prepared {
     pub text: PipelineOptions,
 }
 
+impl Prepared {
+    /// Choice `i` of a request asking for several: its own id and cancel
+    /// flag, and with a seed, its own seed (else all would be alike).
+    pub fn choice(&self, i: u32) -> Prepared {
+        let mut choice = self.clone();
+        let req = &mut choice.request;
+        req.id = engine_core::RequestId::next();
+        req.cancel = engine_core::CancelToken::new();
+        req.sampling.seed = req.sampling.seed.map(|s| s.wrapping_add(u64::from(i)));
+        choice
+    }
+}
+
 /// `/v1/chat/completions`: renders the chat template, places the images,
 /// tokenizes, and encodes the images once the rest is known to be valid.
 /// `max_param` names the field the client set its limit with.
@@ -89,6 +102,7 @@ pub async fn chat(
         reasoning,
         starts_in_reasoning: ends_in_reasoning(&rendered.text, reasoning),
         tools: has_tools.then(|| family.tool_format()),
+        thinking_budget: request.options.thinking_budget,
     };
     Ok(Prepared {
         model,
@@ -97,15 +111,16 @@ pub async fn chat(
     })
 }
 
-/// `/v1/completions`: tokenizes a text prompt (or decodes a token prompt,
+/// `/v1/completions`: tokenizes one text prompt (or decodes a token prompt,
 /// for `echo`). Returns the prompt's text too.
 pub async fn completion(
     state: &SharedState,
     request: &CompletionRequest,
+    prompt: &Prompt,
     scope: Option<String>,
 ) -> Result<(Prepared, String), ApiError> {
     let model = state.check_model(request.model.as_deref())?;
-    let prompt = request.prompt.clone();
+    let prompt = prompt.clone();
     let (ids, text) = blocking(state, move |state| {
         let tokenizer = &state.registry.shared.model.tokenizer;
         Ok(match prompt {

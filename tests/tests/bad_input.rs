@@ -162,7 +162,37 @@ fn table() -> Vec<Case> {
             .param("temperature"),
         case("top_p zero", CHAT, chat(json!({"top_p": 0})), 400).param("top_p"),
         case("top_p above 1", CHAT, chat(json!({"top_p": 1.5})), 400).param("top_p"),
-        case("n above 1", CHAT, chat(json!({"n": 2})), 400).param("n"),
+        case("n zero", CHAT, chat(json!({"n": 0})), 400).param("n"),
+        case("n above server.max_n", CHAT, chat(json!({"n": 9})), 400).param("n"),
+        case("best_of", CHAT, chat(json!({"best_of": 2})), 400).param("best_of"),
+        case(
+            "best_of on completions",
+            COMPLETIONS,
+            json!({"model": MODEL, "prompt": "x", "best_of": 3}),
+            400,
+        )
+        .param("best_of"),
+        case(
+            "prompts x n above server.max_n",
+            COMPLETIONS,
+            json!({"model": MODEL, "prompt": ["a", "b", "c"], "n": 3}),
+            400,
+        )
+        .param("prompt"),
+        case(
+            "an empty prompt in a list",
+            COMPLETIONS,
+            json!({"model": MODEL, "prompt": ["a", ""]}),
+            400,
+        )
+        .param("prompt[1]"),
+        case(
+            "a prompt list of mixed kinds",
+            COMPLETIONS,
+            json!({"model": MODEL, "prompt": ["a", 7]}),
+            400,
+        )
+        .param("prompt[1]"),
         case(
             "top_logprobs above 20",
             CHAT,

@@ -2,7 +2,9 @@
 //! K=V global layers with their own head size, sliding layers with a
 //! 24-token window) behind the gateway: every engine's greedy answer over
 //! HTTP equals the fast path's token for token, with prompts longer than the
-//! window, prefix-cache hits and concurrent (batched) requests.
+//! window, prefix-cache hits past the window (every engine starting from
+//! the KV another engine left in the shared prefix cache) and concurrent
+//! (batched) requests.
 
 use e2e_tests::{models, Gateway};
 use fixtures::model::TinySpec;
@@ -22,7 +24,8 @@ fn wait_idle(gw: &Gateway) {
     );
 }
 
-fn complete(gw: &Gateway, prompt: &[u32], max_tokens: u32) -> (String, Vec<u64>) {
+/// The engine, the generated ids and the cached prompt tokens.
+fn complete(gw: &Gateway, prompt: &[u32], max_tokens: u32) -> (String, Vec<u64>, u64) {
     let r = gw.post(
         "/v1/completions",
         &json!({"model": NAME, "prompt": prompt, "max_tokens": max_tokens,
@@ -30,13 +33,17 @@ fn complete(gw: &Gateway, prompt: &[u32], max_tokens: u32) -> (String, Vec<u64>)
     );
     assert_eq!(r.status, 200, "{}", r.text());
     let engine = r.header("x-engine").unwrap().to_owned();
-    let ids = r.json()["choices"][0]["token_ids"]
+    let body = r.json();
+    let ids = body["choices"][0]["token_ids"]
         .as_array()
         .unwrap()
         .iter()
         .map(|v| v.as_u64().unwrap())
         .collect();
-    (engine, ids)
+    let cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    (engine, ids, cached)
 }
 
 #[test]
@@ -70,18 +77,22 @@ policy:
     let mut oracle = Vec::new();
     for prompt in &prompts {
         wait_idle(&gw);
-        let (engine, greedy) = complete(&gw, prompt, 34);
-        assert_eq!(engine, "fastpath");
+        let (engine, greedy, cached) = complete(&gw, prompt, 34);
+        assert_eq!((engine.as_str(), cached), ("fastpath", 0), "a cold start");
         for (name, max_tokens) in [("dflash", 31), ("mtp", 32), ("lookup", 33), ("batched", 30)] {
-            let (engine, ids) = complete(&gw, prompt, max_tokens);
+            let (engine, ids, cached) = complete(&gw, prompt, max_tokens);
             assert_eq!(engine, name);
             assert_eq!(ids, greedy[..max_tokens as usize], "{name} on {prompt:?}");
+            if prompt.len() > 32 {
+                // Two 16-token blocks: past the 24-token window.
+                assert_eq!(cached, 32, "{name} reused the fast path's prefix");
+            }
         }
         oracle.push(greedy);
     }
     // The long prompt again shares its block-aligned prefix with the
     // cached one; then all prompts at once, batched in one forward.
-    let (_, again) = complete(&gw, &long, 30);
+    let (_, again, _) = complete(&gw, &long, 30);
     assert_eq!(again, oracle[1][..30]);
     let answers: Vec<Vec<u64>> = std::thread::scope(|s| {
         let handles: Vec<_> = prompts

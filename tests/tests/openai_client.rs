@@ -1,5 +1,6 @@
-//! The official `openai` Python client against the gateway: chat, streaming
-//! and a tool-call round trip with a `role: tool` message.
+//! The official `openai` Python client against the gateway: chat, streaming,
+//! a tool-call round trip with a `role: tool` message, several choices
+//! (`n`, streamed interleaved by index) and completions' prompt lists.
 
 use std::process::Command;
 
@@ -54,6 +55,55 @@ assert ts[-1].choices[0].finish_reason in ("stop", "length", "tool_calls")
 c = client.completions.create(model=model, prompt="The answer is", max_tokens=4)
 assert c.object == "text_completion" and isinstance(c.choices[0].text, str)
 assert [m.id for m in client.models.list().data] == [model]
+
+# Several choices (n), streamed interleaved by index, and prompt lists.
+g = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello!"}],
+    max_tokens=8, n=2, temperature=0)
+assert [ch.index for ch in g.choices] == [0, 1], g
+assert all(ch.message.content == r.choices[0].message.content for ch in g.choices), (g, r)
+assert g.usage.prompt_tokens == r.usage.prompt_tokens, (g.usage, r.usage)
+assert g.usage.completion_tokens == 2 * r.usage.completion_tokens, (g.usage, r.usage)
+def by_index(chunks, text_of):
+    texts, finishes = {}, {}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + (text_of(ch) or "")
+            if ch.finish_reason:
+                assert ch.index not in finishes, ("two finishes", ch.index)
+                finishes[ch.index] = ch.finish_reason
+    return texts, finishes
+gs = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello!"}],
+    max_tokens=8, n=2, temperature=0, stream=True, stream_options={"include_usage": True}))
+texts, finishes = by_index(gs, lambda ch: ch.delta.content)
+assert texts == {0: r.choices[0].message.content, 1: r.choices[0].message.content}, texts
+assert sorted(finishes) == [0, 1], finishes
+assert gs[-1].usage.completion_tokens == g.usage.completion_tokens, gs[-1].usage
+sampled = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+    max_tokens=4, n=3, temperature=1.0, seed=5)
+assert [ch.index for ch in sampled.choices] == [0, 1, 2], sampled
+assert all(ch.finish_reason in ("stop", "length") for ch in sampled.choices)
+one = client.completions.create(model=model, prompt="Once upon", max_tokens=4, temperature=0)
+lst = client.completions.create(model=model, prompt=["The answer is", "Once upon"], max_tokens=4, n=2, temperature=0)
+c0 = client.completions.create(model=model, prompt="The answer is", max_tokens=4, temperature=0)
+assert [ch.index for ch in lst.choices] == [0, 1, 2, 3], lst
+assert [ch.text for ch in lst.choices] == [c0.choices[0].text] * 2 + [one.choices[0].text] * 2, lst
+assert lst.usage.prompt_tokens == c0.usage.prompt_tokens + one.usage.prompt_tokens, lst.usage
+ls = list(client.completions.create(model=model, prompt=[[1, 2, 3], [4, 5]], max_tokens=3, temperature=0, stream=True))
+texts, finishes = by_index(ls, lambda ch: ch.text)
+assert sorted(texts) == [0, 1] and sorted(finishes) == [0, 1], (texts, finishes)
+ids = client.completions.create(model=model, prompt=[4, 5], max_tokens=3, temperature=0)
+assert texts[1] == ids.choices[0].text, (texts, ids)
+for bad, param in [(dict(n=99), "n"), (dict(best_of=2), "best_of")]:
+    try:
+        client.completions.create(model=model, prompt="x", max_tokens=2, **bad)
+        raise SystemExit("expected BadRequestError for %s" % bad)
+    except openai.BadRequestError as e:
+        assert e.body["param"] == param, e.body
+try:
+    client.completions.create(model=model, prompt=["x"] * 5, n=2, max_tokens=2)
+    raise SystemExit("expected BadRequestError for 10 choices")
+except openai.BadRequestError as e:
+    assert e.body["param"] == "prompt", e.body
 
 # Errors surface as the client's typed exceptions.
 try:

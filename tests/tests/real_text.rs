@@ -154,17 +154,9 @@ fn chat(gw: &Gateway, messages: &Value, extra: Value) -> (Value, String) {
     for (k, v) in extra.as_object().unwrap() {
         body[k] = v.clone();
     }
-    // An engine can still be releasing the previous request's slot when
-    // the next one arrives right after its last byte: 503 server_overloaded
-    // says "retry shortly", as a client would.
-    let mut r = gw.post("/v1/chat/completions", &body);
-    for _ in 0..100 {
-        if r.status != 503 {
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-        r = gw.post("/v1/chat/completions", &body);
-    }
+    // Engines free their slot before the final event: the next request,
+    // sent right after the last byte, finds them free (no retry on 503).
+    let r = gw.post("/v1/chat/completions", &body);
     assert_eq!(r.status, 200, "{}", r.text());
     let engine = r.header("x-engine").unwrap_or_default().to_owned();
     if body["stream"] == json!(true) {

@@ -15,8 +15,6 @@ pub struct BatchedConfig {
     /// Prompt tokens prefilled per scheduler step: bounds how long a long
     /// prompt can stall the decode of running rows.
     pub prefill_chunk: usize,
-    /// Block-aligned prompt prefixes kept for reuse (0 disables).
-    pub prefix_cache_entries: usize,
 }
 
 impl Default for BatchedConfig {
@@ -26,7 +24,6 @@ impl Default for BatchedConfig {
             max_batch: 32,
             max_queue: 256,
             prefill_chunk: 256,
-            prefix_cache_entries: 16,
         }
     }
 }

@@ -6,7 +6,6 @@
 mod admit;
 mod config;
 mod engine;
-mod prefix_cache;
 mod queue;
 mod row;
 mod scheduler;

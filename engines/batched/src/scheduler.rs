@@ -20,14 +20,14 @@ use mlx_rs::{ops, Array};
 use runtime::emit::Emitter;
 use runtime::handover::Handover;
 use runtime::model::Logits;
+use runtime::prefix_cache::Hit;
 use runtime::sampling::{self, Sampler};
 use runtime::{generate, memory, vision, KvCache, SharedModel};
 
 use crate::admit::{self, Candidate, Start};
 use crate::config::BatchedConfig;
-use crate::prefix_cache::{Hit, PrefixCache};
 use crate::queue::{WaitQueue, Waiting};
-use crate::row::Row;
+use crate::row::{Active, Row};
 
 pub enum Msg {
     Submit(Waiting),
@@ -39,6 +39,7 @@ pub enum Msg {
 /// Figures the engine reports in `load()`, written by the scheduler.
 #[derive(Default)]
 pub struct Stats {
+    /// Rows admitted and not yet ended (each [`Active`] counts itself).
     pub active: AtomicUsize,
     /// Submitted and not yet admitted (in the channel or the wait queue);
     /// `submit` bounds it by `max_queue`, so the wait queue needs no bound
@@ -86,7 +87,6 @@ pub struct Scheduler {
     /// how many of its tokens had KV then (see
     /// [`Scheduler::recover_from_oom`]).
     lone_oom: Option<(RequestId, usize)>,
-    prefix: PrefixCache,
     shutting_down: bool,
 }
 
@@ -97,7 +97,6 @@ impl Scheduler {
         rx: Receiver<Msg>,
         stats: Arc<Stats>,
     ) -> Self {
-        let prefix = PrefixCache::new(shared.kv_pool.block_size(), cfg.prefix_cache_entries);
         Self {
             waiting: WaitQueue::default(),
             shared,
@@ -111,7 +110,6 @@ impl Scheduler {
             preempted: VecDeque::new(),
             row_cap: None,
             lone_oom: None,
-            prefix,
             shutting_down: false,
         }
     }
@@ -207,6 +205,7 @@ impl Scheduler {
     }
 
     fn adopt(&mut self, h: Handover) {
+        let active = Active::take(&self.stats);
         let mut out = Emitter::resume(h.request, h.events, h.generated, h.cached_tokens);
         let vocab = self.shared.model.vocab_size() as i32;
         let sampler = match Sampler::new(&out.request.sampling, vocab, &out.request.prompt) {
@@ -221,6 +220,7 @@ impl Scheduler {
             out,
             sampler,
             reservation: h.reservation,
+            active,
             last_token: h.last_token,
         };
         if let Err(e) = self.join_batch(vec![row], h.cache) {
@@ -251,6 +251,25 @@ impl Scheduler {
         }
     }
 
+    /// Keeps row `i`'s prompt and answer in the prefix cache, before its
+    /// final event (the chat's next turn, sent the moment it arrives,
+    /// starts from it). Runs under the device lock (decode steps).
+    fn publish_row(&self, i: usize) {
+        let (Some(batch), row) = (self.batch.as_ref(), &self.rows[i]) else {
+            return;
+        };
+        if !self.shared.prefix.wants(row.context_len()) {
+            return;
+        }
+        match batch.extract_row(i) {
+            Ok(cache) => {
+                let scope = row.request().cache_scope.as_deref();
+                self.shared.prefix.insert(scope, &row.context(), &cache);
+            }
+            Err(e) => tracing::warn!(error = %e, "keeping a finished row's prefix failed"),
+        }
+    }
+
     fn drop_cancelled(&mut self) {
         for w in self.waiting.drain_cancelled() {
             self.stats.dequeued();
@@ -277,6 +296,11 @@ impl Scheduler {
 
     /// Takes finished rows out of the batch (and their KV out of the cache).
     fn remove_rows(&mut self, gone: &[(usize, FinishReason)]) {
+        for &(i, reason) in gone {
+            if reason != FinishReason::Cancelled {
+                self.publish_row(i);
+            }
+        }
         let mut rows: Vec<Option<Row>> = self.rows.drain(..).map(Some).collect();
         for &(i, reason) in gone {
             if let Some(r) = rows[i].take() {
@@ -316,10 +340,12 @@ impl Scheduler {
         }
         if let Some(row) = self.preempted.pop_front() {
             let tokens = row.context();
-            let (cache, done) = match self
-                .prefix
-                .lookup(row.request().cache_scope.as_deref(), &tokens)
-            {
+            let layers = self.shared.model.model.num_layers();
+            let (cache, done) = match self.shared.prefix.lookup(
+                row.request().cache_scope.as_deref(),
+                &tokens,
+                layers,
+            ) {
                 Some(h) => (h.cache, h.tokens),
                 None => (self.shared.model.model.new_cache(1), 0),
             };
@@ -332,7 +358,7 @@ impl Scheduler {
             return;
         }
         let pool = &self.shared.kv_pool;
-        let prefix = &self.prefix;
+        let prefix = &self.shared.prefix;
         let candidates = self.waiting.iter().map(|w| Candidate {
             prompt_len: w.request.prompt.len(),
             blocks: w.blocks,
@@ -379,6 +405,8 @@ impl Scheduler {
             // When the pool is full, wait for running rows to return blocks.
             let reservation = self.shared.kv_pool.try_reserve(front.blocks).ok()?;
             let w = self.waiting.pop()?;
+            // Counted active before it leaves the queue: never idle between.
+            let active = Active::take(&self.stats);
             self.stats.dequeued();
             let vocab = self.shared.model.vocab_size() as i32;
             let mut out = Emitter::new(w.request, w.events);
@@ -392,14 +420,17 @@ impl Scheduler {
                     continue;
                 }
             };
-            let hit = self
-                .prefix
-                .lookup(out.request.cache_scope.as_deref(), &out.request.prompt);
+            let hit = self.shared.prefix.lookup(
+                out.request.cache_scope.as_deref(),
+                &out.request.prompt,
+                self.shared.model.model.num_layers(),
+            );
             out.set_cached_tokens(hit.as_ref().map_or(0, |h| h.tokens as u32));
             let row = Row {
                 out,
                 sampler,
                 reservation,
+                active,
                 last_token: 0,
             };
             return Some((row, hit));
@@ -430,8 +461,8 @@ impl Scheduler {
         let rows = std::mem::take(&mut self.group);
         // Cached only now that the forward evaluated.
         for (i, row) in rows.iter().enumerate() {
-            if self.prefix.wants(&row.request().prompt) {
-                self.prefix.insert(
+            if self.shared.prefix.wants(row.request().prompt.len()) {
+                self.shared.prefix.insert(
                     row.request().cache_scope.as_deref(),
                     &row.request().prompt,
                     &cache.extract_row(i)?,
@@ -487,7 +518,7 @@ impl Scheduler {
                 return Err(e);
             }
         };
-        self.prefix.insert(
+        self.shared.prefix.insert(
             p.row.request().cache_scope.as_deref(),
             &p.row.request().prompt,
             &p.cache,
@@ -539,10 +570,9 @@ impl Scheduler {
         rows
     }
 
+    /// The figures `load()` reports that the scheduler counts (rows count
+    /// themselves active).
     fn publish(&self) {
-        self.stats
-            .active
-            .store(self.started().count(), Ordering::Release);
         let blocks: usize = self.started().map(|r| r.reservation.blocks()).sum();
         self.stats.kv_blocks.store(blocks, Ordering::Release);
     }

@@ -322,3 +322,41 @@ fn cancelling_a_finished_request_leaves_the_next_one_alone() {
     );
     assert_eq!(tail.len(), 1999);
 }
+
+/// A growing chat alternating between the engines, each built over the
+/// host's C tables as plugins are: every turn starts from the KV the one
+/// before published (its prompt and its answer) in the one shared prefix
+/// cache, and answers exactly as a cold run does.
+#[test]
+fn a_chats_next_turn_reuses_the_last_turns_kv_on_either_engine() {
+    let s = setup_apart();
+    let mut history = prompt(81, 37);
+    for (turn, engine) in [&s.fast as &dyn Engine, &s.batched, &s.fast]
+        .into_iter()
+        .enumerate()
+    {
+        let mut req = GenerateRequest::new(history.clone(), 12);
+        req.cache_scope = Some("user-1".into());
+        let (tokens, finish) = rest(engine.submit(req).unwrap());
+        assert_eq!(tokens, alone(&s.shared, &history, 12), "turn {turn}");
+        if turn > 0 {
+            // Everything before this turn's new tokens, block-aligned.
+            let expected = (history.len() - 5) / 16 * 16;
+            assert!(
+                finish.cached_tokens as usize >= expected.min(16),
+                "turn {turn}: {} cached of {}",
+                finish.cached_tokens,
+                history.len()
+            );
+        }
+        // The next turn: this answer and a new message.
+        history.extend(&tokens);
+        history.extend(prompt(90 + turn as u64, 5));
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // Another scope finds nothing.
+    let mut req = GenerateRequest::new(history.clone(), 2);
+    req.cache_scope = Some("user-2".into());
+    let (_, finish) = rest(s.fast.submit(req).unwrap());
+    assert_eq!(finish.cached_tokens, 0);
+}

@@ -1,6 +1,6 @@
 //! The shared model state across the plugin boundary, as C tables: the
-//! host's device lock, KV pool ledger and handover slot, and the model's
-//! weights as mlx-c array handles (libmlx is one shared library in the
+//! host's device lock, KV pool ledger, handover slot and prefix cache, and
+//! the model's weights as mlx-c array handles (libmlx is one shared library in the
 //! process, so a handle made by one image is valid in every other). A
 //! plugin builds its own `SharedModel` over them
 //! ([`SharedModel::from_context`](crate::SharedModel::from_context)).
@@ -49,6 +49,7 @@ pub struct RawShared {
     pub device: RawDeviceLock,
     pub kv: RawKvLedger,
     pub handover: RawHandoverSlot,
+    pub prefix: RawPrefixCache,
 }
 
 /// The lock that serialises device work across engines.
@@ -103,20 +104,189 @@ pub struct RawHandover {
     pub request: Bytes,
     pub cancel: RawCancel,
     pub events: RawEventSink,
-    /// Per layer; a null handle for a layer not yet written.
-    pub keys: *const mlx_array,
-    pub values: *const mlx_array,
-    pub layers: usize,
-    pub len: i32,
-    pub capacity: i32,
-    pub left_pad: *const i32,
-    pub batch: usize,
+    /// Lent for the call.
+    pub cache: RawKv,
     pub last_token: u32,
     /// Tokens streamed so far (`last_token` included).
     pub generated: *const u32,
     pub generated_len: usize,
     pub cached_tokens: u32,
     pub reserved_blocks: usize,
+}
+
+/// A `KvCache` in C form: per layer an mlx-c handle, null for a layer not
+/// written (or one that reads another layer's keys and values).
+#[repr(C)]
+pub struct RawKv {
+    pub keys: *mut mlx_array,
+    pub values: *mut mlx_array,
+    pub layers: usize,
+    pub len: i32,
+    pub capacity: i32,
+    pub left_pad: *const i32,
+    pub batch: usize,
+}
+
+/// The shared prefix cache (`prefix_cache::SharedPrefixCache`). Scopes are
+/// UTF-8 bytes (`scoped` false: no scope), token sequences the bytes of
+/// their u32s.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct RawPrefixCache {
+    pub ctx: *mut c_void,
+    /// Tokens per block; entries are block-aligned.
+    pub block: usize,
+    /// Entries kept at most (0: disabled).
+    pub capacity: usize,
+    /// Length of the longest reusable prefix of `prompt`, 0 when none;
+    /// on a hit its KV is written to `out` (the caller's buffers of
+    /// `out.layers` handles), each handle then owned by the caller.
+    pub lookup: unsafe extern "C" fn(
+        ctx: *mut c_void,
+        scope: Bytes,
+        scoped: bool,
+        prompt: Bytes,
+        out: *mut RawKv,
+    ) -> usize,
+    pub has_hit:
+        unsafe extern "C" fn(ctx: *mut c_void, scope: Bytes, scoped: bool, prompt: Bytes) -> bool,
+    /// Keeps the block-aligned prefix of `tokens`; `kv` is only lent.
+    pub insert: unsafe extern "C" fn(
+        ctx: *mut c_void,
+        scope: Bytes,
+        scoped: bool,
+        tokens: Bytes,
+        kv: *const RawKv,
+    ),
+}
+
+impl RawKv {
+    /// Buffers for a callee to write a cache of `layers` layers into.
+    pub(crate) fn receiver(layers: usize) -> KvReceiver {
+        let mut keys = vec![null_array(); layers];
+        let mut values = vec![null_array(); layers];
+        let left_pad = Box::new(0i32);
+        let raw = RawKv {
+            keys: keys.as_mut_ptr(),
+            values: values.as_mut_ptr(),
+            layers,
+            len: 0,
+            capacity: 0,
+            left_pad: &*left_pad,
+            batch: 1,
+        };
+        KvReceiver {
+            _keys: keys,
+            _values: values,
+            _left_pad: left_pad,
+            raw,
+        }
+    }
+
+    /// Writes `cache` (batch 1) into a receiver's buffers, handing over a
+    /// handle of each array.
+    ///
+    /// # Safety
+    /// `self` came from [`RawKv::receiver`] for as many layers as `cache`.
+    pub(crate) unsafe fn give(&mut self, cache: KvCache) {
+        let owned = |a: Option<Array>| match a {
+            Some(a) => {
+                let handle = a.as_ptr();
+                std::mem::forget(a);
+                handle
+            }
+            None => null_array(),
+        };
+        let layers = self.layers.min(cache.keys.len());
+        for (i, (k, v)) in cache.keys.into_iter().zip(cache.values).take(layers).enumerate() {
+            *self.keys.add(i) = owned(k);
+            *self.values.add(i) = owned(v);
+        }
+        self.len = cache.len;
+        self.capacity = cache.capacity;
+    }
+
+    /// A cache over the same arrays, with handles of our own.
+    ///
+    /// # Safety
+    /// Every non-null handle is a live mlx-c array handle.
+    pub(crate) unsafe fn retained(&self) -> KvCache {
+        let arrays = |ptr: *const mlx_array| -> Vec<Option<Array>> {
+            (0..self.layers)
+                .map(|i| {
+                    let h = *ptr.add(i);
+                    (!h.ctx.is_null()).then(|| retain(h))
+                })
+                .collect()
+        };
+        KvCache {
+            keys: arrays(self.keys),
+            values: arrays(self.values),
+            len: self.len,
+            capacity: self.capacity,
+            left_pad: std::slice::from_raw_parts(self.left_pad, self.batch).to_vec(),
+        }
+    }
+}
+
+/// Buffers a callee fills through [`RawKv::give`].
+pub(crate) struct KvReceiver {
+    _keys: Vec<mlx_array>,
+    _values: Vec<mlx_array>,
+    _left_pad: Box<i32>,
+    pub(crate) raw: RawKv,
+}
+
+impl KvReceiver {
+    /// The cache written, owning its handles.
+    pub(crate) fn into_cache(self) -> KvCache {
+        let arrays = |ptr: *mut mlx_array| -> Vec<Option<Array>> {
+            (0..self.raw.layers)
+                .map(|i| {
+                    let h = unsafe { *ptr.add(i) };
+                    (!h.ctx.is_null()).then(|| unsafe { Array::from_ptr(h) })
+                })
+                .collect()
+        };
+        KvCache {
+            keys: arrays(self.raw.keys),
+            values: arrays(self.raw.values),
+            len: self.raw.len,
+            capacity: self.raw.capacity,
+            left_pad: vec![0],
+        }
+    }
+}
+
+/// A cache lent across the boundary for one call.
+pub(crate) struct LentKv<'a> {
+    keys: Vec<mlx_array>,
+    values: Vec<mlx_array>,
+    cache: &'a KvCache,
+}
+
+impl<'a> LentKv<'a> {
+    pub(crate) fn new(cache: &'a KvCache) -> Self {
+        let handle = |a: &Option<Array>| a.as_ref().map_or_else(null_array, Array::as_ptr);
+        Self {
+            keys: cache.keys.iter().map(handle).collect(),
+            values: cache.values.iter().map(handle).collect(),
+            cache,
+        }
+    }
+
+    /// Valid while `self` lives.
+    pub(crate) fn raw(&self) -> RawKv {
+        RawKv {
+            keys: self.keys.as_ptr().cast_mut(),
+            values: self.values.as_ptr().cast_mut(),
+            layers: self.keys.len(),
+            len: self.cache.len,
+            capacity: self.cache.capacity,
+            left_pad: self.cache.left_pad.as_ptr(),
+            batch: self.cache.left_pad.len(),
+        }
+    }
 }
 
 /// A new handle of our own to the host's array.
@@ -210,20 +380,12 @@ impl HandoverSink for ForeignSink {
         let Ok(request) = serde_json::to_vec(&h.request) else {
             return Err(Box::new(h));
         };
-        let handle = |a: &Option<Array>| a.as_ref().map_or_else(null_array, Array::as_ptr);
-        let keys: Vec<mlx_array> = h.cache.keys.iter().map(handle).collect();
-        let values: Vec<mlx_array> = h.cache.values.iter().map(handle).collect();
+        let lent = LentKv::new(&h.cache);
         let raw = RawHandover {
             request: Bytes::new(&request),
             cancel: h.request.cancel.clone().into_raw(),
             events: h.events.clone().into_raw(),
-            keys: keys.as_ptr(),
-            values: values.as_ptr(),
-            layers: keys.len(),
-            len: h.cache.len,
-            capacity: h.cache.capacity,
-            left_pad: h.cache.left_pad.as_ptr(),
-            batch: h.cache.left_pad.len(),
+            cache: lent.raw(),
             last_token: h.last_token,
             generated: h.generated.as_ptr(),
             generated_len: h.generated.len(),
@@ -272,21 +434,7 @@ pub(crate) fn export_sink(sink: Arc<dyn HandoverSink>, pool: KvPool) -> RawHando
             else {
                 return false;
             };
-            let arrays = |ptr: *const mlx_array| -> Vec<Option<Array>> {
-                (0..raw.layers)
-                    .map(|i| {
-                        let h = *ptr.add(i);
-                        (!h.ctx.is_null()).then(|| retain(h))
-                    })
-                    .collect()
-            };
-            let cache = KvCache {
-                keys: arrays(raw.keys),
-                values: arrays(raw.values),
-                len: raw.len,
-                capacity: raw.capacity,
-                left_pad: std::slice::from_raw_parts(raw.left_pad, raw.batch).to_vec(),
-            };
+            let cache = raw.cache.retained();
             request.cancel = CancelToken::from_raw(std::ptr::read(&raw.cancel));
             let handover = Handover {
                 request,

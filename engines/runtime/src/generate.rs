@@ -69,8 +69,13 @@ pub struct GreedyStream<'m> {
 impl<'m> GreedyStream<'m> {
     /// Prefills the prompt and queues its first token.
     pub fn start(model: &'m Model, prompt: &[u32]) -> anyhow::Result<Self> {
-        let mut cache = model.new_cache(1);
-        let logits = prefill(model, &mut cache, prompt, DEFAULT_PREFILL_CHUNK)?;
+        Self::resume(model, model.new_cache(1), prompt)
+    }
+
+    /// Prefills the `rest` of a prompt whose beginning `cache` holds (a
+    /// prefix-cache hit) and queues its first token.
+    pub fn resume(model: &'m Model, mut cache: KvCache, rest: &[u32]) -> anyhow::Result<Self> {
+        let logits = prefill(model, &mut cache, rest, DEFAULT_PREFILL_CHUNK)?;
         let pending = argmax_tokens(&logits)?;
         async_eval([&pending])?;
         Ok(Self {
@@ -95,6 +100,12 @@ impl<'m> GreedyStream<'m> {
             self.pending.clone()
         };
         Ok(current.item_exact::<i32>() as u32)
+    }
+
+    /// Every position fed so far: the prompt, then each token read with
+    /// `queue_next`.
+    pub fn cache(&self) -> &KvCache {
+        &self.cache
     }
 
     pub fn into_cache(self) -> KvCache {

@@ -17,6 +17,7 @@ pub mod handover;
 pub mod inject;
 pub mod kv_pool;
 pub mod memory;
+pub mod prefix_cache;
 pub mod sampling;
 pub mod shared;
 pub mod vision;

@@ -1,5 +1,5 @@
 //! What the host shares with every engine: the one loaded model, the one KV
-//! pool, the device lock and the handover slot. The host holds the
+//! pool, the one prefix cache, the device lock and the handover slot. The host holds the
 //! originals and exports them as C tables ([`SharedModel::export`]); each
 //! plugin builds its own `SharedModel` over those tables
 //! ([`SharedModel::from_context`]), so no Rust type crosses the boundary.
@@ -19,10 +19,16 @@ use crate::compute::ComputeDtype;
 use crate::handover::HandoverSink;
 use crate::kv_pool::KvPool;
 use crate::loader::LoadedModel;
+use crate::prefix_cache::SharedPrefixCache;
+
+/// Prefix cache entries when the host names no other number.
+pub const DEFAULT_PREFIX_CACHE_ENTRIES: usize = 16;
 
 pub struct SharedModel {
     pub model: LoadedModel,
     pub kv_pool: KvPool,
+    /// Block-aligned prefixes every engine reuses and publishes.
+    pub prefix: SharedPrefixCache,
     /// The engine that adopts sequences other engines hand over (the
     /// batched engine registers itself here).
     handover: Slot,
@@ -40,8 +46,15 @@ unsafe impl Sync for Slot {}
 
 impl SharedModel {
     pub fn new(model: LoadedModel, kv_pool: KvPool) -> Self {
+        Self::with_prefix_cache(model, kv_pool, DEFAULT_PREFIX_CACHE_ENTRIES)
+    }
+
+    /// A shared model whose prefix cache keeps `entries` prefixes (0
+    /// disables it) on the pool's block boundaries.
+    pub fn with_prefix_cache(model: LoadedModel, kv_pool: KvPool, entries: usize) -> Self {
         Self {
             model,
+            prefix: SharedPrefixCache::new(kv_pool.block_size(), entries),
             kv_pool,
             handover: Slot::Local(RwLock::new(None)),
         }
@@ -106,6 +119,7 @@ impl SharedModel {
         Ok(Arc::new(SharedModel {
             model,
             kv_pool: unsafe { KvPool::import(&raw.kv) },
+            prefix: unsafe { SharedPrefixCache::import(&raw.prefix) },
             handover: Slot::Foreign(raw.handover),
         }))
     }
@@ -154,6 +168,7 @@ impl SharedModel {
             device: RawDeviceLock { ctx, lock, unlock },
             kv: self.kv_pool.export(),
             handover: RawHandoverSlot { ctx, set, get },
+            prefix: self.prefix.export(),
         };
         Box::into_raw(Box::new(raw)) as *const c_void
     }

@@ -7,6 +7,7 @@
 //! token after them, and drops the KV of the `k - a` rejected positions.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use engine_core::event::EventSender;
 use engine_core::{FinishReason, GenerateRequest, SpecStats, StreamError};
@@ -15,7 +16,7 @@ use mlx_rs::{ops, Array, Dtype};
 use runtime::emit::Emitter;
 use runtime::generate::{tokens_array, DEFAULT_PREFILL_CHUNK};
 use runtime::model::{Logits, Taps};
-use runtime::{KvCache, Model};
+use runtime::{KvCache, Model, SharedModel};
 
 use crate::adaptive::{DraftSizer, RoundCost};
 use crate::draft::{DraftSource, DraftState, Proposal};
@@ -29,6 +30,8 @@ pub struct RoundStats {
 
 pub struct Sequence {
     pub out: Emitter,
+    /// Where the prefix cache is: read at prefill, written at the end.
+    shared: Arc<SharedModel>,
     /// Held until the sequence ends (KV blocks, the engine slot) and
     /// released before the final event, so the next request finds them.
     held: Option<Box<dyn Send>>,
@@ -49,15 +52,17 @@ impl Sequence {
         request: GenerateRequest,
         events: EventSender,
         held: Box<dyn Send>,
-        model: &Model,
+        shared: Arc<SharedModel>,
         source: Option<&dyn DraftSource>,
         adaptive: bool,
     ) -> Self {
         let history = request.prompt.clone();
+        let cache = shared.model.model.new_cache(1);
         Self {
             out: Emitter::new(request, events),
+            shared,
             held: Some(held),
-            cache: model.new_cache(1),
+            cache,
             history,
             draft: source.map(|s| s.start()),
             taps: source.map(|s| s.taps()).unwrap_or_default(),
@@ -79,13 +84,25 @@ impl Sequence {
         self.stats
     }
 
-    /// Runs the prompt through the target (chunked) and commits its first
-    /// token.
+    /// Runs the prompt through the target (chunked), after the prefix the
+    /// shared prefix cache holds, and commits its first token. The drafter
+    /// observes only the positions computed here: a cached prefix is
+    /// context it does not see (fewer accepted drafts, the same output).
     pub fn prefill(&mut self, model: &Model) -> anyhow::Result<()> {
         let prompt = self.out.request.prompt.clone();
+        let scope = self.out.request.cache_scope.clone();
         let mut done = 0;
+        if let Some(hit) = self
+            .shared
+            .prefix
+            .lookup(scope.as_deref(), &prompt, model.num_layers())
+        {
+            self.cache = hit.cache;
+            done = hit.tokens;
+            self.out.set_cached_tokens(done as u32);
+        }
         let mut last = None;
-        for chunk in prompt.chunks(DEFAULT_PREFILL_CHUNK) {
+        for chunk in prompt[done..].chunks(DEFAULT_PREFILL_CHUNK) {
             let out = model.forward_tapped(
                 &tokens_array(chunk),
                 &mut self.cache,
@@ -102,6 +119,10 @@ impl Sequence {
             last = Some(out.logits);
         }
         let logits = last.ok_or_else(|| anyhow::anyhow!("empty prompt"))?;
+        // The prompt now, for requests sharing it; the answer at the end.
+        self.shared
+            .prefix
+            .insert(scope.as_deref(), &prompt, &self.cache);
         let token = argmax(&logits)?;
         eval([&token])?;
         self.stats.target_forwards += 1;
@@ -208,6 +229,14 @@ impl Sequence {
     fn finish(&mut self, reason: FinishReason) {
         if self.is_finished() {
             return;
+        }
+        // Published before the final event, so the chat's next turn finds
+        // it. The cache holds every committed token but the newest, and
+        // possibly accepted drafts after a stop token (not in `history`).
+        // Not when cancelled: that happens outside the device lock.
+        if reason != FinishReason::Cancelled {
+            let scope = self.out.request.cache_scope.as_deref();
+            self.shared.prefix.insert(scope, &self.history, &self.cache);
         }
         self.release();
         self.out.finish(reason, Some(self.stats));

@@ -337,10 +337,12 @@ impl Worker {
         let held = Box::new(ticket);
         let mut seq = match source {
             Ok(source) => {
-                Sequence::new(request, events, held, model, Some(&*source), self.adaptive)
+                let shared = self.shared.clone();
+                Sequence::new(request, events, held, shared, Some(&*source), self.adaptive)
             }
             Err(msg) => {
-                let mut seq = Sequence::new(request, events, held, model, None, false);
+                let shared = self.shared.clone();
+                let mut seq = Sequence::new(request, events, held, shared, None, false);
                 seq.fail(StreamError::Internal(format!(
                     "the drafter could not be loaded: {msg}"
                 )));

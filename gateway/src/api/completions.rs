@@ -1,8 +1,9 @@
-//! `POST /v1/completions`: a raw prompt (text or token ids), no chat
-//! template, no reasoning or tool parsing. One prompt per request (batched
-//! prompts, `best_of` > 1 and `suffix` are rejected). `return_token_ids`
-//! (vLLM's extension) adds each choice's generated ids as `token_ids`, so
-//! another gateway's remote engine can use this one as an upstream.
+//! `POST /v1/completions`: a raw prompt (text or token ids), or a list of
+//! them, no chat template, no reasoning or tool parsing. `n` choices of
+//! each prompt, indexed prompt by prompt (`suffix` and `best_of` > 1 are
+//! rejected). `return_token_ids` (vLLM's extension) adds each choice's
+//! generated ids as `token_ids`, so another gateway's remote engine can use
+//! this one as an upstream.
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -13,7 +14,8 @@ use text::Tokenizer;
 
 use super::body::{CacheScope, RawJson};
 use super::sse::ChunkFormat;
-use super::validate::{as_int, gen_options, wrong_type, GenOptions, RawBody};
+use super::choices::Choices;
+use super::validate::{as_int, check_choices, gen_options, wrong_type, GenOptions, RawBody};
 use super::{json_response, logprobs, random_id, sse, unix_now, with_route, ApiError};
 use crate::generation::{Batch, Generation, Summary};
 use crate::pipeline::Delta;
@@ -30,7 +32,8 @@ pub enum Prompt {
 #[derive(Debug, Clone)]
 pub struct CompletionRequest {
     pub model: Option<String>,
-    pub prompt: Prompt,
+    /// At least one.
+    pub prompts: Vec<Prompt>,
     pub echo: bool,
     pub return_token_ids: bool,
     pub options: GenOptions,
@@ -39,20 +42,11 @@ pub struct CompletionRequest {
 impl CompletionRequest {
     pub fn parse(body: &RawBody, vocab: usize) -> Result<Self, ApiError> {
         let model = body.string("model")?.map(str::to_owned);
-        let prompt = prompt(body, vocab)?;
+        let prompts = prompts(body, vocab)?;
         let echo = body.bool("echo")?.unwrap_or(false);
         let return_token_ids = body.bool("return_token_ids")?.unwrap_or(false);
         if body.string("suffix")?.is_some_and(|s| !s.is_empty()) {
             return Err(ApiError::invalid("`suffix` is not supported", "suffix"));
-        }
-        match body.int("best_of")? {
-            None | Some(1) => {}
-            Some(_) => {
-                return Err(ApiError::invalid(
-                    "`best_of` other than 1 is not supported",
-                    "best_of",
-                ))
-            }
         }
         let mut options = gen_options(body, vocab)?;
         if let Some(n) = body.int("logprobs")? {
@@ -67,7 +61,7 @@ impl CompletionRequest {
         }
         Ok(CompletionRequest {
             model,
-            prompt,
+            prompts,
             echo,
             return_token_ids,
             options,
@@ -75,8 +69,8 @@ impl CompletionRequest {
     }
 }
 
-fn prompt(body: &RawBody, vocab: usize) -> Result<Prompt, ApiError> {
-    let too_many = || ApiError::invalid("Only one prompt per request is supported", "prompt");
+/// `prompt`: a string, token ids, or a list of either.
+fn prompts(body: &RawBody, vocab: usize) -> Result<Vec<Prompt>, ApiError> {
     let ids = |items: &[Value], param: &str| -> Result<Vec<u32>, ApiError> {
         items
             .iter()
@@ -93,18 +87,25 @@ fn prompt(body: &RawBody, vocab: usize) -> Result<Prompt, ApiError> {
             })
             .collect()
     };
-    let prompt = match body.get("prompt") {
+    let prompts = match body.get("prompt") {
         None => return Err(ApiError::invalid("`prompt` is required", "prompt")),
-        Some(Value::String(s)) => Prompt::Text(s.clone()),
+        Some(Value::String(s)) => vec![Prompt::Text(s.clone())],
         Some(Value::Array(items)) => match items.first() {
             None => return Err(ApiError::invalid("`prompt` is empty", "prompt")),
-            Some(Value::String(s)) if items.len() == 1 => Prompt::Text(s.clone()),
-            Some(Value::String(_)) => return Err(too_many()),
-            Some(Value::Array(inner)) if items.len() == 1 => {
-                Prompt::Tokens(ids(inner, "prompt[0]")?)
-            }
-            Some(Value::Array(_)) => return Err(too_many()),
-            Some(_) => Prompt::Tokens(ids(items, "prompt")?),
+            Some(Value::String(_) | Value::Array(_)) => items
+                .iter()
+                .enumerate()
+                .map(|(i, item)| match item {
+                    Value::String(s) => Ok(Prompt::Text(s.clone())),
+                    Value::Array(inner) => Ok(Prompt::Tokens(ids(inner, &format!("prompt[{i}]"))?)),
+                    v => Err(wrong_type(
+                        &format!("prompt[{i}]"),
+                        "a string or an array of token ids",
+                        v,
+                    )),
+                })
+                .collect::<Result<_, _>>()?,
+            Some(_) => vec![Prompt::Tokens(ids(items, "prompt")?)],
         },
         Some(v) => {
             return Err(wrong_type(
@@ -114,11 +115,18 @@ fn prompt(body: &RawBody, vocab: usize) -> Result<Prompt, ApiError> {
             ))
         }
     };
-    match &prompt {
-        Prompt::Text(t) if t.is_empty() => Err(ApiError::invalid("`prompt` is empty", "prompt")),
-        Prompt::Tokens(t) if t.is_empty() => Err(ApiError::invalid("`prompt` is empty", "prompt")),
-        _ => Ok(prompt),
+    let single = prompts.len() == 1;
+    for (i, p) in prompts.iter().enumerate() {
+        let empty = match p {
+            Prompt::Text(t) => t.is_empty(),
+            Prompt::Tokens(t) => t.is_empty(),
+        };
+        if empty {
+            let param = if single { "prompt".to_owned() } else { format!("prompt[{i}]") };
+            return Err(ApiError::invalid(format!("`{param}` is empty"), &param));
+        }
     }
+    Ok(prompts)
 }
 
 /// Text completion of a raw prompt, streamed when `stream` is true.
@@ -138,23 +146,48 @@ pub async fn create(
     RawJson(body): RawJson,
 ) -> Result<Response, ApiError> {
     let request = CompletionRequest::parse(&body, state.model.vocab)?;
-    let (prepared, text) =
-        prepare::completion(&state, &request, scope.map(|Extension(s)| s.0)).await?;
-    let model = prepared.model.clone();
+    let n = request.options.n;
+    check_choices(n, request.prompts.len(), state.config.server.max_n)?;
+    let scope = scope.map(|Extension(s)| s.0);
+    let mut prepared = Vec::with_capacity(request.prompts.len());
+    for prompt in &request.prompts {
+        prepared.push(prepare::completion(&state, &request, prompt, scope.clone()).await?);
+    }
+    let model = prepared[0].0.model.clone();
     let tokenizer: Tokenizer = (*state.registry.shared.model.tokenizer).clone();
-    let generation = Generation::start(&state, prepared)?;
-    let (engine, rule) = (generation.engine.clone(), generation.rule.clone());
-    let echo = if request.echo { text } else { String::new() };
-    let chunks = CompletionChunks {
+    let chunks = |echo: String| CompletionChunks {
         id: random_id("cmpl-"),
         created: unix_now(),
-        model,
+        model: model.clone(),
         include_usage: request.options.include_usage,
-        tokenizer,
-        echo,
+        tokenizer: tokenizer.clone(),
+        echo: if request.echo { echo } else { String::new() },
         offset: 0,
         return_token_ids: request.return_token_ids,
     };
+    if prepared.len() > 1 || n > 1 {
+        let first = chunks(String::new());
+        let mut formats = Vec::new();
+        for (_, text) in &prepared {
+            for _ in 0..n {
+                // One response: every choice under the first one's id.
+                formats.push(CompletionChunks {
+                    id: first.id.clone(),
+                    created: first.created,
+                    ..chunks(text.clone())
+                });
+            }
+        }
+        let wholes = formats.clone();
+        let whole = |i: usize, batch: &Batch, summary: &Summary| wholes[i].clone().whole(batch, summary);
+        let (prompts, _): (Vec<_>, Vec<_>) = prepared.into_iter().unzip();
+        let choices = Choices::start(&state, prompts, n).await?;
+        return Ok(choices.respond(request.options.stream, formats, whole).await);
+    }
+    let (prepared, text) = prepared.pop().expect("one prompt");
+    let generation = Generation::start(&state, prepared)?;
+    let (engine, rule) = (generation.engine.clone(), generation.rule.clone());
+    let chunks = chunks(text);
     let response = if request.options.stream {
         sse::response(generation, chunks)
     } else {
@@ -179,6 +212,7 @@ fn text_of(batch: &Batch) -> String {
 }
 
 /// `text_completion` objects, whole or as stream chunks.
+#[derive(Clone)]
 pub struct CompletionChunks {
     id: String,
     created: u64,
@@ -286,21 +320,24 @@ mod tests {
 
     #[test]
     fn prompt_shapes() {
+        let prompts = |v| parse(v).unwrap().prompts;
+        assert_eq!(prompts(json!({"prompt": "hi"})), [Prompt::Text("hi".into())]);
+        assert_eq!(prompts(json!({"prompt": ["hi"]})), [Prompt::Text("hi".into())]);
         assert_eq!(
-            parse(json!({"prompt": "hi"})).unwrap().prompt,
-            Prompt::Text("hi".into())
+            prompts(json!({"prompt": [1, 2, 3]})),
+            [Prompt::Tokens(vec![1, 2, 3])]
         );
         assert_eq!(
-            parse(json!({"prompt": ["hi"]})).unwrap().prompt,
-            Prompt::Text("hi".into())
+            prompts(json!({"prompt": [[4, 5]]})),
+            [Prompt::Tokens(vec![4, 5])]
         );
         assert_eq!(
-            parse(json!({"prompt": [1, 2, 3]})).unwrap().prompt,
-            Prompt::Tokens(vec![1, 2, 3])
-        );
-        assert_eq!(
-            parse(json!({"prompt": [[4, 5]]})).unwrap().prompt,
-            Prompt::Tokens(vec![4, 5])
+            prompts(json!({"prompt": ["a", [6], "b"]})),
+            [
+                Prompt::Text("a".into()),
+                Prompt::Tokens(vec![6]),
+                Prompt::Text("b".into())
+            ]
         );
         let r = parse(json!({"prompt": "x", "logprobs": 2, "echo": true})).unwrap();
         assert!(r.echo && r.options.sampling.logprobs && r.options.sampling.top_logprobs == 2);
@@ -319,8 +356,10 @@ mod tests {
             (json!({"prompt": ""}), "prompt"),
             (json!({"prompt": []}), "prompt"),
             (json!({"prompt": 7}), "prompt"),
-            (json!({"prompt": ["a", "b"]}), "prompt"),
-            (json!({"prompt": [[1], [2]]}), "prompt"),
+            (json!({"prompt": ["a", ""]}), "prompt[1]"),
+            (json!({"prompt": [[1], []]}), "prompt[1]"),
+            (json!({"prompt": ["a", 3]}), "prompt[1]"),
+            (json!({"prompt": [[1], [2, 512]]}), "prompt[1]"),
             (json!({"prompt": [1, 512]}), "prompt"),
             (json!({"prompt": [1, -1]}), "prompt"),
             (json!({"prompt": [[1, "x"]]}), "prompt[0]"),

@@ -3,6 +3,7 @@
 
 pub mod body;
 pub mod chat;
+pub mod choices;
 pub mod completions;
 pub mod error;
 pub mod health;

@@ -30,6 +30,7 @@ use crate::state::SharedState;
     ),
     components(schemas(
         ChatCompletionRequest,
+        PromptInput,
         ModelName,
         GenerationOptions,
         ChatMessage,
@@ -66,14 +67,19 @@ impl utoipa::Modify for BearerAuth {
 /// The document, with `ModelName` narrowed to the served model's name and
 /// `max_tokens` to its context window.
 pub async fn document(State(state): State<SharedState>) -> Response {
-    let doc = served_document(&state.model.name, state.model.context_window);
+    let doc = served_document(
+        &state.model.name,
+        state.model.context_window,
+        state.config.server.max_n,
+    );
     json_response(StatusCode::OK, &doc)
 }
 
-fn served_document(model: &str, context_window: usize) -> Value {
+fn served_document(model: &str, context_window: usize, max_n: u32) -> Value {
     let mut doc = serde_json::to_value(ApiDoc::openapi()).unwrap_or(Value::Null);
     let schemas = &mut doc["components"]["schemas"];
     schemas["ModelName"]["enum"] = serde_json::json!([model]);
+    schemas["GenerationOptions"]["properties"]["n"]["maximum"] = max_n.into();
     for field in ["max_tokens", "max_completion_tokens"] {
         schemas["GenerationOptions"]["properties"][field]["maximum"] = context_window.into();
     }
@@ -136,9 +142,19 @@ pub struct GenerationOptions {
     pub stop: Option<Vec<String>>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
-    /// Only 1 is supported.
-    #[schema(minimum = 1, maximum = 1)]
+    /// Choices to generate (at most `server.max_n`, on completions counting
+    /// every prompt's); they share the prompt's prefill through the prefix
+    /// cache. Streamed choices interleave, each chunk naming its `index`.
+    #[schema(minimum = 1)]
     pub n: Option<u32>,
+    /// Only 1 is accepted; use `n`.
+    #[schema(minimum = 1, maximum = 1)]
+    pub best_of: Option<u32>,
+    /// Chat with a model that thinks: reasoning tokens allowed before the
+    /// think block is closed for the model (a newline and the closing tag),
+    /// after which the answer follows (mlx-vlm's server's field).
+    #[schema(minimum = 0)]
+    pub thinking_budget: Option<u32>,
     /// Generate through end-of-sequence tokens (vLLM's extension).
     pub ignore_eos: Option<bool>,
 }
@@ -213,10 +229,9 @@ pub struct ResponseFormat {
 #[derive(Serialize, ToSchema)]
 pub struct CompletionRequest {
     pub model: ModelName,
-    /// The text (a list of token ids, or a one-element list of either, is
-    /// accepted too).
-    #[schema(min_length = 1)]
-    pub prompt: String,
+    /// The text, a list of token ids, or a list of either (one choice
+    /// per prompt, times `n`, indexed prompt by prompt).
+    pub prompt: PromptInput,
     #[serde(flatten)]
     pub options: GenerationOptions,
     pub echo: Option<bool>,
@@ -226,6 +241,18 @@ pub struct CompletionRequest {
     /// Each chunk carries its token ids in `choices[].token_ids` (vLLM's
     /// extension).
     pub return_token_ids: Option<bool>,
+}
+
+/// `prompt` of `/v1/completions`.
+// Only described in the document; requests are parsed by the validators.
+#[allow(dead_code)]
+#[derive(Serialize, ToSchema)]
+#[serde(untagged)]
+pub enum PromptInput {
+    Text(String),
+    Tokens(Vec<u32>),
+    Texts(Vec<String>),
+    TokenLists(Vec<Vec<u32>>),
 }
 
 /// A completion: chat (`object` "chat.completion", streamed as
@@ -302,7 +329,7 @@ mod tests {
 
     #[test]
     fn the_document_names_every_route_and_the_request_ranges() {
-        let doc = served_document("tiny", 4096);
+        let doc = served_document("tiny", 4096, 8);
         for path in [
             "/v1/chat/completions",
             "/v1/completions",
@@ -317,6 +344,11 @@ mod tests {
         let options = &schemas["GenerationOptions"]["properties"];
         assert_eq!(options["temperature"]["maximum"], 2.0);
         assert_eq!(options["max_tokens"]["maximum"], 4096);
+        assert_eq!(options["n"]["maximum"], 8);
+        assert_eq!(options["best_of"]["maximum"], 1);
+        let prompt = &schemas["CompletionRequest"]["allOf"][1]["properties"]["prompt"];
+        assert_eq!(prompt["$ref"], "#/components/schemas/PromptInput");
+        assert_eq!(schemas["PromptInput"]["oneOf"].as_array().unwrap().len(), 4);
         assert_eq!(schemas["ModelName"]["enum"][0], "tiny");
         // The request's own part, beside the shared options.
         let chat = &schemas["ChatCompletionRequest"]["allOf"];

@@ -1,15 +1,16 @@
 //! Server-sent events for streamed completions: `data: {json}\n\n` frames,
-//! ending with `data: [DONE]`. The body owns the `Generation`, so a client
+//! ending with `data: [DONE]`; several choices' chunks interleaved, each
+//! naming its choice by `index`. The body owns the `Generation`, so a client
 //! that disconnects drops the body and thereby cancels the request in its
 //! engine at once.
 
 use axum::body::{Body, Bytes};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::Response;
-use futures_util::stream;
+use futures_util::{stream, Stream, StreamExt};
 use serde_json::Value;
 
-use crate::generation::{Batch, Generation, Summary};
+use crate::generation::{Batch, Generation, Summary, Usage};
 
 /// How an endpoint turns generation output into its chunk objects.
 pub trait ChunkFormat: Send + 'static {
@@ -45,6 +46,15 @@ struct StreamState<F> {
     phase: Phase,
 }
 
+/// Chunk objects of one generation, as they come.
+struct Piece {
+    chunks: Vec<Value>,
+    /// With the closing chunks.
+    summary: Option<Summary>,
+    /// The chunk is an error; nothing follows.
+    failed: bool,
+}
+
 const DONE: &[u8] = b"data: [DONE]\n\n";
 
 pub fn frame(out: &mut Vec<u8>, value: &Value) {
@@ -62,22 +72,98 @@ fn frames(values: &[Value]) -> Vec<u8> {
 }
 
 pub fn response<F: ChunkFormat>(generation: Generation, format: F) -> Response {
-    let state = StreamState {
-        generation,
-        format,
-        phase: Phase::Opening,
+    let body = pieces(generation, format)
+        .map(|piece| frames(&piece.chunks))
+        .chain(stream::once(async { DONE.to_vec() }));
+    event_stream(body)
+}
+
+/// Several generations' chunks interleaved as they come (`n` > 1, prompt
+/// lists), choice `i`'s chunks carrying `index: i`. `leads[i]`: choice `i`
+/// is the first of its prompt (for [`Usage::merged`]); one usage chunk,
+/// when asked for, closes the stream. An error in any choice ends the
+/// stream (dropping the others cancels them).
+pub fn response_choices<F: ChunkFormat>(
+    choices: Vec<(Generation, F)>,
+    leads: Vec<bool>,
+) -> Response {
+    let merged = stream::select_all(
+        choices
+            .into_iter()
+            .enumerate()
+            .map(|(i, (generation, format))| pieces(generation, format).map(move |p| (i, p)).boxed()),
+    );
+    let state = Interleave {
+        leads,
+        usages: Vec::new(),
+        usage_chunk: None,
+        ended: false,
     };
-    let body = stream::unfold(state, |mut st| async move {
-        let bytes = match st.phase {
-            Phase::Opening => {
-                st.phase = Phase::Running;
-                frames(&st.format.opening())
+    let body = stream::unfold((merged, state), |(mut merged, mut st)| async move {
+        while !st.ended {
+            let out = match merged.next().await {
+                Some((i, piece)) => st.piece(i, piece),
+                None => st.close(),
+            };
+            if !out.is_empty() {
+                return Some((out, (merged, st)));
             }
-            Phase::Running => next_frames(&mut st).await,
-            Phase::Ended => return None,
-        };
-        Some((Ok::<_, std::convert::Infallible>(Bytes::from(bytes)), st))
+        }
+        None
     });
+    event_stream(body)
+}
+
+struct Interleave {
+    leads: Vec<bool>,
+    usages: Vec<(bool, Usage)>,
+    /// A choice's own usage chunk: the merged one's template.
+    usage_chunk: Option<Value>,
+    ended: bool,
+}
+
+impl Interleave {
+    fn piece(&mut self, i: usize, piece: Piece) -> Vec<u8> {
+        let mut out = Vec::new();
+        for mut chunk in piece.chunks {
+            match chunk.get_mut("choices").and_then(Value::as_array_mut) {
+                Some(choices) if choices.is_empty() => {
+                    self.usage_chunk = Some(chunk);
+                    continue;
+                }
+                Some(choices) => {
+                    for c in choices {
+                        c["index"] = i.into();
+                    }
+                }
+                None => {}
+            }
+            frame(&mut out, &chunk);
+        }
+        if let Some(summary) = piece.summary {
+            self.usages.push((self.leads[i], summary.usage));
+        }
+        if piece.failed {
+            out.extend_from_slice(DONE);
+            self.ended = true;
+        }
+        out
+    }
+
+    fn close(&mut self) -> Vec<u8> {
+        self.ended = true;
+        let mut out = Vec::new();
+        if let Some(mut chunk) = self.usage_chunk.take() {
+            chunk["usage"] = Usage::merged(self.usages.drain(..)).to_json();
+            frame(&mut out, &chunk);
+        }
+        out.extend_from_slice(DONE);
+        out
+    }
+}
+
+fn event_stream(body: impl Stream<Item = Vec<u8>> + Send + 'static) -> Response {
+    let body = body.map(|bytes| Ok::<_, std::convert::Infallible>(Bytes::from(bytes)));
     let mut response = Response::new(Body::from_stream(body));
     *response.status_mut() = StatusCode::OK;
     let headers = response.headers_mut();
@@ -91,19 +177,47 @@ pub fn response<F: ChunkFormat>(generation: Generation, format: F) -> Response {
     response
 }
 
-/// Frames for the next non-empty batch, or the stream's end.
-async fn next_frames<F: ChunkFormat>(st: &mut StreamState<F>) -> Vec<u8> {
+/// One generation's chunks: the opening ones, each non-empty batch's, the
+/// closing ones (or an error object), then nothing.
+fn pieces<F: ChunkFormat>(generation: Generation, format: F) -> impl Stream<Item = Piece> + Send {
+    let state = StreamState {
+        generation,
+        format,
+        phase: Phase::Opening,
+    };
+    stream::unfold(state, |mut st| async move {
+        let piece = match st.phase {
+            Phase::Opening => {
+                st.phase = Phase::Running;
+                Piece {
+                    chunks: st.format.opening(),
+                    summary: None,
+                    failed: false,
+                }
+            }
+            Phase::Running => next_piece(&mut st).await?,
+            Phase::Ended => return None,
+        };
+        Some((piece, st))
+    })
+}
+
+/// The next non-empty batch's chunks, or the end.
+async fn next_piece<F: ChunkFormat>(st: &mut StreamState<F>) -> Option<Piece> {
     loop {
         match st.generation.next().await {
             Some(Ok(batch)) => {
-                let mut out = frames(&st.format.batch(&batch));
+                let mut chunks = st.format.batch(&batch);
                 if let Some(summary) = &batch.done {
-                    out.extend(frames(&st.format.closing(summary)));
-                    out.extend_from_slice(DONE);
+                    chunks.extend(st.format.closing(summary));
                     st.phase = Phase::Ended;
                 }
-                if !out.is_empty() {
-                    return out;
+                if !chunks.is_empty() || batch.done.is_some() {
+                    return Some(Piece {
+                        chunks,
+                        summary: batch.done,
+                        failed: false,
+                    });
                 }
             }
             Some(Err(e)) => {
@@ -111,14 +225,16 @@ async fn next_frames<F: ChunkFormat>(st: &mut StreamState<F>) -> Vec<u8> {
                 metrics::counter!(crate::telemetry::metric::ERRORS, "kind" => e.label())
                     .increment(1);
                 tracing::warn!(error = %e, "stream failed");
-                let mut out = frames(&[e.body()]);
-                out.extend_from_slice(DONE);
                 st.phase = Phase::Ended;
-                return out;
+                return Some(Piece {
+                    chunks: vec![e.body()],
+                    summary: None,
+                    failed: true,
+                });
             }
             None => {
                 st.phase = Phase::Ended;
-                return DONE.to_vec();
+                return None;
             }
         }
     }

@@ -145,6 +145,11 @@ pub fn as_int(v: &Value) -> Option<i64> {
 /// Generation options common to chat and completions.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GenOptions {
+    /// Choices per prompt (`server.max_n` bounds it, in the handler).
+    pub n: u32,
+    /// Most tokens a thinking model may reason for before its think block
+    /// is closed for it (chat on models that think; as mlx-vlm's server).
+    pub thinking_budget: Option<u32>,
     /// `None`: fill the rest of the context (capped by the config).
     pub max_tokens: Option<u32>,
     pub sampling: SamplingParams,
@@ -156,22 +161,44 @@ pub struct GenOptions {
     pub ignore_eos: bool,
 }
 
+/// `n` choices for each of `prompts` prompts within `server.max_n`; the
+/// error names `n`, or `prompt` when the list is what makes it too many.
+pub fn check_choices(n: u32, prompts: usize, max_n: u32) -> Result<(), ApiError> {
+    if n > max_n {
+        return Err(ApiError::invalid(
+            format!("`n` must be at most {max_n} on this server, got {n}"),
+            "n",
+        ));
+    }
+    if (n as usize).saturating_mul(prompts) > max_n as usize {
+        return Err(ApiError::invalid(
+            format!("{prompts} prompts x n = {n} make more than the {max_n} choices this server allows per request"),
+            "prompt",
+        ));
+    }
+    Ok(())
+}
+
 /// Most stop strings per request (OpenAI allows 4; a few more is harmless).
 const MAX_STOP: usize = 16;
 
 pub fn gen_options(body: &RawBody, vocab: usize) -> Result<GenOptions, ApiError> {
-    match body.int("n")? {
-        None | Some(1) => {}
+    let n = match body.int("n")? {
+        None => 1,
         Some(n) if n < 1 => {
             return Err(ApiError::invalid(
                 format!("`n` must be at least 1, got {n}"),
                 "n",
             ))
         }
+        Some(n) => u32::try_from(n).unwrap_or(u32::MAX),
+    };
+    match body.int("best_of")? {
+        None | Some(1) => {}
         Some(_) => {
             return Err(ApiError::invalid(
-                "`n` > 1 is not supported; send one request per completion",
-                "n",
+                "`best_of` other than 1 is not supported; use `n` for several choices",
+                "best_of",
             ))
         }
     }
@@ -232,7 +259,19 @@ pub fn gen_options(body: &RawBody, vocab: usize) -> Result<GenOptions, ApiError>
         None => false,
     };
     let ignore_eos = body.bool("ignore_eos")?.unwrap_or(false);
+    let thinking_budget = match body.int("thinking_budget")? {
+        None => None,
+        Some(b) if b < 0 => {
+            return Err(ApiError::invalid(
+                format!("`thinking_budget` must be 0 or more, got {b}"),
+                "thinking_budget",
+            ))
+        }
+        Some(b) => Some(u32::try_from(b).unwrap_or(u32::MAX)),
+    };
     Ok(GenOptions {
+        n,
+        thinking_budget,
         max_tokens,
         sampling: s,
         stop,
@@ -416,8 +455,11 @@ mod tests {
             (json!({"max_tokens": -4}), "max_tokens"),
             (json!({"max_tokens": "10"}), "max_tokens"),
             (json!({"max_completion_tokens": 0}), "max_completion_tokens"),
-            (json!({"n": 2}), "n"),
             (json!({"n": 0}), "n"),
+            (json!({"n": 1.5}), "n"),
+            (json!({"best_of": 2}), "best_of"),
+            (json!({"thinking_budget": -1}), "thinking_budget"),
+            (json!({"thinking_budget": "lots"}), "thinking_budget"),
             (json!({"stop": 3}), "stop"),
             (json!({"stop": ["a", 1]}), "stop[1]"),
             (json!({"stream": "yes"}), "stream"),
@@ -440,7 +482,7 @@ mod tests {
             assert_eq!(e.kind(), "invalid_request_error");
             assert_eq!(e.param(), Some(param), "{input}: {e}");
         }
-        assert!(err(json!({"n": 3})).to_string().contains("not supported"));
+        assert_eq!(gen_options(&body(json!({"n": 3})), 512).unwrap().n, 3);
     }
 
     #[test]

@@ -172,7 +172,8 @@ fn load_shared(config: &Config) -> anyhow::Result<(SharedModel, Option<MemoryPla
         tokens = kv_pool.total() * kv_pool.block_size(),
         "shared KV pool ready"
     );
-    Ok((SharedModel::new(model, kv_pool), plan))
+    let shared = SharedModel::with_prefix_cache(model, kv_pool, m.prefix_cache_entries);
+    Ok((shared, plan))
 }
 
 /// Opens every file under `plugins:`, keyed by the kind it reports. A

@@ -11,6 +11,8 @@ use axum::Extension;
 pub use request::ChatRequest;
 
 use super::body::{CacheScope, RawJson};
+use super::choices::Choices;
+use super::validate::check_choices;
 use super::{json_response, random_id, sse, unix_now, with_route, ApiError};
 use crate::generation::Generation;
 use crate::prepare;
@@ -38,24 +40,36 @@ pub async fn create(
     } else {
         "max_tokens"
     };
+    let n = request.options.n;
+    check_choices(n, 1, state.config.server.max_n)?;
     let prepared =
         prepare::chat(&state, &request, max_param, scope.map(|Extension(s)| s.0)).await?;
     let model = prepared.model.clone();
     let loaded = &state.registry.shared.model;
-    let generation = Generation::start(&state, prepared)?;
-    let (engine, rule) = (generation.engine.clone(), generation.rule.clone());
     let id = random_id("chatcmpl-");
     let created = unix_now();
     let tokenizer = (*loaded.tokenizer).clone();
-    let response = if request.options.stream {
-        let chunks = response::ChatChunks {
-            id,
-            created,
-            model,
-            include_usage: request.options.include_usage,
-            tokenizer,
-            tool_calls: 0,
+    let chunks = response::ChatChunks {
+        id: id.clone(),
+        created,
+        model: model.clone(),
+        include_usage: request.options.include_usage,
+        tokenizer: tokenizer.clone(),
+        tool_calls: 0,
+    };
+    if n > 1 {
+        let choices = Choices::start(&state, vec![prepared], n).await?;
+        let formats = vec![chunks; n as usize];
+        let whole = |_: usize, batch: &_, summary: &_| {
+            response::completion(&id, created, &model, &tokenizer, batch, summary)
         };
+        return Ok(choices
+            .respond(request.options.stream, formats, whole)
+            .await);
+    }
+    let generation = Generation::start(&state, prepared)?;
+    let (engine, rule) = (generation.engine.clone(), generation.rule.clone());
+    let response = if request.options.stream {
         sse::response(generation, chunks)
     } else {
         // Errors after routing still say which engine and rule they met.

@@ -1,7 +1,12 @@
 //! The chat completion request: raw JSON in, a typed request out.
 //!
 //! Choices made here (documented for clients):
-//! * `n` > 1 is rejected (one completion per request).
+//! * `n` > 1 generates that many choices (up to `server.max_n`), each a
+//!   request of its own sharing the prompt's prefill (`api::choices`);
+//!   `best_of` other than 1 is rejected.
+//! * `thinking_budget` (mlx-vlm's server's field): on a model that thinks,
+//!   the think block is closed for the model after that many reasoning
+//!   tokens and the answer follows (`generation::ThinkingBudget`).
 //! * `tool_choice`: `none` hides the tools from the model and turns off
 //!   tool-call parsing; `auto` and `required` offer every tool; a named
 //!   function offers only that one. Nothing forces the model to call a tool

@@ -71,6 +71,7 @@ pub fn completion(
 }
 
 /// Streams `chat.completion.chunk`s.
+#[derive(Clone)]
 pub struct ChatChunks {
     pub id: String,
     pub created: u64,

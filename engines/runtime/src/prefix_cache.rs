@@ -1,0 +1,311 @@
+//! Automatic prefix caching on block boundaries, one store for every
+//! engine: the KV of a sequence's block-aligned prefix is kept when an
+//! engine has computed it (after a prompt's prefill, or when a sequence
+//! ends with its answer), and a later prompt of the same cache scope that
+//! starts with it skips recomputing those positions, whichever engine
+//! serves it. Entries never cross scopes, so one tenant cannot time
+//! another's prompts.
+//!
+//! The host owns the store; plugins reach it through a C table
+//! ([`SharedPrefixCache::export`] / [`SharedPrefixCache::import`]), the KV
+//! crossing as mlx-c handles. Entries hold every layer's keys and values
+//! for all their positions (sliding-window layers keep the whole history
+//! and mask it), so a truncated entry is exactly the prefix's cache.
+
+use std::collections::VecDeque;
+use std::ffi::c_void;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use engine_core::plugin::abi::Bytes;
+use mlx_rs::transforms::eval;
+
+use crate::abi::{LentKv, RawKv, RawPrefixCache};
+use crate::cache::KvCache;
+
+struct Entry {
+    scope: Option<String>,
+    tokens: Vec<u32>,
+    cache: KvCache,
+}
+
+/// The store itself: most recently used entries last, at most `capacity`.
+struct Store {
+    block: usize,
+    capacity: usize,
+    entries: VecDeque<Entry>,
+}
+
+/// A reusable prefix: its KV (batch 1, no padding) and its length.
+pub struct Hit {
+    pub cache: KvCache,
+    pub tokens: usize,
+}
+
+impl Store {
+    /// The entry sharing the longest block-aligned prefix with `prompt`
+    /// within `scope`, and that prefix's length, leaving at least one prompt
+    /// token to compute (its logits start the generation).
+    fn best_match(&self, scope: Option<&str>, prompt: &[u32]) -> Option<(usize, usize)> {
+        let usable = (prompt.len().saturating_sub(1) / self.block) * self.block;
+        self.entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.scope.as_deref() == scope)
+            .map(|(i, e)| {
+                let common = e
+                    .tokens
+                    .iter()
+                    .zip(prompt)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                (i, (common.min(usable) / self.block) * self.block)
+            })
+            .filter(|&(_, len)| len > 0)
+            .max_by_key(|&(i, len)| (len, std::cmp::Reverse(i)))
+    }
+
+    fn lookup(&mut self, scope: Option<&str>, prompt: &[u32]) -> Option<Hit> {
+        let (i, len) = self.best_match(scope, prompt)?;
+        let entry = self.entries.remove(i)?;
+        let mut cache = entry.cache.clone();
+        cache.truncate(cache.len() - len as i32);
+        self.entries.push_back(entry);
+        Some(Hit { cache, tokens: len })
+    }
+
+    fn insert(&mut self, scope: Option<&str>, tokens: &[u32], cache: &KvCache) {
+        let aligned = (tokens.len().min(cache.len().max(0) as usize) / self.block) * self.block;
+        if self.capacity == 0 || aligned == 0 || cache.left_padding() != [0] {
+            return;
+        }
+        let key = &tokens[..aligned];
+        if self
+            .entries
+            .iter()
+            .any(|e| e.scope.as_deref() == scope && e.tokens.starts_with(key))
+        {
+            return;
+        }
+        // A longer prefix supersedes entries it extends.
+        self.entries
+            .retain(|e| !(e.scope.as_deref() == scope && key.starts_with(&e.tokens)));
+        let mut kept = cache.clone();
+        kept.truncate(kept.len() - aligned as i32);
+        while self.entries.len() >= self.capacity {
+            self.entries.pop_front();
+        }
+        self.entries.push_back(Entry {
+            scope: scope.map(str::to_string),
+            tokens: key.to_vec(),
+            cache: kept,
+        });
+    }
+}
+
+/// The one prefix cache of the process: the host's store, or the host's
+/// through C (a plugin's view of the same store).
+pub struct SharedPrefixCache {
+    block: usize,
+    capacity: usize,
+    inner: Inner,
+}
+
+enum Inner {
+    Local(Arc<Mutex<Store>>),
+    Foreign(RawPrefixCache),
+}
+
+// The host's table functions are thread-safe (a mutex behind C calls).
+unsafe impl Send for Inner {}
+unsafe impl Sync for Inner {}
+
+fn lock(store: &Mutex<Store>) -> MutexGuard<'_, Store> {
+    store.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl SharedPrefixCache {
+    /// A store of `capacity` entries (0 disables it) on `block`-token
+    /// boundaries (the KV pool's block size).
+    pub fn new(block: usize, capacity: usize) -> Self {
+        let block = block.max(1);
+        Self {
+            block,
+            capacity,
+            inner: Inner::Local(Arc::new(Mutex::new(Store {
+                block,
+                capacity,
+                entries: VecDeque::new(),
+            }))),
+        }
+    }
+
+    /// Whether a sequence this long can leave a reusable prefix.
+    pub fn wants(&self, tokens: usize) -> bool {
+        self.capacity > 0 && tokens >= self.block
+    }
+
+    /// The reusable KV of the longest cached prefix of `prompt` in `scope`
+    /// (for a model of `layers` layers).
+    pub fn lookup(&self, scope: Option<&str>, prompt: &[u32], layers: usize) -> Option<Hit> {
+        if self.capacity == 0 {
+            return None;
+        }
+        match &self.inner {
+            Inner::Local(store) => lock(store).lookup(scope, prompt),
+            Inner::Foreign(raw) => unsafe {
+                let (scope, scoped) = scope_bytes(scope);
+                let mut out = RawKv::receiver(layers);
+                let tokens = (raw.lookup)(raw.ctx, scope, scoped, Bytes::of(prompt), &mut out.raw);
+                (tokens > 0).then(|| Hit {
+                    cache: out.into_cache(),
+                    tokens,
+                })
+            },
+        }
+    }
+
+    /// Whether [`SharedPrefixCache::lookup`] would find a reusable prefix
+    /// (without touching the recency order).
+    pub fn has_hit(&self, scope: Option<&str>, prompt: &[u32]) -> bool {
+        if self.capacity == 0 {
+            return false;
+        }
+        match &self.inner {
+            Inner::Local(store) => lock(store).best_match(scope, prompt).is_some(),
+            Inner::Foreign(raw) => unsafe {
+                let (scope, scoped) = scope_bytes(scope);
+                (raw.has_hit)(raw.ctx, scope, scoped, Bytes::of(prompt))
+            },
+        }
+    }
+
+    /// Keeps the block-aligned prefix of `tokens`, whose KV `cache` (batch
+    /// 1, no padding) holds from position 0; positions past `tokens` are
+    /// ignored. Call under the device lock: the arrays are evaluated here,
+    /// since a lazy graph is bound to the thread that built it and other
+    /// engines read entries from theirs.
+    pub fn insert(&self, scope: Option<&str>, tokens: &[u32], cache: &KvCache) {
+        if !self.wants(tokens.len()) {
+            return;
+        }
+        if let Err(e) = eval(cache.state()) {
+            tracing::warn!(error = %e, "a prefix for the prefix cache failed to evaluate");
+            return;
+        }
+        match &self.inner {
+            Inner::Local(store) => lock(store).insert(scope, tokens, cache),
+            Inner::Foreign(raw) => unsafe {
+                let (scope, scoped) = scope_bytes(scope);
+                let lent = LentKv::new(cache);
+                (raw.insert)(raw.ctx, scope, scoped, Bytes::of(tokens), &lent.raw());
+            },
+        }
+    }
+
+    /// This store as a C table; it stays alive for the process.
+    pub fn export(&self) -> RawPrefixCache {
+        let Inner::Local(store) = &self.inner else {
+            panic!("only the host's prefix cache is exported");
+        };
+        unsafe fn read<'a>(scope: Bytes, scoped: bool) -> Option<&'a str> {
+            scoped.then(|| std::str::from_utf8(scope.as_slice()).unwrap_or_default())
+        }
+        unsafe fn tokens<'a>(b: Bytes) -> &'a [u32] {
+            if b.ptr.is_null() || b.len == 0 {
+                return &[];
+            }
+            std::slice::from_raw_parts(b.ptr.cast(), b.len / 4)
+        }
+        unsafe extern "C" fn lookup(
+            ctx: *mut c_void,
+            scope: Bytes,
+            scoped: bool,
+            prompt: Bytes,
+            out: *mut RawKv,
+        ) -> usize {
+            catch_unwind(AssertUnwindSafe(|| {
+                let store = &*(ctx as *const Mutex<Store>);
+                let hit = lock(store).lookup(read(scope, scoped), tokens(prompt));
+                match hit {
+                    Some(hit) => {
+                        (*out).give(hit.cache);
+                        hit.tokens
+                    }
+                    None => 0,
+                }
+            }))
+            .unwrap_or(0)
+        }
+        unsafe extern "C" fn has_hit(
+            ctx: *mut c_void,
+            scope: Bytes,
+            scoped: bool,
+            prompt: Bytes,
+        ) -> bool {
+            catch_unwind(AssertUnwindSafe(|| {
+                let store = &*(ctx as *const Mutex<Store>);
+                lock(store)
+                    .best_match(read(scope, scoped), tokens(prompt))
+                    .is_some()
+            }))
+            .unwrap_or(false)
+        }
+        unsafe extern "C" fn insert(
+            ctx: *mut c_void,
+            scope: Bytes,
+            scoped: bool,
+            seq: Bytes,
+            kv: *const RawKv,
+        ) {
+            let _ = catch_unwind(AssertUnwindSafe(|| {
+                let store = &*(ctx as *const Mutex<Store>);
+                let cache = (*kv).retained();
+                lock(store).insert(read(scope, scoped), tokens(seq), &cache);
+            }));
+        }
+        RawPrefixCache {
+            ctx: Arc::into_raw(store.clone()) as *mut c_void,
+            block: self.block,
+            capacity: self.capacity,
+            lookup,
+            has_hit,
+            insert,
+        }
+    }
+
+    /// A view of the host's store.
+    ///
+    /// # Safety
+    /// `raw` came from [`SharedPrefixCache::export`] and lives for the
+    /// process.
+    pub unsafe fn import(raw: &RawPrefixCache) -> Self {
+        Self {
+            block: raw.block,
+            capacity: raw.capacity,
+            inner: Inner::Foreign(*raw),
+        }
+    }
+}
+
+fn scope_bytes(scope: Option<&str>) -> (Bytes, bool) {
+    match scope {
+        Some(s) => (Bytes::new(s.as_bytes()), true),
+        None => (Bytes::new(&[]), false),
+    }
+}
+
+trait TokenBytes {
+    fn of(tokens: &[u32]) -> Bytes;
+}
+
+impl TokenBytes for Bytes {
+    /// Token ids as the bytes of their native-endian u32s (both sides are
+    /// one process).
+    fn of(tokens: &[u32]) -> Bytes {
+        Bytes {
+            ptr: tokens.as_ptr().cast(),
+            len: std::mem::size_of_val(tokens),
+        }
+    }
+}
