@@ -322,7 +322,7 @@ impl Scheduler {
         let mut rows = std::mem::take(&mut self.group);
         let model = &self.shared.model.model;
         let (ids, pads) = generate::left_padded(rows.iter().map(|r| r.request().prompt.as_slice()));
-        let mut cache = KvCache::with_left_padding(model.num_layers(), pads);
+        let mut cache = model.new_padded_cache(pads);
         let logits = model.forward(&ids, &mut cache, Logits::Last)?;
         for (i, row) in rows.iter().enumerate() {
             if self.prefix.wants(&row.request().prompt) {

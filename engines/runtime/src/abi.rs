@@ -20,9 +20,10 @@ use engine_core::{CancelToken, EventSender, GenerateRequest};
 use mlx_rs::Array;
 use mlx_sys::mlx_array;
 
-use crate::cache::KvCache;
+use crate::cache::{KvCache, LayerKv};
 use crate::handover::{Handover, HandoverSink};
 use crate::kv_pool::KvPool;
+use crate::kv_quant::KvQuant;
 
 /// The MLX headers and mlx-c this build compiled against and the hash of
 /// this file, NUL-terminated: the descriptor's `mlx` field.
@@ -43,6 +44,8 @@ pub struct RawShared {
     pub model_path: *const c_char,
     pub model_name: *const c_char,
     pub compute_dtype: *const c_char,
+    /// `model.kv_cache` as `bits:group_size`, empty when off.
+    pub kv_cache: *const c_char,
     /// Every weight, in `LoadedModel::parameters` order.
     pub arrays: *const mlx_array,
     pub arrays_len: usize,
@@ -103,9 +106,11 @@ pub struct RawHandover {
     pub request: Bytes,
     pub cancel: RawCancel,
     pub events: RawEventSink,
-    /// Per layer; a null handle for a layer not yet written.
-    pub keys: *const mlx_array,
-    pub values: *const mlx_array,
+    /// Per layer, how it stores keys and values.
+    pub formats: *const RawKvFormat,
+    /// Per layer, [`KV_BUFFERS`] handles: its buffers (`cache::LayerKv`),
+    /// null past its last one and for a layer not yet written.
+    pub buffers: *const mlx_array,
     pub layers: usize,
     pub len: i32,
     pub capacity: i32,
@@ -115,6 +120,41 @@ pub struct RawHandover {
     pub generated: u32,
     pub cached_tokens: u32,
     pub reserved_blocks: usize,
+}
+
+/// A layer's storage in a [`RawHandover`]: `bits` 0 for the activations'
+/// dtype, else quantized with `bits` and `group_size`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct RawKvFormat {
+    pub bits: i32,
+    pub group_size: i32,
+}
+
+/// Handle slots per layer in [`RawHandover::buffers`]: the most buffers a
+/// layer has (quantized keys and values: codes, scales, biases each).
+pub const KV_BUFFERS: usize = 6;
+
+impl RawKvFormat {
+    fn of(quant: Option<KvQuant>) -> Self {
+        match quant {
+            None => Self {
+                bits: 0,
+                group_size: 0,
+            },
+            Some(q) => Self {
+                bits: q.bits,
+                group_size: q.group_size,
+            },
+        }
+    }
+
+    fn quant(self) -> Option<KvQuant> {
+        (self.bits != 0).then_some(KvQuant {
+            bits: self.bits,
+            group_size: self.group_size,
+        })
+    }
 }
 
 /// A new handle of our own to the host's array.
@@ -208,16 +248,21 @@ impl HandoverSink for ForeignSink {
         let Ok(request) = serde_json::to_vec(&h.request) else {
             return Err(Box::new(h));
         };
-        let handle = |a: &Option<Array>| a.as_ref().map_or_else(null_array, Array::as_ptr);
-        let keys: Vec<mlx_array> = h.cache.keys.iter().map(handle).collect();
-        let values: Vec<mlx_array> = h.cache.values.iter().map(handle).collect();
+        let layers = &h.cache.layers;
+        let formats: Vec<RawKvFormat> = layers.iter().map(|l| RawKvFormat::of(l.quant)).collect();
+        let buffers: Vec<mlx_array> = layers
+            .iter()
+            .flat_map(|l| {
+                (0..KV_BUFFERS).map(|i| l.buffers.get(i).map_or_else(null_array, Array::as_ptr))
+            })
+            .collect();
         let raw = RawHandover {
             request: Bytes::new(&request),
             cancel: h.request.cancel.clone().into_raw(),
             events: h.events.clone().into_raw(),
-            keys: keys.as_ptr(),
-            values: values.as_ptr(),
-            layers: keys.len(),
+            formats: formats.as_ptr(),
+            buffers: buffers.as_ptr(),
+            layers: layers.len(),
             len: h.cache.len,
             capacity: h.cache.capacity,
             left_pad: h.cache.left_pad.as_ptr(),
@@ -269,17 +314,18 @@ pub(crate) fn export_sink(sink: Arc<dyn HandoverSink>, pool: KvPool) -> RawHando
             else {
                 return false;
             };
-            let arrays = |ptr: *const mlx_array| -> Vec<Option<Array>> {
-                (0..raw.layers)
-                    .map(|i| {
-                        let h = *ptr.add(i);
-                        (!h.ctx.is_null()).then(|| retain(h))
-                    })
-                    .collect()
-            };
+            let layers = (0..raw.layers)
+                .map(|l| LayerKv {
+                    quant: (*raw.formats.add(l)).quant(),
+                    buffers: (0..KV_BUFFERS)
+                        .map(|i| *raw.buffers.add(l * KV_BUFFERS + i))
+                        .take_while(|h| !h.ctx.is_null())
+                        .map(|h| retain(h))
+                        .collect(),
+                })
+                .collect();
             let cache = KvCache {
-                keys: arrays(raw.keys),
-                values: arrays(raw.values),
+                layers,
                 len: raw.len,
                 capacity: raw.capacity,
                 left_pad: std::slice::from_raw_parts(raw.left_pad, raw.batch).to_vec(),

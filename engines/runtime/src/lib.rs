@@ -15,6 +15,7 @@ pub mod generate;
 pub mod gguf;
 pub mod handover;
 pub mod kv_pool;
+pub mod kv_quant;
 pub mod sampling;
 pub mod shared;
 pub mod vision;
@@ -32,6 +33,7 @@ pub use compute::ComputeDtype;
 pub use config::{Family, ModelConfig};
 
 pub use kv_pool::{KvPool, Reservation};
+pub use kv_quant::KvQuant;
 pub use loader::LoadedModel;
 pub use model::Model;
 pub use shared::SharedModel;

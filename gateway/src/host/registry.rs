@@ -139,8 +139,9 @@ impl Registry {
 
 fn load_shared(config: &Config) -> anyhow::Result<SharedModel> {
     let m = &config.model;
-    let model = LoadedModel::load_as(&m.path, m.name.as_deref(), m.compute_dtype)
+    let mut model = LoadedModel::load_as(&m.path, m.name.as_deref(), m.compute_dtype)
         .with_context(|| format!("loading the model from {}", m.path.display()))?;
+    model.model.set_kv_quant(m.kv_cache)?;
     let per_token = model.model.kv_bytes_per_token();
     let kv_pool = KvPool::with_budget(m.kv_cache_mb << 20, m.kv_block_size, per_token);
     anyhow::ensure!(
@@ -153,6 +154,8 @@ fn load_shared(config: &Config) -> anyhow::Result<SharedModel> {
         blocks = kv_pool.total(),
         block_size = kv_pool.block_size(),
         tokens = kv_pool.total() * kv_pool.block_size(),
+        bytes_per_token = per_token,
+        kv_cache = %m.kv_cache.map_or_else(|| "model dtype".to_string(), |q| format!("{} bits, group {}", q.bits, q.group_size)),
         "shared KV pool ready"
     );
     Ok(SharedModel::new(model, kv_pool))

@@ -1,0 +1,193 @@
+//! `model.kv_cache` (quantized full-attention KV) behind the gateway, over
+//! HTTP, with every local engine as a plugin: they give the same greedy
+//! tokens (batched rows joining, leaving and padded, prefix-cache hits,
+//! speculative rollback, a fast-path sequence handed to the batched
+//! engine); the shared pool counts blocks at their quantized size; bad
+//! settings stop the gateway at startup, naming them.
+
+use std::path::Path;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use e2e_tests::http::{json_chunks, post_json, SseStream};
+use e2e_tests::models::{self, ModelDir};
+use e2e_tests::Gateway;
+use fixtures::model::TinySpec;
+use runtime::Family;
+use serde_json::{json, Value};
+
+const NAME: &str = "tiny-qwen3-h32";
+
+/// The tiny Qwen3 with heads of 32 (quantization groups are 32 or wider).
+fn model() -> &'static Path {
+    static MODEL: OnceLock<ModelDir> = OnceLock::new();
+    let spec = TinySpec {
+        head_dim: 32,
+        ..TinySpec::tiny(Family::Qwen3)
+    };
+    &MODEL.get_or_init(|| models::write(NAME, &spec)).path
+}
+
+/// `max_tokens` picks the engine; everything else goes to `batched`.
+fn config(model_line: &str) -> String {
+    static MTP: OnceLock<ModelDir> = OnceLock::new();
+    let mtp = MTP.get_or_init(|| models::drafter("mtp", model()));
+    format!(
+        r#"model: {{ path: "{}", {model_line} }}
+engines:
+  batched: {{ kind: batched }}
+  fastpath: {{ kind: fastpath }}
+  mtp: {{ kind: mtp, drafter: "{}" }}
+  lookup: {{ kind: mtp, draft: ngram }}
+policy:
+  default: batched
+  rules:
+    - {{ name: to-mtp, when: {{ max_tokens: 32 }}, route: mtp }}
+    - {{ name: to-lookup, when: {{ max_tokens: 33 }}, route: lookup }}
+    - {{ name: to-fastpath, when: {{ max_tokens: {{ gte: 34 }} }}, route: fastpath }}
+"#,
+        model().display(),
+        mtp.path.display()
+    )
+}
+
+const KV: &str = "kv_cache_mb: 4, kv_cache: { bits: 8, group_size: 32 }";
+
+fn body(prompt: &[u32], max_tokens: u32) -> Value {
+    json!({"model": NAME, "prompt": prompt, "max_tokens": max_tokens,
+           "ignore_eos": true, "return_token_ids": true})
+}
+
+/// The engine that answered, the token ids, the usage.
+fn complete(gw: &Gateway, prompt: &[u32], max_tokens: u32) -> (String, Vec<u64>, Value) {
+    read(gw.post("/v1/completions", &body(prompt, max_tokens)))
+}
+
+fn read(r: e2e_tests::Response) -> (String, Vec<u64>, Value) {
+    assert_eq!(r.status, 200, "{}", r.text());
+    let engine = r.header("x-engine").unwrap().to_owned();
+    let body = r.json();
+    let ids = body["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    (engine, ids, body["usage"].clone())
+}
+
+fn prompt(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| (seed * 131 + i * 17) % 500 + 3).collect()
+}
+
+#[test]
+fn every_engine_gives_the_same_tokens_with_a_quantized_kv_cache() {
+    let gw = Gateway::start(&config(KV));
+    let prompts = [prompt(1, 3), prompt(2, 11), prompt(3, 40)];
+    let mut greedy = Vec::new();
+    for p in &prompts {
+        let (engine, ids, _) = complete(&gw, p, 34);
+        assert_eq!(engine, "fastpath");
+        for (name, max_tokens) in [("batched", 30), ("mtp", 32), ("lookup", 33)] {
+            let (engine, got, _) = complete(&gw, p, max_tokens);
+            assert_eq!(engine, name);
+            assert_eq!(got, ids[..max_tokens as usize], "{name} on {p:?}");
+        }
+        greedy.push(ids);
+    }
+    // Batched rows join together, are padded to the longest prompt, and
+    // leave at different steps: each still gets its answer alone.
+    let addr = gw.addr;
+    let handles: Vec<_> = prompts
+        .iter()
+        .zip([12, 30, 21])
+        .map(|(p, n)| {
+            let b = body(p, n);
+            std::thread::spawn(move || read(post_json(addr, "/v1/completions", &b)))
+        })
+        .collect();
+    for ((h, ids), n) in handles.into_iter().zip(&greedy).zip([12, 30, 21]) {
+        let (engine, got, _) = h.join().unwrap();
+        assert_eq!(engine, "batched");
+        assert_eq!(got, ids[..n], "concurrent row");
+    }
+    // The 40-token prompt's 32-token prefix is cached (quantized) and reused.
+    let (_, again, usage) = complete(&gw, &prompts[2], 30);
+    assert_eq!(again, greedy[2][..30]);
+    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 32, "{usage}");
+    // The pool holds blocks of quantized size: per token, 4 layers x K and
+    // V x 2 heads x (32 one-byte codes + fp32 scale and bias).
+    let health = gw.health();
+    let per_token = 4 * 2 * 2 * (32 + 8);
+    assert_eq!(health["kv_pool"]["bytes_per_block"], 16 * per_token);
+    assert_eq!(
+        health["kv_pool"]["total_blocks"],
+        (4 << 20) / (16 * per_token)
+    );
+    assert!(gw.wait_for(Duration::from_secs(10), |gw| gw.health()["kv_pool"]
+        ["allocated_blocks"]
+        == 0));
+}
+
+/// A fast-path stream hands its quantized sequence to the batched engine
+/// when others arrive, and the client gets exactly the answer it gets alone.
+#[test]
+fn a_handed_over_quantized_sequence_continues_exactly() {
+    let gw = Gateway::start(&config(KV));
+    let p = prompt(4, 9);
+    let (engine, alone, _) = complete(&gw, &p, 400);
+    assert_eq!(engine, "fastpath");
+    let mut b = body(&p, 400);
+    b["stream"] = json!(true);
+    let mut stream = SseStream::open(gw.addr, "/v1/completions", &b);
+    assert_eq!(stream.status, 200);
+    let mut events = vec![stream.next_event().expect("a first token")];
+    let addr = gw.addr;
+    let others = std::thread::spawn(move || {
+        for seed in 0..3 {
+            let r = post_json(addr, "/v1/completions", &body(&prompt(seed, 5), 8));
+            assert_eq!(r.status, 200);
+        }
+    });
+    while let Some(data) = stream.next_event() {
+        if data == "[DONE]" {
+            break;
+        }
+        events.push(data);
+    }
+    others.join().unwrap();
+    let ids: Vec<u64> = json_chunks(&events)
+        .iter()
+        .flat_map(|c| {
+            c["choices"][0]["token_ids"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert_eq!(ids, alone, "the streamed tokens");
+    assert!(
+        gw.logs()
+            .contains("handed its sequence to the batched engine"),
+        "a handover happened"
+    );
+}
+
+#[test]
+fn bad_kv_cache_settings_fail_at_startup_naming_them() {
+    for (setting, named) in [
+        ("{ bits: 3 }", "model.kv_cache.bits = 3"),
+        ("{ bits: 8, group_size: 48 }", "model.kv_cache.group_size = 48"),
+        (
+            "{ bits: 4, group_size: 64 }",
+            "model.kv_cache.group_size = 64 does not divide the model's head size 32",
+        ),
+    ] {
+        let line = format!("kv_cache_mb: 4, kv_cache: {setting}");
+        let err = Gateway::try_start(&config(&line), &[])
+            .err()
+            .unwrap_or_else(|| panic!("{setting} started"));
+        assert!(err.logs.contains(named), "{setting}: {}", err.logs);
+    }
+}
