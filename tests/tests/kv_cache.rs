@@ -13,7 +13,8 @@ use e2e_tests::http::{json_chunks, post_json, SseStream};
 use e2e_tests::models::{self, ModelDir};
 use e2e_tests::Gateway;
 use fixtures::model::TinySpec;
-use runtime::Family;
+use runtime::model::Logits;
+use runtime::{generate, Family, KvQuant, LoadedModel};
 use serde_json::{json, Value};
 
 const NAME: &str = "tiny-qwen3-h32";
@@ -51,7 +52,35 @@ policy:
     )
 }
 
-const KV: &str = "kv_cache_mb: 4, kv_cache: { bits: 8, group_size: 32 }";
+const KV: &str = "kv_cache_mb: 4, kv_cache: { bits: 4, group_size: 32 }";
+
+/// The five highest log-probabilities of the first token after `prompt`,
+/// from the runtime's own forward pass with the KV quantized with `kv`.
+fn runtime_top_logprobs(kv: Option<KvQuant>, prompt: &[u32]) -> Vec<f64> {
+    let mut m = LoadedModel::load(model(), None).unwrap();
+    m.model.set_kv_quant(kv).unwrap();
+    let mut cache = m.model.new_cache(1);
+    let logits = m
+        .model
+        .forward(&generate::tokens_array(prompt), &mut cache, Logits::Last)
+        .unwrap();
+    let logits: Vec<f64> = logits.as_slice::<f32>().iter().map(|&x| x as f64).collect();
+    let max = logits.iter().copied().fold(f64::MIN, f64::max);
+    let norm = max + logits.iter().map(|x| (x - max).exp()).sum::<f64>().ln();
+    let mut lps: Vec<f64> = logits.iter().map(|x| x - norm).collect();
+    lps.sort_by(|a, b| b.total_cmp(a));
+    lps.truncate(5);
+    lps
+}
+
+/// Greedy tokens of the runtime's own loop on the model, its KV quantized
+/// with `kv`: what every engine must answer.
+fn runtime_greedy(kv: Option<KvQuant>, prompt: &[u32], n: usize) -> Vec<u64> {
+    let mut m = LoadedModel::load(model(), None).unwrap();
+    m.model.set_kv_quant(kv).unwrap();
+    let run = generate::greedy(&m.model, prompt, n, &[], |_| true).unwrap();
+    run.tokens.into_iter().map(u64::from).collect()
+}
 
 fn body(prompt: &[u32], max_tokens: u32) -> Value {
     json!({"model": NAME, "prompt": prompt, "max_tokens": max_tokens,
@@ -77,17 +106,52 @@ fn read(r: e2e_tests::Response) -> (String, Vec<u64>, Value) {
 }
 
 fn prompt(seed: u32, len: usize) -> Vec<u32> {
-    (0..len as u32).map(|i| (seed * 131 + i * 17) % 500 + 3).collect()
+    (0..len as u32)
+        .map(|i| (seed * 131 + i * 17) % 500 + 3)
+        .collect()
 }
 
 #[test]
 fn every_engine_gives_the_same_tokens_with_a_quantized_kv_cache() {
     let gw = Gateway::start(&config(KV));
     let prompts = [prompt(1, 3), prompt(2, 11), prompt(3, 40)];
+    let kv = Some(KvQuant {
+        bits: 4,
+        group_size: 32,
+    });
+    // The plugins run the host's setting: the batched engine's first
+    // top log-probabilities are the runtime's with the KV quantized, not
+    // without.
+    let mut b = body(&prompts[2], 30);
+    b["logprobs"] = json!(5);
+    let r = gw.post("/v1/completions", &b);
+    assert_eq!(r.header("x-engine"), Some("batched"));
+    // (Keyed by token text: tokens of the same text collapse into one.)
+    let served: Vec<f64> = r.json()["choices"][0]["logprobs"]["top_logprobs"][0]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    let nearest =
+        |x: f64, among: &[f64]| among.iter().map(|y| (x - y).abs()).fold(f64::MAX, f64::min);
+    let (quantized, dense) = (
+        runtime_top_logprobs(kv, &prompts[2]),
+        runtime_top_logprobs(None, &prompts[2]),
+    );
+    assert!(
+        served.iter().all(|&x| nearest(x, &quantized) < 1e-3),
+        "{served:?} vs {quantized:?}"
+    );
+    assert!(
+        served.iter().any(|&x| nearest(x, &dense) > 1e-2),
+        "{served:?} is also the unquantized {dense:?}"
+    );
     let mut greedy = Vec::new();
     for p in &prompts {
         let (engine, ids, _) = complete(&gw, p, 34);
         assert_eq!(engine, "fastpath");
+        assert_eq!(ids, runtime_greedy(kv, p, 34), "fastpath on {p:?}");
         for (name, max_tokens) in [("batched", 30), ("mtp", 32), ("lookup", 33)] {
             let (engine, got, _) = complete(&gw, p, max_tokens);
             assert_eq!(engine, name);
@@ -114,19 +178,24 @@ fn every_engine_gives_the_same_tokens_with_a_quantized_kv_cache() {
     // The 40-token prompt's 32-token prefix is cached (quantized) and reused.
     let (_, again, usage) = complete(&gw, &prompts[2], 30);
     assert_eq!(again, greedy[2][..30]);
-    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 32, "{usage}");
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"], 32,
+        "{usage}"
+    );
     // The pool holds blocks of quantized size: per token, 4 layers x K and
-    // V x 2 heads x (32 one-byte codes + fp32 scale and bias).
+    // V x 2 heads x (32 half-byte codes + fp32 scale and bias).
     let health = gw.health();
-    let per_token = 4 * 2 * 2 * (32 + 8);
+    let per_token = 4 * 2 * 2 * (16 + 8);
     assert_eq!(health["kv_pool"]["bytes_per_block"], 16 * per_token);
     assert_eq!(
         health["kv_pool"]["total_blocks"],
         (4 << 20) / (16 * per_token)
     );
-    assert!(gw.wait_for(Duration::from_secs(10), |gw| gw.health()["kv_pool"]
-        ["allocated_blocks"]
-        == 0));
+    assert!(
+        gw.wait_for(Duration::from_secs(10), |gw| gw.health()["kv_pool"]
+            ["allocated_blocks"]
+            == 0)
+    );
 }
 
 /// A fast-path stream hands its quantized sequence to the batched engine
@@ -178,7 +247,10 @@ fn a_handed_over_quantized_sequence_continues_exactly() {
 fn bad_kv_cache_settings_fail_at_startup_naming_them() {
     for (setting, named) in [
         ("{ bits: 3 }", "model.kv_cache.bits = 3"),
-        ("{ bits: 8, group_size: 48 }", "model.kv_cache.group_size = 48"),
+        (
+            "{ bits: 8, group_size: 48 }",
+            "model.kv_cache.group_size = 48",
+        ),
         (
             "{ bits: 4, group_size: 64 }",
             "model.kv_cache.group_size = 64 does not divide the model's head size 32",

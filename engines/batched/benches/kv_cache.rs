@@ -136,7 +136,10 @@ fn served_without_queueing(dir: &Path, kv: Option<KvQuant>, a: &Args, vocab: u32
     let streams: Vec<_> = (0..64)
         .map(|i| {
             engine
-                .submit(GenerateRequest::new(prompt(i, a.prompt, vocab), a.gen as u32))
+                .submit(GenerateRequest::new(
+                    prompt(i, a.prompt, vocab),
+                    a.gen as u32,
+                ))
                 .expect("submit")
         })
         .collect();
@@ -180,7 +183,8 @@ fn main() {
     ];
     println!("BLAS: {}; model: qwen3 {} preset (fp32); prompt {} + gen {} tokens; pool {} MiB for the concurrency column",
         mlx_sys::blas_backend(), a.preset, a.prompt, a.gen, a.kv_mb);
-    let mut header = "| KV cache | bytes/token (pool) | bytes/token (held) | served at once |".to_string();
+    let mut header =
+        "| KV cache | bytes/token (pool) | bytes/token (held) | served at once |".to_string();
     let mut rule = "|---|---|---|---|".to_string();
     header.push_str(" raw loop tok/s |");
     rule.push_str("---|");

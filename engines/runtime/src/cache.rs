@@ -443,7 +443,11 @@ mod tests {
     fn row_keys(c: &KvCache, b: i32) -> Vec<f32> {
         let (k, _) = c.layer_kv(0).unwrap().unwrap();
         let s = k.shape().to_vec();
-        let row = slice(&k, &[b, 0, c.left_pad[b as usize], 0], &[b + 1, s[1], s[2], s[3]]);
+        let row = slice(
+            &k,
+            &[b, 0, c.left_pad[b as usize], 0],
+            &[b + 1, s[1], s[2], s[3]],
+        );
         row.unwrap().as_slice::<f32>().to_vec()
     }
 

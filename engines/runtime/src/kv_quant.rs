@@ -120,7 +120,8 @@ impl KvQuant {
             scores = ops::select(&mask, &scores, &fill)?;
         }
         let weights = ops::softmax_axis(&scores, -1, true)?;
-        let out = ops::quantized_matmul(&weights, &values[0], &values[1], &values[2], false, g, bits)?;
+        let out =
+            ops::quantized_matmul(&weights, &values[0], &values[1], &values[2], false, g, bits)?;
         match repeats {
             1 => Ok(out),
             _ => out.reshape(&[b, heads, l, d]),
@@ -171,9 +172,19 @@ mod tests {
                 assert_eq!(q.to_string().parse::<KvQuant>(), Ok(q));
             }
         }
-        let e = KvQuant { bits: 3, group_size: 64 }.check().unwrap_err();
+        let e = KvQuant {
+            bits: 3,
+            group_size: 64,
+        }
+        .check()
+        .unwrap_err();
         assert!(e.contains("model.kv_cache.bits = 3"), "{e}");
-        let e = KvQuant { bits: 8, group_size: 48 }.check().unwrap_err();
+        let e = KvQuant {
+            bits: 8,
+            group_size: 48,
+        }
+        .check()
+        .unwrap_err();
         assert!(e.contains("model.kv_cache.group_size = 48"), "{e}");
         assert!("8".parse::<KvQuant>().is_err());
     }
@@ -182,9 +193,15 @@ mod tests {
     fn bytes_count_codes_scales_and_biases() {
         // 128 values at 8 bits: 128 bytes of codes, 2 groups of fp16 scale
         // and bias: 8 bytes.
-        let q = KvQuant { bits: 8, group_size: 64 };
+        let q = KvQuant {
+            bits: 8,
+            group_size: 64,
+        };
         assert_eq!(q.bytes_per_head(128, 2), 136);
-        let q = KvQuant { bits: 4, group_size: 32 };
+        let q = KvQuant {
+            bits: 4,
+            group_size: 32,
+        };
         assert_eq!(q.bytes_per_head(64, 4), 32 + 16);
     }
 
@@ -192,7 +209,10 @@ mod tests {
     /// the fill is the dtype's most negative value, not a small constant.
     #[test]
     fn masked_keys_get_no_attention() {
-        let q = KvQuant { bits: 8, group_size: 32 };
+        let q = KvQuant {
+            bits: 8,
+            group_size: 32,
+        };
         let d = 32;
         // Two keys: the second (masked) one aligned with the query and huge.
         let query = Array::from_slice(&vec![1.0f32; d], &[1, 1, 1, d as i32]);

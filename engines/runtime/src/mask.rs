@@ -49,7 +49,10 @@ impl AttnMask {
                     .iter()
                     .flat_map(|&s| (0..total).map(move |k| k >= s))
                     .collect();
-                Some(Array::from_slice(&data, &[starts.len() as i32, 1, 1, total]))
+                Some(Array::from_slice(
+                    &data,
+                    &[starts.len() as i32, 1, 1, total],
+                ))
             }
         })
     }

@@ -618,9 +618,7 @@ impl Attention {
             }
         };
         let out = match mask {
-            AttnMask::None => {
-                fast::scaled_dot_product_attention(&q, k, v, self.scale, None, None)?
-            }
+            AttnMask::None => fast::scaled_dot_product_attention(&q, k, v, self.scale, None, None)?,
             AttnMask::Causal => fast::scaled_dot_product_attention(
                 &q,
                 k,
@@ -672,9 +670,10 @@ impl Attention {
 
     /// The output projection of the heads' `[B, heads, L, head_dim]`.
     fn output(&self, heads: Array, b: i32, l: i32) -> R<Array> {
-        let out = heads
-            .transpose_axes(&[0, 2, 1, 3])?
-            .reshape(&[b, l, self.heads * self.head_dim])?;
+        let out =
+            heads
+                .transpose_axes(&[0, 2, 1, 3])?
+                .reshape(&[b, l, self.heads * self.head_dim])?;
         self.o.forward(&out)
     }
 }
