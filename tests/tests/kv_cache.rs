@@ -32,7 +32,9 @@ fn model() -> &'static Path {
 /// `max_tokens` picks the engine; everything else goes to `batched`.
 fn config(model_line: &str) -> String {
     static MTP: OnceLock<ModelDir> = OnceLock::new();
+    static DFLASH: OnceLock<ModelDir> = OnceLock::new();
     let mtp = MTP.get_or_init(|| models::drafter("mtp", model()));
+    let dflash = DFLASH.get_or_init(|| models::drafter("dflash", model()));
     format!(
         r#"model: {{ path: "{}", {model_line} }}
 engines:
@@ -40,15 +42,18 @@ engines:
   fastpath: {{ kind: fastpath }}
   mtp: {{ kind: mtp, drafter: "{}" }}
   lookup: {{ kind: mtp, draft: ngram }}
+  dflash: {{ kind: dflash, drafter: "{}" }}
 policy:
   default: batched
   rules:
+    - {{ name: to-dflash, when: {{ max_tokens: 31 }}, route: dflash }}
     - {{ name: to-mtp, when: {{ max_tokens: 32 }}, route: mtp }}
     - {{ name: to-lookup, when: {{ max_tokens: 33 }}, route: lookup }}
     - {{ name: to-fastpath, when: {{ max_tokens: {{ gte: 34 }} }}, route: fastpath }}
 "#,
         model().display(),
-        mtp.path.display()
+        mtp.path.display(),
+        dflash.path.display()
     )
 }
 
@@ -152,7 +157,7 @@ fn every_engine_gives_the_same_tokens_with_a_quantized_kv_cache() {
         let (engine, ids, _) = complete(&gw, p, 34);
         assert_eq!(engine, "fastpath");
         assert_eq!(ids, runtime_greedy(kv, p, 34), "fastpath on {p:?}");
-        for (name, max_tokens) in [("batched", 30), ("mtp", 32), ("lookup", 33)] {
+        for (name, max_tokens) in [("batched", 30), ("dflash", 31), ("mtp", 32), ("lookup", 33)] {
             let (engine, got, _) = complete(&gw, p, max_tokens);
             assert_eq!(engine, name);
             assert_eq!(got, ids[..max_tokens as usize], "{name} on {p:?}");

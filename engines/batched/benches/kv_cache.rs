@@ -9,7 +9,8 @@
 //! without queueing at a fixed pool budget (`--kv-mb`; 64 requests of
 //! prompt + gen tokens submitted at once, peak running count), and the
 //! batched engine's decode tok/s at each level (aggregate, and per
-//! request from inter-token gaps), plus the raw loop at c=1.
+//! request from inter-token gaps), plus the raw loop at c=1: the settings
+//! take turns for 3 rounds after a warm-up, and the table has medians.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -193,38 +194,63 @@ fn main() {
         rule.push_str("---|---|");
     }
     println!("\n{header}\n{rule}");
-    for kv in settings {
-        let shared = shared(&dir, kv, 1 << 30);
+    // Every setting's model and engine side by side; the timed runs take
+    // turns, `ROUNDS` times, and each figure is the median, so load from
+    // elsewhere on the machine falls on every setting alike.
+    let runs: Vec<_> = settings
+        .iter()
+        .map(|&kv| {
+            let shared = shared(&dir, kv, 1 << 30);
+            let engine: Arc<dyn Engine> = Arc::new(BatchedEngine::new(
+                "batched".into(),
+                shared.clone(),
+                BatchedConfig::default(),
+            ));
+            (kv, shared, engine)
+        })
+        .collect();
+    let vocab = runs[0].1.model.vocab_size() as u32;
+    let p = prompt(0, a.prompt, vocab);
+    let mut timed = vec![vec![Vec::new(); 1 + 2 * a.levels.len()]; runs.len()];
+    for round in 0..=ROUNDS {
+        for (i, (_, shared, engine)) in runs.iter().enumerate() {
+            let model = &shared.model.model;
+            let raw = generate::greedy(model, &p, a.gen, &[], |_| true).unwrap();
+            let mut figures = vec![(raw.tokens.len() - 1) as f64 / raw.decode_time.as_secs_f64()];
+            for &c in &a.levels {
+                let (total, per) = level(engine, c, &a, vocab);
+                figures.extend([total, per]);
+            }
+            // Round 0 warms up.
+            if round > 0 {
+                for (t, f) in timed[i].iter_mut().zip(figures) {
+                    t.push(f);
+                }
+            }
+        }
+    }
+    for ((kv, shared, _), timed) in runs.iter().zip(timed) {
         let model = &shared.model.model;
-        let vocab = shared.model.vocab_size() as u32;
-        let p = prompt(0, a.prompt, vocab);
         let mut cache = model.new_cache(1);
         generate::prefill(model, &mut cache, &p, 512).unwrap();
         mlx_rs::transforms::eval(cache.state()).unwrap();
         // A cache holds whole 256-position steps.
         let held = cache.nbytes() / 256;
-        let _ = generate::greedy(model, &p, 4, &[], |_| true);
-        let raw = generate::greedy(model, &p, a.gen, &[], |_| true).unwrap();
-        let raw_tps = (raw.tokens.len() - 1) as f64 / raw.decode_time.as_secs_f64();
-        let engine: Arc<dyn Engine> = Arc::new(BatchedEngine::new(
-            "batched".into(),
-            shared.clone(),
-            BatchedConfig::default(),
-        ));
-        run_one(engine.as_ref(), GenerateRequest::new(p.clone(), 4)); // warm-up
         let mut row = format!(
-            "| {} | {} | {held} | {} | {raw_tps:.1} |",
+            "| {} | {} | {held} | {} |",
             kv.map_or("model dtype (fp32)".to_string(), |q| format!(
                 "{} bits, group {}",
                 q.bits, q.group_size
             )),
             model.kv_bytes_per_token(),
-            served_without_queueing(&dir, kv, &a, vocab),
+            served_without_queueing(&dir, *kv, &a, vocab),
         );
-        for &c in &a.levels {
-            let (total, per) = level(&engine, c, &a, vocab);
-            row.push_str(&format!(" {total:.1} | {per:.1} |"));
+        for mut t in timed {
+            t.sort_by(f64::total_cmp);
+            row.push_str(&format!(" {:.1} |", t[t.len() / 2]));
         }
         println!("{row}");
     }
 }
+
+const ROUNDS: usize = 3;
