@@ -1,10 +1,18 @@
 """Reference greedy decoding with mlx-lm, for the oracle tests.
 
 Reads a JSON request on stdin: {"model": DIR, "prompts": [[ids]...],
-"max_tokens": N, "dtype": null | "float32" | ...} and prints {"results": [{"tokens": [...], "logits":
+"max_tokens": N, "dtype": null | "float32" | ..., "kv_bits": null | 8 | 4,
+"kv_group_size": 64} and prints {"results": [{"tokens": [...], "logits":
 [[...V floats] per step]}]}. EOS is ignored: exactly N tokens per prompt.
 Tokens come from mlx-lm's own generate_step; logits from the same model
 called step by step, and the two token sequences must agree.
+
+With kv_bits, every full-attention layer's cache is mlx-lm's
+QuantizedKVCache from the first token on (keys and values quantized as
+they are appended; attention through base.quantized_scaled_dot_product_attention),
+handed to generate_step as its prompt cache. (generate_step's own kv_bits
+switch quantizes only once the prompt is in, and refuses sliding-window
+caches.)
 """
 
 import json
@@ -13,7 +21,7 @@ import sys
 import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 # mlx-lm 0.32.2's quantized experts (QuantizedSwitchLinear) always pass
 # `global_scale`, which mlx 0.32.2's gather_qmm does not take; affine
@@ -30,8 +38,19 @@ def _gather_qmm_affine(*args, global_scale=None, **kwargs):
 mx.gather_qmm = _gather_qmm_affine
 
 
-def stepwise(model, prompt, n):
+def new_cache(model, kv):
     cache = make_prompt_cache(model)
+    if kv is None:
+        return cache
+    bits, group_size = kv
+    return [
+        QuantizedKVCache(group_size=group_size, bits=bits) if type(c) is KVCache else c
+        for c in cache
+    ]
+
+
+def stepwise(model, prompt, n, kv):
+    cache = new_cache(model, kv)
     logits = model(mx.array(prompt)[None], cache=cache)[:, -1, :]
     tokens, rows = [], []
     for _ in range(n):
@@ -51,15 +70,20 @@ def main():
         # parameter (quantized scales and biases included) in that dtype.
         model.set_dtype(getattr(mx, req["dtype"]))
     n = req["max_tokens"]
+    kv = (req["kv_bits"], req.get("kv_group_size") or 64) if req.get("kv_bits") else None
     results = []
     for prompt in req["prompts"]:
         official = [
             int(t)
             for t, _ in generate_step(
-                mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1)
+                mx.array(prompt),
+                model,
+                max_tokens=n,
+                sampler=lambda x: mx.argmax(x, axis=-1),
+                prompt_cache=new_cache(model, kv),
             )
         ]
-        tokens, rows = stepwise(model, prompt, n)
+        tokens, rows = stepwise(model, prompt, n, kv)
         if tokens != official:
             raise SystemExit(f"mlx-lm disagrees with itself: {tokens} vs {official}")
         results.append({"tokens": tokens, "logits": rows if req.get("logits", True) else []})

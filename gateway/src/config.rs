@@ -11,6 +11,8 @@
 //!   default_max_tokens: 4096  # cap on max_tokens when a request omits it
 //!   compute_dtype: auto       # auto (fp32 on the CPU, the checkpoint's on the GPU),
 //!                             # float32, bfloat16 or float16
+//!   kv_cache: { bits: 8, group_size: 64 }  # quantized full-attention KV
+//!                             # (bits 8 or 4, group 32/64/128); off when absent
 //! server:
 //!   host: 127.0.0.1
 //!   port: 8000
@@ -107,9 +109,13 @@ pub struct ModelConfig {
     pub prefix_cache_entries: usize,
     #[serde(default = "defaults::default_max_tokens")]
     pub default_max_tokens: u32,
-    /// The dtype weights and activations compute in (KV is cached in it).
+    /// The dtype weights and activations compute in (KV is cached in it,
+    /// unless `kv_cache` quantizes it).
     #[serde(default)]
     pub compute_dtype: runtime::ComputeDtype,
+    /// Full-attention keys and values stored quantized (off by default).
+    #[serde(default)]
+    pub kv_cache: Option<runtime::KvQuant>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -232,6 +238,9 @@ impl Config {
         }
         if model.kv_cache_mb == Some(0) {
             return Err(invalid("model.kv_cache_mb must be at least 1".into()));
+        }
+        if let Some(kv) = &model.kv_cache {
+            kv.check().map_err(invalid)?;
         }
         if model.default_max_tokens == 0 {
             return Err(invalid(

@@ -192,7 +192,7 @@ fn main() {
     let dir = model_dir(&a.preset);
     let model = LoadedModel::load(&dir, None).expect("load");
     let vocab = model.vocab_size() as u32;
-    let bytes = model.model.config.kv_bytes_per_token(4);
+    let bytes = model.model.config.kv_bytes_per_token(4, None);
     let shared = Arc::new(SharedModel::new(
         model,
         KvPool::new(1 << 16, 16, bytes * 16),

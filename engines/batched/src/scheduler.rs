@@ -455,7 +455,7 @@ impl Scheduler {
         let model = &self.shared.model.model;
         let (ids, pads) =
             generate::left_padded(self.group.iter().map(|r| r.request().prompt.as_slice()));
-        let mut cache = KvCache::with_left_padding(model.num_layers(), pads);
+        let mut cache = model.new_padded_cache(pads);
         let logits = model.forward(&ids, &mut cache, Logits::Last)?;
         let finished = advance_rows(&mut self.group, &logits)?;
         let rows = std::mem::take(&mut self.group);

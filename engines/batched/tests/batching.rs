@@ -19,7 +19,7 @@ fn setup(
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path(), &TinySpec::tiny(Family::Qwen3)).unwrap();
     let model = LoadedModel::load(dir.path(), Some("tiny")).unwrap();
-    let bytes = model.model.config.kv_bytes_per_token(4);
+    let bytes = model.model.config.kv_bytes_per_token(4, None);
     let shared = Arc::new(SharedModel::new(
         model,
         KvPool::new(pool_blocks, 16, bytes * 16),

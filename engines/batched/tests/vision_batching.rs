@@ -20,7 +20,7 @@ fn setup(pool_blocks: usize) -> (tempfile::TempDir, Arc<SharedModel>, BatchedEng
     let dir = tempfile::tempdir().unwrap();
     write_vision_model(dir.path(), &TinyVisionSpec::tiny()).unwrap();
     let model = LoadedModel::load(dir.path(), Some("tiny-vision")).unwrap();
-    let bytes = model.model.config.kv_bytes_per_token(4);
+    let bytes = model.model.config.kv_bytes_per_token(4, None);
     let shared = Arc::new(SharedModel::new(
         model,
         KvPool::new(pool_blocks, 16, bytes * 16),

@@ -290,7 +290,7 @@ impl Attention {
                     ctx_start,
                 )?;
                 let v = heads(self.v.forward(c)?, cfg.num_kv_heads, None)?;
-                Some(cache.update(idx, k, v)?)
+                Some(cache.update(idx, k, v)?.dense()?)
             }
             None => cache.layer_kv(idx)?,
         };

@@ -98,7 +98,7 @@ impl Engine for FastpathEngine {
         {
             return Err(Refusal::Busy.into());
         }
-        // Reserved at the byte rate of this engine's own (unquantized) cache.
+        // Reserved at the byte rate of the model's cache (`model.kv_cache`).
         let reservation = runtime::admission::reserve(
             &self.shared.kv_pool,
             &request,

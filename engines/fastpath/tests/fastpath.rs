@@ -26,7 +26,7 @@ fn host_model() -> (tempfile::TempDir, Arc<SharedModel>) {
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path(), &TinySpec::tiny(Family::Llama)).unwrap();
     let model = LoadedModel::load(dir.path(), Some("tiny")).unwrap();
-    let bytes = model.model.config.kv_bytes_per_token(4);
+    let bytes = model.model.config.kv_bytes_per_token(4, None);
     let shared = Arc::new(SharedModel::new(model, KvPool::new(4096, 16, bytes * 16)));
     (dir, shared)
 }

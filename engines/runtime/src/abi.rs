@@ -20,9 +20,10 @@ use engine_core::{CancelToken, EventSender, GenerateRequest};
 use mlx_rs::Array;
 use mlx_sys::mlx_array;
 
-use crate::cache::KvCache;
+use crate::cache::{KvCache, LayerKv};
 use crate::handover::{Handover, HandoverSink};
 use crate::kv_pool::KvPool;
+use crate::kv_quant::KvQuant;
 
 /// The MLX headers and mlx-c this build compiled against and the hash of
 /// this file, NUL-terminated: the descriptor's `mlx` field.
@@ -43,6 +44,8 @@ pub struct RawShared {
     pub model_path: *const c_char,
     pub model_name: *const c_char,
     pub compute_dtype: *const c_char,
+    /// `model.kv_cache` as `bits:group_size`, empty when off.
+    pub kv_cache: *const c_char,
     /// Every weight, in `LoadedModel::parameters` order.
     pub arrays: *const mlx_array,
     pub arrays_len: usize,
@@ -114,17 +117,54 @@ pub struct RawHandover {
     pub reserved_blocks: usize,
 }
 
-/// A `KvCache` in C form: per layer an mlx-c handle, null for a layer not
-/// written (or one that reads another layer's keys and values).
+/// A `KvCache` in C form. Per layer its storage format and
+/// [`KV_BUFFERS`] handle slots: its buffers (`cache::LayerKv`), null past
+/// its last one and for a layer not yet written (or one that reads another
+/// layer's keys and values).
 #[repr(C)]
 pub struct RawKv {
-    pub keys: *mut mlx_array,
-    pub values: *mut mlx_array,
+    pub formats: *mut RawKvFormat,
+    pub buffers: *mut mlx_array,
     pub layers: usize,
     pub len: i32,
     pub capacity: i32,
     pub left_pad: *const i32,
     pub batch: usize,
+}
+
+/// A layer's storage in a [`RawKv`]: `bits` 0 for the activations'
+/// dtype, else quantized with `bits` and `group_size`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct RawKvFormat {
+    pub bits: i32,
+    pub group_size: i32,
+}
+
+/// Handle slots per layer in [`RawKv::buffers`]: the most buffers a
+/// layer has (quantized keys and values: codes, scales, biases each).
+pub const KV_BUFFERS: usize = 6;
+
+impl RawKvFormat {
+    fn of(quant: Option<KvQuant>) -> Self {
+        match quant {
+            None => Self {
+                bits: 0,
+                group_size: 0,
+            },
+            Some(q) => Self {
+                bits: q.bits,
+                group_size: q.group_size,
+            },
+        }
+    }
+
+    fn quant(self) -> Option<KvQuant> {
+        (self.bits != 0).then_some(KvQuant {
+            bits: self.bits,
+            group_size: self.group_size,
+        })
+    }
 }
 
 /// The shared prefix cache (`prefix_cache::SharedPrefixCache`). Scopes are
@@ -163,12 +203,12 @@ pub struct RawPrefixCache {
 impl RawKv {
     /// Buffers for a callee to write a cache of `layers` layers into.
     pub(crate) fn receiver(layers: usize) -> KvReceiver {
-        let mut keys = vec![null_array(); layers];
-        let mut values = vec![null_array(); layers];
+        let mut formats = vec![RawKvFormat::of(None); layers];
+        let mut buffers = vec![null_array(); layers * KV_BUFFERS];
         let left_pad = Box::new(0i32);
         let raw = RawKv {
-            keys: keys.as_mut_ptr(),
-            values: values.as_mut_ptr(),
+            formats: formats.as_mut_ptr(),
+            buffers: buffers.as_mut_ptr(),
             layers,
             len: 0,
             capacity: 0,
@@ -176,8 +216,8 @@ impl RawKv {
             batch: 1,
         };
         KvReceiver {
-            _keys: keys,
-            _values: values,
+            _formats: formats,
+            _buffers: buffers,
             _left_pad: left_pad,
             raw,
         }
@@ -189,21 +229,31 @@ impl RawKv {
     /// # Safety
     /// `self` came from [`RawKv::receiver`] for as many layers as `cache`.
     pub(crate) unsafe fn give(&mut self, cache: KvCache) {
-        let owned = |a: Option<Array>| match a {
-            Some(a) => {
+        let layers = self.layers.min(cache.layers.len());
+        for (l, layer) in cache.layers.into_iter().take(layers).enumerate() {
+            *self.formats.add(l) = RawKvFormat::of(layer.quant);
+            for (i, a) in layer.buffers.into_iter().take(KV_BUFFERS).enumerate() {
                 let handle = a.as_ptr();
                 std::mem::forget(a);
-                handle
+                *self.buffers.add(l * KV_BUFFERS + i) = handle;
             }
-            None => null_array(),
-        };
-        let layers = self.layers.min(cache.keys.len());
-        for (i, (k, v)) in cache.keys.into_iter().zip(cache.values).take(layers).enumerate() {
-            *self.keys.add(i) = owned(k);
-            *self.values.add(i) = owned(v);
         }
         self.len = cache.len;
         self.capacity = cache.capacity;
+    }
+
+    /// The cache's layers, each buffer made an `Array` by `take`.
+    unsafe fn layers(&self, take: impl Fn(mlx_array) -> Array) -> Vec<LayerKv> {
+        (0..self.layers)
+            .map(|l| LayerKv {
+                quant: (*self.formats.add(l)).quant(),
+                buffers: (0..KV_BUFFERS)
+                    .map(|i| *self.buffers.add(l * KV_BUFFERS + i))
+                    .take_while(|h| !h.ctx.is_null())
+                    .map(&take)
+                    .collect(),
+            })
+            .collect()
     }
 
     /// A cache over the same arrays, with handles of our own.
@@ -211,17 +261,8 @@ impl RawKv {
     /// # Safety
     /// Every non-null handle is a live mlx-c array handle.
     pub(crate) unsafe fn retained(&self) -> KvCache {
-        let arrays = |ptr: *const mlx_array| -> Vec<Option<Array>> {
-            (0..self.layers)
-                .map(|i| {
-                    let h = *ptr.add(i);
-                    (!h.ctx.is_null()).then(|| retain(h))
-                })
-                .collect()
-        };
         KvCache {
-            keys: arrays(self.keys),
-            values: arrays(self.values),
+            layers: self.layers(|h| retain(h)),
             len: self.len,
             capacity: self.capacity,
             left_pad: std::slice::from_raw_parts(self.left_pad, self.batch).to_vec(),
@@ -231,8 +272,8 @@ impl RawKv {
 
 /// Buffers a callee fills through [`RawKv::give`].
 pub(crate) struct KvReceiver {
-    _keys: Vec<mlx_array>,
-    _values: Vec<mlx_array>,
+    _formats: Vec<RawKvFormat>,
+    _buffers: Vec<mlx_array>,
     _left_pad: Box<i32>,
     pub(crate) raw: RawKv,
 }
@@ -240,17 +281,10 @@ pub(crate) struct KvReceiver {
 impl KvReceiver {
     /// The cache written, owning its handles.
     pub(crate) fn into_cache(self) -> KvCache {
-        let arrays = |ptr: *mut mlx_array| -> Vec<Option<Array>> {
-            (0..self.raw.layers)
-                .map(|i| {
-                    let h = unsafe { *ptr.add(i) };
-                    (!h.ctx.is_null()).then(|| unsafe { Array::from_ptr(h) })
-                })
-                .collect()
-        };
+        // SAFETY: `give` wrote handles it handed over to us.
+        let layers = unsafe { self.raw.layers(|h| Array::from_ptr(h)) };
         KvCache {
-            keys: arrays(self.raw.keys),
-            values: arrays(self.raw.values),
+            layers,
             len: self.raw.len,
             capacity: self.raw.capacity,
             left_pad: vec![0],
@@ -260,17 +294,23 @@ impl KvReceiver {
 
 /// A cache lent across the boundary for one call.
 pub(crate) struct LentKv<'a> {
-    keys: Vec<mlx_array>,
-    values: Vec<mlx_array>,
+    formats: Vec<RawKvFormat>,
+    buffers: Vec<mlx_array>,
     cache: &'a KvCache,
 }
 
 impl<'a> LentKv<'a> {
     pub(crate) fn new(cache: &'a KvCache) -> Self {
-        let handle = |a: &Option<Array>| a.as_ref().map_or_else(null_array, Array::as_ptr);
+        let layers = &cache.layers;
         Self {
-            keys: cache.keys.iter().map(handle).collect(),
-            values: cache.values.iter().map(handle).collect(),
+            formats: layers.iter().map(|l| RawKvFormat::of(l.quant)).collect(),
+            buffers: layers
+                .iter()
+                .flat_map(|l| {
+                    (0..KV_BUFFERS)
+                        .map(|i| l.buffers.get(i).map_or_else(null_array, Array::as_ptr))
+                })
+                .collect(),
             cache,
         }
     }
@@ -278,9 +318,9 @@ impl<'a> LentKv<'a> {
     /// Valid while `self` lives.
     pub(crate) fn raw(&self) -> RawKv {
         RawKv {
-            keys: self.keys.as_ptr().cast_mut(),
-            values: self.values.as_ptr().cast_mut(),
-            layers: self.keys.len(),
+            formats: self.formats.as_ptr().cast_mut(),
+            buffers: self.buffers.as_ptr().cast_mut(),
+            layers: self.formats.len(),
             len: self.cache.len,
             capacity: self.cache.capacity,
             left_pad: self.cache.left_pad.as_ptr(),

@@ -1,23 +1,104 @@
 //! KV cache for one sequence or a left-padded batch of sequences.
 //!
-//! Per layer, keys and values live in one buffer `[B, kv_heads, capacity,
-//! head_dim]` that grows in steps (like mlx-lm's cache) and is written in
-//! place with `slice_update`. Rows of a batch are right-aligned: row `b`
+//! Per layer, keys and values live in buffers `[B, kv_heads, capacity, _]`
+//! (in the activations' dtype, or quantized: see [`crate::kv_quant`]) that
+//! grow in steps (like mlx-lm's cache) and are written in place with
+//! `slice_update`. Rows of a batch are right-aligned: row `b`
 //! holds `left_pad[b]` padding columns before its first real token, so all
 //! rows append at the same column and a decode step is one batched forward.
 
 use anyhow::anyhow;
 use mlx_rs::{ops, Array};
 
+use crate::kv_quant::KvQuant;
 use crate::layers::Offsets;
 
 /// Capacity grows in multiples of this many positions.
 const STEP: i32 = 256;
 
+/// One layer's storage: keys and values in the model's dtype, or quantized
+/// (`model.kv_cache`). Every buffer is `[B, kv_heads, capacity, _]` and
+/// column-aligned with the cache, so growing, row selection, padding and
+/// truncation treat both kinds alike.
+#[derive(Clone)]
+pub(crate) struct LayerKv {
+    pub(crate) quant: Option<KvQuant>,
+    /// Empty until the layer is first written (and forever for a layer
+    /// that reads another layer's): `[keys, values]`, or quantized `[key
+    /// codes, key scales, key biases, value codes, value scales, value
+    /// biases]`.
+    pub(crate) buffers: Vec<Array>,
+}
+
+impl LayerKv {
+    fn new(quant: Option<KvQuant>) -> Self {
+        Self {
+            quant,
+            buffers: Vec::new(),
+        }
+    }
+
+    fn map(&mut self, f: impl Fn(&Array) -> anyhow::Result<Array>) -> anyhow::Result<()> {
+        for b in &mut self.buffers {
+            *b = f(b)?;
+        }
+        Ok(())
+    }
+
+    /// The buffers' first `len` columns as attention reads them.
+    fn view(&self, len: i32) -> anyhow::Result<Option<LayerView>> {
+        let cols = self
+            .buffers
+            .iter()
+            .map(|b| slice_cols(b, 0, len))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(match (self.quant, <[Array; 2]>::try_from(cols)) {
+            (_, Err(cols)) if cols.is_empty() => None,
+            (None, Ok([k, v])) => Some(LayerView::Dense(k, v)),
+            (Some(quant), Err(mut cols)) if cols.len() == 6 => {
+                let values = cols.split_off(3);
+                Some(LayerView::Quantized {
+                    quant,
+                    keys: cols,
+                    values,
+                })
+            }
+            _ => return Err(anyhow!("KV layer buffers do not match its format")),
+        })
+    }
+}
+
+/// A layer's keys and values for every filled column, as attention reads
+/// them (`[B, kv_heads, len, _]`, rope applied).
+#[derive(Clone)]
+pub enum LayerView {
+    Dense(Array, Array),
+    /// `[codes, scales, biases]` each.
+    Quantized {
+        quant: KvQuant,
+        keys: Vec<Array>,
+        values: Vec<Array>,
+    },
+}
+
+impl LayerView {
+    /// Keys and values in the activations' dtype (dequantized where stored
+    /// quantized), for readers that need plain arrays.
+    pub fn dense(&self) -> anyhow::Result<(Array, Array)> {
+        Ok(match self {
+            LayerView::Dense(k, v) => (k.clone(), v.clone()),
+            LayerView::Quantized {
+                quant,
+                keys,
+                values,
+            } => (quant.dequantize(keys)?, quant.dequantize(values)?),
+        })
+    }
+}
+
 #[derive(Clone)]
 pub struct KvCache {
-    pub(crate) keys: Vec<Option<Array>>,
-    pub(crate) values: Vec<Option<Array>>,
+    pub(crate) layers: Vec<LayerKv>,
     /// Filled columns (padding included).
     pub(crate) len: i32,
     pub(crate) capacity: i32,
@@ -25,22 +106,26 @@ pub struct KvCache {
 }
 
 impl KvCache {
+    /// A cache of `num_layers` layers in the activations' dtype.
     pub fn new(num_layers: usize, batch: usize) -> Self {
+        Self::with_formats(vec![None; num_layers], vec![0; batch])
+    }
+
+    /// A batch cache whose layer `l` stores quantized with `formats[l]`
+    /// (`None`: the activations' dtype) and whose rows will be filled by one
+    /// prefill of prompts left-padded to a common length.
+    pub fn with_formats(formats: Vec<Option<KvQuant>>, left_pad: Vec<i32>) -> Self {
         Self {
-            keys: vec![None; num_layers],
-            values: vec![None; num_layers],
+            layers: formats.into_iter().map(LayerKv::new).collect(),
             len: 0,
             capacity: 0,
-            left_pad: vec![0; batch],
+            left_pad,
         }
     }
 
-    /// A batch cache whose rows will be filled by one prefill of prompts
-    /// left-padded to a common length.
-    pub fn with_left_padding(num_layers: usize, left_pad: Vec<i32>) -> Self {
-        let mut cache = Self::new(num_layers, left_pad.len());
-        cache.left_pad = left_pad;
-        cache
+    /// Each layer's quantization (`None`: stored in the activations' dtype).
+    pub fn formats(&self) -> Vec<Option<KvQuant>> {
+        self.layers.iter().map(|l| l.quant).collect()
     }
 
     pub fn batch_size(&self) -> usize {
@@ -75,45 +160,54 @@ impl KvCache {
         }
     }
 
-    /// Writes `n` new positions of layer `layer` at the end and returns the
-    /// layer's keys and values up to and including them. Call
+    /// Writes `n` new positions of layer `layer` at the end (quantizing
+    /// only them where the layer stores quantized) and returns the layer's
+    /// keys and values up to and including them. Call
     /// [`KvCache::advance`] once all layers are written.
-    pub fn update(&mut self, layer: usize, k: Array, v: Array) -> anyhow::Result<(Array, Array)> {
+    pub fn update(&mut self, layer: usize, k: Array, v: Array) -> anyhow::Result<LayerView> {
         let n = k.dim(2);
         let end = self.len + n;
         if end > self.capacity {
             let new_capacity = round_up(end);
-            for l in 0..self.keys.len() {
-                self.keys[l] = grow(self.keys[l].take(), self.len, new_capacity)?;
-                self.values[l] = grow(self.values[l].take(), self.len, new_capacity)?;
+            let len = self.len;
+            for l in &mut self.layers {
+                l.map(|b| align(b, len, 0, new_capacity))?;
             }
             self.capacity = new_capacity;
         }
-        let keys = write(self.keys[layer].take(), &k, self.len, self.capacity)?;
-        let values = write(self.values[layer].take(), &v, self.len, self.capacity)?;
-        let k_view = slice_cols(&keys, 0, end)?;
-        let v_view = slice_cols(&values, 0, end)?;
-        self.keys[layer] = Some(keys);
-        self.values[layer] = Some(values);
-        Ok((k_view, v_view))
+        let entry = &mut self.layers[layer];
+        let new = match entry.quant {
+            None => vec![k, v],
+            Some(q) => q.quantize(&k)?.into_iter().chain(q.quantize(&v)?).collect(),
+        };
+        let mut buffers = std::mem::take(&mut entry.buffers).into_iter();
+        entry.buffers = new
+            .iter()
+            .map(|part| write(buffers.next(), part, self.len, self.capacity))
+            .collect::<anyhow::Result<_>>()?;
+        entry
+            .view(end)?
+            .ok_or_else(|| anyhow!("layer {layer} was not written"))
     }
 
     /// Layer `layer`'s keys and values for the filled columns, `[B,
-    /// kv_heads, len, head_dim]` (rope applied), for drafters that attend
-    /// into the target's cache without writing it.
+    /// kv_heads, len, head_dim]` in the activations' dtype (rope applied),
+    /// for drafters that attend into the target's cache without writing it.
     pub fn layer_kv(&self, layer: usize) -> anyhow::Result<Option<(Array, Array)>> {
-        match (&self.keys[layer], &self.values[layer]) {
-            (Some(k), Some(v)) => Ok(Some((
-                slice_cols(k, 0, self.len)?,
-                slice_cols(v, 0, self.len)?,
-            ))),
-            _ => Ok(None),
-        }
+        self.layers[layer]
+            .view(self.len)?
+            .map(|v| v.dense())
+            .transpose()
     }
 
     /// The buffers, for evaluating them between prefill chunks.
     pub fn state(&self) -> impl Iterator<Item = &Array> {
-        self.keys.iter().chain(self.values.iter()).flatten()
+        self.layers.iter().flat_map(|l| &l.buffers)
+    }
+
+    /// Bytes the buffers hold (capacity included).
+    pub fn nbytes(&self) -> usize {
+        self.state().map(Array::nbytes).sum()
     }
 
     pub fn advance(&mut self, n: i32) {
@@ -131,10 +225,8 @@ impl KvCache {
         let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
         let idx = Array::from_slice(&idx, &[idx.len() as i32]);
         self.left_pad = rows.iter().map(|&r| self.left_pad[r]).collect();
-        for buf in self.keys.iter_mut().chain(self.values.iter_mut()) {
-            if let Some(b) = buf.take() {
-                *buf = Some(b.take_axis(&idx, 0)?);
-            }
+        for l in &mut self.layers {
+            l.map(|b| Ok(b.take_axis(&idx, 0)?))?;
         }
         let common = self.left_pad.iter().copied().min().unwrap_or(0);
         if common > 0 {
@@ -144,10 +236,9 @@ impl KvCache {
     }
 
     fn drop_leading(&mut self, cols: i32) -> anyhow::Result<()> {
-        for buf in self.keys.iter_mut().chain(self.values.iter_mut()) {
-            if let Some(b) = buf.take() {
-                *buf = Some(slice_cols(&b, cols, self.capacity)?);
-            }
+        let capacity = self.capacity;
+        for l in &mut self.layers {
+            l.map(|b| slice_cols(b, cols, capacity))?;
         }
         self.capacity -= cols;
         self.len -= cols;
@@ -157,49 +248,59 @@ impl KvCache {
         Ok(())
     }
 
-    /// Stacks caches into one batch, right-aligning their rows.
+    /// Stacks caches into one batch, right-aligning their rows. Caches
+    /// whose layers store in different precisions never merge: a prefix
+    /// computed in one is not continued in the other.
     pub fn merge(parts: Vec<KvCache>) -> anyhow::Result<KvCache> {
-        let num_layers = parts
-            .first()
-            .ok_or_else(|| anyhow!("nothing to merge"))?
-            .keys
-            .len();
+        let first = parts.first().ok_or_else(|| anyhow!("nothing to merge"))?;
+        let formats = first.formats();
+        if parts.iter().any(|p| p.formats() != formats) {
+            return Err(anyhow!(
+                "cannot merge KV caches stored in different precisions"
+            ));
+        }
+        let num_layers = formats.len();
         let len = parts.iter().map(|c| c.len).max().unwrap_or(0);
         let capacity = round_up(len.max(1));
         let without_kv: Vec<bool> = (0..num_layers)
-            .map(|l| parts.iter().all(|p| p.keys[l].is_none()))
+            .map(|l| parts.iter().all(|p| p.layers[l].buffers.is_empty()))
             .collect();
         let mut left_pad = Vec::new();
-        let mut keys = vec![Vec::new(); num_layers];
-        let mut values = vec![Vec::new(); num_layers];
+        // Per layer, per buffer: the parts' rows.
+        let mut pieces: Vec<Vec<Vec<Array>>> = vec![Vec::new(); num_layers];
         for part in parts {
             let shift = len - part.len;
             left_pad.extend(part.left_pad.iter().map(|p| p + shift));
-            for l in 0..num_layers {
-                match (&part.keys[l], &part.values[l]) {
-                    (Some(k), Some(v)) => {
-                        keys[l].push(align(k, part.len, shift, capacity)?);
-                        values[l].push(align(v, part.len, shift, capacity)?);
+            for (l, layer) in part.layers.iter().enumerate() {
+                if layer.buffers.is_empty() {
+                    // Layers that attend to another layer's keys and
+                    // values hold none of their own, in every part alike.
+                    if without_kv[l] {
+                        continue;
                     }
-                    // Layers that attend to another layer's keys and values
-                    // hold none of their own, in every part alike.
-                    _ if without_kv[l] => {}
-                    _ => return Err(anyhow!("cannot merge an empty cache")),
+                    return Err(anyhow!("cannot merge an empty cache"));
+                }
+                pieces[l].resize(layer.buffers.len(), Vec::new());
+                for (i, b) in layer.buffers.iter().enumerate() {
+                    pieces[l][i].push(align(b, part.len, shift, capacity)?);
                 }
             }
         }
-        let stack = |parts: Vec<Vec<Array>>| -> anyhow::Result<Vec<Option<Array>>> {
-            parts
-                .into_iter()
-                .map(|p| match p.is_empty() {
-                    true => Ok(None),
-                    false => Ok(Some(ops::concatenate(&p, 0)?)),
+        let layers = formats
+            .into_iter()
+            .zip(pieces)
+            .map(|(quant, bufs)| -> anyhow::Result<LayerKv> {
+                Ok(LayerKv {
+                    quant,
+                    buffers: bufs
+                        .iter()
+                        .map(|rows| ops::concatenate(rows, 0))
+                        .collect::<Result<_, _>>()?,
                 })
-                .collect()
-        };
+            })
+            .collect::<anyhow::Result<_>>()?;
         Ok(KvCache {
-            keys: stack(keys)?,
-            values: stack(values)?,
+            layers,
             len,
             capacity,
             left_pad,
@@ -210,16 +311,18 @@ impl KvCache {
     pub fn extract_row(&self, b: usize) -> anyhow::Result<KvCache> {
         let idx = Array::from_slice(&[b as i32], &[1]);
         let start = self.left_pad[b];
-        let mut out = KvCache::new(self.keys.len(), 1);
         let row_len = self.len - start;
         let capacity = round_up(row_len.max(1));
-        for l in 0..self.keys.len() {
-            if let (Some(k), Some(v)) = (&self.keys[l], &self.values[l]) {
-                let k = slice_cols(&k.take_axis(&idx, 0)?, start, self.len)?;
-                let v = slice_cols(&v.take_axis(&idx, 0)?, start, self.len)?;
-                out.keys[l] = Some(align(&k, row_len, 0, capacity)?);
-                out.values[l] = Some(align(&v, row_len, 0, capacity)?);
-            }
+        let mut out = KvCache::with_formats(self.formats(), vec![0]);
+        for (mine, theirs) in out.layers.iter_mut().zip(&self.layers) {
+            mine.buffers = theirs
+                .buffers
+                .iter()
+                .map(|buf| {
+                    let row = slice_cols(&buf.take_axis(&idx, 0)?, start, self.len)?;
+                    align(&row, row_len, 0, capacity)
+                })
+                .collect::<anyhow::Result<_>>()?;
         }
         out.len = row_len;
         out.capacity = capacity;
@@ -242,13 +345,6 @@ fn align(buf: &Array, len: i32, shift: i32, capacity: i32) -> anyhow::Result<Arr
         pieces.push(ops::zeros_dtype(&[s[0], s[1], tail, s[3]], buf.dtype())?);
     }
     Ok(ops::concatenate(&pieces, 2)?)
-}
-
-fn grow(buf: Option<Array>, len: i32, capacity: i32) -> anyhow::Result<Option<Array>> {
-    match buf {
-        None => Ok(None),
-        Some(b) => Ok(Some(align(&b, len, 0, capacity)?)),
-    }
 }
 
 fn write(buf: Option<Array>, update: &Array, at: i32, capacity: i32) -> anyhow::Result<Array> {
@@ -317,4 +413,82 @@ fn ffi_op(
 
 fn round_up(n: i32) -> i32 {
     (n + STEP - 1) / STEP * STEP
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const Q: KvQuant = KvQuant {
+        bits: 8,
+        group_size: 32,
+    };
+
+    /// `[1, 1, n, 32]` keys whose values encode their position.
+    fn tokens(from: i32, n: i32) -> Array {
+        let data: Vec<f32> = (from..from + n)
+            .flat_map(|p| (0..32).map(move |i| p as f32 + i as f32 / 64.0))
+            .collect();
+        Array::from_slice(&data, &[1, 1, n, 32])
+    }
+
+    fn filled(quant: Option<KvQuant>, n: i32) -> KvCache {
+        let mut c = KvCache::with_formats(vec![quant], vec![0]);
+        c.update(0, tokens(0, n), tokens(0, n)).unwrap();
+        c.advance(n);
+        c
+    }
+
+    /// Row `b`'s keys for its real tokens, dequantized.
+    fn row_keys(c: &KvCache, b: i32) -> Vec<f32> {
+        let (k, _) = c.layer_kv(0).unwrap().unwrap();
+        let s = k.shape().to_vec();
+        let row = slice(
+            &k,
+            &[b, 0, c.left_pad[b as usize], 0],
+            &[b + 1, s[1], s[2], s[3]],
+        );
+        row.unwrap().as_slice::<f32>().to_vec()
+    }
+
+    #[test]
+    fn quantized_rows_merge_select_and_split_like_dense_ones() {
+        let (a, b) = (filled(Some(Q), 3), filled(Some(Q), 5));
+        let want = (row_keys(&a, 0), row_keys(&b, 0));
+        // 8-bit codes of values up to 5: within half a step of the original.
+        let close = |x: &[f32], y: &[f32]| x.iter().zip(y).all(|(p, q)| (p - q).abs() < 0.02);
+        assert!(close(&want.0, tokens(0, 3).as_slice::<f32>()));
+        let mut merged = KvCache::merge(vec![a, b]).unwrap();
+        assert_eq!(merged.left_padding(), &[2, 0]);
+        assert!(merged.state().any(|x| x.dtype() == mlx_rs::Dtype::Uint32));
+        assert_eq!(row_keys(&merged, 0), want.0);
+        assert_eq!(row_keys(&merged, 1), want.1);
+        assert_eq!(row_keys(&merged.extract_row(0).unwrap(), 0), want.0);
+        merged.select_rows(&[0]).unwrap();
+        assert_eq!((merged.len(), merged.left_padding()), (3, &[0][..]));
+        assert_eq!(row_keys(&merged, 0), want.0);
+        // A new token appends quantized after the kept ones.
+        merged.update(0, tokens(3, 1), tokens(3, 1)).unwrap();
+        merged.advance(1);
+        merged.truncate(1);
+        assert_eq!(row_keys(&merged, 0), want.0, "rollback drops it again");
+    }
+
+    #[test]
+    fn caches_of_different_precisions_never_merge() {
+        let Err(err) = KvCache::merge(vec![filled(Some(Q), 3), filled(None, 3)]) else {
+            panic!("merged")
+        };
+        assert!(err.to_string().contains("different precisions"), "{err}");
+        let other = KvQuant { bits: 4, ..Q };
+        assert!(KvCache::merge(vec![filled(Some(Q), 3), filled(Some(other), 3)]).is_err());
+    }
+
+    #[test]
+    fn quantized_layers_take_a_quarter_of_the_fp32_bytes_or_less() {
+        let (dense, quant) = (filled(None, 256), filled(Some(Q), 256));
+        // 32 fp32 values: 128 bytes; 8-bit: 32 bytes + one fp32 scale and bias.
+        assert_eq!(dense.nbytes(), 2 * 256 * 128);
+        assert_eq!(quant.nbytes(), 2 * 256 * (32 + 8));
+    }
 }

@@ -10,6 +10,8 @@ use serde::Deserialize;
 use text::reasoning::ReasoningFormat;
 use text::tools::ToolFormat;
 
+use crate::kv_quant::KvQuant;
+
 /// The model families the runtime runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Family {
@@ -473,13 +475,29 @@ impl ModelConfig {
             .unwrap_or(self.quantization)
     }
 
-    /// Bytes of K+V per token across all layers at the given element size:
-    /// layers that read another layer's keys and values hold none.
-    pub fn kv_bytes_per_token(&self, elem_bytes: usize) -> usize {
+    /// How layer `layer` stores its keys and values under `model.kv_cache`
+    /// = `kv`: quantized in full-attention layers that compute their own;
+    /// sliding-window layers keep the activations' dtype (they hold at most
+    /// a window, and mlx-lm quantizes none of them either).
+    pub fn kv_quant_for(&self, layer: i32, kv: Option<KvQuant>) -> Option<KvQuant> {
+        let spec = self.layer(layer);
+        kv.filter(|_| spec.window.is_none() && spec.kv_source.is_none())
+    }
+
+    /// Bytes of K+V per token across all layers at the given element size,
+    /// with `model.kv_cache` = `kv`: layers that read another layer's keys
+    /// and values hold none.
+    pub fn kv_bytes_per_token(&self, elem_bytes: usize, kv: Option<KvQuant>) -> usize {
         (0..self.num_layers)
-            .map(|i| self.layer(i))
-            .filter(|l| l.kv_source.is_none())
-            .map(|l| 2 * l.kv_heads as usize * l.head_dim as usize * elem_bytes)
+            .filter(|&i| self.layer(i).kv_source.is_none())
+            .map(|i| {
+                let l = self.layer(i);
+                let per_head = match self.kv_quant_for(i, kv) {
+                    Some(q) => q.bytes_per_head(l.head_dim as usize, elem_bytes),
+                    None => l.head_dim as usize * elem_bytes,
+                };
+                2 * l.kv_heads as usize * per_head
+            })
             .sum()
     }
 }

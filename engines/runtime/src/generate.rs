@@ -185,7 +185,7 @@ pub fn greedy_batch(
         "empty prompt in batch"
     );
     let (ids, pads) = left_padded(prompts.iter().map(Vec::as_slice));
-    let mut cache = KvCache::with_left_padding(model.num_layers(), pads);
+    let mut cache = model.new_padded_cache(pads);
     let logits = model.forward(&ids, &mut cache, Logits::Last)?;
     let mut current = argmax_tokens(&logits)?;
     let mut outs = vec![Vec::new(); prompts.len()];

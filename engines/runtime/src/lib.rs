@@ -16,6 +16,7 @@ pub mod gguf;
 pub mod handover;
 pub mod inject;
 pub mod kv_pool;
+pub mod kv_quant;
 pub mod memory;
 pub mod prefix_cache;
 pub mod sampling;
@@ -35,6 +36,7 @@ pub use compute::ComputeDtype;
 pub use config::{Family, ModelConfig};
 
 pub use kv_pool::{KvPool, Reservation};
+pub use kv_quant::KvQuant;
 pub use loader::LoadedModel;
 pub use model::Model;
 pub use shared::SharedModel;

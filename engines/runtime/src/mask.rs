@@ -28,6 +28,36 @@ pub enum AttnMask {
     },
 }
 
+impl AttnMask {
+    /// The mask as one boolean array broadcastable to `[B, 1, n, total]`
+    /// (`None`: attend everywhere), for attention that is not a fused
+    /// kernel (the quantized KV cache's).
+    pub fn as_array(&self, n: i32, total: i32) -> anyhow::Result<Option<Array>> {
+        let causal = |past: i32| {
+            let data: Vec<bool> = (0..n)
+                .flat_map(|q| (0..total).map(move |k| k <= past + q))
+                .collect();
+            Array::from_slice(&data, &[n, total])
+        };
+        Ok(match self {
+            AttnMask::None => None,
+            AttnMask::Causal => Some(causal(total - n)),
+            AttnMask::CausalRows { past } => Some(causal(*past)),
+            AttnMask::Array(m) => Some(m.clone()),
+            AttnMask::RowStarts(starts) => {
+                let data: Vec<bool> = starts
+                    .iter()
+                    .flat_map(|&s| (0..total).map(move |k| k >= s))
+                    .collect();
+                Some(Array::from_slice(
+                    &data,
+                    &[starts.len() as i32, 1, 1, total],
+                ))
+            }
+        })
+    }
+}
+
 /// When single-token decode of a padded batch attends row by row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RowAttention {

@@ -8,8 +8,9 @@ use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
 use mlx_rs::{ops, Array, Dtype};
 
 use crate::activations;
-use crate::cache::{slice, KvCache};
+use crate::cache::{slice, KvCache, LayerView};
 use crate::config::{Family, ModelConfig};
+use crate::kv_quant::KvQuant;
 use crate::layers::{Embedding, Linear, Offsets, Projections, RmsNorm, Rope};
 use crate::mask::{self, AttnMask};
 use crate::weights::Weights;
@@ -84,6 +85,9 @@ pub struct Model {
     per_layer_inputs: Option<gemma4::PerLayerInputs>,
     /// `tanh(logits / cap) * cap` (Gemma 4).
     softcap: Option<f32>,
+    /// `model.kv_cache`: full-attention layers store keys and values
+    /// quantized.
+    kv_quant: Option<KvQuant>,
 }
 
 impl Model {
@@ -229,7 +233,29 @@ impl Model {
             lm_head,
             embed_scale,
             per_layer_inputs,
+            kv_quant: None,
         })
+    }
+
+    /// Stores full-attention keys and values quantized (`model.kv_cache`)
+    /// in every cache made from now on; fails, naming the setting, for one
+    /// this build or this model's head size cannot serve.
+    pub fn set_kv_quant(&mut self, kv: Option<KvQuant>) -> anyhow::Result<()> {
+        if let Some(q) = kv {
+            q.check().map_err(anyhow::Error::msg)?;
+            for i in 0..self.config.num_layers {
+                if self.config.kv_quant_for(i, kv).is_some() {
+                    q.fits(self.config.layer(i).head_dim)
+                        .map_err(anyhow::Error::msg)?;
+                }
+            }
+        }
+        self.kv_quant = kv;
+        Ok(())
+    }
+
+    pub fn kv_quant(&self) -> Option<KvQuant> {
+        self.kv_quant
     }
 
     /// Every weight array, in an order fixed by the model's structure.
@@ -254,7 +280,15 @@ impl Model {
     }
 
     pub fn new_cache(&self, batch: usize) -> KvCache {
-        KvCache::new(self.layers.len(), batch)
+        self.new_padded_cache(vec![0; batch])
+    }
+
+    /// A batch cache for prompts left-padded by `left_pad` columns each.
+    pub fn new_padded_cache(&self, left_pad: Vec<i32>) -> KvCache {
+        let formats = (0..self.config.num_layers)
+            .map(|i| self.config.kv_quant_for(i, self.kv_quant))
+            .collect();
+        KvCache::with_formats(formats, left_pad)
     }
 
     pub fn dtype(&self) -> Dtype {
@@ -272,7 +306,8 @@ impl Model {
 
     /// Bytes of K+V one token occupies in this model's cache.
     pub fn kv_bytes_per_token(&self) -> usize {
-        self.config.kv_bytes_per_token(self.activation_bytes())
+        self.config
+            .kv_bytes_per_token(self.activation_bytes(), self.kv_quant)
     }
 
     /// Runs `tokens` (`[B, L]` int32) through the model, appending their keys
@@ -335,7 +370,7 @@ impl Model {
         let offsets = cache.offsets();
         let mut tapped = Vec::with_capacity(taps.layers.len());
         // Keys and values of this pass per layer, for layers that share them.
-        let mut kvs: Vec<Option<(Array, Array)>> = vec![None; self.layers.len()];
+        let mut kvs: Vec<Option<LayerView>> = vec![None; self.layers.len()];
         for (i, layer) in self.layers.iter().enumerate() {
             let mask = match (&layer.window, window_mask) {
                 (Some(_), Some(m)) => m,
@@ -481,9 +516,9 @@ impl Layer {
         offsets: &Offsets,
         cache: &mut KvCache,
         idx: usize,
-        shared_kv: Option<(Array, Array)>,
+        shared_kv: Option<LayerView>,
         per_layer_input: Option<&Array>,
-    ) -> anyhow::Result<(Array, (Array, Array))> {
+    ) -> anyhow::Result<(Array, LayerView)> {
         let (r, kv) = self.attn.forward(
             &self.input_norm.forward(x)?,
             mask,
@@ -540,8 +575,8 @@ impl Attention {
         offsets: &Offsets,
         cache: &mut KvCache,
         idx: usize,
-        shared_kv: Option<(Array, Array)>,
-    ) -> anyhow::Result<(Array, (Array, Array))> {
+        shared_kv: Option<LayerView>,
+    ) -> anyhow::Result<(Array, LayerView)> {
         let (b, l) = (x.dim(0), x.dim(1));
         let heads = |t: Array, n: i32, norm: &Option<RmsNorm>| -> R<Array> {
             let mut t = t.reshape(&[b, l, n, self.head_dim])?;
@@ -553,7 +588,7 @@ impl Attention {
         let mut qkv = self.qkv.forward(x)?.into_iter();
         let q = heads(qkv.next().unwrap(), self.heads, &self.q_norm)?;
         let q = self.rope.forward(&q, offsets)?;
-        let (k, v) = match shared_kv {
+        let kv = match shared_kv {
             Some(kv) => kv,
             None => {
                 let k_raw = qkv.next().ok_or_else(|| {
@@ -571,20 +606,30 @@ impl Attention {
                 cache.update(idx, k, v)?
             }
         };
-        let out = match mask {
-            AttnMask::None => {
-                fast::scaled_dot_product_attention(&q, &k, &v, self.scale, None, None)?
+        let (k, v) = match &kv {
+            LayerView::Dense(k, v) => (k, v),
+            LayerView::Quantized {
+                quant,
+                keys,
+                values,
+            } => {
+                let mask = mask.as_array(l, keys[0].dim(2))?;
+                let out = quant.attention(&q, keys, values, self.scale, mask.as_ref())?;
+                return Ok((self.output(out, b, l)?, kv));
             }
+        };
+        let out = match mask {
+            AttnMask::None => fast::scaled_dot_product_attention(&q, k, v, self.scale, None, None)?,
             AttnMask::Causal => fast::scaled_dot_product_attention(
                 &q,
-                &k,
-                &v,
+                k,
+                v,
                 self.scale,
                 ScaledDotProductAttentionMask::Causal,
                 None,
             )?,
             AttnMask::Array(m) => {
-                fast::scaled_dot_product_attention(&q, &k, &v, self.scale, m, None)?
+                fast::scaled_dot_product_attention(&q, k, v, self.scale, m, None)?
             }
             AttnMask::RowStarts(starts) => {
                 let total = k.dim(2);
@@ -596,8 +641,8 @@ impl Attention {
                         let qs = q.shape();
                         let ks = k.shape();
                         let qr = slice(&q, &[r, 0, 0, 0], &[r + 1, qs[1], qs[2], qs[3]])?;
-                        let kr = slice(&k, &[r, 0, from, 0], &[r + 1, ks[1], total, ks[3]])?;
-                        let vr = slice(&v, &[r, 0, from, 0], &[r + 1, ks[1], total, ks[3]])?;
+                        let kr = slice(k, &[r, 0, from, 0], &[r + 1, ks[1], total, ks[3]])?;
+                        let vr = slice(v, &[r, 0, from, 0], &[r + 1, ks[1], total, ks[3]])?;
                         Ok(fast::scaled_dot_product_attention(
                             &qr, &kr, &vr, self.scale, None, None,
                         )?)
@@ -611,8 +656,8 @@ impl Attention {
                     .map(|i| -> anyhow::Result<Array> {
                         let qi = slice(&q, &[0, 0, i, 0], &[qs[0], qs[1], i + 1, qs[3]])?;
                         let end = past + i + 1;
-                        let ki = slice(&k, &[0, 0, 0, 0], &[ks[0], ks[1], end, ks[3]])?;
-                        let vi = slice(&v, &[0, 0, 0, 0], &[ks[0], ks[1], end, ks[3]])?;
+                        let ki = slice(k, &[0, 0, 0, 0], &[ks[0], ks[1], end, ks[3]])?;
+                        let vi = slice(v, &[0, 0, 0, 0], &[ks[0], ks[1], end, ks[3]])?;
                         Ok(fast::scaled_dot_product_attention(
                             &qi, &ki, &vi, self.scale, None, None,
                         )?)
@@ -621,10 +666,16 @@ impl Attention {
                 ops::concatenate(&rows, 2)?
             }
         };
+        Ok((self.output(out, b, l)?, kv))
+    }
+
+    /// The output projection of the heads' `[B, heads, L, head_dim]`.
+    fn output(&self, heads: Array, b: i32, l: i32) -> R<Array> {
         let out =
-            out.transpose_axes(&[0, 2, 1, 3])?
+            heads
+                .transpose_axes(&[0, 2, 1, 3])?
                 .reshape(&[b, l, self.heads * self.head_dim])?;
-        Ok((self.o.forward(&out)?, (k, v)))
+        self.o.forward(&out)
     }
 }
 

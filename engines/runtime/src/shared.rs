@@ -18,6 +18,7 @@ use crate::abi::{
 use crate::compute::ComputeDtype;
 use crate::handover::HandoverSink;
 use crate::kv_pool::KvPool;
+use crate::kv_quant::KvQuant;
 use crate::loader::LoadedModel;
 use crate::prefix_cache::SharedPrefixCache;
 
@@ -107,8 +108,12 @@ impl SharedModel {
         let path = PathBuf::from(unsafe { read_c_str(raw.model_path) });
         let name = unsafe { read_c_str(raw.model_name) };
         let compute: ComputeDtype = unsafe { read_c_str(raw.compute_dtype) }.parse()?;
+        let kv_cache = match unsafe { read_c_str(raw.kv_cache) } {
+            s if s.is_empty() => None,
+            s => Some(s.parse::<KvQuant>()?),
+        };
         let arrays = unsafe { std::slice::from_raw_parts(raw.arrays, raw.arrays_len) };
-        let model = LoadedModel::view(
+        let mut model = LoadedModel::view(
             &path,
             &name,
             compute,
@@ -116,6 +121,10 @@ impl SharedModel {
             DeviceLock::Foreign(raw.device),
         )
         .map_err(|e| format!("cannot build a view of the host's model: {e:#}"))?;
+        model
+            .model
+            .set_kv_quant(kv_cache)
+            .map_err(|e| format!("{e:#}"))?;
         Ok(Arc::new(SharedModel {
             model,
             kv_pool: unsafe { KvPool::import(&raw.kv) },
@@ -163,6 +172,13 @@ impl SharedModel {
             model_path: leak(&self.model.path.to_string_lossy()),
             model_name: leak(&self.model.name),
             compute_dtype: leak(self.model.compute.name()),
+            kv_cache: leak(
+                &self
+                    .model
+                    .model
+                    .kv_quant()
+                    .map_or_else(String::new, |q| q.to_string()),
+            ),
             arrays: arrays.as_ptr(),
             arrays_len: arrays.len(),
             device: RawDeviceLock { ctx, lock, unlock },

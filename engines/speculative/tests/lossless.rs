@@ -32,7 +32,7 @@ fn target_of(spec: &TinySpec) -> Target {
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path(), spec).unwrap();
     let model = LoadedModel::load(dir.path(), Some("tiny")).unwrap();
-    let bytes = model.model.config.kv_bytes_per_token(4);
+    let bytes = model.model.config.kv_bytes_per_token(4, None);
     let shared = Arc::new(SharedModel::new(model, KvPool::new(4096, 16, bytes * 16)));
     Target { dir, shared }
 }

@@ -71,6 +71,7 @@ pub async fn health(State(state): State<SharedState>) -> Response {
             "total_blocks": pool.total(),
             "allocated_blocks": pool.allocated(),
             "block_size": pool.block_size(),
+            "bytes_per_block": pool.bytes_per_block(),
             "pressure": pool.pressure(),
         },
         "memory": {

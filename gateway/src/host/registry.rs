@@ -147,8 +147,9 @@ const DEFAULT_KV_CACHE_MB: usize = 1024;
 
 fn load_shared(config: &Config) -> anyhow::Result<(SharedModel, Option<MemoryPlan>)> {
     let m = &config.model;
-    let model = LoadedModel::load_as(&m.path, m.name.as_deref(), m.compute_dtype)
+    let mut model = LoadedModel::load_as(&m.path, m.name.as_deref(), m.compute_dtype)
         .with_context(|| format!("loading the model from {}", m.path.display()))?;
+    model.model.set_kv_quant(m.kv_cache)?;
     let per_token = model.model.kv_bytes_per_token();
     let kv_cap = m.kv_cache_mb.map(|mb| (mb as u64) << 20);
     let plan = match &config.memory {
@@ -170,6 +171,8 @@ fn load_shared(config: &Config) -> anyhow::Result<(SharedModel, Option<MemoryPla
         blocks = kv_pool.total(),
         block_size = kv_pool.block_size(),
         tokens = kv_pool.total() * kv_pool.block_size(),
+        bytes_per_token = per_token,
+        kv_cache = %m.kv_cache.map_or_else(|| "model dtype".to_string(), |q| format!("{} bits, group {}", q.bits, q.group_size)),
         "shared KV pool ready"
     );
     let shared = SharedModel::with_prefix_cache(model, kv_pool, m.prefix_cache_entries);
