@@ -14,6 +14,8 @@ pub struct Row {
     pub reservation: Reservation,
     /// Input of the next decode step.
     pub last_token: u32,
+    /// The request's grammar state (structured outputs).
+    pub constraint: Option<grammar::Constraint>,
 }
 
 impl Row {
@@ -21,9 +23,10 @@ impl Row {
         &self.out.request
     }
 
-    /// Plain greedy rows share one argmax over the whole batch.
+    /// Plain greedy rows share one argmax over the whole batch; a
+    /// constrained row picks under its own mask.
     pub fn plain_greedy(&self) -> bool {
-        self.out.request.is_plain_greedy()
+        self.constraint.is_none() && self.out.request.is_plain_greedy()
     }
 
     pub fn wants_logprobs(&self) -> bool {

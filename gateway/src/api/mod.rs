@@ -9,8 +9,10 @@ pub mod health;
 pub mod logprobs;
 pub mod metrics;
 pub mod models;
+pub mod responses;
 pub mod openapi;
 pub mod sse;
+pub mod structured;
 pub mod validate;
 
 use axum::body::Body;

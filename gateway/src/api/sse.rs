@@ -18,6 +18,11 @@ pub trait ChunkFormat: Send + 'static {
     fn batch(&mut self, batch: &Batch) -> Vec<Value>;
     /// The chunk with `finish_reason`, then the usage chunk when asked for.
     fn closing(&mut self, summary: &Summary) -> Vec<Value>;
+    /// Whether each frame names its event (`event: <type>`), as the
+    /// Responses API's stream does.
+    fn named_events(&self) -> bool {
+        false
+    }
 }
 
 /// The last chunk of a stream that asked for `stream_options.include_usage`:
@@ -53,10 +58,26 @@ pub fn frame(out: &mut Vec<u8>, value: &Value) {
     out.extend_from_slice(b"\n\n");
 }
 
-fn frames(values: &[Value]) -> Vec<u8> {
+/// A frame with an `event:` line naming the value's `type`.
+fn named_frame(out: &mut Vec<u8>, value: &Value) {
+    if let Some(kind) = value.get("type").and_then(Value::as_str) {
+        out.extend_from_slice(b"event: ");
+        out.extend_from_slice(kind.as_bytes());
+        out.extend_from_slice(b"\n");
+    }
+    out.extend_from_slice(b"data: ");
+    out.extend_from_slice(value.to_string().as_bytes());
+    out.extend_from_slice(b"\n\n");
+}
+
+fn frames(values: &[Value], named: bool) -> Vec<u8> {
     let mut out = Vec::new();
     for v in values {
-        frame(&mut out, v);
+        if named {
+            named_frame(&mut out, v);
+        } else {
+            frame(&mut out, v);
+        }
     }
     out
 }
@@ -71,7 +92,7 @@ pub fn response<F: ChunkFormat>(generation: Generation, format: F) -> Response {
         let bytes = match st.phase {
             Phase::Opening => {
                 st.phase = Phase::Running;
-                frames(&st.format.opening())
+                frames(&st.format.opening(), st.format.named_events())
             }
             Phase::Running => next_frames(&mut st).await,
             Phase::Ended => return None,
@@ -96,9 +117,10 @@ async fn next_frames<F: ChunkFormat>(st: &mut StreamState<F>) -> Vec<u8> {
     loop {
         match st.generation.next().await {
             Some(Ok(batch)) => {
-                let mut out = frames(&st.format.batch(&batch));
+                let named = st.format.named_events();
+                let mut out = frames(&st.format.batch(&batch), named);
                 if let Some(summary) = &batch.done {
-                    out.extend(frames(&st.format.closing(summary)));
+                    out.extend(frames(&st.format.closing(summary), named));
                     out.extend_from_slice(DONE);
                     st.phase = Phase::Ended;
                 }
@@ -111,7 +133,7 @@ async fn next_frames<F: ChunkFormat>(st: &mut StreamState<F>) -> Vec<u8> {
                 metrics::counter!(crate::telemetry::metric::ERRORS, "kind" => e.label())
                     .increment(1);
                 tracing::warn!(error = %e, "stream failed");
-                let mut out = frames(&[e.body()]);
+                let mut out = frames(&[e.body()], false);
                 out.extend_from_slice(DONE);
                 st.phase = Phase::Ended;
                 return out;

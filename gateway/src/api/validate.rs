@@ -5,6 +5,7 @@
 use engine_core::SamplingParams;
 use serde_json::{Map, Value};
 
+use super::structured::StructuredOutput;
 use super::ApiError;
 
 /// A request body known to be a JSON object.
@@ -47,6 +48,12 @@ impl RawBody {
                 type_name(&other)
             ))),
         }
+    }
+
+    /// A body built by the gateway itself (another endpoint's request in
+    /// this one's terms).
+    pub fn from_map(map: Map<String, Value>) -> Self {
+        Self { map }
     }
 
     /// The field, unless absent or null.
@@ -154,6 +161,8 @@ pub struct GenOptions {
     /// vLLM's extension: generate through end-of-sequence tokens until
     /// `max_tokens` or a stop string (benchmarks need fixed-length outputs).
     pub ignore_eos: bool,
+    /// The output's grammar (structured outputs), see [`super::structured`].
+    pub structured: Option<StructuredOutput>,
 }
 
 /// Most stop strings per request (OpenAI allows 4; a few more is harmless).
@@ -232,6 +241,7 @@ pub fn gen_options(body: &RawBody, vocab: usize) -> Result<GenOptions, ApiError>
         None => false,
     };
     let ignore_eos = body.bool("ignore_eos")?.unwrap_or(false);
+    let structured = super::structured::parse(body)?;
     Ok(GenOptions {
         max_tokens,
         sampling: s,
@@ -239,6 +249,7 @@ pub fn gen_options(body: &RawBody, vocab: usize) -> Result<GenOptions, ApiError>
         stream,
         include_usage,
         ignore_eos,
+        structured,
     })
 }
 
