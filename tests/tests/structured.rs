@@ -103,7 +103,7 @@ tools = [
 ]
 for seed in range(4):
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        r = client.chat.completions.create(model=model, messages=user, max_tokens=200, tools=tools, tool_choice=choice, temperature=1.0, seed=seed)
+        r = client.chat.completions.create(model=model, messages=user, max_tokens=600, tools=tools, tool_choice=choice, temperature=1.0, seed=seed)
         calls = r.choices[0].message.tool_calls
         assert r.choices[0].finish_reason == "tool_calls" and calls, r
         for call in calls:
@@ -149,7 +149,7 @@ streamed = "".join(e.delta for e in events if e.type == "response.output_text.de
 valid(streamed, person)
 assert events[-1].response.output_text == streamed
 resp_tools = [{"type": "function", "name": "get_weather", "parameters": weather, "strict": True}]
-r = client.responses.create(model=model, input="Weather in Paris?", tools=resp_tools, tool_choice="required", max_output_tokens=200)
+r = client.responses.create(model=model, input="Weather in Paris?", tools=resp_tools, tool_choice="required", max_output_tokens=600)
 calls = [o for o in r.output if o.type == "function_call"]
 assert calls and calls[0].name == "get_weather", r.output
 jsonschema.validate(json.loads(calls[0].arguments), weather)
@@ -159,7 +159,7 @@ r2 = client.responses.create(model=model, tools=resp_tools, max_output_tokens=4,
     {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"},
 ])
 assert r2.usage.input_tokens > r.usage.input_tokens, (r2.usage, r.usage)
-events = list(client.responses.create(model=model, input="Weather?", tools=resp_tools, tool_choice="required", max_output_tokens=200, stream=True))
+events = list(client.responses.create(model=model, input="Weather?", tools=resp_tools, tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=600, stream=True))
 kinds = [e.type for e in events]
 assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed", kinds
 try:

@@ -144,7 +144,7 @@ fn decode_constrained(
     mut constraint: grammar::Constraint,
 ) -> anyhow::Result<End> {
     let model = &shared.model.model;
-    let vocab = model.vocab_size();
+    let vocab = shared.model.vocab_size();
     let mut argmax = Sampler::new(&SamplingParams::greedy(), vocab as i32, &[])?;
     let mut cache = model.new_cache(1);
     let mut logits = {

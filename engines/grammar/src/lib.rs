@@ -26,6 +26,7 @@ const CACHE_ENTRIES: usize = 256;
 /// Compiles grammars for one model's tokenizer. `Send + Sync`; share it.
 pub struct Compiler {
     env: TokEnv,
+    eos: Arc<[u32]>,
     factory: ParserFactory,
     cache: Mutex<HashMap<u64, TokenParser>>,
 }
@@ -43,8 +44,10 @@ impl Compiler {
         let env: TokEnv = Arc::new(env);
         let mut factory = ParserFactory::new_simple(&env)?;
         factory.quiet();
+        let eos = env.tok_trie().eos_tokens().into();
         Ok(Self {
             env,
+            eos,
             factory,
             cache: Mutex::new(HashMap::new()),
         })
@@ -108,7 +111,7 @@ impl Compiler {
             h.finish()
         };
         if let Some(parser) = self.cache.lock().unwrap().get(&key) {
-            return Ok(Constraint::new(parser.clone()));
+            return Ok(Constraint::new(parser.clone(), self.eos.clone()));
         }
         let top = top_level(grammar)?;
         // Arbitrary client grammars reach the compiler: a panic in it is
@@ -123,7 +126,7 @@ impl Compiler {
             cache.clear();
         }
         cache.insert(key, parser.clone());
-        Ok(Constraint::new(parser))
+        Ok(Constraint::new(parser, self.eos.clone()))
     }
 }
 
@@ -175,12 +178,14 @@ fn compact_json() -> Value {
 /// One request's grammar state.
 pub struct Constraint {
     matcher: Matcher,
+    eos: Arc<[u32]>,
 }
 
 impl Constraint {
-    fn new(parser: TokenParser) -> Self {
+    fn new(parser: TokenParser, eos: Arc<[u32]>) -> Self {
         Self {
             matcher: Matcher::new(Ok(parser)),
+            eos,
         }
     }
 
@@ -220,9 +225,7 @@ impl Constraint {
 
     /// Whether `token` ends the sequence (an end-of-sequence token).
     pub fn is_end(&self, token: u32) -> bool {
-        self.matcher
-            .tok_env()
-            .is_ok_and(|env| env.tok_trie().is_eos_token(token))
+        self.eos.contains(&token)
     }
 }
 
@@ -253,8 +256,9 @@ impl Allowed {
 }
 
 /// The tokenizer as llguidance sees it: every token's bytes (from
-/// `tokenizer.json` through llguidance's own reader), padded to the model's
-/// vocabulary with unusable special entries, and our tokenizer for text.
+/// `tokenizer.json` through llguidance's own reader), fitted to the model's
+/// vocabulary (padded with unusable special entries), and our tokenizer for
+/// text.
 struct TokenizerBytes {
     trie: TokTrie,
     tokenizer: text::Tokenizer,
@@ -269,11 +273,8 @@ impl TokenizerBytes {
                 .map_err(|e| anyhow::anyhow!("cannot serialize the tokenizer: {e}"))?,
         )?;
         let mut words = llguidance::token_bytes_from_tokenizer_json(&json)?;
-        anyhow::ensure!(
-            words.len() <= vocab,
-            "the tokenizer has {} tokens, more than the model's {vocab} outputs",
-            words.len()
-        );
+        // Tokens past the model's outputs can never be chosen.
+        words.truncate(vocab);
         while words.len() < vocab {
             let mut name = format!(".<[{}]>", words.len()).into_bytes();
             name[0] = TokTrie::SPECIAL_TOKEN_MARKER;

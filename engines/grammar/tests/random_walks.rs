@@ -96,7 +96,7 @@ fn is_number_tuple(s: &str) -> bool {
 
 #[test]
 fn bad_grammars_are_refused_with_a_reason() {
-    let (_dir, tok, compiler) = tokenizer(Family::Qwen3);
+    let (_dir, _tok, compiler) = tokenizer(Family::Qwen3);
     for g in [
         Grammar::JsonSchema("{\"type\": \"objekt\"}".into()),
         Grammar::JsonSchema("[1]".into()),

@@ -55,7 +55,7 @@ impl SharedModel {
     pub fn grammars(&self) -> Result<Arc<grammar::Compiler>, String> {
         self.grammars
             .get_or_init(|| {
-                let vocab = self.model.model.vocab_size();
+                let vocab = self.model.vocab_size();
                 grammar::Compiler::new(&self.model.tokenizer, vocab, &self.model.stop_tokens)
                     .map(Arc::new)
                     .map_err(|e| format!("cannot build the grammar compiler: {e}"))

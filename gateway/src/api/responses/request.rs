@@ -242,13 +242,13 @@ fn tool_choice(choice: &Value) -> Value {
 
 /// The chat parser's field names, back in the Responses request's terms.
 fn renamed(e: ApiError, offset: usize) -> ApiError {
-    let ApiError::InvalidRequest {
-        message,
-        param: Some(param),
-        code,
-    } = e
-    else {
-        return e;
+    let (message, param, code) = match e {
+        ApiError::InvalidRequest {
+            message,
+            param: Some(param),
+            code,
+        } => (message, param, code),
+        other => return other,
     };
     let param = if let Some(rest) = param.strip_prefix("messages[") {
         let (index, tail) = rest.split_once(']').unwrap_or((rest, ""));
