@@ -10,7 +10,7 @@ use runtime::generate::{self, GreedyStream};
 use runtime::model::Logits;
 use runtime::sampling::{self, Sampler};
 use runtime::handover::{Handover, HandoverSink};
-use runtime::{KvCache, Reservation, SharedModel};
+use runtime::{memory, KvCache, Reservation, SharedModel};
 
 pub struct Job {
     pub request: GenerateRequest,
@@ -94,7 +94,7 @@ pub fn run(shared: &Arc<SharedModel>, job: Job, slot: &AtomicBool) -> Outcome {
             tracing::error!(error = %e, "fast path decode failed");
             drop(reservation);
             slot.store(false, Ordering::Release);
-            out.fail(StreamError::Internal(format!("generation failed: {e}")));
+            out.fail(memory::failed_step(&e));
             Outcome::Failed
         }
     }
