@@ -9,8 +9,8 @@
 use engine_core::{GenerateRequest, Grammar};
 use serde_json::Value;
 use text::reasoning::ReasoningFormat;
-use text::tools::ToolFormat;
 use text::template::TemplateError;
+use text::tools::ToolFormat;
 use text::RenderOptions;
 
 use crate::api::chat::{ChatRequest, ToolChoice};
@@ -267,10 +267,16 @@ pub async fn grammar(
                             Value::Null => serde_json::json!({"type": "object"}),
                             p => p.clone(),
                         };
-                        (f["name"].as_str().unwrap_or_default().to_owned(), parameters)
+                        (
+                            f["name"].as_str().unwrap_or_default().to_owned(),
+                            parameters,
+                        )
                     })
                     .collect();
-                (compiler.tool_calls(format, &tools, many), "tools".to_owned())
+                (
+                    compiler.tool_calls(format, &tools, many),
+                    "tools".to_owned(),
+                )
             }
         };
         compiler.compile(&grammar).map_err(|e| {

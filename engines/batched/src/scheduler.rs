@@ -651,8 +651,8 @@ fn advance_rows(rows: &mut [Row], logits: &Array) -> anyhow::Result<Vec<(usize, 
     let mut finished = Vec::new();
     for (i, row) in rows.iter_mut().enumerate() {
         let t = tokens[i];
-        let grammar_over = matches!(masks[i], Mask::Over)
-            || row.constraint.as_ref().is_some_and(|c| c.is_end(t));
+        let grammar_over =
+            matches!(masks[i], Mask::Over) || row.constraint.as_ref().is_some_and(|c| c.is_end(t));
         if grammar_over {
             finished.push((i, FinishReason::Stop));
             continue;

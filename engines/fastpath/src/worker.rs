@@ -7,9 +7,9 @@ use engine_core::event::EventSender;
 use engine_core::{Event, FinishReason, GenerateRequest, SamplingParams, StreamError};
 use runtime::emit::Emitter;
 use runtime::generate::{self, GreedyStream};
+use runtime::handover::{Handover, HandoverSink};
 use runtime::model::Logits;
 use runtime::sampling::{self, Sampler};
-use runtime::handover::{Handover, HandoverSink};
 use runtime::{memory, KvCache, Reservation, SharedModel};
 
 pub struct Job {
@@ -130,7 +130,9 @@ fn compile(
         return Ok(None);
     };
     let compiler = shared.grammars()?;
-    let constraint = compiler.compile(g).map_err(|e| format!("{}: {e}", request.id))?;
+    let constraint = compiler
+        .compile(g)
+        .map_err(|e| format!("{}: {e}", request.id))?;
     Ok(Some(constraint))
 }
 
@@ -149,7 +151,12 @@ fn decode_constrained(
     let mut cache = model.new_cache(1);
     let mut logits = {
         let _device = shared.model.lock_device();
-        generate::prefill(model, &mut cache, &out.request.prompt, generate::DEFAULT_PREFILL_CHUNK)?
+        generate::prefill(
+            model,
+            &mut cache,
+            &out.request.prompt,
+            generate::DEFAULT_PREFILL_CHUNK,
+        )?
     };
     loop {
         let Some(allowed) = constraint.allowed() else {
@@ -158,7 +165,7 @@ fn decode_constrained(
         let _device = shared.model.lock_device();
         let token = argmax
             .sample_within(&logits, &sampling::allowed_mask(&allowed.to_bools(vocab)))?
-            .item::<u32>();
+            .item_exact::<u32>();
         if constraint.is_end(token) {
             return Ok(End::Done(FinishReason::Stop));
         }

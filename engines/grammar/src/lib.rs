@@ -232,7 +232,10 @@ impl Constraint {
 /// llguidance errors past compiling mean a token the mask did not allow got
 /// through: the sequence ends, the engine goes on.
 fn tracing_error(message: &str) {
-    tracing::warn!(error = message, "grammar matcher failed; ending the sequence");
+    tracing::warn!(
+        error = message,
+        "grammar matcher failed; ending the sequence"
+    );
 }
 
 /// The set of allowed tokens.
@@ -280,7 +283,11 @@ impl TokenizerBytes {
             name[0] = TokTrie::SPECIAL_TOKEN_MARKER;
             words.push(name);
         }
-        let eos: Vec<u32> = eos.iter().copied().filter(|&t| (t as usize) < vocab).collect();
+        let eos: Vec<u32> = eos
+            .iter()
+            .copied()
+            .filter(|&t| (t as usize) < vocab)
+            .collect();
         let info = TokRxInfo {
             vocab_size: vocab as u32,
             tok_eos: eos.first().copied().unwrap_or(0),

@@ -22,7 +22,13 @@ fn tokenizer(family: Family) -> (tempfile::TempDir, text::Tokenizer, Compiler) {
 
 /// Walks the grammar picking uniformly among allowed tokens; the text, or
 /// `None` if the walk did not end within `budget` tokens.
-fn walk(compiler: &Compiler, tok: &text::Tokenizer, g: &Grammar, seed: u64, budget: usize) -> Option<String> {
+fn walk(
+    compiler: &Compiler,
+    tok: &text::Tokenizer,
+    g: &Grammar,
+    seed: u64,
+    budget: usize,
+) -> Option<String> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut c = compiler.compile(g).unwrap();
     let mut out = Vec::new();
@@ -61,8 +67,10 @@ fn random_walks_spell_valid_json() {
     for family in [Family::Qwen3, Family::Gemma3] {
         let (_dir, tok, compiler) = tokenizer(family);
         for seed in 0..40 {
-            let text = walk(&compiler, &tok, &g, seed, 400).unwrap_or_else(|| panic!("{family:?} seed {seed}: no end"));
-            let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{family:?} {text:?}: {e}"));
+            let text = walk(&compiler, &tok, &g, seed, 400)
+                .unwrap_or_else(|| panic!("{family:?} seed {seed}: no end"));
+            let v: Value =
+                serde_json::from_str(&text).unwrap_or_else(|e| panic!("{family:?} {text:?}: {e}"));
             assert!(validator.is_valid(&v), "{family:?}: {text}");
         }
     }
@@ -79,7 +87,11 @@ fn regex_choice_and_lark_are_followed() {
         assert!(["yes", "no", "maybe \"so\""].contains(&c.as_str()), "{c:?}");
         let r = walk(&compiler, &tok, &regex, seed, 50).unwrap();
         assert!(r.len() == 6 && r.as_bytes()[3] == b'-', "{r:?}");
-        assert!(r[..3].bytes().all(|b| b.is_ascii_digit()) && r[4..].bytes().all(|b| b.is_ascii_lowercase()), "{r:?}");
+        assert!(
+            r[..3].bytes().all(|b| b.is_ascii_digit())
+                && r[4..].bytes().all(|b| b.is_ascii_lowercase()),
+            "{r:?}"
+        );
         if let Some(l) = walk(&compiler, &tok, &lark, seed, 200) {
             assert!(is_number_tuple(&l), "{l:?}");
         }
@@ -91,7 +103,9 @@ fn is_number_tuple(s: &str) -> bool {
     let Some(inner) = s.strip_prefix('(').and_then(|s| s.strip_suffix(')')) else {
         return false;
     };
-    inner.split(',').all(|n| (1..=2).contains(&n.len()) && n.bytes().all(|b| b.is_ascii_digit()))
+    inner
+        .split(',')
+        .all(|n| (1..=2).contains(&n.len()) && n.bytes().all(|b| b.is_ascii_digit()))
 }
 
 #[test]
@@ -104,7 +118,10 @@ fn bad_grammars_are_refused_with_a_reason() {
         Grammar::Lark("start: undefined_rule".into()),
         Grammar::Choice(vec![]),
     ] {
-        let e = compiler.compile(&g).err().unwrap_or_else(|| panic!("{g:?} compiled"));
+        let e = compiler
+            .compile(&g)
+            .err()
+            .unwrap_or_else(|| panic!("{g:?} compiled"));
         assert!(!e.0.is_empty());
     }
 }
@@ -112,7 +129,9 @@ fn bad_grammars_are_refused_with_a_reason() {
 #[test]
 fn a_dead_end_ends_the_sequence() {
     let (_dir, tok, compiler) = tokenizer(Family::Qwen3);
-    let mut c = compiler.compile(&Grammar::Choice(vec!["ab".into()])).unwrap();
+    let mut c = compiler
+        .compile(&Grammar::Choice(vec!["ab".into()]))
+        .unwrap();
     let ids = tok.hf().encode("ab", false).unwrap().get_ids().to_vec();
     for &t in &ids {
         assert!(c.allowed().unwrap().contains(t));
@@ -121,6 +140,8 @@ fn a_dead_end_ends_the_sequence() {
     // Complete: only the end is left, or nothing at all.
     match c.allowed() {
         None => {}
-        Some(a) => assert!((0..VOCAB as u32).filter(|&t| a.contains(t)).all(|t| c.is_end(t))),
+        Some(a) => assert!((0..VOCAB as u32)
+            .filter(|&t| a.contains(t))
+            .all(|t| c.is_end(t))),
     }
 }

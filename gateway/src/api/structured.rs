@@ -38,10 +38,7 @@ impl StructuredOutput {
     pub fn json_schema(raw: &Value, param: &str) -> Result<Self, ApiError> {
         let schema = match raw {
             Value::String(text) => serde_json::from_str(text).map_err(|e| {
-                ApiError::invalid(
-                    format!("`{param}` is not valid JSON: {e}"),
-                    param,
-                )
+                ApiError::invalid(format!("`{param}` is not valid JSON: {e}"), param)
             })?,
             other => other.clone(),
         };
@@ -72,7 +69,10 @@ pub fn parse(body: &RawBody) -> Result<Option<StructuredOutput>, ApiError> {
         found.push(StructuredOutput::json_schema(v, "guided_json")?);
     }
     if let Some(rx) = body.string("guided_regex")? {
-        found.push(StructuredOutput::new(Grammar::Regex(rx.into()), "guided_regex"));
+        found.push(StructuredOutput::new(
+            Grammar::Regex(rx.into()),
+            "guided_regex",
+        ));
     }
     if let Some(v) = body.get("guided_choice") {
         found.push(StructuredOutput::new(
@@ -110,9 +110,7 @@ pub fn response_format(
     let type_param = format!("{at}.type");
     match format.get("type") {
         Some(Value::String(t)) if t == "text" => Ok(None),
-        Some(Value::String(t)) if t == "json_object" => {
-            Ok(Some(StructuredOutput::json_object(at)))
-        }
+        Some(Value::String(t)) if t == "json_object" => Ok(Some(StructuredOutput::json_object(at))),
         Some(Value::String(t)) if t == "json_schema" => {
             // Chat nests the schema under `json_schema`; responses do not.
             let (spec, spec_at) = match format.get("json_schema") {
@@ -172,7 +170,9 @@ fn structured_outputs(so: &Map<String, Value>) -> Result<Vec<StructuredOutput>, 
             },
             _ => {
                 return Err(ApiError::invalid(
-                    format!("`{param}` is not supported (json, regex, choice, grammar, json_object)"),
+                    format!(
+                        "`{param}` is not supported (json, regex, choice, grammar, json_object)"
+                    ),
                     param,
                 ))
             }
@@ -213,36 +213,74 @@ mod tests {
     fn every_spelling_gives_one_grammar() {
         let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
         let cases = [
-            (json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": true}}}), "response_format.json_schema.schema"),
-            (json!({"response_format": {"type": "json_object"}}), "response_format"),
+            (
+                json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": true}}}),
+                "response_format.json_schema.schema",
+            ),
+            (
+                json!({"response_format": {"type": "json_object"}}),
+                "response_format",
+            ),
             (json!({"guided_json": schema.to_string()}), "guided_json"),
             (json!({"guided_regex": "[a-z]+"}), "guided_regex"),
             (json!({"guided_choice": ["a", "b"]}), "guided_choice"),
             (json!({"guided_grammar": "start: \"x\""}), "guided_grammar"),
-            (json!({"structured_outputs": {"json": schema}}), "structured_outputs.json"),
-            (json!({"structured_outputs": {"choice": ["a"]}}), "structured_outputs.choice"),
+            (
+                json!({"structured_outputs": {"json": schema}}),
+                "structured_outputs.json",
+            ),
+            (
+                json!({"structured_outputs": {"choice": ["a"]}}),
+                "structured_outputs.choice",
+            ),
         ];
         for (body, param) in cases {
-            let s = parse_json(body.clone()).unwrap().unwrap_or_else(|| panic!("{body}"));
+            let s = parse_json(body.clone())
+                .unwrap()
+                .unwrap_or_else(|| panic!("{body}"));
             assert_eq!(s.param, param);
         }
-        assert_eq!(parse_json(json!({"response_format": {"type": "text"}})).unwrap(), None);
+        assert_eq!(
+            parse_json(json!({"response_format": {"type": "text"}})).unwrap(),
+            None
+        );
         assert_eq!(parse_json(json!({})).unwrap(), None);
     }
 
     #[test]
     fn bad_constraints_name_their_param() {
         let cases = [
-            (json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}), "response_format.json_schema.schema"),
-            (json!({"response_format": {"type": "json_schema"}}), "response_format.json_schema"),
-            (json!({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}}}), "response_format.json_schema.schema"),
-            (json!({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}), "response_format.json_schema.schema"),
-            (json!({"response_format": {"type": "yaml"}}), "response_format.type"),
+            (
+                json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
+                "response_format.json_schema.schema",
+            ),
+            (
+                json!({"response_format": {"type": "json_schema"}}),
+                "response_format.json_schema",
+            ),
+            (
+                json!({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}}}),
+                "response_format.json_schema.schema",
+            ),
+            (
+                json!({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}),
+                "response_format.json_schema.schema",
+            ),
+            (
+                json!({"response_format": {"type": "yaml"}}),
+                "response_format.type",
+            ),
             (json!({"guided_json": "{not json"}), "guided_json"),
             (json!({"guided_choice": []}), "guided_choice"),
             (json!({"guided_choice": "a"}), "guided_choice"),
-            (json!({"structured_outputs": {"xml": "x"}}), "structured_outputs.xml"),
-            (json!({"response_format": {"type": "json_object"}, "guided_regex": "a"}), "guided_regex"),
+            (
+                json!({"structured_outputs": {"xml": "x"}}),
+                "structured_outputs.xml",
+            ),
+            (
+                json!({"response_format": {"type": "json_object"}, "guided_regex": "a"}),
+                "guided_regex",
+            ),
         ];
         for (body, param) in cases {
             let e = parse_json(body.clone()).unwrap_err();

@@ -143,9 +143,7 @@ impl Output {
     fn object(&self, summary: Option<&Summary>) -> Value {
         let (status, incomplete) = match summary.map(|s| s.finish_reason) {
             None => ("in_progress", Value::Null),
-            Some(FinishReason::Length) => {
-                ("incomplete", json!({"reason": "max_output_tokens"}))
-            }
+            Some(FinishReason::Length) => ("incomplete", json!({"reason": "max_output_tokens"})),
             Some(_) => ("completed", Value::Null),
         };
         let done = summary.is_some();
@@ -194,7 +192,8 @@ impl Output {
                 _ => None,
             };
             if let Some((kind, id, t)) = appended {
-                let mut event = json!({"item_id": id, "output_index": index, "content_index": 0, "delta": t});
+                let mut event =
+                    json!({"item_id": id, "output_index": index, "content_index": 0, "delta": t});
                 if kind == "response.output_text.delta" {
                     event["logprobs"] = json!([]);
                 }
@@ -426,13 +425,19 @@ mod tests {
                 "response.completed",
             ]
         );
-        let seq: Vec<u64> = all.iter().map(|e| e["sequence_number"].as_u64().unwrap()).collect();
+        let seq: Vec<u64> = all
+            .iter()
+            .map(|e| e["sequence_number"].as_u64().unwrap())
+            .collect();
         assert_eq!(seq, (0..all.len() as u64).collect::<Vec<_>>());
         let done = &all.last().unwrap()["response"];
         assert_eq!(done["status"], "completed");
         assert_eq!(done["output"][1]["content"][0]["text"], "Hello");
         assert_eq!(done["output"][2]["name"], "f");
-        assert_eq!(done["usage"]["output_tokens_details"]["reasoning_tokens"], 2);
+        assert_eq!(
+            done["usage"]["output_tokens_details"]["reasoning_tokens"],
+            2
+        );
     }
 
     #[test]

@@ -47,7 +47,13 @@ impl ResponsesRequest {
         messages.extend(input(body)?);
         let mut chat = Map::new();
         chat.insert("messages".into(), Value::Array(messages));
-        for key in ["model", "temperature", "top_p", "stream", "parallel_tool_calls"] {
+        for key in [
+            "model",
+            "temperature",
+            "top_p",
+            "stream",
+            "parallel_tool_calls",
+        ] {
             if let Some(v) = body.get(key) {
                 chat.insert(key.into(), v.clone());
             }
@@ -62,8 +68,7 @@ impl ResponsesRequest {
             chat.insert("tool_choice".into(), tool_choice(choice));
         }
         let chat_body = RawBody::from_map(chat);
-        let mut parsed =
-            ChatRequest::parse(&chat_body, vocab).map_err(|e| renamed(e, offset))?;
+        let mut parsed = ChatRequest::parse(&chat_body, vocab).map_err(|e| renamed(e, offset))?;
         // `text.format` is the structured output, named as the client sent it.
         let format = match body.object("text")? {
             Some(text) => match text.get("format") {
@@ -73,7 +78,12 @@ impl ResponsesRequest {
             },
             None => None,
         };
-        if format.is_some() && matches!(&parsed.tool_choice, ToolChoice::Required | ToolChoice::Named(_)) {
+        if format.is_some()
+            && matches!(
+                &parsed.tool_choice,
+                ToolChoice::Required | ToolChoice::Named(_)
+            )
+        {
             return Err(ApiError::invalid(
                 "`tool_choice` forces a tool call, which conflicts with `text.format`",
                 "tool_choice",
@@ -81,10 +91,20 @@ impl ResponsesRequest {
         }
         parsed.options.structured = format;
         let mut echo = Map::new();
-        for key in ["instructions", "max_output_tokens", "temperature", "top_p", "metadata", "text"] {
+        for key in [
+            "instructions",
+            "max_output_tokens",
+            "temperature",
+            "top_p",
+            "metadata",
+            "text",
+        ] {
             echo.insert(key.into(), body.get(key).cloned().unwrap_or(Value::Null));
         }
-        echo.insert("tools".into(), body.get("tools").cloned().unwrap_or(json!([])));
+        echo.insert(
+            "tools".into(),
+            body.get("tools").cloned().unwrap_or(json!([])),
+        );
         echo.insert(
             "tool_choice".into(),
             body.get("tool_choice").cloned().unwrap_or(json!("auto")),
@@ -304,34 +324,75 @@ mod tests {
         assert_eq!(m.len(), 4);
         assert_eq!(m[0], json!({"role": "system", "content": "be brief"}));
         assert_eq!(m[1]["content"], "weather?");
-        assert_eq!(m[2]["tool_calls"][0]["function"]["arguments"], json!({"city": "Paris"}));
+        assert_eq!(
+            m[2]["tool_calls"][0]["function"]["arguments"],
+            json!({"city": "Paris"})
+        );
         assert_eq!(m[3]["role"], "tool");
         assert_eq!(r.chat.tool_choice, ToolChoice::Named("get_weather".into()));
         assert_eq!(r.chat.options.max_tokens, Some(7));
         let text = parse(json!({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}})).unwrap();
-        assert_eq!(text.chat.options.structured.unwrap().param, "text.format.schema");
+        assert_eq!(
+            text.chat.options.structured.unwrap().param,
+            "text.format.schema"
+        );
     }
 
     #[test]
     fn bad_inputs_name_the_responses_field() {
         let cases = [
-            (json!({"input": "x", "previous_response_id": "resp_1"}), "previous_response_id"),
+            (
+                json!({"input": "x", "previous_response_id": "resp_1"}),
+                "previous_response_id",
+            ),
             (json!({}), "input"),
             (json!({"input": []}), "input"),
             (json!({"input": 3}), "input"),
-            (json!({"input": [{"type": "file_search_call"}]}), "input[0].type"),
-            (json!({"input": [{"role": "robot", "content": "x"}]}), "input[0].role"),
-            (json!({"instructions": "x", "input": [{"role": "user", "content": 5}]}), "input[0].content"),
-            (json!({"input": [{"type": "function_call_output", "call_id": "c"}]}), "input[0].output"),
-            (json!({"input": "x", "max_output_tokens": 0}), "max_output_tokens"),
-            (json!({"input": "x", "tools": [{"type": "web_search"}]}), "tools[0].type"),
-            (json!({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {"type": 5}}]}), "tools[0].parameters"),
-            (json!({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}), "text.format.schema"),
-            (json!({"input": "x", "text": {"format": {"type": "json_schema", "schema": {"type": "objekt"}}}}), "text.format.schema"),
-            (json!({"input": "x", "text": {"format": {"type": "json_object"}}, "tools": [{"type": "function", "name": "f"}], "tool_choice": "required"}), "tool_choice"),
+            (
+                json!({"input": [{"type": "file_search_call"}]}),
+                "input[0].type",
+            ),
+            (
+                json!({"input": [{"role": "robot", "content": "x"}]}),
+                "input[0].role",
+            ),
+            (
+                json!({"instructions": "x", "input": [{"role": "user", "content": 5}]}),
+                "input[0].content",
+            ),
+            (
+                json!({"input": [{"type": "function_call_output", "call_id": "c"}]}),
+                "input[0].output",
+            ),
+            (
+                json!({"input": "x", "max_output_tokens": 0}),
+                "max_output_tokens",
+            ),
+            (
+                json!({"input": "x", "tools": [{"type": "web_search"}]}),
+                "tools[0].type",
+            ),
+            (
+                json!({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {"type": 5}}]}),
+                "tools[0].parameters",
+            ),
+            (
+                json!({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}),
+                "text.format.schema",
+            ),
+            (
+                json!({"input": "x", "text": {"format": {"type": "json_schema", "schema": {"type": "objekt"}}}}),
+                "text.format.schema",
+            ),
+            (
+                json!({"input": "x", "text": {"format": {"type": "json_object"}}, "tools": [{"type": "function", "name": "f"}], "tool_choice": "required"}),
+                "tool_choice",
+            ),
         ];
         for (body, param) in cases {
-            let e = parse(body.clone()).err().unwrap_or_else(|| panic!("{body} parsed"));
+            let e = parse(body.clone())
+                .err()
+                .unwrap_or_else(|| panic!("{body} parsed"));
             assert_eq!(e.status().as_u16(), 400, "{body}");
             assert_eq!(e.param(), Some(param), "{body}: {e}");
         }
