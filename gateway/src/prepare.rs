@@ -73,7 +73,7 @@ pub async fn chat(
         (None, ToolChoice::Required | ToolChoice::Named(_)) => Some(GrammarSource::ToolCalls {
             format: family.tool_format(),
             tools: request.offered_tools().unwrap_or_default(),
-            many: request.tool_choice == ToolChoice::Required,
+            many: request.tool_choice == ToolChoice::Required && request.parallel_tool_calls,
         }),
         (None, _) => None,
     };

@@ -73,11 +73,14 @@ for tokens, expect in [(200, "batched"), (201, "fastpath"), (202, "batched")]:
 assert greedy[200] == greedy[201] == greedy[202], greedy
 
 # Not strict, json_object, vLLM's extensions; streamed too.
-loose = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+# (A schema that leaves strings or extra properties unbounded may be cut
+# off by max_tokens on random weights: the schemas here bound the output.)
+loose = {"type": "json_schema", "json_schema": {"name": "p", "schema": person, "strict": False}}
 for tokens in (200, 201):
     _, r = chat(tokens, response_format=loose, temperature=0)
-    assert isinstance(json.loads(r.choices[0].message.content)["x"], int), r
-    _, r = chat(tokens, response_format={"type": "json_object"}, temperature=0.8, top_p=0.9) if tokens == 200 else chat(tokens, response_format={"type": "json_object"})
+    valid(r.choices[0].message.content, person)
+    _, r = chat(tokens, response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop", r
     assert isinstance(json.loads(r.choices[0].message.content), dict), r
     _, r = chat(tokens, extra_body={"guided_choice": ["yes", "no", "maybe"]})
     assert r.choices[0].message.content in ("yes", "no", "maybe"), r
@@ -103,7 +106,9 @@ tools = [
 ]
 for seed in range(4):
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        r = client.chat.completions.create(model=model, messages=user, max_tokens=600, tools=tools, tool_choice=choice, temperature=1.0, seed=seed)
+        # Random weights would chain parallel calls up to max_tokens.
+        r = client.chat.completions.create(model=model, messages=user, max_tokens=600, tools=tools, tool_choice=choice,
+            parallel_tool_calls=False, temperature=1.0, seed=seed)
         calls = r.choices[0].message.tool_calls
         assert r.choices[0].finish_reason == "tool_calls" and calls, r
         for call in calls:
@@ -112,8 +117,9 @@ for seed in range(4):
                 jsonschema.validate(args, weather)
             else:
                 assert choice == "required" and call.function.name == "ping" and args == {}, call
+        assert len(calls) == 1, calls
         if choice != "required":
-            assert [c.function.name for c in calls] == ["get_weather"], calls
+            assert calls[0].function.name == "get_weather", calls
 
 # Bad constraints are the client's 400, naming the field.
 for kw, param in [
@@ -149,7 +155,7 @@ streamed = "".join(e.delta for e in events if e.type == "response.output_text.de
 valid(streamed, person)
 assert events[-1].response.output_text == streamed
 resp_tools = [{"type": "function", "name": "get_weather", "parameters": weather, "strict": True}]
-r = client.responses.create(model=model, input="Weather in Paris?", tools=resp_tools, tool_choice="required", max_output_tokens=600)
+r = client.responses.create(model=model, input="Weather in Paris?", tools=resp_tools, tool_choice="required", parallel_tool_calls=False, max_output_tokens=600)
 calls = [o for o in r.output if o.type == "function_call"]
 assert calls and calls[0].name == "get_weather", r.output
 jsonschema.validate(json.loads(calls[0].arguments), weather)

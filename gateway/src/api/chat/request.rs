@@ -5,7 +5,7 @@
 //! * `tool_choice`: `none` hides the tools from the model and turns off
 //!   tool-call parsing; `auto` offers every tool; `required` offers every
 //!   tool and constrains decoding to one or more calls in the model
-//!   family's format; a named function offers only that one and
+//!   family's format (exactly one with `parallel_tool_calls: false`); a named function offers only that one and
 //!   constrains decoding to one call of it (arguments valid against its
 //!   `parameters`).
 //! * Structured outputs (`response_format` json_schema / json_object, vLLM's
@@ -53,6 +53,9 @@ pub struct ChatRequest {
     /// Tool definitions as the client sent them (validated).
     pub tools: Vec<Value>,
     pub tool_choice: ToolChoice,
+    /// With `tool_choice: "required"`: one or more calls (true, the
+    /// default) or exactly one.
+    pub parallel_tool_calls: bool,
     pub response_format: ResponseFormat,
     pub template_kwargs: Map<String, Value>,
     pub options: GenOptions,
@@ -67,6 +70,7 @@ impl ChatRequest {
         let messages = messages(body, &mut images)?;
         let tools = tools(body)?;
         let tool_choice = tool_choice(body, &tools)?;
+        let parallel_tool_calls = body.bool("parallel_tool_calls")?.unwrap_or(true);
 
         let mut template_kwargs = Map::new();
         if let Some(on) = body.bool("enable_thinking")? {
@@ -111,6 +115,7 @@ impl ChatRequest {
             messages,
             tools,
             tool_choice,
+            parallel_tool_calls,
             response_format,
             template_kwargs,
             options,
