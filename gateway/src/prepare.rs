@@ -6,14 +6,16 @@
 //! connections on the async executor. How the output is parsed (reasoning,
 //! tool calls) comes from the loaded model's family.
 
-use engine_core::GenerateRequest;
+use engine_core::{GenerateRequest, Grammar};
 use serde_json::Value;
 use text::reasoning::ReasoningFormat;
 use text::template::TemplateError;
+use text::tools::ToolFormat;
 use text::RenderOptions;
 
-use crate::api::chat::ChatRequest;
+use crate::api::chat::{ChatRequest, ToolChoice};
 use crate::api::completions::{CompletionRequest, Prompt};
+use crate::api::structured::StructuredOutput;
 use crate::api::validate::{resolve_max_tokens, GenOptions};
 use crate::api::ApiError;
 use crate::pipeline::PipelineOptions;
@@ -78,7 +80,18 @@ pub async fn chat(
         "messages",
         max_param,
     )?;
+    let family = state.registry.shared.model.model.config.family;
+    let source = match (&request.options.structured, &request.tool_choice) {
+        (Some(given), _) => Some(GrammarSource::Given(given.clone())),
+        (None, ToolChoice::Required | ToolChoice::Named(_)) => Some(GrammarSource::ToolCalls {
+            format: family.tool_format(),
+            tools: request.offered_tools().unwrap_or_default(),
+            many: request.tool_choice == ToolChoice::Required && request.parallel_tool_calls,
+        }),
+        (None, _) => None,
+    };
     let mut req = engine_request(state, rendered.prompt, max_tokens, &request.options);
+    req.grammar = grammar(state, source).await?;
     req.has_tools = has_tools;
     req.cache_scope = scope;
     // Images are fetched and encoded only for a request that is otherwise
@@ -95,7 +108,6 @@ pub async fn chat(
             None => images,
         });
     }
-    let family = state.registry.shared.model.model.config.family;
     let reasoning = family.reasoning_format();
     let text = PipelineOptions {
         stop: request.options.stop.clone(),
@@ -145,6 +157,8 @@ pub async fn completion(
         "max_tokens",
     )?;
     let mut req = engine_request(state, ids, max_tokens, &request.options);
+    let source = request.options.structured.clone().map(GrammarSource::Given);
+    req.grammar = grammar(state, source).await?;
     req.cache_scope = scope;
     let prepared = Prepared {
         model,
@@ -221,6 +235,74 @@ fn engine_request(
         req.stop_tokens = state.registry.shared.model.stop_tokens.clone();
     }
     req
+}
+
+/// Where a request's grammar comes from.
+pub enum GrammarSource {
+    /// Structured outputs the client gave.
+    Given(StructuredOutput),
+    /// A forced tool call: `tools` as offered to the model.
+    ToolCalls {
+        format: ToolFormat,
+        tools: Vec<Value>,
+        many: bool,
+    },
+}
+
+/// The request's grammar, compiled here once against the model's tokenizer
+/// (on the blocking pool; engines reuse nothing of it but the check): a
+/// schema or grammar llguidance cannot use is the client's 400, naming the
+/// field it came from.
+pub async fn grammar(
+    state: &SharedState,
+    source: Option<GrammarSource>,
+) -> Result<Option<Grammar>, ApiError> {
+    let Some(source) = source else {
+        return Ok(None);
+    };
+    blocking(state, move |state| {
+        let compiler = state.registry.shared.grammars().map_err(|e| {
+            ApiError::invalid(
+                format!("structured outputs are not available for this model: {e}"),
+                "response_format",
+            )
+        })?;
+        let (grammar, param) = match source {
+            GrammarSource::Given(s) => (s.grammar, s.param),
+            GrammarSource::ToolCalls {
+                format,
+                tools,
+                many,
+            } => {
+                let tools: Vec<(String, Value)> = tools
+                    .iter()
+                    .map(|t| {
+                        let f = &t["function"];
+                        let parameters = match &f["parameters"] {
+                            Value::Null => serde_json::json!({"type": "object"}),
+                            p => p.clone(),
+                        };
+                        (
+                            f["name"].as_str().unwrap_or_default().to_owned(),
+                            parameters,
+                        )
+                    })
+                    .collect();
+                (
+                    compiler.tool_calls(format, &tools, many),
+                    "tools".to_owned(),
+                )
+            }
+        };
+        compiler.compile(&grammar).map_err(|e| {
+            ApiError::invalid(
+                format!("`{param}` cannot be used for constrained decoding: {e}"),
+                param,
+            )
+        })?;
+        Ok(Some(grammar))
+    })
+    .await
 }
 
 /// Runs CPU-bound preparation (template, tokenizer) on the blocking pool.

@@ -228,5 +228,8 @@ fn unsupported(entry: &EngineEntry, req: &GenerateRequest) -> Option<&'static st
     if !req.images.is_empty() && !entry.capabilities.images {
         return Some("it does not serve requests with images");
     }
+    if req.grammar.is_some() && !entry.capabilities.grammar {
+        return Some("it does not apply structured-output grammars");
+    }
     None
 }

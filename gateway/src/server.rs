@@ -15,7 +15,7 @@ use tower_http::request_id::{PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;
 
-use crate::api::{chat, completions, health, metrics, models, openapi, ApiError};
+use crate::api::{chat, completions, health, metrics, models, openapi, responses, ApiError};
 use crate::cli::ServeArgs;
 use crate::config::{Config, Overrides};
 use crate::host::Registry;
@@ -39,6 +39,8 @@ pub fn app(state: SharedState) -> axum::Router {
         .route("/chat/completions", post(chat::create))
         .route("/v1/completions", post(completions::create))
         .route("/completions", post(completions::create))
+        .route("/v1/responses", post(responses::create))
+        .route("/responses", post(responses::create))
         .route_layer(from_fn_with_state(limiter, concurrency::limit))
         .route_layer(from_fn_with_state(state.clone(), draining::refuse_new_work))
         .route_layer(from_fn_with_state(

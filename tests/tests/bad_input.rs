@@ -8,6 +8,7 @@ use serde_json::{json, Value};
 
 const CHAT: &str = "/v1/chat/completions";
 const COMPLETIONS: &str = "/v1/completions";
+const RESPONSES: &str = "/v1/responses";
 const BODY_LIMIT: usize = 256 * 1024;
 
 /// One row: what is sent, and the error expected back.
@@ -238,6 +239,95 @@ fn table() -> Vec<Case> {
             400,
         )
         .param("tool_choice"),
+        // Structured outputs.
+        case(
+            "json_schema without a schema",
+            CHAT,
+            chat(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})),
+            400,
+        )
+        .param("response_format.json_schema.schema"),
+        case(
+            "json_schema not a JSON Schema",
+            CHAT,
+            chat(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}})),
+            400,
+        )
+        .param("response_format.json_schema.schema"),
+        case(
+            "response_format of an unknown type",
+            CHAT,
+            chat(json!({"response_format": {"type": "yaml"}})),
+            400,
+        )
+        .param("response_format.type"),
+        case(
+            "regex that does not compile",
+            COMPLETIONS,
+            json!({"model": MODEL, "prompt": "x", "guided_regex": "(unclosed"}),
+            400,
+        )
+        .param("guided_regex"),
+        case(
+            "grammar that does not compile",
+            CHAT,
+            chat(json!({"guided_grammar": "start: nowhere"})),
+            400,
+        )
+        .param("guided_grammar"),
+        case(
+            "schema the grammar compiler cannot use",
+            CHAT,
+            chat(json!({"structured_outputs": {"json": {"type": "string", "pattern": "(?<=a)b"}}})),
+            400,
+        )
+        .param("structured_outputs.json"),
+        case("empty choice list", CHAT, chat(json!({"guided_choice": []})), 400)
+            .param("guided_choice"),
+        case(
+            "two constraints",
+            CHAT,
+            chat(json!({"response_format": {"type": "json_object"}, "guided_choice": ["a"]})),
+            400,
+        )
+        .param("guided_choice"),
+        case(
+            "a forced tool call with a constraint",
+            CHAT,
+            chat(json!({"tools": tool(json!({"type": "object"})), "tool_choice": "required", "guided_regex": "a"})),
+            400,
+        )
+        .param("tool_choice"),
+        // The Responses API.
+        case("responses without input", RESPONSES, json!({"model": MODEL}), 400).param("input"),
+        case(
+            "responses with previous_response_id",
+            RESPONSES,
+            json!({"model": MODEL, "input": "hi", "previous_response_id": "resp_1"}),
+            400,
+        )
+        .param("previous_response_id"),
+        case(
+            "responses with a built-in tool",
+            RESPONSES,
+            json!({"model": MODEL, "input": "hi", "tools": [{"type": "web_search"}]}),
+            400,
+        )
+        .param("tools[0].type"),
+        case(
+            "responses with max_output_tokens zero",
+            RESPONSES,
+            json!({"model": MODEL, "input": "hi", "max_output_tokens": 0}),
+            400,
+        )
+        .param("max_output_tokens"),
+        case(
+            "responses text.format without a schema",
+            RESPONSES,
+            json!({"model": MODEL, "input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}),
+            400,
+        )
+        .param("text.format.schema"),
         // Size and model.
         Case {
             body: chat(json!({"messages": [{"role": "user", "content": "x".repeat(BODY_LIMIT)}]}))

@@ -84,6 +84,7 @@ impl Engine for BatchedEngine {
             greedy_only: false,
             tools: true,
             images: true,
+            grammar: true,
         }
     }
 

@@ -44,6 +44,8 @@ pub struct Row {
     pub active: Active,
     /// Input of the next decode step.
     pub last_token: u32,
+    /// The request's grammar state (structured outputs).
+    pub constraint: Option<grammar::Constraint>,
 }
 
 impl Row {
@@ -51,9 +53,10 @@ impl Row {
         &self.out.request
     }
 
-    /// Plain greedy rows share one argmax over the whole batch.
+    /// Plain greedy rows share one argmax over the whole batch; a
+    /// constrained row picks under its own mask.
     pub fn plain_greedy(&self) -> bool {
-        self.out.request.is_plain_greedy()
+        self.constraint.is_none() && self.out.request.is_plain_greedy()
     }
 
     pub fn wants_logprobs(&self) -> bool {
@@ -131,6 +134,7 @@ mod tests {
             reservation: pool.try_reserve(1).unwrap(),
             active: Active::take(&stats),
             last_token: 0,
+            constraint: None,
         };
         assert_eq!(stats.active.load(Ordering::Acquire), 1);
         row.finish(FinishReason::Stop);

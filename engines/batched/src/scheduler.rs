@@ -216,12 +216,19 @@ impl Scheduler {
                 )))
             }
         };
+        if out.request.grammar.is_some() {
+            // The grammar's state stays with the engine that started it.
+            return out.fail(StreamError::Internal(
+                "a constrained sequence cannot be handed over".into(),
+            ));
+        }
         let row = Row {
             out,
             sampler,
             reservation: h.reservation,
             active,
             last_token: h.last_token,
+            constraint: None,
         };
         if let Err(e) = self.join_batch(vec![row], h.cache) {
             tracing::error!(error = %e, "adopting a handed-over sequence failed");
@@ -420,6 +427,19 @@ impl Scheduler {
                     continue;
                 }
             };
+            let constraint = match out.request.grammar.as_ref().map(|g| {
+                self.shared
+                    .grammars()
+                    .and_then(|c| c.compile(g).map_err(|e| e.0))
+            }) {
+                None => None,
+                Some(Ok(c)) => Some(c),
+                Some(Err(e)) => {
+                    let id = out.request.id;
+                    out.fail(StreamError::Invalid(format!("{id}: {e}")));
+                    continue;
+                }
+            };
             let hit = self.shared.prefix.lookup(
                 out.request.cache_scope.as_deref(),
                 &out.request.prompt,
@@ -432,6 +452,7 @@ impl Scheduler {
                 reservation,
                 active,
                 last_token: 0,
+                constraint,
             };
             return Some((row, hit));
         }
@@ -694,13 +715,22 @@ impl RowCap {
 }
 
 /// Samples every row's next token from `[B, 1, V]` logits, records it
-/// (penalty counts, stream, counts) and returns the rows that finished.
+/// (penalty counts, stream, counts, grammar) and returns the rows that
+/// finished. A constrained row ends with `Stop` where its grammar is
+/// complete or allows nothing more, keeping the output so far.
 fn advance_rows(rows: &mut [Row], logits: &Array) -> anyhow::Result<Vec<(usize, FinishReason)>> {
     let logits = logits.reshape(&[rows.len() as i32, -1])?;
-    let (tokens, lps) = sample_rows(rows, &logits)?;
+    let masks = grammar_masks(rows, logits.dim(-1) as usize);
+    let (tokens, lps) = sample_rows(rows, &logits, &masks)?;
     let mut finished = Vec::new();
     for (i, row) in rows.iter_mut().enumerate() {
         let t = tokens[i];
+        let grammar_over =
+            matches!(masks[i], Mask::Over) || row.constraint.as_ref().is_some_and(|c| c.is_end(t));
+        if grammar_over {
+            finished.push((i, FinishReason::Stop));
+            continue;
+        }
         row.sampler.observe(t)?;
         let lp = lps.iter().find(|(j, _)| *j == i).map(|(_, a)| a);
         let (logprob, top_logprobs) = read_logprobs(lp, t, row.request().sampling.top_logprobs);
@@ -711,9 +741,31 @@ fn advance_rows(rows: &mut [Row], logits: &Array) -> anyhow::Result<Vec<(usize, 
         };
         if let Some(reason) = row.accept(token) {
             finished.push((i, reason));
+        } else if row.constraint.as_mut().is_some_and(|c| !c.commit(t)) {
+            finished.push((i, FinishReason::Stop));
         }
     }
     Ok(finished)
+}
+
+/// A row's grammar at this step.
+enum Mask {
+    Free,
+    Allowed(Array),
+    /// Complete, or a dead end: the row ends without another token.
+    Over,
+}
+
+fn grammar_masks(rows: &mut [Row], vocab: usize) -> Vec<Mask> {
+    rows.iter_mut()
+        .map(|row| match row.constraint.as_mut() {
+            None => Mask::Free,
+            Some(c) => match c.allowed() {
+                Some(allowed) => Mask::Allowed(sampling::allowed_mask(&allowed.to_bools(vocab))),
+                None => Mask::Over,
+            },
+        })
+        .collect()
 }
 
 /// Next token of every row from `[B, V]` logits: one argmax shared by the
@@ -722,6 +774,7 @@ fn advance_rows(rows: &mut [Row], logits: &Array) -> anyhow::Result<Vec<(usize, 
 fn sample_rows(
     rows: &mut [Row],
     logits: &Array,
+    masks: &[Mask],
 ) -> anyhow::Result<(Vec<u32>, Vec<(usize, Array)>)> {
     let greedy = rows
         .iter()
@@ -742,7 +795,12 @@ fn sample_rows(
             );
         } else {
             let l = logits.take_axis(&idx, 0)?;
-            picks.push(row.sampler.sample(&l)?.as_dtype(mlx_rs::Dtype::Uint32)?);
+            let pick = match &masks[i] {
+                Mask::Allowed(allowed) => row.sampler.sample_within(&l, allowed)?,
+                // An ended row's pick is never read.
+                Mask::Free | Mask::Over => row.sampler.sample(&l)?,
+            };
+            picks.push(pick.as_dtype(mlx_rs::Dtype::Uint32)?);
             if row.wants_logprobs() {
                 lps.push((i, logprob_source(row, &l)?));
             }

@@ -13,6 +13,9 @@ pub struct Capabilities {
     pub tools: bool,
     /// Can serve requests with images (their soft-token embeddings).
     pub images: bool,
+    /// Applies a request's grammar as token masks (structured outputs).
+    #[serde(default)]
+    pub grammar: bool,
 }
 
 /// A snapshot of an engine's load, read by the router per request.

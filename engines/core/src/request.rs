@@ -145,8 +145,27 @@ pub struct GenerateRequest {
     /// Image soft tokens of the prompt and their embeddings (vision
     /// models); empty for text-only requests.
     pub images: Vec<ImageInput>,
+    /// Constrains decoding to this grammar (structured outputs); engines
+    /// that cannot apply token masks say so in their capabilities.
+    #[serde(default)]
+    pub grammar: Option<Grammar>,
     #[serde(skip)]
     pub cancel: CancelToken,
+}
+
+/// A grammar the output must match, as plain data: each engine compiles it
+/// against the model's tokenizer (the `grammar` crate).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "type", content = "source", rename_all = "snake_case")]
+pub enum Grammar {
+    /// A JSON Schema, as JSON text.
+    JsonSchema(String),
+    /// A regular expression over the whole output (Rust `regex` syntax).
+    Regex(String),
+    /// A grammar in llguidance's Lark dialect.
+    Lark(String),
+    /// Exactly one of these strings.
+    Choice(Vec<String>),
 }
 
 /// One image in the prompt: the prompt positions `[start, start + tokens)`
@@ -198,6 +217,7 @@ impl GenerateRequest {
             cache_scope: None,
             has_tools: false,
             images: Vec::new(),
+            grammar: None,
             cancel: CancelToken::new(),
         }
     }

@@ -85,6 +85,7 @@ impl Engine for FastpathEngine {
             greedy_only: true,
             tools: false,
             images: false,
+            grammar: true,
         }
     }
 

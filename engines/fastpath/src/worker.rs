@@ -4,10 +4,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use engine_core::event::EventSender;
-use engine_core::{Event, FinishReason, GenerateRequest, StreamError};
+use engine_core::{Event, FinishReason, GenerateRequest, SamplingParams, StreamError};
 use runtime::emit::Emitter;
-use runtime::generate::GreedyStream;
+use runtime::generate::{self, GreedyStream};
 use runtime::handover::{Handover, HandoverSink};
+use runtime::model::Logits;
+use runtime::sampling::{self, Sampler};
 use runtime::{memory, KvCache, Reservation, SharedModel};
 
 pub struct Job {
@@ -42,7 +44,20 @@ pub fn run(shared: &Arc<SharedModel>, job: Job, slot: &AtomicBool) -> Outcome {
         events,
     } = job;
     let mut out = Emitter::new(request, events);
-    match decode(shared, &mut out) {
+    let constraint = match compile(shared, &out.request) {
+        Ok(c) => c,
+        Err(message) => {
+            drop(reservation);
+            slot.store(false, Ordering::Release);
+            out.fail(StreamError::Invalid(message));
+            return Outcome::Failed;
+        }
+    };
+    let decoded = match constraint {
+        Some(c) => decode_constrained(shared, &mut out, c),
+        None => decode(shared, &mut out),
+    };
+    match decoded {
         Ok(End::Done(reason)) => {
             drop(reservation);
             slot.store(false, Ordering::Release);
@@ -122,5 +137,62 @@ fn decode(shared: &Arc<SharedModel>, out: &mut Emitter) -> anyhow::Result<End> {
                 last_token: token,
             });
         }
+    }
+}
+
+fn compile(
+    shared: &SharedModel,
+    request: &GenerateRequest,
+) -> Result<Option<grammar::Constraint>, String> {
+    let Some(g) = &request.grammar else {
+        return Ok(None);
+    };
+    let compiler = shared.grammars()?;
+    let constraint = compiler
+        .compile(g)
+        .map_err(|e| format!("{}: {e}", request.id))?;
+    Ok(Some(constraint))
+}
+
+/// A constrained request: each token is the argmax among those its grammar
+/// allows, so no step is queued ahead, and the grammar's state cannot be
+/// handed over: the request finishes here. The device lock is taken per
+/// step, so the batched engine's work interleaves meanwhile.
+fn decode_constrained(
+    shared: &Arc<SharedModel>,
+    out: &mut Emitter,
+    mut constraint: grammar::Constraint,
+) -> anyhow::Result<End> {
+    let model = &shared.model.model;
+    let vocab = shared.model.vocab_size();
+    let mut argmax = Sampler::new(&SamplingParams::greedy(), vocab as i32, &[])?;
+    let mut cache = model.new_cache(1);
+    let mut logits = {
+        let _device = shared.model.lock_device();
+        generate::prefill(
+            model,
+            &mut cache,
+            &out.request.prompt,
+            generate::DEFAULT_PREFILL_CHUNK,
+        )?
+    };
+    loop {
+        let Some(allowed) = constraint.allowed() else {
+            return Ok(End::Done(FinishReason::Stop));
+        };
+        let _device = shared.model.lock_device();
+        let token = argmax
+            .sample_within(&logits, &sampling::allowed_mask(&allowed.to_bools(vocab)))?
+            .item_exact::<u32>();
+        if constraint.is_end(token) {
+            return Ok(End::Done(FinishReason::Stop));
+        }
+        if let Some(reason) = out.plain(token) {
+            return Ok(End::Done(reason));
+        }
+        if !constraint.commit(token) {
+            return Ok(End::Done(FinishReason::Stop));
+        }
+        logits = model.forward(&generate::tokens_array(&[token]), &mut cache, Logits::Last)?;
     }
 }

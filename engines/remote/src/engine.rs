@@ -162,6 +162,8 @@ impl Engine for RemoteEngine {
             greedy_only: false,
             tools: true,
             images: false,
+            // Upstreams differ in what structured outputs they take.
+            grammar: false,
         }
     }
 

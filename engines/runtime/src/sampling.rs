@@ -102,6 +102,17 @@ impl Sampler {
     /// a lazy `[1]` uint32 array.
     pub fn sample(&mut self, logits: &Array) -> R<Array> {
         let l = self.adjust(&logits.reshape(&[1, self.vocab])?)?;
+        self.pick(l)
+    }
+
+    /// [`Sampler::sample`] among the tokens a grammar allows (`allowed`:
+    /// `[V]` bool, see [`allowed_mask`]); the others get no probability.
+    pub fn sample_within(&mut self, logits: &Array, allowed: &Array) -> R<Array> {
+        let l = self.adjust(&logits.reshape(&[1, self.vocab])?)?;
+        self.pick(ops::select(allowed, &l, neg_inf())?)
+    }
+
+    fn pick(&mut self, l: Array) -> R<Array> {
         if self.params.is_greedy() {
             return ops::indexing::argmax_axis(&l, -1, None);
         }
@@ -140,6 +151,12 @@ impl Sampler {
         }
         Ok(())
     }
+}
+
+/// A grammar's allowed set as a `[V]` bool array for
+/// [`Sampler::sample_within`].
+pub fn allowed_mask(allowed: &[bool]) -> Array {
+    Array::from_slice(allowed, &[allowed.len() as i32])
 }
 
 /// Log-probabilities of `[.., V]` logits.

@@ -6,7 +6,7 @@
 
 use std::ffi::c_void;
 use std::path::PathBuf;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 
 use engine_core::plugin::read_c_str;
 use engine_core::EngineContext;
@@ -33,6 +33,9 @@ pub struct SharedModel {
     /// The engine that adopts sequences other engines hand over (the
     /// batched engine registers itself here).
     handover: Slot,
+    /// Structured-output grammars compiled against this model's tokenizer,
+    /// built at the first constrained request.
+    grammars: OnceLock<Result<Arc<grammar::Compiler>, String>>,
 }
 
 enum Slot {
@@ -58,7 +61,20 @@ impl SharedModel {
             prefix: SharedPrefixCache::new(kv_pool.block_size(), entries),
             kv_pool,
             handover: Slot::Local(RwLock::new(None)),
+            grammars: OnceLock::new(),
         }
+    }
+
+    /// The grammar compiler for this model (its token trie is built once).
+    pub fn grammars(&self) -> Result<Arc<grammar::Compiler>, String> {
+        self.grammars
+            .get_or_init(|| {
+                let vocab = self.model.vocab_size();
+                grammar::Compiler::new(&self.model.tokenizer, vocab, &self.model.stop_tokens)
+                    .map(Arc::new)
+                    .map_err(|e| format!("cannot build the grammar compiler: {e}"))
+            })
+            .clone()
     }
 
     pub fn set_handover_sink(&self, sink: Arc<dyn HandoverSink>) {
@@ -130,6 +146,7 @@ impl SharedModel {
             kv_pool: unsafe { KvPool::import(&raw.kv) },
             prefix: unsafe { SharedPrefixCache::import(&raw.prefix) },
             handover: Slot::Foreign(raw.handover),
+            grammars: OnceLock::new(),
         }))
     }
 

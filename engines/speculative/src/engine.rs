@@ -183,6 +183,9 @@ impl Engine for SpecEngine {
             tools: true,
             // The drafters read text positions only.
             images: false,
+            // Draft verification does not apply token masks: constrained
+            // requests go to the next engine of the route.
+            grammar: false,
         }
     }
 

@@ -11,7 +11,9 @@ pub mod logprobs;
 pub mod metrics;
 pub mod models;
 pub mod openapi;
+pub mod responses;
 pub mod sse;
+pub mod structured;
 pub mod validate;
 
 use axum::body::Body;

@@ -23,6 +23,7 @@ use crate::state::SharedState;
     paths(
         super::chat::create,
         super::completions::create,
+        super::responses::create,
         super::models::list,
         super::models::get,
         super::health::health,
@@ -40,7 +41,14 @@ use crate::state::SharedState;
         FunctionDefinition,
         StreamOptions,
         ResponseFormat,
+        JsonSchemaFormat,
+        StructuredOutputs,
         CompletionRequest,
+        ResponsesRequest,
+        ResponseTool,
+        TextOptions,
+        TextFormat,
+        ResponseObject,
         Completion,
         ModelList,
         Model,
@@ -83,6 +91,8 @@ fn served_document(model: &str, context_window: usize, max_n: u32) -> Value {
     for field in ["max_tokens", "max_completion_tokens"] {
         schemas["GenerationOptions"]["properties"][field]["maximum"] = context_window.into();
     }
+    schemas["ResponsesRequest"]["properties"]["max_output_tokens"]["maximum"] =
+        context_window.into();
     doc
 }
 
@@ -157,6 +167,33 @@ pub struct GenerationOptions {
     pub thinking_budget: Option<u32>,
     /// Generate through end-of-sequence tokens (vLLM's extension).
     pub ignore_eos: Option<bool>,
+    /// Constrained decoding (vLLM's extension); at most one of these, or
+    /// `response_format`, per request.
+    pub structured_outputs: Option<StructuredOutputs>,
+    /// A JSON Schema the output must match (vLLM's older spelling).
+    #[schema(value_type = Option<Object>)]
+    pub guided_json: Option<Value>,
+    /// A regular expression the whole output must match.
+    pub guided_regex: Option<String>,
+    /// The output is exactly one of these strings.
+    #[schema(min_items = 1)]
+    pub guided_choice: Option<Vec<String>>,
+    /// A grammar in llguidance's Lark dialect.
+    pub guided_grammar: Option<String>,
+}
+
+/// vLLM's `structured_outputs`: one of its fields.
+#[derive(Serialize, ToSchema)]
+pub struct StructuredOutputs {
+    /// A JSON Schema (object, or its JSON text).
+    #[schema(value_type = Option<Object>)]
+    pub json: Option<Value>,
+    pub regex: Option<String>,
+    #[schema(min_items = 1)]
+    pub choice: Option<Vec<String>>,
+    /// Lark grammar (llguidance's dialect).
+    pub grammar: Option<String>,
+    pub json_object: Option<bool>,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -218,11 +255,101 @@ pub struct StreamOptions {
     pub include_usage: Option<bool>,
 }
 
+/// Decoding is constrained to the format (`json_object`, `json_schema`,
+/// strict or not).
 #[derive(Serialize, ToSchema)]
 pub struct ResponseFormat {
-    /// "text" or "json_object".
+    /// "text", "json_object" or "json_schema".
     #[serde(rename = "type")]
     pub kind: String,
+    /// Required for "json_schema".
+    pub json_schema: Option<JsonSchemaFormat>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct JsonSchemaFormat {
+    pub name: Option<String>,
+    pub description: Option<String>,
+    /// The JSON Schema (checked against the meta-schema, then compiled).
+    #[schema(value_type = Object)]
+    pub schema: Value,
+    pub strict: Option<bool>,
+}
+
+/// `POST /v1/responses`.
+#[derive(Serialize, ToSchema)]
+pub struct ResponsesRequest {
+    pub model: ModelName,
+    /// A string (one user message) or a list of items: messages
+    /// (`{"role", "content"}` with `input_text` / `input_image` parts),
+    /// `function_call` and `function_call_output` items.
+    #[schema(value_type = Object)]
+    pub input: Value,
+    /// The system message.
+    pub instructions: Option<String>,
+    #[schema(minimum = 1)]
+    pub max_output_tokens: Option<u32>,
+    #[schema(minimum = 0.0, maximum = 2.0)]
+    pub temperature: Option<f64>,
+    #[schema(exclusive_minimum = 0.0, maximum = 1.0)]
+    pub top_p: Option<f64>,
+    pub stream: Option<bool>,
+    pub tools: Option<Vec<ResponseTool>>,
+    /// "none", "auto", "required" or `{"type": "function", "name": ...}`.
+    #[schema(value_type = Option<Object>)]
+    pub tool_choice: Option<Value>,
+    pub text: Option<TextOptions>,
+    /// Not supported (responses are not stored): always a 400.
+    pub previous_response_id: Option<String>,
+    /// Accepted; responses are never stored.
+    pub store: Option<bool>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct ResponseTool {
+    /// Always "function".
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[schema(min_length = 1)]
+    pub name: String,
+    pub description: Option<String>,
+    /// A JSON Schema (checked against the meta-schema).
+    #[schema(value_type = Option<Object>)]
+    pub parameters: Option<Value>,
+    pub strict: Option<bool>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct TextOptions {
+    pub format: Option<TextFormat>,
+}
+
+/// "text", "json_object", or "json_schema" with `schema` beside it.
+#[derive(Serialize, ToSchema)]
+pub struct TextFormat {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub name: Option<String>,
+    #[schema(value_type = Option<Object>)]
+    pub schema: Option<Value>,
+    pub strict: Option<bool>,
+}
+
+/// A response: `output` items (`reasoning`, `message`, `function_call`);
+/// streamed, `response.*` events ending with `response.completed`.
+#[derive(Serialize, ToSchema)]
+pub struct ResponseObject {
+    pub id: String,
+    /// "response"
+    pub object: String,
+    pub created_at: u64,
+    /// "completed" or "incomplete".
+    pub status: String,
+    pub model: String,
+    #[schema(value_type = Vec<Object>)]
+    pub output: Value,
+    #[schema(value_type = Object)]
+    pub usage: Value,
 }
 
 /// `POST /v1/completions`.
@@ -333,6 +460,7 @@ mod tests {
         for path in [
             "/v1/chat/completions",
             "/v1/completions",
+            "/v1/responses",
             "/v1/models",
             "/v1/models/{id}",
             "/health",

@@ -19,6 +19,11 @@ pub trait ChunkFormat: Send + 'static {
     fn batch(&mut self, batch: &Batch) -> Vec<Value>;
     /// The chunk with `finish_reason`, then the usage chunk when asked for.
     fn closing(&mut self, summary: &Summary) -> Vec<Value>;
+    /// Whether each frame names its event (`event: <type>`), as the
+    /// Responses API's stream does.
+    fn named_events(&self) -> bool {
+        false
+    }
 }
 
 /// The last chunk of a stream that asked for `stream_options.include_usage`:
@@ -63,17 +68,33 @@ pub fn frame(out: &mut Vec<u8>, value: &Value) {
     out.extend_from_slice(b"\n\n");
 }
 
-fn frames(values: &[Value]) -> Vec<u8> {
+/// A frame with an `event:` line naming the value's `type`.
+fn named_frame(out: &mut Vec<u8>, value: &Value) {
+    if let Some(kind) = value.get("type").and_then(Value::as_str) {
+        out.extend_from_slice(b"event: ");
+        out.extend_from_slice(kind.as_bytes());
+        out.extend_from_slice(b"\n");
+    }
+    frame(out, value);
+}
+
+fn frames(values: &[Value], named: bool) -> Vec<u8> {
     let mut out = Vec::new();
     for v in values {
-        frame(&mut out, v);
+        if named {
+            named_frame(&mut out, v);
+        } else {
+            frame(&mut out, v);
+        }
     }
     out
 }
 
 pub fn response<F: ChunkFormat>(generation: Generation, format: F) -> Response {
+    let named = format.named_events();
+    // An error event is a plain frame, as on every endpoint.
     let body = pieces(generation, format)
-        .map(|piece| frames(&piece.chunks))
+        .map(move |piece| frames(&piece.chunks, named && !piece.failed))
         .chain(stream::once(async { DONE.to_vec() }));
     event_stream(body)
 }

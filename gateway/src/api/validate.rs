@@ -5,6 +5,7 @@
 use engine_core::SamplingParams;
 use serde_json::{Map, Value};
 
+use super::structured::StructuredOutput;
 use super::ApiError;
 
 /// A request body known to be a JSON object.
@@ -47,6 +48,12 @@ impl RawBody {
                 type_name(&other)
             ))),
         }
+    }
+
+    /// A body built by the gateway itself (another endpoint's request in
+    /// this one's terms).
+    pub fn from_map(map: Map<String, Value>) -> Self {
+        Self { map }
     }
 
     /// The field, unless absent or null.
@@ -159,6 +166,8 @@ pub struct GenOptions {
     /// vLLM's extension: generate through end-of-sequence tokens until
     /// `max_tokens` or a stop string (benchmarks need fixed-length outputs).
     pub ignore_eos: bool,
+    /// The output's grammar (structured outputs), see [`super::structured`].
+    pub structured: Option<StructuredOutput>,
 }
 
 /// `n` choices for each of `prompts` prompts within `server.max_n`; the
@@ -269,6 +278,7 @@ pub fn gen_options(body: &RawBody, vocab: usize) -> Result<GenOptions, ApiError>
         }
         Some(b) => Some(u32::try_from(b).unwrap_or(u32::MAX)),
     };
+    let structured = super::structured::parse(body)?;
     Ok(GenOptions {
         n,
         thinking_budget,
@@ -278,6 +288,7 @@ pub fn gen_options(body: &RawBody, vocab: usize) -> Result<GenOptions, ApiError>
         stream,
         include_usage,
         ignore_eos,
+        structured,
     })
 }
 

@@ -147,6 +147,7 @@ mod tests {
                 greedy_only: true,
                 tools: false,
                 images: true,
+                grammar: false,
             }
         }
         fn submit_to(&self, req: GenerateRequest, events: EventSender) -> Result<(), EngineError> {

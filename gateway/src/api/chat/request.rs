@@ -8,13 +8,16 @@
 //!   the think block is closed for the model after that many reasoning
 //!   tokens and the answer follows (`generation::ThinkingBudget`).
 //! * `tool_choice`: `none` hides the tools from the model and turns off
-//!   tool-call parsing; `auto` and `required` offer every tool; a named
-//!   function offers only that one. Nothing forces the model to call a tool
-//!   (no constrained decoding): `required` and named choices are a strong
-//!   hint through the prompt, not a guarantee.
-//! * `response_format: {"type": "json_object"}` adds a system instruction
-//!   asking for a single JSON object (not enforced by decoding);
-//!   `json_schema` is rejected with a clear 400.
+//!   tool-call parsing; `auto` offers every tool; `required` offers every
+//!   tool and constrains decoding to one or more calls in the model
+//!   family's format (exactly one with `parallel_tool_calls: false`); a named function offers only that one and
+//!   constrains decoding to one call of it (arguments valid against its
+//!   `parameters`).
+//! * Structured outputs (`response_format` json_schema / json_object, vLLM's
+//!   `structured_outputs` and `guided_*`): see [`crate::api::structured`].
+//!   `json_object` also adds a system instruction asking for one JSON
+//!   object, as trained models answer better when told. A constraint with a
+//!   forced tool call is a conflict (400).
 //! * `enable_thinking` and `chat_template_kwargs` are passed to the chat
 //!   template (`chat_template_kwargs` wins where both set a key).
 //! * Content parts: text parts are joined with newlines. `image_url` parts
@@ -55,6 +58,9 @@ pub struct ChatRequest {
     /// Tool definitions as the client sent them (validated).
     pub tools: Vec<Value>,
     pub tool_choice: ToolChoice,
+    /// With `tool_choice: "required"`: one or more calls (true, the
+    /// default) or exactly one.
+    pub parallel_tool_calls: bool,
     pub response_format: ResponseFormat,
     pub template_kwargs: Map<String, Value>,
     pub options: GenOptions,
@@ -69,7 +75,8 @@ impl ChatRequest {
         let messages = messages(body, &mut images)?;
         let tools = tools(body)?;
         let tool_choice = tool_choice(body, &tools)?;
-        let response_format = response_format(body)?;
+        let parallel_tool_calls = body.bool("parallel_tool_calls")?.unwrap_or(true);
+
         let mut template_kwargs = Map::new();
         if let Some(on) = body.bool("enable_thinking")? {
             template_kwargs.insert("enable_thinking".into(), Value::Bool(on));
@@ -78,6 +85,17 @@ impl ChatRequest {
             template_kwargs.extend(kwargs.clone());
         }
         let mut options = gen_options(body, vocab)?;
+        let response_format = match &options.structured {
+            Some(s) if s.param == "response_format" => ResponseFormat::JsonObject,
+            _ => ResponseFormat::Text,
+        };
+        let forced_call = matches!(tool_choice, ToolChoice::Required | ToolChoice::Named(_));
+        if forced_call && options.structured.is_some() {
+            return Err(ApiError::invalid(
+                "`tool_choice` forces a tool call, which conflicts with a structured-output constraint",
+                "tool_choice",
+            ));
+        }
         let logprobs = body.bool("logprobs")?.unwrap_or(false);
         let top_logprobs = match body.int("top_logprobs")? {
             None => 0,
@@ -102,6 +120,7 @@ impl ChatRequest {
             messages,
             tools,
             tool_choice,
+            parallel_tool_calls,
             response_format,
             template_kwargs,
             options,
@@ -512,24 +531,6 @@ fn tool_choice(body: &RawBody, tools: &[Value]) -> Result<ToolChoice, ApiError> 
     Ok(choice)
 }
 
-fn response_format(body: &RawBody) -> Result<ResponseFormat, ApiError> {
-    let Some(obj) = body.object("response_format")? else {
-        return Ok(ResponseFormat::Text);
-    };
-    match obj.get("type").and_then(Value::as_str) {
-        Some("text") => Ok(ResponseFormat::Text),
-        Some("json_object") => Ok(ResponseFormat::JsonObject),
-        Some("json_schema") => Err(ApiError::invalid(
-            "`response_format` type \"json_schema\" is not supported (no constrained decoding); use \"json_object\"",
-            "response_format.type",
-        )),
-        _ => Err(ApiError::invalid(
-            "`response_format.type` must be \"text\" or \"json_object\"",
-            "response_format.type",
-        )),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -701,7 +702,19 @@ mod tests {
             ),
             (
                 json!({"messages": [user], "response_format": {"type": "json_schema", "json_schema": {}}}),
-                "response_format.type",
+                "response_format.json_schema.schema",
+            ),
+            (
+                json!({"messages": [user], "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}}),
+                "response_format.json_schema.schema",
+            ),
+            (
+                json!({"messages": [user], "response_format": {"type": "json_object"}, "guided_choice": ["a"]}),
+                "guided_choice",
+            ),
+            (
+                json!({"messages": [user], "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "guided_regex": "a"}),
+                "tool_choice",
             ),
             (
                 json!({"messages": [user], "response_format": "json"}),

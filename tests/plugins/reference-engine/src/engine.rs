@@ -112,6 +112,7 @@ impl Engine for ReferenceEngine {
             greedy_only: self.options.greedy_only,
             tools: self.options.tools,
             images: false,
+            grammar: false,
         }
     }
 
