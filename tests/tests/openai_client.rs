@@ -4,7 +4,6 @@
 
 use std::process::Command;
 
-use e2e_tests::build::workspace_root;
 use e2e_tests::{basic_config, Gateway, MODEL};
 
 const SCRIPT: &str = r#"

@@ -173,7 +173,12 @@ policy: {{ default: fastpath, fallback: [batched] }}
             .as_array()
             .unwrap_or_else(|| panic!("{v}"))
             .iter()
-            .map(|t| (t["token"].as_str().unwrap().to_owned(), t["logprob"].clone()))
+            .map(|t| {
+                (
+                    t["token"].as_str().unwrap().to_owned(),
+                    t["logprob"].clone(),
+                )
+            })
             .collect()
     };
     let free = ask(json!({"logprobs": true}));
@@ -196,10 +201,16 @@ policy: {{ default: fastpath, fallback: [batched] }}
     assert_eq!(cut[..6], free[..6], "the reasoning up to the budget");
     assert_eq!(
         cut[6..8],
-        [("\n".to_owned(), Value::Null), ("</think>".to_owned(), Value::Null)],
+        [
+            ("\n".to_owned(), Value::Null),
+            ("</think>".to_owned(), Value::Null)
+        ],
         "forced, not sampled"
     );
-    assert!(cut[8..].iter().all(|(_, lp)| lp.is_number()), "the answer is the model's");
+    assert!(
+        cut[8..].iter().all(|(_, lp)| lp.is_number()),
+        "the answer is the model's"
+    );
     // The fast path (plain greedy) the same way, streamed or not.
     let whole = ask(json!({"thinking_budget": budget}));
     let streamed = ask(json!({"thinking_budget": budget, "stream": true,

@@ -107,14 +107,19 @@ fn decode(shared: &Arc<SharedModel>, out: &mut Emitter) -> anyhow::Result<End> {
     let scope = out.request.cache_scope.clone();
     // The prompt, then every token read: what the cache holds, in order.
     let mut seen = out.request.prompt.clone();
-    let (cache, cached) = match shared.prefix.lookup(scope.as_deref(), &seen, model.num_layers()) {
+    let (cache, cached) = match shared
+        .prefix
+        .lookup(scope.as_deref(), &seen, model.num_layers())
+    {
         Some(hit) => (hit.cache, hit.tokens),
         None => (model.new_cache(1), 0),
     };
     out.set_cached_tokens(cached as u32);
     let mut stream = GreedyStream::resume(model, cache, &seen[cached..])?;
     // The prompt now, for requests sharing it (n > 1); the answer at the end.
-    shared.prefix.insert(scope.as_deref(), &seen, stream.cache());
+    shared
+        .prefix
+        .insert(scope.as_deref(), &seen, stream.cache());
     loop {
         let hand_over = shared.handover_sink().filter(|s| s.busy());
         // Queue the next step unless this is the last token we may need or
@@ -125,7 +130,9 @@ fn decode(shared: &Arc<SharedModel>, out: &mut Emitter) -> anyhow::Result<End> {
         if end.is_some() || hand_over.is_some() {
             // Published before the final event: the chat's next turn,
             // sent the moment this one ends, starts from it.
-            shared.prefix.insert(scope.as_deref(), &seen, stream.cache());
+            shared
+                .prefix
+                .insert(scope.as_deref(), &seen, stream.cache());
         }
         if let Some(reason) = end {
             return Ok(End::Done(reason));

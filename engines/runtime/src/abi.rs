@@ -307,8 +307,7 @@ impl<'a> LentKv<'a> {
             buffers: layers
                 .iter()
                 .flat_map(|l| {
-                    (0..KV_BUFFERS)
-                        .map(|i| l.buffers.get(i).map_or_else(null_array, Array::as_ptr))
+                    (0..KV_BUFFERS).map(|i| l.buffers.get(i).map_or_else(null_array, Array::as_ptr))
                 })
                 .collect(),
             cache,

@@ -27,7 +27,11 @@ pub struct Choices {
 
 impl Choices {
     /// Starts `n` choices of each prompt.
-    pub async fn start(state: &SharedState, prompts: Vec<Prepared>, n: u32) -> Result<Self, ApiError> {
+    pub async fn start(
+        state: &SharedState,
+        prompts: Vec<Prepared>,
+        n: u32,
+    ) -> Result<Self, ApiError> {
         let mut leads = Vec::with_capacity(prompts.len());
         for p in &prompts {
             leads.push(Generation::start(state, p.choice(0))?);
@@ -63,7 +67,10 @@ impl Choices {
         let first = &self.generations[0];
         let (engine, rule) = (first.engine.clone(), first.rule.clone());
         let response = if stream {
-            sse::response_choices(self.generations.into_iter().zip(formats).collect(), self.leads)
+            sse::response_choices(
+                self.generations.into_iter().zip(formats).collect(),
+                self.leads,
+            )
         } else {
             match try_join_all(self.generations.into_iter().map(Generation::collect)).await {
                 Ok(done) => {
@@ -72,7 +79,11 @@ impl Choices {
                         .enumerate()
                         .map(|(i, (batch, summary))| whole(i, batch, summary))
                         .collect();
-                    let usage = Usage::merged(self.leads.into_iter().zip(done.iter().map(|(_, s)| s.usage)));
+                    let usage = Usage::merged(
+                        self.leads
+                            .into_iter()
+                            .zip(done.iter().map(|(_, s)| s.usage)),
+                    );
                     json_response(StatusCode::OK, &merge(objects, usage))
                 }
                 Err(e) => e.into_response(),

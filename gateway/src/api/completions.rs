@@ -13,8 +13,8 @@ use serde_json::{json, Value};
 use text::Tokenizer;
 
 use super::body::{CacheScope, RawJson};
-use super::sse::ChunkFormat;
 use super::choices::Choices;
+use super::sse::ChunkFormat;
 use super::validate::{as_int, check_choices, gen_options, wrong_type, GenOptions, RawBody};
 use super::{json_response, logprobs, random_id, sse, unix_now, with_route, ApiError};
 use crate::generation::{Batch, Generation, Summary};
@@ -122,7 +122,11 @@ fn prompts(body: &RawBody, vocab: usize) -> Result<Vec<Prompt>, ApiError> {
             Prompt::Tokens(t) => t.is_empty(),
         };
         if empty {
-            let param = if single { "prompt".to_owned() } else { format!("prompt[{i}]") };
+            let param = if single {
+                "prompt".to_owned()
+            } else {
+                format!("prompt[{i}]")
+            };
             return Err(ApiError::invalid(format!("`{param}` is empty"), &param));
         }
     }
@@ -179,10 +183,13 @@ pub async fn create(
             }
         }
         let wholes = formats.clone();
-        let whole = |i: usize, batch: &Batch, summary: &Summary| wholes[i].clone().whole(batch, summary);
+        let whole =
+            |i: usize, batch: &Batch, summary: &Summary| wholes[i].clone().whole(batch, summary);
         let (prompts, _): (Vec<_>, Vec<_>) = prepared.into_iter().unzip();
         let choices = Choices::start(&state, prompts, n).await?;
-        return Ok(choices.respond(request.options.stream, formats, whole).await);
+        return Ok(choices
+            .respond(request.options.stream, formats, whole)
+            .await);
     }
     let (prepared, text) = prepared.pop().expect("one prompt");
     let generation = Generation::start(&state, prepared)?;
@@ -321,8 +328,14 @@ mod tests {
     #[test]
     fn prompt_shapes() {
         let prompts = |v| parse(v).unwrap().prompts;
-        assert_eq!(prompts(json!({"prompt": "hi"})), [Prompt::Text("hi".into())]);
-        assert_eq!(prompts(json!({"prompt": ["hi"]})), [Prompt::Text("hi".into())]);
+        assert_eq!(
+            prompts(json!({"prompt": "hi"})),
+            [Prompt::Text("hi".into())]
+        );
+        assert_eq!(
+            prompts(json!({"prompt": ["hi"]})),
+            [Prompt::Text("hi".into())]
+        );
         assert_eq!(
             prompts(json!({"prompt": [1, 2, 3]})),
             [Prompt::Tokens(vec![1, 2, 3])]

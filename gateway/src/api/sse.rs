@@ -112,7 +112,9 @@ pub fn response_choices<F: ChunkFormat>(
         choices
             .into_iter()
             .enumerate()
-            .map(|(i, (generation, format))| pieces(generation, format).map(move |p| (i, p)).boxed()),
+            .map(|(i, (generation, format))| {
+                pieces(generation, format).map(move |p| (i, p)).boxed()
+            }),
     );
     let state = Interleave {
         leads,
