@@ -461,7 +461,7 @@ fn tools_and_tool_messages_are_rendered() {
         &gw.post("/v1/chat/completions", &json_mode),
         400,
         "invalid_request_error",
-        Some("response_format.type"),
+        Some("response_format.json_schema.schema"),
     );
     let thinking = chat_body(
         json!({"max_tokens": 2, "enable_thinking": false, "chat_template_kwargs": {"enable_thinking": false}}),

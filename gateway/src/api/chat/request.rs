@@ -567,8 +567,7 @@ mod tests {
             "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
             "enable_thinking": false,
             "chat_template_kwargs": {"enable_thinking": true, "x": 1},
-            "logprobs": true, "top_logprobs": 3,
-            "response_format": {"type": "json_object"}
+            "logprobs": true, "top_logprobs": 3
         }))
         .unwrap();
         assert_eq!(
@@ -585,7 +584,16 @@ mod tests {
         assert_eq!(r.offered_tools().unwrap().len(), 1);
         assert_eq!(r.template_kwargs["enable_thinking"], true);
         assert!(r.options.sampling.logprobs && r.options.sampling.top_logprobs == 3);
-        let msgs = r.template_messages();
+        // A forced call and a structured-output constraint conflict.
+        let mut both = json!({
+            "messages": [{"role": "user", "content": "weather?"}],
+            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+            "tool_choice": "required",
+            "response_format": {"type": "json_object"}
+        });
+        assert_eq!(param_of(both.clone()), "tool_choice");
+        both["tool_choice"] = json!("auto");
+        let msgs = parse(both).unwrap().template_messages();
         assert!(msgs[0]["content"]
             .as_str()
             .unwrap()
