@@ -2,6 +2,10 @@
 //! block-aligned prefix is kept after prefill, and a later prompt of the
 //! same cache scope that starts with it skips recomputing those positions.
 //! Entries never cross scopes, so one tenant cannot time another's prompts.
+//!
+//! A hybrid model's cache (recurrent states) cannot be cut back to a shorter
+//! prefix: there an entry is an exact snapshot taken at a block boundary
+//! during prefill, reused only by prompts that extend all of it.
 
 use std::collections::VecDeque;
 
@@ -16,6 +20,8 @@ struct Entry {
 pub struct PrefixCache {
     block: usize,
     capacity: usize,
+    /// Entries are reused whole, never truncated (hybrid models).
+    exact: bool,
     /// Most recently used last.
     entries: VecDeque<Entry>,
 }
@@ -26,10 +32,11 @@ pub struct Hit {
 }
 
 impl PrefixCache {
-    pub fn new(block: usize, capacity: usize) -> Self {
+    pub fn new(block: usize, capacity: usize, exact: bool) -> Self {
         Self {
             block: block.max(1),
             capacity,
+            exact,
             entries: VecDeque::new(),
         }
     }
@@ -50,7 +57,12 @@ impl PrefixCache {
                     .zip(prompt)
                     .take_while(|(a, b)| a == b)
                     .count();
-                (i, (common.min(usable) / self.block) * self.block)
+                let whole = common == e.tokens.len() && common <= usable;
+                match self.exact {
+                    true if whole => (i, common),
+                    true => (i, 0),
+                    false => (i, (common.min(usable) / self.block) * self.block),
+                }
             })
             .filter(|&(_, len)| len > 0)
             .max_by_key(|&(i, len)| (len, std::cmp::Reverse(i)))
@@ -61,7 +73,9 @@ impl PrefixCache {
         let (i, len) = self.best_match(scope, prompt)?;
         let entry = self.entries.remove(i)?;
         let mut cache = entry.cache.clone();
-        cache.truncate(cache.len() - len as i32);
+        cache
+            .truncate(cache.len() - len as i32)
+            .expect("exact entries are reused whole");
         self.entries.push_back(entry);
         Some(Hit { cache, tokens: len })
     }
@@ -77,14 +91,22 @@ impl PrefixCache {
         self.capacity > 0 && prompt.len() >= self.block
     }
 
+    /// Where a hybrid model's prefill of `prompt` stops for a snapshot (the
+    /// last block boundary inside it), `None` when no snapshot is wanted.
+    pub fn snapshot_at(&self, prompt: &[u32]) -> Option<usize> {
+        let aligned = (prompt.len() / self.block) * self.block;
+        (self.exact && self.wants(prompt) && aligned < prompt.len()).then_some(aligned)
+    }
+
     /// Keeps the block-aligned prefix of a freshly prefilled prompt. `cache`
-    /// holds exactly the prompt's KV.
+    /// holds exactly the prompt's KV (for exact entries: only a prompt
+    /// ending on a block boundary is kept).
     pub fn insert(&mut self, scope: Option<&str>, prompt: &[u32], cache: &KvCache) {
         if self.capacity == 0 {
             return;
         }
         let aligned = (prompt.len() / self.block) * self.block;
-        if aligned == 0 {
+        if aligned == 0 || (self.exact && aligned != prompt.len()) {
             return;
         }
         let key = &prompt[..aligned];
@@ -99,7 +121,8 @@ impl PrefixCache {
         self.entries
             .retain(|e| !(e.scope.as_deref() == scope && key.starts_with(&e.tokens)));
         let mut kept = cache.clone();
-        kept.truncate(kept.len() - aligned as i32);
+        kept.truncate(kept.len() - aligned as i32)
+            .expect("exact entries are kept whole");
         while self.entries.len() >= self.capacity {
             self.entries.pop_front();
         }

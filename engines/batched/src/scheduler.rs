@@ -69,7 +69,11 @@ impl Scheduler {
         rx: Receiver<Msg>,
         stats: Arc<Stats>,
     ) -> Self {
-        let prefix = PrefixCache::new(shared.kv_pool.block_size(), cfg.prefix_cache_entries);
+        let prefix = PrefixCache::new(
+            shared.kv_pool.block_size(),
+            cfg.prefix_cache_entries,
+            shared.model.model.is_hybrid(),
+        );
         Self {
             waiting: WaitQueue::default(),
             shared,
@@ -356,7 +360,12 @@ impl Scheduler {
         };
         let model = &self.shared.model.model;
         let prompt = &p.row.request().prompt;
-        let end = (p.done + self.cfg.prefill_chunk).min(prompt.len());
+        let mut end = (p.done + self.cfg.prefill_chunk).min(prompt.len());
+        // A hybrid model's prefix snapshot needs a chunk to end there.
+        let snapshot = self.prefix.snapshot_at(prompt);
+        if let Some(at) = snapshot.filter(|&at| p.done < at && at < end) {
+            end = at;
+        }
         // An image whose tokens attend both ways is prefilled in one chunk.
         let end = vision::chunk_end(&p.row.request().images, p.done, end);
         let ids = generate::tokens_array(&prompt[p.done..end]);
@@ -367,6 +376,10 @@ impl Scheduler {
         p.done = end;
         if end < prompt.len() {
             eval(p.cache.state())?;
+            if snapshot == Some(end) {
+                let scope = p.row.request().cache_scope.as_deref();
+                self.prefix.insert(scope, &prompt[..end], &p.cache);
+            }
             return Ok(());
         }
         let mut p = self.prefill.take().unwrap();

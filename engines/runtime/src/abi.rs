@@ -68,6 +68,8 @@ pub struct RawKvLedger {
     pub total: usize,
     pub block_size: usize,
     pub bytes_per_block: usize,
+    /// Blocks each sequence's recurrent state takes (hybrid models).
+    pub state_blocks: usize,
     /// Adds `blocks` when they fit; false when the pool is full.
     pub try_reserve: unsafe extern "C" fn(ctx: *mut c_void, blocks: usize) -> bool,
     pub release: unsafe extern "C" fn(ctx: *mut c_void, blocks: usize),
@@ -106,6 +108,10 @@ pub struct RawHandover {
     /// Per layer; a null handle for a layer not yet written.
     pub keys: *const mlx_array,
     pub values: *const mlx_array,
+    /// Per layer, a linear-attention layer's recurrent state (convolution
+    /// inputs and delta-rule state); null handles for other layers.
+    pub conv: *const mlx_array,
+    pub ssm: *const mlx_array,
     pub layers: usize,
     pub len: i32,
     pub capacity: i32,
@@ -211,12 +217,22 @@ impl HandoverSink for ForeignSink {
         let handle = |a: &Option<Array>| a.as_ref().map_or_else(null_array, Array::as_ptr);
         let keys: Vec<mlx_array> = h.cache.keys.iter().map(handle).collect();
         let values: Vec<mlx_array> = h.cache.values.iter().map(handle).collect();
+        let recurrent = |f: fn(&crate::cache::Recurrent) -> &Array| -> Vec<mlx_array> {
+            h.cache
+                .recurrent
+                .iter()
+                .map(|r| r.as_ref().map_or_else(null_array, |r| f(r).as_ptr()))
+                .collect()
+        };
+        let (conv, ssm) = (recurrent(|r| &r.conv), recurrent(|r| &r.ssm));
         let raw = RawHandover {
             request: Bytes::new(&request),
             cancel: h.request.cancel.clone().into_raw(),
             events: h.events.clone().into_raw(),
             keys: keys.as_ptr(),
             values: values.as_ptr(),
+            conv: conv.as_ptr(),
+            ssm: ssm.as_ptr(),
             layers: keys.len(),
             len: h.cache.len,
             capacity: h.cache.capacity,
@@ -277,13 +293,17 @@ pub(crate) fn export_sink(sink: Arc<dyn HandoverSink>, pool: KvPool) -> RawHando
                     })
                     .collect()
             };
-            let cache = KvCache {
-                keys: arrays(raw.keys),
-                values: arrays(raw.values),
-                len: raw.len,
-                capacity: raw.capacity,
-                left_pad: std::slice::from_raw_parts(raw.left_pad, raw.batch).to_vec(),
-            };
+            let mut cache = KvCache::new(raw.layers, raw.batch);
+            cache.keys = arrays(raw.keys);
+            cache.values = arrays(raw.values);
+            cache.recurrent = arrays(raw.conv)
+                .into_iter()
+                .zip(arrays(raw.ssm))
+                .map(|(conv, ssm)| Some(crate::cache::Recurrent { conv: conv?, ssm: ssm? }))
+                .collect();
+            cache.len = raw.len;
+            cache.capacity = raw.capacity;
+            cache.left_pad = std::slice::from_raw_parts(raw.left_pad, raw.batch).to_vec();
             request.cancel = CancelToken::from_raw(std::ptr::read(&raw.cancel));
             let handover = Handover {
                 request,

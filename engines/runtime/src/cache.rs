@@ -5,6 +5,12 @@
 //! place with `slice_update`. Rows of a batch are right-aligned: row `b`
 //! holds `left_pad[b]` padding columns before its first real token, so all
 //! rows append at the same column and a decode step is one batched forward.
+//!
+//! Linear-attention layers (Qwen 3.5's Gated DeltaNet) hold no keys or
+//! values but a per-row [`Recurrent`] state of constant size, which moves
+//! with its row through every batch operation. It cannot be cut back by
+//! dropping columns: a rollback restores the state after an earlier
+//! position of the last forward, kept when [`KvCache::keep_steps`] is on.
 
 use anyhow::anyhow;
 use mlx_rs::{ops, Array};
@@ -14,6 +20,11 @@ use crate::layers::Offsets;
 /// Capacity grows in multiples of this many positions.
 const STEP: i32 = 256;
 
+/// Forwards of up to this many positions keep their per-position
+/// recurrent states when steps are kept (a verify of drafted tokens);
+/// longer ones (prefill chunks) cannot be rolled back.
+pub const MAX_ROLLBACK_STEPS: i32 = 64;
+
 #[derive(Clone)]
 pub struct KvCache {
     pub(crate) keys: Vec<Option<Array>>,
@@ -22,6 +33,66 @@ pub struct KvCache {
     pub(crate) len: i32,
     pub(crate) capacity: i32,
     pub(crate) left_pad: Vec<i32>,
+    /// Per layer: the recurrent state of a linear-attention layer.
+    pub(crate) recurrent: Vec<Option<Recurrent>>,
+    /// Per linear layer, the states after each position of the last
+    /// forward (kept only when `keep_steps` is on).
+    steps: Vec<Option<Steps>>,
+    keep_steps: bool,
+}
+
+/// One linear-attention layer's state, per row of the batch.
+#[derive(Clone)]
+pub struct Recurrent {
+    /// `[B, conv_kernel - 1, conv_dim]`: the convolution's last inputs.
+    pub conv: Array,
+    /// `[B, value_heads, value_head_dim, key_head_dim]`, float32.
+    pub ssm: Array,
+}
+
+/// What rolling a linear layer back within its last forward needs.
+#[derive(Clone)]
+pub struct Steps {
+    /// The state before the forward.
+    pub before: Recurrent,
+    /// `[B, conv_kernel - 1 + S, conv_dim]`: the old convolution inputs
+    /// followed by the forward's.
+    pub conv_input: Array,
+    /// The delta-rule state after each of the S positions.
+    pub ssm: Vec<Array>,
+}
+
+impl Recurrent {
+    fn map(&self, f: impl Fn(&Array) -> anyhow::Result<Array>) -> anyhow::Result<Self> {
+        Ok(Self {
+            conv: f(&self.conv)?,
+            ssm: f(&self.ssm)?,
+        })
+    }
+
+    /// Bytes held, all rows.
+    pub fn nbytes(&self) -> usize {
+        self.conv.nbytes() + self.ssm.nbytes()
+    }
+}
+
+impl Steps {
+    /// The state after the first `n` positions of the forward.
+    fn after(&self, n: usize) -> anyhow::Result<Recurrent> {
+        if n == 0 {
+            return Ok(self.before.clone());
+        }
+        let keep = self.before.conv.dim(1);
+        let s = self.conv_input.shape();
+        Ok(Recurrent {
+            conv: slice(
+                &self.conv_input,
+                &[0, n as i32, 0],
+                &[s[0], n as i32 + keep, s[2]],
+            )?,
+            ssm: self.ssm[n - 1].clone(),
+        })
+    }
 }
 
 impl KvCache {
@@ -32,7 +103,45 @@ impl KvCache {
             len: 0,
             capacity: 0,
             left_pad: vec![0; batch],
+            recurrent: vec![None; num_layers],
+            steps: vec![None; num_layers],
+            keep_steps: false,
         }
+    }
+
+    /// Keeps each linear layer's per-position states of the last forward
+    /// (of at most [`MAX_ROLLBACK_STEPS`] positions), so
+    /// [`KvCache::truncate`] can roll rejected drafted tokens back
+    /// (speculative decoding); costs one state per position verified.
+    pub fn keep_steps(&mut self, on: bool) {
+        self.keep_steps = on;
+        if !on {
+            self.steps.iter_mut().for_each(|s| *s = None);
+        }
+    }
+
+    pub fn keeps_steps(&self) -> bool {
+        self.keep_steps
+    }
+
+    /// Layer `layer`'s recurrent state, `None` before its first forward.
+    pub fn recurrent(&self, layer: usize) -> Option<&Recurrent> {
+        self.recurrent[layer].as_ref()
+    }
+
+    pub(crate) fn set_recurrent(&mut self, layer: usize, state: Recurrent, steps: Option<Steps>) {
+        self.recurrent[layer] = Some(state);
+        self.steps[layer] = steps;
+    }
+
+    /// Whether any layer holds a recurrent state (a hybrid model's cache).
+    pub fn has_recurrent(&self) -> bool {
+        self.recurrent.iter().any(Option::is_some)
+    }
+
+    /// Bytes of the recurrent states, all rows.
+    pub fn recurrent_bytes(&self) -> usize {
+        self.recurrent.iter().flatten().map(Recurrent::nbytes).sum()
     }
 
     /// A batch cache whose rows will be filled by one prefill of prompts
@@ -113,7 +222,11 @@ impl KvCache {
 
     /// The buffers, for evaluating them between prefill chunks.
     pub fn state(&self) -> impl Iterator<Item = &Array> {
-        self.keys.iter().chain(self.values.iter()).flatten()
+        self.keys
+            .iter()
+            .chain(self.values.iter())
+            .flatten()
+            .chain(self.recurrent.iter().flatten().flat_map(|r| [&r.conv, &r.ssm]))
     }
 
     pub fn advance(&mut self, n: i32) {
@@ -121,8 +234,27 @@ impl KvCache {
     }
 
     /// Drops the last `n` positions of every row (speculative rollback).
-    pub fn truncate(&mut self, n: i32) {
+    /// Linear layers go back to their state after that position, which
+    /// must lie within the last forward, with steps kept.
+    pub fn truncate(&mut self, n: i32) -> anyhow::Result<()> {
+        if n > 0 && self.has_recurrent() {
+            for l in 0..self.recurrent.len() {
+                if self.recurrent[l].is_none() {
+                    continue;
+                }
+                let steps = self.steps[l].take().ok_or_else(|| {
+                    anyhow!("cannot roll a recurrent state back: its steps were not kept")
+                })?;
+                let s = steps.ssm.len() as i32;
+                anyhow::ensure!(
+                    n <= s,
+                    "cannot roll a recurrent state back {n} positions, its last forward had {s}"
+                );
+                self.recurrent[l] = Some(steps.after((s - n) as usize)?);
+            }
+        }
         self.len = (self.len - n).max(*self.left_pad.iter().max().unwrap_or(&0));
+        Ok(())
     }
 
     /// Keeps only the given rows, in that order, and drops padding columns
@@ -136,6 +268,10 @@ impl KvCache {
                 *buf = Some(b.take_axis(&idx, 0)?);
             }
         }
+        for r in self.recurrent.iter_mut().flatten() {
+            *r = r.map(|a| Ok(a.take_axis(&idx, 0)?))?;
+        }
+        self.steps.iter_mut().for_each(|s| *s = None);
         let common = self.left_pad.iter().copied().min().unwrap_or(0);
         if common > 0 {
             self.drop_leading(common)?;
@@ -169,6 +305,8 @@ impl KvCache {
         let without_kv: Vec<bool> = (0..num_layers)
             .map(|l| parts.iter().all(|p| p.keys[l].is_none()))
             .collect();
+        let recurrent = merge_recurrent(&parts)?;
+        let keep_steps = parts.iter().any(|p| p.keep_steps);
         let mut left_pad = Vec::new();
         let mut keys = vec![Vec::new(); num_layers];
         let mut values = vec![Vec::new(); num_layers];
@@ -203,6 +341,9 @@ impl KvCache {
             len,
             capacity,
             left_pad,
+            recurrent,
+            steps: vec![None; num_layers],
+            keep_steps,
         })
     }
 
@@ -221,10 +362,51 @@ impl KvCache {
                 out.values[l] = Some(align(&v, row_len, 0, capacity)?);
             }
         }
+        for (l, r) in self.recurrent.iter().enumerate() {
+            if let Some(r) = r {
+                out.recurrent[l] = Some(r.map(|a| Ok(a.take_axis(&idx, 0)?))?);
+            }
+        }
+        out.keep_steps = self.keep_steps;
         out.len = row_len;
         out.capacity = capacity;
         Ok(out)
     }
+}
+
+/// The parts' recurrent states stacked row by row; a part that has not run
+/// a layer yet (no tokens) contributes zero states.
+fn merge_recurrent(parts: &[KvCache]) -> anyhow::Result<Vec<Option<Recurrent>>> {
+    let layers = parts[0].recurrent.len();
+    (0..layers)
+        .map(|l| {
+            let Some(like) = parts.iter().find_map(|p| p.recurrent[l].as_ref()) else {
+                return Ok(None);
+            };
+            let zeros = |a: &Array, rows: usize| -> anyhow::Result<Array> {
+                let mut shape = a.shape().to_vec();
+                shape[0] = rows as i32;
+                Ok(ops::zeros_dtype(&shape, a.dtype())?)
+            };
+            let (mut conv, mut ssm) = (Vec::new(), Vec::new());
+            for p in parts {
+                match &p.recurrent[l] {
+                    Some(r) => {
+                        conv.push(r.conv.clone());
+                        ssm.push(r.ssm.clone());
+                    }
+                    None => {
+                        conv.push(zeros(&like.conv, p.batch_size())?);
+                        ssm.push(zeros(&like.ssm, p.batch_size())?);
+                    }
+                }
+            }
+            Ok(Some(Recurrent {
+                conv: ops::concatenate(&conv, 0)?,
+                ssm: ops::concatenate(&ssm, 0)?,
+            }))
+        })
+        .collect()
 }
 
 /// `buf[:, :, :len]` shifted right by `shift` columns inside a zeroed buffer

@@ -57,7 +57,13 @@ impl Sequence {
         Self {
             out: Emitter::new(request, events),
             held: Some(held),
-            cache: model.new_cache(1),
+            cache: {
+                // Rejected drafts roll a hybrid model's recurrent states
+                // back to the states kept for each verified position.
+                let mut cache = model.new_cache(1);
+                cache.keep_steps(model.is_hybrid());
+                cache
+            },
             history,
             draft: source.map(|s| s.start()),
             taps: source.map(|s| s.taps()).unwrap_or_default(),
@@ -175,7 +181,7 @@ impl Sequence {
             .zip(&target)
             .take_while(|(d, t)| d == t)
             .count();
-        self.cache.truncate(k - accepted as i32);
+        self.cache.truncate(k - accepted as i32)?;
         self.sizer.learn(kind, k as usize, accepted);
         if let Some(draft) = &mut self.draft {
             draft.observe(model, &out, rows(accepted))?;

@@ -142,7 +142,8 @@ fn load_shared(config: &Config) -> anyhow::Result<SharedModel> {
     let model = LoadedModel::load_as(&m.path, m.name.as_deref(), m.compute_dtype)
         .with_context(|| format!("loading the model from {}", m.path.display()))?;
     let per_token = model.model.kv_bytes_per_token();
-    let kv_pool = KvPool::with_budget(m.kv_cache_mb << 20, m.kv_block_size, per_token);
+    let kv_pool = KvPool::with_budget(m.kv_cache_mb << 20, m.kv_block_size, per_token)
+        .with_sequence_state(model.model.state_bytes_per_sequence());
     anyhow::ensure!(
         kv_pool.total() > 0,
         "model.kv_cache_mb = {} holds no KV block of {} bytes; raise it",
@@ -153,6 +154,7 @@ fn load_shared(config: &Config) -> anyhow::Result<SharedModel> {
         blocks = kv_pool.total(),
         block_size = kv_pool.block_size(),
         tokens = kv_pool.total() * kv_pool.block_size(),
+        state_blocks_per_sequence = kv_pool.state_blocks(),
         "shared KV pool ready"
     );
     Ok(SharedModel::new(model, kv_pool))
