@@ -252,6 +252,19 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_sequence_state_counts_once_per_sequence() {
+        // 1 KiB blocks; a 2.5 KiB recurrent state takes 3 whatever the length.
+        let pool = KvPool::new(10, 16, 1024).with_sequence_state(2560);
+        assert_eq!(pool.state_blocks(), 3);
+        assert_eq!(pool.blocks_for(1), 4);
+        assert_eq!(pool.blocks_for(17), 5);
+        assert_eq!(pool.blocks_for_bytes(16, 64), 4);
+        // A plugin's view of the pool counts the same.
+        let view = unsafe { KvPool::import(&pool.export()) };
+        assert_eq!(view.blocks_for(17), 5);
+    }
+
+    #[test]
     fn reserve_release_and_pressure() {
         let pool = KvPool::new(10, 16, 1024);
         assert_eq!(pool.pressure(), 0.0);
