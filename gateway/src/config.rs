@@ -5,7 +5,7 @@
 //! model:
 //!   path: models/tiny-qwen3   # relative paths are relative to this file
 //!   name: tiny-qwen3          # served name (default: the directory name)
-//!   kv_cache_mb: 1024         # shared KV block pool budget
+//!   kv_cache_mb: 1024         # shared KV block pool (default 1024, or what `memory:` leaves)
 //!   kv_block_size: 16         # tokens per block
 //!   default_max_tokens: 4096  # cap on max_tokens when a request omits it
 //!   compute_dtype: auto       # auto (fp32 on the CPU, the checkpoint's on the GPU),
@@ -21,6 +21,10 @@
 //!   api_keys_env: GATEWAY_API_KEYS   # comma-separated keys from the environment
 //!   policy_reload_ms: 1000    # how often the policy file is checked for edits
 //!   shutdown_grace_s: 30      # on SIGTERM: in-flight requests get this long to finish
+//!   engine_probe_s: 10        # an engine benched by a panic is probed this often (0: never)
+//! memory:                     # optional: a memory budget the server keeps
+//!   fraction: 0.9             # of the device's memory (or `limit_mb: 20000`)
+//!   step_tokens: 512          # the largest step, measured at startup for activations
 //! plugin_dir: null            # default: the executable's directory
 //! plugins: [path/to/libengine_x.so]
 //! engines:
@@ -36,6 +40,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde_yaml::Value;
 
+pub use crate::host::memory::MemoryConfig;
 use crate::vision::VisionSettings;
 
 #[derive(Debug, thiserror::Error)]
@@ -79,6 +84,8 @@ struct RawConfig {
     policy: Option<Value>,
     #[serde(default)]
     vision: VisionSettings,
+    #[serde(default)]
+    memory: Option<MemoryConfig>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -87,8 +94,10 @@ pub struct ModelConfig {
     pub path: PathBuf,
     #[serde(default)]
     pub name: Option<String>,
-    #[serde(default = "defaults::kv_cache_mb")]
-    pub kv_cache_mb: usize,
+    /// The KV pool's size; without it, 1024 MiB, or with a `memory:`
+    /// budget whatever the budget leaves (this then caps it).
+    #[serde(default)]
+    pub kv_cache_mb: Option<usize>,
     #[serde(default = "defaults::kv_block_size")]
     pub kv_block_size: usize,
     #[serde(default = "defaults::default_max_tokens")]
@@ -111,6 +120,9 @@ pub struct ServerConfig {
     pub api_keys_env: Option<String>,
     pub policy_reload_ms: u64,
     pub shutdown_grace_s: f64,
+    /// Seconds between probe requests to an engine benched by a panic or
+    /// a lost stream (0: it stays out until restart).
+    pub engine_probe_s: f64,
 }
 
 impl Default for ServerConfig {
@@ -126,14 +138,12 @@ impl Default for ServerConfig {
             api_keys_env: None,
             policy_reload_ms: 1000,
             shutdown_grace_s: 30.0,
+            engine_probe_s: 10.0,
         }
     }
 }
 
 mod defaults {
-    pub fn kv_cache_mb() -> usize {
-        1024
-    }
     pub fn kv_block_size() -> usize {
         16
     }
@@ -162,6 +172,7 @@ pub struct Config {
     pub plugins: Vec<PathBuf>,
     pub engines: Vec<EngineSpec>,
     pub vision: VisionSettings,
+    pub memory: Option<MemoryConfig>,
 }
 
 /// Command-line values that replace the file's.
@@ -207,7 +218,7 @@ impl Config {
         if model.kv_block_size == 0 {
             return Err(invalid("model.kv_block_size must be at least 1".into()));
         }
-        if model.kv_cache_mb == 0 {
+        if model.kv_cache_mb == Some(0) {
             return Err(invalid("model.kv_cache_mb must be at least 1".into()));
         }
         if model.default_max_tokens == 0 {
@@ -244,6 +255,9 @@ impl Config {
             return Err(invalid("`engines:` names no engine".into()));
         }
         raw.vision.check().map_err(invalid)?;
+        if let Some(memory) = &raw.memory {
+            memory.check().map_err(invalid)?;
+        }
         Ok(Config {
             path: path.to_owned(),
             model,
@@ -252,6 +266,7 @@ impl Config {
             plugins: raw.plugins.iter().map(|p| resolve(p)).collect(),
             engines,
             vision: raw.vision.clone(),
+            memory: raw.memory.clone(),
         })
     }
 

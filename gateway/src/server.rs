@@ -114,6 +114,12 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         &config.path,
         Duration::from_millis(config.server.policy_reload_ms.max(1)),
     );
+    if config.server.engine_probe_s > 0.0 {
+        crate::host::probe::spawn(
+            registry.clone(),
+            Duration::from_secs_f64(config.server.engine_probe_s),
+        );
+    }
     let router = Router::new(registry.clone(), policy);
     let state = match AppState::new(config.clone(), registry.clone(), router, metrics) {
         Ok(state) => Arc::new(state),

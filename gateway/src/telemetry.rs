@@ -30,6 +30,8 @@ pub mod metric {
     pub const KV_BLOCKS_TOTAL: &str = "gateway_kv_blocks_total";
     pub const KV_BLOCKS_ALLOCATED: &str = "gateway_kv_blocks_allocated";
     pub const KV_PRESSURE: &str = "gateway_kv_pressure";
+    pub const MEMORY_BYTES: &str = "gateway_memory_bytes";
+    pub const MEMORY_BUDGET_BYTES: &str = "gateway_memory_budget_bytes";
     pub const SPEC_DRAFTED: &str = "gateway_spec_drafted_tokens_total";
     pub const SPEC_ACCEPTED: &str = "gateway_spec_accepted_tokens_total";
     pub const SPEC_TARGET_FORWARDS: &str = "gateway_spec_target_forwards_total";
@@ -133,6 +135,14 @@ fn describe() {
     describe_gauge!(KV_BLOCKS_TOTAL, "Blocks in the shared KV pool");
     describe_gauge!(KV_BLOCKS_ALLOCATED, "Blocks reserved in the shared KV pool");
     describe_gauge!(KV_PRESSURE, "Allocated over total KV blocks");
+    describe_gauge!(
+        MEMORY_BYTES,
+        "Device memory MLX holds: live arrays (active), freed buffers kept for reuse (cache), the peak of active"
+    );
+    describe_gauge!(
+        MEMORY_BUDGET_BYTES,
+        "How the memory budget was divided at startup: budget, weights, activations, kv_pool"
+    );
     describe_counter!(
         VISION_CACHE_HITS,
         "Images whose features came from the vision feature cache"

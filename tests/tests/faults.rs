@@ -5,6 +5,8 @@
 //! and the gateway stays up with every KV block back in the pool. A single
 //! request's error event fails that request only.
 
+use std::time::Duration;
+
 use e2e_tests::http::SseStream;
 use e2e_tests::{Gateway, MODEL};
 use serde_json::{json, Value};
@@ -97,6 +99,31 @@ fn check(fault: &str, expected_kind: &str) {
 #[test]
 fn a_worker_panic_fails_only_its_request() {
     check("panic_in_worker", "lost_stream");
+}
+
+/// A benched engine is probed and returns to routing once it serves.
+#[test]
+fn an_engine_benched_by_a_panic_returns_when_it_serves_again() {
+    let config = config("panic_in_worker")
+        .replace(
+            "fault: panic_in_worker",
+            "fault: panic_in_worker, fault_requests: 1",
+        )
+        .replace("plugins:", "server: { engine_probe_s: 0.2 }\nplugins:");
+    let gw = Gateway::start(&config);
+    let r = gw.post("/v1/chat/completions", &body(false));
+    assert_eq!(r.status, 500, "{}", r.text());
+    assert!(
+        gw.wait_for(Duration::from_secs(20), |gw| flaky_health(gw)["status"]
+            == "ready"),
+        "still benched: {}",
+        flaky_health(&gw)
+    );
+    assert!(gw.logs().contains("back in routing"));
+    let r = gw.post("/v1/chat/completions", &body(false));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-engine"), Some("flaky"), "routed to it again");
+    assert_eq!(gw.health()["kv_pool"]["allocated_blocks"], 0);
 }
 
 #[test]

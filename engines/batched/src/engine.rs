@@ -54,10 +54,12 @@ impl BatchedEngine {
     pub fn new(name: String, shared: Arc<SharedModel>, cfg: BatchedConfig) -> Self {
         let (tx, rx) = crossbeam_channel::unbounded();
         let stats = Arc::new(Stats::default());
-        let scheduler = Scheduler::new(shared.clone(), cfg.clone(), rx, stats.clone());
         let thread = std::thread::Builder::new()
             .name(format!("{name}-scheduler"))
-            .spawn(move || scheduler.run())
+            .spawn({
+                let (shared, cfg, stats) = (shared.clone(), cfg.clone(), stats.clone());
+                move || Scheduler::supervise(shared, cfg, rx, stats)
+            })
             .expect("spawn the scheduler thread");
         shared.set_handover_sink(Arc::new(Sink(tx.clone(), stats.clone())));
         tracing::info!(engine = %name, max_batch = cfg.max_batch, prefill_chunk = cfg.prefill_chunk, "batched engine ready");
@@ -102,7 +104,7 @@ impl Engine for BatchedEngine {
                 events,
             }))
             .map_err(|_| {
-                self.stats.queued.fetch_sub(1, Ordering::AcqRel);
+                self.stats.dequeued();
                 EngineError::ShuttingDown
             })?;
         Ok(())

@@ -38,6 +38,22 @@ impl Row {
         end
     }
 
+    /// What the row's KV holds: the prompt and every delivered token but
+    /// the newest, which is the next decode input.
+    pub fn context(&self) -> Vec<u32> {
+        let fed = self.out.delivered().len().saturating_sub(1);
+        [
+            self.request().prompt.as_slice(),
+            &self.out.delivered()[..fed],
+        ]
+        .concat()
+    }
+
+    /// `context().len()`, without building it.
+    pub fn context_len(&self) -> usize {
+        self.request().prompt.len() + self.out.delivered().len().saturating_sub(1)
+    }
+
     pub fn is_cancelled(&self) -> bool {
         self.out.is_cancelled()
     }

@@ -3,7 +3,12 @@
 //! prefill chunk and one decode step for the whole batch. The prefill chunk
 //! budget bounds the inter-token latency of running rows while a long
 //! prompt arrives.
+//!
+//! A step that runs out of device memory fails no request by itself: its
+//! rows give up their KV and wait to be recomputed from their tokens
+//! ([`Scheduler::recover_from_oom`]), as vLLM's recompute preemption.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -15,7 +20,7 @@ use runtime::emit::Emitter;
 use runtime::handover::Handover;
 use runtime::model::Logits;
 use runtime::sampling::{self, Sampler};
-use runtime::{generate, vision, KvCache, SharedModel};
+use runtime::{generate, memory, vision, KvCache, SharedModel};
 
 use crate::admit::{self, Candidate, Start};
 use crate::config::BatchedConfig;
@@ -41,9 +46,22 @@ pub struct Stats {
     pub kv_blocks: AtomicUsize,
 }
 
+impl Stats {
+    /// One request left the queue. Saturating: a scheduler restarted after
+    /// a panic starts the count again from zero.
+    pub fn dequeued(&self) {
+        let _ = self
+            .queued
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+    }
+}
+
 struct Prefilling {
     row: Row,
     cache: KvCache,
+    /// What the prefill computes: the prompt, or for a preempted row its
+    /// whole context (see [`Row::context`]).
+    tokens: Vec<u32>,
     done: usize,
 }
 
@@ -58,6 +76,16 @@ pub struct Scheduler {
     group: Vec<Row>,
     rows: Vec<Row>,
     batch: Option<KvCache>,
+    /// Rows that gave up their KV when a step ran out of memory, oldest
+    /// first; they rejoin before anything new is admitted.
+    preempted: VecDeque<Row>,
+    /// Rows allowed in the batch since memory ran out (halved then, one
+    /// more per row that finishes); `None`: `max_batch`.
+    row_cap: Option<usize>,
+    /// The last step that ran out of memory had a single row: its id and
+    /// how many of its tokens had KV then (see
+    /// [`Scheduler::recover_from_oom`]).
+    lone_oom: Option<(RequestId, usize)>,
     prefix: PrefixCache,
     shutting_down: bool,
 }
@@ -84,8 +112,37 @@ impl Scheduler {
             group: Vec::new(),
             rows: Vec::new(),
             batch: None,
+            preempted: VecDeque::new(),
+            row_cap: None,
+            lone_oom: None,
             prefix,
             shutting_down: false,
+        }
+    }
+
+    /// Runs schedulers on this thread until shutdown. A scheduler that
+    /// panics loses the requests it held (their streams end without a
+    /// final event, which benches the engine until the host's probe finds
+    /// it serving again) and a fresh one takes over the same channel.
+    pub fn supervise(
+        shared: Arc<SharedModel>,
+        cfg: BatchedConfig,
+        rx: Receiver<Msg>,
+        stats: Arc<Stats>,
+    ) {
+        loop {
+            let scheduler = Scheduler::new(shared.clone(), cfg.clone(), rx.clone(), stats.clone());
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| scheduler.run())) {
+                Ok(()) => return,
+                Err(_) => {
+                    tracing::error!(
+                        "the batched scheduler panicked; its requests are lost; starting a new one"
+                    );
+                    stats.active.store(0, Ordering::Release);
+                    stats.kv_blocks.store(0, Ordering::Release);
+                    stats.queued.store(0, Ordering::Release);
+                }
+            }
         }
     }
 
@@ -99,9 +156,13 @@ impl Scheduler {
             // Published before stepping: an exclusive engine holding the
             // device must see this work to hand over and let it run.
             self.publish();
-            if let Err(e) = self.step() {
-                tracing::error!(error = %e, "batched step failed; failing its requests");
-                self.fail_all(&format!("engine step failed: {e}"));
+            match self.step() {
+                Ok(()) => {}
+                Err(e) if memory::is_out_of_memory(&e) => self.recover_from_oom(&e),
+                Err(e) => {
+                    tracing::error!(error = %e, "batched step failed; failing its requests");
+                    self.fail_all(&format!("engine step failed: {e}"));
+                }
             }
             self.publish();
         }
@@ -113,6 +174,7 @@ impl Scheduler {
         self.rows.is_empty()
             && self.prefill.is_none()
             && self.group.is_empty()
+            && self.preempted.is_empty()
             && self.waiting.is_empty()
     }
 
@@ -138,11 +200,7 @@ impl Scheduler {
             Msg::Submit(w) => self.waiting.push(w),
             Msg::Adopt(h) => self.adopt(*h),
             Msg::Cancel(id) => {
-                for r in self
-                    .rows
-                    .iter()
-                    .chain(self.prefill.as_ref().map(|p| &p.row))
-                {
+                for r in self.started() {
                     if r.request().id == id {
                         r.request().cancel.cancel();
                     }
@@ -199,12 +257,18 @@ impl Scheduler {
 
     fn drop_cancelled(&mut self) {
         for w in self.waiting.drain_cancelled() {
-            self.stats.queued.fetch_sub(1, Ordering::AcqRel);
+            self.stats.dequeued();
             w.cancel();
         }
         if self.prefill.as_ref().is_some_and(|p| p.row.is_cancelled()) {
             let p = self.prefill.take().unwrap();
             p.row.finish(FinishReason::Cancelled);
+        }
+        let (gone, kept): (Vec<Row>, Vec<Row>) =
+            self.preempted.drain(..).partition(Row::is_cancelled);
+        self.preempted = kept.into();
+        for row in gone {
+            row.finish(FinishReason::Cancelled);
         }
         let cancelled: Vec<(usize, FinishReason)> = (0..self.rows.len())
             .filter(|&i| self.rows[i].is_cancelled())
@@ -225,6 +289,10 @@ impl Scheduler {
         }
         let keep: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].is_some()).collect();
         self.rows = rows.into_iter().flatten().collect();
+        if let Some(cap) = self.row_cap {
+            let cap = cap + gone.len();
+            self.row_cap = (cap < self.cfg.max_batch).then_some(cap);
+        }
         if self.rows.is_empty() {
             self.batch = None;
         } else if let Some(b) = self.batch.as_mut() {
@@ -241,6 +309,27 @@ impl Scheduler {
         if self.prefill.is_some() || !self.group.is_empty() {
             return;
         }
+        let cap = self.row_cap.unwrap_or(self.cfg.max_batch);
+        if self.rows.len() >= cap {
+            return;
+        }
+        if let Some(row) = self.preempted.pop_front() {
+            let tokens = row.context();
+            let (cache, done) = match self
+                .prefix
+                .lookup(row.request().cache_scope.as_deref(), &tokens)
+            {
+                Some(h) => (h.cache, h.tokens),
+                None => (self.shared.model.model.new_cache(1), 0),
+            };
+            self.prefill = Some(Prefilling {
+                row,
+                cache,
+                tokens,
+                done,
+            });
+            return;
+        }
         let pool = &self.shared.kv_pool;
         let prefix = &self.prefix;
         let candidates = self.waiting.iter().map(|w| Candidate {
@@ -249,7 +338,7 @@ impl Scheduler {
             images: !w.request.images.is_empty(),
             prefix_hit: prefix.has_hit(w.request.cache_scope.as_deref(), &w.request.prompt),
         });
-        let room = self.cfg.max_batch.saturating_sub(self.rows.len());
+        let room = cap - self.rows.len();
         let free = pool.total().saturating_sub(pool.allocated());
         match admit::plan(candidates, room, free, self.cfg.prefill_chunk) {
             None => {}
@@ -259,7 +348,13 @@ impl Scheduler {
                         Some(h) => (h.cache, h.tokens),
                         None => (self.shared.model.model.new_cache(1), 0),
                     };
-                    self.prefill = Some(Prefilling { row, cache, done });
+                    let tokens = row.request().prompt.clone();
+                    self.prefill = Some(Prefilling {
+                        row,
+                        cache,
+                        tokens,
+                        done,
+                    });
                 }
             }
             // Another engine may take blocks meanwhile: the group is what
@@ -283,7 +378,7 @@ impl Scheduler {
             // When the pool is full, wait for running rows to return blocks.
             let reservation = self.shared.kv_pool.try_reserve(front.blocks).ok()?;
             let w = self.waiting.pop()?;
-            self.stats.queued.fetch_sub(1, Ordering::AcqRel);
+            self.stats.dequeued();
             let vocab = self.shared.model.vocab_size() as i32;
             let mut out = Emitter::new(w.request, w.events);
             let sampler = match Sampler::new(&out.request.sampling, vocab, &out.request.prompt) {
@@ -323,11 +418,16 @@ impl Scheduler {
         if self.group.is_empty() {
             return Ok(());
         }
-        let mut rows = std::mem::take(&mut self.group);
+        // The rows stay in the group until their first token is out: a
+        // step that fails leaves them to the caller's recovery.
         let model = &self.shared.model.model;
-        let (ids, pads) = generate::left_padded(rows.iter().map(|r| r.request().prompt.as_slice()));
+        let (ids, pads) =
+            generate::left_padded(self.group.iter().map(|r| r.request().prompt.as_slice()));
         let mut cache = KvCache::with_left_padding(model.num_layers(), pads);
         let logits = model.forward(&ids, &mut cache, Logits::Last)?;
+        let finished = advance_rows(&mut self.group, &logits)?;
+        let rows = std::mem::take(&mut self.group);
+        // Cached only now that the forward evaluated.
         for (i, row) in rows.iter().enumerate() {
             if self.prefix.wants(&row.request().prompt) {
                 self.prefix.insert(
@@ -337,7 +437,6 @@ impl Scheduler {
                 );
             }
         }
-        let finished = advance_rows(&mut rows, &logits)?;
         let keep: Vec<usize> = (0..rows.len())
             .filter(|i| !finished.iter().any(|(j, _)| j == i))
             .collect();
@@ -359,36 +458,50 @@ impl Scheduler {
             return Ok(());
         };
         let model = &self.shared.model.model;
-        let prompt = &p.row.request().prompt;
-        let mut end = (p.done + self.cfg.prefill_chunk).min(prompt.len());
+        let mut end = (p.done + self.cfg.prefill_chunk).min(p.tokens.len());
         // A hybrid model's prefix snapshot needs a chunk to end there.
-        let snapshot = self.prefix.snapshot_at(prompt);
+        let snapshot = self.prefix.snapshot_at(&p.row.request().prompt);
         if let Some(at) = snapshot.filter(|&at| p.done < at && at < end) {
             end = at;
         }
         // An image whose tokens attend both ways is prefilled in one chunk.
         let end = vision::chunk_end(&p.row.request().images, p.done, end);
-        let ids = generate::tokens_array(&prompt[p.done..end]);
+        let ids = generate::tokens_array(&p.tokens[p.done..end]);
         let logits = match vision::replacement(&p.row.request().images, p.done, end - p.done) {
             Some(images) => model.forward_replacing(&ids, &images, &mut p.cache, Logits::Last)?,
             None => model.forward(&ids, &mut p.cache, Logits::Last)?,
         };
-        p.done = end;
-        if end < prompt.len() {
+        let resumed = p.row.out.generated() > 0;
+        if end < p.tokens.len() || resumed {
+            // A preempted row's next input is its newest token: no sample.
             eval(p.cache.state())?;
+            p.done = end;
             if snapshot == Some(end) {
                 let scope = p.row.request().cache_scope.as_deref();
-                self.prefix.insert(scope, &prompt[..end], &p.cache);
+                self.prefix
+                    .insert(scope, &p.row.request().prompt[..end], &p.cache);
             }
-            return Ok(());
+            if end < p.tokens.len() {
+                return Ok(());
+            }
+            let p = self.prefill.take().unwrap();
+            return self.join_batch(vec![p.row], p.cache);
         }
         let mut p = self.prefill.take().unwrap();
+        let finished = match advance_rows(std::slice::from_mut(&mut p.row), &logits) {
+            Ok(finished) => finished,
+            Err(e) => {
+                // Back in place for the caller's recovery.
+                self.prefill = Some(p);
+                return Err(e);
+            }
+        };
         self.prefix.insert(
             p.row.request().cache_scope.as_deref(),
             &p.row.request().prompt,
             &p.cache,
         );
-        match advance_rows(std::slice::from_mut(&mut p.row), &logits)?.first() {
+        match finished.first() {
             Some(&(_, reason)) => {
                 p.row.finish(reason);
                 Ok(())
@@ -415,40 +528,87 @@ impl Scheduler {
         Ok(())
     }
 
-    fn publish(&self) {
-        let active = self.rows.len() + self.group.len() + usize::from(self.prefill.is_some());
-        self.stats.active.store(active, Ordering::Release);
-        let blocks: usize = self
-            .rows
+    /// Every admitted row: in the batch, being prefilled, or preempted.
+    fn started(&self) -> impl Iterator<Item = &Row> {
+        self.rows
             .iter()
             .chain(&self.group)
             .chain(self.prefill.as_ref().map(|p| &p.row))
-            .map(|r| r.reservation.blocks())
-            .sum();
+            .chain(&self.preempted)
+    }
+
+    /// Takes every admitted row out of the scheduler (the batch's KV goes
+    /// with them), oldest first.
+    fn take_started(&mut self) -> Vec<Row> {
+        self.batch = None;
+        let mut rows: Vec<Row> = self.rows.drain(..).collect();
+        rows.extend(self.prefill.take().map(|p| p.row));
+        rows.extend(self.group.drain(..));
+        rows.extend(self.preempted.drain(..));
+        rows
+    }
+
+    fn publish(&self) {
+        self.stats
+            .active
+            .store(self.started().count(), Ordering::Release);
+        let blocks: usize = self.started().map(|r| r.reservation.blocks()).sum();
         self.stats.kv_blocks.store(blocks, Ordering::Release);
     }
 
+    /// A step ran out of device memory. Its graph failed part way through
+    /// writing the KV caches, so no row's KV can be trusted: MLX's cached
+    /// buffers go back to the device, every row gives up its KV and waits
+    /// (keeping its reservation and its stream) to be recomputed from its
+    /// tokens, and the batch restarts at half the rows, growing back as
+    /// rows finish. A row that runs out of memory alone, and again alone
+    /// before it got further (fewer or as many of its tokens computed),
+    /// cannot fit: it ends with 503.
+    fn recover_from_oom(&mut self, error: &anyhow::Error) {
+        memory::release_cache();
+        let lone = (self.started().count() == 1).then(|| match &self.prefill {
+            Some(p) => (p.row.request().id, p.done),
+            None => {
+                let row = self.started().next().expect("one row");
+                let computed = if self.rows.is_empty() {
+                    0
+                } else {
+                    row.context_len()
+                };
+                (row.request().id, computed)
+            }
+        });
+        let mut rows = self.take_started();
+        tracing::warn!(error = %error, rows = rows.len(), "batched step ran out of memory; recomputing its rows with fewer at once");
+        let stuck = matches!((lone, self.lone_oom), (Some((id, now)), Some((last_id, last)))
+            if id == last_id && now <= last);
+        self.lone_oom = lone;
+        if stuck {
+            self.lone_oom = None;
+            rows.pop()
+                .expect("one row")
+                .fail(memory::failed_step(error));
+            return;
+        }
+        self.row_cap = Some((rows.len() / 2).max(1));
+        self.preempted = rows.into();
+    }
+
     fn fail_all(&mut self, message: &str) {
-        for r in self
-            .rows
-            .drain(..)
-            .chain(self.group.drain(..))
-            .chain(self.prefill.take().map(|p| p.row))
-        {
+        for r in self.take_started() {
             r.fail(StreamError::Internal(message.to_string()));
         }
-        self.batch = None;
     }
 
     fn cancel_everything(&mut self) {
         for w in self.waiting.drain() {
-            self.stats.queued.fetch_sub(1, Ordering::AcqRel);
+            self.stats.dequeued();
             w.cancel();
         }
         while let Ok(msg) = self.rx.try_recv() {
             match msg {
                 Msg::Submit(w) => {
-                    self.stats.queued.fetch_sub(1, Ordering::AcqRel);
+                    self.stats.dequeued();
                     w.cancel();
                 }
                 Msg::Adopt(h) => {
@@ -467,13 +627,9 @@ impl Scheduler {
                 _ => {}
             }
         }
-        if let Some(p) = self.prefill.take() {
-            p.row.finish(FinishReason::Cancelled);
-        }
-        for r in self.rows.drain(..).chain(self.group.drain(..)) {
+        for r in self.take_started() {
             r.finish(FinishReason::Cancelled);
         }
-        self.batch = None;
     }
 }
 

@@ -8,7 +8,7 @@ use engine_core::{Event, FinishReason, GenerateRequest, StreamError};
 use runtime::emit::Emitter;
 use runtime::generate::GreedyStream;
 use runtime::handover::{Handover, HandoverSink};
-use runtime::{KvCache, Reservation, SharedModel};
+use runtime::{memory, KvCache, Reservation, SharedModel};
 
 pub struct Job {
     pub request: GenerateRequest,
@@ -79,7 +79,7 @@ pub fn run(shared: &Arc<SharedModel>, job: Job, slot: &AtomicBool) -> Outcome {
             tracing::error!(error = %e, "fast path decode failed");
             drop(reservation);
             slot.store(false, Ordering::Release);
-            out.fail(StreamError::Internal(format!("generation failed: {e}")));
+            out.fail(memory::failed_step(&e));
             Outcome::Failed
         }
     }

@@ -118,7 +118,9 @@ pub struct RawHandover {
     pub left_pad: *const i32,
     pub batch: usize,
     pub last_token: u32,
-    pub generated: u32,
+    /// Tokens streamed so far (`last_token` included).
+    pub generated: *const u32,
+    pub generated_len: usize,
     pub cached_tokens: u32,
     pub reserved_blocks: usize,
 }
@@ -239,7 +241,8 @@ impl HandoverSink for ForeignSink {
             left_pad: h.cache.left_pad.as_ptr(),
             batch: h.cache.left_pad.len(),
             last_token: h.last_token,
-            generated: h.generated,
+            generated: h.generated.as_ptr(),
+            generated_len: h.generated.len(),
             cached_tokens: h.cached_tokens,
             reserved_blocks: h.reservation.blocks(),
         };
@@ -309,7 +312,7 @@ pub(crate) fn export_sink(sink: Arc<dyn HandoverSink>, pool: KvPool) -> RawHando
                 request,
                 cache,
                 last_token: raw.last_token,
-                generated: raw.generated,
+                generated: std::slice::from_raw_parts(raw.generated, raw.generated_len).to_vec(),
                 cached_tokens: raw.cached_tokens,
                 reservation: ctx.pool.adopt(raw.reserved_blocks),
                 events: EventSender::from_raw(std::ptr::read(&raw.events)),

@@ -12,8 +12,9 @@ use engine_core::{
 pub struct Emitter {
     pub request: GenerateRequest,
     events: EventSender,
-    /// Tokens delivered to the client.
-    generated: u32,
+    /// Tokens delivered to the client, in order: the sequence's context
+    /// beyond the prompt (a preempted sequence is recomputed from it).
+    delivered: Vec<u32>,
     /// Prompt tokens served from a prefix cache.
     cached_tokens: u32,
     ended: bool,
@@ -21,20 +22,20 @@ pub struct Emitter {
 
 impl Emitter {
     pub fn new(request: GenerateRequest, events: EventSender) -> Self {
-        Self::resume(request, events, 0, 0)
+        Self::resume(request, events, Vec::new(), 0)
     }
 
     /// Continues a sequence another engine started (a handover).
     pub fn resume(
         request: GenerateRequest,
         events: EventSender,
-        generated: u32,
+        delivered: Vec<u32>,
         cached_tokens: u32,
     ) -> Self {
         Self {
             request,
             events,
-            generated,
+            delivered,
             cached_tokens,
             ended: false,
         }
@@ -45,7 +46,12 @@ impl Emitter {
     }
 
     pub fn generated(&self) -> u32 {
-        self.generated
+        self.delivered.len() as u32
+    }
+
+    /// The tokens delivered so far.
+    pub fn delivered(&self) -> &[u32] {
+        &self.delivered
     }
 
     pub fn cached_tokens(&self) -> u32 {
@@ -69,11 +75,12 @@ impl Emitter {
         if self.request.stop_tokens.contains(&token.id) {
             return Some(FinishReason::Stop);
         }
+        let id = token.id;
         if self.request.cancel.is_cancelled() || self.events.send(Event::Token(token)).is_err() {
             return Some(FinishReason::Cancelled);
         }
-        self.generated += 1;
-        (self.generated >= self.request.max_tokens).then_some(FinishReason::Length)
+        self.delivered.push(id);
+        (self.generated() >= self.request.max_tokens).then_some(FinishReason::Length)
     }
 
     /// [`Emitter::token`] for a token without logprobs.
@@ -93,7 +100,7 @@ impl Emitter {
         let _ = self.events.send(Event::Finished(Finish {
             reason,
             prompt_tokens: self.request.prompt.len() as u32,
-            completion_tokens: self.generated,
+            completion_tokens: self.generated(),
             cached_tokens: self.cached_tokens,
             spec,
         }));
@@ -108,11 +115,11 @@ impl Emitter {
     }
 
     /// The request, its stream and its counts, for a handover.
-    pub fn into_parts(self) -> (GenerateRequest, EventSender, u32, u32) {
+    pub fn into_parts(self) -> (GenerateRequest, EventSender, Vec<u32>, u32) {
         (
             self.request,
             self.events,
-            self.generated,
+            self.delivered,
             self.cached_tokens,
         )
     }

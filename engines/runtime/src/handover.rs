@@ -17,8 +17,8 @@ pub struct Handover {
     /// The newest token: already streamed to the client, not yet fed to the
     /// model.
     pub last_token: u32,
-    /// Tokens streamed so far (`last_token` included).
-    pub generated: u32,
+    /// Tokens streamed so far, in order (`last_token` included).
+    pub generated: Vec<u32>,
     pub cached_tokens: u32,
     pub reservation: Reservation,
     pub events: EventSender,

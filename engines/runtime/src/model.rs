@@ -412,6 +412,7 @@ impl Model {
             }
         }
         cache.advance(n);
+        crate::inject::at_forward()?;
         let mut h = self.norm.forward(&h)?;
         if which == Logits::Last && n > 1 {
             h = last_position(&h)?;

@@ -15,7 +15,7 @@ use engine_core::{
     CancelToken, Capabilities, Engine, EngineContext, EngineError, EngineLoad, GenerateRequest,
     Refusal, RequestId, StreamError,
 };
-use runtime::{LoadedModel, Reservation, SharedModel};
+use runtime::{memory, LoadedModel, Reservation, SharedModel};
 
 use crate::adaptive::RoundCost;
 use crate::config::SpecSettings;
@@ -317,7 +317,7 @@ impl Worker {
                     }
                     Err(e) => {
                         tracing::error!(engine = %self.name, request = %seq.out.request.id, error = %e, "speculative round failed");
-                        seq.fail(StreamError::Internal(format!("generation failed: {e}")));
+                        seq.fail(memory::failed_step(&e));
                     }
                 }
             }
@@ -355,7 +355,7 @@ impl Worker {
             };
             if let Err(e) = result {
                 tracing::error!(engine = %self.name, request = %seq.out.request.id, error = %e, "prefill failed");
-                seq.fail(StreamError::Internal(format!("generation failed: {e}")));
+                seq.fail(memory::failed_step(&e));
             }
         }
         seq

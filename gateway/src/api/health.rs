@@ -1,7 +1,8 @@
 //! `GET /health`: ready (200) only when every configured engine loaded and
 //! reports healthy and the server is not draining; otherwise 503. The body
 //! lists every engine (with its fault, if any), plugins that were refused,
-//! and the shared KV pool's figures.
+//! the shared KV pool's figures, and memory: what MLX holds now and at its
+//! peak, and how a `memory:` budget was divided.
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -71,6 +72,10 @@ pub async fn health(State(state): State<SharedState>) -> Response {
             "allocated_blocks": pool.allocated(),
             "block_size": pool.block_size(),
             "pressure": pool.pressure(),
+        },
+        "memory": {
+            "mlx": runtime::memory::mlx_memory(),
+            "budget": registry.memory,
         },
     });
     let status = if all_ready {

@@ -43,6 +43,24 @@ pub async fn render(State(state): State<SharedState>) -> Response {
     metrics::gauge!(metric::KV_BLOCKS_TOTAL).set(pool.total() as f64);
     metrics::gauge!(metric::KV_BLOCKS_ALLOCATED).set(pool.allocated() as f64);
     metrics::gauge!(metric::KV_PRESSURE).set(pool.pressure());
+    let mlx = runtime::memory::mlx_memory();
+    for (kind, bytes) in [
+        ("active", mlx.active),
+        ("cache", mlx.cache),
+        ("peak", mlx.peak),
+    ] {
+        metrics::gauge!(metric::MEMORY_BYTES, "kind" => kind).set(bytes as f64);
+    }
+    if let Some(plan) = &registry.memory {
+        for (part, bytes) in [
+            ("budget", plan.budget),
+            ("weights", plan.weights),
+            ("activations", plan.activations),
+            ("kv_pool", plan.kv_pool),
+        ] {
+            metrics::gauge!(metric::MEMORY_BUDGET_BYTES, "part" => part).set(bytes as f64);
+        }
+    }
     let mut response = Response::new(Body::from(state.metrics.render()));
     response.headers_mut().insert(
         header::CONTENT_TYPE,

@@ -2,17 +2,18 @@
 //! plugin (engine_core's panic barrier: one std cannot catch another's
 //! panic) and come back as `EngineError::Failed` plus `healthy: false`.
 //! Here the host notes an engine's own faults and takes it out of routing:
-//! a panic or a request stream dropped without its final event is
-//! permanent (the plugin's state can no longer be trusted; restart the
-//! gateway); an internal error while accepting a request benches it for
-//! [`ERROR_COOLDOWN`]. An `Error` event fails only its request (an
-//! upstream that died mid-stream is not the engine's fault) and is counted.
+//! a panic or a request stream dropped without its final event benches it
+//! until it proves it serves again (the host's probe, [`super::probe`],
+//! sends it a one-token request now and then); an internal error while
+//! accepting a request benches it for [`ERROR_COOLDOWN`]. An `Error` event
+//! fails only its request (an upstream that died mid-stream, a step out of
+//! memory, are not the engine's fault) and is counted.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use engine_core::{
-    Capabilities, Engine, EngineError, EngineLoad, EventStream, GenerateRequest, RequestId,
+    Capabilities, Engine, EngineError, EngineLoad, Event, EventStream, GenerateRequest, RequestId,
 };
 
 use crate::telemetry::metric;
@@ -42,6 +43,7 @@ impl FaultKind {
         }
     }
 
+    /// Lasts until a probe request succeeds (rather than a cooldown).
     fn is_permanent(self) -> bool {
         matches!(self, FaultKind::Panic | FaultKind::LostStream)
     }
@@ -120,6 +122,40 @@ impl EngineEntry {
     pub fn active_fault(&self) -> Option<Fault> {
         let fault = self.fault.lock().unwrap_or_else(|p| p.into_inner());
         fault.as_ref().filter(|f| f.is_active()).cloned()
+    }
+
+    /// Whether the engine is out of routing until a probe succeeds.
+    pub fn needs_probe(&self) -> bool {
+        self.active_fault().is_some_and(|f| f.kind.is_permanent())
+    }
+
+    /// Sends the engine a one-token greedy request of its own (no client,
+    /// no accounting); when it finishes within `timeout`, the fault is
+    /// cleared and the engine routes again.
+    pub async fn probe(&self, timeout: Duration) -> bool {
+        let request = GenerateRequest::new(vec![0], 1);
+        let cancel = request.cancel.clone();
+        let Ok(mut stream) = self.engine.submit(request) else {
+            return false;
+        };
+        let finished = tokio::time::timeout(timeout, async {
+            while let Some(event) = stream.recv().await {
+                match event {
+                    Event::Finished(_) => return true,
+                    Event::Error(_) => return false,
+                    Event::Token(_) => {}
+                }
+            }
+            false
+        })
+        .await
+        .unwrap_or(false);
+        cancel.cancel();
+        if finished {
+            tracing::info!(engine = %self.name, "engine served a probe request; back in routing");
+            *self.fault.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        }
+        finished
     }
 
     pub fn record_fault(&self, kind: FaultKind, reason: String) {

@@ -2,7 +2,9 @@
 //! model once and builds one engine per `engines:` entry over it.
 
 pub mod entry;
+pub mod memory;
 pub mod plugins;
+pub mod probe;
 pub mod registry;
 
 pub use entry::{EngineEntry, FaultKind};

@@ -12,6 +12,7 @@ use engine_core::plugin::export::CreateArgs;
 use runtime::{KvPool, LoadedModel, SharedModel};
 
 use super::entry::EngineEntry;
+use super::memory::{self, MemoryPlan};
 use super::plugins::{self, Plugin};
 use crate::config::{Config, EngineSpec};
 
@@ -35,13 +36,16 @@ pub struct Registry {
     engines: Vec<Arc<EngineEntry>>,
     pub failed: Vec<FailedEngine>,
     pub refused_plugins: Vec<RefusedPlugin>,
+    /// How `memory:` divided the budget; `None` without one.
+    pub memory: Option<MemoryPlan>,
 }
 
 impl Registry {
     /// Loads the model, opens the plugins and builds every engine. Fails only
     /// when the model cannot load or no engine at all could be built.
     pub fn load(config: &Config) -> anyhow::Result<Self> {
-        let shared = Arc::new(load_shared(config)?);
+        let (shared, memory) = load_shared(config)?;
+        let shared = Arc::new(shared);
         let shared_tables = shared.export();
         let (by_kind, refused_plugins) = open_listed_plugins(config);
         let dirs = match &config.plugin_dir {
@@ -104,6 +108,7 @@ impl Registry {
             engines,
             failed,
             refused_plugins,
+            memory,
         })
     }
 
@@ -137,17 +142,29 @@ impl Registry {
     }
 }
 
-fn load_shared(config: &Config) -> anyhow::Result<SharedModel> {
+/// Without a `memory:` budget, the KV pool's default size.
+const DEFAULT_KV_CACHE_MB: usize = 1024;
+
+fn load_shared(config: &Config) -> anyhow::Result<(SharedModel, Option<MemoryPlan>)> {
     let m = &config.model;
     let model = LoadedModel::load_as(&m.path, m.name.as_deref(), m.compute_dtype)
         .with_context(|| format!("loading the model from {}", m.path.display()))?;
     let per_token = model.model.kv_bytes_per_token();
-    let kv_pool = KvPool::with_budget(m.kv_cache_mb << 20, m.kv_block_size, per_token)
+    let kv_cap = m.kv_cache_mb.map(|mb| (mb as u64) << 20);
+    let plan = match &config.memory {
+        Some(budget) => Some(memory::plan(budget, &model, kv_cap)?),
+        None => None,
+    };
+    let kv_bytes = plan.map_or(
+        (m.kv_cache_mb.unwrap_or(DEFAULT_KV_CACHE_MB) as u64) << 20,
+        |p| p.kv_pool,
+    );
+    let kv_pool = KvPool::with_budget(kv_bytes as usize, m.kv_block_size, per_token)
         .with_sequence_state(model.model.state_bytes_per_sequence());
     anyhow::ensure!(
         kv_pool.total() > 0,
-        "model.kv_cache_mb = {} holds no KV block of {} bytes; raise it",
-        m.kv_cache_mb,
+        "the KV pool ({}) holds no KV block of {} bytes; raise model.kv_cache_mb (or the memory budget)",
+        runtime::memory::mib(kv_bytes),
         per_token * m.kv_block_size
     );
     tracing::info!(
@@ -157,7 +174,7 @@ fn load_shared(config: &Config) -> anyhow::Result<SharedModel> {
         state_blocks_per_sequence = kv_pool.state_blocks(),
         "shared KV pool ready"
     );
-    Ok(SharedModel::new(model, kv_pool))
+    Ok((SharedModel::new(model, kv_pool), plan))
 }
 
 /// Opens every file under `plugins:`, keyed by the kind it reports. A

@@ -19,6 +19,7 @@
 //!     fault: panic_in_worker  # inject a fault: panic_on_submit | panic_in_worker |
 //!                          #   error_on_submit | error_in_stream |
 //!                          #   overload_in_stream | invalid_in_stream
+//!     fault_requests: 0    # inject it into this many first requests only (0: all)
 //!     token_delay_ms: 0    # pause after each token (tests that need slow streams)
 //! ```
 

@@ -14,6 +14,8 @@ pub struct Options {
     /// A fault to inject into every request, for the gateway's
     /// fault-isolation tests.
     pub fault: Option<Fault>,
+    /// Inject `fault` into only this many first requests (0: every one).
+    pub fault_requests: u32,
     /// A pause after each token, so tests can catch requests mid-stream.
     pub token_delay_ms: u64,
 }
@@ -45,6 +47,7 @@ impl Default for Options {
             greedy_only: false,
             tools: true,
             fault: None,
+            fault_requests: 0,
             token_delay_ms: 0,
         }
     }

@@ -38,12 +38,22 @@ pub fn run(
     jobs: mpsc::Receiver<Job>,
     options: Options,
 ) {
+    let mut served = 0u32;
     while let Ok(job) = jobs.recv() {
         state.queued.fetch_sub(1, Ordering::AcqRel);
         let id = job.req.id;
         state.active.store(1, Ordering::Release);
-        serve(&shared, &state, job, &options);
+        served += 1;
+        let fault = options
+            .fault
+            .filter(|_| options.fault_requests == 0 || served <= options.fault_requests);
+        // A panic loses its request (the stream ends unfinished, which
+        // benches the engine) and the worker goes on to the next.
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            serve(&shared, &state, job, &options, fault)
+        }));
         state.active.store(0, Ordering::Release);
+        state.kv_blocks.store(0, Ordering::Release);
         state
             .cancels
             .lock()
@@ -53,7 +63,7 @@ pub fn run(
     state.worker_alive.store(false, Ordering::Release);
 }
 
-fn serve(shared: &SharedModel, state: &State, job: Job, options: &Options) {
+fn serve(shared: &SharedModel, state: &State, job: Job, options: &Options, fault: Option<Fault>) {
     let Job { req, events } = job;
     let prompt_tokens = req.prompt.len() as u32;
     let finish = |reason, delivered| {
@@ -72,7 +82,7 @@ fn serve(shared: &SharedModel, state: &State, job: Job, options: &Options) {
     state
         .kv_blocks
         .store(reservation.blocks(), Ordering::Release);
-    match options.fault {
+    match fault {
         // Unwinding returns the reservation; the stream is dropped unfinished.
         Some(Fault::PanicInWorker) => panic!("injected fault: panic in the worker"),
         Some(fault @ (Fault::ErrorInStream | Fault::OverloadInStream | Fault::InvalidInStream)) => {
