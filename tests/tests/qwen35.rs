@@ -4,10 +4,11 @@
 //! over HTTP equals the fast path's token for token, through chunked
 //! prefill, a prefix-cache hit on an exact block-boundary snapshot,
 //! speculative rounds whose rejected drafts roll the recurrent state back,
-//! concurrent (batched) requests beside a fast-path one (handed over to
-//! the batched engine, recurrent states and all, when it is still running).
+//! concurrent (batched) requests, and a fast-path stream handed over to the
+//! batched engine mid-generation, recurrent states and all.
 //! Qwen3 MoE: the batched engine and the fast path agree.
 
+use e2e_tests::http::SseStream;
 use e2e_tests::{models, Gateway};
 use fixtures::model::TinySpec;
 use fixtures::qwen::QwenShape;
@@ -66,6 +67,7 @@ policy:
     - {{ name: to-dflash, when: {{ max_tokens: 31 }}, route: dflash }}
     - {{ name: to-lookup, when: {{ max_tokens: 33 }}, route: lookup }}
     - {{ name: to-fastpath, when: {{ max_tokens: 34 }}, route: fastpath }}
+    - {{ name: long-fastpath, when: {{ max_tokens: 400 }}, route: fastpath }}
 "#,
         model.path.display(),
         dflash.path.display(),
@@ -101,22 +103,46 @@ policy:
         usage["prompt_tokens_details"]["cached_tokens"], 32,
         "the block-boundary snapshot was not reused"
     );
-    // All prompts at once, batched (rows join and leave with their
-    // states), beside a fast-path request that hands its sequence over to
-    // the batched engine if it is still running when they arrive.
-    let (answers, fast) = std::thread::scope(|s| {
-        let fast = s.spawn(|| complete(&gw, NAME, &long, 34).1);
+    // A fast-path stream handed over mid-generation (its recurrent states
+    // cross the plugin boundary) while all prompts arrive at once, batched
+    // (rows join and leave with their states): each answer is as alone.
+    wait_idle(&gw);
+    let long_run = json!({"model": NAME, "prompt": long, "max_tokens": 400, "ignore_eos": true});
+    let r = gw.post("/v1/completions", &long_run);
+    assert_eq!(r.header("x-engine"), Some("fastpath"));
+    let alone = r.json()["choices"][0]["text"].as_str().unwrap().to_owned();
+    wait_idle(&gw);
+    let mut body = long_run.clone();
+    body["stream"] = json!(true);
+    let mut stream = SseStream::open(gw.addr, "/v1/completions", &body);
+    assert_eq!(stream.status, 200);
+    let mut text = String::new();
+    let mut take = |data: &str| {
+        if data != "[DONE]" {
+            let chunk: serde_json::Value = serde_json::from_str(data).unwrap();
+            text.push_str(chunk["choices"][0]["text"].as_str().unwrap_or(""));
+        }
+    };
+    take(&stream.next_event().expect("a first event"));
+    let answers: Vec<Vec<u64>> = std::thread::scope(|s| {
         let handles: Vec<_> = prompts
             .iter()
             .map(|p| s.spawn(|| complete(&gw, NAME, p, 30).1))
             .collect();
-        let answers: Vec<Vec<u64>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-        (answers, fast.join().unwrap())
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     for (i, a) in answers.iter().enumerate() {
         assert_eq!(a, &oracle[i][..30], "prompt {i} in a batch");
     }
-    assert_eq!(fast, oracle[1], "the fast-path request beside the batch");
+    while let Some(data) = stream.next_event() {
+        take(&data);
+    }
+    assert_eq!(text, alone, "the handed-over stream");
+    assert!(
+        gw.logs()
+            .contains("handed its sequence to the batched engine"),
+        "no handover happened"
+    );
     wait_idle(&gw);
 }
 

@@ -100,7 +100,7 @@ fn decode(shared: &Arc<SharedModel>, out: &mut Emitter) -> anyhow::Result<End> {
         if let Some(sink) = hand_over {
             return Ok(End::HandOver {
                 sink,
-                cache: stream.into_cache(),
+                cache: stream.into_cache()?,
                 last_token: token,
             });
         }
