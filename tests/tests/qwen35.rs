@@ -163,7 +163,10 @@ policy:
         model.path.display(),
     );
     let gw = Gateway::start(&config);
-    for prompt in [vec![5u32, 9, 14], fixtures::model::random_prompt(4, 40, 500)] {
+    for prompt in [
+        vec![5u32, 9, 14],
+        fixtures::model::random_prompt(4, 40, 500),
+    ] {
         wait_idle(&gw);
         let (engine, greedy, _) = complete(&gw, NAME, &prompt, 34);
         assert_eq!(engine, "fastpath");

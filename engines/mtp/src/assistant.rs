@@ -205,17 +205,19 @@ impl DraftState for State {
                 let (k, v) = cache
                     .layer_kv(l.target_layer)?
                     .context("the target cache is empty")?;
-                Ok(match target.attention_info(l.target_layer).and_then(|i| i.window) {
-                    Some(w) if k.dim(2) > w - 1 => {
-                        let s = k.shape().to_vec();
-                        let from = s[2] - (w - 1);
-                        (
-                            slice(&k, &[0, 0, from, 0], &[s[0], s[1], s[2], s[3]])?,
-                            slice(&v, &[0, 0, from, 0], &[s[0], s[1], s[2], s[3]])?,
-                        )
-                    }
-                    _ => (k, v),
-                })
+                Ok(
+                    match target.attention_info(l.target_layer).and_then(|i| i.window) {
+                        Some(w) if k.dim(2) > w - 1 => {
+                            let s = k.shape().to_vec();
+                            let from = s[2] - (w - 1);
+                            (
+                                slice(&k, &[0, 0, from, 0], &[s[0], s[1], s[2], s[3]])?,
+                                slice(&v, &[0, 0, from, 0], &[s[0], s[1], s[2], s[3]])?,
+                            )
+                        }
+                        _ => (k, v),
+                    },
+                )
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         let last = *history.last().context("empty history")?;

@@ -302,7 +302,12 @@ pub(crate) fn export_sink(sink: Arc<dyn HandoverSink>, pool: KvPool) -> RawHando
             cache.recurrent = arrays(raw.conv)
                 .into_iter()
                 .zip(arrays(raw.ssm))
-                .map(|(conv, ssm)| Some(crate::cache::Recurrent { conv: conv?, ssm: ssm? }))
+                .map(|(conv, ssm)| {
+                    Some(crate::cache::Recurrent {
+                        conv: conv?,
+                        ssm: ssm?,
+                    })
+                })
                 .collect();
             cache.len = raw.len;
             cache.capacity = raw.capacity;

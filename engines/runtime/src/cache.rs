@@ -222,11 +222,12 @@ impl KvCache {
 
     /// The buffers, for evaluating them between prefill chunks.
     pub fn state(&self) -> impl Iterator<Item = &Array> {
-        self.keys
-            .iter()
-            .chain(self.values.iter())
-            .flatten()
-            .chain(self.recurrent.iter().flatten().flat_map(|r| [&r.conv, &r.ssm]))
+        self.keys.iter().chain(self.values.iter()).flatten().chain(
+            self.recurrent
+                .iter()
+                .flatten()
+                .flat_map(|r| [&r.conv, &r.ssm]),
+        )
     }
 
     pub fn advance(&mut self, n: i32) {

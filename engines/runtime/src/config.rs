@@ -423,9 +423,7 @@ impl ModelConfig {
         };
         let sparse_moe = match raw.model_type.as_str() {
             "qwen3_moe" => Some(sparse_moe_config(&raw, false)?),
-            _ if qwen35 && raw.num_experts.unwrap_or(0) > 0 => {
-                Some(sparse_moe_config(&raw, true)?)
-            }
+            _ if qwen35 && raw.num_experts.unwrap_or(0) > 0 => Some(sparse_moe_config(&raw, true)?),
             _ => None,
         };
         let intermediate_size = match (raw.intermediate_size, &sparse_moe) {
@@ -646,9 +644,8 @@ fn hybrid_config(raw: &Raw, head_dim: i32) -> anyhow::Result<HybridConfig> {
         }
         None => (0..n).map(|i| (i + 1) % interval == 0).collect(),
     };
-    let need = |v: Option<i32>, name: &str| {
-        v.with_context(|| format!("a Qwen 3.5 config needs {name}"))
-    };
+    let need =
+        |v: Option<i32>, name: &str| v.with_context(|| format!("a Qwen 3.5 config needs {name}"));
     let key_heads = need(raw.linear_num_key_heads, "linear_num_key_heads")?;
     let value_heads = need(raw.linear_num_value_heads, "linear_num_value_heads")?;
     if key_heads <= 0 || value_heads % key_heads != 0 {
@@ -675,9 +672,8 @@ fn hybrid_config(raw: &Raw, head_dim: i32) -> anyhow::Result<HybridConfig> {
 /// Qwen 3.5 (`qwen35`) has experts, with a shared one, on every layer.
 fn sparse_moe_config(raw: &Raw, qwen35: bool) -> anyhow::Result<SparseMoeConfig> {
     let shared_expert = qwen35;
-    let need = |v: Option<i32>, name: &str| {
-        v.with_context(|| format!("a Qwen MoE config needs {name}"))
-    };
+    let need =
+        |v: Option<i32>, name: &str| v.with_context(|| format!("a Qwen MoE config needs {name}"));
     let num_experts = need(raw.num_experts, "num_experts")?;
     let step = raw.decoder_sparse_step.unwrap_or(1).max(1);
     let dense_only = raw.mlp_only_layers.clone().unwrap_or_default();

@@ -144,49 +144,49 @@ impl Model {
                     &format!("{p}.linear_attn"),
                 )?)
             } else {
-            let attn = format!("{p}.self_attn");
-            let q_width = cfg.num_heads * hd * if spec.gated_attention { 2 } else { 1 };
-            let mut qkv = vec![linear(&mut w, &format!("{attn}.q_proj"), q_width, h)?];
-            let own_kv = spec.kv_source.is_none();
-            if own_kv {
-                qkv.push(linear(&mut w, &format!("{attn}.k_proj"), kvh * hd, h)?);
-                if !spec.k_eq_v {
-                    qkv.push(linear(&mut w, &format!("{attn}.v_proj"), kvh * hd, h)?);
-                }
-            } else {
-                // Hugging Face checkpoints keep the projections of layers
-                // that reuse another layer's keys and values; nothing reads
-                // them.
-                for unused in ["k_proj", "v_proj", "k_norm"] {
-                    for part in ["weight", "scales", "biases"] {
-                        w.take_optional(&format!("{attn}.{unused}.{part}"));
+                let attn = format!("{p}.self_attn");
+                let q_width = cfg.num_heads * hd * if spec.gated_attention { 2 } else { 1 };
+                let mut qkv = vec![linear(&mut w, &format!("{attn}.q_proj"), q_width, h)?];
+                let own_kv = spec.kv_source.is_none();
+                if own_kv {
+                    qkv.push(linear(&mut w, &format!("{attn}.k_proj"), kvh * hd, h)?);
+                    if !spec.k_eq_v {
+                        qkv.push(linear(&mut w, &format!("{attn}.v_proj"), kvh * hd, h)?);
+                    }
+                } else {
+                    // Hugging Face checkpoints keep the projections of layers
+                    // that reuse another layer's keys and values; nothing reads
+                    // them.
+                    for unused in ["k_proj", "v_proj", "k_norm"] {
+                        for part in ["weight", "scales", "biases"] {
+                            w.take_optional(&format!("{attn}.{unused}.{part}"));
+                        }
                     }
                 }
-            }
-            let (q_norm, k_norm) = if cfg.has_qk_norm() {
-                (
-                    Some(norm(&mut w, &format!("{attn}.q_norm"), hd)?),
-                    own_kv
-                        .then(|| norm(&mut w, &format!("{attn}.k_norm"), hd))
-                        .transpose()?,
-                )
-            } else {
-                (None, None)
-            };
-            Mixer::Attention(Attention {
-                qkv: Projections::new(qkv)?,
-                o: linear(&mut w, &format!("{attn}.o_proj"), h, cfg.num_heads * hd)?,
-                q_norm,
-                k_norm,
-                v_norm: (g4.is_some() && own_kv).then_some(eps),
-                rope: Rope::new(spec.rotary_dims, spec.rope_base, &spec.rope_scaling),
-                heads: cfg.num_heads,
-                kv_heads: kvh,
-                head_dim: hd,
-                scale: cfg.attention_scale(hd),
-                kv_source: spec.kv_source,
-                gated: spec.gated_attention,
-            })
+                let (q_norm, k_norm) = if cfg.has_qk_norm() {
+                    (
+                        Some(norm(&mut w, &format!("{attn}.q_norm"), hd)?),
+                        own_kv
+                            .then(|| norm(&mut w, &format!("{attn}.k_norm"), hd))
+                            .transpose()?,
+                    )
+                } else {
+                    (None, None)
+                };
+                Mixer::Attention(Attention {
+                    qkv: Projections::new(qkv)?,
+                    o: linear(&mut w, &format!("{attn}.o_proj"), h, cfg.num_heads * hd)?,
+                    q_norm,
+                    k_norm,
+                    v_norm: (g4.is_some() && own_kv).then_some(eps),
+                    rope: Rope::new(spec.rotary_dims, spec.rope_base, &spec.rope_scaling),
+                    heads: cfg.num_heads,
+                    kv_heads: kvh,
+                    head_dim: hd,
+                    scale: cfg.attention_scale(hd),
+                    kv_source: spec.kv_source,
+                    gated: spec.gated_attention,
+                })
             };
             let mlp = match &cfg.sparse_moe {
                 Some(m) if spec.sparse_moe => Ffn::Sparse(sparse_moe::SparseMoe::load(
@@ -195,7 +195,12 @@ impl Model {
                     m,
                     &format!("{p}.mlp"),
                 )?),
-                _ => Ffn::Dense(Mlp::load(&mut w, cfg, &format!("{p}.mlp"), spec.intermediate)?),
+                _ => Ffn::Dense(Mlp::load(
+                    &mut w,
+                    cfg,
+                    &format!("{p}.mlp"),
+                    spec.intermediate,
+                )?),
             };
             let moe = match g4.and_then(|g| g.moe) {
                 Some(m) => Some(gemma4::Moe::load(&mut w, cfg, m, &p)?),
@@ -540,7 +545,10 @@ impl Layer {
             Ffn::Dense(m) => m.collect(out),
             Ffn::Sparse(m) => m.collect(out),
         }
-        for norm in [&self.pre_ff_norm, &self.post_ff_norm].into_iter().flatten() {
+        for norm in [&self.pre_ff_norm, &self.post_ff_norm]
+            .into_iter()
+            .flatten()
+        {
             norm.collect(out);
         }
         self.input_norm.collect(out);
@@ -641,7 +649,10 @@ impl Attention {
                 let halves =
                     ops::split_equal(&q.reshape(&[b, l, self.heads, 2 * self.head_dim])?, 2, -1)?;
                 let gate = halves[1].reshape(&[b, l, self.heads * self.head_dim])?;
-                (halves[0].reshape(&[b, l, self.heads * self.head_dim])?, Some(gate))
+                (
+                    halves[0].reshape(&[b, l, self.heads * self.head_dim])?,
+                    Some(gate),
+                )
             }
             false => (q, None),
         };

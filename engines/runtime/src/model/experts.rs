@@ -58,7 +58,10 @@ impl SwitchGlu {
         (experts, inter, hidden): (i32, i32, i32),
         gelu: bool,
     ) -> anyhow::Result<Self> {
-        let gate_up = w.take_shaped(&format!("{prefix}.gate_up_proj"), &[experts, 2 * inter, hidden])?;
+        let gate_up = w.take_shaped(
+            &format!("{prefix}.gate_up_proj"),
+            &[experts, 2 * inter, hidden],
+        )?;
         let halves = ops::split_equal(&gate_up, 2, 1)?;
         let down = w.take_shaped(&format!("{prefix}.down_proj"), &[experts, hidden, inter])?;
         Ok(Self {

@@ -39,9 +39,15 @@ pub(super) struct GatedDeltaNet {
 
 impl GatedDeltaNet {
     pub fn load(w: &mut Weights, cfg: &ModelConfig, p: &str) -> anyhow::Result<Self> {
-        let g = cfg.hybrid.clone().expect("a linear layer has a hybrid config");
+        let g = cfg
+            .hybrid
+            .clone()
+            .expect("a linear layer has a hybrid config");
         let h = cfg.hidden_size;
-        let (key_dim, value_dim) = (g.key_heads * g.key_head_dim, g.value_heads * g.value_head_dim);
+        let (key_dim, value_dim) = (
+            g.key_heads * g.key_head_dim,
+            g.value_heads * g.value_head_dim,
+        );
         let conv_dim = g.conv_dim();
         let linear = |w: &mut Weights, n: &str, out: i32, inp: i32| {
             let name = format!("{p}.{n}");
@@ -122,17 +128,14 @@ impl GatedDeltaNet {
             },
         };
         if let Some(m) = mask {
-            qkv = ops::select(m.expand_dims(-1)?, &qkv, Array::from_f32(0.0).as_dtype(qkv.dtype())?)?;
+            qkv = ops::select(
+                m.expand_dims(-1)?,
+                &qkv,
+                Array::from_f32(0.0).as_dtype(qkv.dtype())?,
+            )?;
         }
         let conv_input = ops::concatenate(&[&before.conv, &qkv], 1)?;
-        let conv_out = nn::silu(ops::conv1d(
-            &conv_input,
-            &self.conv,
-            1,
-            0,
-            1,
-            g.conv_dim(),
-        )?)?;
+        let conv_out = nn::silu(ops::conv1d(&conv_input, &self.conv, 1, 0, 1, g.conv_dim())?)?;
         let qkv = ops::split_at_indices(&conv_out, &[key_dim, 2 * key_dim], -1)?;
         let heads = |t: &Array, n: i32, d: i32| t.reshape(&[b, s, n, d]);
         let q = heads(&qkv[0], g.key_heads, g.key_head_dim)?;
@@ -146,10 +149,7 @@ impl GatedDeltaNet {
         let k = fast::rms_norm(&k, None, eps)?.multiply(Array::from_f32(inv))?;
         let (q, k) = (self.repeat_heads(&q)?, self.repeat_heads(&k)?);
         let beta = ops::sigmoid(&beta_in)?;
-        let decay = ops::exp(
-            self.neg_a
-                .multiply(nn::softplus(a.add(&self.dt_bias)?)?)?,
-        )?;
+        let decay = ops::exp(self.neg_a.multiply(nn::softplus(a.add(&self.dt_bias)?)?)?)?;
         let keep_steps = cache.keeps_steps() && s <= MAX_ROLLBACK_STEPS;
         let mut state = before.ssm.clone();
         let mut ys = Vec::with_capacity(s as usize);
@@ -209,7 +209,11 @@ impl GatedDeltaNet {
             return Ok(x.clone());
         }
         let s = x.shape().to_vec();
-        ops::broadcast_to(x.expand_dims(-2)?, &[s[0], s[1], s[2], r, s[3]])?
-            .reshape(&[s[0], s[1], g.value_heads, s[3]])
+        ops::broadcast_to(x.expand_dims(-2)?, &[s[0], s[1], s[2], r, s[3]])?.reshape(&[
+            s[0],
+            s[1],
+            g.value_heads,
+            s[3],
+        ])
     }
 }
