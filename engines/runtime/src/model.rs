@@ -65,7 +65,7 @@ enum Mixer {
 enum Ffn {
     Dense(Mlp),
     /// Qwen's experts in place of the MLP.
-    Sparse(sparse_moe::SparseMoe),
+    Sparse(Box<sparse_moe::SparseMoe>),
 }
 
 struct Mlp {
@@ -188,20 +188,18 @@ impl Model {
                     gated: spec.gated_attention,
                 })
             };
-            let mlp = match &cfg.sparse_moe {
-                Some(m) if spec.sparse_moe => Ffn::Sparse(sparse_moe::SparseMoe::load(
-                    &mut w,
-                    cfg,
-                    m,
-                    &format!("{p}.mlp"),
-                )?),
-                _ => Ffn::Dense(Mlp::load(
-                    &mut w,
-                    cfg,
-                    &format!("{p}.mlp"),
-                    spec.intermediate,
-                )?),
-            };
+            let mlp =
+                match &cfg.sparse_moe {
+                    Some(m) if spec.sparse_moe => Ffn::Sparse(Box::new(
+                        sparse_moe::SparseMoe::load(&mut w, cfg, m, &format!("{p}.mlp"))?,
+                    )),
+                    _ => Ffn::Dense(Mlp::load(
+                        &mut w,
+                        cfg,
+                        &format!("{p}.mlp"),
+                        spec.intermediate,
+                    )?),
+                };
             let moe = match g4.and_then(|g| g.moe) {
                 Some(m) => Some(gemma4::Moe::load(&mut w, cfg, m, &p)?),
                 None => None,
