@@ -63,6 +63,17 @@ pub enum FamilyArg {
     /// multimodal layout, text only).
     #[value(name = "gemma4-dense")]
     Gemma4Dense,
+    /// Qwen3 MoE shaped like 30B-A3B: experts in place of every MLP
+    /// (Hugging Face layout, one tensor set per expert).
+    #[value(name = "qwen3-moe")]
+    Qwen3Moe,
+    /// Qwen 3.5 dense: Gated DeltaNet layers between gated full-attention
+    /// ones (Hugging Face multimodal layout, text only).
+    #[value(name = "qwen3.5")]
+    Qwen35,
+    /// Qwen 3.5 MoE: the hybrid layers with experts and a shared expert.
+    #[value(name = "qwen3.5-moe")]
+    Qwen35Moe,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]

@@ -4,6 +4,7 @@
 use anyhow::{bail, Context};
 use fixtures::gemma4::Gemma4Shape;
 use fixtures::model::{write_model, TinySpec};
+use fixtures::qwen::QwenShape;
 use fixtures::vision::{write_vision_model, TinyVisionSpec};
 use mlx_rs::Dtype;
 use runtime::Family;
@@ -14,7 +15,9 @@ pub fn run(args: &MakeTinyArgs) -> anyhow::Result<()> {
     let family = match args.family {
         FamilyArg::Llama => Family::Llama,
         FamilyArg::Qwen2 => Family::Qwen2,
-        FamilyArg::Qwen3 => Family::Qwen3,
+        FamilyArg::Qwen3 | FamilyArg::Qwen3Moe | FamilyArg::Qwen35 | FamilyArg::Qwen35Moe => {
+            Family::Qwen3
+        }
         FamilyArg::Gemma3 | FamilyArg::Gemma3Vision => Family::Gemma3,
         FamilyArg::Gemma4 | FamilyArg::Gemma4E2b | FamilyArg::Gemma4Dense => Family::Gemma4,
     };
@@ -35,6 +38,15 @@ pub fn run(args: &MakeTinyArgs) -> anyhow::Result<()> {
             FamilyArg::Gemma4Dense => Gemma4Shape::dense_31b(layers),
             _ => Gemma4Shape::moe_26b(layers),
         });
+    }
+    spec.qwen = match args.family {
+        FamilyArg::Qwen3Moe => Some(QwenShape::qwen3_moe()),
+        FamilyArg::Qwen35 => Some(QwenShape::qwen35()),
+        FamilyArg::Qwen35Moe => Some(QwenShape::qwen35_moe()),
+        _ => None,
+    };
+    if spec.qwen.is_some() && matches!(args.preset, PresetArg::Qwen3_4b) {
+        bail!("the qwen3-4b preset is dense Qwen3; use --family qwen3");
     }
     if let Some(dtype) = args.dtype {
         spec.dtype = match dtype {
@@ -60,10 +72,10 @@ pub fn run(args: &MakeTinyArgs) -> anyhow::Result<()> {
         write_model(&args.out, &spec)
     }
     .with_context(|| format!("writing {}", args.out.display()))?;
-    let family = if vision {
-        "gemma3-vision".to_string()
-    } else {
-        family.to_string()
+    let family = match (&spec.qwen, vision) {
+        (_, true) => "gemma3-vision".to_string(),
+        (Some(q), _) => q.model_type().to_string(),
+        _ => family.to_string(),
     };
     println!(
         "wrote a {family} model ({} text-model parameters) to {}",

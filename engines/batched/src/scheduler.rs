@@ -511,7 +511,12 @@ impl Scheduler {
             return Ok(());
         };
         let model = &self.shared.model.model;
-        let end = (p.done + self.cfg.prefill_chunk).min(p.tokens.len());
+        let mut end = (p.done + self.cfg.prefill_chunk).min(p.tokens.len());
+        // A hybrid model's prefix snapshot needs a chunk to end there.
+        let snapshot = self.shared.prefix.snapshot_at(p.row.request().prompt.len());
+        if let Some(at) = snapshot.filter(|&at| p.done < at && at < end) {
+            end = at;
+        }
         // An image whose tokens attend both ways is prefilled in one chunk.
         let end = vision::chunk_end(&p.row.request().images, p.done, end);
         let ids = generate::tokens_array(&p.tokens[p.done..end]);
@@ -524,6 +529,12 @@ impl Scheduler {
             // A preempted row's next input is its newest token: no sample.
             eval(p.cache.state())?;
             p.done = end;
+            if snapshot == Some(end) {
+                let scope = p.row.request().cache_scope.as_deref();
+                self.shared
+                    .prefix
+                    .insert(scope, &p.row.request().prompt[..end], &p.cache);
+            }
             if end < p.tokens.len() {
                 return Ok(());
             }

@@ -107,15 +107,33 @@ fn decode(shared: &Arc<SharedModel>, out: &mut Emitter) -> anyhow::Result<End> {
     let scope = out.request.cache_scope.clone();
     // The prompt, then every token read: what the cache holds, in order.
     let mut seen = out.request.prompt.clone();
-    let (cache, cached) = match shared
-        .prefix
-        .lookup(scope.as_deref(), &seen, model.num_layers())
-    {
-        Some(hit) => (hit.cache, hit.tokens),
-        None => (model.new_cache(1), 0),
-    };
+    let (mut cache, cached) =
+        match shared
+            .prefix
+            .lookup(scope.as_deref(), &seen, model.num_layers())
+        {
+            Some(hit) => (hit.cache, hit.tokens),
+            None => (model.new_cache(1), 0),
+        };
     out.set_cached_tokens(cached as u32);
-    let mut stream = GreedyStream::resume(model, cache, &seen[cached..])?;
+    let mut from = cached;
+    // A hybrid model's prefix is kept as a snapshot of the prompt's last
+    // block boundary, so the prefill stops there first.
+    if let Some(at) = shared
+        .prefix
+        .snapshot_at(seen.len())
+        .filter(|&at| from < at)
+    {
+        generate::prefill(
+            model,
+            &mut cache,
+            &seen[from..at],
+            generate::DEFAULT_PREFILL_CHUNK,
+        )?;
+        shared.prefix.insert(scope.as_deref(), &seen[..at], &cache);
+        from = at;
+    }
+    let mut stream = GreedyStream::resume(model, cache, &seen[from..])?;
     // The prompt now, for requests sharing it (n > 1); the answer at the end.
     shared
         .prefix
@@ -140,7 +158,7 @@ fn decode(shared: &Arc<SharedModel>, out: &mut Emitter) -> anyhow::Result<End> {
         if let Some(sink) = hand_over {
             return Ok(End::HandOver {
                 sink,
-                cache: stream.into_cache(),
+                cache: stream.into_cache()?,
                 last_token: token,
             });
         }

@@ -60,8 +60,9 @@ fn bind(target: &Model, sliding: bool) -> usize {
     let n = target.num_layers();
     let last = |want_window: bool| {
         (0..n).rev().find(|&i| {
-            let info = target.attention_info(i);
-            info.owns_kv && info.window.is_some() == want_window
+            target
+                .attention_info(i)
+                .is_some_and(|info| info.owns_kv && info.window.is_some() == want_window)
         })
     };
     if sliding {
@@ -91,7 +92,9 @@ impl Assistant {
                     };
                     let target_layer = bind(target, sliding);
                     // Its queries meet the target's cached keys head for head.
-                    let info = target.attention_info(target_layer);
+                    let info = target
+                        .attention_info(target_layer)
+                        .context("the target has no attention layer to read")?;
                     let head_dim = cfg.layer_head_dim(sliding);
                     anyhow::ensure!(
                         head_dim == info.head_dim,
@@ -202,17 +205,19 @@ impl DraftState for State {
                 let (k, v) = cache
                     .layer_kv(l.target_layer)?
                     .context("the target cache is empty")?;
-                Ok(match target.attention_info(l.target_layer).window {
-                    Some(w) if k.dim(2) > w - 1 => {
-                        let s = k.shape().to_vec();
-                        let from = s[2] - (w - 1);
-                        (
-                            slice(&k, &[0, 0, from, 0], &[s[0], s[1], s[2], s[3]])?,
-                            slice(&v, &[0, 0, from, 0], &[s[0], s[1], s[2], s[3]])?,
-                        )
-                    }
-                    _ => (k, v),
-                })
+                Ok(
+                    match target.attention_info(l.target_layer).and_then(|i| i.window) {
+                        Some(w) if k.dim(2) > w - 1 => {
+                            let s = k.shape().to_vec();
+                            let from = s[2] - (w - 1);
+                            (
+                                slice(&k, &[0, 0, from, 0], &[s[0], s[1], s[2], s[3]])?,
+                                slice(&v, &[0, 0, from, 0], &[s[0], s[1], s[2], s[3]])?,
+                            )
+                        }
+                        _ => (k, v),
+                    },
+                )
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         let last = *history.last().context("empty history")?;
@@ -294,6 +299,7 @@ impl Layer {
         // Queries rotate like the target layer's keys they meet.
         let q = target
             .attention_info(self.target_layer)
+            .expect("bound to an attention layer at load")
             .rope
             .forward(&q, &Offsets::Scalar(position))?;
         let att = fast::scaled_dot_product_attention(

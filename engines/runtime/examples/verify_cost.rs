@@ -68,7 +68,7 @@ fn main() {
                 let tokens = argmax_tokens(&logits.reshape(&[l as i32, 1, -1]).unwrap()).unwrap();
                 eval([&tokens]).unwrap();
                 let _ = tokens.as_slice::<i32>()[0];
-                cache.truncate(l as i32 - 1);
+                cache.truncate(l as i32 - 1).unwrap();
             };
             time();
             let t = Instant::now();

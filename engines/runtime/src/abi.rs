@@ -20,7 +20,7 @@ use engine_core::{CancelToken, EventSender, GenerateRequest};
 use mlx_rs::Array;
 use mlx_sys::mlx_array;
 
-use crate::cache::{KvCache, LayerKv};
+use crate::cache::{KvCache, LayerKv, Recurrent};
 use crate::handover::{Handover, HandoverSink};
 use crate::kv_pool::KvPool;
 use crate::kv_quant::KvQuant;
@@ -72,6 +72,8 @@ pub struct RawKvLedger {
     pub total: usize,
     pub block_size: usize,
     pub bytes_per_block: usize,
+    /// Blocks each sequence's recurrent state takes (hybrid models).
+    pub state_blocks: usize,
     /// Adds `blocks` when they fit; false when the pool is full.
     pub try_reserve: unsafe extern "C" fn(ctx: *mut c_void, blocks: usize) -> bool,
     pub release: unsafe extern "C" fn(ctx: *mut c_void, blocks: usize),
@@ -120,11 +122,14 @@ pub struct RawHandover {
 /// A `KvCache` in C form. Per layer its storage format and
 /// [`KV_BUFFERS`] handle slots: its buffers (`cache::LayerKv`), null past
 /// its last one and for a layer not yet written (or one that reads another
-/// layer's keys and values).
+/// layer's keys and values). Per layer also two slots for a
+/// linear-attention layer's recurrent state (convolution inputs,
+/// delta-rule state), null for other layers.
 #[repr(C)]
 pub struct RawKv {
     pub formats: *mut RawKvFormat,
     pub buffers: *mut mlx_array,
+    pub recurrent: *mut mlx_array,
     pub layers: usize,
     pub len: i32,
     pub capacity: i32,
@@ -178,6 +183,8 @@ pub struct RawPrefixCache {
     pub block: usize,
     /// Entries kept at most (0: disabled).
     pub capacity: usize,
+    /// Entries are recurrent-state snapshots, reused whole.
+    pub exact: bool,
     /// Length of the longest reusable prefix of `prompt`, 0 when none;
     /// on a hit its KV is written to `out` (the caller's buffers of
     /// `out.layers` handles), each handle then owned by the caller.
@@ -205,10 +212,12 @@ impl RawKv {
     pub(crate) fn receiver(layers: usize) -> KvReceiver {
         let mut formats = vec![RawKvFormat::of(None); layers];
         let mut buffers = vec![null_array(); layers * KV_BUFFERS];
+        let mut recurrent = vec![null_array(); layers * 2];
         let left_pad = Box::new(0i32);
         let raw = RawKv {
             formats: formats.as_mut_ptr(),
             buffers: buffers.as_mut_ptr(),
+            recurrent: recurrent.as_mut_ptr(),
             layers,
             len: 0,
             capacity: 0,
@@ -218,6 +227,7 @@ impl RawKv {
         KvReceiver {
             _formats: formats,
             _buffers: buffers,
+            _recurrent: recurrent,
             _left_pad: left_pad,
             raw,
         }
@@ -238,6 +248,14 @@ impl RawKv {
                 *self.buffers.add(l * KV_BUFFERS + i) = handle;
             }
         }
+        for (l, r) in cache.recurrent.into_iter().take(layers).enumerate() {
+            if let Some(r) = r {
+                for (i, a) in [r.conv, r.ssm].into_iter().enumerate() {
+                    *self.recurrent.add(l * 2 + i) = a.as_ptr();
+                    std::mem::forget(a);
+                }
+            }
+        }
         self.len = cache.len;
         self.capacity = cache.capacity;
     }
@@ -256,17 +274,31 @@ impl RawKv {
             .collect()
     }
 
+    /// The cache's recurrent states, each array made an `Array` by `take`.
+    unsafe fn recurrent(&self, take: impl Fn(mlx_array) -> Array) -> Vec<Option<Recurrent>> {
+        (0..self.layers)
+            .map(|l| {
+                let (conv, ssm) = (*self.recurrent.add(l * 2), *self.recurrent.add(l * 2 + 1));
+                (!conv.ctx.is_null() && !ssm.ctx.is_null()).then(|| Recurrent {
+                    conv: take(conv),
+                    ssm: take(ssm),
+                })
+            })
+            .collect()
+    }
+
     /// A cache over the same arrays, with handles of our own.
     ///
     /// # Safety
     /// Every non-null handle is a live mlx-c array handle.
     pub(crate) unsafe fn retained(&self) -> KvCache {
-        KvCache {
-            layers: self.layers(|h| retain(h)),
-            len: self.len,
-            capacity: self.capacity,
-            left_pad: std::slice::from_raw_parts(self.left_pad, self.batch).to_vec(),
-        }
+        let left_pad = std::slice::from_raw_parts(self.left_pad, self.batch).to_vec();
+        let mut cache = KvCache::with_formats(vec![None; self.layers], left_pad);
+        cache.layers = self.layers(|h| retain(h));
+        cache.recurrent = self.recurrent(|h| retain(h));
+        cache.len = self.len;
+        cache.capacity = self.capacity;
+        cache
     }
 }
 
@@ -274,6 +306,7 @@ impl RawKv {
 pub(crate) struct KvReceiver {
     _formats: Vec<RawKvFormat>,
     _buffers: Vec<mlx_array>,
+    _recurrent: Vec<mlx_array>,
     _left_pad: Box<i32>,
     pub(crate) raw: RawKv,
 }
@@ -282,13 +315,14 @@ impl KvReceiver {
     /// The cache written, owning its handles.
     pub(crate) fn into_cache(self) -> KvCache {
         // SAFETY: `give` wrote handles it handed over to us.
-        let layers = unsafe { self.raw.layers(|h| Array::from_ptr(h)) };
-        KvCache {
-            layers,
-            len: self.raw.len,
-            capacity: self.raw.capacity,
-            left_pad: vec![0],
+        let mut cache = KvCache::with_formats(vec![None; self.raw.layers], vec![0]);
+        unsafe {
+            cache.layers = self.raw.layers(|h| Array::from_ptr(h));
+            cache.recurrent = self.raw.recurrent(|h| Array::from_ptr(h));
         }
+        cache.len = self.raw.len;
+        cache.capacity = self.raw.capacity;
+        cache
     }
 }
 
@@ -296,6 +330,7 @@ impl KvReceiver {
 pub(crate) struct LentKv<'a> {
     formats: Vec<RawKvFormat>,
     buffers: Vec<mlx_array>,
+    recurrent: Vec<mlx_array>,
     cache: &'a KvCache,
 }
 
@@ -310,6 +345,14 @@ impl<'a> LentKv<'a> {
                     (0..KV_BUFFERS).map(|i| l.buffers.get(i).map_or_else(null_array, Array::as_ptr))
                 })
                 .collect(),
+            recurrent: cache
+                .recurrent
+                .iter()
+                .flat_map(|r| match r {
+                    Some(r) => [r.conv.as_ptr(), r.ssm.as_ptr()],
+                    None => [null_array(), null_array()],
+                })
+                .collect(),
             cache,
         }
     }
@@ -319,6 +362,7 @@ impl<'a> LentKv<'a> {
         RawKv {
             formats: self.formats.as_ptr().cast_mut(),
             buffers: self.buffers.as_ptr().cast_mut(),
+            recurrent: self.recurrent.as_ptr().cast_mut(),
             layers: self.formats.len(),
             len: self.cache.len,
             capacity: self.cache.capacity,

@@ -6,6 +6,12 @@
 //! `slice_update`. Rows of a batch are right-aligned: row `b`
 //! holds `left_pad[b]` padding columns before its first real token, so all
 //! rows append at the same column and a decode step is one batched forward.
+//!
+//! Linear-attention layers (Qwen 3.5's Gated DeltaNet) hold no keys or
+//! values but a per-row [`Recurrent`] state of constant size, which moves
+//! with its row through every batch operation. It cannot be cut back by
+//! dropping columns: a rollback restores the state after an earlier
+//! position of the last forward, kept when [`KvCache::keep_steps`] is on.
 
 use anyhow::anyhow;
 use mlx_rs::{ops, Array};
@@ -96,6 +102,11 @@ impl LayerView {
     }
 }
 
+/// Forwards of up to this many positions keep their per-position
+/// recurrent states when steps are kept (a verify of drafted tokens);
+/// longer ones (prefill chunks) cannot be rolled back.
+pub const MAX_ROLLBACK_STEPS: i32 = 64;
+
 #[derive(Clone)]
 pub struct KvCache {
     pub(crate) layers: Vec<LayerKv>,
@@ -103,6 +114,66 @@ pub struct KvCache {
     pub(crate) len: i32,
     pub(crate) capacity: i32,
     pub(crate) left_pad: Vec<i32>,
+    /// Per layer: the recurrent state of a linear-attention layer.
+    pub(crate) recurrent: Vec<Option<Recurrent>>,
+    /// Per linear layer, the states after each position of the last
+    /// forward (kept only when `keep_steps` is on).
+    steps: Vec<Option<Steps>>,
+    keep_steps: bool,
+}
+
+/// One linear-attention layer's state, per row of the batch.
+#[derive(Clone)]
+pub struct Recurrent {
+    /// `[B, conv_kernel - 1, conv_dim]`: the convolution's last inputs.
+    pub conv: Array,
+    /// `[B, value_heads, value_head_dim, key_head_dim]`, float32.
+    pub ssm: Array,
+}
+
+/// What rolling a linear layer back within its last forward needs.
+#[derive(Clone)]
+pub struct Steps {
+    /// The state before the forward.
+    pub before: Recurrent,
+    /// `[B, conv_kernel - 1 + S, conv_dim]`: the old convolution inputs
+    /// followed by the forward's.
+    pub conv_input: Array,
+    /// The delta-rule state after each of the S positions.
+    pub ssm: Vec<Array>,
+}
+
+impl Recurrent {
+    fn map(&self, f: impl Fn(&Array) -> anyhow::Result<Array>) -> anyhow::Result<Self> {
+        Ok(Self {
+            conv: f(&self.conv)?,
+            ssm: f(&self.ssm)?,
+        })
+    }
+
+    /// Bytes held, all rows.
+    pub fn nbytes(&self) -> usize {
+        self.conv.nbytes() + self.ssm.nbytes()
+    }
+}
+
+impl Steps {
+    /// The state after the first `n` positions of the forward.
+    fn after(&self, n: usize) -> anyhow::Result<Recurrent> {
+        if n == 0 {
+            return Ok(self.before.clone());
+        }
+        let keep = self.before.conv.dim(1);
+        let s = self.conv_input.shape();
+        Ok(Recurrent {
+            conv: slice(
+                &self.conv_input,
+                &[0, n as i32, 0],
+                &[s[0], n as i32 + keep, s[2]],
+            )?,
+            ssm: self.ssm[n - 1].clone(),
+        })
+    }
 }
 
 impl KvCache {
@@ -115,17 +186,56 @@ impl KvCache {
     /// (`None`: the activations' dtype) and whose rows will be filled by one
     /// prefill of prompts left-padded to a common length.
     pub fn with_formats(formats: Vec<Option<KvQuant>>, left_pad: Vec<i32>) -> Self {
+        let num_layers = formats.len();
         Self {
             layers: formats.into_iter().map(LayerKv::new).collect(),
             len: 0,
             capacity: 0,
             left_pad,
+            recurrent: vec![None; num_layers],
+            steps: vec![None; num_layers],
+            keep_steps: false,
         }
     }
 
     /// Each layer's quantization (`None`: stored in the activations' dtype).
     pub fn formats(&self) -> Vec<Option<KvQuant>> {
         self.layers.iter().map(|l| l.quant).collect()
+    }
+
+    /// Keeps each linear layer's per-position states of the last forward
+    /// (of at most [`MAX_ROLLBACK_STEPS`] positions), so
+    /// [`KvCache::truncate`] can roll rejected drafted tokens back
+    /// (speculative decoding); costs one state per position verified.
+    pub fn keep_steps(&mut self, on: bool) {
+        self.keep_steps = on;
+        if !on {
+            self.steps.iter_mut().for_each(|s| *s = None);
+        }
+    }
+
+    pub fn keeps_steps(&self) -> bool {
+        self.keep_steps
+    }
+
+    /// Layer `layer`'s recurrent state, `None` before its first forward.
+    pub fn recurrent(&self, layer: usize) -> Option<&Recurrent> {
+        self.recurrent[layer].as_ref()
+    }
+
+    pub(crate) fn set_recurrent(&mut self, layer: usize, state: Recurrent, steps: Option<Steps>) {
+        self.recurrent[layer] = Some(state);
+        self.steps[layer] = steps;
+    }
+
+    /// Whether any layer holds a recurrent state (a hybrid model's cache).
+    pub fn has_recurrent(&self) -> bool {
+        self.recurrent.iter().any(Option::is_some)
+    }
+
+    /// Bytes of the recurrent states, all rows.
+    pub fn recurrent_bytes(&self) -> usize {
+        self.recurrent.iter().flatten().map(Recurrent::nbytes).sum()
     }
 
     pub fn batch_size(&self) -> usize {
@@ -202,10 +312,15 @@ impl KvCache {
 
     /// The buffers, for evaluating them between prefill chunks.
     pub fn state(&self) -> impl Iterator<Item = &Array> {
-        self.layers.iter().flat_map(|l| &l.buffers)
+        self.layers.iter().flat_map(|l| &l.buffers).chain(
+            self.recurrent
+                .iter()
+                .flatten()
+                .flat_map(|r| [&r.conv, &r.ssm]),
+        )
     }
 
-    /// Bytes the buffers hold (capacity included).
+    /// Bytes the buffers and recurrent states hold (capacity included).
     pub fn nbytes(&self) -> usize {
         self.state().map(Array::nbytes).sum()
     }
@@ -215,8 +330,27 @@ impl KvCache {
     }
 
     /// Drops the last `n` positions of every row (speculative rollback).
-    pub fn truncate(&mut self, n: i32) {
+    /// Linear layers go back to their state after that position, which
+    /// must lie within the last forward, with steps kept.
+    pub fn truncate(&mut self, n: i32) -> anyhow::Result<()> {
+        if n > 0 && self.has_recurrent() {
+            for l in 0..self.recurrent.len() {
+                if self.recurrent[l].is_none() {
+                    continue;
+                }
+                let steps = self.steps[l].take().ok_or_else(|| {
+                    anyhow!("cannot roll a recurrent state back: its steps were not kept")
+                })?;
+                let s = steps.ssm.len() as i32;
+                anyhow::ensure!(
+                    n <= s,
+                    "cannot roll a recurrent state back {n} positions, its last forward had {s}"
+                );
+                self.recurrent[l] = Some(steps.after((s - n) as usize)?);
+            }
+        }
         self.len = (self.len - n).max(*self.left_pad.iter().max().unwrap_or(&0));
+        Ok(())
     }
 
     /// Keeps only the given rows, in that order, and drops padding columns
@@ -228,6 +362,10 @@ impl KvCache {
         for l in &mut self.layers {
             l.map(|b| Ok(b.take_axis(&idx, 0)?))?;
         }
+        for r in self.recurrent.iter_mut().flatten() {
+            *r = r.map(|a| Ok(a.take_axis(&idx, 0)?))?;
+        }
+        self.steps.iter_mut().for_each(|s| *s = None);
         let common = self.left_pad.iter().copied().min().unwrap_or(0);
         if common > 0 {
             self.drop_leading(common)?;
@@ -265,6 +403,8 @@ impl KvCache {
         let without_kv: Vec<bool> = (0..num_layers)
             .map(|l| parts.iter().all(|p| p.layers[l].buffers.is_empty()))
             .collect();
+        let recurrent = merge_recurrent(&parts)?;
+        let keep_steps = parts.iter().any(|p| p.keep_steps);
         let mut left_pad = Vec::new();
         // Per layer, per buffer: the parts' rows.
         let mut pieces: Vec<Vec<Vec<Array>>> = vec![Vec::new(); num_layers];
@@ -304,6 +444,9 @@ impl KvCache {
             len,
             capacity,
             left_pad,
+            recurrent,
+            steps: vec![None; num_layers],
+            keep_steps,
         })
     }
 
@@ -324,10 +467,51 @@ impl KvCache {
                 })
                 .collect::<anyhow::Result<_>>()?;
         }
+        for (l, r) in self.recurrent.iter().enumerate() {
+            if let Some(r) = r {
+                out.recurrent[l] = Some(r.map(|a| Ok(a.take_axis(&idx, 0)?))?);
+            }
+        }
+        out.keep_steps = self.keep_steps;
         out.len = row_len;
         out.capacity = capacity;
         Ok(out)
     }
+}
+
+/// The parts' recurrent states stacked row by row; a part that has not run
+/// a layer yet (no tokens) contributes zero states.
+fn merge_recurrent(parts: &[KvCache]) -> anyhow::Result<Vec<Option<Recurrent>>> {
+    let layers = parts[0].recurrent.len();
+    (0..layers)
+        .map(|l| {
+            let Some(like) = parts.iter().find_map(|p| p.recurrent[l].as_ref()) else {
+                return Ok(None);
+            };
+            let zeros = |a: &Array, rows: usize| -> anyhow::Result<Array> {
+                let mut shape = a.shape().to_vec();
+                shape[0] = rows as i32;
+                Ok(ops::zeros_dtype(&shape, a.dtype())?)
+            };
+            let (mut conv, mut ssm) = (Vec::new(), Vec::new());
+            for p in parts {
+                match &p.recurrent[l] {
+                    Some(r) => {
+                        conv.push(r.conv.clone());
+                        ssm.push(r.ssm.clone());
+                    }
+                    None => {
+                        conv.push(zeros(&like.conv, p.batch_size())?);
+                        ssm.push(zeros(&like.ssm, p.batch_size())?);
+                    }
+                }
+            }
+            Ok(Some(Recurrent {
+                conv: ops::concatenate(&conv, 0)?,
+                ssm: ops::concatenate(&ssm, 0)?,
+            }))
+        })
+        .collect()
 }
 
 /// `buf[:, :, :len]` shifted right by `shift` columns inside a zeroed buffer
@@ -470,7 +654,7 @@ mod tests {
         // A new token appends quantized after the kept ones.
         merged.update(0, tokens(3, 1), tokens(3, 1)).unwrap();
         merged.advance(1);
-        merged.truncate(1);
+        merged.truncate(1).unwrap();
         assert_eq!(row_keys(&merged, 0), want.0, "rollback drops it again");
     }
 

@@ -190,6 +190,59 @@ pub struct ModelConfig {
     pub quantization: Option<Quantization>,
     pub quantization_overrides: QuantizationOverrides,
     pub gemma4: Option<Gemma4Config>,
+    /// Qwen's sparse expert blocks in place of the MLP (`qwen3_moe`,
+    /// `qwen3_5_moe`).
+    pub sparse_moe: Option<SparseMoeConfig>,
+    /// Qwen 3.5's hybrid decoder: Gated DeltaNet layers between gated
+    /// full-attention ones (`qwen3_5`, `qwen3_5_moe`).
+    pub hybrid: Option<HybridConfig>,
+}
+
+/// Qwen's sparse MoE block: a router over `num_experts`, the top `top_k`
+/// experts per token, optionally a gated shared expert beside them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SparseMoeConfig {
+    pub num_experts: i32,
+    pub top_k: i32,
+    pub intermediate: i32,
+    /// Renormalise the top-k router probabilities to sum to one.
+    pub norm_topk_prob: bool,
+    /// Width of the shared expert (Qwen 3.5 MoE), `None` without one.
+    pub shared_intermediate: Option<i32>,
+    /// Per layer: experts (`true`) or the dense MLP (`mlp_only_layers`,
+    /// `decoder_sparse_step`).
+    pub sparse: Vec<bool>,
+}
+
+/// Qwen 3.5's layer mix and the geometry of its Gated DeltaNet layers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HybridConfig {
+    /// Per layer: gated full attention (`true`) or Gated DeltaNet.
+    pub full_attention: Vec<bool>,
+    pub key_heads: i32,
+    pub value_heads: i32,
+    pub key_head_dim: i32,
+    pub value_head_dim: i32,
+    /// Width of the causal depthwise convolution over q, k and v.
+    pub conv_kernel: i32,
+    /// Head dimensions the full-attention layers rotate (partial rope).
+    pub rotary_dims: i32,
+}
+
+impl HybridConfig {
+    /// Channels of the convolution: q, k and v side by side.
+    pub fn conv_dim(&self) -> i32 {
+        2 * self.key_heads * self.key_head_dim + self.value_heads * self.value_head_dim
+    }
+
+    /// Elements of one sequence's recurrent state in one linear layer: the
+    /// convolution's last `conv_kernel - 1` inputs and the `[value_heads,
+    /// value_head_dim, key_head_dim]` delta-rule state.
+    pub fn state_elements(&self) -> (usize, usize) {
+        let conv = (self.conv_kernel - 1) as usize * self.conv_dim() as usize;
+        let ssm = (self.value_heads * self.value_head_dim * self.key_head_dim) as usize;
+        (conv, ssm)
+    }
 }
 
 /// What Gemma 4 adds to the decoder (`gemma4_text`, or a `gemma4`
@@ -242,13 +295,21 @@ pub struct LayerSpec {
     /// instead of computing its own.
     pub kv_source: Option<usize>,
     pub intermediate: i32,
+    /// Head dimensions rope rotates (the rest pass through).
+    pub rotary_dims: i32,
+    /// A Gated DeltaNet layer (recurrent state, no keys or values).
+    pub linear: bool,
+    /// Qwen 3.5's attention: q_proj also gives a sigmoid gate on the output.
+    pub gated_attention: bool,
+    /// Experts in place of the MLP.
+    pub sparse_moe: bool,
 }
 
 #[derive(Deserialize)]
 struct Raw {
     model_type: String,
     hidden_size: i32,
-    intermediate_size: i32,
+    intermediate_size: Option<i32>,
     num_hidden_layers: i32,
     num_attention_heads: i32,
     num_key_value_heads: Option<i32>,
@@ -283,6 +344,18 @@ struct Raw {
     top_k_experts: Option<i32>,
     moe_intermediate_size: Option<i32>,
     rope_parameters: Option<serde_json::Value>,
+    // Qwen3 MoE and Qwen 3.5.
+    num_experts_per_tok: Option<i32>,
+    decoder_sparse_step: Option<i32>,
+    mlp_only_layers: Option<Vec<i32>>,
+    norm_topk_prob: Option<bool>,
+    shared_expert_intermediate_size: Option<i32>,
+    linear_num_value_heads: Option<i32>,
+    linear_num_key_heads: Option<i32>,
+    linear_key_head_dim: Option<i32>,
+    linear_value_head_dim: Option<i32>,
+    linear_conv_kernel_dim: Option<i32>,
+    full_attention_interval: Option<i32>,
 }
 
 /// `eos_token_id` may be an int, a list of ints, or absent.
@@ -327,13 +400,15 @@ impl ModelConfig {
         let family = match raw.model_type.as_str() {
             "llama" | "mistral" => Family::Llama,
             "qwen2" => Family::Qwen2,
-            "qwen3" => Family::Qwen3,
+            "qwen3" | "qwen3_moe" | "qwen3_5" | "qwen3_5_text" | "qwen3_5_moe"
+            | "qwen3_5_moe_text" => Family::Qwen3,
             "gemma3_text" | "gemma3" => Family::Gemma3,
             "gemma4_text" | "gemma4" => Family::Gemma4,
             other => bail!(
-                "unsupported model_type `{other}` (supported: llama, mistral, qwen2, qwen3, gemma3, gemma3_text, gemma4, gemma4_text)"
+                "unsupported model_type `{other}` (supported: llama, mistral, qwen2, qwen3, qwen3_moe, qwen3_5, qwen3_5_moe, gemma3, gemma3_text, gemma4, gemma4_text)"
             ),
         };
+        let qwen35 = raw.model_type.starts_with("qwen3_5");
         let gemma = matches!(family, Family::Gemma3 | Family::Gemma4);
         let (quantization, quantization_overrides) = parse_quantization(raw.quantization.as_ref())?;
         let gemma4 = if family == Family::Gemma4 {
@@ -344,21 +419,50 @@ impl ModelConfig {
         let head_dim = raw
             .head_dim
             .unwrap_or(raw.hidden_size / raw.num_attention_heads);
-        let rope_scaling = parse_rope_scaling(raw.rope_scaling.as_ref())?;
+        let hybrid = match qwen35 {
+            true => Some(hybrid_config(&raw, head_dim)?),
+            false => None,
+        };
+        let sparse_moe = match raw.model_type.as_str() {
+            "qwen3_moe" => Some(sparse_moe_config(&raw, false)?),
+            _ if qwen35 && raw.num_experts.unwrap_or(0) > 0 => Some(sparse_moe_config(&raw, true)?),
+            _ => None,
+        };
+        let intermediate_size = match (raw.intermediate_size, &sparse_moe) {
+            (Some(i), _) => i,
+            // Every layer sparse: no dense MLP needs the width.
+            (None, Some(m)) if m.sparse.iter().all(|&s| s) => 0,
+            _ => bail!("intermediate_size is missing"),
+        };
+        // Qwen 3.5 nests its rope settings in `rope_parameters`.
+        let qwen35_rope = raw.rope_parameters.as_ref().filter(|_| qwen35);
+        let rope_theta = qwen35_rope
+            .and_then(|r| r.get("rope_theta"))
+            .and_then(|v| v.as_f64())
+            .map(|v| v as f32)
+            .or(raw.rope_theta);
+        let rope_scaling = match qwen35_rope {
+            Some(r) => parse_rope_scaling(Some(r))?,
+            None => parse_rope_scaling(raw.rope_scaling.as_ref())?,
+        };
         Ok(Self {
             family,
             model_type: raw.model_type,
             hidden_size: raw.hidden_size,
-            intermediate_size: raw.intermediate_size,
+            intermediate_size,
             num_layers: raw.num_hidden_layers,
             num_heads: raw.num_attention_heads,
             num_kv_heads: raw.num_key_value_heads.unwrap_or(raw.num_attention_heads),
             head_dim,
             vocab_size: raw.vocab_size,
-            rms_norm_eps: raw.rms_norm_eps.unwrap_or(if gemma { 1e-6 } else { 1e-5 }),
-            rope_theta: raw
-                .rope_theta
-                .unwrap_or(if gemma { 1_000_000.0 } else { 10_000.0 }),
+            rms_norm_eps: raw
+                .rms_norm_eps
+                .unwrap_or(if gemma || qwen35 { 1e-6 } else { 1e-5 }),
+            rope_theta: rope_theta.unwrap_or(match () {
+                _ if gemma => 1_000_000.0,
+                _ if qwen35 => 100_000.0,
+                _ => 10_000.0,
+            }),
             rope_scaling,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(gemma),
             max_position_embeddings: raw.max_position_embeddings.unwrap_or(32768),
@@ -379,6 +483,8 @@ impl ModelConfig {
             quantization,
             quantization_overrides,
             gemma4,
+            sparse_moe,
+            hybrid,
         })
     }
 
@@ -402,6 +508,7 @@ impl ModelConfig {
             } else {
                 (self.rope_theta, self.rope_scaling.clone())
             };
+            let hybrid = self.hybrid.as_ref();
             return LayerSpec {
                 window,
                 head_dim: self.head_dim,
@@ -411,6 +518,13 @@ impl ModelConfig {
                 k_eq_v: false,
                 kv_source: None,
                 intermediate: self.intermediate_size,
+                rotary_dims: hybrid.map_or(self.head_dim, |h| h.rotary_dims),
+                linear: hybrid.is_some_and(|h| !h.full_attention[layer as usize]),
+                gated_attention: hybrid.is_some(),
+                sparse_moe: self
+                    .sparse_moe
+                    .as_ref()
+                    .is_some_and(|m| m.sparse[layer as usize]),
             };
         };
         let i = layer as usize;
@@ -449,6 +563,14 @@ impl ModelConfig {
                 } else {
                     1
                 },
+            rotary_dims: if full {
+                g.global_head_dim
+            } else {
+                self.head_dim
+            },
+            linear: false,
+            gated_attention: false,
+            sparse_moe: false,
         }
     }
 
@@ -486,10 +608,11 @@ impl ModelConfig {
 
     /// Bytes of K+V per token across all layers at the given element size,
     /// with `model.kv_cache` = `kv`: layers that read another layer's keys
-    /// and values hold none.
+    /// and values hold none, nor do linear-attention layers (their state
+    /// does not grow with length).
     pub fn kv_bytes_per_token(&self, elem_bytes: usize, kv: Option<KvQuant>) -> usize {
         (0..self.num_layers)
-            .filter(|&i| self.layer(i).kv_source.is_none())
+            .filter(|&i| self.layer(i).kv_source.is_none() && !self.layer(i).linear)
             .map(|i| {
                 let l = self.layer(i);
                 let per_head = match self.kv_quant_for(i, kv) {
@@ -500,6 +623,97 @@ impl ModelConfig {
             })
             .sum()
     }
+
+    /// Bytes of one sequence's recurrent state across the linear-attention
+    /// layers: the convolution inputs at the given element size, the
+    /// delta-rule state in float32. Constant in the sequence's length.
+    pub fn state_bytes_per_sequence(&self, elem_bytes: usize) -> usize {
+        let Some(h) = &self.hybrid else { return 0 };
+        let (conv, ssm) = h.state_elements();
+        let linear = h.full_attention.iter().filter(|&&f| !f).count();
+        linear * (conv * elem_bytes + ssm * 4)
+    }
+}
+
+/// Qwen 3.5's layer kinds (`layer_types`, else every
+/// `full_attention_interval`-th layer full) and Gated DeltaNet geometry.
+fn hybrid_config(raw: &Raw, head_dim: i32) -> anyhow::Result<HybridConfig> {
+    let n = raw.num_hidden_layers as usize;
+    let interval = raw.full_attention_interval.unwrap_or(4).max(1) as usize;
+    let full_attention: Vec<bool> = match &raw.layer_types {
+        Some(types) => {
+            if types.len() != n {
+                bail!(
+                    "layer_types lists {} layers, num_hidden_layers is {n}",
+                    types.len()
+                );
+            }
+            types
+                .iter()
+                .enumerate()
+                .map(|(i, t)| match t.as_str() {
+                    "full_attention" => Ok(true),
+                    "linear_attention" => Ok(false),
+                    other => bail!(
+                        "unsupported layer type `{other}` of layer {i} in layer_types (supported: linear_attention, full_attention)"
+                    ),
+                })
+                .collect::<anyhow::Result<_>>()?
+        }
+        None => (0..n).map(|i| (i + 1) % interval == 0).collect(),
+    };
+    let need =
+        |v: Option<i32>, name: &str| v.with_context(|| format!("a Qwen 3.5 config needs {name}"));
+    let key_heads = need(raw.linear_num_key_heads, "linear_num_key_heads")?;
+    let value_heads = need(raw.linear_num_value_heads, "linear_num_value_heads")?;
+    if key_heads <= 0 || value_heads % key_heads != 0 {
+        bail!("linear_num_value_heads {value_heads} is not a multiple of linear_num_key_heads {key_heads}");
+    }
+    let partial = raw
+        .rope_parameters
+        .as_ref()
+        .and_then(|r| r.get("partial_rotary_factor"))
+        .and_then(|v| v.as_f64())
+        .unwrap_or(0.25);
+    Ok(HybridConfig {
+        full_attention,
+        key_heads,
+        value_heads,
+        key_head_dim: need(raw.linear_key_head_dim, "linear_key_head_dim")?,
+        value_head_dim: need(raw.linear_value_head_dim, "linear_value_head_dim")?,
+        conv_kernel: raw.linear_conv_kernel_dim.unwrap_or(4),
+        rotary_dims: (head_dim as f64 * partial) as i32,
+    })
+}
+
+/// Which layers of a Qwen MoE are sparse, and their experts' geometry.
+/// Qwen 3.5 (`qwen35`) has experts, with a shared one, on every layer.
+fn sparse_moe_config(raw: &Raw, qwen35: bool) -> anyhow::Result<SparseMoeConfig> {
+    let shared_expert = qwen35;
+    let need =
+        |v: Option<i32>, name: &str| v.with_context(|| format!("a Qwen MoE config needs {name}"));
+    let num_experts = need(raw.num_experts, "num_experts")?;
+    let step = raw.decoder_sparse_step.unwrap_or(1).max(1);
+    let dense_only = raw.mlp_only_layers.clone().unwrap_or_default();
+    let sparse = (0..raw.num_hidden_layers)
+        .map(|i| qwen35 || (!dense_only.contains(&i) && num_experts > 0 && (i + 1) % step == 0))
+        .collect();
+    Ok(SparseMoeConfig {
+        num_experts,
+        top_k: need(raw.num_experts_per_tok, "num_experts_per_tok")?,
+        intermediate: need(raw.moe_intermediate_size, "moe_intermediate_size")?,
+        // qwen3_moe's norm_topk_prob has no default in mlx-lm; Qwen 3.5's
+        // defaults to true.
+        norm_topk_prob: raw.norm_topk_prob.unwrap_or(shared_expert),
+        shared_intermediate: match shared_expert {
+            true => Some(need(
+                raw.shared_expert_intermediate_size,
+                "shared_expert_intermediate_size",
+            )?),
+            false => None,
+        },
+        sparse,
+    })
 }
 
 /// `Some(value)` for a key that is present, even as `null`.

@@ -108,8 +108,12 @@ impl<'m> GreedyStream<'m> {
         &self.cache
     }
 
-    pub fn into_cache(self) -> KvCache {
-        self.cache
+    /// The cache, evaluated: arrays still lazy would be computed on this
+    /// thread's stream, which the thread that takes the cache over lacks
+    /// (a linear layer's convolution state is no input of the logits).
+    pub fn into_cache(self) -> anyhow::Result<KvCache> {
+        eval(self.cache.state())?;
+        Ok(self.cache)
     }
 }
 

@@ -4,7 +4,9 @@
 //! [`Reservation`] for as long as the request lives; dropping it (finish,
 //! cancel, error, unwinding) returns the blocks. Reservations move between
 //! engines with the sequence they cover (fast path to batched handover).
-//! Pressure is allocated / total blocks. The host owns the count; plugins
+//! Pressure is allocated / total blocks. A hybrid model's sequence also
+//! holds a recurrent state of constant size, counted as `state_blocks` more
+//! per sequence whatever its length. The host owns the count; plugins
 //! reach it through a C ledger ([`KvPool::export`] / [`KvPool::import`]).
 
 use std::ffi::c_void;
@@ -77,6 +79,8 @@ pub struct KvPool {
     ledger: Arc<Ledger>,
     block_size: usize,
     bytes_per_block: usize,
+    /// Blocks one sequence's recurrent state takes, on top of its tokens'.
+    state_blocks: usize,
 }
 
 impl KvPool {
@@ -88,7 +92,20 @@ impl KvPool {
             }),
             block_size: block_size.max(1),
             bytes_per_block,
+            state_blocks: 0,
         }
+    }
+
+    /// Counts `bytes` of recurrent state per sequence (a hybrid model's
+    /// linear-attention layers), in whole blocks, in every reservation.
+    pub fn with_sequence_state(mut self, bytes: usize) -> Self {
+        self.state_blocks = bytes.div_ceil(self.bytes_per_block.max(1));
+        self
+    }
+
+    /// Blocks each sequence's recurrent state takes.
+    pub fn state_blocks(&self) -> usize {
+        self.state_blocks
     }
 
     /// A pool of `budget_bytes` for a model storing `bytes_per_token` of K+V
@@ -118,6 +135,7 @@ impl KvPool {
             total: self.total(),
             block_size: self.block_size,
             bytes_per_block: self.bytes_per_block,
+            state_blocks: self.state_blocks,
             try_reserve,
             release,
             allocated,
@@ -133,6 +151,7 @@ impl KvPool {
             ledger: Arc::new(Ledger::Foreign(RawKvLedger { ..*raw })),
             block_size: raw.block_size,
             bytes_per_block: raw.bytes_per_block,
+            state_blocks: raw.state_blocks,
         }
     }
 
@@ -159,15 +178,16 @@ impl KvPool {
         self.allocated() as f64 / self.total() as f64
     }
 
+    /// Blocks of one sequence of `tokens`: its KV and its recurrent state.
     pub fn blocks_for(&self, tokens: usize) -> usize {
-        tokens.div_ceil(self.block_size)
+        tokens.div_ceil(self.block_size) + self.state_blocks
     }
 
     /// Blocks for `tokens` at this pool's byte rate, scaled when the caller's
     /// cache stores more bytes per token than the pool was sized for.
     pub fn blocks_for_bytes(&self, tokens: usize, bytes_per_token: usize) -> usize {
         let bytes = tokens * bytes_per_token;
-        bytes.div_ceil(self.bytes_per_block.max(1))
+        bytes.div_ceil(self.bytes_per_block.max(1)) + self.state_blocks
     }
 
     pub fn check_fits(&self, blocks: usize) -> Result<(), PoolError> {
@@ -230,6 +250,19 @@ impl Drop for Reservation {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sequence_state_counts_once_per_sequence() {
+        // 1 KiB blocks; a 2.5 KiB recurrent state takes 3 whatever the length.
+        let pool = KvPool::new(10, 16, 1024).with_sequence_state(2560);
+        assert_eq!(pool.state_blocks(), 3);
+        assert_eq!(pool.blocks_for(1), 4);
+        assert_eq!(pool.blocks_for(17), 5);
+        assert_eq!(pool.blocks_for_bytes(16, 64), 4);
+        // A plugin's view of the pool counts the same.
+        let view = unsafe { KvPool::import(&pool.export()) };
+        assert_eq!(view.blocks_for(17), 5);
+    }
 
     #[test]
     fn reserve_release_and_pressure() {

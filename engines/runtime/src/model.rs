@@ -2,7 +2,9 @@
 //! differences are data (which norms, biases, activations, windows), not
 //! separate code paths: Llama, Qwen2 (q/k/v bias), Qwen3 (q/k norm) and
 //! Gemma 3 text (q/k norm, sandwich norms, GELU, scaled embeddings, sliding
-//! window layers with their own rope base).
+//! window layers with their own rope base). A layer mixes tokens by
+//! attention or, in Qwen 3.5, by a Gated DeltaNet recurrence; its
+//! feed-forward part is an MLP or a sparse expert block (Qwen MoE).
 
 use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
 use mlx_rs::{ops, Array, Dtype};
@@ -16,7 +18,10 @@ use crate::mask::{self, AttnMask};
 use crate::weights::Weights;
 
 mod embeds;
+mod experts;
+mod gated_delta;
 mod gemma4;
+mod sparse_moe;
 pub use embeds::Replacement;
 
 type R<T> = Result<T, mlx_rs::error::Exception>;
@@ -46,6 +51,22 @@ struct Attention {
     scale: f32,
     /// The layer whose keys and values this one attends to.
     kv_source: Option<usize>,
+    /// Qwen 3.5: q_proj also yields a per-head gate, `out * sigmoid(gate)`.
+    gated: bool,
+}
+
+/// How a layer mixes information across positions.
+enum Mixer {
+    Attention(Attention),
+    /// Qwen 3.5's linear attention, with a recurrent state in the cache.
+    Linear(gated_delta::GatedDeltaNet),
+}
+
+/// A layer's feed-forward part.
+enum Ffn {
+    Dense(Mlp),
+    /// Qwen's experts in place of the MLP.
+    Sparse(Box<sparse_moe::SparseMoe>),
 }
 
 struct Mlp {
@@ -56,8 +77,8 @@ struct Mlp {
 }
 
 struct Layer {
-    attn: Attention,
-    mlp: Mlp,
+    mixer: Mixer,
+    mlp: Ffn,
     input_norm: RmsNorm,
     post_attn_norm: RmsNorm,
     /// Gemma's sandwich norms around the MLP.
@@ -95,6 +116,17 @@ impl Model {
         let cfg = &config;
         let gemma3 = cfg.family == Family::Gemma3;
         let gemma = gemma3 || cfg.family == Family::Gemma4;
+        // Hugging Face's Qwen 3.5 stores the decoder's norms as offsets
+        // from 1 (MLX conversions fold the 1 in); its convolution weights
+        // are in PyTorch's layout, which tells the two apart.
+        let plus_one_norms = gemma3
+            || cfg.hybrid.as_ref().is_some_and(|h| {
+                let first = h.full_attention.iter().position(|&f| !f);
+                first.is_some_and(|i| {
+                    w.peek(&format!("model.layers.{i}.linear_attn.conv1d.weight"))
+                        .is_some_and(|c| c.ndim() == 3 && c.dim(-1) != 1)
+                })
+            });
         let g4 = cfg.gemma4.as_ref();
         let eps = cfg.rms_norm_eps;
         let h = cfg.hidden_size;
@@ -102,46 +134,76 @@ impl Model {
             Linear::load_checked(w, name, cfg.quant_for(name), out, inp)
         };
         let norm = |w: &mut Weights, name: &str, dims: i32| {
-            RmsNorm::load_sized(w, name, dims, eps, gemma3)
+            RmsNorm::load_sized(w, name, dims, eps, plus_one_norms)
         };
         let mut layers = Vec::with_capacity(cfg.num_layers as usize);
         for i in 0..cfg.num_layers {
             let p = format!("model.layers.{i}");
             let spec = cfg.layer(i);
             let (hd, kvh) = (spec.head_dim, spec.kv_heads);
-            let attn = format!("{p}.self_attn");
-            let mut qkv = vec![linear(
-                &mut w,
-                &format!("{attn}.q_proj"),
-                cfg.num_heads * hd,
-                h,
-            )?];
-            let own_kv = spec.kv_source.is_none();
-            if own_kv {
-                qkv.push(linear(&mut w, &format!("{attn}.k_proj"), kvh * hd, h)?);
-                if !spec.k_eq_v {
-                    qkv.push(linear(&mut w, &format!("{attn}.v_proj"), kvh * hd, h)?);
-                }
+            let mixer = if spec.linear {
+                Mixer::Linear(gated_delta::GatedDeltaNet::load(
+                    &mut w,
+                    cfg,
+                    &format!("{p}.linear_attn"),
+                )?)
             } else {
-                // Hugging Face checkpoints keep the projections of layers
-                // that reuse another layer's keys and values; nothing reads
-                // them.
-                for unused in ["k_proj", "v_proj", "k_norm"] {
-                    for part in ["weight", "scales", "biases"] {
-                        w.take_optional(&format!("{attn}.{unused}.{part}"));
+                let attn = format!("{p}.self_attn");
+                let q_width = cfg.num_heads * hd * if spec.gated_attention { 2 } else { 1 };
+                let mut qkv = vec![linear(&mut w, &format!("{attn}.q_proj"), q_width, h)?];
+                let own_kv = spec.kv_source.is_none();
+                if own_kv {
+                    qkv.push(linear(&mut w, &format!("{attn}.k_proj"), kvh * hd, h)?);
+                    if !spec.k_eq_v {
+                        qkv.push(linear(&mut w, &format!("{attn}.v_proj"), kvh * hd, h)?);
+                    }
+                } else {
+                    // Hugging Face checkpoints keep the projections of layers
+                    // that reuse another layer's keys and values; nothing reads
+                    // them.
+                    for unused in ["k_proj", "v_proj", "k_norm"] {
+                        for part in ["weight", "scales", "biases"] {
+                            w.take_optional(&format!("{attn}.{unused}.{part}"));
+                        }
                     }
                 }
-            }
-            let (q_norm, k_norm) = if cfg.has_qk_norm() {
-                (
-                    Some(norm(&mut w, &format!("{attn}.q_norm"), hd)?),
-                    own_kv
-                        .then(|| norm(&mut w, &format!("{attn}.k_norm"), hd))
-                        .transpose()?,
-                )
-            } else {
-                (None, None)
+                let (q_norm, k_norm) = if cfg.has_qk_norm() {
+                    (
+                        Some(norm(&mut w, &format!("{attn}.q_norm"), hd)?),
+                        own_kv
+                            .then(|| norm(&mut w, &format!("{attn}.k_norm"), hd))
+                            .transpose()?,
+                    )
+                } else {
+                    (None, None)
+                };
+                Mixer::Attention(Attention {
+                    qkv: Projections::new(qkv)?,
+                    o: linear(&mut w, &format!("{attn}.o_proj"), h, cfg.num_heads * hd)?,
+                    q_norm,
+                    k_norm,
+                    v_norm: (g4.is_some() && own_kv).then_some(eps),
+                    rope: Rope::new(spec.rotary_dims, spec.rope_base, &spec.rope_scaling),
+                    heads: cfg.num_heads,
+                    kv_heads: kvh,
+                    head_dim: hd,
+                    scale: cfg.attention_scale(hd),
+                    kv_source: spec.kv_source,
+                    gated: spec.gated_attention,
+                })
             };
+            let mlp =
+                match &cfg.sparse_moe {
+                    Some(m) if spec.sparse_moe => Ffn::Sparse(Box::new(
+                        sparse_moe::SparseMoe::load(&mut w, cfg, m, &format!("{p}.mlp"))?,
+                    )),
+                    _ => Ffn::Dense(Mlp::load(
+                        &mut w,
+                        cfg,
+                        &format!("{p}.mlp"),
+                        spec.intermediate,
+                    )?),
+                };
             let moe = match g4.and_then(|g| g.moe) {
                 Some(m) => Some(gemma4::Moe::load(&mut w, cfg, m, &p)?),
                 None => None,
@@ -154,29 +216,9 @@ impl Model {
                 Some(_) => Some(w.take_shaped(&format!("{p}.layer_scalar"), &[1])?),
                 None => None,
             };
-            let inter = spec.intermediate;
             layers.push(Layer {
-                attn: Attention {
-                    qkv: Projections::new(qkv)?,
-                    o: linear(&mut w, &format!("{attn}.o_proj"), h, cfg.num_heads * hd)?,
-                    q_norm,
-                    k_norm,
-                    v_norm: (g4.is_some() && own_kv).then_some(eps),
-                    rope: Rope::new(hd, spec.rope_base, &spec.rope_scaling),
-                    heads: cfg.num_heads,
-                    kv_heads: kvh,
-                    head_dim: hd,
-                    scale: cfg.attention_scale(hd),
-                    kv_source: spec.kv_source,
-                },
-                mlp: Mlp {
-                    gate_up: Projections::new(vec![
-                        linear(&mut w, &format!("{p}.mlp.gate_proj"), inter, h)?,
-                        linear(&mut w, &format!("{p}.mlp.up_proj"), inter, h)?,
-                    ])?,
-                    down: linear(&mut w, &format!("{p}.mlp.down_proj"), h, inter)?,
-                    gelu: gemma,
-                },
+                mixer,
+                mlp,
                 input_norm: norm(&mut w, &format!("{p}.input_layernorm"), h)?,
                 post_attn_norm: norm(&mut w, &format!("{p}.post_attention_layernorm"), h)?,
                 pre_ff_norm: gemma
@@ -218,7 +260,8 @@ impl Model {
         };
         let leftover: Vec<_> = w
             .remaining()
-            .filter(|n| !n.contains("rotary_emb"))
+            // Rope tables are recomputed; Qwen 3.5's MTP head is a drafter's.
+            .filter(|n| !n.contains("rotary_emb") && !n.starts_with("mtp."))
             .cloned()
             .collect();
         if !leftover.is_empty() {
@@ -289,6 +332,19 @@ impl Model {
             .map(|i| self.config.kv_quant_for(i, self.kv_quant))
             .collect();
         KvCache::with_formats(formats, left_pad)
+    }
+
+    /// Whether some layers keep a recurrent state instead of keys and
+    /// values (Qwen 3.5): such a cache cannot be cut back to an arbitrary
+    /// earlier position, only rolled back within its last forward.
+    pub fn is_hybrid(&self) -> bool {
+        self.config.hybrid.is_some()
+    }
+
+    /// Bytes of one sequence's recurrent state (0 without linear layers).
+    pub fn state_bytes_per_sequence(&self) -> usize {
+        self.config
+            .state_bytes_per_sequence(self.activation_bytes())
     }
 
     pub fn dtype(&self) -> Dtype {
@@ -368,6 +424,7 @@ impl Model {
             None => None,
         };
         let offsets = cache.offsets();
+        let ssm_mask = padding_mask(cache, n);
         let mut tapped = Vec::with_capacity(taps.layers.len());
         // Keys and values of this pass per layer, for layers that share them.
         let mut kvs: Vec<Option<LayerView>> = vec![None; self.layers.len()];
@@ -376,14 +433,18 @@ impl Model {
                 (Some(_), Some(m)) => m,
                 _ => global_mask,
             };
-            let shared = layer.attn.kv_source.and_then(|s| kvs[s].clone());
+            let shared = match &layer.mixer {
+                Mixer::Attention(a) => a.kv_source.and_then(|s| kvs[s].clone()),
+                Mixer::Linear(_) => None,
+            };
             let input = match &per_layer {
                 Some(p) => Some(p.take_axis(Array::from_int(i as i32), 2)?),
                 None => None,
             };
-            let (out, kv) = layer.forward(&h, mask, &offsets, cache, i, shared, input.as_ref())?;
+            let masks = (mask, ssm_mask.as_ref());
+            let (out, kv) = layer.forward(&h, masks, &offsets, cache, i, shared, input.as_ref())?;
             h = out;
-            kvs[i] = Some(kv);
+            kvs[i] = kv;
             if taps.layers.contains(&i) {
                 tapped.push(h.clone());
             }
@@ -438,16 +499,18 @@ impl Model {
     }
 
     /// Layer `i`'s attention geometry, for drafters that attend into the
-    /// target's cache.
-    pub fn attention_info(&self, i: usize) -> AttentionInfo<'_> {
-        let a = &self.layers[i].attn;
-        AttentionInfo {
+    /// target's cache; `None` for a linear-attention layer.
+    pub fn attention_info(&self, i: usize) -> Option<AttentionInfo<'_>> {
+        let Mixer::Attention(a) = &self.layers[i].mixer else {
+            return None;
+        };
+        Some(AttentionInfo {
             kv_heads: a.kv_heads,
             head_dim: a.head_dim,
             owns_kv: a.kv_source.is_none(),
             window: self.layers[i].window,
             rope: &a.rope,
-        }
+        })
     }
 }
 
@@ -478,6 +541,22 @@ pub struct AttentionInfo<'a> {
     pub rope: &'a Rope,
 }
 
+/// `[B, n]`, false where the `n` new columns of a row are its left
+/// padding; `None` when no new column is padding. Linear-attention layers
+/// skip those positions so padding never enters a row's state.
+fn padding_mask(cache: &KvCache, n: i32) -> Option<Array> {
+    let past = cache.len();
+    let pads = cache.left_padding();
+    if pads.iter().all(|&p| p <= past) {
+        return None;
+    }
+    let data: Vec<bool> = pads
+        .iter()
+        .flat_map(|&p| (0..n).map(move |i| past + i >= p))
+        .collect();
+    Some(Array::from_slice(&data, &[pads.len() as i32, n]))
+}
+
 fn last_position(h: &Array) -> R<Array> {
     let n = h.dim(1);
     h.take_axis(Array::from_slice(&[n - 1], &[1]), 1)
@@ -485,12 +564,21 @@ fn last_position(h: &Array) -> R<Array> {
 
 impl Layer {
     fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
-        let a = &self.attn;
-        a.qkv.collect(out);
-        self.mlp.gate_up.collect(out);
-        a.o.collect(out);
-        self.mlp.down.collect(out);
-        for norm in [&a.q_norm, &a.k_norm, &self.pre_ff_norm, &self.post_ff_norm]
+        match &self.mixer {
+            Mixer::Attention(a) => {
+                a.qkv.collect(out);
+                a.o.collect(out);
+                for norm in [&a.q_norm, &a.k_norm].into_iter().flatten() {
+                    norm.collect(out);
+                }
+            }
+            Mixer::Linear(l) => l.collect(out),
+        }
+        match &self.mlp {
+            Ffn::Dense(m) => m.collect(out),
+            Ffn::Sparse(m) => m.collect(out),
+        }
+        for norm in [&self.pre_ff_norm, &self.post_ff_norm]
             .into_iter()
             .flatten()
         {
@@ -507,26 +595,28 @@ impl Layer {
         out.extend(self.scalar.as_ref());
     }
 
-    /// The layer's output and the keys and values it attended to.
+    /// The layer's output and the keys and values it attended to (none
+    /// for a linear-attention layer). `masks`: the attention mask and the
+    /// linear layers' padding mask.
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         x: &Array,
-        mask: &AttnMask,
+        (mask, padding): (&AttnMask, Option<&Array>),
         offsets: &Offsets,
         cache: &mut KvCache,
         idx: usize,
         shared_kv: Option<LayerView>,
         per_layer_input: Option<&Array>,
-    ) -> anyhow::Result<(Array, LayerView)> {
-        let (r, kv) = self.attn.forward(
-            &self.input_norm.forward(x)?,
-            mask,
-            offsets,
-            cache,
-            idx,
-            shared_kv,
-        )?;
+    ) -> anyhow::Result<(Array, Option<LayerView>)> {
+        let normed = self.input_norm.forward(x)?;
+        let (r, kv) = match &self.mixer {
+            Mixer::Attention(a) => {
+                let (r, kv) = a.forward(&normed, mask, offsets, cache, idx, shared_kv)?;
+                (r, Some(kv))
+            }
+            Mixer::Linear(l) => (l.forward(&normed, padding, cache, idx)?, None),
+        };
         let add = |a: &Array, b: &Array| -> R<Array> {
             if self.clip_f16 {
                 residual(a, b)
@@ -586,7 +676,20 @@ impl Attention {
             t.transpose_axes(&[0, 2, 1, 3])
         };
         let mut qkv = self.qkv.forward(x)?.into_iter();
-        let q = heads(qkv.next().unwrap(), self.heads, &self.q_norm)?;
+        let q = qkv.next().unwrap();
+        let (q, gate) = match self.gated {
+            true => {
+                let halves =
+                    ops::split_equal(&q.reshape(&[b, l, self.heads, 2 * self.head_dim])?, 2, -1)?;
+                let gate = halves[1].reshape(&[b, l, self.heads * self.head_dim])?;
+                (
+                    halves[0].reshape(&[b, l, self.heads * self.head_dim])?,
+                    Some(gate),
+                )
+            }
+            false => (q, None),
+        };
+        let q = heads(q, self.heads, &self.q_norm)?;
         let q = self.rope.forward(&q, offsets)?;
         let kv = match shared_kv {
             Some(kv) => kv,
@@ -615,7 +718,7 @@ impl Attention {
             } => {
                 let mask = mask.as_array(l, keys[0].dim(2))?;
                 let out = quant.attention(&q, keys, values, self.scale, mask.as_ref())?;
-                return Ok((self.output(out, b, l)?, kv));
+                return Ok((self.output(out, gate.as_ref(), b, l)?, kv));
             }
         };
         let out = match mask {
@@ -666,20 +769,54 @@ impl Attention {
                 ops::concatenate(&rows, 2)?
             }
         };
-        Ok((self.output(out, b, l)?, kv))
+        Ok((self.output(out, gate.as_ref(), b, l)?, kv))
     }
 
-    /// The output projection of the heads' `[B, heads, L, head_dim]`.
-    fn output(&self, heads: Array, b: i32, l: i32) -> R<Array> {
-        let out =
+    /// The output projection of the heads' `[B, heads, L, head_dim]`,
+    /// gated per head where the layer has a gate (Qwen 3.5).
+    fn output(&self, heads: Array, gate: Option<&Array>, b: i32, l: i32) -> R<Array> {
+        let mut out =
             heads
                 .transpose_axes(&[0, 2, 1, 3])?
                 .reshape(&[b, l, self.heads * self.head_dim])?;
+        if let Some(gate) = gate {
+            out = out.multiply(ops::sigmoid(gate)?)?;
+        }
         self.o.forward(&out)
     }
 }
 
+impl Ffn {
+    fn forward(&self, x: &Array) -> R<Array> {
+        match self {
+            Ffn::Dense(m) => m.forward(x),
+            Ffn::Sparse(m) => m.forward(x),
+        }
+    }
+}
+
 impl Mlp {
+    /// `{p}.{gate,up,down}_proj` of width `inter`; GELU in Gemma's.
+    fn load(w: &mut Weights, cfg: &ModelConfig, p: &str, inter: i32) -> anyhow::Result<Self> {
+        let h = cfg.hidden_size;
+        let linear = |w: &mut Weights, name: &str, out: i32, inp: i32| {
+            Linear::load_checked(w, name, cfg.quant_for(name), out, inp)
+        };
+        Ok(Self {
+            gate_up: Projections::new(vec![
+                linear(w, &format!("{p}.gate_proj"), inter, h)?,
+                linear(w, &format!("{p}.up_proj"), inter, h)?,
+            ])?,
+            down: linear(w, &format!("{p}.down_proj"), h, inter)?,
+            gelu: matches!(cfg.family, Family::Gemma3 | Family::Gemma4),
+        })
+    }
+
+    fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
+        self.gate_up.collect(out);
+        self.down.collect(out);
+    }
+
     fn forward(&self, x: &Array) -> R<Array> {
         let mut gu = self.gate_up.forward(x)?.into_iter();
         let (g, u) = (gu.next().unwrap(), gu.next().unwrap());

@@ -59,7 +59,14 @@ impl Store {
                     .zip(prompt)
                     .take_while(|(a, b)| a == b)
                     .count();
-                (i, (common.min(usable) / self.block) * self.block)
+                // A recurrent state cannot be cut back: such an entry
+                // serves only prompts that extend all of it.
+                let len = match e.cache.has_recurrent() {
+                    true if common == e.tokens.len() && common <= usable => common,
+                    true => 0,
+                    false => (common.min(usable) / self.block) * self.block,
+                };
+                (i, len)
             })
             .filter(|&(_, len)| len > 0)
             .max_by_key(|&(i, len)| (len, std::cmp::Reverse(i)))
@@ -69,14 +76,20 @@ impl Store {
         let (i, len) = self.best_match(scope, prompt)?;
         let entry = self.entries.remove(i)?;
         let mut cache = entry.cache.clone();
-        cache.truncate(cache.len() - len as i32);
+        let cut = cache.truncate(cache.len() - len as i32);
         self.entries.push_back(entry);
+        cut.ok()?;
         Some(Hit { cache, tokens: len })
     }
 
     fn insert(&mut self, scope: Option<&str>, tokens: &[u32], cache: &KvCache) {
         let aligned = (tokens.len().min(cache.len().max(0) as usize) / self.block) * self.block;
         if self.capacity == 0 || aligned == 0 || cache.left_padding() != [0] {
+            return;
+        }
+        // A recurrent state is kept only as an exact snapshot of a block
+        // boundary ([`SharedPrefixCache::snapshot_at`]).
+        if cache.has_recurrent() && cache.len() as usize != aligned {
             return;
         }
         let key = &tokens[..aligned];
@@ -91,7 +104,9 @@ impl Store {
         self.entries
             .retain(|e| !(e.scope.as_deref() == scope && key.starts_with(&e.tokens)));
         let mut kept = cache.clone();
-        kept.truncate(kept.len() - aligned as i32);
+        if kept.truncate(kept.len() - aligned as i32).is_err() {
+            return;
+        }
         while self.entries.len() >= self.capacity {
             self.entries.pop_front();
         }
@@ -108,6 +123,9 @@ impl Store {
 pub struct SharedPrefixCache {
     block: usize,
     capacity: usize,
+    /// The model holds recurrent states (a hybrid model): entries are
+    /// snapshots reused whole.
+    exact: bool,
     inner: Inner,
 }
 
@@ -126,12 +144,14 @@ fn lock(store: &Mutex<Store>) -> MutexGuard<'_, Store> {
 
 impl SharedPrefixCache {
     /// A store of `capacity` entries (0 disables it) on `block`-token
-    /// boundaries (the KV pool's block size).
-    pub fn new(block: usize, capacity: usize) -> Self {
+    /// boundaries (the KV pool's block size), for a model whose caches hold
+    /// recurrent states when `exact`.
+    pub fn new(block: usize, capacity: usize, exact: bool) -> Self {
         let block = block.max(1);
         Self {
             block,
             capacity,
+            exact,
             inner: Inner::Local(Arc::new(Mutex::new(Store {
                 block,
                 capacity,
@@ -143,6 +163,14 @@ impl SharedPrefixCache {
     /// Whether a sequence this long can leave a reusable prefix.
     pub fn wants(&self, tokens: usize) -> bool {
         self.capacity > 0 && tokens >= self.block
+    }
+
+    /// Where a prefill of `prompt_len` tokens should end a chunk so its
+    /// cache can be kept: the last block boundary inside the prompt, for a
+    /// hybrid model only (other caches are cut back to a boundary later).
+    pub fn snapshot_at(&self, prompt_len: usize) -> Option<usize> {
+        let aligned = (prompt_len / self.block) * self.block;
+        (self.exact && self.wants(prompt_len) && aligned < prompt_len).then_some(aligned)
     }
 
     /// The reusable KV of the longest cached prefix of `prompt` in `scope`
@@ -268,6 +296,7 @@ impl SharedPrefixCache {
             ctx: Arc::into_raw(store.clone()) as *mut c_void,
             block: self.block,
             capacity: self.capacity,
+            exact: self.exact,
             lookup,
             has_hit,
             insert,
@@ -283,6 +312,7 @@ impl SharedPrefixCache {
         Self {
             block: raw.block,
             capacity: raw.capacity,
+            exact: raw.exact,
             inner: Inner::Foreign(*raw),
         }
     }

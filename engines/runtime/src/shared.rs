@@ -56,9 +56,10 @@ impl SharedModel {
     /// A shared model whose prefix cache keeps `entries` prefixes (0
     /// disables it) on the pool's block boundaries.
     pub fn with_prefix_cache(model: LoadedModel, kv_pool: KvPool, entries: usize) -> Self {
+        let hybrid = model.model.is_hybrid();
         Self {
             model,
-            prefix: SharedPrefixCache::new(kv_pool.block_size(), entries),
+            prefix: SharedPrefixCache::new(kv_pool.block_size(), entries, hybrid),
             kv_pool,
             handover: Slot::Local(RwLock::new(None)),
             grammars: OnceLock::new(),

@@ -104,6 +104,11 @@ impl Weights {
         self.tensors.remove(name)
     }
 
+    /// A tensor still held, without taking it.
+    pub fn peek(&self, name: &str) -> Option<&Array> {
+        self.tensors.get(name)
+    }
+
     pub fn contains(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
     }
@@ -116,7 +121,12 @@ impl Weights {
     /// made when the weights are evaluated, and the checkpoint's arrays are
     /// dropped then).
     pub fn cast_floats(&mut self, dtype: Dtype) -> anyhow::Result<()> {
-        for t in self.tensors.values_mut() {
+        for (name, t) in self.tensors.iter_mut() {
+            // Qwen 3.5's decay rates stay in their own precision (as
+            // mlx-lm's cast predicate keeps them).
+            if name.ends_with(".A_log") {
+                continue;
+            }
             if crate::compute::casts(t.dtype()) && t.dtype() != dtype {
                 *t = t.as_dtype(dtype)?;
             }

@@ -126,3 +126,45 @@ fn a_quantization_the_runtime_cannot_run_is_refused() {
         "{err}"
     );
 }
+
+/// Qwen 3.5 checkpoints: a layer kind the runtime does not run is refused
+/// naming it and its layer; a misshapen linear-attention tensor is named.
+mod qwen35 {
+    use super::*;
+    use fixtures::qwen::QwenShape;
+
+    fn tiny(dir: &Path) {
+        write_model(dir, &TinySpec::qwen(QwenShape::qwen35())).unwrap();
+    }
+
+    #[test]
+    fn an_unsupported_layer_type_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        tiny(dir.path());
+        LoadedModel::load(dir.path(), None).unwrap();
+        edit_config(dir.path(), |c| {
+            c["text_config"]["layer_types"][1] = "sliding_attention".into()
+        });
+        let err = load_error(dir.path());
+        assert!(
+            err.contains("sliding_attention") && err.contains("layer 1"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_misshapen_convolution_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        tiny(dir.path());
+        let name = "model.language_model.layers.0.linear_attn.conv1d.weight";
+        edit_tensors(dir.path(), |t| {
+            t.insert(name.to_string(), Array::zeros::<f32>(&[3, 1, 4]).unwrap());
+        });
+        let err = load_error(dir.path());
+        assert!(
+            err.contains("model.layers.0.linear_attn.conv1d.weight")
+                && err.contains("model.safetensors"),
+            "{err}"
+        );
+    }
+}

@@ -332,3 +332,55 @@ mod gemma4 {
         }
     }
 }
+
+/// Qwen3 MoE and Qwen 3.5 (Gated DeltaNet layers between gated attention
+/// ones, dense and MoE): prefill in chunks of 7 carries the recurrent
+/// state across chunks, and the padded batch's rows (up to 25 columns of
+/// left padding) must keep padding out of their states.
+mod qwen {
+    use super::*;
+    use fixtures::qwen::{QwenLayout, QwenShape};
+
+    fn in_layouts(shape: QwenShape) {
+        for layout in [QwenLayout::Hf, QwenLayout::Mlx] {
+            let spec = TinySpec::qwen(QwenShape {
+                layout,
+                ..shape.clone()
+            });
+            check_family(spec, Some(1e-3));
+        }
+    }
+
+    #[test]
+    fn qwen3_moe_matches_mlx_lm_in_both_layouts() {
+        in_layouts(QwenShape::qwen3_moe());
+    }
+
+    #[test]
+    fn qwen35_matches_mlx_lm_in_both_layouts() {
+        in_layouts(QwenShape::qwen35());
+    }
+
+    #[test]
+    fn qwen35_moe_matches_mlx_lm_in_both_layouts() {
+        in_layouts(QwenShape::qwen35_moe());
+    }
+
+    #[test]
+    fn quantized_qwen_matches_mlx_lm() {
+        for shape in [
+            QwenShape::qwen3_moe(),
+            QwenShape::qwen35(),
+            QwenShape::qwen35_moe(),
+        ] {
+            let spec = TinySpec {
+                quant_bits: Some(4),
+                ..TinySpec::qwen(QwenShape {
+                    layout: QwenLayout::Mlx,
+                    ..shape
+                })
+            };
+            check_family(spec, None);
+        }
+    }
+}

@@ -101,8 +101,19 @@ impl Sequence {
             done = hit.tokens;
             self.out.set_cached_tokens(done as u32);
         }
+        // Rejected drafts roll a hybrid model's recurrent states back to
+        // the states kept for each verified position.
+        self.cache.keep_steps(model.is_hybrid());
+        let snapshot = self.shared.prefix.snapshot_at(prompt.len());
         let mut last = None;
-        for chunk in prompt[done..].chunks(DEFAULT_PREFILL_CHUNK) {
+        while done < prompt.len() {
+            let mut end = (done + DEFAULT_PREFILL_CHUNK).min(prompt.len());
+            // A hybrid model's prefix is kept as a snapshot where a chunk
+            // ends on the prompt's last block boundary.
+            if let Some(at) = snapshot.filter(|&at| done < at && at < end) {
+                end = at;
+            }
+            let chunk = &prompt[done..end];
             let out = model.forward_tapped(
                 &tokens_array(chunk),
                 &mut self.cache,
@@ -112,9 +123,14 @@ impl Sequence {
             if let Some(draft) = &mut self.draft {
                 draft.observe(model, &out, 0..chunk.len() as i32)?;
             }
-            done += chunk.len();
+            done = end;
             if done < prompt.len() {
                 eval(self.cache.state())?;
+            }
+            if snapshot == Some(done) {
+                self.shared
+                    .prefix
+                    .insert(scope.as_deref(), &prompt[..done], &self.cache);
             }
             last = Some(out.logits);
         }
@@ -196,7 +212,7 @@ impl Sequence {
             .zip(&target)
             .take_while(|(d, t)| d == t)
             .count();
-        self.cache.truncate(k - accepted as i32);
+        self.cache.truncate(k - accepted as i32)?;
         self.sizer.learn(kind, k as usize, accepted);
         if let Some(draft) = &mut self.draft {
             draft.observe(model, &out, rows(accepted))?;

@@ -160,7 +160,8 @@ fn load_shared(config: &Config) -> anyhow::Result<(SharedModel, Option<MemoryPla
         (m.kv_cache_mb.unwrap_or(DEFAULT_KV_CACHE_MB) as u64) << 20,
         |p| p.kv_pool,
     );
-    let kv_pool = KvPool::with_budget(kv_bytes as usize, m.kv_block_size, per_token);
+    let kv_pool = KvPool::with_budget(kv_bytes as usize, m.kv_block_size, per_token)
+        .with_sequence_state(model.model.state_bytes_per_sequence());
     anyhow::ensure!(
         kv_pool.total() > 0,
         "the KV pool ({}) holds no KV block of {} bytes; raise model.kv_cache_mb (or the memory budget)",
@@ -173,6 +174,7 @@ fn load_shared(config: &Config) -> anyhow::Result<(SharedModel, Option<MemoryPla
         tokens = kv_pool.total() * kv_pool.block_size(),
         bytes_per_token = per_token,
         kv_cache = %m.kv_cache.map_or_else(|| "model dtype".to_string(), |q| format!("{} bits, group {}", q.bits, q.group_size)),
+        state_blocks_per_sequence = kv_pool.state_blocks(),
         "shared KV pool ready"
     );
     let shared = SharedModel::with_prefix_cache(model, kv_pool, m.prefix_cache_entries);

@@ -4,17 +4,12 @@
 
 use mlx_rs::{fast, nn, ops, Array};
 
-use crate::activations;
+use super::experts::{top_k, SwitchGlu};
 use crate::config::{ModelConfig, MoeConfig};
-use crate::layers::{quantized_shape, Embedding, Linear, RmsNorm};
+use crate::layers::{Embedding, Linear, RmsNorm};
 use crate::weights::Weights;
 
 type R<T> = Result<T, mlx_rs::error::Exception>;
-
-/// Routing many (token, expert) pairs sorts them by expert first, so the
-/// gathered matmuls read each expert's weights in one run (mlx-lm's
-/// threshold, so both compute the same way).
-const SORT_FROM: usize = 64;
 
 /// `norm -> scale -> project -> top-k -> softmax over the k -> per-expert
 /// scale`.
@@ -27,27 +22,9 @@ struct Router {
     eps: f32,
 }
 
-/// One projection of every expert, `[experts, out, in]`, applied to the
-/// experts each token was routed to through MLX's gathered matmuls.
-enum SwitchLinear {
-    Dense {
-        /// `[experts, in, out]`: transposed once at load.
-        weight_t: Array,
-    },
-    Quantized {
-        weight: Array,
-        scales: Array,
-        biases: Array,
-        group_size: i32,
-        bits: i32,
-    },
-}
-
 pub(super) struct Moe {
     router: Router,
-    gate: SwitchLinear,
-    up: SwitchLinear,
-    down: SwitchLinear,
+    experts: SwitchGlu,
     /// Norms around the two branches: the dense MLP's output, the experts'
     /// input and output.
     pub post_mlp_norm: RmsNorm,
@@ -79,39 +56,18 @@ impl Moe {
             top_k: moe.top_k,
             eps,
         };
-        let experts = format!("{p}.experts");
-        let (gate, up, down) = if w.contains(&format!("{experts}.gate_up_proj")) {
-            // Hugging Face: gate and up stacked on the output axis, no
-            // `.weight` suffix.
-            let name = format!("{experts}.gate_up_proj");
-            let gate_up = w.take_shaped(&name, &[e, 2 * i, h])?;
-            let halves = ops::split_equal(&gate_up, 2, 1)?;
-            let down_name = format!("{experts}.down_proj");
-            let down = w.take_shaped(&down_name, &[e, h, i])?;
-            (
-                SwitchLinear::dense(&halves[0])?,
-                SwitchLinear::dense(&halves[1])?,
-                SwitchLinear::dense(&down)?,
-            )
+        let prefix = format!("{p}.experts");
+        let dims = (e, i, h);
+        // Hugging Face fuses gate and up; MLX conversions split them under
+        // `switch_glu`, optionally quantized.
+        let experts = if w.contains(&format!("{prefix}.gate_up_proj")) {
+            SwitchGlu::load_fused(w, &prefix, dims, true)?
         } else {
-            // MLX conversions: `switch_glu.{gate,up,down}_proj`, optionally
-            // quantized.
-            let sw = format!("{experts}.switch_glu");
-            let load = |w: &mut Weights, n: &str, out: i32, inp: i32| {
-                let prefix = format!("{sw}.{n}");
-                SwitchLinear::load(w, &prefix, cfg.quant_for(&prefix), e, out, inp)
-            };
-            (
-                load(w, "gate_proj", i, h)?,
-                load(w, "up_proj", i, h)?,
-                load(w, "down_proj", h, i)?,
-            )
+            SwitchGlu::load_stacked(w, cfg, &format!("{prefix}.switch_glu"), dims, true)?
         };
         Ok(Self {
             router,
-            gate,
-            up,
-            down,
+            experts,
             post_mlp_norm: norm(w, "post_feedforward_layernorm_1")?,
             pre_experts_norm: norm(w, "pre_feedforward_layernorm_2")?,
             post_experts_norm: norm(w, "post_feedforward_layernorm_2")?,
@@ -123,47 +79,16 @@ impl Moe {
     pub fn forward(&self, h: &Array) -> R<Array> {
         let (indices, weights) = self.router.forward(h)?;
         let x = self.pre_experts_norm.forward(h)?;
-        let y = self.experts(&x, &indices)?;
+        let y = self.experts.forward(&x, &indices)?;
         let y = weights.expand_dims(-1)?.multiply(&y)?.sum_axis(-2, false)?;
         self.post_experts_norm.forward(&y)
-    }
-
-    /// `[B, L, k, hidden]`: each token through each of its k experts.
-    fn experts(&self, x: &Array, indices: &Array) -> R<Array> {
-        let shape = indices.shape().to_vec();
-        let x = x.expand_dims_axes(&[-2, -3])?;
-        let sort = indices.size() >= SORT_FROM;
-        let (x, idx, inverse) = if sort {
-            let k = shape[shape.len() - 1];
-            let flat = indices.flatten(None, None)?;
-            let order = ops::argsort(&flat)?;
-            let inverse = ops::argsort(&order)?;
-            let rows = order.floor_divide(Array::from_int(k))?;
-            let x = x.flatten(0, -3)?.take_axis(&rows, 0)?;
-            (x, flat.take_axis(&order, 0)?, Some(inverse))
-        } else {
-            (x, indices.clone(), None)
-        };
-        let up = self.up.forward(&x, &idx, sort)?;
-        let gate = self.gate.forward(&x, &idx, sort)?;
-        let mut y = self
-            .down
-            .forward(&activations::gated(&gate, &up, true)?, &idx, sort)?;
-        if let Some(inverse) = inverse {
-            let mut unflat = shape.clone();
-            unflat.extend_from_slice(&y.shape()[1..]);
-            y = y.take_axis(&inverse, 0)?.reshape(&unflat)?;
-        }
-        y.squeeze_axes(&[-2])
     }
 
     pub fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
         self.router.proj.collect(out);
         out.push(&self.router.norm_weight);
         out.push(&self.router.per_expert_scale);
-        for s in [&self.gate, &self.up, &self.down] {
-            s.collect(out);
-        }
+        self.experts.collect(out);
         for n in [
             &self.post_mlp_norm,
             &self.pre_experts_norm,
@@ -179,113 +104,11 @@ impl Router {
     fn forward(&self, h: &Array) -> R<(Array, Array)> {
         let x = fast::rms_norm(h, Some(&self.norm_weight), self.eps)?;
         let scores = self.proj.forward(&x)?;
-        let experts = scores.dim(-1);
-        let kth = experts - self.top_k;
-        let part = ops::argpartition_axis(&scores, kth, -1)?;
-        let top = Array::from_iter(kth..experts, &[self.top_k]);
-        let indices = part.take_axis(&top, -1)?;
+        let indices = top_k(&scores, self.top_k)?;
         let weights = scores.take_along_axis(&indices, -1)?;
         let weights = ops::softmax_axis(&weights, -1, None)?;
         let weights = weights.multiply(self.per_expert_scale.take_axis(&indices, 0)?)?;
         Ok((indices, weights))
-    }
-}
-
-impl SwitchLinear {
-    fn dense(weight: &Array) -> R<Self> {
-        Ok(SwitchLinear::Dense {
-            weight_t: weight.swap_axes(-1, -2)?,
-        })
-    }
-
-    fn load(
-        w: &mut Weights,
-        prefix: &str,
-        quant: Option<crate::config::Quantization>,
-        experts: i32,
-        out: i32,
-        inp: i32,
-    ) -> anyhow::Result<Self> {
-        let name = format!("{prefix}.weight");
-        let weight = w.take(&name)?;
-        match w.take_optional(&format!("{prefix}.scales")) {
-            None => {
-                w.check_shape(&name, &weight, &[experts, out, inp])?;
-                Ok(Self::dense(&weight)?)
-            }
-            Some(scales) => {
-                let q = quant.ok_or_else(|| {
-                    anyhow::anyhow!(
-                        "tensor `{name}` in {} is quantized (it has scales) but config.json has no quantization for it",
-                        w.file_of(&name)
-                    )
-                })?;
-                let (packed, groups) =
-                    quantized_shape(inp, q.group_size, q.bits).ok_or_else(|| {
-                        anyhow::anyhow!(
-                        "tensor `{name}` in {}: {inp} inputs do not split into {}-bit groups of {}",
-                        w.file_of(&name), q.bits, q.group_size
-                    )
-                    })?;
-                let biases = w.take(&format!("{prefix}.biases"))?;
-                w.check_shape(&name, &weight, &[experts, out, packed])?;
-                w.check_shape(
-                    &format!("{prefix}.scales"),
-                    &scales,
-                    &[experts, out, groups],
-                )?;
-                w.check_shape(
-                    &format!("{prefix}.biases"),
-                    &biases,
-                    &[experts, out, groups],
-                )?;
-                Ok(SwitchLinear::Quantized {
-                    weight,
-                    scales,
-                    biases,
-                    group_size: q.group_size,
-                    bits: q.bits,
-                })
-            }
-        }
-    }
-
-    /// `x`: `[..., 1, in]` rows, `idx`: the expert of each row's batch
-    /// position. Returns `[..., 1, out]`.
-    fn forward(&self, x: &Array, idx: &Array, sorted: bool) -> R<Array> {
-        match self {
-            SwitchLinear::Dense { weight_t } => ops::gather_mm(x, weight_t, None, idx, sorted),
-            SwitchLinear::Quantized {
-                weight,
-                scales,
-                biases,
-                group_size,
-                bits,
-            } => ops::gather_qmm(
-                x,
-                weight,
-                scales,
-                biases,
-                None,
-                idx,
-                true,
-                *group_size,
-                *bits,
-                sorted,
-            ),
-        }
-    }
-
-    fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
-        match self {
-            SwitchLinear::Dense { weight_t } => out.push(weight_t),
-            SwitchLinear::Quantized {
-                weight,
-                scales,
-                biases,
-                ..
-            } => out.extend([weight, scales, biases]),
-        }
     }
 }
 

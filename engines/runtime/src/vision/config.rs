@@ -94,12 +94,15 @@ impl VisionConfig {
             .with_context(|| format!("reading {}", path.display()))?;
         let value: serde_json::Value =
             serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-        if value["model_type"] == "gemma4" && !value["vision_config"].is_null() {
+        let text_only = ["gemma4", "qwen3_5", "qwen3_5_moe"];
+        if text_only.iter().any(|t| value["model_type"] == *t) && !value["vision_config"].is_null()
+        {
             // As mlx-lm does: the text model serves, requests with images
             // are refused.
             tracing::warn!(
-                "{}: the Gemma 4 vision and audio towers are not supported; serving text only",
-                path.display()
+                "{}: the {} vision tower is not supported; serving text only",
+                path.display(),
+                value["model_type"]
             );
             return Ok(None);
         }

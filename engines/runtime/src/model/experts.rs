@@ -1,0 +1,251 @@
+//! Mixture-of-experts building blocks shared by the families with experts
+//! (Gemma 4, Qwen3 MoE, Qwen 3.5 MoE): every expert's gated MLP stacked,
+//! applied to the experts each token was routed to through MLX's gathered
+//! matmuls (`gather_qmm` when quantized).
+
+use mlx_rs::{ops, Array};
+
+use crate::activations;
+use crate::config::{ModelConfig, Quantization};
+use crate::layers::quantized_shape;
+use crate::weights::Weights;
+
+type R<T> = Result<T, mlx_rs::error::Exception>;
+
+/// Routing many (token, expert) pairs sorts them by expert first, so the
+/// gathered matmuls read each expert's weights in one run (mlx-lm's
+/// threshold, so both compute the same way).
+const SORT_FROM: usize = 64;
+
+/// Indices `[..., k]` of the `k` largest router scores of each token (in
+/// the order `argpartition` leaves them, as mlx-lm takes them).
+pub(crate) fn top_k(scores: &Array, k: i32) -> R<Array> {
+    let experts = scores.dim(-1);
+    let kth = experts - k;
+    let part = ops::argpartition_axis(scores, kth, -1)?;
+    part.take_axis(Array::from_iter(kth..experts, &[k]), -1)
+}
+
+/// One projection of every expert, `[experts, out, in]`.
+enum SwitchLinear {
+    Dense {
+        /// `[experts, in, out]`: transposed once at load.
+        weight_t: Array,
+    },
+    Quantized {
+        weight: Array,
+        scales: Array,
+        biases: Array,
+        group_size: i32,
+        bits: i32,
+    },
+}
+
+/// `down(act(gate(x)) * up(x))` of every expert.
+pub(crate) struct SwitchGlu {
+    gate: SwitchLinear,
+    up: SwitchLinear,
+    down: SwitchLinear,
+    gelu: bool,
+}
+
+impl SwitchGlu {
+    /// Hugging Face's fused layout: `{prefix}.gate_up_proj` (gate and up
+    /// stacked on the output axis) and `{prefix}.down_proj`, no `.weight`.
+    pub fn load_fused(
+        w: &mut Weights,
+        prefix: &str,
+        (experts, inter, hidden): (i32, i32, i32),
+        gelu: bool,
+    ) -> anyhow::Result<Self> {
+        let gate_up = w.take_shaped(
+            &format!("{prefix}.gate_up_proj"),
+            &[experts, 2 * inter, hidden],
+        )?;
+        let halves = ops::split_equal(&gate_up, 2, 1)?;
+        let down = w.take_shaped(&format!("{prefix}.down_proj"), &[experts, hidden, inter])?;
+        Ok(Self {
+            gate: SwitchLinear::dense(&halves[0])?,
+            up: SwitchLinear::dense(&halves[1])?,
+            down: SwitchLinear::dense(&down)?,
+            gelu,
+        })
+    }
+
+    /// Hugging Face's per-expert layout: `{prefix}.{j}.{gate,up,down}_proj.weight`
+    /// for every expert `j`, stacked here.
+    pub fn load_per_expert(
+        w: &mut Weights,
+        prefix: &str,
+        (experts, inter, hidden): (i32, i32, i32),
+        gelu: bool,
+    ) -> anyhow::Result<Self> {
+        let stack = |w: &mut Weights, n: &str, shape: &[i32]| -> anyhow::Result<SwitchLinear> {
+            let parts = (0..experts)
+                .map(|j| w.take_shaped(&format!("{prefix}.{j}.{n}.weight"), shape))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            Ok(SwitchLinear::dense(&ops::stack(&parts, 0)?)?)
+        };
+        Ok(Self {
+            gate: stack(w, "gate_proj", &[inter, hidden])?,
+            up: stack(w, "up_proj", &[inter, hidden])?,
+            down: stack(w, "down_proj", &[hidden, inter])?,
+            gelu,
+        })
+    }
+
+    /// MLX conversions: `{prefix}.{gate,up,down}_proj` stacked tensors,
+    /// optionally quantized.
+    pub fn load_stacked(
+        w: &mut Weights,
+        cfg: &ModelConfig,
+        prefix: &str,
+        (experts, inter, hidden): (i32, i32, i32),
+        gelu: bool,
+    ) -> anyhow::Result<Self> {
+        let load = |w: &mut Weights, n: &str, out: i32, inp: i32| {
+            let p = format!("{prefix}.{n}");
+            SwitchLinear::load(w, &p, cfg.quant_for(&p), experts, out, inp)
+        };
+        Ok(Self {
+            gate: load(w, "gate_proj", inter, hidden)?,
+            up: load(w, "up_proj", inter, hidden)?,
+            down: load(w, "down_proj", hidden, inter)?,
+            gelu,
+        })
+    }
+
+    /// `[B, L, k, hidden]`: each token of `x` (`[B, L, hidden]`) through
+    /// each of its k experts (`indices`, `[B, L, k]`).
+    pub fn forward(&self, x: &Array, indices: &Array) -> R<Array> {
+        let shape = indices.shape().to_vec();
+        let x = x.expand_dims_axes(&[-2, -3])?;
+        let sort = indices.size() >= SORT_FROM;
+        let (x, idx, inverse) = if sort {
+            let k = shape[shape.len() - 1];
+            let flat = indices.flatten(None, None)?;
+            let order = ops::argsort(&flat)?;
+            let inverse = ops::argsort(&order)?;
+            let rows = order.floor_divide(Array::from_int(k))?;
+            let x = x.flatten(0, -3)?.take_axis(&rows, 0)?;
+            (x, flat.take_axis(&order, 0)?, Some(inverse))
+        } else {
+            (x, indices.clone(), None)
+        };
+        let up = self.up.forward(&x, &idx, sort)?;
+        let gate = self.gate.forward(&x, &idx, sort)?;
+        let mut y = self
+            .down
+            .forward(&activations::gated(&gate, &up, self.gelu)?, &idx, sort)?;
+        if let Some(inverse) = inverse {
+            let mut unflat = shape.clone();
+            unflat.extend_from_slice(&y.shape()[1..]);
+            y = y.take_axis(&inverse, 0)?.reshape(&unflat)?;
+        }
+        y.squeeze_axes(&[-2])
+    }
+
+    pub fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
+        for s in [&self.gate, &self.up, &self.down] {
+            s.collect(out);
+        }
+    }
+}
+
+impl SwitchLinear {
+    fn dense(weight: &Array) -> R<Self> {
+        Ok(SwitchLinear::Dense {
+            weight_t: weight.swap_axes(-1, -2)?,
+        })
+    }
+
+    fn load(
+        w: &mut Weights,
+        prefix: &str,
+        quant: Option<Quantization>,
+        experts: i32,
+        out: i32,
+        inp: i32,
+    ) -> anyhow::Result<Self> {
+        let name = format!("{prefix}.weight");
+        let weight = w.take(&name)?;
+        match w.take_optional(&format!("{prefix}.scales")) {
+            None => {
+                w.check_shape(&name, &weight, &[experts, out, inp])?;
+                Ok(Self::dense(&weight)?)
+            }
+            Some(scales) => {
+                let q = quant.ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "tensor `{name}` in {} is quantized (it has scales) but config.json has no quantization for it",
+                        w.file_of(&name)
+                    )
+                })?;
+                let (packed, groups) =
+                    quantized_shape(inp, q.group_size, q.bits).ok_or_else(|| {
+                        anyhow::anyhow!(
+                        "tensor `{name}` in {}: {inp} inputs do not split into {}-bit groups of {}",
+                        w.file_of(&name), q.bits, q.group_size
+                    )
+                    })?;
+                let biases = w.take(&format!("{prefix}.biases"))?;
+                w.check_shape(&name, &weight, &[experts, out, packed])?;
+                w.check_shape(
+                    &format!("{prefix}.scales"),
+                    &scales,
+                    &[experts, out, groups],
+                )?;
+                w.check_shape(
+                    &format!("{prefix}.biases"),
+                    &biases,
+                    &[experts, out, groups],
+                )?;
+                Ok(SwitchLinear::Quantized {
+                    weight,
+                    scales,
+                    biases,
+                    group_size: q.group_size,
+                    bits: q.bits,
+                })
+            }
+        }
+    }
+
+    /// `x`: `[..., 1, in]` rows, `idx`: the expert of each row's batch
+    /// position. Returns `[..., 1, out]`.
+    fn forward(&self, x: &Array, idx: &Array, sorted: bool) -> R<Array> {
+        match self {
+            SwitchLinear::Dense { weight_t } => ops::gather_mm(x, weight_t, None, idx, sorted),
+            SwitchLinear::Quantized {
+                weight,
+                scales,
+                biases,
+                group_size,
+                bits,
+            } => ops::gather_qmm(
+                x,
+                weight,
+                scales,
+                biases,
+                None,
+                idx,
+                true,
+                *group_size,
+                *bits,
+                sorted,
+            ),
+        }
+    }
+
+    fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
+        match self {
+            SwitchLinear::Dense { weight_t } => out.push(weight_t),
+            SwitchLinear::Quantized {
+                weight,
+                scales,
+                biases,
+                ..
+            } => out.extend([weight, scales, biases]),
+        }
+    }
+}

@@ -1,0 +1,177 @@
+//! Generated hybrid and MoE Qwen models behind the gateway. Qwen 3.5 (Gated
+//! DeltaNet layers with recurrent states between gated attention layers,
+//! here the MoE variant with a shared expert): every engine's greedy answer
+//! over HTTP equals the fast path's token for token, through chunked
+//! prefill, a prefix-cache hit on an exact block-boundary snapshot,
+//! speculative rounds whose rejected drafts roll the recurrent state back,
+//! concurrent (batched) requests, and a fast-path stream handed over to the
+//! batched engine mid-generation, recurrent states and all.
+//! Qwen3 MoE: the batched engine and the fast path agree.
+
+use e2e_tests::http::SseStream;
+use e2e_tests::{models, Gateway};
+use fixtures::model::TinySpec;
+use fixtures::qwen::QwenShape;
+use serde_json::json;
+use std::time::Duration;
+
+fn wait_idle(gw: &Gateway) {
+    let idle = |g: &Gateway| g.metric("gateway_kv_blocks_allocated", &[]) == Some(0.0);
+    assert!(
+        gw.wait_for(Duration::from_secs(10), idle),
+        "KV blocks stay allocated"
+    );
+}
+
+/// The engine that answered, the token ids, and the usage.
+fn complete(
+    gw: &Gateway,
+    name: &str,
+    prompt: &[u32],
+    max_tokens: u32,
+) -> (String, Vec<u64>, serde_json::Value) {
+    let r = gw.post(
+        "/v1/completions",
+        &json!({"model": name, "prompt": prompt, "max_tokens": max_tokens,
+                "ignore_eos": true, "return_token_ids": true}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let engine = r.header("x-engine").unwrap().to_owned();
+    let body = r.json();
+    let ids = body["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    (engine, ids, body["usage"].clone())
+}
+
+#[test]
+fn every_engine_answers_like_the_fast_path_on_a_qwen35_moe_model() {
+    const NAME: &str = "tiny-qwen35-moe";
+    let model = models::write(NAME, &TinySpec::qwen(QwenShape::qwen35_moe()));
+    let dflash = models::drafter("dflash", &model.path);
+    // Prefill chunks of 8 tokens: long prompts cross several chunks and
+    // the 16-token block boundaries the prefix cache snapshots at.
+    let config = format!(
+        r#"model: {{ path: "{}", kv_cache_mb: 64, kv_block_size: 16 }}
+engines:
+  batched: {{ kind: batched, prefill_chunk: 8 }}
+  fastpath: {{ kind: fastpath }}
+  dflash: {{ kind: dflash, drafter: "{}" }}
+  lookup: {{ kind: mtp, draft: ngram }}
+policy:
+  default: batched
+  rules:
+    - {{ name: to-dflash, when: {{ max_tokens: 31 }}, route: dflash }}
+    - {{ name: to-lookup, when: {{ max_tokens: 33 }}, route: lookup }}
+    - {{ name: to-fastpath, when: {{ max_tokens: 34 }}, route: fastpath }}
+    - {{ name: long-fastpath, when: {{ max_tokens: 400 }}, route: fastpath }}
+"#,
+        model.path.display(),
+        dflash.path.display(),
+    );
+    let gw = Gateway::start(&config);
+    let long: Vec<u32> = fixtures::model::random_prompt(3, 40, 500);
+    // A repeating prompt: prompt lookup drafts from it, and the random
+    // model rejects most drafts.
+    let repeating: Vec<u32> = [4u32, 8, 15, 16, 23, 42].repeat(5);
+    let prompts: Vec<Vec<u32>> = vec![vec![5, 9, 14], long.clone(), repeating, vec![7; 24]];
+    let mut oracle = Vec::new();
+    let mut rejected = 0;
+    for prompt in &prompts {
+        wait_idle(&gw);
+        let (engine, greedy, _) = complete(&gw, NAME, prompt, 34);
+        assert_eq!(engine, "fastpath");
+        for (name, max_tokens) in [("dflash", 31), ("lookup", 33), ("batched", 30)] {
+            let (engine, ids, usage) = complete(&gw, NAME, prompt, max_tokens);
+            assert_eq!(engine, name);
+            assert_eq!(ids, greedy[..max_tokens as usize], "{name} on {prompt:?}");
+            rejected += usage["completion_tokens_details"]["rejected_prediction_tokens"]
+                .as_u64()
+                .unwrap_or(0);
+        }
+        oracle.push(greedy);
+    }
+    // Speculative rounds did reject drafts, rolling the states back.
+    assert!(rejected > 0, "no draft was rejected");
+    // The long prompt again: its 32-token snapshot is reused whole.
+    let (_, again, usage) = complete(&gw, NAME, &long, 30);
+    assert_eq!(again, oracle[1][..30]);
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"], 32,
+        "the block-boundary snapshot was not reused"
+    );
+    // A fast-path stream handed over mid-generation (its recurrent states
+    // cross the plugin boundary) while all prompts arrive at once, batched
+    // (rows join and leave with their states): each answer is as alone.
+    wait_idle(&gw);
+    let long_run = json!({"model": NAME, "prompt": long, "max_tokens": 400, "ignore_eos": true});
+    let r = gw.post("/v1/completions", &long_run);
+    assert_eq!(r.header("x-engine"), Some("fastpath"));
+    let alone = r.json()["choices"][0]["text"].as_str().unwrap().to_owned();
+    wait_idle(&gw);
+    let mut body = long_run.clone();
+    body["stream"] = json!(true);
+    let mut stream = SseStream::open(gw.addr, "/v1/completions", &body);
+    assert_eq!(stream.status, 200);
+    let mut text = String::new();
+    let mut take = |data: &str| {
+        if data != "[DONE]" {
+            let chunk: serde_json::Value = serde_json::from_str(data).unwrap();
+            text.push_str(chunk["choices"][0]["text"].as_str().unwrap_or(""));
+        }
+    };
+    take(&stream.next_event().expect("a first event"));
+    let answers: Vec<Vec<u64>> = std::thread::scope(|s| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|p| s.spawn(|| complete(&gw, NAME, p, 30).1))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, a) in answers.iter().enumerate() {
+        assert_eq!(a, &oracle[i][..30], "prompt {i} in a batch");
+    }
+    while let Some(data) = stream.next_event() {
+        take(&data);
+    }
+    assert_eq!(text, alone, "the handed-over stream");
+    assert!(
+        gw.logs()
+            .contains("handed its sequence to the batched engine"),
+        "no handover happened"
+    );
+    wait_idle(&gw);
+}
+
+#[test]
+fn batched_and_fast_path_agree_on_a_qwen3_moe_model() {
+    const NAME: &str = "tiny-qwen3-moe";
+    let model = models::write(NAME, &TinySpec::qwen(QwenShape::qwen3_moe()));
+    let config = format!(
+        r#"model: {{ path: "{}", kv_cache_mb: 64 }}
+engines:
+  batched: {{ kind: batched }}
+  fastpath: {{ kind: fastpath }}
+policy:
+  default: batched
+  rules:
+    - {{ name: to-fastpath, when: {{ max_tokens: 34 }}, route: fastpath }}
+"#,
+        model.path.display(),
+    );
+    let gw = Gateway::start(&config);
+    for prompt in [
+        vec![5u32, 9, 14],
+        fixtures::model::random_prompt(4, 40, 500),
+    ] {
+        wait_idle(&gw);
+        let (engine, greedy, _) = complete(&gw, NAME, &prompt, 34);
+        assert_eq!(engine, "fastpath");
+        let (engine, ids, _) = complete(&gw, NAME, &prompt, 30);
+        assert_eq!(engine, "batched");
+        assert_eq!(ids, greedy[..30]);
+    }
+}
