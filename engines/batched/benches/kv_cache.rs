@@ -131,7 +131,7 @@ fn served_without_queueing(dir: &Path, kv: Option<KvQuant>, a: &Args, vocab: u32
         "peak".into(),
         shared,
         BatchedConfig {
-            max_batch: 64,
+            max_batch: Some(64),
             max_queue: 64,
             ..Default::default()
         },
