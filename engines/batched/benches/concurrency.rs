@@ -188,6 +188,7 @@ fn long_prompt_stall(
 }
 
 fn main() {
+    runtime::cuda_env::apply_defaults();
     let a = args();
     let dir = model_dir(&a.preset);
     let model = LoadedModel::load(&dir, None).expect("load");

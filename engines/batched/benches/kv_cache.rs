@@ -171,6 +171,7 @@ fn shared(dir: &Path, kv: Option<KvQuant>, budget: usize) -> Arc<SharedModel> {
 }
 
 fn main() {
+    runtime::cuda_env::apply_defaults();
     let a = args();
     let dir = model_dir(&a.preset);
     let settings = [

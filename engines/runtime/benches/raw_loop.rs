@@ -124,6 +124,7 @@ fn mlx_lm(dir: &Path, a: &Args, preload: Option<&str>, cast: Option<&str>) -> (f
 }
 
 fn main() {
+    runtime::cuda_env::apply_defaults();
     let a = args();
     let dir = match &a.model {
         Some(dir) => {
