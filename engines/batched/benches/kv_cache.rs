@@ -2,7 +2,7 @@
 //! side in one run on a generated Qwen3 model:
 //!
 //!     cargo bench -p batched --bench kv_cache [-- --preset small|bench|qwen3-4b
-//!         --kv-mb 4 --prompt 64 --gen 32 --levels 1,16]
+//!         --kv-mb 4 --prompt 64 --gen 32 --levels 1,16 --rounds 3]
 //!
 //! Per setting: KV bytes per token (the pool's rate, and the bytes a
 //! cache really holds after a prefill), the largest concurrency served
@@ -10,7 +10,7 @@
 //! prompt + gen tokens submitted at once, peak running count), and the
 //! batched engine's decode tok/s at each level (aggregate, and per
 //! request from inter-token gaps), plus the raw loop at c=1: the settings
-//! take turns for 3 rounds after a warm-up, and the table has medians.
+//! take turns for `--rounds` rounds (3) after a warm-up, and the table has medians.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -27,6 +27,8 @@ struct Args {
     prompt: usize,
     gen: usize,
     levels: Vec<usize>,
+    /// Timed rounds after the warm-up; each figure is their median.
+    rounds: usize,
 }
 
 fn args() -> Args {
@@ -36,6 +38,7 @@ fn args() -> Args {
         prompt: 64,
         gen: 32,
         levels: vec![1, 16],
+        rounds: 3,
     };
     let argv: Vec<String> = std::env::args().collect();
     for w in argv.windows(2) {
@@ -44,6 +47,7 @@ fn args() -> Args {
             "--kv-mb" => a.kv_mb = w[1].parse().expect("kv-mb"),
             "--prompt" => a.prompt = w[1].parse().expect("prompt"),
             "--gen" => a.gen = w[1].parse().expect("gen"),
+            "--rounds" => a.rounds = w[1].parse().expect("rounds"),
             "--levels" => a.levels = w[1].split(',').map(|x| x.parse().expect("level")).collect(),
             _ => {}
         }
@@ -198,7 +202,7 @@ fn main() {
     }
     println!("\n{header}\n{rule}");
     // Every setting's model and engine side by side; the timed runs take
-    // turns, `ROUNDS` times, and each figure is the median, so load from
+    // turns, `--rounds` times, and each figure is the median, so load from
     // elsewhere on the machine falls on every setting alike.
     let runs: Vec<_> = settings
         .iter()
@@ -215,7 +219,8 @@ fn main() {
     let vocab = runs[0].1.model.vocab_size() as u32;
     let p = prompt(0, a.prompt, vocab);
     let mut timed = vec![vec![Vec::new(); 1 + 2 * a.levels.len()]; runs.len()];
-    for round in 0..=ROUNDS {
+    for round in 0..=a.rounds {
+        eprintln!("round {round} of {} (0 warms up)", a.rounds);
         for (i, (_, shared, engine)) in runs.iter().enumerate() {
             let model = &shared.model.model;
             let raw = generate::greedy(model, &p, a.gen, &[], |_| true).unwrap();
@@ -255,5 +260,3 @@ fn main() {
         println!("{row}");
     }
 }
-
-const ROUNDS: usize = 3;
