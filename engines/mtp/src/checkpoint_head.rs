@@ -14,6 +14,7 @@
 //! proposal.
 
 use std::ops::Range;
+use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -21,7 +22,7 @@ use mlx_rs::{ops, Array, Dtype};
 use runtime::cache::slice;
 use runtime::generate::tokens_array;
 use runtime::model::{MtpHead, Tapped, Taps};
-use runtime::{KvCache, LoadedModel, Model};
+use runtime::{KvCache, Model};
 use speculative::{DraftSource, DraftState, Proposal};
 
 /// A loaded MTP head and the number of tokens it drafts per round.
@@ -42,17 +43,17 @@ impl CheckpointHead {
             .map_or(1, |h| h.mtp_layers as usize + 1)
     }
 
-    /// The head of `model`'s checkpoint; fails, saying so, when it ships
-    /// none.
-    pub fn load(model: &LoadedModel, draft_tokens: usize) -> anyhow::Result<Self> {
-        let head = MtpHead::load(&model.model, &model.dir)?.with_context(|| {
+    /// The head of `target`'s checkpoint in `dir`; fails, saying so, when
+    /// it ships none.
+    pub fn load(target: &Model, dir: &Path, draft_tokens: usize) -> anyhow::Result<Self> {
+        let head = MtpHead::load(target, dir)?.with_context(|| {
             format!(
                 "{} has no MTP head (no `mtp.*` weights; Qwen 3.5 checkpoints ship one, MLX conversions drop it): `draft: checkpoint` cannot draft",
-                model.dir.display()
+                dir.display()
             )
         })?;
         tracing::info!(
-            checkpoint = %model.dir.display(),
+            checkpoint = %dir.display(),
             layers = head.num_layers(),
             draft_tokens,
             "drafting with the checkpoint's MTP head"

@@ -71,7 +71,8 @@ pub fn new_engine(
                 max_draft: k,
                 kv_bytes_per_token: MtpHead::kv_bytes_per_token(target),
                 loader: Box::new(move |model| {
-                    Ok(Arc::new(CheckpointHead::load(model, k)?) as Arc<dyn DraftSource>)
+                    Ok(Arc::new(CheckpointHead::load(&model.model, &model.dir, k)?)
+                        as Arc<dyn DraftSource>)
                 }),
             }
         }
