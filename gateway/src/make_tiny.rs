@@ -45,6 +45,14 @@ pub fn run(args: &MakeTinyArgs) -> anyhow::Result<()> {
         FamilyArg::Qwen35Moe => Some(QwenShape::qwen35_moe()),
         _ => None,
     };
+    if args.mtp_layers > 0 {
+        let shape = spec
+            .qwen
+            .take()
+            .filter(|_| matches!(args.family, FamilyArg::Qwen35 | FamilyArg::Qwen35Moe))
+            .context("--mtp-layers: only Qwen 3.5 checkpoints ship an MTP head")?;
+        spec.qwen = Some(shape.with_mtp(args.mtp_layers));
+    }
     if spec.qwen.is_some() && matches!(args.preset, PresetArg::Qwen3_4b) {
         bail!("the qwen3-4b preset is dense Qwen3; use --family qwen3");
     }
