@@ -13,7 +13,9 @@ min(A, K) of them whatever the target says (so rounds with accepted drafts
 happen on random weights too), followed by the target's greedy token after
 them. The target runs over the whole sequence each round (mlx-lm's hybrid
 cache cannot be rolled back). Prints {"rounds": [{"drafts": [...],
-"committed": [...]}]}.
+"committed": [...]}], "prompt_logits": [[V floats] per prompt position]}:
+the rounds, and first the head's float32 logits over the prompt (what
+prefill_from_target_hidden computes, every position rather than the last).
 """
 
 import json
@@ -58,6 +60,10 @@ def main():
     history = list(req["prompt"])
     h = hidden(history)
     bonus = target_token(h[:, -1:, :])
+    shifted = mx.array([history[1:] + [bonus]])
+    prompt_logits = lm.lm_head(draft._forward_tokens(shifted, h, mx.int32))
+    prompt_logits = prompt_logits.astype(mx.float32)[0].tolist()
+    draft.reset(model)
     draft.prefill_from_target_hidden(
         mx.array([history]), h, bonus, greedy, mx.int32, greedy=True
     )
@@ -80,7 +86,7 @@ def main():
         history += committed
         last_hidden = verify[:, a : a + 1, :]
         rounds.append({"drafts": d, "committed": committed})
-    print(json.dumps({"rounds": rounds}))
+    print(json.dumps({"rounds": rounds, "prompt_logits": prompt_logits}))
 
 
 if __name__ == "__main__":

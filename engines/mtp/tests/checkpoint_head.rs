@@ -3,7 +3,8 @@
 //! checkpoint's own MTP head drafts the tokens mlx-vlm's `qwen3_5_mtp`
 //! drafter drafts bound to mlx-lm's target (scripts/qwen35_mtp_oracle.py),
 //! round after round: after rounds whose drafts were all rejected, some
-//! accepted and all accepted, with a chunked prefill. And a checkpoint
+//! accepted and all accepted, with a chunked prefill; its logits over a
+//! prompt are within 1e-3 of the reference's (fp32). And a checkpoint
 //! whose head is missing or incomplete fails at load, saying so.
 
 use std::path::Path;
@@ -15,7 +16,7 @@ use mlx_rs::{ops, Array, Dtype};
 use mtp::CheckpointHead;
 use runtime::config::ModelConfig;
 use runtime::generate::tokens_array;
-use runtime::model::{Logits, Model};
+use runtime::model::{Logits, Model, MtpHead, Taps};
 use runtime::weights::Weights;
 use speculative::{DraftSource, Proposal};
 
@@ -34,7 +35,8 @@ fn load(dir: &Path) -> Model {
     .unwrap()
 }
 
-fn reference(dir: &Path, prompt: &[u32], k: usize) -> Vec<Round> {
+/// The reference's rounds, and its head's logits over the prompt.
+fn reference(dir: &Path, prompt: &[u32], k: usize) -> (Vec<Round>, Vec<Vec<f32>>) {
     let req =
         serde_json::json!({ "model": dir, "prompt": prompt, "draft_tokens": k, "accept": ACCEPT });
     let v = fixtures::reference::run("qwen35_mtp_oracle.py", &req);
@@ -45,11 +47,64 @@ fn reference(dir: &Path, prompt: &[u32], k: usize) -> Vec<Round> {
             .map(|t| t.as_u64().unwrap() as u32)
             .collect()
     };
-    v["rounds"]
+    let rounds = v["rounds"]
         .as_array()
         .unwrap()
         .iter()
         .map(|r| (ids(&r["drafts"]), ids(&r["committed"])))
+        .collect();
+    let logits = v["prompt_logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|row| {
+            row.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect()
+        })
+        .collect();
+    (rounds, logits)
+}
+
+/// Our head's float32 logits `[L, V]` over the prompt: each prompt
+/// position's target hidden state beside the token after it (the target's
+/// greedy token after the last).
+fn prompt_logits(model: &Model, dir: &Path, prompt: &[u32]) -> Vec<Vec<f32>> {
+    let head = MtpHead::load(model, dir)
+        .unwrap()
+        .expect("the checkpoint has a head");
+    let taps = Taps {
+        layers: Vec::new(),
+        final_hidden: true,
+    };
+    let out = model
+        .forward_tapped(
+            &tokens_array(prompt),
+            &mut model.new_cache(1),
+            Logits::Last,
+            &taps,
+        )
+        .unwrap();
+    let mut next = prompt[1..].to_vec();
+    next.push(greedy_at(&out.logits, 0));
+    let h = head
+        .forward(
+            model,
+            &tokens_array(&next),
+            out.final_hidden.as_ref().unwrap(),
+            &mut head.new_cache(),
+            0,
+        )
+        .unwrap();
+    let logits = model.logits(&h).unwrap();
+    eval([&logits]).unwrap();
+    let v = logits.dim(2) as usize;
+    logits
+        .as_slice::<f32>()
+        .chunks(v)
+        .map(<[f32]>::to_vec)
         .collect()
 }
 
@@ -113,7 +168,18 @@ fn check(shape: QwenShape, ks: &[usize]) {
     let model = load(tmp.path());
     let prompt: Vec<u32> = (0..13).map(|i| (i * 37 + 11) % spec.vocab as u32).collect();
     for &k in ks {
-        let theirs = reference(tmp.path(), &prompt, k);
+        let (theirs, their_logits) = reference(tmp.path(), &prompt, k);
+        let my_logits = prompt_logits(&model, tmp.path(), &prompt);
+        assert_eq!(my_logits.len(), prompt.len());
+        let sizes = |l: &[Vec<f32>]| l.iter().map(Vec::len).collect::<Vec<_>>();
+        assert_eq!(sizes(&my_logits), sizes(&their_logits));
+        let worst = my_logits
+            .iter()
+            .flatten()
+            .zip(their_logits.iter().flatten())
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-3, "the head's logits differ by {worst}");
         let mine = ours(&model, tmp.path(), &prompt, k);
         assert_eq!(mine.len(), ACCEPT.len());
         eprintln!("k = {k}: {mine:?}");
