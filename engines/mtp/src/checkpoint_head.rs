@@ -20,7 +20,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use mlx_rs::{ops, Array, Dtype};
 use runtime::cache::slice;
-use runtime::generate::tokens_array;
+use runtime::generate::{tokens_array, DEFAULT_PREFILL_CHUNK};
 use runtime::model::{MtpHead, Tapped, Taps};
 use runtime::{KvCache, Model};
 use speculative::{DraftSource, DraftState, Proposal};
@@ -152,21 +152,31 @@ impl DraftState for State {
         let next = history
             .get(start as usize + 1..=newest as usize)
             .context("the history is shorter than the target's cache")?;
-        let mut out =
-            self.head
-                .forward(target, &tokens_array(next), &hidden, &mut self.cache, start)?;
-        let mut out_last = slice(&out, &[0, out.dim(1) - 1, 0], &[1, out.dim(1), out.dim(2)])?;
+        // In prefill-sized chunks: a long prompt's catch-up stays bounded.
+        let (n, width) = (hidden.dim(1), hidden.dim(2));
+        let mut out = None;
+        for from in (0..n).step_by(DEFAULT_PREFILL_CHUNK) {
+            let to = (from + DEFAULT_PREFILL_CHUNK as i32).min(n);
+            out = Some(self.head.forward(
+                target,
+                &tokens_array(&next[from as usize..to as usize]),
+                &slice(&hidden, &[0, from, 0], &[1, to, width])?,
+                &mut self.cache,
+                start + from,
+            )?);
+        }
+        let out = out.expect("pending states are not empty");
+        let mut out_last = slice(&out, &[0, out.dim(1) - 1, 0], &[1, out.dim(1), width])?;
         let mut token = greedy(target, &out_last)?;
         let mut drafts = vec![token.clone()];
         for step in 1..k as i32 {
-            out = self.head.forward(
+            out_last = self.head.forward(
                 target,
                 &token,
                 &out_last,
                 &mut self.cache,
                 newest + step - 1,
             )?;
-            out_last = out;
             token = greedy(target, &out_last)?;
             drafts.push(token.clone());
         }
