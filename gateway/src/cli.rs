@@ -85,6 +85,12 @@ pub enum PresetArg {
     /// The shape of Qwen3-4B in bf16 (qwen3 only).
     #[value(name = "qwen3-4b")]
     Qwen3_4b,
+    /// The shape of Qwen3.5-4B in bf16 (hybrid; family qwen3.5).
+    #[value(name = "qwen3.5-4b")]
+    Qwen35_4b,
+    /// The shape of Qwen3-30B-A3B, 4-bit (family qwen3-moe).
+    #[value(name = "qwen3-30b-a3b")]
+    Qwen3_30bA3b,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]

@@ -25,11 +25,25 @@ pub fn run(args: &MakeTinyArgs) -> anyhow::Result<()> {
     if vision && (!matches!(args.preset, PresetArg::Tiny) || args.quant_bits.is_some()) {
         bail!("gemma3-vision models are written with the tiny preset and no quantization");
     }
-    let mut spec = match args.preset {
-        PresetArg::Tiny => TinySpec::tiny(family),
-        PresetArg::Bench => TinySpec::bench(family),
-        PresetArg::Qwen3_4b if family == Family::Qwen3 => TinySpec::qwen3_4b(),
-        PresetArg::Qwen3_4b => bail!("the qwen3-4b preset is a Qwen3 shape; use --family qwen3"),
+    // A real-size preset is one model's shape, so it names its family.
+    let mut spec = match (args.preset, args.family) {
+        (PresetArg::Tiny, _) => TinySpec::tiny(family),
+        (PresetArg::Bench, _) => TinySpec::bench(family),
+        (PresetArg::Qwen3_4b, FamilyArg::Qwen3) => TinySpec::qwen3_4b(),
+        (PresetArg::Qwen35_4b, FamilyArg::Qwen35) => TinySpec::qwen35_4b(),
+        (PresetArg::Qwen3_30bA3b, FamilyArg::Qwen3Moe) => TinySpec::qwen3_30b_a3b(),
+        (preset, _) => {
+            let family = match preset {
+                PresetArg::Qwen35_4b => FamilyArg::Qwen35,
+                PresetArg::Qwen3_30bA3b => FamilyArg::Qwen3Moe,
+                _ => FamilyArg::Qwen3,
+            };
+            bail!(
+                "the {} preset is a {} shape; use --family {1}",
+                value_name(&preset),
+                value_name(&family),
+            )
+        }
     };
     if family == Family::Gemma4 {
         let layers = spec.layers;
@@ -39,22 +53,21 @@ pub fn run(args: &MakeTinyArgs) -> anyhow::Result<()> {
             _ => Gemma4Shape::moe_26b(layers),
         });
     }
-    spec.qwen = match args.family {
-        FamilyArg::Qwen3Moe => Some(QwenShape::qwen3_moe()),
-        FamilyArg::Qwen35 => Some(QwenShape::qwen35()),
-        FamilyArg::Qwen35Moe => Some(QwenShape::qwen35_moe()),
-        _ => None,
-    };
+    if matches!(args.preset, PresetArg::Tiny | PresetArg::Bench) {
+        spec.qwen = match args.family {
+            FamilyArg::Qwen3Moe => Some(QwenShape::qwen3_moe()),
+            FamilyArg::Qwen35 => Some(QwenShape::qwen35()),
+            FamilyArg::Qwen35Moe => Some(QwenShape::qwen35_moe()),
+            _ => None,
+        };
+    }
     if args.mtp_layers > 0 {
         let shape = spec
             .qwen
             .take()
-            .filter(|_| matches!(args.family, FamilyArg::Qwen35 | FamilyArg::Qwen35Moe))
+            .filter(|q| q.linear.is_some())
             .context("--mtp-layers: only Qwen 3.5 checkpoints ship an MTP head")?;
         spec.qwen = Some(shape.with_mtp(args.mtp_layers));
-    }
-    if spec.qwen.is_some() && matches!(args.preset, PresetArg::Qwen3_4b) {
-        bail!("the qwen3-4b preset is dense Qwen3; use --family qwen3");
     }
     if let Some(dtype) = args.dtype {
         spec.dtype = match dtype {
@@ -123,4 +136,11 @@ pub fn run_drafter(args: &MakeTinyDrafterArgs) -> anyhow::Result<()> {
         args.out.display()
     );
     Ok(())
+}
+
+/// How the command line spells `v`.
+fn value_name(v: &impl clap::ValueEnum) -> String {
+    v.to_possible_value()
+        .map(|v| v.get_name().to_string())
+        .unwrap_or_default()
 }

@@ -29,6 +29,7 @@ pub mod metric {
     pub const ENGINE_FAULTS: &str = "gateway_engine_faults_total";
     pub const KV_BLOCKS_TOTAL: &str = "gateway_kv_blocks_total";
     pub const KV_BLOCKS_ALLOCATED: &str = "gateway_kv_blocks_allocated";
+    pub const KV_BLOCKS_CACHED: &str = "gateway_kv_blocks_cached";
     pub const KV_PRESSURE: &str = "gateway_kv_pressure";
     pub const MEMORY_BYTES: &str = "gateway_memory_bytes";
     pub const MEMORY_BUDGET_BYTES: &str = "gateway_memory_budget_bytes";
@@ -133,7 +134,14 @@ fn describe() {
         "Engine faults (panic, lost stream, error) by engine and kind"
     );
     describe_gauge!(KV_BLOCKS_TOTAL, "Blocks in the shared KV pool");
-    describe_gauge!(KV_BLOCKS_ALLOCATED, "Blocks reserved in the shared KV pool");
+    describe_gauge!(
+        KV_BLOCKS_ALLOCATED,
+        "Blocks reserved in the shared KV pool by sequences"
+    );
+    describe_gauge!(
+        KV_BLOCKS_CACHED,
+        "Blocks the prefix cache holds in the shared KV pool (given up when sequences need them)"
+    );
     describe_gauge!(KV_PRESSURE, "Allocated over total KV blocks");
     describe_gauge!(
         MEMORY_BYTES,

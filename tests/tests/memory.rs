@@ -117,11 +117,20 @@ fn a_request_that_alone_cannot_fit_gets_a_503_and_the_engine_stays() {
 
 #[test]
 fn a_memory_budget_is_divided_at_startup_and_reported() {
-    let config = BATCHED.replace(
-        "model: { path: \"{model}\", kv_cache_mb: 64 }",
-        "model: { path: \"{model}\" }\nmemory: { limit_mb: 2048, step_tokens: 64 }",
-    );
+    let config = BATCHED
+        .replace(
+            "model: { path: \"{model}\", kv_cache_mb: 64 }",
+            "model: { path: \"{model}\" }\nmemory: { limit_mb: 2048, step_tokens: 64 }",
+        )
+        .replace("max_batch: 8, prefill_chunk: 16", "prefill_chunk: 1024");
     let gw = Gateway::start(&config);
+    // No forward exceeds the measured step: rows default to it, and the
+    // configured chunk is cut to it.
+    assert!(
+        gw.logs().contains("max_batch=64 prefill_chunk=64"),
+        "{}",
+        gw.logs()
+    );
     let health = gw.health();
     let budget = &health["memory"]["budget"];
     let bytes = |k: &str| {

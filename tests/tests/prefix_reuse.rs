@@ -42,7 +42,13 @@ fn chat(gw: &Gateway, turns: usize, max_tokens: u32) -> Vec<(String, u64, String
 /// The same chat on a gateway with the prefix cache (`warm`) and one
 /// without (`cold`).
 fn warm_and_cold(warm: &str, cold: &str, turns: usize, max_tokens: u32, engine: &str) {
-    let warm = chat(&Gateway::start(warm), turns, max_tokens);
+    let warm_gw = Gateway::start(warm);
+    let warm = chat(&warm_gw, turns, max_tokens);
+    // The entries hold KV blocks of the shared pool, as cached blocks:
+    // nothing is held by a sequence any more.
+    let pool = warm_gw.health()["kv_pool"].clone();
+    assert!(pool["prefix_cache_blocks"].as_u64().unwrap() > 0, "{pool}");
+    assert_eq!(pool["allocated_blocks"], 0, "{pool}");
     let cold = chat(&Gateway::start(cold), turns, max_tokens);
     for (turn, ((answer, cached, served), (cold_answer, cold_cached, _))) in
         warm.iter().zip(&cold).enumerate()

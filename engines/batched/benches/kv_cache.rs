@@ -1,7 +1,7 @@
 //! Quantized KV cache (`model.kv_cache`) against the model's dtype, side by
 //! side in one run on a generated Qwen3 model:
 //!
-//!     cargo bench -p batched --bench kv_cache [-- --preset small|bench
+//!     cargo bench -p batched --bench kv_cache [-- --preset small|bench|qwen3-4b
 //!         --kv-mb 4 --prompt 64 --gen 32 --levels 1,16]
 //!
 //! Per setting: KV bytes per token (the pool's rate, and the bytes a
@@ -52,10 +52,12 @@ fn args() -> Args {
 }
 
 /// `small`: 8 layers, hidden 256, 4 KV heads of 64 (~10M parameters);
-/// `bench`: the ~100M-parameter Qwen3 shape of the other benchmarks.
+/// `bench`: the ~100M-parameter Qwen3 shape of the other benchmarks;
+/// `qwen3-4b`: Qwen3-4B's shape in bf16 (for the GPU).
 fn model_dir(preset: &str) -> PathBuf {
     let spec = match preset {
         "bench" => TinySpec::bench(Family::Qwen3),
+        "qwen3-4b" => TinySpec::qwen3_4b(),
         _ => TinySpec {
             hidden: 256,
             layers: 8,
@@ -129,7 +131,7 @@ fn served_without_queueing(dir: &Path, kv: Option<KvQuant>, a: &Args, vocab: u32
         "peak".into(),
         shared,
         BatchedConfig {
-            max_batch: 64,
+            max_batch: Some(64),
             max_queue: 64,
             ..Default::default()
         },
@@ -182,7 +184,7 @@ fn main() {
             group_size: 64,
         }),
     ];
-    println!("BLAS: {}; model: qwen3 {} preset (fp32); prompt {} + gen {} tokens; pool {} MiB for the concurrency column",
+    println!("BLAS: {}; model: qwen3 {} preset; prompt {} + gen {} tokens; pool {} MiB for the concurrency column",
         mlx_sys::blas_backend(), a.preset, a.prompt, a.gen, a.kv_mb);
     let mut header =
         "| KV cache | bytes/token (pool) | bytes/token (held) | served at once |".to_string();
@@ -238,7 +240,7 @@ fn main() {
         let held = cache.nbytes() / 256;
         let mut row = format!(
             "| {} | {} | {held} | {} |",
-            kv.map_or("model dtype (fp32)".to_string(), |q| format!(
+            kv.map_or("model dtype".to_string(), |q| format!(
                 "{} bits, group {}",
                 q.bits, q.group_size
             )),

@@ -7,8 +7,9 @@ use serde::Deserialize;
 pub struct BatchedConfig {
     /// Plugin kind; read by the host.
     pub kind: Option<String>,
-    /// Most sequences decoded together.
-    pub max_batch: usize,
+    /// Most sequences decoded together: 32 by default, and with a memory
+    /// budget as many as its measured step holds (`memory.step_tokens`).
+    pub max_batch: Option<usize>,
     /// Requests waiting for a batch slot or KV blocks; beyond this, new
     /// requests are refused as overloaded.
     pub max_queue: usize,
@@ -21,7 +22,7 @@ impl Default for BatchedConfig {
     fn default() -> Self {
         Self {
             kind: None,
-            max_batch: 32,
+            max_batch: None,
             max_queue: 256,
             prefill_chunk: 256,
         }
@@ -35,11 +36,58 @@ impl BatchedConfig {
         }
         let cfg: Self = serde_yaml::from_value(section.clone())
             .map_err(|e| format!("batched engine config: {e}"))?;
-        if cfg.max_batch == 0 || cfg.prefill_chunk == 0 {
+        if cfg.max_batch == Some(0) || cfg.prefill_chunk == 0 {
             return Err(
                 "batched engine config: max_batch and prefill_chunk must be at least 1".into(),
             );
         }
         Ok(cfg)
+    }
+
+    /// The limits under a measured step of `step_tokens` tokens (`None`:
+    /// no memory budget).
+    pub fn limits(&self, step_tokens: Option<usize>) -> StepLimits {
+        let within = |n: usize| step_tokens.map_or(n, |s| n.min(s.max(1)));
+        StepLimits {
+            max_batch: within(self.max_batch.or(step_tokens).unwrap_or(DEFAULT_MAX_BATCH)),
+            prefill_chunk: within(self.prefill_chunk),
+        }
+    }
+}
+
+/// Without a memory budget, the most sequences decoded together.
+const DEFAULT_MAX_BATCH: usize = 32;
+
+/// What one forward may hold, after the memory budget: no forward (a
+/// decode step of every row, a prefill chunk, a padded group) exceeds the
+/// step whose activations were measured at startup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepLimits {
+    pub max_batch: usize,
+    pub prefill_chunk: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_memory_budget_bounds_every_forward_by_its_measured_step() {
+        let cfg = BatchedConfig::default();
+        let limits = |c: &BatchedConfig, s| {
+            let l = c.limits(s);
+            (l.max_batch, l.prefill_chunk)
+        };
+        assert_eq!(limits(&cfg, None), (32, 256));
+        // Rows up to the step, and no chunk above it.
+        assert_eq!(limits(&cfg, Some(512)), (512, 256));
+        assert_eq!(limits(&cfg, Some(64)), (64, 64));
+        let set = BatchedConfig {
+            max_batch: Some(8),
+            prefill_chunk: 1024,
+            ..cfg
+        };
+        assert_eq!(limits(&set, None), (8, 1024));
+        assert_eq!(limits(&set, Some(512)), (8, 512));
     }
 }

@@ -54,15 +54,16 @@ impl BatchedEngine {
     pub fn new(name: String, shared: Arc<SharedModel>, cfg: BatchedConfig) -> Self {
         let (tx, rx) = crossbeam_channel::unbounded();
         let stats = Arc::new(Stats::default());
+        let limits = cfg.limits(shared.kv_pool.step_tokens());
         let thread = std::thread::Builder::new()
             .name(format!("{name}-scheduler"))
             .spawn({
-                let (shared, cfg, stats) = (shared.clone(), cfg.clone(), stats.clone());
-                move || Scheduler::supervise(shared, cfg, rx, stats)
+                let (shared, stats) = (shared.clone(), stats.clone());
+                move || Scheduler::supervise(shared, limits, rx, stats)
             })
             .expect("spawn the scheduler thread");
         shared.set_handover_sink(Arc::new(Sink(tx.clone(), stats.clone())));
-        tracing::info!(engine = %name, max_batch = cfg.max_batch, prefill_chunk = cfg.prefill_chunk, "batched engine ready");
+        tracing::info!(engine = %name, max_batch = limits.max_batch, prefill_chunk = limits.prefill_chunk, "batched engine ready");
         Self {
             name,
             shared,

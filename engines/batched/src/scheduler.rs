@@ -25,7 +25,7 @@ use runtime::sampling::{self, Sampler};
 use runtime::{generate, memory, vision, KvCache, SharedModel};
 
 use crate::admit::{self, Candidate, Start};
-use crate::config::BatchedConfig;
+use crate::config::StepLimits;
 use crate::queue::{WaitQueue, Waiting};
 use crate::row::{Active, Row};
 
@@ -69,7 +69,7 @@ struct Prefilling {
 
 pub struct Scheduler {
     shared: Arc<SharedModel>,
-    cfg: BatchedConfig,
+    limits: StepLimits,
     rx: Receiver<Msg>,
     stats: Arc<Stats>,
     waiting: WaitQueue,
@@ -93,14 +93,14 @@ pub struct Scheduler {
 impl Scheduler {
     pub fn new(
         shared: Arc<SharedModel>,
-        cfg: BatchedConfig,
+        limits: StepLimits,
         rx: Receiver<Msg>,
         stats: Arc<Stats>,
     ) -> Self {
         Self {
             waiting: WaitQueue::default(),
             shared,
-            cfg,
+            limits,
             rx,
             stats,
             prefill: None,
@@ -120,12 +120,12 @@ impl Scheduler {
     /// it serving again) and a fresh one takes over the same channel.
     pub fn supervise(
         shared: Arc<SharedModel>,
-        cfg: BatchedConfig,
+        limits: StepLimits,
         rx: Receiver<Msg>,
         stats: Arc<Stats>,
     ) {
         loop {
-            let scheduler = Scheduler::new(shared.clone(), cfg.clone(), rx.clone(), stats.clone());
+            let scheduler = Scheduler::new(shared.clone(), limits, rx.clone(), stats.clone());
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| scheduler.run())) {
                 Ok(()) => return,
                 Err(_) => {
@@ -318,7 +318,7 @@ impl Scheduler {
         self.rows = rows.into_iter().flatten().collect();
         if let Some(cap) = &mut self.row_cap {
             cap.rows_finished(gone.len());
-            if cap.limit() >= self.cfg.max_batch {
+            if cap.limit() >= self.limits.max_batch {
                 self.row_cap = None;
             }
         }
@@ -338,10 +338,9 @@ impl Scheduler {
         if self.prefill.is_some() || !self.group.is_empty() {
             return;
         }
-        let cap = self
-            .row_cap
-            .as_ref()
-            .map_or(self.cfg.max_batch, |c| c.limit().min(self.cfg.max_batch));
+        let cap = self.row_cap.as_ref().map_or(self.limits.max_batch, |c| {
+            c.limit().min(self.limits.max_batch)
+        });
         if self.rows.len() >= cap {
             return;
         }
@@ -374,7 +373,7 @@ impl Scheduler {
         });
         let room = cap - self.rows.len();
         let free = pool.total().saturating_sub(pool.allocated());
-        match admit::plan(candidates, room, free, self.cfg.prefill_chunk) {
+        match admit::plan(candidates, room, free, self.limits.prefill_chunk) {
             None => {}
             Some(Start::Chunked) => {
                 if let Some((row, hit)) = self.take_next() {
@@ -511,7 +510,7 @@ impl Scheduler {
             return Ok(());
         };
         let model = &self.shared.model.model;
-        let mut end = (p.done + self.cfg.prefill_chunk).min(p.tokens.len());
+        let mut end = (p.done + self.limits.prefill_chunk).min(p.tokens.len());
         // A hybrid model's prefix snapshot needs a chunk to end there.
         let snapshot = self.shared.prefix.snapshot_at(p.row.request().prompt.len());
         if let Some(at) = snapshot.filter(|&at| p.done < at && at < end) {

@@ -124,16 +124,11 @@ fn decode(shared: &Arc<SharedModel>, out: &mut Emitter) -> anyhow::Result<End> {
         .snapshot_at(seen.len())
         .filter(|&at| from < at)
     {
-        generate::prefill(
-            model,
-            &mut cache,
-            &seen[from..at],
-            generate::DEFAULT_PREFILL_CHUNK,
-        )?;
+        generate::prefill(model, &mut cache, &seen[from..at], shared.prefill_chunk())?;
         shared.prefix.insert(scope.as_deref(), &seen[..at], &cache);
         from = at;
     }
-    let mut stream = GreedyStream::resume(model, cache, &seen[from..])?;
+    let mut stream = GreedyStream::resume(model, cache, &seen[from..], shared.prefill_chunk())?;
     // The prompt now, for requests sharing it (n > 1); the answer at the end.
     shared
         .prefix
@@ -198,7 +193,7 @@ fn decode_constrained(
             model,
             &mut cache,
             &out.request.prompt,
-            generate::DEFAULT_PREFILL_CHUNK,
+            shared.prefill_chunk(),
         )?
     };
     loop {

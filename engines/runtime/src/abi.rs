@@ -74,9 +74,13 @@ pub struct RawKvLedger {
     pub bytes_per_block: usize,
     /// Blocks each sequence's recurrent state takes (hybrid models).
     pub state_blocks: usize,
-    /// Adds `blocks` when they fit; false when the pool is full.
+    /// The memory budget's measured step in tokens (0: no budget).
+    pub step_tokens: usize,
+    /// Adds `blocks` when they fit (giving up prefix-cache entries if
+    /// needed); false when the pool is full.
     pub try_reserve: unsafe extern "C" fn(ctx: *mut c_void, blocks: usize) -> bool,
     pub release: unsafe extern "C" fn(ctx: *mut c_void, blocks: usize),
+    /// Blocks held by sequences (not the prefix cache's).
     pub allocated: unsafe extern "C" fn(ctx: *mut c_void) -> usize,
 }
 

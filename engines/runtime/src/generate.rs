@@ -69,13 +69,19 @@ pub struct GreedyStream<'m> {
 impl<'m> GreedyStream<'m> {
     /// Prefills the prompt and queues its first token.
     pub fn start(model: &'m Model, prompt: &[u32]) -> anyhow::Result<Self> {
-        Self::resume(model, model.new_cache(1), prompt)
+        Self::resume(model, model.new_cache(1), prompt, DEFAULT_PREFILL_CHUNK)
     }
 
     /// Prefills the `rest` of a prompt whose beginning `cache` holds (a
-    /// prefix-cache hit) and queues its first token.
-    pub fn resume(model: &'m Model, mut cache: KvCache, rest: &[u32]) -> anyhow::Result<Self> {
-        let logits = prefill(model, &mut cache, rest, DEFAULT_PREFILL_CHUNK)?;
+    /// prefix-cache hit) in `chunk`-token forwards and queues its first
+    /// token.
+    pub fn resume(
+        model: &'m Model,
+        mut cache: KvCache,
+        rest: &[u32],
+        chunk: usize,
+    ) -> anyhow::Result<Self> {
+        let logits = prefill(model, &mut cache, rest, chunk)?;
         let pending = argmax_tokens(&logits)?;
         async_eval([&pending])?;
         Ok(Self {

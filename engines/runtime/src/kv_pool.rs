@@ -8,10 +8,16 @@
 //! holds a recurrent state of constant size, counted as `state_blocks` more
 //! per sequence whatever its length. The host owns the count; plugins
 //! reach it through a C ledger ([`KvPool::export`] / [`KvPool::import`]).
+//!
+//! The prefix cache's entries hold blocks too, as *cached* reservations:
+//! they count against the total (the memory is real) but not as pressure
+//! or as blocks in use, and a reservation that finds the pool full first
+//! has the cache give entries up (least recently used first), as vLLM
+//! evicts cached blocks.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use crate::abi::RawKvLedger;
 
@@ -25,13 +31,28 @@ pub enum PoolError {
 
 /// Who keeps the count of allocated blocks: this image (the host's pool),
 /// or the host through C calls (a plugin's view of the same pool).
-#[derive(Debug)]
 enum Ledger {
     Local {
         total: usize,
+        /// Every block held, cached ones included.
         allocated: AtomicUsize,
+        /// Blocks the prefix cache holds (given up on demand).
+        cached: AtomicUsize,
+        /// Frees at least the given number of cached blocks if it can.
+        reclaim: OnceLock<Reclaim>,
     },
     Foreign(RawKvLedger),
+}
+
+type Reclaim = Box<dyn Fn(usize) + Send + Sync>;
+
+impl std::fmt::Debug for Ledger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ledger")
+            .field("total", &self.total())
+            .field("in_use", &self.allocated())
+            .finish()
+    }
 }
 
 // The host's ledger functions are thread-safe (atomics behind C calls).
@@ -46,16 +67,31 @@ impl Ledger {
         }
     }
 
+    /// Blocks held by sequences (cached ones excluded).
     fn allocated(&self) -> usize {
         match self {
-            Ledger::Local { allocated, .. } => allocated.load(Ordering::Acquire),
+            Ledger::Local {
+                allocated, cached, ..
+            } => allocated
+                .load(Ordering::Acquire)
+                .saturating_sub(cached.load(Ordering::Acquire)),
             Ledger::Foreign(raw) => unsafe { (raw.allocated)(raw.ctx) },
         }
     }
 
-    fn try_add(&self, blocks: usize) -> bool {
+    fn cached(&self) -> usize {
         match self {
-            Ledger::Local { total, allocated } => allocated
+            Ledger::Local { cached, .. } => cached.load(Ordering::Acquire),
+            Ledger::Foreign(_) => 0,
+        }
+    }
+
+    /// Takes `blocks` if they are free, without reclaiming cached ones.
+    fn try_take(&self, blocks: usize) -> bool {
+        match self {
+            Ledger::Local {
+                total, allocated, ..
+            } => allocated
                 .fetch_update(Ordering::AcqRel, Ordering::Acquire, |current| {
                     (current + blocks <= *total).then_some(current + blocks)
                 })
@@ -64,12 +100,44 @@ impl Ledger {
         }
     }
 
+    /// Takes `blocks`, having the prefix cache give up entries if the free
+    /// ones are too few.
+    fn try_add(&self, blocks: usize) -> bool {
+        if self.try_take(blocks) {
+            return true;
+        }
+        let Ledger::Local {
+            total,
+            allocated,
+            reclaim,
+            ..
+        } = self
+        else {
+            return false;
+        };
+        let Some(reclaim) = reclaim.get() else {
+            return false;
+        };
+        let free = total.saturating_sub(allocated.load(Ordering::Acquire));
+        reclaim(blocks.saturating_sub(free));
+        self.try_take(blocks)
+    }
+
     fn release(&self, blocks: usize) {
         match self {
             Ledger::Local { allocated, .. } => {
                 allocated.fetch_sub(blocks, Ordering::AcqRel);
             }
             Ledger::Foreign(raw) => unsafe { (raw.release)(raw.ctx, blocks) },
+        }
+    }
+
+    fn set_cached(&self, blocks: usize, on: bool) {
+        if let Ledger::Local { cached, .. } = self {
+            match on {
+                true => cached.fetch_add(blocks, Ordering::AcqRel),
+                false => cached.fetch_sub(blocks, Ordering::AcqRel),
+            };
         }
     }
 }
@@ -81,6 +149,9 @@ pub struct KvPool {
     bytes_per_block: usize,
     /// Blocks one sequence's recurrent state takes, on top of its tokens'.
     state_blocks: usize,
+    /// Under a memory budget, the tokens of the step whose activations
+    /// were measured: no engine's forward should hold more.
+    step_tokens: Option<usize>,
 }
 
 impl KvPool {
@@ -89,10 +160,13 @@ impl KvPool {
             ledger: Arc::new(Ledger::Local {
                 total: total_blocks,
                 allocated: AtomicUsize::new(0),
+                cached: AtomicUsize::new(0),
+                reclaim: OnceLock::new(),
             }),
             block_size: block_size.max(1),
             bytes_per_block,
             state_blocks: 0,
+            step_tokens: None,
         }
     }
 
@@ -101,6 +175,17 @@ impl KvPool {
     pub fn with_sequence_state(mut self, bytes: usize) -> Self {
         self.state_blocks = bytes.div_ceil(self.bytes_per_block.max(1));
         self
+    }
+
+    /// Bounds every forward by the memory budget's measured step.
+    pub fn with_step_tokens(mut self, step_tokens: Option<usize>) -> Self {
+        self.step_tokens = step_tokens;
+        self
+    }
+
+    /// The memory budget's measured step, `None` without a budget.
+    pub fn step_tokens(&self) -> Option<usize> {
+        self.step_tokens
     }
 
     /// Blocks each sequence's recurrent state takes.
@@ -136,6 +221,7 @@ impl KvPool {
             block_size: self.block_size,
             bytes_per_block: self.bytes_per_block,
             state_blocks: self.state_blocks,
+            step_tokens: self.step_tokens.unwrap_or(0),
             try_reserve,
             release,
             allocated,
@@ -152,6 +238,7 @@ impl KvPool {
             block_size: raw.block_size,
             bytes_per_block: raw.bytes_per_block,
             state_blocks: raw.state_blocks,
+            step_tokens: (raw.step_tokens > 0).then_some(raw.step_tokens),
         }
     }
 
@@ -167,8 +254,14 @@ impl KvPool {
         self.ledger.total()
     }
 
+    /// Blocks held by sequences (the prefix cache's excluded).
     pub fn allocated(&self) -> usize {
         self.ledger.allocated()
+    }
+
+    /// Blocks the prefix cache holds, given up when sequences need them.
+    pub fn cached(&self) -> usize {
+        self.ledger.cached()
     }
 
     pub fn pressure(&self) -> f64 {
@@ -208,7 +301,30 @@ impl KvPool {
         Ok(Reservation {
             ledger: self.ledger.clone(),
             blocks,
+            cached: false,
         })
+    }
+
+    /// Blocks for a prefix-cache entry, only if they are free: the cache
+    /// makes room among its own entries itself. Counted as cached.
+    pub fn try_reserve_cached(&self, blocks: usize) -> Option<Reservation> {
+        if !self.ledger.try_take(blocks) {
+            return None;
+        }
+        self.ledger.set_cached(blocks, true);
+        Some(Reservation {
+            ledger: self.ledger.clone(),
+            blocks,
+            cached: true,
+        })
+    }
+
+    /// Has `reclaim(blocks)` free at least that many cached blocks when a
+    /// reservation finds the pool full (the host's pool; set once).
+    pub fn set_reclaim(&self, reclaim: impl Fn(usize) + Send + Sync + 'static) {
+        if let Ledger::Local { reclaim: slot, .. } = &*self.ledger {
+            let _ = slot.set(Box::new(reclaim));
+        }
     }
 
     /// Takes over `blocks` that another engine reserved in this pool and
@@ -217,15 +333,18 @@ impl KvPool {
         Reservation {
             ledger: self.ledger.clone(),
             blocks,
+            cached: false,
         }
     }
 }
 
-/// Blocks held by one request; returned to the pool on drop.
+/// Blocks held by one request (or prefix-cache entry); returned to the
+/// pool on drop.
 #[derive(Debug)]
 pub struct Reservation {
     ledger: Arc<Ledger>,
     blocks: usize,
+    cached: bool,
 }
 
 impl Reservation {
@@ -235,6 +354,7 @@ impl Reservation {
 
     /// Gives the blocks up without returning them, for [`KvPool::adopt`].
     pub fn into_blocks(self) -> usize {
+        debug_assert!(!self.cached, "a cached reservation never moves");
         let blocks = self.blocks;
         std::mem::forget(self);
         blocks
@@ -243,6 +363,9 @@ impl Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
+        if self.cached {
+            self.ledger.set_cached(self.blocks, false);
+        }
         self.ledger.release(self.blocks);
     }
 }

@@ -11,6 +11,11 @@
 //! crossing as mlx-c handles. Entries hold every layer's keys and values
 //! for all their positions (sliding-window layers keep the whole history
 //! and mask it), so a truncated entry is exactly the prefix's cache.
+//!
+//! Entries are charged to the KV pool (their blocks, and a hybrid model's
+//! state blocks) as cached blocks: an entry is kept only if the pool has
+//! room for it, after giving up older entries, and a sequence that finds
+//! the pool full has the cache give entries up for it.
 
 use std::collections::VecDeque;
 use std::ffi::c_void;
@@ -22,17 +27,21 @@ use mlx_rs::transforms::eval;
 
 use crate::abi::{LentKv, RawKv, RawPrefixCache};
 use crate::cache::KvCache;
+use crate::kv_pool::{KvPool, Reservation};
 
 struct Entry {
     scope: Option<String>,
     tokens: Vec<u32>,
     cache: KvCache,
+    /// Its blocks in the pool.
+    blocks: Reservation,
 }
 
 /// The store itself: most recently used entries last, at most `capacity`.
 struct Store {
     block: usize,
     capacity: usize,
+    pool: KvPool,
     entries: VecDeque<Entry>,
 }
 
@@ -110,11 +119,34 @@ impl Store {
         while self.entries.len() >= self.capacity {
             self.entries.pop_front();
         }
+        let blocks = self.pool.blocks_for(aligned);
+        let reservation = loop {
+            if let Some(r) = self.pool.try_reserve_cached(blocks) {
+                break r;
+            }
+            // Older entries make room; sequences' blocks are never taken.
+            if self.entries.pop_front().is_none() {
+                return;
+            }
+        };
         self.entries.push_back(Entry {
             scope: scope.map(str::to_string),
             tokens: key.to_vec(),
             cache: kept,
+            blocks: reservation,
         });
+    }
+
+    /// Gives up the least recently used entries until `blocks` are freed
+    /// (or none is left).
+    fn reclaim(&mut self, blocks: usize) {
+        let mut freed = 0;
+        while freed < blocks {
+            let Some(e) = self.entries.pop_front() else {
+                return;
+            };
+            freed += e.blocks.blocks();
+        }
     }
 }
 
@@ -143,20 +175,28 @@ fn lock(store: &Mutex<Store>) -> MutexGuard<'_, Store> {
 }
 
 impl SharedPrefixCache {
-    /// A store of `capacity` entries (0 disables it) on `block`-token
-    /// boundaries (the KV pool's block size), for a model whose caches hold
-    /// recurrent states when `exact`.
-    pub fn new(block: usize, capacity: usize, exact: bool) -> Self {
-        let block = block.max(1);
+    /// A store of `capacity` entries (0 disables it) on the pool's block
+    /// boundaries, charged to `pool` (which reclaims entries when full),
+    /// for a model whose caches hold recurrent states when `exact`.
+    pub fn new(pool: &KvPool, capacity: usize, exact: bool) -> Self {
+        let block = pool.block_size();
+        let store = Arc::new(Mutex::new(Store {
+            block,
+            capacity,
+            pool: pool.clone(),
+            entries: VecDeque::new(),
+        }));
+        let weak = Arc::downgrade(&store);
+        pool.set_reclaim(move |blocks| {
+            if let Some(store) = weak.upgrade() {
+                lock(&store).reclaim(blocks);
+            }
+        });
         Self {
             block,
             capacity,
             exact,
-            inner: Inner::Local(Arc::new(Mutex::new(Store {
-                block,
-                capacity,
-                entries: VecDeque::new(),
-            }))),
+            inner: Inner::Local(store),
         }
     }
 
@@ -337,5 +377,54 @@ impl TokenBytes for Bytes {
             ptr: tokens.as_ptr().cast(),
             len: std::mem::size_of_val(tokens),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mlx_rs::Array;
+
+    fn filled(n: i32) -> KvCache {
+        let mut c = KvCache::new(1, 1);
+        let k = Array::zeros::<f32>(&[1, 1, n, 8]).unwrap();
+        c.update(0, k.clone(), k).unwrap();
+        c.advance(n);
+        c
+    }
+
+    fn seq(from: u32) -> Vec<u32> {
+        (from..from + 32).collect()
+    }
+
+    /// `prefix` and one more token: a prompt that can reuse all of it.
+    fn extending(prefix: &[u32]) -> Vec<u32> {
+        [prefix, &[1]].concat()
+    }
+
+    #[test]
+    fn entries_are_charged_to_the_pool_and_given_up_for_sequences() {
+        // Four 16-token blocks; each 32-token entry takes two.
+        let pool = KvPool::new(4, 16, 1024);
+        let store = SharedPrefixCache::new(&pool, 8, false);
+        store.insert(None, &seq(0), &filled(32));
+        store.insert(None, &seq(100), &filled(32));
+        assert_eq!((pool.cached(), pool.allocated()), (4, 0));
+        assert_eq!(pool.pressure(), 0.0, "cached blocks are no pressure");
+        // The pool is full: a third entry displaces the oldest.
+        store.insert(None, &seq(200), &filled(32));
+        assert_eq!(pool.cached(), 4);
+        assert!(!store.has_hit(None, &extending(&seq(0))));
+        assert!(store.has_hit(None, &extending(&seq(100))));
+        assert!(store.has_hit(None, &extending(&seq(200))));
+        // A sequence needing three blocks gets them from the cache.
+        let r = pool.try_reserve(3).unwrap();
+        assert_eq!((pool.allocated(), pool.cached()), (3, 0));
+        assert!(!store.has_hit(None, &extending(&seq(200))));
+        // With the pool held by sequences, nothing is cached.
+        store.insert(None, &seq(300), &filled(32));
+        assert_eq!(pool.cached(), 0);
+        drop(r);
+        assert_eq!(pool.allocated(), 0);
     }
 }

@@ -59,11 +59,18 @@ impl SharedModel {
         let hybrid = model.model.is_hybrid();
         Self {
             model,
-            prefix: SharedPrefixCache::new(kv_pool.block_size(), entries, hybrid),
+            prefix: SharedPrefixCache::new(&kv_pool, entries, hybrid),
             kv_pool,
             handover: Slot::Local(RwLock::new(None)),
             grammars: OnceLock::new(),
         }
+    }
+
+    /// Prompt tokens per prefill forward: the default chunk, within the
+    /// memory budget's measured step.
+    pub fn prefill_chunk(&self) -> usize {
+        let step = self.kv_pool.step_tokens().unwrap_or(usize::MAX);
+        crate::generate::DEFAULT_PREFILL_CHUNK.min(step.max(1))
     }
 
     /// The grammar compiler for this model (its token trie is built once).

@@ -14,7 +14,7 @@ use engine_core::{FinishReason, GenerateRequest, SpecStats, StreamError};
 use mlx_rs::transforms::eval;
 use mlx_rs::{ops, Array, Dtype};
 use runtime::emit::Emitter;
-use runtime::generate::{tokens_array, DEFAULT_PREFILL_CHUNK};
+use runtime::generate::tokens_array;
 use runtime::model::{Logits, Taps};
 use runtime::{KvCache, Model, SharedModel};
 
@@ -107,7 +107,7 @@ impl Sequence {
         let snapshot = self.shared.prefix.snapshot_at(prompt.len());
         let mut last = None;
         while done < prompt.len() {
-            let mut end = (done + DEFAULT_PREFILL_CHUNK).min(prompt.len());
+            let mut end = (done + self.shared.prefill_chunk()).min(prompt.len());
             // A hybrid model's prefix is kept as a snapshot where a chunk
             // ends on the prompt's last block boundary.
             if let Some(at) = snapshot.filter(|&at| done < at && at < end) {

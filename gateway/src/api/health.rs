@@ -70,6 +70,7 @@ pub async fn health(State(state): State<SharedState>) -> Response {
         "kv_pool": {
             "total_blocks": pool.total(),
             "allocated_blocks": pool.allocated(),
+            "prefix_cache_blocks": pool.cached(),
             "block_size": pool.block_size(),
             "bytes_per_block": pool.bytes_per_block(),
             "pressure": pool.pressure(),

@@ -42,6 +42,7 @@ pub async fn render(State(state): State<SharedState>) -> Response {
     let pool = &registry.shared.kv_pool;
     metrics::gauge!(metric::KV_BLOCKS_TOTAL).set(pool.total() as f64);
     metrics::gauge!(metric::KV_BLOCKS_ALLOCATED).set(pool.allocated() as f64);
+    metrics::gauge!(metric::KV_BLOCKS_CACHED).set(pool.cached() as f64);
     metrics::gauge!(metric::KV_PRESSURE).set(pool.pressure());
     let mlx = runtime::memory::mlx_memory();
     for (kind, bytes) in [

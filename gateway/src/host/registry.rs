@@ -161,7 +161,8 @@ fn load_shared(config: &Config) -> anyhow::Result<(SharedModel, Option<MemoryPla
         |p| p.kv_pool,
     );
     let kv_pool = KvPool::with_budget(kv_bytes as usize, m.kv_block_size, per_token)
-        .with_sequence_state(model.model.state_bytes_per_sequence());
+        .with_sequence_state(model.model.state_bytes_per_sequence())
+        .with_step_tokens(config.memory.as_ref().map(|b| b.step_tokens));
     anyhow::ensure!(
         kv_pool.total() > 0,
         "the KV pool ({}) holds no KV block of {} bytes; raise model.kv_cache_mb (or the memory budget)",
