@@ -11,6 +11,7 @@ use std::path::Path;
 
 use fixtures::model::{write_model, TinySpec};
 use fixtures::qwen::QwenShape;
+use fixtures::reference::{float_rows, token_ids};
 use mlx_rs::transforms::eval;
 use mlx_rs::{ops, Array, Dtype};
 use mtp::CheckpointHead;
@@ -40,32 +41,13 @@ fn reference(dir: &Path, prompt: &[u32], k: usize) -> (Vec<Round>, Vec<Vec<f32>>
     let req =
         serde_json::json!({ "model": dir, "prompt": prompt, "draft_tokens": k, "accept": ACCEPT });
     let v = fixtures::reference::run("qwen35_mtp_oracle.py", &req);
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap() as u32)
-            .collect()
-    };
     let rounds = v["rounds"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|r| (ids(&r["drafts"]), ids(&r["committed"])))
+        .map(|r| (token_ids(&r["drafts"]), token_ids(&r["committed"])))
         .collect();
-    let logits = v["prompt_logits"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|row| {
-            row.as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_f64().unwrap() as f32)
-                .collect()
-        })
-        .collect();
-    (rounds, logits)
+    (rounds, float_rows(&v["prompt_logits"]))
 }
 
 /// Our head's float32 logits `[L, V]` over the prompt: each prompt

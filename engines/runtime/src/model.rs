@@ -130,14 +130,7 @@ impl Model {
                 })
             });
         let g4 = cfg.gemma4.as_ref();
-        let eps = cfg.rms_norm_eps;
         let h = cfg.hidden_size;
-        let linear = |w: &mut Weights, name: &str, out: i32, inp: i32| {
-            Linear::load_checked(w, name, cfg.quant_for(name), out, inp)
-        };
-        let norm = |w: &mut Weights, name: &str, dims: i32| {
-            RmsNorm::load_sized(w, name, dims, eps, plus_one_norms)
-        };
         let layers = (0..cfg.num_layers)
             .map(|i| {
                 let p = format!("model.layers.{i}");
@@ -152,9 +145,17 @@ impl Model {
             cfg.vocab_size,
             h,
         )?;
-        let final_norm = norm(&mut w, "model.norm", h)?;
+        let final_norm =
+            RmsNorm::load_sized(&mut w, "model.norm", h, cfg.rms_norm_eps, plus_one_norms)?;
         let lm_head = if w.contains("lm_head.weight") && !(cfg.tie_word_embeddings && gemma) {
-            Some(linear(&mut w, "lm_head", cfg.vocab_size, h)?)
+            let quant = cfg.quant_for("lm_head");
+            Some(Linear::load_checked(
+                &mut w,
+                "lm_head",
+                quant,
+                cfg.vocab_size,
+                h,
+            )?)
         } else {
             None
         };
