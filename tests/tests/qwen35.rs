@@ -222,7 +222,7 @@ policy:
         [4u32, 8, 15, 16, 23, 42].repeat(5),
         vec![7; 24],
     ];
-    let (mut accepted, mut rejected) = (0, 0);
+    let (mut accepted, mut rejected, mut cached) = (0, 0, 0);
     for prompt in &prompts {
         wait_idle(&gw);
         let (engine, greedy, _) = complete(&gw, name, prompt, 40);
@@ -238,10 +238,16 @@ policy:
             let details = &usage["completion_tokens_details"];
             accepted += details["accepted_prediction_tokens"].as_u64().unwrap();
             rejected += details["rejected_prediction_tokens"].as_u64().unwrap();
+            cached += usage["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or(0);
         }
     }
     eprintln!("{name}: {accepted} drafts accepted, {rejected} rejected");
     assert!(rejected > 0, "no draft was rejected");
+    // The longer prompts resumed from the fast path's prefix snapshots:
+    // the head then starts after the cached prefix.
+    assert!(cached > 0, "no prefix-cache hit");
     // On random weights the head rarely agrees with the target: the
     // fixed-size engine's drafts (deterministic) include an accepted one.
     assert!(accepted > 0, "no draft was accepted");

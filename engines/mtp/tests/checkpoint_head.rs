@@ -190,7 +190,7 @@ fn moe_head_drafts_what_mlx_vlm_drafts() {
 }
 
 #[test]
-fn missing_or_incomplete_heads_fail_at_load() {
+fn missing_incomplete_or_misshapen_heads_fail_at_load() {
     let tmp = tempfile::tempdir().unwrap();
     write_model(tmp.path(), &TinySpec::qwen(QwenShape::qwen35())).unwrap();
     let err = CheckpointHead::load(&load(tmp.path()), tmp.path(), 2)
@@ -201,18 +201,35 @@ fn missing_or_incomplete_heads_fail_at_load() {
     let tmp = tempfile::tempdir().unwrap();
     write_model(tmp.path(), &TinySpec::qwen(QwenShape::qwen35().with_mtp(1))).unwrap();
     let file = tmp.path().join("model.safetensors");
-    let missing = "mtp.layers.0.self_attn.k_proj.weight";
-    let kept: Vec<(String, Array)> = Array::load_safetensors(&file)
+    let original: Vec<(String, Array)> = Array::load_safetensors(&file)
         .unwrap()
         .into_iter()
-        .filter(|(n, _)| n != missing)
         .collect();
     // Read before the file is rewritten (loading is lazy).
-    eval(kept.iter().map(|(_, a)| a)).unwrap();
-    Array::save_safetensors(kept.iter().map(|(n, a)| (n, a)), None, &file).unwrap();
-    let err = CheckpointHead::load(&load(tmp.path()), tmp.path(), 2)
-        .err()
-        .expect("an incomplete head fails");
-    let msg = format!("{err:#}");
+    eval(original.iter().map(|(_, a)| a)).unwrap();
+    let rewrite = |edit: &dyn Fn(&str, &Array) -> Option<Array>| {
+        let tensors: Vec<(String, Array)> = original
+            .iter()
+            .filter_map(|(n, a)| edit(n, a).map(|a| (n.clone(), a)))
+            .collect();
+        Array::save_safetensors(tensors.iter().map(|(n, a)| (n, a)), None, &file).unwrap();
+        let err = CheckpointHead::load(&load(tmp.path()), tmp.path(), 2)
+            .err()
+            .expect("a broken head fails");
+        format!("{err:#}")
+    };
+    let missing = "mtp.layers.0.self_attn.k_proj.weight";
+    let msg = rewrite(&|n, a| (n != missing).then(|| a.clone()));
     assert!(msg.contains(missing) && msg.contains("MTP head"), "{msg}");
+    let misshapen = "mtp.fc.weight";
+    let msg = rewrite(&|n, a| {
+        Some(match n == misshapen {
+            true => a.transpose().unwrap(),
+            false => a.clone(),
+        })
+    });
+    assert!(
+        msg.contains(misshapen) && msg.contains("model.safetensors"),
+        "{msg}"
+    );
 }
