@@ -474,89 +474,6 @@ fn last_position(h: &Array) -> R<Array> {
 }
 
 impl Layer {
-    fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
-        match &self.mixer {
-            Mixer::Attention(a) => {
-                a.qkv.collect(out);
-                a.o.collect(out);
-                for norm in [&a.q_norm, &a.k_norm].into_iter().flatten() {
-                    norm.collect(out);
-                }
-            }
-            Mixer::Linear(l) => l.collect(out),
-        }
-        match &self.mlp {
-            Ffn::Dense(m) => m.collect(out),
-            Ffn::Sparse(m) => m.collect(out),
-        }
-        for norm in [&self.pre_ff_norm, &self.post_ff_norm]
-            .into_iter()
-            .flatten()
-        {
-            norm.collect(out);
-        }
-        self.input_norm.collect(out);
-        self.post_attn_norm.collect(out);
-        if let Some(m) = &self.moe {
-            m.collect(out);
-        }
-        if let Some(p) = &self.per_layer {
-            p.collect(out);
-        }
-        out.extend(self.scalar.as_ref());
-    }
-
-    /// The layer's output and the keys and values it attended to (none
-    /// for a linear-attention layer). `masks`: the attention mask and the
-    /// linear layers' padding mask.
-    #[allow(clippy::too_many_arguments)]
-    fn forward(
-        &self,
-        x: &Array,
-        (mask, padding): (&AttnMask, Option<&Array>),
-        offsets: &Offsets,
-        cache: &mut KvCache,
-        idx: usize,
-        shared_kv: Option<LayerView>,
-        per_layer_input: Option<&Array>,
-    ) -> anyhow::Result<(Array, Option<LayerView>)> {
-        let normed = self.input_norm.forward(x)?;
-        let (r, kv) = match &self.mixer {
-            Mixer::Attention(a) => {
-                let (r, kv) = a.forward(&normed, mask, offsets, cache, idx, shared_kv)?;
-                (r, Some(kv))
-            }
-            Mixer::Linear(l) => (l.forward(&normed, padding, cache, idx)?, None),
-        };
-        let add = |a: &Array, b: &Array| -> R<Array> {
-            if self.clip_f16 {
-                residual(a, b)
-            } else {
-                a.add(b)
-            }
-        };
-        let (Some(pre), Some(post)) = (&self.pre_ff_norm, &self.post_ff_norm) else {
-            let h = x.add(&r)?;
-            let r = self.mlp.forward(&self.post_attn_norm.forward(&h)?)?;
-            return Ok((h.add(&r)?, kv));
-        };
-        let h = add(x, &self.post_attn_norm.forward(&r)?)?;
-        let mut r = self.mlp.forward(&pre.forward(&h)?)?;
-        if let Some(moe) = &self.moe {
-            r = moe.post_mlp_norm.forward(&r)?.add(moe.forward(&h)?)?;
-        }
-        let mut h = add(&h, &post.forward(&r)?)?;
-        if let (Some(gate), Some(input)) = (&self.per_layer, per_layer_input) {
-            h = gate.forward(&h, input)?;
-        }
-        if let Some(s) = &self.scalar {
-            h = h.multiply(s)?;
-        }
-        Ok((h, kv))
-    }
-}
-
-impl Layer {
     /// Decoder layer `p` (`model.layers.N`, or Qwen 3.5's MTP head's
     /// `mtp.layers.N`) as `spec` describes it.
     fn load(
@@ -667,6 +584,87 @@ impl Layer {
             scalar,
             clip_f16: gemma3,
         })
+    }
+
+    fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
+        match &self.mixer {
+            Mixer::Attention(a) => {
+                a.qkv.collect(out);
+                a.o.collect(out);
+                for norm in [&a.q_norm, &a.k_norm].into_iter().flatten() {
+                    norm.collect(out);
+                }
+            }
+            Mixer::Linear(l) => l.collect(out),
+        }
+        match &self.mlp {
+            Ffn::Dense(m) => m.collect(out),
+            Ffn::Sparse(m) => m.collect(out),
+        }
+        for norm in [&self.pre_ff_norm, &self.post_ff_norm]
+            .into_iter()
+            .flatten()
+        {
+            norm.collect(out);
+        }
+        self.input_norm.collect(out);
+        self.post_attn_norm.collect(out);
+        if let Some(m) = &self.moe {
+            m.collect(out);
+        }
+        if let Some(p) = &self.per_layer {
+            p.collect(out);
+        }
+        out.extend(self.scalar.as_ref());
+    }
+
+    /// The layer's output and the keys and values it attended to (none
+    /// for a linear-attention layer). `masks`: the attention mask and the
+    /// linear layers' padding mask.
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        x: &Array,
+        (mask, padding): (&AttnMask, Option<&Array>),
+        offsets: &Offsets,
+        cache: &mut KvCache,
+        idx: usize,
+        shared_kv: Option<LayerView>,
+        per_layer_input: Option<&Array>,
+    ) -> anyhow::Result<(Array, Option<LayerView>)> {
+        let normed = self.input_norm.forward(x)?;
+        let (r, kv) = match &self.mixer {
+            Mixer::Attention(a) => {
+                let (r, kv) = a.forward(&normed, mask, offsets, cache, idx, shared_kv)?;
+                (r, Some(kv))
+            }
+            Mixer::Linear(l) => (l.forward(&normed, padding, cache, idx)?, None),
+        };
+        let add = |a: &Array, b: &Array| -> R<Array> {
+            if self.clip_f16 {
+                residual(a, b)
+            } else {
+                a.add(b)
+            }
+        };
+        let (Some(pre), Some(post)) = (&self.pre_ff_norm, &self.post_ff_norm) else {
+            let h = x.add(&r)?;
+            let r = self.mlp.forward(&self.post_attn_norm.forward(&h)?)?;
+            return Ok((h.add(&r)?, kv));
+        };
+        let h = add(x, &self.post_attn_norm.forward(&r)?)?;
+        let mut r = self.mlp.forward(&pre.forward(&h)?)?;
+        if let Some(moe) = &self.moe {
+            r = moe.post_mlp_norm.forward(&r)?.add(moe.forward(&h)?)?;
+        }
+        let mut h = add(&h, &post.forward(&r)?)?;
+        if let (Some(gate), Some(input)) = (&self.per_layer, per_layer_input) {
+            h = gate.forward(&h, input)?;
+        }
+        if let Some(s) = &self.scalar {
+            h = h.multiply(s)?;
+        }
+        Ok((h, kv))
     }
 }
 
