@@ -17,7 +17,7 @@
 use e2e_tests::http::SseStream;
 use e2e_tests::{models, Gateway};
 use fixtures::model::TinySpec;
-use fixtures::qwen::QwenShape;
+use fixtures::qwen::{QwenLayout, QwenShape};
 use serde_json::json;
 use std::time::Duration;
 
@@ -264,34 +264,46 @@ fn checkpoint_head_is_lossless_on_qwen35_moe() {
     lossless_with_the_checkpoint_head("tiny-qwen35-moe-mtp", QwenShape::qwen35_moe());
 }
 
+/// A checkpoint without the head: one whose config declares none, and an
+/// MLX conversion (mlx-lm keeps `mtp_num_hidden_layers` but drops `mtp.*`).
 #[test]
 fn a_checkpoint_without_a_head_fails_the_engine_and_health_says_why() {
-    let model = models::write("tiny-qwen35-no-mtp", &TinySpec::qwen(QwenShape::qwen35()));
-    let config = format!(
-        r#"model: {{ path: "{}", kv_cache_mb: 64 }}
+    let mlx = QwenShape {
+        layout: QwenLayout::Mlx,
+        ..QwenShape::qwen35().with_mtp(1)
+    };
+    for (name, shape, why) in [
+        ("tiny-qwen35-no-mtp", QwenShape::qwen35(), "declares none"),
+        ("tiny-qwen35-mlx-no-mtp", mlx, "no `mtp.*` weights"),
+    ] {
+        let model = models::write(name, &TinySpec::qwen(shape));
+        let config = format!(
+            r#"model: {{ path: "{}", kv_cache_mb: 64 }}
 engines:
   fastpath: {{ kind: fastpath }}
   mtp: {{ kind: mtp, draft: checkpoint }}
 policy:
   default: fastpath
 "#,
-        model.path.display(),
-    );
-    let gw = Gateway::start(&config);
-    let health = gw.health();
-    let mtp = health["engines"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["name"] == "mtp")
-        .expect("the mtp engine is listed")
-        .clone();
-    assert_eq!(mtp["status"], "failed", "{health}");
-    assert!(
-        mtp["error"].as_str().unwrap().contains("MTP head"),
-        "{health}"
-    );
-    // The others serve.
-    let (engine, ids, _) = complete(&gw, "tiny-qwen35-no-mtp", &[5, 9, 14], 8);
-    assert_eq!((engine.as_str(), ids.len()), ("fastpath", 8));
+            model.path.display(),
+        );
+        let gw = Gateway::start(&config);
+        let health = gw.health();
+        let mtp = health["engines"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"] == "mtp")
+            .expect("the mtp engine is listed")
+            .clone();
+        assert_eq!(mtp["status"], "failed", "{health}");
+        let error = mtp["error"].as_str().unwrap();
+        assert!(
+            error.contains("MTP head") && error.contains(why),
+            "{health}"
+        );
+        // The others serve.
+        let (engine, ids, _) = complete(&gw, name, &[5, 9, 14], 8);
+        assert_eq!((engine.as_str(), ids.len()), ("fastpath", 8));
+    }
 }
