@@ -18,6 +18,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context;
+use mlx_rs::transforms::eval;
 use mlx_rs::{ops, Array, Dtype};
 use runtime::cache::slice;
 use runtime::generate::{tokens_array, DEFAULT_PREFILL_CHUNK};
@@ -116,6 +117,9 @@ impl DraftState for State {
             Some(appended) => {
                 let keep = appended.min(rows.end - 1);
                 self.cache.truncate(appended - keep)?;
+                // Evaluated with the drafts, unless the loop verified none
+                // of them: then now, so its graph does not grow over rounds.
+                eval(self.cache.state())?;
                 keep
             }
             None => 0,
