@@ -9,6 +9,7 @@ import sys
 import time
 
 import mlx.core as mx
+import mlx_lm_compat  # noqa: F401  (mlx-lm 0.32.2 on mlx 0.32.2)
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
@@ -18,7 +19,9 @@ def main():
     model, _ = load(model_dir)
     if len(sys.argv) > 5:
         model.set_dtype(getattr(mx, sys.argv[5]))
-    vocab = model.args.vocab_size
+    # Qwen 3.5's arguments nest the text model's.
+    args = getattr(model.args, "text_config", None) or model.args
+    vocab = args["vocab_size"] if isinstance(args, dict) else args.vocab_size
     prompt = mx.array([(i * 7919 + 13) % vocab for i in range(prompt_len)])
     best = {"prefill_tps": 0.0, "decode_tps": 0.0}
     for _ in range(reps + 1):  # the first run warms up

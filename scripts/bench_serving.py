@@ -4,8 +4,9 @@ only, fast path only) and mlx_lm.server on the same generated model, the
 same `bench run` sweep against each in turn, then one plot, the tables and
 a section of docs/benchmarks.md (replaced in place on a re-run).
 
-Run it with a Python that has mlx-lm (it starts `python -m mlx_lm.server`
-and reads YAML with PyYAML, an mlx-lm dependency):
+Run it with a Python that has mlx-lm (it starts mlx_lm.server through
+`scripts/mlx_lm_server.py`, which applies `scripts/mlx_lm_compat.py`, and
+reads YAML with PyYAML, an mlx-lm dependency):
 
     .mlx/venv/bin/python scripts/bench_serving.py                    # CPU, builds release binaries
     python3 scripts/bench_serving.py --bin-dir DIR --section gpu \\
@@ -190,7 +191,7 @@ def start(name, args, gateway, python, model, out):
     port = free_port()
     if name == "mlx_lm-openblas":
         env["LD_PRELOAD"] = openblas()
-    server = Server(name, [python, "-m", "mlx_lm.server", "--model", model, "--host", "127.0.0.1",
+    server = Server(name, [python, str(ROOT / "scripts" / "mlx_lm_server.py"), "--model", model, "--host", "127.0.0.1",
                            "--port", port, "--log-level", "WARNING"], env, out / f"{name}.log")
     # mlx_lm.server answers for the model it was started with as
     # `default_model`; any other name makes it load that model.

@@ -19,23 +19,11 @@ import json
 import sys
 
 import mlx.core as mx
+import mlx_lm_compat  # noqa: F401  (mlx-lm 0.32.2 on mlx 0.32.2)
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-# mlx-lm 0.32.2's quantized experts (QuantizedSwitchLinear) always pass
-# `global_scale`, which mlx 0.32.2's gather_qmm does not take; affine
-# quantization never sets it, so drop it when it is None.
-_gather_qmm = mx.gather_qmm
-
-
-def _gather_qmm_affine(*args, global_scale=None, **kwargs):
-    if global_scale is not None:
-        raise SystemExit("quantized experts with a global scale are not supported")
-    return _gather_qmm(*args, **kwargs)
-
-
-mx.gather_qmm = _gather_qmm_affine
 
 
 def new_cache(model, kv):

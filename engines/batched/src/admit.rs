@@ -24,19 +24,42 @@ pub enum Start {
     Group(usize),
 }
 
+/// How much one prefill forward takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillBudget {
+    /// A prompt longer than this is prefilled alone, chunk by chunk.
+    pub chunk: usize,
+    /// Padded tokens (rows times the longest prompt) of one group.
+    pub group_tokens: usize,
+}
+
+impl From<usize> for PrefillBudget {
+    /// Groups within one chunk too.
+    fn from(chunk: usize) -> Self {
+        Self {
+            chunk,
+            group_tokens: chunk,
+        }
+    }
+}
+
 /// How the front of the queue starts, or `None` when it must wait: the
 /// queue is empty, no batch slot is free (`room`), or the front request's
 /// KV does not fit the free blocks (requests keep their order: a small one
 /// behind does not overtake). A group takes followers while there is room,
-/// their KV fits too, the padded group stays within one prefill `chunk`,
-/// and they need no chunked start themselves. `queue` is read lazily, only
-/// as far as the decision needs.
+/// their KV fits too, the padded group stays within the budget's
+/// `group_tokens`, and they need no chunked start themselves. `queue` is
+/// read lazily, only as far as the decision needs.
 pub fn plan(
     queue: impl IntoIterator<Item = Candidate>,
     room: usize,
     free_blocks: usize,
-    chunk: usize,
+    budget: impl Into<PrefillBudget>,
 ) -> Option<Start> {
+    let PrefillBudget {
+        chunk,
+        group_tokens,
+    } = budget.into();
     let mut queue = queue.into_iter();
     let first = queue.next()?;
     if room == 0 || first.blocks > free_blocks {
@@ -48,7 +71,11 @@ pub fn plan(
     let (mut n, mut longest, mut blocks) = (1, first.prompt_len, first.blocks);
     for next in queue.take(room - 1) {
         let padded = longest.max(next.prompt_len) * (n + 1);
-        if padded > chunk || next.images || next.prefix_hit || blocks + next.blocks > free_blocks {
+        if padded > group_tokens
+            || next.images
+            || next.prefix_hit
+            || blocks + next.blocks > free_blocks
+        {
             break;
         }
         n += 1;
@@ -114,6 +141,12 @@ mod tests {
         // Padded to the longest: 3 x 100 fits 300, a fourth would not.
         let mixed = [short(10), short(100), short(20), short(30)];
         assert_eq!(plan(mixed, 8, 100, 300), Some(Start::Group(3)));
+        // A wider group budget (a hybrid model's) takes all four.
+        let wide = PrefillBudget {
+            chunk: 300,
+            group_tokens: 1200,
+        };
+        assert_eq!(plan(mixed, 8, 100, wide), Some(Start::Group(4)));
     }
 
     #[test]

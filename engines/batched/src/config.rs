@@ -2,6 +2,8 @@
 
 use serde::Deserialize;
 
+use crate::admit::PrefillBudget;
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct BatchedConfig {
@@ -45,12 +47,23 @@ impl BatchedConfig {
     }
 
     /// The limits under a measured step of `step_tokens` tokens (`None`:
-    /// no memory budget).
-    pub fn limits(&self, step_tokens: Option<usize>) -> StepLimits {
+    /// no memory budget), for a model with recurrent layers when `hybrid`.
+    pub fn limits(&self, step_tokens: Option<usize>, hybrid: bool) -> StepLimits {
         let within = |n: usize| step_tokens.map_or(n, |s| n.min(s.max(1)));
+        let prefill_chunk = within(self.prefill_chunk);
+        // A recurrent layer's prefill is a loop over positions, so a group
+        // costs about what its longest prompt does: hybrid models group
+        // wide (what the budget's step holds), others within one chunk.
+        let group_tokens = match hybrid {
+            true => within(HYBRID_GROUP_TOKENS).max(prefill_chunk),
+            false => prefill_chunk,
+        };
         StepLimits {
             max_batch: within(self.max_batch.or(step_tokens).unwrap_or(DEFAULT_MAX_BATCH)),
-            prefill_chunk: within(self.prefill_chunk),
+            prefill: PrefillBudget {
+                chunk: prefill_chunk,
+                group_tokens,
+            },
         }
     }
 }
@@ -58,13 +71,16 @@ impl BatchedConfig {
 /// Without a memory budget, the most sequences decoded together.
 const DEFAULT_MAX_BATCH: usize = 32;
 
+/// Without a memory budget, the padded tokens of a hybrid model's group.
+const HYBRID_GROUP_TOKENS: usize = 4096;
+
 /// What one forward may hold, after the memory budget: no forward (a
 /// decode step of every row, a prefill chunk, a padded group) exceeds the
 /// step whose activations were measured at startup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StepLimits {
     pub max_batch: usize,
-    pub prefill_chunk: usize,
+    pub prefill: PrefillBudget,
 }
 
 #[cfg(test)]
@@ -75,8 +91,9 @@ mod tests {
     fn a_memory_budget_bounds_every_forward_by_its_measured_step() {
         let cfg = BatchedConfig::default();
         let limits = |c: &BatchedConfig, s| {
-            let l = c.limits(s);
-            (l.max_batch, l.prefill_chunk)
+            let l = c.limits(s, false);
+            assert_eq!(l.prefill.group_tokens, l.prefill.chunk);
+            (l.max_batch, l.prefill.chunk)
         };
         assert_eq!(limits(&cfg, None), (32, 256));
         // Rows up to the step, and no chunk above it.
@@ -85,9 +102,12 @@ mod tests {
         let set = BatchedConfig {
             max_batch: Some(8),
             prefill_chunk: 1024,
-            ..cfg
+            ..cfg.clone()
         };
         assert_eq!(limits(&set, None), (8, 1024));
         assert_eq!(limits(&set, Some(512)), (8, 512));
+        // A hybrid model groups wide, within the step.
+        assert_eq!(cfg.limits(None, true).prefill.group_tokens, 4096);
+        assert_eq!(cfg.limits(Some(2048), true).prefill.group_tokens, 2048);
     }
 }

@@ -54,7 +54,7 @@ impl BatchedEngine {
     pub fn new(name: String, shared: Arc<SharedModel>, cfg: BatchedConfig) -> Self {
         let (tx, rx) = crossbeam_channel::unbounded();
         let stats = Arc::new(Stats::default());
-        let limits = cfg.limits(shared.kv_pool.step_tokens());
+        let limits = cfg.limits(shared.kv_pool.step_tokens(), shared.model.model.is_hybrid());
         let thread = std::thread::Builder::new()
             .name(format!("{name}-scheduler"))
             .spawn({
@@ -63,7 +63,7 @@ impl BatchedEngine {
             })
             .expect("spawn the scheduler thread");
         shared.set_handover_sink(Arc::new(Sink(tx.clone(), stats.clone())));
-        tracing::info!(engine = %name, max_batch = limits.max_batch, prefill_chunk = limits.prefill_chunk, "batched engine ready");
+        tracing::info!(engine = %name, max_batch = limits.max_batch, prefill_chunk = limits.prefill.chunk, group_tokens = limits.prefill.group_tokens, "batched engine ready");
         Self {
             name,
             shared,

@@ -373,7 +373,7 @@ impl Scheduler {
         });
         let room = cap - self.rows.len();
         let free = pool.total().saturating_sub(pool.allocated());
-        match admit::plan(candidates, room, free, self.limits.prefill_chunk) {
+        match admit::plan(candidates, room, free, self.limits.prefill) {
             None => {}
             Some(Start::Chunked) => {
                 if let Some((row, hit)) = self.take_next() {
@@ -510,7 +510,7 @@ impl Scheduler {
             return Ok(());
         };
         let model = &self.shared.model.model;
-        let mut end = (p.done + self.limits.prefill_chunk).min(p.tokens.len());
+        let mut end = (p.done + self.limits.prefill.chunk).min(p.tokens.len());
         // A hybrid model's prefix snapshot needs a chunk to end there.
         let snapshot = self.shared.prefix.snapshot_at(p.row.request().prompt.len());
         if let Some(at) = snapshot.filter(|&at| p.done < at && at < end) {

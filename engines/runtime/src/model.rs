@@ -732,8 +732,16 @@ impl Attention {
                 cache.update(idx, k, v)?
             }
         };
+        let dequantized;
         let (k, v) = match &kv {
             LayerView::Dense(k, v) => (k, v),
+            // MLX's CUDA backend has no quantized matmul for attention's
+            // shapes (a 513-position prefill fails on the H100): on the GPU
+            // attention reads a dequantized copy, one layer at a time.
+            LayerView::Quantized { .. } if crate::mask::on_gpu() => {
+                dequantized = kv.dense()?;
+                (&dequantized.0, &dequantized.1)
+            }
             LayerView::Quantized {
                 quant,
                 keys,

@@ -154,20 +154,30 @@ impl GatedDeltaNet {
         let mut state = before.ssm.clone();
         let mut ys = Vec::with_capacity(s as usize);
         let mut steps = Vec::new();
-        for t in 0..s {
-            let at = |x: &Array| x.take_axis(Array::from_int(t), 1);
-            let (qt, kt, vt) = (at(&q)?, at(&k)?, at(&v)?);
+        // Each position's slices, as views (no gather kernel per step).
+        let positions = |x: &Array| -> Result<Vec<Array>, mlx_rs::error::Exception> {
+            match s {
+                1 => Ok(vec![x.clone()]),
+                _ => ops::split_equal(x, s, 1),
+            }
+        };
+        let (qs, ks, vs) = (positions(&q)?, positions(&k)?, positions(&v)?);
+        let (decays, betas) = (positions(&decay)?, positions(&beta)?);
+        let masks = mask.map(positions).transpose()?;
+        for t in 0..s as usize {
+            let at = |x: &Array| x.squeeze_axes(&[1]);
+            let (qt, kt, vt) = (at(&qs[t])?, at(&ks[t])?, at(&vs[t])?);
             let old = state.clone();
-            state = state.multiply(at(&decay)?.expand_dims_axes(&[-1, -2])?)?;
+            state = state.multiply(at(&decays[t])?.expand_dims_axes(&[-1, -2])?)?;
             let kt = kt.expand_dims(-2)?;
             let remembered = state.multiply(&kt)?.sum_axis(-1, false)?;
             let delta = vt
                 .subtract(&remembered)?
-                .multiply(at(&beta)?.expand_dims(-1)?)?;
+                .multiply(at(&betas[t])?.expand_dims(-1)?)?;
             state = state.add(kt.multiply(delta.expand_dims(-1)?)?)?;
             let y = state.multiply(qt.expand_dims(-2)?)?.sum_axis(-1, false)?;
-            if let Some(m) = mask {
-                let real = at(m)?.reshape(&[b, 1, 1, 1])?;
+            if let Some(m) = &masks {
+                let real = m[t].reshape(&[b, 1, 1, 1])?;
                 state = ops::select(&real, &state, &old)?;
             }
             ys.push(y.as_dtype(x.dtype())?);
