@@ -119,6 +119,10 @@ pub struct MakeTinyArgs {
     /// The context window written to config.json (`max_position_embeddings`).
     #[arg(long)]
     pub context: Option<i32>,
+    /// Qwen 3.5: ship a multi-token-prediction head of this many layers
+    /// (`mtp.*`, for the mtp engine's `draft: checkpoint`).
+    #[arg(long, default_value_t = 0)]
+    pub mtp_layers: i32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

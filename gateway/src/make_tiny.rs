@@ -61,6 +61,14 @@ pub fn run(args: &MakeTinyArgs) -> anyhow::Result<()> {
             _ => None,
         };
     }
+    if args.mtp_layers > 0 {
+        let shape = spec
+            .qwen
+            .take()
+            .filter(|q| q.linear.is_some())
+            .context("--mtp-layers: only Qwen 3.5 checkpoints ship an MTP head")?;
+        spec.qwen = Some(shape.with_mtp(args.mtp_layers));
+    }
     if let Some(dtype) = args.dtype {
         spec.dtype = match dtype {
             DtypeArg::F32 => Dtype::Float32,

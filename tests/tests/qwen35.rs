@@ -7,11 +7,17 @@
 //! concurrent (batched) requests, and a fast-path stream handed over to the
 //! batched engine mid-generation, recurrent states and all.
 //! Qwen3 MoE: the batched engine and the fast path agree.
+//! The mtp engine drafting with the checkpoint's own MTP head
+//! (`draft: checkpoint`, no drafter directory) on qwen3_5 and qwen3_5_moe
+//! models with `mtp.*` weights: the fast path's answers token for token,
+//! drafts accepted and rejected (rolling back the recurrent states and the
+//! head's own keys and values), the startup log saying the head was found;
+//! without the head the engine fails at startup and /health says why.
 
 use e2e_tests::http::SseStream;
 use e2e_tests::{models, Gateway};
 use fixtures::model::TinySpec;
-use fixtures::qwen::QwenShape;
+use fixtures::qwen::{QwenLayout, QwenShape};
 use serde_json::json;
 use std::time::Duration;
 
@@ -181,5 +187,123 @@ policy:
         let (engine, ids, _) = complete(&gw, NAME, &prompt, 30);
         assert_eq!(engine, "batched");
         assert_eq!(ids, greedy[..30]);
+    }
+}
+
+/// The fast path's answers from `draft: checkpoint` on a model of `shape`
+/// with a one-layer MTP head.
+fn lossless_with_the_checkpoint_head(name: &str, shape: QwenShape) {
+    let model = models::write(name, &TinySpec::qwen(shape.with_mtp(1)));
+    // `mtp` sizes its drafts by measured acceptance; `mtp-full` verifies
+    // three drafts every round.
+    let config = format!(
+        r#"model: {{ path: "{}", kv_cache_mb: 64, kv_block_size: 16 }}
+engines:
+  fastpath: {{ kind: fastpath }}
+  mtp: {{ kind: mtp, draft: checkpoint }}
+  mtp-full: {{ kind: mtp, draft: checkpoint, draft_tokens: 3, adaptive: false }}
+policy:
+  default: fastpath
+  rules:
+    - {{ name: to-mtp, when: {{ max_tokens: 31 }}, route: mtp }}
+    - {{ name: to-mtp-full, when: {{ max_tokens: 33 }}, route: mtp-full }}
+"#,
+        model.path.display(),
+    );
+    let gw = Gateway::start(&config);
+    assert!(
+        gw.logs()
+            .contains("drafting with the checkpoint's MTP head"),
+        "the startup log does not say the MTP head was found"
+    );
+    let prompts: Vec<Vec<u32>> = vec![
+        vec![5, 9, 14],
+        fixtures::model::random_prompt(3, 40, 500),
+        [4u32, 8, 15, 16, 23, 42].repeat(5),
+        vec![7; 24],
+    ];
+    let (mut accepted, mut rejected, mut cached) = (0, 0, 0);
+    for prompt in &prompts {
+        wait_idle(&gw);
+        let (engine, greedy, _) = complete(&gw, name, prompt, 40);
+        assert_eq!(engine, "fastpath");
+        for (engine_name, max_tokens) in [("mtp", 31), ("mtp-full", 33)] {
+            let (engine, ids, usage) = complete(&gw, name, prompt, max_tokens);
+            assert_eq!(engine, engine_name);
+            assert_eq!(
+                ids,
+                greedy[..max_tokens as usize],
+                "{engine_name} on {prompt:?}"
+            );
+            let details = &usage["completion_tokens_details"];
+            accepted += details["accepted_prediction_tokens"].as_u64().unwrap();
+            rejected += details["rejected_prediction_tokens"].as_u64().unwrap();
+            cached += usage["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or(0);
+        }
+    }
+    eprintln!("{name}: {accepted} drafts accepted, {rejected} rejected");
+    assert!(rejected > 0, "no draft was rejected");
+    // The longer prompts resumed from the fast path's prefix snapshots:
+    // the head then starts after the cached prefix.
+    assert!(cached > 0, "no prefix-cache hit");
+    // On random weights the head rarely agrees with the target: the
+    // fixed-size engine's drafts (deterministic) include an accepted one.
+    assert!(accepted > 0, "no draft was accepted");
+    wait_idle(&gw);
+}
+
+#[test]
+fn checkpoint_head_is_lossless_on_qwen35() {
+    lossless_with_the_checkpoint_head("tiny-qwen35-mtp", QwenShape::qwen35());
+}
+
+#[test]
+fn checkpoint_head_is_lossless_on_qwen35_moe() {
+    lossless_with_the_checkpoint_head("tiny-qwen35-moe-mtp", QwenShape::qwen35_moe());
+}
+
+/// A checkpoint without the head: one whose config declares none, and an
+/// MLX conversion (mlx-lm keeps `mtp_num_hidden_layers` but drops `mtp.*`).
+#[test]
+fn a_checkpoint_without_a_head_fails_the_engine_and_health_says_why() {
+    let mlx = QwenShape {
+        layout: QwenLayout::Mlx,
+        ..QwenShape::qwen35().with_mtp(1)
+    };
+    for (name, shape, why) in [
+        ("tiny-qwen35-no-mtp", QwenShape::qwen35(), "declares none"),
+        ("tiny-qwen35-mlx-no-mtp", mlx, "no `mtp.*` weights"),
+    ] {
+        let model = models::write(name, &TinySpec::qwen(shape));
+        let config = format!(
+            r#"model: {{ path: "{}", kv_cache_mb: 64 }}
+engines:
+  fastpath: {{ kind: fastpath }}
+  mtp: {{ kind: mtp, draft: checkpoint }}
+policy:
+  default: fastpath
+"#,
+            model.path.display(),
+        );
+        let gw = Gateway::start(&config);
+        let health = gw.health();
+        let mtp = health["engines"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"] == "mtp")
+            .expect("the mtp engine is listed")
+            .clone();
+        assert_eq!(mtp["status"], "failed", "{health}");
+        let error = mtp["error"].as_str().unwrap();
+        assert!(
+            error.contains("MTP head") && error.contains(why),
+            "{health}"
+        );
+        // The others serve.
+        let (engine, ids, _) = complete(&gw, name, &[5, 9, 14], 8);
+        assert_eq!((engine.as_str(), ids.len()), ("fastpath", 8));
     }
 }

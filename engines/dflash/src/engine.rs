@@ -32,6 +32,11 @@ pub fn new_engine(
 ) -> Result<SpecEngine, String> {
     let plan = match settings.draft {
         DraftChoice::Ngram => DraftPlan::prompt_lookup(settings.prompt_lookup()),
+        DraftChoice::Checkpoint => {
+            return Err(format!(
+                "{name}: `draft: checkpoint` (the model's own MTP head) is the mtp engine's; dflash drafts with `drafter:` or `ngram`"
+            ))
+        }
         DraftChoice::Drafter => {
             let dir: PathBuf = settings.drafter.clone().expect("checked by SpecSettings");
             let target = &shared.model.model;

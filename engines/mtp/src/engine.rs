@@ -1,15 +1,18 @@
-//! The mtp engine: the shared speculative engine with an assistant drafter
-//! (or prompt lookup), speculating only while the batch is small.
+//! The mtp engine: the shared speculative engine with an assistant drafter,
+//! the checkpoint's own MTP head or prompt lookup, speculating only while
+//! the batch is small.
 
 use std::sync::Arc;
 
 use engine_core::EngineContext;
+use runtime::model::MtpHead;
 use runtime::SharedModel;
 use speculative::engine::DraftPlan;
 use speculative::{DraftChoice, DraftSource, SpecEngine, SpecSettings};
 
 use crate::assistant::Assistant;
 use crate::checkpoint::AssistantConfig;
+use crate::checkpoint_head::CheckpointHead;
 
 const MAX_CONCURRENT: usize = 8;
 /// Speculate while at most this many sequences run; plain decode above.
@@ -43,6 +46,33 @@ pub fn new_engine(
                 kv_bytes_per_token: 0,
                 loader: Box::new(move |model| {
                     Ok(Arc::new(Assistant::load(&dir, &model.model, k)?) as Arc<dyn DraftSource>)
+                }),
+            }
+        }
+        DraftChoice::Checkpoint => {
+            let target = &shared.model.model;
+            // Checked now even when the weights load lazily, so a checkpoint
+            // without a head fails at startup.
+            if target
+                .config
+                .hybrid
+                .as_ref()
+                .is_none_or(|h| h.mtp_layers == 0)
+            {
+                return Err(format!(
+                    "{name}: `draft: checkpoint` needs a checkpoint with an MTP head; {} declares none (no mtp_num_hidden_layers: only Qwen 3.5 ships one)",
+                    shared.model.dir.display()
+                ));
+            }
+            let k = settings
+                .draft_tokens
+                .unwrap_or_else(|| CheckpointHead::default_draft_tokens(target));
+            DraftPlan {
+                max_draft: k,
+                kv_bytes_per_token: MtpHead::kv_bytes_per_token(target),
+                loader: Box::new(move |model| {
+                    Ok(Arc::new(CheckpointHead::load(&model.model, &model.dir, k)?)
+                        as Arc<dyn DraftSource>)
                 }),
             }
         }

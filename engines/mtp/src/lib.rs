@@ -1,4 +1,8 @@
-//! MTP: a Gemma-4-style assistant drafter. From the target's last hidden
+//! MTP: a Gemma-4-style assistant drafter, or (`draft: checkpoint`) the
+//! multi-token-prediction head the target checkpoint ships itself (Qwen
+//! 3.5's `mtp.*`, see [`CheckpointHead`]).
+//!
+//! The assistant drafter: from the target's last hidden
 //! state (after its final norm) and the newest token it drafts k tokens one
 //! at a time, feeding its own projected output back as the next hidden
 //! state. It has no KV cache of its own: its layers compute queries only and
@@ -16,8 +20,10 @@
 
 mod assistant;
 mod checkpoint;
+mod checkpoint_head;
 mod engine;
 
 pub use assistant::Assistant;
 pub use checkpoint::AssistantConfig;
+pub use checkpoint_head::CheckpointHead;
 pub use engine::{engine_from_context, new_engine};

@@ -227,6 +227,9 @@ pub struct HybridConfig {
     pub conv_kernel: i32,
     /// Head dimensions the full-attention layers rotate (partial rope).
     pub rotary_dims: i32,
+    /// Decoder layers of the checkpoint's multi-token-prediction head
+    /// (`mtp_num_hidden_layers`, weights under `mtp.*`; 0: none).
+    pub mtp_layers: i32,
 }
 
 impl HybridConfig {
@@ -356,6 +359,7 @@ struct Raw {
     linear_value_head_dim: Option<i32>,
     linear_conv_kernel_dim: Option<i32>,
     full_attention_interval: Option<i32>,
+    mtp_num_hidden_layers: Option<i32>,
 }
 
 /// `eos_token_id` may be an int, a list of ints, or absent.
@@ -683,6 +687,7 @@ fn hybrid_config(raw: &Raw, head_dim: i32) -> anyhow::Result<HybridConfig> {
         value_head_dim: need(raw.linear_value_head_dim, "linear_value_head_dim")?,
         conv_kernel: raw.linear_conv_kernel_dim.unwrap_or(4),
         rotary_dims: (head_dim as f64 * partial) as i32,
+        mtp_layers: raw.mtp_num_hidden_layers.unwrap_or(0).max(0),
     })
 }
 

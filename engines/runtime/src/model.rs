@@ -11,7 +11,7 @@ use mlx_rs::{ops, Array, Dtype};
 
 use crate::activations;
 use crate::cache::{slice, KvCache, LayerView};
-use crate::config::{Family, ModelConfig};
+use crate::config::{Family, LayerSpec, ModelConfig};
 use crate::kv_quant::KvQuant;
 use crate::layers::{Embedding, Linear, Offsets, Projections, RmsNorm, Rope};
 use crate::mask::{self, AttnMask};
@@ -21,8 +21,10 @@ mod embeds;
 mod experts;
 mod gated_delta;
 mod gemma4;
+mod mtp_head;
 mod sparse_moe;
 pub use embeds::Replacement;
+pub use mtp_head::MtpHead;
 
 type R<T> = Result<T, mlx_rs::error::Exception>;
 
@@ -128,112 +130,13 @@ impl Model {
                 })
             });
         let g4 = cfg.gemma4.as_ref();
-        let eps = cfg.rms_norm_eps;
         let h = cfg.hidden_size;
-        let linear = |w: &mut Weights, name: &str, out: i32, inp: i32| {
-            Linear::load_checked(w, name, cfg.quant_for(name), out, inp)
-        };
-        let norm = |w: &mut Weights, name: &str, dims: i32| {
-            RmsNorm::load_sized(w, name, dims, eps, plus_one_norms)
-        };
-        let mut layers = Vec::with_capacity(cfg.num_layers as usize);
-        for i in 0..cfg.num_layers {
-            let p = format!("model.layers.{i}");
-            let spec = cfg.layer(i);
-            let (hd, kvh) = (spec.head_dim, spec.kv_heads);
-            let mixer = if spec.linear {
-                Mixer::Linear(gated_delta::GatedDeltaNet::load(
-                    &mut w,
-                    cfg,
-                    &format!("{p}.linear_attn"),
-                )?)
-            } else {
-                let attn = format!("{p}.self_attn");
-                let q_width = cfg.num_heads * hd * if spec.gated_attention { 2 } else { 1 };
-                let mut qkv = vec![linear(&mut w, &format!("{attn}.q_proj"), q_width, h)?];
-                let own_kv = spec.kv_source.is_none();
-                if own_kv {
-                    qkv.push(linear(&mut w, &format!("{attn}.k_proj"), kvh * hd, h)?);
-                    if !spec.k_eq_v {
-                        qkv.push(linear(&mut w, &format!("{attn}.v_proj"), kvh * hd, h)?);
-                    }
-                } else {
-                    // Hugging Face checkpoints keep the projections of layers
-                    // that reuse another layer's keys and values; nothing reads
-                    // them.
-                    for unused in ["k_proj", "v_proj", "k_norm"] {
-                        for part in ["weight", "scales", "biases"] {
-                            w.take_optional(&format!("{attn}.{unused}.{part}"));
-                        }
-                    }
-                }
-                let (q_norm, k_norm) = if cfg.has_qk_norm() {
-                    (
-                        Some(norm(&mut w, &format!("{attn}.q_norm"), hd)?),
-                        own_kv
-                            .then(|| norm(&mut w, &format!("{attn}.k_norm"), hd))
-                            .transpose()?,
-                    )
-                } else {
-                    (None, None)
-                };
-                Mixer::Attention(Attention {
-                    qkv: Projections::new(qkv)?,
-                    o: linear(&mut w, &format!("{attn}.o_proj"), h, cfg.num_heads * hd)?,
-                    q_norm,
-                    k_norm,
-                    v_norm: (g4.is_some() && own_kv).then_some(eps),
-                    rope: Rope::new(spec.rotary_dims, spec.rope_base, &spec.rope_scaling),
-                    heads: cfg.num_heads,
-                    kv_heads: kvh,
-                    head_dim: hd,
-                    scale: cfg.attention_scale(hd),
-                    kv_source: spec.kv_source,
-                    gated: spec.gated_attention,
-                })
-            };
-            let mlp =
-                match &cfg.sparse_moe {
-                    Some(m) if spec.sparse_moe => Ffn::Sparse(Box::new(
-                        sparse_moe::SparseMoe::load(&mut w, cfg, m, &format!("{p}.mlp"))?,
-                    )),
-                    _ => Ffn::Dense(Mlp::load(
-                        &mut w,
-                        cfg,
-                        &format!("{p}.mlp"),
-                        spec.intermediate,
-                    )?),
-                };
-            let moe = match g4.and_then(|g| g.moe) {
-                Some(m) => Some(gemma4::Moe::load(&mut w, cfg, m, &p)?),
-                None => None,
-            };
-            let per_layer = match g4.and_then(|g| g.per_layer_input) {
-                Some((width, _)) => Some(gemma4::PerLayerGate::load(&mut w, cfg, &p, width)?),
-                None => None,
-            };
-            let scalar = match g4 {
-                Some(_) => Some(w.take_shaped(&format!("{p}.layer_scalar"), &[1])?),
-                None => None,
-            };
-            layers.push(Layer {
-                mixer,
-                mlp,
-                input_norm: norm(&mut w, &format!("{p}.input_layernorm"), h)?,
-                post_attn_norm: norm(&mut w, &format!("{p}.post_attention_layernorm"), h)?,
-                pre_ff_norm: gemma
-                    .then(|| norm(&mut w, &format!("{p}.pre_feedforward_layernorm"), h))
-                    .transpose()?,
-                post_ff_norm: gemma
-                    .then(|| norm(&mut w, &format!("{p}.post_feedforward_layernorm"), h))
-                    .transpose()?,
-                window: spec.window,
-                moe,
-                per_layer,
-                scalar,
-                clip_f16: gemma3,
-            });
-        }
+        let layers = (0..cfg.num_layers)
+            .map(|i| {
+                let p = format!("model.layers.{i}");
+                Layer::load(&mut w, cfg, &p, &cfg.layer(i), plus_one_norms)
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
         let embed_prefix = "model.embed_tokens";
         let embed = Embedding::load_checked(
             &mut w,
@@ -242,9 +145,17 @@ impl Model {
             cfg.vocab_size,
             h,
         )?;
-        let final_norm = norm(&mut w, "model.norm", h)?;
+        let final_norm =
+            RmsNorm::load_sized(&mut w, "model.norm", h, cfg.rms_norm_eps, plus_one_norms)?;
         let lm_head = if w.contains("lm_head.weight") && !(cfg.tie_word_embeddings && gemma) {
-            Some(linear(&mut w, "lm_head", cfg.vocab_size, h)?)
+            let quant = cfg.quant_for("lm_head");
+            Some(Linear::load_checked(
+                &mut w,
+                "lm_head",
+                quant,
+                cfg.vocab_size,
+                h,
+            )?)
         } else {
             None
         };
@@ -451,11 +362,11 @@ impl Model {
         }
         cache.advance(n);
         crate::inject::at_forward()?;
-        let mut h = self.norm.forward(&h)?;
-        if which == Logits::Last && n > 1 {
-            h = last_position(&h)?;
-        }
-        let logits = self.logits(&h)?;
+        let normed = self.norm.forward(&h)?;
+        let logits = match which {
+            Logits::Last if n > 1 => self.logits(&last_position(&normed)?)?,
+            _ => self.logits(&normed)?,
+        };
         let layers = if tapped.is_empty() {
             None
         } else {
@@ -464,7 +375,7 @@ impl Model {
         Ok(Tapped {
             logits,
             layers,
-            final_hidden: taps.final_hidden.then_some(h),
+            final_hidden: taps.final_hidden.then_some(normed),
         })
     }
 
@@ -527,7 +438,7 @@ pub struct Tapped {
     pub logits: Array,
     /// `[B, L, hidden * layers.len()]`.
     pub layers: Option<Array>,
-    /// `[B, L, hidden]` (or `[B, 1, hidden]` with [`Logits::Last`]).
+    /// `[B, L, hidden]`, every position whichever logits were asked for.
     pub final_hidden: Option<Array>,
 }
 
@@ -563,6 +474,118 @@ fn last_position(h: &Array) -> R<Array> {
 }
 
 impl Layer {
+    /// Decoder layer `p` (`model.layers.N`, or Qwen 3.5's MTP head's
+    /// `mtp.layers.N`) as `spec` describes it.
+    fn load(
+        w: &mut Weights,
+        cfg: &ModelConfig,
+        p: &str,
+        spec: &LayerSpec,
+        plus_one_norms: bool,
+    ) -> anyhow::Result<Self> {
+        let gemma3 = cfg.family == Family::Gemma3;
+        let gemma = gemma3 || cfg.family == Family::Gemma4;
+        let g4 = cfg.gemma4.as_ref();
+        let eps = cfg.rms_norm_eps;
+        let h = cfg.hidden_size;
+        let linear = |w: &mut Weights, name: &str, out: i32, inp: i32| {
+            Linear::load_checked(w, name, cfg.quant_for(name), out, inp)
+        };
+        let norm = |w: &mut Weights, name: &str, dims: i32| {
+            RmsNorm::load_sized(w, name, dims, eps, plus_one_norms)
+        };
+        let (hd, kvh) = (spec.head_dim, spec.kv_heads);
+        let mixer = if spec.linear {
+            Mixer::Linear(gated_delta::GatedDeltaNet::load(
+                w,
+                cfg,
+                &format!("{p}.linear_attn"),
+            )?)
+        } else {
+            let attn = format!("{p}.self_attn");
+            let q_width = cfg.num_heads * hd * if spec.gated_attention { 2 } else { 1 };
+            let mut qkv = vec![linear(w, &format!("{attn}.q_proj"), q_width, h)?];
+            let own_kv = spec.kv_source.is_none();
+            if own_kv {
+                qkv.push(linear(w, &format!("{attn}.k_proj"), kvh * hd, h)?);
+                if !spec.k_eq_v {
+                    qkv.push(linear(w, &format!("{attn}.v_proj"), kvh * hd, h)?);
+                }
+            } else {
+                // Hugging Face checkpoints keep the projections of layers
+                // that reuse another layer's keys and values; nothing reads
+                // them.
+                for unused in ["k_proj", "v_proj", "k_norm"] {
+                    for part in ["weight", "scales", "biases"] {
+                        w.take_optional(&format!("{attn}.{unused}.{part}"));
+                    }
+                }
+            }
+            let (q_norm, k_norm) = if cfg.has_qk_norm() {
+                (
+                    Some(norm(w, &format!("{attn}.q_norm"), hd)?),
+                    own_kv
+                        .then(|| norm(w, &format!("{attn}.k_norm"), hd))
+                        .transpose()?,
+                )
+            } else {
+                (None, None)
+            };
+            Mixer::Attention(Attention {
+                qkv: Projections::new(qkv)?,
+                o: linear(w, &format!("{attn}.o_proj"), h, cfg.num_heads * hd)?,
+                q_norm,
+                k_norm,
+                v_norm: (g4.is_some() && own_kv).then_some(eps),
+                rope: Rope::new(spec.rotary_dims, spec.rope_base, &spec.rope_scaling),
+                heads: cfg.num_heads,
+                kv_heads: kvh,
+                head_dim: hd,
+                scale: cfg.attention_scale(hd),
+                kv_source: spec.kv_source,
+                gated: spec.gated_attention,
+            })
+        };
+        let mlp = match &cfg.sparse_moe {
+            Some(m) if spec.sparse_moe => Ffn::Sparse(Box::new(sparse_moe::SparseMoe::load(
+                w,
+                cfg,
+                m,
+                &format!("{p}.mlp"),
+            )?)),
+            _ => Ffn::Dense(Mlp::load(w, cfg, &format!("{p}.mlp"), spec.intermediate)?),
+        };
+        let moe = match g4.and_then(|g| g.moe) {
+            Some(m) => Some(gemma4::Moe::load(w, cfg, m, p)?),
+            None => None,
+        };
+        let per_layer = match g4.and_then(|g| g.per_layer_input) {
+            Some((width, _)) => Some(gemma4::PerLayerGate::load(w, cfg, p, width)?),
+            None => None,
+        };
+        let scalar = match g4 {
+            Some(_) => Some(w.take_shaped(&format!("{p}.layer_scalar"), &[1])?),
+            None => None,
+        };
+        Ok(Layer {
+            mixer,
+            mlp,
+            input_norm: norm(w, &format!("{p}.input_layernorm"), h)?,
+            post_attn_norm: norm(w, &format!("{p}.post_attention_layernorm"), h)?,
+            pre_ff_norm: gemma
+                .then(|| norm(w, &format!("{p}.pre_feedforward_layernorm"), h))
+                .transpose()?,
+            post_ff_norm: gemma
+                .then(|| norm(w, &format!("{p}.post_feedforward_layernorm"), h))
+                .transpose()?,
+            window: spec.window,
+            moe,
+            per_layer,
+            scalar,
+            clip_f16: gemma3,
+        })
+    }
+
     fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
         match &self.mixer {
             Mixer::Attention(a) => {

@@ -41,24 +41,8 @@ fn reference(
         .unwrap()
         .iter()
         .map(|r| Reference {
-            tokens: r["tokens"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|t| t.as_u64().unwrap() as u32)
-                .collect(),
-            logits: r["logits"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|row| {
-                    row.as_array()
-                        .unwrap()
-                        .iter()
-                        .map(|x| x.as_f64().unwrap() as f32)
-                        .collect()
-                })
-                .collect(),
+            tokens: fixtures::reference::token_ids(&r["tokens"]),
+            logits: fixtures::reference::float_rows(&r["logits"]),
         })
         .collect()
 }

@@ -1,8 +1,12 @@
 //! Speculative engines against the fast path (and the batched engine) on a
 //! generated target with random-weight drafters:
 //!
-//!     cargo bench -p speculative --bench speculative [-- --preset bench|qwen3-4b
-//!         --levels 1,2,4 --prompt 128 --gen 64 --rounds 2 --block 8 --mtp-k 3 --reps 2]
+//!     cargo bench -p speculative --bench speculative [-- --preset bench|qwen3-4b|qwen35|qwen35-4b
+//!         --levels 1,2,4 --prompt 128 --gen 64 --rounds 2 --block 8 --mtp-k 3 --head-k 2 --reps 2]
+//!
+//! The Qwen 3.5 presets (hybrid, bench-sized or Qwen3.5-4B-shaped) ship a
+//! one-layer MTP head in the checkpoint: their `mtp-head` row is the mtp
+//! engine with `draft: checkpoint`, `head-k` drafts every round.
 //!
 //! or on a real checkpoint with the bundled mixed chat prompts
 //! (bench/prompts/mixed.jsonl: prose, code, JSON, math, tool calls), where
@@ -29,6 +33,7 @@ use batched::{BatchedConfig, BatchedEngine};
 use engine_core::{Engine, Event, GenerateRequest, SpecStats};
 use fastpath::FastpathEngine;
 use fixtures::model::{write_model, TinySpec};
+use fixtures::qwen::QwenShape;
 use runtime::{Family, KvPool, LoadedModel, SharedModel};
 use speculative::{SpecEngine, SpecSettings};
 
@@ -40,6 +45,8 @@ struct Args {
     rounds: usize,
     block: usize,
     mtp_k: usize,
+    /// Drafts per round of the checkpoint's own MTP head (Qwen 3.5 presets).
+    head_k: usize,
     /// Sweeps run, interleaved; each cell keeps its best (machines here are
     /// shared and noisy).
     reps: usize,
@@ -58,6 +65,7 @@ fn args() -> Args {
         rounds: 2,
         block: 8,
         mtp_k: 3,
+        head_k: 2,
         reps: 2,
         model: None,
         prompts: None,
@@ -73,6 +81,7 @@ fn args() -> Args {
             "--rounds" => a.rounds = v.parse().expect("rounds"),
             "--block" => a.block = v.parse().expect("block"),
             "--mtp-k" => a.mtp_k = v.parse().expect("mtp-k"),
+            "--head-k" => a.head_k = v.parse().expect("head-k"),
             "--reps" => a.reps = v.parse().expect("reps"),
             "--model" => a.model = Some(PathBuf::from(v)),
             "--prompts" => a.prompts = Some(v.clone()),
@@ -86,6 +95,14 @@ fn args() -> Args {
 fn models(a: &Args) -> (PathBuf, PathBuf, PathBuf) {
     let spec = match a.preset.as_str() {
         "qwen3-4b" => TinySpec::qwen3_4b(),
+        "qwen35" => TinySpec {
+            qwen: Some(QwenShape::qwen35().with_mtp(1)),
+            ..TinySpec::bench(Family::Qwen3)
+        },
+        "qwen35-4b" => TinySpec {
+            qwen: Some(QwenShape::qwen35_4b().with_mtp(1)),
+            ..TinySpec::qwen35_4b()
+        },
         _ => TinySpec::bench(Family::Qwen3),
     };
     // REPO_ROOT overrides the build-time path (the binary also runs on the
@@ -369,6 +386,29 @@ fn main() {
             )),
         ));
     }
+    let has_head = shared
+        .model
+        .model
+        .config
+        .hybrid
+        .as_ref()
+        .is_some_and(|h| h.mtp_layers > 0);
+    if has_head {
+        engines.push((
+            "mtp-head",
+            spec(mtp::new_engine(
+                "mtp-head".into(),
+                shared.clone(),
+                settings(
+                    format!(
+                        "{{ draft: checkpoint, max_concurrent: 16, draft_tokens: {}, adaptive: false }}",
+                        a.head_k
+                    ),
+                    Some(2),
+                ),
+            )),
+        ));
+    }
     engines.push((
         "lookup",
         spec(dflash::new_engine(
@@ -436,9 +476,9 @@ fn main() {
         ),
     };
     println!(
-        "target {} ({}), {shape}, up to {} generated, dflash block {}, mtp k {}, best of {}, blas {}",
+        "target {} ({}), {shape}, up to {} generated, dflash block {}, mtp k {}, head k {}, best of {}, blas {}",
         a.model.as_ref().map_or(a.preset.clone(), |_| "checkpoint".into()),
-        target.display(), a.gen, a.block, a.mtp_k, a.reps, mlx_sys::blas_backend()
+        target.display(), a.gen, a.block, a.mtp_k, a.head_k, a.reps, mlx_sys::blas_backend()
     );
     println!();
     println!("| engine | c | tok/s | vs fastpath | vs batched | accepted/drafted | tokens/target forward | break-even acceptance |");

@@ -4,7 +4,8 @@
 //! dflash:
 //!   kind: dflash
 //!   drafter: models/tiny-qwen3-dflash   # relative to config.yaml
-//!   draft: drafter                      # or `ngram` (prompt lookup, no weights)
+//!   draft: drafter                      # or `ngram` (prompt lookup, no weights), or
+//!                                       # `checkpoint` (mtp: the model's own MTP head)
 //!   max_concurrent: 4
 //!   lazy_drafter: false
 //!   ngram: { max_ngram: 3, min_ngram: 1, draft_tokens: 8 }
@@ -28,6 +29,9 @@ pub enum DraftChoice {
     Drafter,
     /// Prompt lookup: no drafter weights.
     Ngram,
+    /// The target checkpoint's own multi-token-prediction head (Qwen 3.5's
+    /// `mtp.*` weights; the mtp engine): no drafter directory.
+    Checkpoint,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -134,7 +138,12 @@ impl SpecSettings {
         }
         if cfg.draft == DraftChoice::Drafter && cfg.drafter.is_none() {
             return Err(format!(
-                "{engine} engine config: `drafter:` (a drafter checkpoint directory) is required unless `draft: ngram`"
+                "{engine} engine config: `drafter:` (a drafter checkpoint directory) is required unless `draft: ngram` or `draft: checkpoint`"
+            ));
+        }
+        if cfg.draft == DraftChoice::Checkpoint && cfg.drafter.is_some() {
+            return Err(format!(
+                "{engine} engine config: `draft: checkpoint` drafts with the model's own MTP head; drop `drafter:`"
             ));
         }
         cfg.drafter = cfg.drafter.map(|p| {
@@ -226,6 +235,9 @@ mod tests {
         assert!(parse("{ kind: dflash }").unwrap_err().contains("drafter"));
         assert!(parse("{ kind: dflash, draft: ngram, max_concurrent: 0 }").is_err());
         assert!(parse("{ kind: dflash, draft: ngram, ngram: { min_ngram: 4 } }").is_err());
+        assert!(parse("{ kind: mtp, draft: checkpoint, drafter: d }")
+            .unwrap_err()
+            .contains("drop `drafter:`"));
         assert!(parse("{ kind: dflash, draft: ngram, bogus: 1 }")
             .unwrap_err()
             .contains("bogus"));
