@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use engine_core::{
-    CancelToken, Event, FinishReason as EngineFinish, GenerateRequest, RequestId, SpecStats,
+    CancelToken, Event, FinishReason as EngineFinish, GenerateRequest, Grammar, RequestId, SpecStats,
     StreamError, TokenEvent,
 };
 use serde_json::{json, Value};
@@ -398,6 +398,11 @@ impl Generation {
             return self.on_finish(finish, batch);
         }
         request.prompt.extend(&tokens);
+        // The grammar resumes where the leg left it, forced tokens included.
+        request.grammar = request.grammar.take().map(|grammar| Grammar::Continued {
+            grammar: Box::new(grammar),
+            generated: tokens.clone(),
+        });
         request.max_tokens = left;
         request.id = RequestId::next();
         request.cancel = CancelToken::new();

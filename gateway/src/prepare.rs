@@ -90,8 +90,20 @@ pub async fn chat(
         }),
         (None, _) => None,
     };
+    let reasoning = family.reasoning_format();
+    let starts_in_reasoning = ends_in_reasoning(&rendered.text, reasoning);
+    let thinks = starts_in_reasoning
+        || request.template_kwargs.get("enable_thinking") == Some(&Value::Bool(true));
+    let tags = reasoning.tags();
+    let exempt = match (tags.open.first(), tags.close.first()) {
+        (Some(open), Some(close)) if thinks => Some(ReasoningExempt {
+            open: (!starts_in_reasoning).then(|| open.to_string()),
+            close: close.to_string(),
+        }),
+        _ => None,
+    };
     let mut req = engine_request(state, rendered.prompt, max_tokens, &request.options);
-    req.grammar = grammar(state, source).await?;
+    req.grammar = grammar(state, source, exempt).await?;
     req.has_tools = has_tools;
     req.cache_scope = scope;
     // Images are fetched and encoded only for a request that is otherwise
@@ -108,11 +120,10 @@ pub async fn chat(
             None => images,
         });
     }
-    let reasoning = family.reasoning_format();
     let text = PipelineOptions {
         stop: request.options.stop.clone(),
         reasoning,
-        starts_in_reasoning: ends_in_reasoning(&rendered.text, reasoning),
+        starts_in_reasoning,
         tools: has_tools.then(|| family.tool_format()),
         thinking_budget: request.options.thinking_budget,
     };
@@ -158,7 +169,7 @@ pub async fn completion(
     )?;
     let mut req = engine_request(state, ids, max_tokens, &request.options);
     let source = request.options.structured.clone().map(GrammarSource::Given);
-    req.grammar = grammar(state, source).await?;
+    req.grammar = grammar(state, source, None).await?;
     req.cache_scope = scope;
     let prepared = Prepared {
         model,
@@ -249,6 +260,15 @@ pub enum GrammarSource {
     },
 }
 
+/// A request that thinks writes its reasoning free of the grammar, as
+/// vLLM's reasoning parsers do: the grammar applies after the block's
+/// `close` tag (and the block may be skipped, when `open` is given: the
+/// prompt has not opened it).
+pub struct ReasoningExempt {
+    open: Option<String>,
+    close: String,
+}
+
 /// The request's grammar, compiled here once against the model's tokenizer
 /// (on the blocking pool; engines reuse nothing of it but the check): a
 /// schema or grammar llguidance cannot use is the client's 400, naming the
@@ -256,6 +276,7 @@ pub enum GrammarSource {
 pub async fn grammar(
     state: &SharedState,
     source: Option<GrammarSource>,
+    exempt: Option<ReasoningExempt>,
 ) -> Result<Option<Grammar>, ApiError> {
     let Some(source) = source else {
         return Ok(None);
@@ -293,6 +314,14 @@ pub async fn grammar(
                     "tools".to_owned(),
                 )
             }
+        };
+        let grammar = match exempt {
+            Some(ReasoningExempt { open, close }) => Grammar::AfterReasoning {
+                open,
+                close,
+                then: Box::new(grammar),
+            },
+            None => grammar,
         };
         compiler.compile(&grammar).map_err(|e| {
             ApiError::invalid(

@@ -37,6 +37,30 @@ pub fn tiny_gemma3_vision() -> &'static Path {
         .path
 }
 
+/// The tiny Qwen3 model with a chat template that opens the think block in
+/// the prompt (as reasoning models' templates do); random weights never
+/// close it.
+pub fn tiny_qwen3_thinking() -> &'static Path {
+    static MODEL: OnceLock<ModelDir> = OnceLock::new();
+    &MODEL
+        .get_or_init(|| {
+            let dir = write("tiny-qwen3", &TinySpec::tiny(Family::Qwen3));
+            let config_path = dir.path.join("tokenizer_config.json");
+            let mut config: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+            let template = config["chat_template"].as_str().unwrap();
+            let opened = template.replace(
+                "{{- '<|im_start|>assistant\\n' }}",
+                "{{- '<|im_start|>assistant\\n<think>\\n' }}",
+            );
+            assert_ne!(opened, template, "the template's generation prompt moved");
+            config["chat_template"] = opened.into();
+            std::fs::write(&config_path, config.to_string()).unwrap();
+            dir
+        })
+        .path
+}
+
 /// Writes a model of `spec` into a fresh temporary directory named `name`.
 pub fn write(name: &str, spec: &TinySpec) -> ModelDir {
     let dir = tempfile::tempdir().expect("tempdir");

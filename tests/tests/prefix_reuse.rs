@@ -125,21 +125,7 @@ policy:
 /// the budget; the usage counts it all, streamed or not.
 #[test]
 fn thinking_budget_closes_the_think_block_and_the_answer_follows() {
-    let dir = e2e_tests::models::write(
-        "tiny-qwen3",
-        &fixtures::model::TinySpec::tiny(runtime::Family::Qwen3),
-    );
-    let config_path = dir.path.join("tokenizer_config.json");
-    let mut config: Value =
-        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
-    let template = config["chat_template"].as_str().unwrap();
-    let opened = template.replace(
-        "{{- '<|im_start|>assistant\\n' }}",
-        "{{- '<|im_start|>assistant\\n<think>\\n' }}",
-    );
-    assert_ne!(opened, template, "the template's generation prompt moved");
-    config["chat_template"] = opened.into();
-    std::fs::write(&config_path, config.to_string()).unwrap();
+    let model = e2e_tests::models::tiny_qwen3_thinking();
     let gw = Gateway::start(&format!(
         r#"model: {{ path: "{}", kv_cache_mb: 64 }}
 engines:
@@ -147,7 +133,7 @@ engines:
   fastpath: {{ kind: fastpath }}
 policy: {{ default: fastpath, fallback: [batched] }}
 "#,
-        dir.path.display()
+        model.display()
     ));
     let ask = |extra: Value| -> Value {
         let mut body = json!({"model": MODEL, "temperature": 0, "max_tokens": 24, "ignore_eos": true,

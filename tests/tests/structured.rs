@@ -3,8 +3,9 @@
 //! instruction, so only the grammar makes its output valid): every sampled
 //! or greedy output validates against its schema (Python `jsonschema`) on
 //! each engine that applies grammars (batched sampled and greedy, the fast
-//! path), a speculative engine hands constrained requests to the next engine
-//! of the route, forced tool calls carry valid arguments, and
+//! path, prompt-lookup speculation verifying its drafts under the mask),
+//! greedy output is the same text on each, forced tool calls carry valid
+//! arguments, and
 //! `/v1/responses` answers plain and streamed with the documented events.
 
 use std::process::Command;
@@ -12,8 +13,7 @@ use std::process::Command;
 use e2e_tests::{Gateway, MODEL};
 
 /// `max_tokens` picks the engine: 200 batched (the default), 201 the fast
-/// path, 202 prompt-lookup speculation (which declines constrained
-/// requests: the fallback serves them).
+/// path, 202 prompt-lookup speculation.
 const CONFIG: &str = r#"model: { path: "{model}", kv_cache_mb: 64 }
 engines:
   batched: { kind: batched }
@@ -63,20 +63,36 @@ for seed in range(16):
     assert r.choices[0].finish_reason == "stop", r
     valid(r.choices[0].message.content, person)
 
-# Greedy on each engine: batched, the fast path, and speculation's fallback.
+# Greedy on each engine: batched, the fast path, and speculation.
 greedy = {}
-for tokens, expect in [(200, "batched"), (201, "fastpath"), (202, "batched")]:
+for tokens, expect in [(200, "batched"), (201, "fastpath"), (202, "lookup")]:
     engine, r = chat(tokens, response_format=fmt, temperature=0)
     assert engine == expect, (tokens, engine)
     assert r.choices[0].finish_reason == "stop", r
     greedy[tokens] = valid(r.choices[0].message.content, person)
 assert greedy[200] == greedy[201] == greedy[202], greedy
 
+# Speculation under the mask: prompt lookup drafts from a JSON example in
+# the prompt; drafts the grammar forces are accepted, the others rejected,
+# and the text equals the fast path's.
+example = [{"role": "user", "content": 'Like {"name": "Ann", "age": 30, "tags": ["a", "b"], "ok": true} please.'}]
+texts = {}
+for tokens, expect in [(201, "fastpath"), (202, "lookup")]:
+    raw = client.chat.completions.with_raw_response.create(model=model, messages=example, max_tokens=tokens, response_format=fmt, temperature=0)
+    r = raw.parse()
+    assert raw.headers.get("x-engine") == expect, raw.headers
+    assert r.choices[0].finish_reason == "stop", r
+    texts[expect] = r.choices[0].message.content
+    valid(texts[expect], person)
+spec = r.usage.model_extra["speculative"]
+assert 0 < spec["accepted_tokens"] < spec["drafted_tokens"], spec
+assert texts["fastpath"] == texts["lookup"], texts
+
 # Not strict, json_object, vLLM's extensions; streamed too.
 # (A schema that leaves strings or extra properties unbounded may be cut
 # off by max_tokens on random weights: the schemas here bound the output.)
 loose = {"type": "json_schema", "json_schema": {"name": "p", "schema": person, "strict": False}}
-for tokens in (200, 201):
+for tokens in (200, 201, 202):
     _, r = chat(tokens, response_format=loose, temperature=0)
     valid(r.choices[0].message.content, person)
     _, r = chat(tokens, response_format={"type": "json_object"})
@@ -190,6 +206,69 @@ fn structured_outputs_and_responses_through_the_openai_client() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.success() && stdout.contains("structured ok"),
+        "python failed:\n{stdout}\n{stderr}\ngateway log:\n{}",
+        gw.logs()
+    );
+}
+
+/// A request that thinks writes its reasoning free of the grammar: on a
+/// model whose chat template opens the think block, the reasoning under
+/// a JSON Schema equals the unconstrained run's (cut by `thinking_budget`,
+/// which closes the block), and the answer after it validates, the same
+/// text on every engine.
+const THINKING_SCRIPT: &str = r#"
+import json, sys
+import jsonschema, openai
+
+base, model = sys.argv[1], sys.argv[2]
+client = openai.OpenAI(base_url=base, api_key="sk-test", max_retries=0)
+user = [{"role": "user", "content": "Think, then describe a person."}]
+person = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": person, "strict": True}}
+
+def chat(tokens, **kw):
+    raw = client.chat.completions.with_raw_response.create(model=model, messages=user, max_tokens=tokens,
+        temperature=0, extra_body={"thinking_budget": 6, "ignore_eos": True}, **kw)
+    return raw.headers.get("x-engine"), raw.parse().choices[0]
+
+_, free = chat(200)
+reasoning = free.message.model_extra["reasoning_content"]
+assert reasoning, free
+answers = set()
+for tokens, expect in [(200, "batched"), (201, "fastpath"), (202, "lookup")]:
+    engine, c = chat(tokens, response_format=fmt)
+    assert engine == expect, (tokens, engine)
+    assert c.finish_reason == "stop", c
+    assert c.message.model_extra["reasoning_content"] == reasoning, (c, reasoning)
+    jsonschema.validate(json.loads(c.message.content), person)
+    answers.add(c.message.content)
+assert len(answers) == 1, answers
+print("thinking ok")
+"#;
+
+#[test]
+fn reasoning_is_exempt_from_the_grammar() {
+    let config = CONFIG.replace(
+        "{model}",
+        &e2e_tests::models::tiny_qwen3_thinking().display().to_string(),
+    );
+    let gw = Gateway::start(&config);
+    let out = Command::new(fixtures::reference::python())
+        .arg("-c")
+        .arg(THINKING_SCRIPT)
+        .arg(format!("http://{}/v1", gw.addr))
+        .arg(MODEL)
+        .output()
+        .expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stdout.contains("thinking ok"),
         "python failed:\n{stdout}\n{stderr}\ngateway log:\n{}",
         gw.logs()
     );

@@ -166,6 +166,20 @@ pub enum Grammar {
     Lark(String),
     /// Exactly one of these strings.
     Choice(Vec<String>),
+    /// `then` after a reasoning block the model writes first, free inside:
+    /// `open` (absent when the prompt already opened the block, which the
+    /// model must then close) up to `close`.
+    AfterReasoning {
+        open: Option<String>,
+        close: String,
+        then: Box<Grammar>,
+    },
+    /// `grammar` with `generated` already written under it: a request
+    /// continued in a new leg (after a thinking budget) resumes its state.
+    Continued {
+        grammar: Box<Grammar>,
+        generated: Vec<u32>,
+    },
 }
 
 /// One image in the prompt: the prompt positions `[start, start + tokens)`

@@ -14,7 +14,7 @@ use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex};
 
 use engine_core::Grammar;
-use llguidance::api::TopLevelGrammar;
+use llguidance::api::{GrammarWithLexer, TopLevelGrammar};
 use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory, TokenParser};
 use serde_json::{json, Value};
@@ -77,8 +77,8 @@ impl Compiler {
         let call = match format.tags() {
             Some(tags) => format!(
                 "{} \"\\n\" %json {schema} \"\\n\" {}",
-                self.literal(tags.open),
-                self.literal(tags.close)
+                self.spell(tags.open),
+                self.spell(tags.close)
             ),
             None => format!("%json {schema}"),
         };
@@ -94,17 +94,46 @@ impl Compiler {
         Grammar::Lark(format!("{start}\ncall: {call}\n"))
     }
 
-    /// A tag as a Lark literal: the special token of that name where the
-    /// tokenizer has one (its text cannot be spelled otherwise), else text.
-    fn literal(&self, tag: &str) -> String {
-        match self.env.tok_trie().get_special_token(tag) {
-            Some(id) => format!("<[{id}]>"),
-            None => Value::String(tag.to_owned()).to_string(),
+    /// A tag as a Lark sequence, as the tokenizer reads it: its special
+    /// tokens by id (their text cannot be spelled otherwise), the text
+    /// between them as literals.
+    fn spell(&self, tag: &str) -> String {
+        let trie = self.env.tok_trie();
+        let mut parts = Vec::new();
+        let mut text: Vec<u8> = Vec::new();
+        let flush = |text: &mut Vec<u8>, parts: &mut Vec<String>| {
+            if !text.is_empty() {
+                let s = String::from_utf8_lossy(text).into_owned();
+                parts.push(Value::String(s).to_string());
+                text.clear();
+            }
+        };
+        for id in self.env.tokenize_bytes_special(tag.as_bytes()) {
+            let bytes = trie.token(id);
+            if bytes.first() == Some(&TokTrie::SPECIAL_TOKEN_MARKER) {
+                flush(&mut text, &mut parts);
+                parts.push(format!("<[{id}]>"));
+            } else {
+                text.extend_from_slice(bytes);
+            }
         }
+        flush(&mut text, &mut parts);
+        parts.join(" ")
     }
 
     /// A fresh constraint for one request.
     pub fn compile(&self, grammar: &Grammar) -> Result<Constraint, GrammarError> {
+        if let Grammar::Continued { grammar, generated } = grammar {
+            let mut constraint = self.compile(grammar)?;
+            for &token in generated {
+                if constraint.matcher.consume_token(token).is_err() {
+                    return Err(GrammarError(
+                        "the output so far does not follow the grammar".into(),
+                    ));
+                }
+            }
+            return Ok(constraint);
+        }
         let key = {
             let mut h = DefaultHasher::new();
             grammar.hash(&mut h);
@@ -113,7 +142,7 @@ impl Compiler {
         if let Some(parser) = self.cache.lock().unwrap().get(&key) {
             return Ok(Constraint::new(parser.clone(), self.eos.clone()));
         }
-        let top = top_level(grammar)?;
+        let top = self.top_level(grammar)?;
         // Arbitrary client grammars reach the compiler: a panic in it is
         // that grammar's failure, not the server's.
         let parser = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -128,43 +157,84 @@ impl Compiler {
         cache.insert(key, parser.clone());
         Ok(Constraint::new(parser, self.eos.clone()))
     }
-}
 
-/// JSON Schemas compile to compact JSON with the usual separators and no
-/// free whitespace (a model with random weights would otherwise pad
-/// forever), unless the schema sets llguidance's own `x-guidance` options.
-fn top_level(grammar: &Grammar) -> Result<TopLevelGrammar, GrammarError> {
-    Ok(match grammar {
-        Grammar::JsonSchema(text) => {
-            let mut schema: Value = serde_json::from_str(text)
-                .map_err(|e| GrammarError(format!("the JSON Schema is not valid JSON: {e}")))?;
-            match &mut schema {
-                Value::Object(obj) => {
-                    obj.entry("x-guidance").or_insert_with(compact_json);
+    /// The `reasoning` rule: free output up to `close`. A close tag that is
+    /// one token (special or not) ends a run of any other tokens but the
+    /// end of sequence (the answer must follow), as vLLM's reasoning
+    /// parsers watch for the end token; a longer one ends a lazy lexeme.
+    fn reasoning_block(&self, close: &str) -> String {
+        match self.env.tokenize_bytes_special(close.as_bytes())[..] {
+            [id] => {
+                let mut excluded = vec![id.to_string()];
+                excluded.extend(self.eos.iter().map(|t| t.to_string()));
+                format!("reasoning: <[^{}]>* <[{id}]>", excluded.join(","))
+            }
+            _ => format!("reasoning[suffix={}]: /(?s:.*)/", self.spell(close)),
+        }
+    }
+
+    /// JSON Schemas compile to compact JSON with the usual separators and
+    /// no free whitespace (a model with random weights would otherwise pad
+    /// forever), unless the schema sets llguidance's own `x-guidance`
+    /// options.
+    fn top_level(&self, grammar: &Grammar) -> Result<TopLevelGrammar, GrammarError> {
+        Ok(match grammar {
+            Grammar::JsonSchema(text) => {
+                let mut schema: Value = serde_json::from_str(text)
+                    .map_err(|e| GrammarError(format!("the JSON Schema is not valid JSON: {e}")))?;
+                match &mut schema {
+                    Value::Object(obj) => {
+                        obj.entry("x-guidance").or_insert_with(compact_json);
+                    }
+                    Value::Bool(_) => {}
+                    _ => {
+                        return Err(GrammarError(
+                            "a JSON Schema must be an object or a boolean".into(),
+                        ))
+                    }
                 }
-                Value::Bool(_) => {}
-                _ => {
-                    return Err(GrammarError(
-                        "a JSON Schema must be an object or a boolean".into(),
-                    ))
+                TopLevelGrammar::from_json_schema(schema)
+            }
+            Grammar::Regex(rx) => TopLevelGrammar::from_regex(rx),
+            Grammar::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
+            Grammar::Choice(choices) => {
+                if choices.is_empty() {
+                    return Err(GrammarError("the list of choices is empty".into()));
+                }
+                // Lark string literals take JSON string escapes.
+                let alternatives: Vec<String> = choices
+                    .iter()
+                    .map(|c| Value::String(c.clone()).to_string())
+                    .collect();
+                TopLevelGrammar::from_lark(format!("start: {}", alternatives.join(" | ")))
+            }
+            Grammar::AfterReasoning { open, close, then } => {
+                let mut answer = match **then {
+                    Grammar::AfterReasoning { .. } | Grammar::Continued { .. } => {
+                        return Err(GrammarError(
+                            "a reasoning block holds one plain grammar".into(),
+                        ))
+                    }
+                    ref plain => self.top_level(plain)?,
+                };
+                let mut answer = answer.grammars.remove(0);
+                answer.name = Some("answer".into());
+                let block = self.reasoning_block(close);
+                let start = match open {
+                    Some(open) => format!("start: ({} reasoning)? @answer", self.spell(open)),
+                    None => "start: reasoning @answer".to_owned(),
+                };
+                let lark = format!("{start}\n{block}\n");
+                TopLevelGrammar {
+                    grammars: vec![GrammarWithLexer::from_lark(lark), answer],
+                    max_tokens: None,
                 }
             }
-            TopLevelGrammar::from_json_schema(schema)
-        }
-        Grammar::Regex(rx) => TopLevelGrammar::from_regex(rx),
-        Grammar::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
-        Grammar::Choice(choices) => {
-            if choices.is_empty() {
-                return Err(GrammarError("the list of choices is empty".into()));
+            Grammar::Continued { .. } => {
+                return Err(GrammarError("a continued grammar cannot be nested".into()))
             }
-            // Lark string literals take JSON string escapes.
-            let alternatives: Vec<String> = choices
-                .iter()
-                .map(|c| Value::String(c.clone()).to_string())
-                .collect();
-            TopLevelGrammar::from_lark(format!("start: {}", alternatives.join(" | ")))
-        }
-    })
+        })
+    }
 }
 
 fn compact_json() -> Value {
@@ -217,10 +287,31 @@ impl Constraint {
         !self.matcher.is_stopped()
     }
 
-    /// How many of `tokens` the grammar accepts in a row, from the current
-    /// state, without moving it.
-    pub fn accepted_prefix(&mut self, tokens: &[u32]) -> usize {
-        self.matcher.validate_tokens(tokens).unwrap_or(0)
+    /// The allowed sets along a draft, for verifying it in one forward:
+    /// entry `i` is what may follow `tokens[..i]` ([`Constraint::allowed`]
+    /// there). Entries stop after the first draft token the grammar
+    /// rejects, an end-of-sequence token, or a `None` (the output complete),
+    /// so `len() - 1` drafted tokens are worth verifying. The state does not
+    /// move.
+    pub fn allowed_along(&mut self, tokens: &[u32]) -> Vec<Option<Allowed>> {
+        let mut sets: Vec<Option<Allowed>> = Vec::with_capacity(tokens.len() + 1);
+        let mut consumed = 0;
+        loop {
+            let allowed = self.allowed();
+            let next = tokens.get(consumed).copied().filter(|&t| {
+                !self.is_end(t) && allowed.as_ref().is_some_and(|a| a.contains(t))
+            });
+            sets.push(allowed);
+            // An allowed token is consumed without error.
+            match next {
+                Some(t) if self.matcher.consume_token(t).is_ok() => consumed += 1,
+                _ => break,
+            }
+        }
+        if let Err(e) = self.matcher.rollback(consumed) {
+            tracing_error(&e.to_string());
+        }
+        sets
     }
 
     /// Whether `token` ends the sequence (an end-of-sequence token).
@@ -249,12 +340,17 @@ impl Allowed {
     /// One bool per token of the model's vocabulary.
     pub fn to_bools(&self, vocab: usize) -> Vec<bool> {
         let mut out = vec![false; vocab];
+        self.write_bools(&mut out);
+        out
+    }
+
+    /// Sets `out[t]` for each allowed token `t` below `out.len()`.
+    pub fn write_bools(&self, out: &mut [bool]) {
         self.0.iter_set_entries(|t| {
-            if t < vocab {
-                out[t] = true;
+            if let Some(slot) = out.get_mut(t) {
+                *slot = true;
             }
         });
-        out
     }
 }
 

@@ -145,3 +145,128 @@ fn a_dead_end_ends_the_sequence() {
             .all(|t| c.is_end(t))),
     }
 }
+
+/// The sets along a draft equal the sets met by committing it token by
+/// token, stop at the first token the grammar rejects, and leave the state
+/// where it was.
+#[test]
+fn allowed_along_a_draft_matches_stepping_through_it() {
+    let g = Grammar::Regex("(ab|cd)[0-9]{2}".into());
+    let (_dir, tok, compiler) = tokenizer(Family::Qwen3);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let bools = |a: &Option<grammar::Allowed>| a.as_ref().map(|a| a.to_bools(VOCAB));
+    for _ in 0..20 {
+        // A valid walk to its end, then a wrong token spliced in.
+        let mut stepper = compiler.compile(&g).unwrap();
+        let mut path = Vec::new();
+        let mut expected = Vec::new();
+        loop {
+            let allowed = stepper.allowed();
+            expected.push(bools(&allowed));
+            let Some(allowed) = allowed else { break };
+            let ids: Vec<u32> = (0..VOCAB as u32)
+                .filter(|&t| allowed.contains(t) && !stepper.is_end(t))
+                .collect();
+            if ids.is_empty() {
+                break;
+            }
+            let t = ids[rng.random_range(0..ids.len())];
+            path.push(t);
+            if !stepper.commit(t) {
+                expected.push(None);
+                break;
+            }
+        }
+        let mut c = compiler.compile(&g).unwrap();
+        let before = bools(&c.allowed());
+        let sets: Vec<_> = c.allowed_along(&path).iter().map(bools).collect();
+        assert_eq!(sets, expected, "{:?}", tok.decode(&path, false));
+        assert_eq!(bools(&c.allowed()), before, "the state moved");
+        // A rejected token cuts the draft there.
+        let cut = rng.random_range(0..path.len());
+        let mut wrong = path.clone();
+        wrong[cut] = tok.encode("zz", false).unwrap()[0];
+        assert_eq!(c.allowed_along(&wrong).len(), cut + 1);
+    }
+}
+
+/// Commits `tokens`, asserting each is allowed.
+fn follow(c: &mut grammar::Constraint, tokens: &[u32], what: &str) {
+    for &t in tokens {
+        let allowed = c.allowed().unwrap_or_else(|| panic!("{what}: ended early"));
+        assert!(allowed.contains(t) && !c.is_end(t), "{what}: token {t} refused");
+        assert!(c.commit(t), "{what}: stopped at {t}");
+    }
+}
+
+fn allowed_set(c: &mut grammar::Constraint) -> Vec<bool> {
+    c.allowed().expect("not complete").to_bools(VOCAB)
+}
+
+/// Reasoning is free text up to the close tag, a text tag (Qwen's
+/// `</think>`) or a special token (Gemma's channel tokens; here
+/// `<start_of_turn>` stands in); then the answer's grammar applies from
+/// its start. With an open tag the block may be skipped; without one (the
+/// prompt opened it) the answer waits for the close tag.
+#[test]
+fn reasoning_is_free_and_the_answer_follows_the_grammar() {
+    let answer = Grammar::Regex("[0-9]{3}".into());
+    for (family, open, close) in [
+        (Family::Qwen3, "<think>", "</think>"),
+        (Family::Gemma3, "<mask>", "<start_of_turn>"),
+    ] {
+        let (_dir, tok, compiler) = tokenizer(family);
+        let ids = |s: &str| tok.hf().encode(s, false).unwrap().get_ids().to_vec();
+        let plain = allowed_set(&mut compiler.compile(&answer).unwrap());
+        let wrapped = |open: Option<&str>| Grammar::AfterReasoning {
+            open: open.map(str::to_owned),
+            close: close.to_owned(),
+            then: Box::new(answer.clone()),
+        };
+        let thought = ids("\nLet me think: {\"a\": 1} <b> x7\n");
+
+        let mut c = compiler.compile(&wrapped(Some(open))).unwrap();
+        // The answer may start at once, or the block opens.
+        let first = allowed_set(&mut c);
+        assert!(plain.iter().zip(&first).all(|(p, f)| !p || *f), "{family:?}");
+        follow(&mut c, &ids(open), "open");
+        // Inside: text the answer's grammar would refuse, but not the end.
+        let inside = c.allowed().unwrap();
+        assert!(tok.eos_token_id().is_some_and(|e| !inside.contains(e)));
+        follow(&mut c, &thought, "reasoning");
+        follow(&mut c, &ids(close), "close");
+        assert_eq!(allowed_set(&mut c), plain, "{family:?}: after the block");
+        follow(&mut c, &ids("12"), "answer");
+        let last = ids("3")[0];
+        assert!(c.allowed().unwrap().contains(last));
+        assert!(!c.commit(last), "{family:?}: the answer is complete");
+
+        // Opened by the prompt: no answer before the close tag.
+        let mut c = compiler.compile(&wrapped(None)).unwrap();
+        let digit = ids("1")[0];
+        assert!(c.allowed().unwrap().contains(digit), "digits are reasoning text too");
+        follow(&mut c, &thought, "reasoning");
+        follow(&mut c, &ids(close), "close");
+        assert_eq!(allowed_set(&mut c), plain, "{family:?}: after the block");
+
+        // A continued grammar starts where its tokens left it.
+        let mut generated = ids(open);
+        generated.extend(&thought);
+        let mut continued = compiler
+            .compile(&Grammar::Continued {
+                grammar: Box::new(wrapped(Some(open))),
+                generated: generated.clone(),
+            })
+            .unwrap();
+        follow(&mut continued, &ids(close), "continued close");
+        assert_eq!(allowed_set(&mut continued), plain);
+        generated.extend(ids("x"));
+        generated.extend(ids(close));
+        generated.extend(ids("x"));
+        let refused = compiler.compile(&Grammar::Continued {
+            grammar: Box::new(wrapped(Some(open))),
+            generated,
+        });
+        assert!(refused.is_err(), "{family:?}: an answer off the grammar resumed");
+    }
+}

@@ -5,12 +5,19 @@
 //! round feeds `[newest, d1..dk]` to the target in one forward, keeps
 //! `d1..da` where the target's greedy choice agreed, adds the target's own
 //! token after them, and drops the KV of the `k - a` rejected positions.
+//!
+//! A constrained request (a grammar) verifies under the grammar's masks:
+//! drafts are cut at the first token the grammar rejects, the target's
+//! choice at each position is its argmax among the tokens allowed there,
+//! and tokens are committed through the grammar as the fast path does, so
+//! the output equals the fast path's token for token.
 
 use std::ops::Range;
 use std::sync::Arc;
 
 use engine_core::event::EventSender;
 use engine_core::{FinishReason, GenerateRequest, SpecStats, StreamError};
+use grammar::{Allowed, Constraint};
 use mlx_rs::transforms::eval;
 use mlx_rs::{ops, Array, Dtype};
 use runtime::emit::Emitter;
@@ -39,6 +46,8 @@ pub struct Sequence {
     /// Prompt, then every committed token.
     history: Vec<u32>,
     draft: Option<Box<dyn DraftState>>,
+    /// The request's grammar state, if it has one.
+    constraint: Option<Constraint>,
     taps: Taps,
     /// Most tokens the draft source proposes per round.
     max_draft: usize,
@@ -65,6 +74,7 @@ impl Sequence {
             cache,
             history,
             draft: source.map(|s| s.start()),
+            constraint: None,
             taps: source.map(|s| s.taps()).unwrap_or_default(),
             max_draft: source.map_or(0, |s| s.max_draft()),
             sizer: DraftSizer::new(
@@ -82,6 +92,20 @@ impl Sequence {
 
     pub fn stats(&self) -> SpecStats {
         self.stats
+    }
+
+    /// Compiles the request's grammar, if any; the message is the client's.
+    pub fn constrain(&mut self) -> Result<(), String> {
+        let Some(g) = &self.out.request.grammar else {
+            return Ok(());
+        };
+        let compiled = self
+            .shared
+            .grammars()?
+            .compile(g)
+            .map_err(|e| format!("{}: {e}", self.out.request.id))?;
+        self.constraint = Some(compiled);
+        Ok(())
     }
 
     /// Runs the prompt through the target (chunked), after the prefix the
@@ -139,10 +163,11 @@ impl Sequence {
         self.shared
             .prefix
             .insert(scope.as_deref(), &prompt, &self.cache);
-        let token = argmax(&logits)?;
+        let sets = self.allowed_along(&[]);
+        let token = choose(&logits, &sets)?;
         eval([&token])?;
         self.stats.target_forwards += 1;
-        self.commit(&[token.as_slice::<i32>()[0] as u32]);
+        self.commit(&[token.as_slice::<i32>()[0] as u32], &sets);
         Ok(())
     }
 
@@ -183,6 +208,16 @@ impl Sequence {
             }
             Proposal::Lazy(d) => match self.sizer.size(cost, 0, (d.dim(1) as usize).min(limit)) {
                 0 => (newest_arr, None, Vec::new(), 0),
+                // A grammar's masks need the drafts on the host.
+                k if self.constraint.is_some() => {
+                    let d = runtime::cache::slice(&d, &[0, 0], &[1, k as i32])?
+                        .as_dtype(Dtype::Int32)?;
+                    eval([&d])?;
+                    let tokens: Vec<u32> = d.as_slice::<i32>().iter().map(|&t| t as u32).collect();
+                    let mut ids = vec![newest];
+                    ids.extend(&tokens);
+                    (tokens_array(&ids), None, tokens, 0)
+                }
                 k => {
                     let d = runtime::cache::slice(&d, &[0, 0], &[1, k as i32])?
                         .as_dtype(Dtype::Int32)?;
@@ -196,9 +231,18 @@ impl Sequence {
             },
             Proposal::None => (newest_arr, None, Vec::new(), 0),
         };
+        // Drafts the grammar rejects are not worth verifying.
+        let sets = self.allowed_along(&proposed);
+        let input = match sets.len().checked_sub(1) {
+            Some(k) if k < proposed.len() => {
+                proposed.truncate(k);
+                runtime::cache::slice(&input, &[0, 0], &[1, k as i32 + 1])?
+            }
+            _ => input,
+        };
         let k = input.dim(1) - 1;
         let out = model.forward_tapped(&input, &mut self.cache, Logits::All, &self.taps)?;
-        let greedy = argmax(&out.logits)?;
+        let greedy = choose(&out.logits, &sets)?;
         match &lazy {
             Some(d) => {
                 eval([&greedy, d])?;
@@ -222,7 +266,7 @@ impl Sequence {
         self.stats.accepted += accepted as u64;
         let mut committed = proposed[..accepted].to_vec();
         committed.push(target[accepted]);
-        self.commit(&committed);
+        self.commit(&committed, &sets);
         Ok(RoundStats {
             drafted: k as u32,
             accepted: accepted as u32,
@@ -230,15 +274,37 @@ impl Sequence {
     }
 
     /// Streams committed tokens, ending the sequence at a stop token, the
-    /// token limit or cancellation; tokens after the end are dropped.
-    fn commit(&mut self, tokens: &[u32]) {
-        for &token in tokens {
+    /// token limit or cancellation; tokens after the end are dropped. Under
+    /// a grammar (`sets` from [`Sequence::allowed_along`]) it also ends
+    /// where the grammar is complete or chose an end-of-sequence token.
+    fn commit(&mut self, tokens: &[u32], sets: &[Option<Allowed>]) {
+        for (i, &token) in tokens.iter().enumerate() {
+            if let Some(c) = &self.constraint {
+                if sets[i].is_none() || c.is_end(token) {
+                    return self.finish(FinishReason::Stop);
+                }
+            }
             if let Some(reason) = self.out.plain(token) {
                 return self.finish(reason);
             }
             self.history.push(token);
+            if let Some(c) = &mut self.constraint {
+                if !c.commit(token) {
+                    return self.finish(FinishReason::Stop);
+                }
+            }
         }
         self.check_cancelled();
+    }
+
+    /// The grammar's allowed sets along `drafts` (see
+    /// [`Constraint::allowed_along`]); without a grammar, no limits on any
+    /// position.
+    fn allowed_along(&mut self, drafts: &[u32]) -> Vec<Option<Allowed>> {
+        match &mut self.constraint {
+            Some(c) => c.allowed_along(drafts),
+            None => Vec::new(),
+        }
     }
 
     /// Ends the sequence, releasing what it holds before the final event.
@@ -288,10 +354,27 @@ fn rows(accepted: usize) -> Range<i32> {
     0..accepted as i32 + 1
 }
 
-/// Greedy tokens `[L]` (int32) from `[1, L, V]` logits.
-fn argmax(logits: &Array) -> anyhow::Result<Array> {
+/// Greedy tokens `[L]` (int32) from `[1, L, V]` logits: the argmax at
+/// each position, among the tokens its grammar set allows where `sets`
+/// has one (a `None` set, the output complete, limits nothing: that
+/// position's token is not committed).
+fn choose(logits: &Array, sets: &[Option<Allowed>]) -> anyhow::Result<Array> {
     let l = logits.dim(1);
-    Ok(ops::indexing::argmax_axis(logits, -1, None)?
+    let logits = if sets.is_empty() {
+        logits.clone()
+    } else {
+        let vocab = logits.dim(-1) as usize;
+        let mut mask = vec![true; l as usize * vocab];
+        for (row, set) in mask.chunks_mut(vocab).zip(sets) {
+            if let Some(allowed) = set {
+                row.fill(false);
+                allowed.write_bools(row);
+            }
+        }
+        let mask = Array::from_slice(&mask, &[1, l, vocab as i32]);
+        ops::select(&mask, logits, Array::from_f32(f32::NEG_INFINITY))?
+    };
+    Ok(ops::indexing::argmax_axis(&logits, -1, None)?
         .reshape(&[l])?
         .as_dtype(Dtype::Int32)?)
 }

@@ -183,9 +183,8 @@ impl Engine for SpecEngine {
             tools: true,
             // The drafters read text positions only.
             images: false,
-            // Draft verification does not apply token masks: constrained
-            // requests go to the next engine of the route.
-            grammar: false,
+            // Drafts are verified under the grammar's masks.
+            grammar: true,
         }
     }
 
@@ -352,6 +351,9 @@ impl Worker {
                 return seq;
             }
         };
+        if let Err(message) = seq.constrain() {
+            seq.fail(StreamError::Invalid(message));
+        }
         seq.check_cancelled();
         if !seq.is_finished() {
             let result = {
