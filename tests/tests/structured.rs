@@ -213,16 +213,17 @@ fn structured_outputs_and_responses_through_the_openai_client() {
 
 /// A request that thinks writes its reasoning free of the grammar: on a
 /// model whose chat template opens the think block, the reasoning under
-/// a JSON Schema equals the unconstrained run's (cut by `thinking_budget`,
+/// a JSON Schema is the unconstrained run's (cut by `thinking_budget`,
 /// which closes the block), and the answer after it validates, the same
-/// text on every engine.
+/// text on every engine (each the policy's default: the budget's legs are
+/// routed apart).
 const THINKING_SCRIPT: &str = r#"
 import json, sys
 import jsonschema, openai
 
-base, model = sys.argv[1], sys.argv[2]
+base, model, engine = sys.argv[1], sys.argv[2], sys.argv[3]
 client = openai.OpenAI(base_url=base, api_key="sk-test", max_retries=0)
-user = [{"role": "user", "content": "Think, then describe a person."}]
+user = [{"role": "user", "content": "Think first, then describe a person."}]
 person = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
@@ -231,45 +232,63 @@ person = {
 }
 fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": person, "strict": True}}
 
-def chat(tokens, **kw):
-    raw = client.chat.completions.with_raw_response.create(model=model, messages=user, max_tokens=tokens,
+def chat(**kw):
+    raw = client.chat.completions.with_raw_response.create(model=model, messages=user, max_tokens=200,
         temperature=0, extra_body={"thinking_budget": 6, "ignore_eos": True}, **kw)
-    return raw.headers.get("x-engine"), raw.parse().choices[0]
+    return raw.headers.get("x-engine"), raw.parse()
 
-_, free = chat(200)
-reasoning = free.message.model_extra["reasoning_content"]
-assert reasoning, free
-answers = set()
-for tokens, expect in [(200, "batched"), (201, "fastpath"), (202, "lookup")]:
-    engine, c = chat(tokens, response_format=fmt)
-    assert engine == expect, (tokens, engine)
-    assert c.finish_reason == "stop", c
-    assert c.message.model_extra["reasoning_content"] == reasoning, (c, reasoning)
-    jsonschema.validate(json.loads(c.message.content), person)
-    answers.add(c.message.content)
-assert len(answers) == 1, answers
-print("thinking ok")
+def tokens_of(r):
+    return [t.token for t in r.choices[0].logprobs.content]
+
+if engine == "batched":
+    # The reasoning's tokens (random weights: mostly special tokens, no
+    # text), free and under the schema (logprobs need the batched engine).
+    _, free = chat(logprobs=True)
+    _, held = chat(logprobs=True, response_format=fmt)
+    assert tokens_of(held)[:6] == tokens_of(free)[:6], (tokens_of(held), tokens_of(free))
+    assert tokens_of(held)[6:8] == ["\n", "</think>"], tokens_of(held)
+served, r = chat(response_format=fmt)
+assert served == engine, (served, engine)
+c = r.choices[0]
+assert c.finish_reason == "stop", c
+assert r.usage.completion_tokens_details.reasoning_tokens == 8, r.usage
+jsonschema.validate(json.loads(c.message.content), person)
+print("answer:", c.message.content)
 "#;
 
 #[test]
 fn reasoning_is_exempt_from_the_grammar() {
-    let config = CONFIG.replace(
-        "{model}",
-        &e2e_tests::models::tiny_qwen3_thinking().display().to_string(),
-    );
-    let gw = Gateway::start(&config);
-    let out = Command::new(fixtures::reference::python())
-        .arg("-c")
-        .arg(THINKING_SCRIPT)
-        .arg(format!("http://{}/v1", gw.addr))
-        .arg(MODEL)
-        .output()
-        .expect("run python");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success() && stdout.contains("thinking ok"),
-        "python failed:\n{stdout}\n{stderr}\ngateway log:\n{}",
-        gw.logs()
-    );
+    let model = e2e_tests::models::tiny_qwen3_thinking();
+    let mut answers = Vec::new();
+    for engine in ["batched", "fastpath", "lookup"] {
+        let config = format!(
+            r#"model: {{ path: "{}", kv_cache_mb: 64 }}
+engines:
+  batched: {{ kind: batched }}
+  fastpath: {{ kind: fastpath }}
+  lookup: {{ kind: mtp, draft: ngram }}
+policy: {{ default: {engine} }}
+"#,
+            model.display()
+        );
+        let gw = Gateway::start(&config);
+        let out = Command::new(fixtures::reference::python())
+            .arg("-c")
+            .arg(THINKING_SCRIPT)
+            .arg(format!("http://{}/v1", gw.addr))
+            .arg(MODEL)
+            .arg(engine)
+            .output()
+            .expect("run python");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let answer = stdout.lines().find_map(|l| l.strip_prefix("answer: "));
+        assert!(
+            out.status.success() && answer.is_some(),
+            "{engine}: python failed:\n{stdout}\n{stderr}\ngateway log:\n{}",
+            gw.logs()
+        );
+        answers.push(answer.unwrap().to_owned());
+    }
+    assert!(answers.windows(2).all(|w| w[0] == w[1]), "{answers:?}");
 }
