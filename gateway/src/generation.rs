@@ -6,8 +6,8 @@
 use std::time::Instant;
 
 use engine_core::{
-    CancelToken, Event, FinishReason as EngineFinish, GenerateRequest, Grammar, RequestId, SpecStats,
-    StreamError, TokenEvent,
+    CancelToken, Event, FinishReason as EngineFinish, GenerateRequest, Grammar, RequestId,
+    SpecStats, StreamError, TokenEvent,
 };
 use serde_json::{json, Value};
 

@@ -298,9 +298,10 @@ impl Constraint {
         let mut consumed = 0;
         loop {
             let allowed = self.allowed();
-            let next = tokens.get(consumed).copied().filter(|&t| {
-                !self.is_end(t) && allowed.as_ref().is_some_and(|a| a.contains(t))
-            });
+            let next = tokens
+                .get(consumed)
+                .copied()
+                .filter(|&t| !self.is_end(t) && allowed.as_ref().is_some_and(|a| a.contains(t)));
             sets.push(allowed);
             // An allowed token is consumed without error.
             match next {

@@ -194,7 +194,10 @@ fn allowed_along_a_draft_matches_stepping_through_it() {
 fn follow(c: &mut grammar::Constraint, tokens: &[u32], what: &str) {
     for &t in tokens {
         let allowed = c.allowed().unwrap_or_else(|| panic!("{what}: ended early"));
-        assert!(allowed.contains(t) && !c.is_end(t), "{what}: token {t} refused");
+        assert!(
+            allowed.contains(t) && !c.is_end(t),
+            "{what}: token {t} refused"
+        );
         assert!(c.commit(t), "{what}: stopped at {t}");
     }
 }
@@ -228,7 +231,10 @@ fn reasoning_is_free_and_the_answer_follows_the_grammar() {
         let mut c = compiler.compile(&wrapped(Some(open))).unwrap();
         // The answer may start at once, or the block opens.
         let first = allowed_set(&mut c);
-        assert!(plain.iter().zip(&first).all(|(p, f)| !p || *f), "{family:?}");
+        assert!(
+            plain.iter().zip(&first).all(|(p, f)| !p || *f),
+            "{family:?}"
+        );
         follow(&mut c, &ids(open), "open");
         // Inside: text the answer's grammar would refuse, but not the end.
         let inside = c.allowed().unwrap();
@@ -244,7 +250,10 @@ fn reasoning_is_free_and_the_answer_follows_the_grammar() {
         // Opened by the prompt: no answer before the close tag.
         let mut c = compiler.compile(&wrapped(None)).unwrap();
         let digit = ids("1")[0];
-        assert!(c.allowed().unwrap().contains(digit), "digits are reasoning text too");
+        assert!(
+            c.allowed().unwrap().contains(digit),
+            "digits are reasoning text too"
+        );
         follow(&mut c, &thought, "reasoning");
         follow(&mut c, &ids(close), "close");
         assert_eq!(allowed_set(&mut c), plain, "{family:?}: after the block");
@@ -267,6 +276,66 @@ fn reasoning_is_free_and_the_answer_follows_the_grammar() {
             grammar: Box::new(wrapped(Some(open))),
             generated,
         });
-        assert!(refused.is_err(), "{family:?}: an answer off the grammar resumed");
+        assert!(
+            refused.is_err(),
+            "{family:?}: an answer off the grammar resumed"
+        );
+    }
+}
+/// A forced tool call's grammar, in each family's format: every walk that
+/// ends parses as calls (and nothing else), arguments valid against the
+/// tool's parameters; one call unless `many`.
+#[test]
+fn forced_tool_calls_parse_with_valid_arguments() {
+    use text::tools::{parse_complete, ToolFormat};
+    let weather = json!({
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 6}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"],
+        "additionalProperties": false
+    });
+    let validator = jsonschema::validator_for(&weather).unwrap();
+    let tools = vec![
+        ("get_weather".to_owned(), weather.clone()),
+        (
+            "ping".to_owned(),
+            json!({"type": "object", "properties": {}, "additionalProperties": false}),
+        ),
+    ];
+    let (_dir, tok, compiler) = tokenizer(Family::Qwen3);
+    for format in [
+        ToolFormat::Hermes,
+        ToolFormat::Llama3Json,
+        ToolFormat::Gemma,
+    ] {
+        for (many, budget) in [(false, 400), (true, 3000)] {
+            let g = compiler.tool_calls(format, &tools, many);
+            let mut ended = 0;
+            for seed in 0..10 {
+                let Some(text) = walk(&compiler, &tok, &g, seed, budget) else {
+                    assert!(many, "{format:?}: one call did not end: seed {seed}");
+                    continue;
+                };
+                ended += 1;
+                let (content, calls) = parse_complete(format, &text);
+                assert!(
+                    content.trim().is_empty(),
+                    "{format:?}: {text:?} left {content:?}"
+                );
+                assert!(
+                    !calls.is_empty() && (many || calls.len() == 1),
+                    "{format:?}: {text:?}"
+                );
+                for call in calls {
+                    let args: Value = serde_json::from_str(&call.arguments).unwrap();
+                    match call.name.as_str() {
+                        "get_weather" => assert!(validator.is_valid(&args), "{text}"),
+                        "ping" => assert_eq!(args, json!({})),
+                        other => panic!("{other}"),
+                    }
+                }
+            }
+            assert!(ended > 0, "{format:?}: no walk ended");
+        }
     }
 }
