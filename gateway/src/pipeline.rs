@@ -22,8 +22,9 @@ pub struct PipelineOptions {
     pub reasoning: ReasoningFormat,
     /// The rendered prompt left a reasoning block open.
     pub starts_in_reasoning: bool,
-    /// `Some` when the request offered tools the model may call.
-    pub tools: Option<ToolFormat>,
+    /// `Some` when the request offered tools the model may call: the
+    /// parser of the family's format, knowing the tools' parameters.
+    pub tools: Option<ToolParser>,
     /// Reasoning tokens allowed before the think block is closed for the
     /// model (`Generation` enforces it); `None` for no limit.
     pub thinking_budget: Option<u32>,
@@ -77,7 +78,7 @@ impl Pipeline {
             decoder: StreamDecoder::with_prefix(tokenizer, true, prompt),
             stop: StopMatcher::new(&options.stop),
             reasoning: ReasoningParser::new(options.reasoning, options.starts_in_reasoning),
-            tools: options.tools.map(ToolParser::new),
+            tools: options.tools,
             tokens: 0,
             reasoning_tokens: 0,
             tool_calls: 0,
@@ -312,7 +313,7 @@ mod tests {
             stop: vec![],
             reasoning: ReasoningFormat::Think,
             starts_in_reasoning: false,
-            tools: Some(ToolFormat::Hermes),
+            tools: Some(ToolParser::new(ToolFormat::Hermes)),
             thinking_budget: None,
         };
         let text = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
@@ -332,7 +333,7 @@ mod tests {
             stop: vec![],
             reasoning: ReasoningFormat::None,
             starts_in_reasoning: false,
-            tools: Some(ToolFormat::Llama3Json),
+            tools: Some(ToolParser::new(ToolFormat::Llama3Json)),
             thinking_budget: None,
         };
         let text = "{\"name\": \"lookup\", \"parameters\": {\"q\": \"rust\"}}";
@@ -348,7 +349,7 @@ mod tests {
             stop: vec![],
             reasoning: ReasoningFormat::None,
             starts_in_reasoning: false,
-            tools: Some(ToolFormat::Hermes),
+            tools: Some(ToolParser::new(ToolFormat::Hermes)),
             thinking_budget: None,
         };
         let text = "ok <tool_call>\n{\"name\": \"f\", \"argu";

@@ -6,11 +6,13 @@
 //! connections on the async executor. How the output is parsed (reasoning,
 //! tool calls) comes from the loaded model's family.
 
+use std::sync::Arc;
+
 use engine_core::{GenerateRequest, Grammar};
 use serde_json::Value;
 use text::reasoning::ReasoningFormat;
 use text::template::TemplateError;
-use text::tools::ToolFormat;
+use text::tools::{ToolFormat, ToolParser, ToolSchemas};
 use text::RenderOptions;
 
 use crate::api::chat::{ChatRequest, ToolChoice};
@@ -124,7 +126,11 @@ pub async fn chat(
         stop: request.options.stop.clone(),
         reasoning,
         starts_in_reasoning,
-        tools: has_tools.then(|| family.tool_format()),
+        tools: has_tools.then(|| {
+            let offered = request.offered_tools().unwrap_or_default();
+            let schemas = ToolSchemas::from_tools(&offered);
+            ToolParser::with_schemas(family.tool_format(), Arc::new(schemas))
+        }),
         thinking_budget: request.options.thinking_budget,
     };
     Ok(Prepared {

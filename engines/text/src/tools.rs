@@ -24,9 +24,10 @@
 //! show as content (typically with `finish_reason: length`).
 
 use std::collections::hash_map::RandomState;
+use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use serde_json::{Map, Value};
 
@@ -122,6 +123,61 @@ impl ToolParseError {
     }
 }
 
+/// The parameters of the tools a request offered, by tool name: formats
+/// that write argument values as bare text (Qwen3-Coder's XML) type them
+/// by the parameter's schema, as vLLM's `qwen3_coder` parser does.
+#[derive(Debug, Clone, Default)]
+pub struct ToolSchemas(HashMap<String, Map<String, Value>>);
+
+impl ToolSchemas {
+    /// From OpenAI `tools` entries (`{"type": "function", "function":
+    /// {"name", "parameters"}}`); entries without a name are skipped.
+    pub fn from_tools(tools: &[Value]) -> Self {
+        let by_name = tools
+            .iter()
+            .filter_map(|t| {
+                let f = &t["function"];
+                let name = f["name"].as_str()?;
+                let properties = f["parameters"]["properties"].as_object().cloned();
+                Some((name.to_owned(), properties.unwrap_or_default()))
+            })
+            .collect();
+        Self(by_name)
+    }
+
+    /// A bare-text value of `tool`'s parameter `key`, typed by its schema:
+    /// integers, numbers and booleans parsed where they parse, objects and
+    /// arrays (and schemas that allow several types) read as JSON where the
+    /// text is JSON, strings and unknown parameters kept as text.
+    fn typed(&self, tool: &str, key: &str, text: &str) -> Value {
+        if text == "null" {
+            return Value::Null;
+        }
+        let schema = self.0.get(tool).and_then(|p| p.get(key));
+        let kind = schema.and_then(|s| s["type"].as_str());
+        let parsed = match kind {
+            None if schema.is_none() => None,
+            Some("string") => None,
+            Some("integer") => text.trim().parse::<i64>().ok().map(Value::from),
+            Some("number") => {
+                let t = text.trim();
+                t.parse::<i64>().ok().map(Value::from).or_else(|| {
+                    t.parse::<f64>()
+                        .ok()
+                        .and_then(|f| serde_json::Number::from_f64(f).map(Value::Number))
+                })
+            }
+            Some("boolean") => match text.trim().to_ascii_lowercase().as_str() {
+                "true" => Some(Value::Bool(true)),
+                "false" => Some(Value::Bool(false)),
+                _ => None,
+            },
+            _ => serde_json::from_str(text.trim()).ok(),
+        };
+        parsed.unwrap_or_else(|| Value::String(text.to_owned()))
+    }
+}
+
 /// The streaming tool-call parser.
 #[derive(Debug, Clone)]
 pub struct ToolParser {
@@ -135,10 +191,19 @@ enum Inner {
 }
 
 impl ToolParser {
+    /// A parser that knows no tool's parameters: bare-text argument values
+    /// stay strings.
     pub fn new(format: ToolFormat) -> Self {
+        Self::with_schemas(format, Arc::default())
+    }
+
+    /// A parser that types bare-text argument values by `schemas`.
+    pub fn with_schemas(format: ToolFormat, schemas: Arc<ToolSchemas>) -> Self {
         let inner = match format {
-            ToolFormat::Hermes => Inner::Tagged(Tagged::new(HERMES_TAGS, parse_hermes_body)),
-            ToolFormat::Gemma => Inner::Tagged(Tagged::new(GEMMA_TAGS, parse_gemma_body)),
+            ToolFormat::Hermes => {
+                Inner::Tagged(Tagged::new(HERMES_TAGS, parse_hermes_body, schemas))
+            }
+            ToolFormat::Gemma => Inner::Tagged(Tagged::new(GEMMA_TAGS, parse_gemma_body, schemas)),
             ToolFormat::Llama3Json => Inner::Whole(WholeMessage::default()),
         };
         Self { inner }
@@ -208,13 +273,14 @@ fn push_content(out: &mut Vec<ToolEvent>, text: &str) {
 }
 
 /// Parses one call body into (name, JSON-encoded arguments).
-type BodyParser = fn(&str) -> Option<(String, String)>;
+type BodyParser = fn(&str, &ToolSchemas) -> Option<(String, String)>;
 
 /// Formats where each call sits between an open and a close tag.
 #[derive(Debug, Clone)]
 struct Tagged {
     tags: CallTags,
     parse_body: BodyParser,
+    schemas: Arc<ToolSchemas>,
     lexer: TagLexer,
     /// `Some` while inside a call.
     body: Option<String>,
@@ -223,10 +289,11 @@ struct Tagged {
 }
 
 impl Tagged {
-    fn new(tags: CallTags, parse_body: BodyParser) -> Self {
+    fn new(tags: CallTags, parse_body: BodyParser, schemas: Arc<ToolSchemas>) -> Self {
         Self {
             tags,
             parse_body,
+            schemas,
             lexer: TagLexer::default(),
             body: None,
             trim_next: false,
@@ -264,7 +331,7 @@ impl Tagged {
         let Some(body) = self.body.take() else {
             return Ok(());
         };
-        match (self.parse_body)(&body) {
+        match (self.parse_body)(&body, &self.schemas) {
             Some((name, arguments)) => {
                 out.push(ToolEvent::Call(ToolCall::new(name, arguments)));
                 Ok(())
@@ -276,7 +343,7 @@ impl Tagged {
     }
 
     fn close(&mut self, body: String, out: &mut Vec<ToolEvent>) {
-        match (self.parse_body)(&body) {
+        match (self.parse_body)(&body, &self.schemas) {
             Some((name, arguments)) => {
                 out.push(ToolEvent::Call(ToolCall::new(name, arguments)));
                 self.trim_next = true;
@@ -427,17 +494,18 @@ fn call_from_json(value: &Value, require_args: bool) -> Option<(String, String)>
     Some((name.to_owned(), arguments))
 }
 
-fn parse_hermes_body(body: &str) -> Option<(String, String)> {
+fn parse_hermes_body(body: &str, schemas: &ToolSchemas) -> Option<(String, String)> {
     let body = body.trim();
     if body.starts_with("<function=") {
-        return parse_xml_function(body);
+        return parse_xml_function(body, schemas);
     }
     call_from_json(&serde_json::from_str(body).ok()?, false)
 }
 
-/// Qwen3-Coder: `<function=NAME>` `<parameter=KEY>`VALUE`</parameter>`..
-/// `</function>`, with one newline of layout around each value.
-fn parse_xml_function(body: &str) -> Option<(String, String)> {
+/// Qwen3-Coder (and Qwen 3.5): `<function=NAME>`
+/// `<parameter=KEY>`VALUE`</parameter>`.. `</function>`, with one newline of
+/// layout around each value; values typed by the tool's `schemas`.
+fn parse_xml_function(body: &str, schemas: &ToolSchemas) -> Option<(String, String)> {
     const PARAM_OPEN: &str = "<parameter=";
     const PARAM_CLOSE: &str = "</parameter>";
     let rest = body.strip_prefix("<function=")?;
@@ -457,19 +525,14 @@ fn parse_xml_function(body: &str) -> Option<(String, String)> {
         let value = &value_and_rest[..end];
         let value = value.strip_prefix('\n').unwrap_or(value);
         let value = value.strip_suffix('\n').unwrap_or(value);
-        let value = if value == "null" {
-            Value::Null
-        } else {
-            Value::String(value.to_owned())
-        };
-        args.insert(key.to_owned(), value);
+        args.insert(key.to_owned(), schemas.typed(name, key, value));
         rest = &value_and_rest[end + PARAM_CLOSE.len()..];
     }
     Some((name.to_owned(), Value::Object(args).to_string()))
 }
 
 /// Gemma 4: `call:NAME{key:value,..}` (the `call:` prefix is optional).
-fn parse_gemma_body(body: &str) -> Option<(String, String)> {
+fn parse_gemma_body(body: &str, _: &ToolSchemas) -> Option<(String, String)> {
     let body = body.trim();
     if body.starts_with('{') {
         return call_from_json(&serde_json::from_str(body).ok()?, false);
@@ -662,6 +725,7 @@ fn splitmix64(mut z: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn args(json: &str) -> Value {
         serde_json::from_str(json).unwrap()
@@ -708,6 +772,58 @@ mod tests {
     }
 
     #[test]
+    fn qwen3_coder_xml_values_are_typed_by_the_tool_schema() {
+        let tools = [
+            json!({"type": "function", "function": {"name": "book", "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"}, "nights": {"type": "integer"}, "budget": {"type": "number"},
+                "pets": {"type": "boolean"}, "rooms": {"type": "array"}, "extra": {"type": "object"},
+                "note": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+            }}}}),
+        ];
+        let schemas = Arc::new(ToolSchemas::from_tools(&tools));
+        let param = |k: &str, v: &str| format!("<parameter={k}>\n{v}\n</parameter>\n");
+        let body: String = [
+            param("city", "42"),
+            param("nights", "3"),
+            param("budget", "99.5"),
+            param("pets", "True"),
+            param("rooms", "[1, 2]"),
+            param("extra", "{\"view\": \"sea\"}"),
+            param("note", "7"),
+            param("unknown", "8"),
+            param("age", "null"),
+        ]
+        .concat();
+        let text = format!("<tool_call>\n<function=book>\n{body}</function>\n</tool_call>");
+        let mut parser = ToolParser::with_schemas(ToolFormat::Hermes, schemas);
+        let mut events = parser.push(&text);
+        events.extend(parser.finish().unwrap());
+        let [ToolEvent::Call(call)] = &events[..] else {
+            panic!("{events:?}");
+        };
+        assert_eq!(
+            args(&call.arguments),
+            json!({"city": "42", "nights": 3, "budget": 99.5, "pets": true, "rooms": [1, 2],
+                   "extra": {"view": "sea"}, "note": 7, "unknown": "8", "age": null})
+        );
+        // What does not parse as its type stays text; without schemas, all text.
+        let (_, calls) = parse_complete(ToolFormat::Hermes, &text);
+        assert_eq!(args(&calls[0].arguments)["nights"], "3");
+        let odd = "<tool_call>\n<function=book>\n<parameter=nights>\nthree\n</parameter>\n</function>\n</tool_call>";
+        let mut parser = ToolParser::with_schemas(
+            ToolFormat::Hermes,
+            Arc::new(ToolSchemas::from_tools(&tools)),
+        );
+        let events = parser.push(odd);
+        let [ToolEvent::Call(call)] = &events[..] else {
+            panic!("{events:?}");
+        };
+        assert_eq!(args(&call.arguments)["nights"], "three");
+    }
+
+    #[test]
     fn gemma_call_syntax() {
         let text =
             "<|tool_call>call:get_weather{location:<|\"|>Paris, FR<|\"|>,days:3,metric:true,\
@@ -731,7 +847,7 @@ mod tests {
     #[test]
     fn gemma_deep_nesting_is_refused_not_overflowed() {
         let body = format!("call:f{{a:{}1{}}}", "[".repeat(10_000), "]".repeat(10_000));
-        assert!(parse_gemma_body(&body).is_none());
+        assert!(parse_gemma_body(&body, &ToolSchemas::default()).is_none());
     }
 
     #[test]
