@@ -5,7 +5,9 @@
 //!
 //! Prompt types: the bundled mixed set (`bench/prompts/mixed.jsonl`; tool
 //! calls left out, they need the gateway's tool rendering) and two that
-//! quote their input (`edit`, `extract`). Engines: the fast path, `dflash`
+//! quote their input (`edit`, `extract`), and one whose answer a JSON
+//! Schema constrains (`json (schema)`: a record copied into JSON, the
+//! grammar verified with each draft). Engines: the fast path, `dflash`
 //! and `mtp` with `draft: ngram` (3/1/8, adaptive sizing, the default), and
 //! `dflash` with `adaptive: false` (every round verifies the full block of
 //! 8: the fixed-k behaviour). Each cell: decode tok/s (after the first
@@ -19,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use engine_core::{Engine, Event, GenerateRequest, SpecStats};
+use engine_core::{Engine, Event, GenerateRequest, Grammar, SpecStats};
 use fastpath::FastpathEngine;
 use runtime::{ComputeDtype, KvPool, LoadedModel, SharedModel};
 use speculative::SpecSettings;
@@ -27,6 +29,23 @@ use speculative::SpecSettings;
 const EDIT: &str = "Here is a Python function:\n\n```python\ndef summarize(orders):\n    total = 0\n    count = 0\n    for order in orders:\n        if order.status == \"paid\":\n            total += order.amount\n            count += 1\n    average = total / count if count else 0\n    return {\"total\": total, \"count\": count, \"average\": average}\n```\n\nRename the variable `total` to `paid_total` everywhere and return the complete updated function in a code block.";
 
 const EXTRACT: &str = "Here is a configuration file:\n\n```\nserver.host = 0.0.0.0\nserver.port = 8080\nserver.read_timeout = 30s\ndatabase.url = postgres://db:5432/shop\ndatabase.pool_size = 16\ndatabase.connect_timeout = 5s\ncache.enabled = true\ncache.ttl = 600s\n```\n\nCopy out, unchanged and in a code block, every line of this file that starts with `server.` or `database.`.";
+
+const RECORD: &str = "Customer record:\n\nname: Ada Lovelace\nemail: ada.lovelace@example.com\ncity: London\ncountry: United Kingdom\nphone: +44 20 7946 0958\nmember_since: 2019\n\nReturn this record as a JSON object with the keys name, email, city, country, phone and member_since.";
+
+/// The record prompt's answer: its keys in order, values of their types.
+fn record_schema() -> Grammar {
+    let text = |max: u32| serde_json::json!({"type": "string", "maxLength": max});
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": text(40), "email": text(60), "city": text(40), "country": text(40),
+            "phone": text(30), "member_since": {"type": "integer", "minimum": 1900, "maximum": 2100},
+        },
+        "required": ["name", "email", "city", "country", "phone", "member_since"],
+        "additionalProperties": false,
+    });
+    Grammar::JsonSchema(schema.to_string())
+}
 
 struct Args {
     model: PathBuf,
@@ -69,9 +88,9 @@ fn root() -> PathBuf {
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))
 }
 
-/// (kind, prompt text): `per_kind` of each kind of the mixed set, then the
-/// quoting prompts.
-fn prompts(per_kind: usize) -> Vec<(String, String)> {
+/// (kind, prompt text, grammar): `per_kind` of each kind of the mixed set,
+/// then the quoting prompts and the constrained one.
+fn prompts(per_kind: usize) -> Vec<(String, String, Option<Grammar>)> {
     let file = root().join("bench/prompts/mixed.jsonl");
     let text = std::fs::read_to_string(&file).expect("read the mixed prompt set");
     let mut taken: BTreeMap<String, usize> = BTreeMap::new();
@@ -85,12 +104,20 @@ fn prompts(per_kind: usize) -> Vec<(String, String)> {
         let n = taken.entry(kind.clone()).or_default();
         if *n < per_kind {
             *n += 1;
-            out.push((kind, v["prompt"].as_str().unwrap_or_default().to_string()));
+            let prompt = v["prompt"].as_str().unwrap_or_default().to_string();
+            out.push((kind, prompt, None));
         }
     }
-    out.push(("edit (quotes)".into(), EDIT.into()));
-    out.push(("extract (quotes)".into(), EXTRACT.into()));
+    out.push(("edit (quotes)".into(), EDIT.into(), None));
+    out.push(("extract (quotes)".into(), EXTRACT.into(), None));
+    out.push(("json (schema)".into(), RECORD.into(), Some(record_schema())));
     out
+}
+
+struct Prompt {
+    ids: Vec<u32>,
+    grammar: Option<Grammar>,
+    stop_tokens: Vec<u32>,
 }
 
 #[derive(Default, Clone, Copy)]
@@ -100,10 +127,11 @@ struct Run {
     spec: SpecStats,
 }
 
-fn one(engine: &dyn Engine, prompt: &[u32], gen: usize) -> (Vec<u32>, Run) {
-    let mut stream = engine
-        .submit(GenerateRequest::new(prompt.to_vec(), gen as u32))
-        .expect("submit");
+fn one(engine: &dyn Engine, prompt: &Prompt, gen: usize) -> (Vec<u32>, Run) {
+    let mut request = GenerateRequest::new(prompt.ids.clone(), gen as u32);
+    request.grammar = prompt.grammar.clone();
+    request.stop_tokens = prompt.stop_tokens.clone();
+    let mut stream = engine.submit(request).expect("submit");
     let (mut ids, mut run, mut first) = (Vec::new(), Run::default(), None::<Instant>);
     while let Some(ev) = stream.blocking_recv() {
         match ev {
@@ -128,9 +156,9 @@ fn main() {
     let a = args();
     let model = LoadedModel::load_as(&a.model, Some("bench"), a.dtype).expect("load model");
     let bytes = model.model.kv_bytes_per_token();
-    let encoded: Vec<(String, Vec<u32>)> = prompts(a.per_kind)
+    let encoded: Vec<(String, Prompt)> = prompts(a.per_kind)
         .into_iter()
-        .map(|(kind, text)| {
+        .map(|(kind, text, grammar)| {
             let messages = [serde_json::json!({"role": "user", "content": text})];
             let options = text::template::RenderOptions::default().with_generation_prompt();
             let rendered = model
@@ -139,10 +167,18 @@ fn main() {
                 .expect("the checkpoint has a chat template")
                 .render(&messages, &options)
                 .expect("render");
-            (
-                kind,
-                model.tokenizer.encode_chat(&rendered).expect("encode"),
-            )
+            let ids = model.tokenizer.encode_chat(&rendered).expect("encode");
+            // A constrained answer ends where its grammar does.
+            let stop_tokens = match grammar {
+                Some(_) => model.stop_tokens.clone(),
+                None => Vec::new(),
+            };
+            let prompt = Prompt {
+                ids,
+                grammar,
+                stop_tokens,
+            };
+            (kind, prompt)
         })
         .collect();
     let dtype = model.model.dtype();
