@@ -6,7 +6,7 @@
 
 use text::reasoning::{ReasoningFormat, ReasoningParser, Segment};
 use text::stop::StopMatcher;
-use text::tools::{ToolCall, ToolEvent, ToolFormat, ToolParser};
+use text::tools::{ToolCall, ToolEvent, ToolParser};
 use text::{StreamDecoder, Tokenizer};
 
 #[derive(Debug, thiserror::Error)]
@@ -78,7 +78,7 @@ impl Pipeline {
             decoder: StreamDecoder::with_prefix(tokenizer, true, prompt),
             stop: StopMatcher::new(&options.stop),
             reasoning: ReasoningParser::new(options.reasoning, options.starts_in_reasoning),
-            tools: options.tools,
+            tools: options.tools.clone(),
             tokens: 0,
             reasoning_tokens: 0,
             tool_calls: 0,
@@ -217,6 +217,7 @@ mod tests {
     use super::*;
     use fixtures::tokenizer::write_tokenizer;
     use fixtures::Family;
+    use text::tools::ToolFormat;
 
     fn tokenizer(family: Family) -> (tempfile::TempDir, Tokenizer) {
         let dir = tempfile::tempdir().unwrap();
