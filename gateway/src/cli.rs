@@ -91,6 +91,9 @@ pub enum PresetArg {
     /// The shape of Qwen3-30B-A3B, 4-bit (family qwen3-moe).
     #[value(name = "qwen3-30b-a3b")]
     Qwen3_30bA3b,
+    /// The shape of Gemma 4 26B-A4B, 4-bit (family gemma4).
+    #[value(name = "gemma4-26b-a4b")]
+    Gemma4_26bA4b,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]

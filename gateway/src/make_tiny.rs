@@ -32,10 +32,12 @@ pub fn run(args: &MakeTinyArgs) -> anyhow::Result<()> {
         (PresetArg::Qwen3_4b, FamilyArg::Qwen3) => TinySpec::qwen3_4b(),
         (PresetArg::Qwen35_4b, FamilyArg::Qwen35) => TinySpec::qwen35_4b(),
         (PresetArg::Qwen3_30bA3b, FamilyArg::Qwen3Moe) => TinySpec::qwen3_30b_a3b(),
+        (PresetArg::Gemma4_26bA4b, FamilyArg::Gemma4) => TinySpec::gemma4_26b_a4b(),
         (preset, _) => {
             let family = match preset {
                 PresetArg::Qwen35_4b => FamilyArg::Qwen35,
                 PresetArg::Qwen3_30bA3b => FamilyArg::Qwen3Moe,
+                PresetArg::Gemma4_26bA4b => FamilyArg::Gemma4,
                 _ => FamilyArg::Qwen3,
             };
             bail!(
@@ -45,7 +47,9 @@ pub fn run(args: &MakeTinyArgs) -> anyhow::Result<()> {
             )
         }
     };
-    if family == Family::Gemma4 {
+    // Tiny and bench size any family; the family flag picks the shape.
+    let sized_by_preset = matches!(args.preset, PresetArg::Tiny | PresetArg::Bench);
+    if family == Family::Gemma4 && sized_by_preset {
         let layers = spec.layers;
         spec.gemma4 = Some(match args.family {
             FamilyArg::Gemma4E2b => Gemma4Shape::e2b(layers),
@@ -53,7 +57,7 @@ pub fn run(args: &MakeTinyArgs) -> anyhow::Result<()> {
             _ => Gemma4Shape::moe_26b(layers),
         });
     }
-    if matches!(args.preset, PresetArg::Tiny | PresetArg::Bench) {
+    if sized_by_preset {
         spec.qwen = match args.family {
             FamilyArg::Qwen3Moe => Some(QwenShape::qwen3_moe()),
             FamilyArg::Qwen35 => Some(QwenShape::qwen35()),
