@@ -7,6 +7,10 @@
 //!
 //!     cargo bench -p runtime --bench raw_loop -- --model DIR [--dtype float32]
 //!
+//! `--batch B` times B equal-length rows decoded together instead (ours
+//! and mlx-lm's model each stepping the batch and reading its tokens every
+//! step): the model's batched step cost, without an engine around it.
+//!
 //! `--ours-only` skips the peers (for pairing runs with farm-bench).
 //! mlx-lm runs as pip installs it (the wheel's reference BLAS) and with
 //! Debian's OpenBLAS preloaded, which is what our build links; on a real
@@ -27,6 +31,7 @@ struct Args {
     prompt: usize,
     gen: usize,
     reps: usize,
+    batch: usize,
     ours_only: bool,
 }
 
@@ -38,6 +43,7 @@ fn args() -> Args {
         prompt: 512,
         gen: 256,
         reps: 3,
+        batch: 1,
         ours_only: false,
     };
     let argv: Vec<String> = std::env::args().collect();
@@ -56,6 +62,7 @@ fn args() -> Args {
             "--prompt" => a.prompt = value.parse().expect("prompt length"),
             "--gen" => a.gen = value.parse().expect("tokens to generate"),
             "--reps" => a.reps = value.parse().expect("repetitions"),
+            "--batch" => a.batch = value.parse().expect("rows"),
             _ => {
                 i += 1;
                 continue;
@@ -88,6 +95,20 @@ fn ours(dir: &Path, a: &Args) -> (f64, f64) {
         .map(|i| (i * 7919 + 13) % vocab)
         .collect();
     let (mut prefill, mut decode) = (0f64, 0f64);
+    if a.batch > 1 {
+        // Rows differ (each token shifted by its row) but are equally long.
+        let prompts: Vec<Vec<u32>> = (0..a.batch as u32)
+            .map(|r| prompt.iter().map(|&t| (t + r) % vocab).collect())
+            .collect();
+        for rep in 0..=a.reps {
+            let (p, d) = batch_step_rates(&loaded.model, &prompts, a.gen);
+            if rep > 0 {
+                prefill = prefill.max(p);
+                decode = decode.max(d);
+            }
+        }
+        return (prefill, decode);
+    }
     for rep in 0..=a.reps {
         let start = Instant::now();
         let run = generate::greedy(&loaded.model, &prompt, a.gen, &[], |_| true).unwrap();
@@ -101,11 +122,38 @@ fn ours(dir: &Path, a: &Args) -> (f64, f64) {
     (prefill, decode)
 }
 
+/// Prompt tokens per second of one batched prefill, and tokens per second
+/// (all rows) of `gen` batched greedy decode steps, each step's tokens read.
+fn batch_step_rates(model: &runtime::model::Model, prompts: &[Vec<u32>], gen: usize) -> (f64, f64) {
+    use mlx_rs::transforms::eval;
+    use runtime::model::Logits;
+    let (ids, pads) = generate::left_padded(prompts.iter().map(Vec::as_slice));
+    let mut cache = model.new_padded_cache(pads);
+    let start = Instant::now();
+    let logits = model.forward(&ids, &mut cache, Logits::Last).unwrap();
+    let mut current = generate::argmax_tokens(&logits).unwrap();
+    eval([&current]).unwrap();
+    let prefill = start.elapsed().as_secs_f64();
+    let start = Instant::now();
+    for _ in 1..gen {
+        let logits = model.forward(&current, &mut cache, Logits::Last).unwrap();
+        current = generate::argmax_tokens(&logits).unwrap();
+        eval([&current]).unwrap();
+        let _ = current.as_slice::<i32>();
+    }
+    let rows = prompts.len() as f64;
+    (
+        rows * prompts[0].len() as f64 / prefill,
+        rows * (gen - 1) as f64 / start.elapsed().as_secs_f64(),
+    )
+}
+
 fn mlx_lm(dir: &Path, a: &Args, preload: Option<&str>, cast: Option<&str>) -> (f64, f64) {
     let mut cmd = Command::new(python());
     cmd.arg(root().join("scripts/bench_mlx_lm.py"))
         .arg(dir)
         .args([a.prompt.to_string(), a.gen.to_string(), a.reps.to_string()])
+        .args(["--batch".to_string(), a.batch.to_string()])
         .args(cast);
     if let Some(lib) = preload {
         cmd.env("LD_PRELOAD", lib);
@@ -134,7 +182,8 @@ fn main() {
         None => generated_model(&a),
     };
     println!(
-        "prompt {} tokens, {} generated; best of {}; device {:?}; ours in compute dtype {:?}",
+        "{} row(s) of {}-token prompts, {} generated; best of {}; device {:?}; ours in compute dtype {:?}",
+        a.batch,
         a.prompt,
         a.gen,
         a.reps,
@@ -179,7 +228,13 @@ fn main() {
     println!("{:<40} {:>13} {:>12}", "", "prefill tok/s", "decode tok/s");
     println!(
         "{:<40} {:>13.1} {:>12.1}",
-        "ours (runtime::generate::greedy)", ours.0, ours.1
+        if a.batch > 1 {
+            "ours (batched model step)"
+        } else {
+            "ours (runtime::generate::greedy)"
+        },
+        ours.0,
+        ours.1
     );
     for (name, p) in &peers {
         println!("{name:<40} {:>13.1} {:>12.1}", p.0, p.1);
