@@ -497,9 +497,10 @@ fn assert_same(a: &Seen, b: &Seen, what: &str) {
 
 /// One long greedy row decoding, then rows joining mid-stream that stop on
 /// a stop token, end at a small `max_tokens`, sample with a seed and report
-/// logprobs, start from a prefix-cache hit, count penalties (which step
-/// the batch unpipelined while they run) and get cancelled. Returns what
-/// each request saw, in the order below (the cancelled one last).
+/// logprobs, start from a prefix-cache hit and get cancelled; once they
+/// are done, a row with penalties (the batch steps unpipelined while it
+/// runs, then pipelined again). Returns what each request saw, in the
+/// order below (the cancelled one last).
 fn mixed_traffic(shared: &SharedModel, engine: &BatchedEngine) -> Vec<Seen> {
     let system = prompt(71, 40);
     let with_tail = |tail: u64| {
@@ -512,7 +513,7 @@ fn mixed_traffic(shared: &SharedModel, engine: &BatchedEngine) -> Vec<Seen> {
     // Its prompt and answer go into the prefix cache before it ends.
     let warm = seen(&mut engine.submit(with_tail(72)).unwrap(), Vec::new());
     let long = prompt(73, 9);
-    let mut long_stream = engine.submit(request(long, 40)).unwrap();
+    let mut long_stream = engine.submit(request(long, 80)).unwrap();
     let long_head = first_tokens(&mut long_stream, 5);
 
     let stopped = prompt(74, 13);
@@ -532,8 +533,6 @@ fn mixed_traffic(shared: &SharedModel, engine: &BatchedEngine) -> Vec<Seen> {
     let mut greedy_logprobs = request(prompt(77, 6), 12);
     greedy_logprobs.sampling.logprobs = true;
     greedy_logprobs.sampling.top_logprobs = 3;
-    let mut penalised = request(prompt(78, 7), 6);
-    penalised.sampling.frequency_penalty = 1.5;
     let hit = with_tail(79);
     let cancelled = request(prompt(80, 8), 200);
     let cancel = cancelled.cancel.clone();
@@ -543,7 +542,6 @@ fn mixed_traffic(shared: &SharedModel, engine: &BatchedEngine) -> Vec<Seen> {
         short,
         sampled,
         greedy_logprobs,
-        penalised,
         hit,
     ]
     .into_iter()
@@ -553,9 +551,16 @@ fn mixed_traffic(shared: &SharedModel, engine: &BatchedEngine) -> Vec<Seen> {
     let cancelled_head = first_tokens(&mut cancelled_stream, 4);
     cancel.cancel();
 
-    let mut out = vec![warm, seen(&mut long_stream, long_head)];
-    out.extend(streams.iter_mut().map(|s| seen(s, Vec::new())));
-    out.push(seen(&mut cancelled_stream, cancelled_head));
+    let mut joined: Vec<Seen> = streams.iter_mut().map(|s| seen(s, Vec::new())).collect();
+    let cancelled = seen(&mut cancelled_stream, cancelled_head);
+    let mut penalised = request(prompt(78, 7), 6);
+    penalised.sampling.frequency_penalty = 1.5;
+    let penalised = seen(&mut engine.submit(penalised).unwrap(), Vec::new());
+    let long = seen(&mut long_stream, long_head);
+    joined.push(penalised);
+    let mut out = vec![warm, long];
+    out.extend(joined);
+    out.push(cancelled);
     out
 }
 
@@ -584,14 +589,14 @@ fn pipelined_decode_equals_unpipelined_decode() {
     let (_d1, shared, piped) = run(true);
     let (_d2, _, plain) = run(false);
     let names = [
-        "warm-up", "long", "stopped", "short", "sampled", "logprobs", "penalised", "hit",
+        "warm-up", "long", "stopped", "short", "sampled", "logprobs", "hit", "penalised",
     ];
     for (i, name) in names.iter().enumerate() {
         assert_same(&piped[i], &plain[i], name);
     }
     // And greedy rows as each alone.
     let long = prompt(73, 9);
-    assert_eq!(piped[1].ids(), alone(&shared, &long, 40));
+    assert_eq!(piped[1].ids(), alone(&shared, &long, 80));
     let stopped = &piped[2];
     assert_eq!(stopped.finish.reason, FinishReason::Stop);
     assert_eq!(stopped.ids(), alone(&shared, &prompt(74, 13), 30)[..stopped.tokens.len()]);
@@ -599,7 +604,7 @@ fn pipelined_decode_equals_unpipelined_decode() {
     assert_eq!(piped[3].ids(), alone(&shared, &prompt(75, 4), 3));
     assert_eq!(piped[3].finish.reason, FinishReason::Length);
     assert_eq!(piped[5].ids(), alone(&shared, &prompt(77, 6), 12));
-    assert_eq!(piped[7].finish.cached_tokens, 32, "a prefix-cache hit");
+    assert_eq!(piped[6].finish.cached_tokens, 32, "a prefix-cache hit");
     // The cancelled row: a prefix of its answer, billed as streamed, in
     // both modes (how far it got depends on timing).
     for s in [&piped[8], &plain[8]] {
