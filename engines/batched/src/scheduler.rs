@@ -141,13 +141,8 @@ impl Scheduler {
         stats: Arc<Stats>,
     ) {
         loop {
-            let scheduler = Scheduler::new(
-                shared.clone(),
-                limits,
-                pipeline,
-                rx.clone(),
-                stats.clone(),
-            );
+            let scheduler =
+                Scheduler::new(shared.clone(), limits, pipeline, rx.clone(), stats.clone());
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| scheduler.run())) {
                 Ok(()) => return,
                 Err(_) => {

@@ -460,7 +460,10 @@ impl Seen {
 
 fn seen(stream: &mut EventStream, mut tokens: Vec<TokenEvent>) -> Seen {
     loop {
-        match stream.blocking_recv().expect("stream ended without Finished") {
+        match stream
+            .blocking_recv()
+            .expect("stream ended without Finished")
+        {
             Event::Token(t) => tokens.push(t),
             Event::Finished(finish) => return Seen { tokens, finish },
             Event::Error(e) => panic!("engine error: {e}"),
@@ -537,16 +540,10 @@ fn mixed_traffic(shared: &SharedModel, engine: &BatchedEngine) -> Vec<Seen> {
     let cancelled = request(prompt(80, 8), 200);
     let cancel = cancelled.cancel.clone();
 
-    let mut streams: Vec<EventStream> = [
-        stopped,
-        short,
-        sampled,
-        greedy_logprobs,
-        hit,
-    ]
-    .into_iter()
-    .map(|r| engine.submit(r).unwrap())
-    .collect();
+    let mut streams: Vec<EventStream> = [stopped, short, sampled, greedy_logprobs, hit]
+        .into_iter()
+        .map(|r| engine.submit(r).unwrap())
+        .collect();
     let mut cancelled_stream = engine.submit(cancelled).unwrap();
     let cancelled_head = first_tokens(&mut cancelled_stream, 4);
     cancel.cancel();
@@ -582,14 +579,25 @@ fn pipelined_decode_equals_unpipelined_decode() {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        assert_eq!(shared.kv_pool.allocated(), 0, "pipeline {pipeline}: KV leaked");
+        assert_eq!(
+            shared.kv_pool.allocated(),
+            0,
+            "pipeline {pipeline}: KV leaked"
+        );
         assert_eq!(engine.load().active, 0);
         (dir, shared, seen)
     };
     let (_d1, shared, piped) = run(true);
     let (_d2, _, plain) = run(false);
     let names = [
-        "warm-up", "long", "stopped", "short", "sampled", "logprobs", "hit", "penalised",
+        "warm-up",
+        "long",
+        "stopped",
+        "short",
+        "sampled",
+        "logprobs",
+        "hit",
+        "penalised",
     ];
     for (i, name) in names.iter().enumerate() {
         assert_same(&piped[i], &plain[i], name);
@@ -599,7 +607,10 @@ fn pipelined_decode_equals_unpipelined_decode() {
     assert_eq!(piped[1].ids(), alone(&shared, &long, 80));
     let stopped = &piped[2];
     assert_eq!(stopped.finish.reason, FinishReason::Stop);
-    assert_eq!(stopped.ids(), alone(&shared, &prompt(74, 13), 30)[..stopped.tokens.len()]);
+    assert_eq!(
+        stopped.ids(),
+        alone(&shared, &prompt(74, 13), 30)[..stopped.tokens.len()]
+    );
     assert!(stopped.tokens.len() <= 6, "ends at its stop token");
     assert_eq!(piped[3].ids(), alone(&shared, &prompt(75, 4), 3));
     assert_eq!(piped[3].finish.reason, FinishReason::Length);

@@ -39,7 +39,10 @@ fn collect(mut stream: EventStream) -> (Vec<u32>, Finish) {
 fn run(engine: &BatchedEngine) -> Vec<(Vec<u32>, FinishReason, u32)> {
     let streams: Vec<_> = (0..6u64)
         .map(|i| {
-            let mut r = GenerateRequest::new(random_prompt(i + 1, 3 + 7 * i as usize, 500), 14 + 3 * i as u32);
+            let mut r = GenerateRequest::new(
+                random_prompt(i + 1, 3 + 7 * i as usize, 500),
+                14 + 3 * i as u32,
+            );
             if i == 2 {
                 r.sampling.temperature = 1.0;
                 r.sampling.seed = Some(17);
