@@ -101,11 +101,11 @@ impl Engine for BatchedEngine {
             ));
         }
         self.tx
-            .send(Msg::Submit(Waiting {
+            .send(Msg::Submit(Box::new(Waiting {
                 request,
                 blocks,
                 events,
-            }))
+            })))
             .map_err(|_| {
                 self.stats.dequeued();
                 EngineError::ShuttingDown

@@ -37,7 +37,7 @@ use crate::queue::{WaitQueue, Waiting};
 use crate::row::{Active, Row};
 
 pub enum Msg {
-    Submit(Waiting),
+    Submit(Box<Waiting>),
     Adopt(Box<Handover>),
     Cancel(RequestId),
     Shutdown,
@@ -208,7 +208,7 @@ impl Scheduler {
 
     fn handle(&mut self, msg: Msg) {
         match msg {
-            Msg::Submit(w) => self.waiting.push(w),
+            Msg::Submit(w) => self.waiting.push(*w),
             Msg::Adopt(h) => self.adopt(*h),
             Msg::Cancel(id) => {
                 for r in self.started() {
@@ -695,7 +695,7 @@ impl Scheduler {
         self.pending = None;
         let mut rows: Vec<Row> = self.rows.drain(..).collect();
         rows.extend(self.prefill.take().map(|p| p.row));
-        rows.extend(self.group.drain(..));
+        rows.append(&mut self.group);
         rows.extend(self.preempted.drain(..));
         rows
     }
@@ -863,7 +863,7 @@ impl Step {
         let idx: Vec<i32> = kept.iter().map(|&i| i as i32).collect();
         let tokens = self
             .tokens
-            .take_axis(&Array::from_slice(&idx, &[idx.len() as i32]), 0)?;
+            .take_axis(Array::from_slice(&idx, &[idx.len() as i32]), 0)?;
         let logprobs = self
             .logprobs
             .into_iter()
