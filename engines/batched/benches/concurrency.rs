@@ -131,7 +131,9 @@ fn run_one(engine: &dyn Engine, req: GenerateRequest, out: &mut Samples) {
     }
 }
 
-fn level(engine: Arc<dyn Engine>, c: usize, a: &Args, vocab: u32) -> (f64, Samples) {
+/// `salt` varies the prompts (the prefix cache outlives an engine: a sweep
+/// after another must not reuse its prompts).
+fn level(engine: Arc<dyn Engine>, c: usize, a: &Args, vocab: u32, salt: usize) -> (f64, Samples) {
     let start = Instant::now();
     let handles: Vec<_> = (0..c)
         .map(|client| {
@@ -142,7 +144,7 @@ fn level(engine: Arc<dyn Engine>, c: usize, a: &Args, vocab: u32) -> (f64, Sampl
                 for r in 0..rounds {
                     run_one(
                         engine.as_ref(),
-                        GenerateRequest::new(prompt(client * 31 + r, p, vocab), g as u32),
+                        GenerateRequest::new(prompt(salt + client * 31 + r, p, vocab), g as u32),
                         &mut s,
                     );
                 }
@@ -206,7 +208,14 @@ fn long_prompt_stall(
 }
 
 /// The concurrency levels on a batched engine with `pipeline` as given.
-fn sweep(shared: &Arc<SharedModel>, pipeline: bool, a: &Args, vocab: u32, raw_tps: f64) {
+fn sweep(
+    shared: &Arc<SharedModel>,
+    pipeline: bool,
+    a: &Args,
+    vocab: u32,
+    raw_tps: f64,
+    salt: usize,
+) {
     let engine: Arc<dyn Engine> = Arc::new(BatchedEngine::new(
         format!("batched-pipeline-{pipeline}"),
         shared.clone(),
@@ -225,7 +234,7 @@ fn sweep(shared: &Arc<SharedModel>, pipeline: bool, a: &Args, vocab: u32, raw_tp
     let mut c1 = None;
     let mut last = 0.0;
     for &c in &a.levels {
-        let (tps, mut s) = level(engine.clone(), c, a, vocab);
+        let (tps, mut s) = level(engine.clone(), c, a, vocab, salt);
         if c == 1 {
             c1 = Some(1e3 / (s.itl.iter().sum::<f64>() / s.itl.len() as f64));
         }
@@ -291,8 +300,8 @@ fn main() {
     drop(fast);
 
     println!("\nsingle-request decode tok/s: raw loop {raw_tps:.1}, fast path engine {fast_decode:.1} ({:.1}% of raw)", 100.0 * fast_decode / raw_tps);
-    for &pipeline in &a.pipeline {
-        sweep(&shared, pipeline, &a, vocab, raw_tps);
+    for (i, &pipeline) in a.pipeline.iter().enumerate() {
+        sweep(&shared, pipeline, &a, vocab, raw_tps, 100_000 * (i + 1));
     }
     if !a.stall {
         return;
