@@ -66,7 +66,24 @@ fn a_step_out_of_memory_recomputes_its_rows_and_fails_nothing() {
         run_together(&gw)
     };
     // Failures in group prefills, chunked prefills, decode steps and
-    // recomputations alike.
+    // recomputations alike; pipelined decode (the default) and not.
+    let unpipelined = BATCHED.replace(
+        "prefill_chunk: 16 }",
+        "prefill_chunk: 16, pipeline: false }",
+    );
+    assert_ne!(unpipelined, BATCHED);
+    let gw = Gateway::start_with_env(&unpipelined, &[(OOM_ENV, "3,7,12,20")]);
+    assert_eq!(
+        run_together(&gw),
+        reference,
+        "unpipelined outputs differ from the undisturbed run"
+    );
+    assert_eq!(
+        gw.health()["kv_pool"]["allocated_blocks"],
+        0,
+        "KV blocks leaked"
+    );
+    drop(gw);
     let gw = Gateway::start_with_env(BATCHED, &[(OOM_ENV, "3,7,12,20")]);
     let disturbed = run_together(&gw);
     let logs = gw.logs();

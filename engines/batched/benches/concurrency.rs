@@ -1,13 +1,17 @@
 //! Engine-level serving benchmark on a generated model:
 //!
-//!     cargo bench -p engine-batched --bench concurrency [-- --preset bench|qwen3-4b
-//!         --levels 1,2,4,8,16 --prompt 128 --gen 64 --rounds 2]
+//!     cargo bench -p batched --bench concurrency [-- --preset bench|qwen3-4b
+//!         --levels 1,2,4,8,16 --prompt 128 --gen 64 --rounds 2 --pipeline on|off|both
+//!         --no-stall]
 //!
 //! For each concurrency level c, c clients each send `rounds` requests back
 //! to back; reports aggregate output tok/s, TTFT and inter-token latency
-//! p50/p99. Also: the raw model loop and the fast path engine at c=1 (the
+//! p50/p99, with the batched engine's pipelined decode on (its default),
+//! off, or both one after the other on the same model (`--pipeline`).
+//! Also: the raw model loop and the fast path engine at c=1 (the
 //! baseline the batched engine is held to), and the inter-token latency of
-//! running rows while a long prompt is prefilled, with and without chunking.
+//! running rows while a long prompt is prefilled, with and without chunking
+//! (not with `--no-stall`).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -25,6 +29,9 @@ struct Args {
     prompt: usize,
     gen: usize,
     rounds: usize,
+    /// The batched engine's `pipeline` settings to measure, in order.
+    pipeline: Vec<bool>,
+    stall: bool,
 }
 
 fn args() -> Args {
@@ -34,8 +41,11 @@ fn args() -> Args {
         prompt: 128,
         gen: 64,
         rounds: 2,
+        pipeline: vec![true],
+        stall: true,
     };
     let argv: Vec<String> = std::env::args().collect();
+    a.stall = !argv.iter().any(|x| x == "--no-stall");
     for w in argv.windows(2) {
         match w[0].as_str() {
             "--preset" => a.preset = w[1].clone(),
@@ -43,6 +53,14 @@ fn args() -> Args {
             "--prompt" => a.prompt = w[1].parse().expect("prompt"),
             "--gen" => a.gen = w[1].parse().expect("gen"),
             "--rounds" => a.rounds = w[1].parse().expect("rounds"),
+            "--pipeline" => {
+                a.pipeline = match w[1].as_str() {
+                    "on" => vec![true],
+                    "off" => vec![false],
+                    "both" => vec![true, false],
+                    other => panic!("--pipeline on|off|both, not {other}"),
+                }
+            }
             _ => {}
         }
     }
@@ -113,7 +131,9 @@ fn run_one(engine: &dyn Engine, req: GenerateRequest, out: &mut Samples) {
     }
 }
 
-fn level(engine: Arc<dyn Engine>, c: usize, a: &Args, vocab: u32) -> (f64, Samples) {
+/// `salt` varies the prompts (the prefix cache outlives an engine: a sweep
+/// after another must not reuse its prompts).
+fn level(engine: Arc<dyn Engine>, c: usize, a: &Args, vocab: u32, salt: usize) -> (f64, Samples) {
     let start = Instant::now();
     let handles: Vec<_> = (0..c)
         .map(|client| {
@@ -124,7 +144,7 @@ fn level(engine: Arc<dyn Engine>, c: usize, a: &Args, vocab: u32) -> (f64, Sampl
                 for r in 0..rounds {
                     run_one(
                         engine.as_ref(),
-                        GenerateRequest::new(prompt(client * 31 + r, p, vocab), g as u32),
+                        GenerateRequest::new(prompt(salt + client * 31 + r, p, vocab), g as u32),
                         &mut s,
                     );
                 }
@@ -187,6 +207,56 @@ fn long_prompt_stall(
     (worst, pct(&mut itl, 0.99))
 }
 
+/// The concurrency levels on a batched engine with `pipeline` as given.
+fn sweep(
+    shared: &Arc<SharedModel>,
+    pipeline: bool,
+    a: &Args,
+    vocab: u32,
+    raw_tps: f64,
+    salt: usize,
+) {
+    let engine: Arc<dyn Engine> = Arc::new(BatchedEngine::new(
+        format!("batched-pipeline-{pipeline}"),
+        shared.clone(),
+        BatchedConfig {
+            pipeline,
+            ..Default::default()
+        },
+    ));
+    let p = prompt(1, a.prompt, vocab);
+    let mut s = Samples::default();
+    run_one(engine.as_ref(), GenerateRequest::new(p, 8), &mut s); // warm-up
+    let mode = if pipeline { "on" } else { "off" };
+    println!("\nbatched engine, pipelined decode {mode}:");
+    println!("\n| c | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |");
+    println!("|---|---|---|---|---|---|");
+    let mut c1 = None;
+    let mut last = 0.0;
+    for &c in &a.levels {
+        let (tps, mut s) = level(engine.clone(), c, a, vocab, salt);
+        if c == 1 {
+            c1 = Some(1e3 / (s.itl.iter().sum::<f64>() / s.itl.len() as f64));
+        }
+        last = tps;
+        println!(
+            "| {c} | {tps:.1} | {:.1} | {:.1} | {:.2} | {:.2} |",
+            pct(&mut s.ttft, 0.5),
+            pct(&mut s.ttft, 0.99),
+            pct(&mut s.itl, 0.5),
+            pct(&mut s.itl, 0.99)
+        );
+    }
+    if let Some(b1) = c1 {
+        println!(
+            "batched engine (pipeline {mode}) at c=1: {b1:.1} tok/s decode ({:.1}% of raw)",
+            100.0 * b1 / raw_tps
+        );
+        let top = a.levels.last().copied().unwrap_or(1);
+        println!("aggregate at c={top} over c=1 decode: {:.2}x", last / b1);
+    }
+}
+
 fn main() {
     runtime::cuda_env::apply_defaults();
     let a = args();
@@ -229,39 +299,12 @@ fn main() {
     let fast_decode = 1e3 / (fs.itl.iter().sum::<f64>() / fs.itl.len() as f64);
     drop(fast);
 
-    let engine: Arc<dyn Engine> = Arc::new(BatchedEngine::new(
-        "batched".into(),
-        shared.clone(),
-        BatchedConfig::default(),
-    ));
-    let mut s = Samples::default();
-    run_one(engine.as_ref(), GenerateRequest::new(p.clone(), 8), &mut s); // warm-up
-    println!("\n| c | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |");
-    println!("|---|---|---|---|---|---|");
-    let mut c1 = None;
-    let mut last = 0.0;
-    for &c in &a.levels {
-        let (tps, mut s) = level(engine.clone(), c, &a, vocab);
-        if c == 1 {
-            c1 = Some(1e3 / (s.itl.iter().sum::<f64>() / s.itl.len() as f64));
-        }
-        last = tps;
-        println!(
-            "| {c} | {tps:.1} | {:.1} | {:.1} | {:.2} | {:.2} |",
-            pct(&mut s.ttft, 0.5),
-            pct(&mut s.ttft, 0.99),
-            pct(&mut s.itl, 0.5),
-            pct(&mut s.itl, 0.99)
-        );
-    }
     println!("\nsingle-request decode tok/s: raw loop {raw_tps:.1}, fast path engine {fast_decode:.1} ({:.1}% of raw)", 100.0 * fast_decode / raw_tps);
-    if let Some(b1) = c1 {
-        println!(
-            "batched engine at c=1: {b1:.1} tok/s decode ({:.1}% of raw)",
-            100.0 * b1 / raw_tps
-        );
-        let top = a.levels.last().copied().unwrap_or(1);
-        println!("aggregate at c={top} over c=1 decode: {:.2}x", last / b1);
+    for (i, &pipeline) in a.pipeline.iter().enumerate() {
+        sweep(&shared, pipeline, &a, vocab, raw_tps, 100_000 * (i + 1));
+    }
+    if !a.stall {
+        return;
     }
     let long = (a.prompt * 8).max(1024);
     let (worst_chunked, p99_chunked) = long_prompt_stall(&shared, 256, long, vocab);

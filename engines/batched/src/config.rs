@@ -18,6 +18,11 @@ pub struct BatchedConfig {
     /// Prompt tokens prefilled per scheduler step: bounds how long a long
     /// prompt can stall the decode of running rows.
     pub prefill_chunk: usize,
+    /// Pipelined decode: each step is queued on the device before the
+    /// previous step's tokens are read, so the device does not wait for
+    /// the host between tokens (docs/batching.md). The same tokens either
+    /// way; `false` reads every step before queuing the next.
+    pub pipeline: bool,
 }
 
 impl Default for BatchedConfig {
@@ -27,6 +32,7 @@ impl Default for BatchedConfig {
             max_batch: None,
             max_queue: 256,
             prefill_chunk: 256,
+            pipeline: true,
         }
     }
 }

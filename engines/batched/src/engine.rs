@@ -55,15 +55,16 @@ impl BatchedEngine {
         let (tx, rx) = crossbeam_channel::unbounded();
         let stats = Arc::new(Stats::default());
         let limits = cfg.limits(shared.kv_pool.step_tokens(), shared.model.model.is_hybrid());
+        let pipeline = cfg.pipeline;
         let thread = std::thread::Builder::new()
             .name(format!("{name}-scheduler"))
             .spawn({
                 let (shared, stats) = (shared.clone(), stats.clone());
-                move || Scheduler::supervise(shared, limits, rx, stats)
+                move || Scheduler::supervise(shared, limits, pipeline, rx, stats)
             })
             .expect("spawn the scheduler thread");
         shared.set_handover_sink(Arc::new(Sink(tx.clone(), stats.clone())));
-        tracing::info!(engine = %name, max_batch = limits.max_batch, prefill_chunk = limits.prefill.chunk, group_tokens = limits.prefill.group_tokens, "batched engine ready");
+        tracing::info!(engine = %name, max_batch = limits.max_batch, prefill_chunk = limits.prefill.chunk, group_tokens = limits.prefill.group_tokens, pipeline, "batched engine ready");
         Self {
             name,
             shared,
@@ -100,11 +101,11 @@ impl Engine for BatchedEngine {
             ));
         }
         self.tx
-            .send(Msg::Submit(Waiting {
+            .send(Msg::Submit(Box::new(Waiting {
                 request,
                 blocks,
                 events,
-            }))
+            })))
             .map_err(|_| {
                 self.stats.dequeued();
                 EngineError::ShuttingDown

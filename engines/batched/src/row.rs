@@ -63,6 +63,20 @@ impl Row {
         self.out.request.sampling.logprobs
     }
 
+    /// Whether the row's next pick can be built before its current token
+    /// is read on the host (pipelined decode): not under a grammar, whose
+    /// mask follows the token, nor with penalties, which count it.
+    pub fn pipelines(&self) -> bool {
+        self.constraint.is_none() && !self.sampler.reads_history()
+    }
+
+    /// Tokens it may still emit before `max_tokens`.
+    pub fn tokens_left(&self) -> u32 {
+        self.request()
+            .max_tokens
+            .saturating_sub(self.out.generated())
+    }
+
     /// Handles a freshly sampled token; returns why the row ends, if it does.
     pub fn accept(&mut self, token: TokenEvent) -> Option<FinishReason> {
         let id = token.id;

@@ -4,6 +4,13 @@
 //! budget bounds the inter-token latency of running rows while a long
 //! prompt arrives.
 //!
+//! Decode is pipelined (as mlx-lm's `BatchGenerator`): step n+1 is built on
+//! step n's tokens still on the device and queued before the host reads
+//! them, so the device never waits for the host between tokens
+//! ([`Scheduler::decode`]). Rows that finish with step n ride along in step
+//! n+1 (its token for them is dropped unread); rows that join or leave
+//! change the batch from the next step queued.
+//!
 //! A step that runs out of device memory fails no request by itself: its
 //! rows give up their KV and wait to be recomputed from their tokens
 //! ([`Scheduler::recover_from_oom`]), as vLLM's recompute preemption.
@@ -15,8 +22,8 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, TryRecvError};
 use engine_core::{FinishReason, RequestId, StreamError, TokenEvent};
-use mlx_rs::transforms::eval;
-use mlx_rs::{ops, Array};
+use mlx_rs::transforms::{async_eval, eval};
+use mlx_rs::{ops, Array, Dtype};
 use runtime::emit::Emitter;
 use runtime::handover::Handover;
 use runtime::model::Logits;
@@ -30,7 +37,7 @@ use crate::queue::{WaitQueue, Waiting};
 use crate::row::{Active, Row};
 
 pub enum Msg {
-    Submit(Waiting),
+    Submit(Box<Waiting>),
     Adopt(Box<Handover>),
     Cancel(RequestId),
     Shutdown,
@@ -70,6 +77,8 @@ struct Prefilling {
 pub struct Scheduler {
     shared: Arc<SharedModel>,
     limits: StepLimits,
+    /// Pipelined decode (`pipeline` in the engine's config).
+    pipeline: bool,
     rx: Receiver<Msg>,
     stats: Arc<Stats>,
     waiting: WaitQueue,
@@ -78,6 +87,9 @@ pub struct Scheduler {
     group: Vec<Row>,
     rows: Vec<Row>,
     batch: Option<KvCache>,
+    /// The decode step queued and not yet read (pipelined decode): the
+    /// next tokens of the first `pending.rows` rows.
+    pending: Option<Step>,
     /// Rows that gave up their KV when a step ran out of memory, oldest
     /// first; they rejoin before anything new is admitted.
     preempted: VecDeque<Row>,
@@ -94,6 +106,7 @@ impl Scheduler {
     pub fn new(
         shared: Arc<SharedModel>,
         limits: StepLimits,
+        pipeline: bool,
         rx: Receiver<Msg>,
         stats: Arc<Stats>,
     ) -> Self {
@@ -101,12 +114,14 @@ impl Scheduler {
             waiting: WaitQueue::default(),
             shared,
             limits,
+            pipeline,
             rx,
             stats,
             prefill: None,
             group: Vec::new(),
             rows: Vec::new(),
             batch: None,
+            pending: None,
             preempted: VecDeque::new(),
             row_cap: None,
             lone_oom: None,
@@ -121,11 +136,13 @@ impl Scheduler {
     pub fn supervise(
         shared: Arc<SharedModel>,
         limits: StepLimits,
+        pipeline: bool,
         rx: Receiver<Msg>,
         stats: Arc<Stats>,
     ) {
         loop {
-            let scheduler = Scheduler::new(shared.clone(), limits, rx.clone(), stats.clone());
+            let scheduler =
+                Scheduler::new(shared.clone(), limits, pipeline, rx.clone(), stats.clone());
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| scheduler.run())) {
                 Ok(()) => return,
                 Err(_) => {
@@ -191,7 +208,7 @@ impl Scheduler {
 
     fn handle(&mut self, msg: Msg) {
         match msg {
-            Msg::Submit(w) => self.waiting.push(w),
+            Msg::Submit(w) => self.waiting.push(*w),
             Msg::Adopt(h) => self.adopt(*h),
             Msg::Cancel(id) => {
                 for r in self.started() {
@@ -316,6 +333,11 @@ impl Scheduler {
         }
         let keep: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].is_some()).collect();
         self.rows = rows.into_iter().flatten().collect();
+        // A queued step's tokens for the rows gone are never read.
+        let pending = match self.pending.take() {
+            Some(step) => step.keep(&keep),
+            None => Ok(None),
+        };
         if let Some(cap) = &mut self.row_cap {
             cap.rows_finished(gone.len());
             if cap.limit() >= self.limits.max_batch {
@@ -324,11 +346,15 @@ impl Scheduler {
         }
         if self.rows.is_empty() {
             self.batch = None;
-        } else if let Some(b) = self.batch.as_mut() {
-            if let Err(e) = b.select_rows(&keep) {
-                tracing::error!(error = %e, "dropping rows from the batch failed");
-                self.fail_all("internal error");
-            }
+            return;
+        }
+        let selected = pending.and_then(|step| {
+            self.pending = step;
+            self.batch.as_mut().map_or(Ok(()), |b| b.select_rows(&keep))
+        });
+        if let Err(e) = selected {
+            tracing::error!(error = %e, "dropping rows from the batch failed");
+            self.fail_all("internal error");
         }
     }
 
@@ -460,10 +486,22 @@ impl Scheduler {
     fn step(&mut self) -> anyhow::Result<()> {
         let shared = self.shared.clone();
         let _device = shared.model.lock_device();
-        self.prefill_group()?;
-        self.prefill_chunk()?;
-        self.decode()?;
-        Ok(())
+        let done = self
+            .prefill_group()
+            .and_then(|()| self.prefill_chunk())
+            .and_then(|()| self.decode());
+        if done.is_err() {
+            // A step queued before the failure computed its tokens before
+            // it: they are delivered, as unpipelined decoding read them
+            // before the failing forward ran (the recovery then recomputes
+            // from them, and seeded rows draw the same keys).
+            if let Some(step) = self.pending.take() {
+                if let Err(e) = self.land(step) {
+                    tracing::warn!(error = %e, "reading the last queued step failed");
+                }
+            }
+        }
+        done
     }
 
     fn prefill_group(&mut self) -> anyhow::Result<()> {
@@ -563,18 +601,78 @@ impl Scheduler {
         }
     }
 
+    /// One decode step of the batch. Pipelined, the step is built on the
+    /// previous step's tokens still on the device and queued before they
+    /// are read; the rows that finish with them are dropped from the step
+    /// just queued, unread. A batch with a row that must be read before its
+    /// next pick (see [`Row::pipelines`]) steps unpipelined: queue, read.
     fn decode(&mut self) -> anyhow::Result<()> {
-        let Some(cache) = self.batch.as_mut() else {
+        if self.batch.is_none() {
             return Ok(());
+        }
+        let pipelined = self.pipeline && self.rows.iter().all(Row::pipelines);
+        // Nothing is queued behind a step that ends every row by length,
+        // or once pipelining stopped (a constrained row joined).
+        let rows = &self.rows;
+        if let Some(step) = self
+            .pending
+            .take_if(|s| !pipelined || !continues_after(rows, s))
+        {
+            self.land(step)?;
+            if self.batch.is_none() {
+                return Ok(());
+            }
+        }
+        let prev = self.pending.take();
+        let next = match self.queue_step(prev.as_ref()) {
+            Ok(next) => next,
+            Err(e) => {
+                // Read by `step`'s recovery.
+                self.pending = prev;
+                return Err(e);
+            }
         };
-        let b = self.rows.len() as i32;
-        let inputs: Vec<i32> = self.rows.iter().map(|r| r.last_token as i32).collect();
+        if !pipelined {
+            return self.land(next);
+        }
+        async_eval(next.arrays())?;
+        self.pending = Some(next);
+        match prev {
+            Some(prev) => self.land(prev),
+            None => Ok(()),
+        }
+    }
+
+    /// Builds the batch's next decode step (forward and picks, lazily).
+    /// Its inputs: `prev`'s tokens, on the device, for the rows it covers;
+    /// the newest token, from the host, for the rows that joined since.
+    fn queue_step(&mut self, prev: Option<&Step>) -> anyhow::Result<Step> {
+        let cache = self.batch.as_mut().expect("a batch to step");
+        let b = self.rows.len();
+        let on_device = prev.map_or(0, |s| s.rows);
+        let host: Vec<i32> = self.rows[on_device..]
+            .iter()
+            .map(|r| r.last_token as i32)
+            .collect();
+        let host = Array::from_slice(&host, &[host.len() as i32]);
+        let inputs = match prev {
+            None => host,
+            Some(s) if on_device == b => s.tokens.as_dtype(Dtype::Int32)?,
+            Some(s) => ops::concatenate(&[s.tokens.as_dtype(Dtype::Int32)?, host], 0)?,
+        };
         let logits = self.shared.model.model.forward(
-            &Array::from_slice(&inputs, &[b, 1]),
+            &inputs.reshape(&[b as i32, 1])?,
             cache,
             Logits::Last,
         )?;
-        let finished = advance_rows(&mut self.rows, &logits)?;
+        sample_step(&mut self.rows, &logits)
+    }
+
+    /// Reads a step's tokens and hands them to its rows; the rows that end
+    /// leave the batch.
+    fn land(&mut self, step: Step) -> anyhow::Result<()> {
+        let n = step.rows;
+        let finished = land_step(&mut self.rows[..n], step)?;
         if !finished.is_empty() {
             self.remove_rows(&finished);
         }
@@ -594,9 +692,10 @@ impl Scheduler {
     /// with them), oldest first.
     fn take_started(&mut self) -> Vec<Row> {
         self.batch = None;
+        self.pending = None;
         let mut rows: Vec<Row> = self.rows.drain(..).collect();
         rows.extend(self.prefill.take().map(|p| p.row));
-        rows.extend(self.group.drain(..));
+        rows.append(&mut self.group);
         rows.extend(self.preempted.drain(..));
         rows
     }
@@ -729,9 +828,85 @@ impl RowCap {
 /// finished. A constrained row ends with `Stop` where its grammar is
 /// complete or allows nothing more, keeping the output so far.
 fn advance_rows(rows: &mut [Row], logits: &Array) -> anyhow::Result<Vec<(usize, FinishReason)>> {
+    let step = sample_step(rows, logits)?;
+    land_step(rows, step)
+}
+
+/// The picks of one step of `rows`, built and not read: on the device
+/// until [`land_step`] reads them.
+struct Step {
+    /// `[rows]` uint32.
+    tokens: Array,
+    /// Log-probability vectors of the rows that asked.
+    logprobs: Vec<(usize, Array)>,
+    masks: Vec<Mask>,
+    /// The rows it was built for: the batch's first `rows`.
+    rows: usize,
+}
+
+impl Step {
+    /// What evaluates it.
+    fn arrays(&self) -> impl Iterator<Item = &Array> {
+        std::iter::once(&self.tokens).chain(self.logprobs.iter().map(|(_, a)| a))
+    }
+
+    /// The step for the rows at `keep` (ascending indices of the batch
+    /// before rows left), or `None` when none of its rows is kept.
+    fn keep(self, keep: &[usize]) -> anyhow::Result<Option<Step>> {
+        let kept: Vec<usize> = keep.iter().copied().filter(|&i| i < self.rows).collect();
+        if kept.is_empty() {
+            return Ok(None);
+        }
+        if kept.len() == self.rows {
+            return Ok(Some(self));
+        }
+        let idx: Vec<i32> = kept.iter().map(|&i| i as i32).collect();
+        let tokens = self
+            .tokens
+            .take_axis(Array::from_slice(&idx, &[idx.len() as i32]), 0)?;
+        let logprobs = self
+            .logprobs
+            .into_iter()
+            .filter_map(|(i, a)| kept.iter().position(|&k| k == i).map(|j| (j, a)))
+            .collect();
+        let mut masks: Vec<Option<Mask>> = self.masks.into_iter().map(Some).collect();
+        let masks = kept.iter().map(|&i| masks[i].take().unwrap()).collect();
+        Ok(Some(Step {
+            tokens,
+            logprobs,
+            masks,
+            rows: kept.len(),
+        }))
+    }
+}
+
+/// Whether a row goes on after `step` is read, as far as the host knows
+/// before reading it: a row it does not cover, or one with more than one
+/// token left.
+fn continues_after(rows: &[Row], step: &Step) -> bool {
+    rows.len() > step.rows || rows[..step.rows].iter().any(|r| r.tokens_left() > 1)
+}
+
+/// Builds the picks of every row from `[B, 1, V]` logits (with grammar
+/// masks from the rows' current states), without reading them.
+fn sample_step(rows: &mut [Row], logits: &Array) -> anyhow::Result<Step> {
     let logits = logits.reshape(&[rows.len() as i32, -1])?;
     let masks = grammar_masks(rows, logits.dim(-1) as usize);
-    let (tokens, lps) = sample_rows(rows, &logits, &masks)?;
+    let (tokens, logprobs) = sample_rows(rows, &logits, &masks)?;
+    Ok(Step {
+        tokens,
+        logprobs,
+        masks,
+        rows: rows.len(),
+    })
+}
+
+/// Reads a step's picks and records each row's token (penalty counts,
+/// stream, counts, grammar); returns the rows that finished.
+fn land_step(rows: &mut [Row], step: Step) -> anyhow::Result<Vec<(usize, FinishReason)>> {
+    eval(step.arrays())?;
+    let tokens = step.tokens.as_slice::<u32>();
+    let (masks, lps) = (&step.masks, &step.logprobs);
     let mut finished = Vec::new();
     for (i, row) in rows.iter_mut().enumerate() {
         let t = tokens[i];
@@ -778,19 +953,24 @@ fn grammar_masks(rows: &mut [Row], vocab: usize) -> Vec<Mask> {
         .collect()
 }
 
-/// Next token of every row from `[B, V]` logits: one argmax shared by the
-/// plain greedy rows, each other row through its own sampler. Returns the
-/// tokens and, for rows that asked, their log-probability vectors.
+/// Next token of every row from `[B, V]` logits, lazily: one argmax shared
+/// by the plain greedy rows, each other row through its own sampler.
+/// Returns the `[B]` uint32 tokens and, for rows that asked, their
+/// log-probability vectors.
 fn sample_rows(
     rows: &mut [Row],
     logits: &Array,
     masks: &[Mask],
-) -> anyhow::Result<(Vec<u32>, Vec<(usize, Array)>)> {
+) -> anyhow::Result<(Array, Vec<(usize, Array)>)> {
     let greedy = rows
         .iter()
         .any(|r| r.plain_greedy())
         .then(|| ops::indexing::argmax_axis(logits, -1, None))
         .transpose()?;
+    if rows.iter().all(Row::plain_greedy) {
+        // One op for the whole batch instead of a gather per row.
+        return Ok((greedy.unwrap().as_dtype(Dtype::Uint32)?, Vec::new()));
+    }
     let mut picks = Vec::with_capacity(rows.len());
     let mut lps = Vec::new();
     for (i, row) in rows.iter_mut().enumerate() {
@@ -801,7 +981,7 @@ fn sample_rows(
                     .as_ref()
                     .unwrap()
                     .take_axis(&idx, 0)?
-                    .as_dtype(mlx_rs::Dtype::Uint32)?,
+                    .as_dtype(Dtype::Uint32)?,
             );
         } else {
             let l = logits.take_axis(&idx, 0)?;
@@ -810,15 +990,13 @@ fn sample_rows(
                 // An ended row's pick is never read.
                 Mask::Free | Mask::Over => row.sampler.sample(&l)?,
             };
-            picks.push(pick.as_dtype(mlx_rs::Dtype::Uint32)?);
+            picks.push(pick.as_dtype(Dtype::Uint32)?);
             if row.wants_logprobs() {
                 lps.push((i, logprob_source(row, &l)?));
             }
         }
     }
-    let next = ops::concatenate(&picks, 0)?;
-    eval([&next].into_iter().chain(lps.iter().map(|(_, a)| a)))?;
-    Ok((next.as_slice::<u32>().to_vec(), lps))
+    Ok((ops::concatenate(&picks, 0)?, lps))
 }
 
 /// Log-probabilities the row's logprobs are reported from (after bias and

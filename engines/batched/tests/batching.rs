@@ -8,6 +8,7 @@ use std::time::Duration;
 use batched::{BatchedConfig, BatchedEngine};
 use engine_core::{
     Engine, EngineError, Event, EventStream, Finish, FinishReason, GenerateRequest, SamplingParams,
+    TokenEvent,
 };
 use fixtures::model::{random_prompt, write_model, TinySpec};
 use runtime::{generate, Family, KvPool, LoadedModel, SharedModel};
@@ -441,4 +442,186 @@ fn prompts_arriving_together_share_one_padded_prefill() {
         }
     }
     assert_eq!(shared.kv_pool.allocated(), 0);
+}
+
+/// What a client sees of one request: each token with its logprobs, and
+/// the final event.
+#[derive(Debug)]
+struct Seen {
+    tokens: Vec<TokenEvent>,
+    finish: Finish,
+}
+
+impl Seen {
+    fn ids(&self) -> Vec<u32> {
+        self.tokens.iter().map(|t| t.id).collect()
+    }
+}
+
+fn seen(stream: &mut EventStream, mut tokens: Vec<TokenEvent>) -> Seen {
+    loop {
+        match stream
+            .blocking_recv()
+            .expect("stream ended without Finished")
+        {
+            Event::Token(t) => tokens.push(t),
+            Event::Finished(finish) => return Seen { tokens, finish },
+            Event::Error(e) => panic!("engine error: {e}"),
+        }
+    }
+}
+
+fn first_tokens(stream: &mut EventStream, n: usize) -> Vec<TokenEvent> {
+    (0..n)
+        .map(|_| match stream.blocking_recv().unwrap() {
+            Event::Token(t) => t,
+            other => panic!("unexpected {other:?}"),
+        })
+        .collect()
+}
+
+/// Equal token for token; logprobs equal up to float noise (the batch
+/// around a row may differ by a step between the modes).
+fn assert_same(a: &Seen, b: &Seen, what: &str) {
+    assert_eq!(a.ids(), b.ids(), "{what}");
+    assert_eq!(a.finish, b.finish, "{what}");
+    for (x, y) in a.tokens.iter().zip(&b.tokens) {
+        let close = |p: f32, q: f32| (p - q).abs() < 1e-4;
+        assert_eq!(x.logprob.is_some(), y.logprob.is_some(), "{what}");
+        if let (Some(p), Some(q)) = (x.logprob, y.logprob) {
+            assert!(close(p, q), "{what}: logprob {p} vs {q}");
+        }
+        assert_eq!(x.top_logprobs.len(), y.top_logprobs.len(), "{what}");
+        for (&(i, p), &(j, q)) in x.top_logprobs.iter().zip(&y.top_logprobs) {
+            assert!(i == j && close(p, q), "{what}: top {i}:{p} vs {j}:{q}");
+        }
+    }
+}
+
+/// One long greedy row decoding, then rows joining mid-stream that stop on
+/// a stop token, end at a small `max_tokens`, sample with a seed and report
+/// logprobs, start from a prefix-cache hit and get cancelled; once they
+/// are done, a row with penalties (the batch steps unpipelined while it
+/// runs, then pipelined again). Returns what each request saw, in the
+/// order below (the cancelled one last).
+fn mixed_traffic(shared: &SharedModel, engine: &BatchedEngine) -> Vec<Seen> {
+    let system = prompt(71, 40);
+    let with_tail = |tail: u64| {
+        let mut p = system.clone();
+        p.extend(prompt(tail, 5));
+        let mut r = request(p, 10);
+        r.cache_scope = Some("tenant".into());
+        r
+    };
+    // Its prompt and answer go into the prefix cache before it ends.
+    let warm = seen(&mut engine.submit(with_tail(72)).unwrap(), Vec::new());
+    let long = prompt(73, 9);
+    let mut long_stream = engine.submit(request(long, 80)).unwrap();
+    let long_head = first_tokens(&mut long_stream, 5);
+
+    let stopped = prompt(74, 13);
+    let mut stopped = request(stopped.clone(), 30);
+    stopped.stop_tokens = vec![alone(shared, &stopped.prompt, 30)[6]];
+    let short = request(prompt(75, 4), 3);
+    let mut sampled = request(prompt(76, 11), 20);
+    sampled.sampling = SamplingParams {
+        temperature: 8.0,
+        top_p: 0.99,
+        top_k: 400,
+        seed: Some(9),
+        logprobs: true,
+        top_logprobs: 2,
+        ..Default::default()
+    };
+    let mut greedy_logprobs = request(prompt(77, 6), 12);
+    greedy_logprobs.sampling.logprobs = true;
+    greedy_logprobs.sampling.top_logprobs = 3;
+    let hit = with_tail(79);
+    let cancelled = request(prompt(80, 8), 200);
+    let cancel = cancelled.cancel.clone();
+
+    let mut streams: Vec<EventStream> = [stopped, short, sampled, greedy_logprobs, hit]
+        .into_iter()
+        .map(|r| engine.submit(r).unwrap())
+        .collect();
+    let mut cancelled_stream = engine.submit(cancelled).unwrap();
+    let cancelled_head = first_tokens(&mut cancelled_stream, 4);
+    cancel.cancel();
+
+    let mut joined: Vec<Seen> = streams.iter_mut().map(|s| seen(s, Vec::new())).collect();
+    let cancelled = seen(&mut cancelled_stream, cancelled_head);
+    let mut penalised = request(prompt(78, 7), 6);
+    penalised.sampling.frequency_penalty = 1.5;
+    let penalised = seen(&mut engine.submit(penalised).unwrap(), Vec::new());
+    let long = seen(&mut long_stream, long_head);
+    joined.push(penalised);
+    let mut out = vec![warm, long];
+    out.extend(joined);
+    out.push(cancelled);
+    out
+}
+
+#[test]
+fn pipelined_decode_equals_unpipelined_decode() {
+    let run = |pipeline: bool| {
+        let (dir, shared, engine) = setup(
+            1024,
+            BatchedConfig {
+                pipeline,
+                prefill_chunk: 16,
+                ..Default::default()
+            },
+        );
+        let seen = mixed_traffic(&shared, &engine);
+        for _ in 0..100 {
+            if shared.kv_pool.allocated() == 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(
+            shared.kv_pool.allocated(),
+            0,
+            "pipeline {pipeline}: KV leaked"
+        );
+        assert_eq!(engine.load().active, 0);
+        (dir, shared, seen)
+    };
+    let (_d1, shared, piped) = run(true);
+    let (_d2, _, plain) = run(false);
+    let names = [
+        "warm-up",
+        "long",
+        "stopped",
+        "short",
+        "sampled",
+        "logprobs",
+        "hit",
+        "penalised",
+    ];
+    for (i, name) in names.iter().enumerate() {
+        assert_same(&piped[i], &plain[i], name);
+    }
+    // And greedy rows as each alone.
+    let long = prompt(73, 9);
+    assert_eq!(piped[1].ids(), alone(&shared, &long, 80));
+    let stopped = &piped[2];
+    assert_eq!(stopped.finish.reason, FinishReason::Stop);
+    assert_eq!(
+        stopped.ids(),
+        alone(&shared, &prompt(74, 13), 30)[..stopped.tokens.len()]
+    );
+    assert!(stopped.tokens.len() <= 6, "ends at its stop token");
+    assert_eq!(piped[3].ids(), alone(&shared, &prompt(75, 4), 3));
+    assert_eq!(piped[3].finish.reason, FinishReason::Length);
+    assert_eq!(piped[5].ids(), alone(&shared, &prompt(77, 6), 12));
+    assert_eq!(piped[6].finish.cached_tokens, 32, "a prefix-cache hit");
+    // The cancelled row: a prefix of its answer, billed as streamed, in
+    // both modes (how far it got depends on timing).
+    for s in [&piped[8], &plain[8]] {
+        assert_eq!(s.finish.reason, FinishReason::Cancelled);
+        assert_eq!(s.finish.completion_tokens as usize, s.tokens.len());
+        let reference = alone(&shared, &prompt(80, 8), s.tokens.len());
+        assert_eq!(s.ids(), reference);
+    }
 }

@@ -71,6 +71,13 @@ impl Sampler {
         &self.params
     }
 
+    /// Whether the next pick depends on the tokens chosen so far
+    /// (penalties): each token must be [`Sampler::observe`]d, on the host,
+    /// before the next pick is built.
+    pub fn reads_history(&self) -> bool {
+        self.counts.is_some() || self.seen.is_some()
+    }
+
     /// Logits after bias and penalties, before temperature: what logprobs
     /// are reported from.
     pub fn adjust(&self, logits: &Array) -> R<Array> {
