@@ -48,10 +48,7 @@ def main():
     if req.get("gemma4"):
         from mlx_vlm.speculative.drafters.gemma4_dflash import Model, ModelConfig
     else:
-        from mlx_vlm.speculative.drafters.qwen3_dflash import (
-            DFlashConfig as ModelConfig,
-            DFlashDraftModel as Model,
-        )
+        from mlx_vlm.speculative.drafters.qwen3_dflash import Model, ModelConfig
     model, _ = load(req["model"])
     lm = getattr(model, "language_model", model)
     inner = lm.model

@@ -116,7 +116,7 @@ pub fn run_drafter(args: &MakeTinyDrafterArgs) -> anyhow::Result<()> {
                 layers: args.layers,
                 block_size: args.block_size,
                 seed: args.seed,
-                sliding_window: None,
+                ..fixtures::dflash::TinyDflash::default()
             },
         ),
         DrafterKind::Mtp => fixtures::mtp::write_drafter(

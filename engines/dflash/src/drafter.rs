@@ -227,7 +227,7 @@ impl DraftState for State {
         let block_start = ctx_start + ctx.as_ref().map_or(0, |c| c.dim(1));
         let mut x = target.embed(&block)?;
         for (i, layer) in net.layers.iter().enumerate() {
-            let ctx = Context {
+            let ctx = LayerContext {
                 new: ctx.as_ref(),
                 cache: &mut self.cache,
                 window: &mut self.windows[i],
@@ -254,7 +254,7 @@ impl DraftState for State {
 /// One layer's view of the drafter's context: the positions new this
 /// round (projected target hidden states, from position `start`) and what
 /// it kept of earlier ones.
-struct Context<'a> {
+struct LayerContext<'a> {
     new: Option<&'a Array>,
     cache: &'a mut KvCache,
     window: &'a mut Option<(Array, Array)>,
@@ -263,7 +263,7 @@ struct Context<'a> {
 }
 
 impl Layer {
-    fn forward(&self, net: &Net, x: &Array, ctx: Context, block_start: i32) -> anyhow::Result<Array> {
+    fn forward(&self, net: &Net, x: &Array, ctx: LayerContext, block_start: i32) -> anyhow::Result<Array> {
         let h = self.input_norm.forward(x)?;
         let h = x.add(&self.attn.forward(net, &h, ctx, block_start)?)?;
         let r = self.mlp.forward(&self.post_attn_norm.forward(&h)?)?;
@@ -276,7 +276,7 @@ impl Attention {
         &self,
         net: &Net,
         x: &Array,
-        ctx: Context,
+        ctx: LayerContext,
         block_start: i32,
     ) -> anyhow::Result<Array> {
         let cfg = &net.cfg;
@@ -320,10 +320,10 @@ impl Attention {
     fn window_context(
         &self,
         net: &Net,
-        ctx: Context,
+        ctx: LayerContext,
         w: i32,
     ) -> anyhow::Result<Option<(Array, Array)>> {
-        let last = |t: &Array, n: i32| -> R<Array> {
+        let last = |t: &Array, n: i32| -> anyhow::Result<Array> {
             let s = t.shape().to_vec();
             match s[2] > n {
                 true => slice(t, &[0, 0, s[2] - n, 0], &[s[0], s[1], s[2], s[3]]),
