@@ -263,7 +263,13 @@ struct LayerContext<'a> {
 }
 
 impl Layer {
-    fn forward(&self, net: &Net, x: &Array, ctx: LayerContext, block_start: i32) -> anyhow::Result<Array> {
+    fn forward(
+        &self,
+        net: &Net,
+        x: &Array,
+        ctx: LayerContext,
+        block_start: i32,
+    ) -> anyhow::Result<Array> {
         let h = self.input_norm.forward(x)?;
         let h = x.add(&self.attn.forward(net, &h, ctx, block_start)?)?;
         let r = self.mlp.forward(&self.post_attn_norm.forward(&h)?)?;
@@ -351,7 +357,12 @@ impl Attention {
     fn keys_values(&self, net: &Net, x: &Array, pos: i32) -> anyhow::Result<(Array, Array)> {
         let cfg = &net.cfg;
         let k = net.rope.forward(
-            &self.heads(cfg, self.k.forward(x)?, cfg.num_kv_heads, Some(&self.k_norm))?,
+            &self.heads(
+                cfg,
+                self.k.forward(x)?,
+                cfg.num_kv_heads,
+                Some(&self.k_norm),
+            )?,
             &Offsets::Scalar(pos),
         )?;
         let v = self.heads(cfg, self.v.forward(x)?, cfg.num_kv_heads, None)?;

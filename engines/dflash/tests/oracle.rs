@@ -19,10 +19,10 @@ use fixtures::reference::{float_rows, token_ids};
 use mlx_rs::transforms::eval;
 use mlx_rs::{ops, Array, Dtype};
 use runtime::config::ModelConfig;
-use runtime::Family;
 use runtime::generate::tokens_array;
 use runtime::model::{Logits, Model};
 use runtime::weights::Weights;
+use runtime::Family;
 use speculative::{DraftSource, DraftState, Proposal};
 
 /// Drafts accepted per round (whatever the target says), capped at k.
@@ -91,7 +91,11 @@ fn ours(model: &Model, drafter: &Path, prompt: &[u32]) -> Vec<Round> {
         let Proposal::Lazy(d) = state.propose(model, &cache, &history, K).unwrap() else {
             panic!("the drafter proposed nothing");
         };
-        let l = state.last_logits().unwrap().as_dtype(Dtype::Float32).unwrap();
+        let l = state
+            .last_logits()
+            .unwrap()
+            .as_dtype(Dtype::Float32)
+            .unwrap();
         eval([&d, &l]).unwrap();
         let drafts: Vec<u32> = d.as_slice::<i32>().iter().map(|&t| t as u32).collect();
         assert_eq!(drafts.len(), K);
@@ -148,7 +152,11 @@ fn check(spec: TinySpec, drafter_spec: TinyDflash, gemma4: bool) {
 
 #[test]
 fn qwen3_drafter_drafts_what_mlx_vlm_drafts() {
-    check(TinySpec::tiny(Family::Qwen3), spread(TinyDflash::default()), false);
+    check(
+        TinySpec::tiny(Family::Qwen3),
+        spread(TinyDflash::default()),
+        false,
+    );
 }
 
 /// A window of 10 keeps 8 earlier context positions: the prompt alone (13)
@@ -174,12 +182,20 @@ fn spread(spec: TinyDflash) -> TinyDflash {
 
 #[test]
 fn gemma4_e2b_sliding_drafter_drafts_what_mlx_vlm_drafts() {
-    check(TinySpec::gemma4(Gemma4Shape::e2b(6)), gemma(sliding()), true);
+    check(
+        TinySpec::gemma4(Gemma4Shape::e2b(6)),
+        gemma(sliding()),
+        true,
+    );
 }
 
 #[test]
 fn gemma4_moe_sliding_drafter_drafts_what_mlx_vlm_drafts() {
-    check(TinySpec::gemma4(Gemma4Shape::moe_26b(4)), gemma(sliding()), true);
+    check(
+        TinySpec::gemma4(Gemma4Shape::moe_26b(4)),
+        gemma(sliding()),
+        true,
+    );
 }
 
 #[test]
@@ -208,7 +224,13 @@ fn drafter_variants_we_do_not_run_fail_at_load() {
         "draft_window_size",
     );
     fails(
-        &|c| c.as_object_mut().unwrap().remove("sliding_window").map(drop).unwrap(),
+        &|c| {
+            c.as_object_mut()
+                .unwrap()
+                .remove("sliding_window")
+                .map(drop)
+                .unwrap()
+        },
         "no sliding_window",
     );
     let missing = "layers.0.self_attn.k_proj.weight";

@@ -104,7 +104,10 @@ fn ours(model: &Model, drafter: &Path, prompt: &[u32], k: usize) -> Vec<Round> {
         eval(logits.iter().chain([&d])).unwrap();
         let drafts: Vec<u32> = d.as_slice::<i32>().iter().map(|&t| t as u32).collect();
         assert_eq!(drafts.len(), k);
-        let logits = logits.iter().map(|l| l.as_slice::<f32>().to_vec()).collect();
+        let logits = logits
+            .iter()
+            .map(|l| l.as_slice::<f32>().to_vec())
+            .collect();
         let mut input = vec![newest];
         input.extend(&drafts);
         let out = model
