@@ -120,6 +120,7 @@ pub fn run_drafter(args: &MakeTinyDrafterArgs) -> anyhow::Result<()> {
                 layers: args.layers,
                 block_size: args.block_size,
                 seed: args.seed,
+                ..fixtures::dflash::TinyDflash::default()
             },
         ),
         DrafterKind::Mtp => fixtures::mtp::write_drafter(

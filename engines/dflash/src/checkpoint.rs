@@ -19,6 +19,8 @@ pub struct DflashConfig {
     pub rms_norm_eps: f32,
     pub rope_theta: f32,
     pub block_size: usize,
+    /// Per layer: its sliding window, `None` for full attention.
+    pub windows: Vec<Option<i32>>,
     pub target_layer_ids: Vec<usize>,
     pub mask_token_id: u32,
     pub quantization: Option<runtime::config::Quantization>,
@@ -38,6 +40,7 @@ struct Raw {
     num_target_layers: Option<i32>,
     #[serde(default)]
     layer_types: Vec<String>,
+    sliding_window: Option<i32>,
     dflash_config: Option<DflashSection>,
     // Some exports put these at the top level.
     target_layer_ids: Option<Vec<usize>>,
@@ -49,6 +52,10 @@ struct Raw {
 struct DflashSection {
     target_layer_ids: Option<Vec<usize>>,
     mask_token_id: Option<u32>,
+    // Variants the reference has and this drafter does not.
+    causal: Option<bool>,
+    draft_window_size: Option<i32>,
+    attention_sink_bias: Option<bool>,
 }
 
 impl DflashConfig {
@@ -80,10 +87,45 @@ impl DflashConfig {
                 target.num_layers
             );
         }
-        if let Some(bad) = raw.layer_types.iter().find(|t| *t != "full_attention") {
-            bail!("drafter layer type `{bad}` is not supported (full_attention only)");
-        }
+        let layer_types = if raw.layer_types.is_empty() {
+            vec!["full_attention".to_string(); raw.num_hidden_layers as usize]
+        } else {
+            raw.layer_types
+        };
+        ensure!(
+            layer_types.len() == raw.num_hidden_layers as usize,
+            "layer_types has {} entries for {} layers",
+            layer_types.len(),
+            raw.num_hidden_layers
+        );
+        let windows = layer_types
+            .iter()
+            .map(|t| match t.as_str() {
+                "full_attention" => Ok(None),
+                "sliding_attention" => match raw.sliding_window {
+                    // It keeps `window - 2` earlier context positions.
+                    Some(w) if w >= 3 => Ok(Some(w)),
+                    Some(w) => bail!("sliding_window {w} is too small"),
+                    None => bail!("sliding_attention layers but no sliding_window"),
+                },
+                other => bail!("drafter layer type `{other}` is not supported"),
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
         let section = raw.dflash_config;
+        if let Some(s) = &section {
+            ensure!(
+                s.causal != Some(true),
+                "dflash_config.causal (block-causal drafting) is not supported"
+            );
+            ensure!(
+                s.draft_window_size.is_none_or(|w| w <= 0),
+                "dflash_config.draft_window_size (a windowed drafter cache) is not supported"
+            );
+            ensure!(
+                s.attention_sink_bias != Some(true),
+                "dflash_config.attention_sink_bias is not supported"
+            );
+        }
         let target_layer_ids = section
             .as_ref()
             .and_then(|s| s.target_layer_ids.clone())
@@ -133,6 +175,7 @@ impl DflashConfig {
             rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
             rope_theta: raw.rope_theta.unwrap_or(1_000_000.0),
             block_size,
+            windows,
             target_layer_ids,
             mask_token_id,
             quantization: raw.quantization,

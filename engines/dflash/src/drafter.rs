@@ -115,6 +115,18 @@ impl Dflash {
     pub fn config(&self) -> &DflashConfig {
         &self.net.cfg
     }
+
+    /// A sequence's draft state; with `trace` it keeps each round's
+    /// drafter logits for [`State::last_logits`] (the oracle test's hook).
+    pub fn state(&self, trace: bool) -> State {
+        State {
+            net: self.net.clone(),
+            cache: KvCache::new(self.net.layers.len(), 1),
+            windows: vec![None; self.net.layers.len()],
+            pending: Vec::new(),
+            trace: trace.then_some(None),
+        }
+    }
 }
 
 impl Net {
@@ -151,20 +163,29 @@ impl DraftSource for Dflash {
     }
 
     fn start(&self) -> Box<dyn DraftState> {
-        Box::new(State {
-            net: self.net.clone(),
-            cache: KvCache::new(self.net.layers.len(), 1),
-            pending: Vec::new(),
-        })
+        Box::new(self.state(false))
     }
 }
 
 /// The drafter's cache holds keys and values of the projected target
-/// context; `pending` is committed context not yet fed to it.
-struct State {
+/// context (its full-attention layers'; `windows` holds the sliding
+/// layers' recent ones, see [`Attention::window_context`]); `pending` is
+/// committed context not yet fed to it. The cache's length counts every
+/// context position, which is where the next ones are rotated to.
+pub struct State {
     net: Arc<Net>,
     cache: KvCache,
+    windows: Vec<Option<(Array, Array)>>,
     pending: Vec<Array>,
+    /// The last round's logits, when traced.
+    trace: Option<Option<Array>>,
+}
+
+impl State {
+    /// The last round's drafter logits `[1, k, V]`, when traced.
+    pub fn last_logits(&self) -> Option<&Array> {
+        self.trace.as_ref().and_then(Option::as_ref)
+    }
 }
 
 impl DraftState for State {
@@ -206,15 +227,14 @@ impl DraftState for State {
         let block_start = ctx_start + ctx.as_ref().map_or(0, |c| c.dim(1));
         let mut x = target.embed(&block)?;
         for (i, layer) in net.layers.iter().enumerate() {
-            x = layer.forward(
-                net,
-                &x,
-                ctx.as_ref(),
-                &mut self.cache,
-                i,
-                ctx_start,
-                block_start,
-            )?;
+            let ctx = LayerContext {
+                new: ctx.as_ref(),
+                cache: &mut self.cache,
+                window: &mut self.windows[i],
+                idx: i,
+                start: ctx_start,
+            };
+            x = layer.forward(net, &x, ctx, block_start)?;
         }
         if let Some(c) = &ctx {
             self.cache.advance(c.dim(1));
@@ -224,75 +244,63 @@ impl DraftState for State {
             .forward(&slice(&x, &[0, 1, 0], &[1, k as i32 + 1, x.dim(2)])?)?;
         let logits = target.logits(&h)?;
         let drafts = ops::indexing::argmax_axis(&logits, -1, None)?.as_dtype(Dtype::Int32)?;
+        if let Some(trace) = &mut self.trace {
+            *trace = Some(logits);
+        }
         Ok(Proposal::Lazy(drafts))
     }
 }
 
+/// One layer's view of the drafter's context: the positions new this
+/// round (projected target hidden states, from position `start`) and what
+/// it kept of earlier ones.
+struct LayerContext<'a> {
+    new: Option<&'a Array>,
+    cache: &'a mut KvCache,
+    window: &'a mut Option<(Array, Array)>,
+    idx: usize,
+    start: i32,
+}
+
 impl Layer {
-    #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         net: &Net,
         x: &Array,
-        ctx: Option<&Array>,
-        cache: &mut KvCache,
-        idx: usize,
-        ctx_start: i32,
+        ctx: LayerContext,
         block_start: i32,
     ) -> anyhow::Result<Array> {
         let h = self.input_norm.forward(x)?;
-        let h = x.add(
-            &self
-                .attn
-                .forward(net, &h, ctx, cache, idx, ctx_start, block_start)?,
-        )?;
+        let h = x.add(&self.attn.forward(net, &h, ctx, block_start)?)?;
         let r = self.mlp.forward(&self.post_attn_norm.forward(&h)?)?;
         Ok(h.add(&r)?)
     }
 }
 
 impl Attention {
-    #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         net: &Net,
         x: &Array,
-        ctx: Option<&Array>,
-        cache: &mut KvCache,
-        idx: usize,
-        ctx_start: i32,
+        ctx: LayerContext,
         block_start: i32,
     ) -> anyhow::Result<Array> {
         let cfg = &net.cfg;
         let (b, l) = (x.dim(0), x.dim(1));
-        let heads = |t: Array, n: i32, norm: Option<&RmsNorm>| -> R<Array> {
-            let len = t.dim(1);
-            let mut t = t.reshape(&[b, len, n, cfg.head_dim])?;
-            if let Some(norm) = norm {
-                t = norm.forward(&t)?;
-            }
-            t.transpose_axes(&[0, 2, 1, 3])
-        };
-        let at = |t: &Array, pos: i32| net.rope.forward(t, &Offsets::Scalar(pos));
-        let q = at(
-            &heads(self.q.forward(x)?, cfg.num_heads, Some(&self.q_norm))?,
-            block_start,
+        let q = net.rope.forward(
+            &self.heads(cfg, self.q.forward(x)?, cfg.num_heads, Some(&self.q_norm))?,
+            &Offsets::Scalar(block_start),
         )?;
-        let k_block = at(
-            &heads(self.k.forward(x)?, cfg.num_kv_heads, Some(&self.k_norm))?,
-            block_start,
-        )?;
-        let v_block = heads(self.v.forward(x)?, cfg.num_kv_heads, None)?;
-        let context = match ctx {
-            Some(c) => {
-                let k = at(
-                    &heads(self.k.forward(c)?, cfg.num_kv_heads, Some(&self.k_norm))?,
-                    ctx_start,
-                )?;
-                let v = heads(self.v.forward(c)?, cfg.num_kv_heads, None)?;
-                Some(cache.update(idx, k, v)?.dense()?)
-            }
-            None => cache.layer_kv(idx)?,
+        let (k_block, v_block) = self.keys_values(net, x, block_start)?;
+        let context = match cfg.windows[ctx.idx] {
+            Some(w) => Self::window_context(self, net, ctx, w)?,
+            None => match ctx.new {
+                Some(c) => {
+                    let (k, v) = self.keys_values(net, c, ctx.start)?;
+                    Some(ctx.cache.update(ctx.idx, k, v)?.dense()?)
+                }
+                None => ctx.cache.layer_kv(ctx.idx)?,
+            },
         };
         let (keys, values) = match context {
             Some((k, v)) => (
@@ -301,12 +309,73 @@ impl Attention {
             ),
             None => (k_block, v_block),
         };
-        // No mask: the block attends to all context and to itself both ways.
+        // No mask: the block attends to all its context and to itself both
+        // ways.
         let scale = (cfg.head_dim as f32).powf(-0.5);
         let out = fast::scaled_dot_product_attention(&q, &keys, &values, scale, None, None)?;
         let out =
             out.transpose_axes(&[0, 2, 1, 3])?
                 .reshape(&[b, l, cfg.num_heads * cfg.head_dim])?;
         Ok(self.o.forward(&out)?)
+    }
+
+    /// A sliding layer's context, as mlx-vlm's DFlash drafter has it (a
+    /// rotating cache of `window - 1` positions): the last `window - 1` of
+    /// the new positions after the last `window - 2` earlier ones it kept.
+    /// It keeps the last `window - 2` of them for the next round.
+    fn window_context(
+        &self,
+        net: &Net,
+        ctx: LayerContext,
+        w: i32,
+    ) -> anyhow::Result<Option<(Array, Array)>> {
+        let last = |t: &Array, n: i32| -> anyhow::Result<Array> {
+            let s = t.shape().to_vec();
+            match s[2] > n {
+                true => slice(t, &[0, 0, s[2] - n, 0], &[s[0], s[1], s[2], s[3]]),
+                false => Ok(t.clone()),
+            }
+        };
+        let Some(c) = ctx.new else {
+            return Ok(ctx.window.clone());
+        };
+        let skip = (c.dim(1) - (w - 1)).max(0);
+        let c = slice(c, &[0, skip, 0], &[c.dim(0), c.dim(1), c.dim(2)])?;
+        let (k, v) = self.keys_values(net, &c, ctx.start + skip)?;
+        let (k, v) = match ctx.window.take() {
+            Some((ok, ov)) => (
+                ops::concatenate(&[ok, k], 2)?,
+                ops::concatenate(&[ov, v], 2)?,
+            ),
+            None => (k, v),
+        };
+        *ctx.window = Some((last(&k, w - 2)?, last(&v, w - 2)?));
+        Ok(Some((k, v)))
+    }
+
+    /// Rotated keys and values of `x` `[1, L, hidden]` from position `pos`.
+    fn keys_values(&self, net: &Net, x: &Array, pos: i32) -> anyhow::Result<(Array, Array)> {
+        let cfg = &net.cfg;
+        let k = net.rope.forward(
+            &self.heads(
+                cfg,
+                self.k.forward(x)?,
+                cfg.num_kv_heads,
+                Some(&self.k_norm),
+            )?,
+            &Offsets::Scalar(pos),
+        )?;
+        let v = self.heads(cfg, self.v.forward(x)?, cfg.num_kv_heads, None)?;
+        Ok((k, v))
+    }
+
+    /// `[1, L, n * head_dim]` to `[1, n, L, head_dim]`, normed per head.
+    fn heads(&self, cfg: &DflashConfig, t: Array, n: i32, norm: Option<&RmsNorm>) -> R<Array> {
+        let (b, len) = (t.dim(0), t.dim(1));
+        let mut t = t.reshape(&[b, len, n, cfg.head_dim])?;
+        if let Some(norm) = norm {
+            t = norm.forward(&t)?;
+        }
+        t.transpose_axes(&[0, 2, 1, 3])
     }
 }

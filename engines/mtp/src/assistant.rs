@@ -27,6 +27,9 @@ struct Layer {
     scalar: Array,
     /// The target layer whose cache this layer reads.
     target_layer: usize,
+    /// Its sliding window (the drafter's declared one, else the target
+    /// layer's), `None` for a full layer.
+    window: Option<i32>,
     head_dim: i32,
 }
 
@@ -118,6 +121,10 @@ impl Assistant {
                         post_ff_norm: norm(&mut w, "post_feedforward_layernorm")?,
                         scalar: w.take(&format!("{p}.layer_scalar"))?,
                         target_layer,
+                        window: match sliding {
+                            true => cfg.sliding_window.or(info.window),
+                            false => None,
+                        },
                         head_dim,
                     })
                 })
@@ -145,6 +152,22 @@ impl Assistant {
             net: Arc::new(net),
             draft_tokens: draft_tokens.max(1),
         })
+    }
+}
+
+impl Assistant {
+    /// What [`DraftState::propose`] drafts, with each step's float32
+    /// logits, from an explicit target hidden state (the oracle test's
+    /// hook: the engine keeps that state itself).
+    pub fn draft_with_logits(
+        &self,
+        target: &Model,
+        cache: &KvCache,
+        hidden: &Array,
+        last: u32,
+        k: usize,
+    ) -> anyhow::Result<(Array, Vec<Array>)> {
+        self.net.draft(target, cache, hidden, last, k)
     }
 }
 
@@ -194,10 +217,34 @@ impl DraftState for State {
         history: &[u32],
         k: usize,
     ) -> anyhow::Result<Proposal> {
-        let net = &*self.net;
-        let mut hidden = self.hidden.clone().context("no target hidden state yet")?;
-        let position = cache.len();
-        // Each layer's view of the target cache, the same for all k steps.
+        let hidden = self.hidden.clone().context("no target hidden state yet")?;
+        let last = *history.last().context("empty history")?;
+        let (drafts, _) = self.net.draft(target, cache, &hidden, last, k)?;
+        Ok(Proposal::Lazy(drafts))
+    }
+}
+
+impl Net {
+    /// k drafts `[1, k]` after `last`, from the target's final normed
+    /// hidden state `hidden` `[1, 1, backbone]` at the last cached
+    /// position, with each step's float32 logits `[1, 1, V]`.
+    fn draft(
+        &self,
+        target: &Model,
+        cache: &KvCache,
+        hidden: &Array,
+        last: u32,
+        k: usize,
+    ) -> anyhow::Result<(Array, Vec<Array>)> {
+        let net = self;
+        let mut hidden = hidden.clone();
+        // All draft queries sit at the last cached position (the token whose
+        // hidden state the drafter reads), as Hugging Face's and mlx-vlm's
+        // assistants place them; the newest token is not in the cache yet.
+        let position = cache.len() - 1;
+        // Each layer's view of the target cache, the same for all k steps: a
+        // sliding layer sees what the target's own window would at that
+        // position, the last `window` keys.
         let views = net
             .layers
             .iter()
@@ -205,24 +252,22 @@ impl DraftState for State {
                 let (k, v) = cache
                     .layer_kv(l.target_layer)?
                     .context("the target cache is empty")?;
-                Ok(
-                    match target.attention_info(l.target_layer).and_then(|i| i.window) {
-                        Some(w) if k.dim(2) > w - 1 => {
-                            let s = k.shape().to_vec();
-                            let from = s[2] - (w - 1);
-                            (
-                                slice(&k, &[0, 0, from, 0], &[s[0], s[1], s[2], s[3]])?,
-                                slice(&v, &[0, 0, from, 0], &[s[0], s[1], s[2], s[3]])?,
-                            )
-                        }
-                        _ => (k, v),
-                    },
-                )
+                Ok(match l.window {
+                    Some(w) if k.dim(2) > w => {
+                        let s = k.shape().to_vec();
+                        let from = s[2] - w;
+                        (
+                            slice(&k, &[0, 0, from, 0], &[s[0], s[1], s[2], s[3]])?,
+                            slice(&v, &[0, 0, from, 0], &[s[0], s[1], s[2], s[3]])?,
+                        )
+                    }
+                    _ => (k, v),
+                })
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
-        let last = *history.last().context("empty history")?;
         let mut token = Array::from_slice(&[last as i32], &[1, 1]);
         let mut drafts = Vec::with_capacity(k);
+        let mut all_logits = Vec::with_capacity(k);
         for _ in 0..k {
             let x = target.embed_unscaled(&token)?;
             let x = x.multiply(Array::from_f32(net.embed_scale).as_dtype(x.dtype())?)?;
@@ -238,12 +283,11 @@ impl DraftState for State {
                 .reshape(&[1, 1])?
                 .as_dtype(Dtype::Int32)?;
             drafts.push(token.clone());
+            all_logits.push(logits);
         }
-        Ok(Proposal::Lazy(ops::concatenate(&drafts, 1)?))
+        Ok((ops::concatenate(&drafts, 1)?, all_logits))
     }
-}
 
-impl Net {
     fn dtype(&self) -> Dtype {
         self.embed.dtype()
     }
@@ -306,7 +350,8 @@ impl Layer {
             &q,
             &keys.as_dtype(q.dtype())?,
             &values.as_dtype(q.dtype())?,
-            cfg.scale,
+            // Gemma 4 attends unscaled: its queries and keys are normed.
+            1.0,
             None,
             None,
         )?;

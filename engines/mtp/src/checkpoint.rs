@@ -20,8 +20,8 @@ pub struct AssistantConfig {
     pub rms_norm_eps: f32,
     /// `sliding_attention` or not, per layer.
     pub sliding: Vec<bool>,
-    /// Attention scale (Gemma 4: 1.0, its keys and queries are normed).
-    pub scale: f32,
+    /// The window of its sliding layers, when declared.
+    pub sliding_window: Option<i32>,
     pub quantization: Option<runtime::config::Quantization>,
 }
 
@@ -43,7 +43,7 @@ struct RawText {
     rms_norm_eps: Option<f32>,
     #[serde(default)]
     layer_types: Vec<String>,
-    query_pre_attn_scalar: Option<f32>,
+    sliding_window: Option<i32>,
 }
 
 impl AssistantConfig {
@@ -107,7 +107,7 @@ impl AssistantConfig {
             global_head_dim: t.global_head_dim,
             rms_norm_eps: t.rms_norm_eps.unwrap_or(1e-6),
             sliding,
-            scale: t.query_pre_attn_scalar.map_or(1.0, |s| s.powf(-0.5)),
+            sliding_window: t.sliding_window,
             quantization: raw.quantization,
         })
     }

@@ -8,7 +8,8 @@
 //! state. It has no KV cache of its own: its layers compute queries only and
 //! attend into the target's cache (sliding layers into the target's last
 //! sliding-window layer, full layers into its last global layer), all draft
-//! queries at the position of the newest token. The target verifies the k
+//! queries at the position of the last cached token (as the reference
+//! assistants place them). The target verifies the k
 //! drafts in one forward. Speculates while at most `max_batch` sequences run
 //! (default 2), plain decode above.
 //!

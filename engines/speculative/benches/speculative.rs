@@ -125,6 +125,7 @@ fn models(a: &Args) -> (PathBuf, PathBuf, PathBuf) {
             layers: 2,
             block_size: a.block,
             seed: 7,
+            ..fixtures::dflash::TinyDflash::default()
         };
         fixtures::dflash::write_drafter(&dir, &dflash, &spec).expect("write dflash drafter");
     }

@@ -1,0 +1,180 @@
+//! The assistant drafter against the reference: on the same generated
+//! weights (a Gemma 4 target, E2B-like with KV-shared layers and 26B-A4B-
+//! like with experts, and an assistant in the published
+//! `Gemma4AssistantForCausalLM` layout made for it), our drafter drafts the
+//! tokens mlx-vlm's `gemma4_assistant` drafts bound to mlx-lm's target
+//! (scripts/gemma4_assistant_oracle.py), round after round: after rounds
+//! whose drafts were all rejected, some accepted and all accepted, with a
+//! chunked prefill, and past the target's sliding window (24 positions);
+//! every draft step's logits are within 1e-3 of the reference's (fp32).
+
+use std::path::Path;
+
+use fixtures::gemma4::Gemma4Shape;
+use fixtures::model::{write_model, TinySpec};
+use fixtures::mtp::{write_drafter, TinyAssistant};
+use fixtures::reference::{float_rows, token_ids};
+use mlx_rs::transforms::eval;
+use mlx_rs::{ops, Array, Dtype};
+use mtp::Assistant;
+use runtime::cache::slice;
+use runtime::config::ModelConfig;
+use runtime::generate::tokens_array;
+use runtime::model::{Logits, Model};
+use runtime::weights::Weights;
+use speculative::{DraftSource, Proposal};
+
+/// Drafts accepted per round (whatever the target says), capped at k.
+const ACCEPT: [usize; 12] = [0, 1, 3, 0, 2, 3, 3, 0, 1, 3, 3, 0];
+const PREFILL_CHUNK: usize = 5;
+
+/// Drafts, committed tokens and each draft step's logits of one round.
+type Round = (Vec<u32>, Vec<u32>, Vec<Vec<f32>>);
+
+fn load(dir: &Path) -> Model {
+    Model::load(
+        ModelConfig::from_dir(dir).unwrap(),
+        Weights::from_dir(dir).unwrap(),
+    )
+    .unwrap()
+}
+
+fn reference(target: &Path, drafter: &Path, prompt: &[u32], k: usize) -> Vec<Round> {
+    let req = serde_json::json!({ "model": target, "drafter": drafter, "prompt": prompt,
+        "draft_tokens": k, "accept": ACCEPT });
+    let v = fixtures::reference::run("gemma4_assistant_oracle.py", &req);
+    v["rounds"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                token_ids(&r["drafts"]),
+                token_ids(&r["committed"]),
+                float_rows(&r["logits"]),
+            )
+        })
+        .collect()
+}
+
+fn greedy_at(logits: &Array, row: i32) -> u32 {
+    let t = ops::indexing::argmax_axis(logits, -1, None)
+        .unwrap()
+        .as_dtype(Dtype::Int32)
+        .unwrap();
+    eval([&t]).unwrap();
+    t.as_slice::<i32>()[row as usize] as u32
+}
+
+/// Row `row` of a `[1, L, H]` hidden state, as `[1, 1, H]`.
+fn row(h: &Array, row: i32) -> Array {
+    slice(h, &[0, row, 0], &[1, row + 1, h.dim(2)]).unwrap()
+}
+
+/// The reference's rounds through our target and draft state: a chunked
+/// prefill, then each round k drafts (the engine's own `propose`), one
+/// verify forward, the forced acceptance and the rollback of the rest.
+fn ours(model: &Model, drafter: &Path, prompt: &[u32], k: usize) -> Vec<Round> {
+    let source = Assistant::load(drafter, model, k).unwrap();
+    let taps = source.taps();
+    let mut state = source.start();
+    let mut cache = model.new_cache(1);
+    let mut last = None;
+    for chunk in prompt.chunks(PREFILL_CHUNK) {
+        let out = model
+            .forward_tapped(&tokens_array(chunk), &mut cache, Logits::Last, &taps)
+            .unwrap();
+        state.observe(model, &out, 0..chunk.len() as i32).unwrap();
+        last = Some(out);
+    }
+    let out = last.unwrap();
+    let h = out.final_hidden.unwrap();
+    let mut hidden = row(&h, h.dim(1) - 1);
+    let mut history = prompt.to_vec();
+    history.push(greedy_at(&out.logits, 0));
+    let mut rounds = Vec::new();
+    for forced in ACCEPT {
+        let newest = *history.last().unwrap();
+        let Proposal::Lazy(d) = state.propose(model, &cache, &history, k).unwrap() else {
+            panic!("the assistant proposed nothing");
+        };
+        let (_, logits) = source
+            .draft_with_logits(model, &cache, &hidden, newest, k)
+            .unwrap();
+        eval(logits.iter().chain([&d])).unwrap();
+        let drafts: Vec<u32> = d.as_slice::<i32>().iter().map(|&t| t as u32).collect();
+        assert_eq!(drafts.len(), k);
+        let logits = logits
+            .iter()
+            .map(|l| l.as_slice::<f32>().to_vec())
+            .collect();
+        let mut input = vec![newest];
+        input.extend(&drafts);
+        let out = model
+            .forward_tapped(&tokens_array(&input), &mut cache, Logits::All, &taps)
+            .unwrap();
+        let a = forced.min(k);
+        let bonus = greedy_at(&out.logits, a as i32);
+        cache.truncate((k - a) as i32).unwrap();
+        state.observe(model, &out, 0..a as i32 + 1).unwrap();
+        hidden = row(out.final_hidden.as_ref().unwrap(), a as i32);
+        let mut committed = drafts[..a].to_vec();
+        committed.push(bonus);
+        history.extend(&committed);
+        rounds.push((drafts, committed, logits));
+    }
+    rounds
+}
+
+fn check(shape: Gemma4Shape, ks: &[usize]) {
+    let tmp = tempfile::tempdir().unwrap();
+    let (target, drafter) = (tmp.path().join("target"), tmp.path().join("drafter"));
+    let spec = TinySpec::gemma4(shape);
+    write_model(&target, &spec).unwrap();
+    write_drafter(&target, &drafter, &TinyAssistant::default()).unwrap();
+    let model = load(&target);
+    let prompt: Vec<u32> = (0..13).map(|i| (i * 37 + 11) % spec.vocab as u32).collect();
+    for &k in ks {
+        let theirs = reference(&target, &drafter, &prompt, k);
+        let mine = ours(&model, &drafter, &prompt, k);
+        assert_eq!(mine.len(), ACCEPT.len());
+        let end = prompt.len() + mine.iter().map(|r| r.1.len()).sum::<usize>();
+        assert!(
+            end > spec.sliding_window as usize + 8,
+            "the rounds must run past the sliding window"
+        );
+        let mut worst = 0f32;
+        for (r, (m, t)) in mine.iter().zip(&theirs).enumerate() {
+            eprintln!("k = {k}, round {r}: {:?} {:?}", m.0, m.1);
+            assert_eq!(
+                (&m.0, &m.1),
+                (&t.0, &t.1),
+                "k = {k}, round {r}: (drafts, committed) differ from mlx-vlm's"
+            );
+            assert_eq!(m.2.len(), t.2.len());
+            for (a, b) in m.2.iter().zip(&t.2) {
+                assert_eq!(a.len(), b.len());
+                for (x, y) in a.iter().zip(b) {
+                    worst = worst.max((x - y).abs());
+                }
+            }
+        }
+        eprintln!("k = {k}: max drafter logit difference {worst}");
+        assert!(worst < 1e-3, "the drafter's logits differ by {worst}");
+    }
+}
+
+#[test]
+fn e2b_like_assistant_drafts_what_mlx_vlm_drafts() {
+    check(Gemma4Shape::e2b(6), &[3, 1]);
+}
+
+#[test]
+fn moe_26b_like_assistant_drafts_what_mlx_vlm_drafts() {
+    check(Gemma4Shape::moe_26b(4), &[3]);
+}
+
+#[test]
+fn dense_31b_like_assistant_drafts_what_mlx_vlm_drafts() {
+    check(Gemma4Shape::dense_31b(4), &[2]);
+}
