@@ -205,8 +205,11 @@ fn main() {
         );
         return;
     }
-    // A real checkpoint's mlx-lm also runs cast to fp32, its fastest CPU form.
-    let casts: &[Option<&str>] = if a.model.is_some() {
+    // On the CPU a real checkpoint's mlx-lm also runs cast to fp32, its
+    // fastest CPU form, and with OpenBLAS; on a GPU it runs as loaded.
+    let cpu = runtime::compute::on_cpu();
+    let openblas = openblas.filter(|_| cpu);
+    let casts: &[Option<&str>] = if a.model.is_some() && cpu {
         &[None, Some("float32")]
     } else {
         &[None]
