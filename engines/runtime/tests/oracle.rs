@@ -361,7 +361,10 @@ mod qwen {
     /// 135 columns, more than two chunks); decoding then loops.
     #[test]
     fn qwen35_long_prompts_prefilled_chunked_match_mlx_lm() {
-        for shape in [QwenShape::qwen35(), QwenShape::qwen35_moe()] {
+        for (label, shape) in [
+            ("dense", QwenShape::qwen35()),
+            ("moe", QwenShape::qwen35_moe()),
+        ] {
             let spec = TinySpec::qwen(shape);
             let dir = tempfile::tempdir().unwrap();
             write_model(dir.path(), &spec).unwrap();
@@ -373,18 +376,18 @@ mod qwen {
             for (i, (prompt, r)) in prompts.iter().zip(&refs).enumerate() {
                 for chunk in [prompt.len(), 100] {
                     let (tokens, rows) = ours(&model, prompt, steps, chunk);
-                    assert_eq!(tokens, r.tokens, "prompt {i} (prefill chunk {chunk})");
+                    assert_eq!(
+                        tokens, r.tokens,
+                        "{label}: prompt {i} (prefill chunk {chunk})"
+                    );
                     worst = worst.max(worst_difference(&rows, &r.logits));
                 }
             }
-            assert!(worst < 1e-3, "logits differ by {worst}");
-            eprintln!(
-                "{:?}: logits within {worst}",
-                spec.qwen.map(|q| q.moe.is_some())
-            );
+            assert!(worst < 1e-3, "{label}: logits differ by {worst}");
+            eprintln!("{label}: logits within {worst}");
             let batched = generate::greedy_batch(&model, &prompts, steps, &[]).unwrap();
             for (i, (b, r)) in batched.iter().zip(&refs).enumerate() {
-                assert_eq!(b, &r.tokens, "prompt {i} in a padded batch");
+                assert_eq!(b, &r.tokens, "{label}: prompt {i} in a padded batch");
             }
         }
     }
