@@ -19,7 +19,7 @@ use crate::weights::Weights;
 
 mod embeds;
 mod experts;
-mod gated_delta;
+pub mod gated_delta;
 mod gemma4;
 mod mtp_head;
 mod sparse_moe;

@@ -57,10 +57,11 @@ fn load(dir: &Path, compute: Option<Dtype>) -> Model {
     Model::load(ModelConfig::from_dir(dir).unwrap(), weights).unwrap()
 }
 
-/// Our greedy decode, step by step, keeping every step's logits.
-fn ours(model: &Model, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
+/// Our greedy decode after a prefill in forwards of `chunk` tokens, step
+/// by step, keeping every step's logits.
+fn ours(model: &Model, prompt: &[u32], steps: usize, chunk: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
     let mut cache = model.new_cache(1);
-    let mut logits = prefill(model, &mut cache, prompt, 7).unwrap();
+    let mut logits = prefill(model, &mut cache, prompt, chunk).unwrap();
     let (mut tokens, mut rows) = (Vec::new(), Vec::new());
     for _ in 0..steps {
         let row: Vec<f32> = logits.reshape(&[-1]).unwrap().as_slice::<f32>().to_vec();
@@ -87,10 +88,15 @@ fn worst_difference(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 }
 
 fn prompts(vocab: u32) -> Vec<Vec<u32>> {
-    // Deterministic pseudo-random ids; lengths straddle the Gemma window (24)
-    // and the prefill chunk (7) used above.
+    // Lengths straddle the Gemma window (24) and the prefill chunk (7)
+    // used above.
+    prompts_of(vocab, &[5, 17, 30, 9])
+}
+
+/// Deterministic pseudo-random ids.
+fn prompts_of(vocab: u32, lengths: &[usize]) -> Vec<Vec<u32>> {
     let mut state = 0x2545_F491_4F6C_DD1Du64;
-    [5usize, 17, 30, 9]
+    lengths
         .iter()
         .map(|&n| {
             (0..n)
@@ -134,7 +140,7 @@ fn check(spec: TinySpec, logit_tol: Option<f32>, compute: Option<Dtype>, kv: Opt
         spec.family, spec.dtype, spec.quant_bits, compute
     );
     for (i, (prompt, r)) in prompts.iter().zip(&refs).enumerate() {
-        let (tokens, rows) = ours(&model, prompt, STEPS);
+        let (tokens, rows) = ours(&model, prompt, STEPS, 7);
         assert_eq!(
             tokens, r.tokens,
             "{label}: prompt {i} greedy tokens differ from mlx-lm"
@@ -149,7 +155,7 @@ fn check(spec: TinySpec, logit_tol: Option<f32>, compute: Option<Dtype>, kv: Opt
                 // The reference's quantization shows: the same model with
                 // its KV in fp32 is further off than the tolerance.
                 model.set_kv_quant(None).unwrap();
-                let (_, dense) = ours(&model, prompt, STEPS);
+                let (_, dense) = ours(&model, prompt, STEPS, 7);
                 model.set_kv_quant(kv).unwrap();
                 let off = worst_difference(&dense, &r.logits);
                 assert!(off > tol, "{label}: unquantized KV is only {off} off");
@@ -348,6 +354,42 @@ mod qwen {
     #[test]
     fn qwen35_moe_matches_mlx_lm_in_both_layouts() {
         in_layouts(QwenShape::qwen35_moe());
+    }
+
+    /// Prompts longer than the delta rule's chunk take its chunked form
+    /// (whole, in forwards of 100, and as a batch left-padded by up to
+    /// 135 columns, more than two chunks); decoding then loops.
+    #[test]
+    fn qwen35_long_prompts_prefilled_chunked_match_mlx_lm() {
+        for (label, shape) in [
+            ("dense", QwenShape::qwen35()),
+            ("moe", QwenShape::qwen35_moe()),
+        ] {
+            let spec = TinySpec::qwen(shape);
+            let dir = tempfile::tempdir().unwrap();
+            write_model(dir.path(), &spec).unwrap();
+            let model = load(dir.path(), None);
+            let prompts = prompts_of(spec.vocab as u32, &[200, 65, 128, 150]);
+            let steps = 16;
+            let refs = reference(dir.path(), &prompts, steps, true, None, None);
+            let mut worst = 0f32;
+            for (i, (prompt, r)) in prompts.iter().zip(&refs).enumerate() {
+                for chunk in [prompt.len(), 100] {
+                    let (tokens, rows) = ours(&model, prompt, steps, chunk);
+                    assert_eq!(
+                        tokens, r.tokens,
+                        "{label}: prompt {i} (prefill chunk {chunk})"
+                    );
+                    worst = worst.max(worst_difference(&rows, &r.logits));
+                }
+            }
+            assert!(worst < 1e-3, "{label}: logits differ by {worst}");
+            eprintln!("{label}: logits within {worst}");
+            let batched = generate::greedy_batch(&model, &prompts, steps, &[]).unwrap();
+            for (i, (b, r)) in batched.iter().zip(&refs).enumerate() {
+                assert_eq!(b, &r.tokens, "{label}: prompt {i} in a padded batch");
+            }
+        }
     }
 
     #[test]

@@ -3,13 +3,18 @@
 //! whose per-sequence state replaces keys and values:
 //!
 //! ```text
-//! S = S * g;  S = S + k (beta (v - S k))^T;  y = S q
+//! S = S * g;  S = S + (beta (v - S k)) k^T;  y = S q
 //! ```
 //!
 //! The state lives in the cache ([`Recurrent`]) beside the other layers'
 //! keys and values. Positions a mask marks as padding change neither the
-//! convolution's inputs (zeroed) nor the state (kept), so left padding of a
-//! batch is not folded into any row's state.
+//! convolution's inputs (zeroed) nor the state (decay 1, beta 0), so left
+//! padding of a batch is not folded into any row's state.
+//!
+//! The rule runs in one of two forms with the same result: a loop over
+//! positions ([`delta_rule_steps`]: decode, and verify forwards whose
+//! per-position states rollback keeps) or chunk by chunk with matrix
+//! products ([`delta_rule_chunked`]: prefill).
 
 use mlx_rs::{fast, nn, ops, Array, Dtype};
 
@@ -22,6 +27,15 @@ type R<T> = Result<T, mlx_rs::error::Exception>;
 
 /// The l2-norm epsilon of q and k (Qwen 3.5's reference value).
 const QK_EPS: f32 = 1e-6;
+
+/// Positions per chunk of the chunked form (a power of two: the
+/// triangular inverse doubles its blocks up to it).
+pub const CHUNK: i32 = 64;
+
+/// Forwards of at least this many positions (without per-position states
+/// to keep) take the chunked form; shorter ones loop, which is cheaper
+/// there (measured on the CPU, see docs/qwen35.md).
+pub const CHUNKED_FROM: i32 = 8;
 
 pub(super) struct GatedDeltaNet {
     /// `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`.
@@ -147,44 +161,24 @@ impl GatedDeltaNet {
         let eps = QK_EPS * inv * inv;
         let q = fast::rms_norm(&q, None, eps)?.multiply(Array::from_f32(inv * inv))?;
         let k = fast::rms_norm(&k, None, eps)?.multiply(Array::from_f32(inv))?;
-        let (q, k) = (self.repeat_heads(&q)?, self.repeat_heads(&k)?);
-        let beta = ops::sigmoid(&beta_in)?;
-        let decay = ops::exp(self.neg_a.multiply(nn::softplus(a.add(&self.dt_bias)?)?)?)?;
-        let keep_steps = cache.keeps_steps() && s <= MAX_ROLLBACK_STEPS;
-        let mut state = before.ssm.clone();
-        let mut ys = Vec::with_capacity(s as usize);
-        let mut steps = Vec::new();
-        // Each position's slices, as views (no gather kernel per step).
-        let positions = |x: &Array| -> Result<Vec<Array>, mlx_rs::error::Exception> {
-            match s {
-                1 => Ok(vec![x.clone()]),
-                _ => ops::split_equal(x, s, 1),
-            }
+        let mut inputs = DeltaInputs {
+            q: self.repeat_heads(&q)?,
+            k: self.repeat_heads(&k)?,
+            v,
+            log_decay: self.neg_a.multiply(nn::softplus(a.add(&self.dt_bias)?)?)?,
+            beta: ops::sigmoid(&beta_in)?,
         };
-        let (qs, ks, vs) = (positions(&q)?, positions(&k)?, positions(&v)?);
-        let (decays, betas) = (positions(&decay)?, positions(&beta)?);
-        let masks = mask.map(positions).transpose()?;
-        for t in 0..s as usize {
-            let at = |x: &Array| x.squeeze_axes(&[1]);
-            let (qt, kt, vt) = (at(&qs[t])?, at(&ks[t])?, at(&vs[t])?);
-            let old = state.clone();
-            state = state.multiply(at(&decays[t])?.expand_dims_axes(&[-1, -2])?)?;
-            let kt = kt.expand_dims(-2)?;
-            let remembered = state.multiply(&kt)?.sum_axis(-1, false)?;
-            let delta = vt
-                .subtract(&remembered)?
-                .multiply(at(&betas[t])?.expand_dims(-1)?)?;
-            state = state.add(kt.multiply(delta.expand_dims(-1)?)?)?;
-            let y = state.multiply(qt.expand_dims(-2)?)?.sum_axis(-1, false)?;
-            if let Some(m) = &masks {
-                let real = m[t].reshape(&[b, 1, 1, 1])?;
-                state = ops::select(&real, &state, &old)?;
-            }
-            ys.push(y.as_dtype(x.dtype())?);
-            if keep_steps {
-                steps.push(state.clone());
-            }
+        if let Some(m) = mask {
+            inputs = inputs.masked(m)?;
         }
+        let keep_steps = cache.keeps_steps() && s <= MAX_ROLLBACK_STEPS;
+        let (y, state, steps) = if keep_steps || s < CHUNKED_FROM {
+            delta_rule_steps(&inputs, &before.ssm, keep_steps)?
+        } else {
+            let (y, state) = delta_rule_chunked(&inputs, &before.ssm)?;
+            (y, state, Vec::new())
+        };
+        let y = y.as_dtype(x.dtype())?;
         let keep = g.conv_kernel - 1;
         let total = conv_input.dim(1);
         let conv_state = slice(
@@ -202,7 +196,6 @@ impl GatedDeltaNet {
             ssm: steps,
         });
         cache.set_recurrent(idx, after, steps);
-        let y = ops::stack(&ys, 1)?;
         let normed = self.norm.forward(&y)?;
         let gated = nn::silu(z.as_dtype(Dtype::Float32)?)?
             .multiply(normed.as_dtype(Dtype::Float32)?)?
@@ -226,4 +219,215 @@ impl GatedDeltaNet {
             s[3],
         ])
     }
+}
+
+/// The gated delta rule's per-position inputs, one set per value head.
+pub struct DeltaInputs {
+    /// `[B, S, H, Dk]`: l2-normed queries (the readout scale folded in).
+    pub q: Array,
+    /// `[B, S, H, Dk]`: l2-normed keys.
+    pub k: Array,
+    /// `[B, S, H, Dv]`.
+    pub v: Array,
+    /// `[B, S, H]`, float32: the log of each position's decay g (<= 0).
+    pub log_decay: Array,
+    /// `[B, S, H]`: each position's write strength.
+    pub beta: Array,
+}
+
+impl DeltaInputs {
+    /// Padding (false in `mask`, `[B, S]`) as decay 1 and beta 0: such a
+    /// position leaves the state exactly as it was (`S * 1 + k * 0`), in
+    /// both forms of the rule.
+    pub fn masked(self, mask: &Array) -> R<Self> {
+        let m = mask.expand_dims(-1)?;
+        let zero = |a: &Array| Array::from_f32(0.0).as_dtype(a.dtype());
+        Ok(Self {
+            log_decay: ops::select(&m, &self.log_decay, zero(&self.log_decay)?)?,
+            beta: ops::select(&m, &self.beta, zero(&self.beta)?)?,
+            ..self
+        })
+    }
+}
+
+/// The rule position by position from `state` (`[B, H, Dv, Dk]`,
+/// float32): the outputs `[B, S, H, Dv]` (float32), the final state and,
+/// with `keep_steps`, the state after each position.
+pub fn delta_rule_steps(
+    x: &DeltaInputs,
+    state: &Array,
+    keep_steps: bool,
+) -> R<(Array, Array, Vec<Array>)> {
+    let s = x.q.dim(1);
+    // Each position's slices, as views (no gather kernel per step).
+    let positions = |x: &Array| -> R<Vec<Array>> {
+        match s {
+            1 => Ok(vec![x.clone()]),
+            _ => ops::split_equal(x, s, 1),
+        }
+    };
+    let (qs, ks, vs) = (positions(&x.q)?, positions(&x.k)?, positions(&x.v)?);
+    let decays = positions(&ops::exp(&x.log_decay)?)?;
+    let betas = positions(&x.beta)?;
+    let mut state = state.clone();
+    let mut ys = Vec::with_capacity(s as usize);
+    let mut steps = Vec::new();
+    for t in 0..s as usize {
+        let at = |x: &Array| x.squeeze_axes(&[1]);
+        let (qt, kt, vt) = (at(&qs[t])?, at(&ks[t])?, at(&vs[t])?);
+        state = state.multiply(at(&decays[t])?.expand_dims_axes(&[-1, -2])?)?;
+        let kt = kt.expand_dims(-2)?;
+        let remembered = state.multiply(&kt)?.sum_axis(-1, false)?;
+        let delta = vt
+            .subtract(&remembered)?
+            .multiply(at(&betas[t])?.expand_dims(-1)?)?;
+        state = state.add(kt.multiply(delta.expand_dims(-1)?)?)?;
+        ys.push(state.multiply(qt.expand_dims(-2)?)?.sum_axis(-1, false)?);
+        if keep_steps {
+            steps.push(state.clone());
+        }
+    }
+    Ok((ops::stack(&ys, 1)?, state, steps))
+}
+
+/// The rule chunk by chunk, the same result as [`delta_rule_steps`]
+/// (without per-position states) in float32: `(y, final state)`.
+///
+/// Per head, with the state written `S = S0 + sum_i w_i k_i^T` over a
+/// chunk's positions (decays aside), the update `S_t = g_t S_{t-1} +
+/// beta_t (v_t - g_t S_{t-1} k_t) k_t^T` makes each `w_t` depend on the
+/// earlier ones. With `c_t` the cumulative log decay within the chunk,
+/// `gamma_t = exp(c_t)` and `A[t][i] = beta_t exp(c_t - c_i) k_t.k_i`
+/// (i < t, strictly lower triangular), the chunk's `W` (rows `w_t`) solves
+///
+/// ```text
+/// (I + A) W = diag(beta) (V - diag(gamma) K S0^T)
+/// W = U - Wk S0^T,  U = T diag(beta) V,  Wk = T diag(beta gamma) K,  T = (I + A)^-1
+/// Y = diag(gamma) Q S0^T + P W = P U + (diag(gamma) Q - P Wk) S0^T
+///     with P[t][i] = exp(c_t - c_i) q_t.k_i (i <= t)
+/// S_C = gamma_C S0 + W^T diag(exp(c_C - c_i)) K = S0 G + H
+///     with G = gamma_C I - Wk^T Kd,  H = U^T Kd,  Kd = diag(exp(c_C - c_i)) K
+/// ```
+///
+/// Everything but the `S0` products is independent of the state, so it
+/// runs for all chunks at once; the chunks then chain one `S G + H` each.
+/// Decays enter only as `exp` of differences `c_t - c_i <= 0` (nothing
+/// divides by a vanishing cumulative product).
+pub fn delta_rule_chunked(x: &DeltaInputs, state: &Array) -> anyhow::Result<(Array, Array)> {
+    let (b, s, h, dk, dv) = (x.q.dim(0), x.q.dim(1), x.q.dim(2), x.k.dim(3), x.v.dim(3));
+    let c = CHUNK.min((s as u32).next_power_of_two() as i32);
+    let n = (s + c - 1) / c;
+    let pad = n * c - s;
+    // [B, S, H, ..] to [B, H, N, C, ..] in float32; the positions padded
+    // on at the end are zeros: beta 0 and decay 1, i.e. no change.
+    let chunks = |a: &Array| -> R<Array> {
+        let a = a.as_dtype(Dtype::Float32)?;
+        let nd = a.ndim();
+        let a = if pad > 0 {
+            let mut width = vec![(0, 0); nd];
+            width[1] = (0, pad);
+            ops::pad(&a, &width[..], None::<Array>, None)?
+        } else {
+            a
+        };
+        if nd == 4 {
+            a.reshape(&[b, n, c, h, a.dim(3)])?
+                .transpose_axes(&[0, 3, 1, 2, 4])
+        } else {
+            a.reshape(&[b, n, c, h])?.transpose_axes(&[0, 3, 1, 2])
+        }
+    };
+    let (q, k, v) = (chunks(&x.q)?, chunks(&x.k)?, chunks(&x.v)?);
+    let (beta, cum) = (
+        chunks(&x.beta)?,
+        chunks(&x.log_decay)?.cumsum(-1, false, true)?,
+    );
+    let gamma = ops::exp(&cum)?;
+    let col = |a: &Array| a.expand_dims(-1);
+    // exp(c_t - c_i) at and below the diagonal, 0 above (the difference
+    // there is positive and may overflow, so it is never exponentiated).
+    let lower = Array::tri::<bool>(c, None, None)?;
+    let decay = ops::exp(ops::select(
+        &lower,
+        col(&cum)?.subtract(cum.expand_dims(-2)?)?,
+        Array::from_f32(f32::NEG_INFINITY),
+    )?)?;
+    let t = unit_lower_inverse(&k, &cum, &beta)?;
+    let u = t.matmul(v.multiply(col(&beta)?)?)?;
+    let wk = t.matmul(k.multiply(col(&beta.multiply(&gamma)?)?)?)?;
+    let p = decay.multiply(q.matmul(k.swap_axes(-1, -2)?)?)?;
+    let pu = p.matmul(&u)?;
+    let q_eff = q.multiply(col(&gamma)?)?.subtract(p.matmul(&wk)?)?;
+    let last = slice(&cum, &[0, 0, 0, c - 1], &[b, h, n, c])?;
+    let kd = k.multiply(col(&ops::exp(last.subtract(&cum)?)?)?)?;
+    let carry_in = u.swap_axes(-1, -2)?.matmul(&kd)?;
+    let carry = Array::eye::<f32>(dk, None, None)?
+        .multiply(col(&ops::exp(&last)?)?)?
+        .subtract(wk.swap_axes(-1, -2)?.matmul(&kd)?)?;
+    let per_chunk = |a: &Array| -> R<Vec<Array>> {
+        match n {
+            1 => Ok(vec![a.squeeze_axes(&[2])?]),
+            _ => ops::split_equal(a, n, 2)?
+                .iter()
+                .map(|x| x.squeeze_axes(&[2]))
+                .collect(),
+        }
+    };
+    let (carry, carry_in) = (per_chunk(&carry)?, per_chunk(&carry_in)?);
+    let mut state = state.clone();
+    let mut starts = Vec::with_capacity(n as usize);
+    for (g, add) in carry.iter().zip(&carry_in) {
+        starts.push(state.clone());
+        state = state.matmul(g)?.add(add)?;
+    }
+    let starts = ops::stack(&starts, 2)?;
+    let y = pu.add(q_eff.matmul(starts.swap_axes(-1, -2)?)?)?;
+    let y = y
+        .transpose_axes(&[0, 2, 3, 1, 4])?
+        .reshape(&[b, n * c, h, dv])?;
+    let y = match pad {
+        0 => y,
+        _ => slice(&y, &[0, 0, 0, 0], &[b, s, h, dv])?,
+    };
+    Ok((y, state))
+}
+
+/// `T = (I + A)^-1` per chunk (`[B, H, N, C, C]`) for the strictly lower
+/// triangular `A[t][i] = beta_t exp(c_t - c_i) k_t.k_i`, by doubling
+/// diagonal blocks: with the inverses `X11`, `X22` of two neighbouring
+/// blocks known, their union's is `[[X11, 0], [-X22 A21 X11, X22]]`.
+/// log2(C) rounds of batched products; as stable as substitution, unlike
+/// the Neumann product `(I - A)(I + A^2)..`, whose powers of A grow
+/// combinatorially when keys repeat before they cancel.
+fn unit_lower_inverse(k: &Array, cum: &Array, beta: &Array) -> R<Array> {
+    let (b, h, n, c, dk) = (k.dim(0), k.dim(1), k.dim(2), k.dim(3), k.dim(4));
+    let mut inv = ops::ones::<f32>(&[b, h, n, c, 1, 1])?;
+    let mut m = 1;
+    while m < c {
+        let pairs = c / (2 * m);
+        // The first and second block of each pair along the chunk.
+        let halves = |a: &Array, tail: &[i32]| -> R<(Array, Array)> {
+            let shape: Vec<i32> = [b, h, n, pairs, 2, m].iter().chain(tail).copied().collect();
+            let mut two = ops::split_equal(&a.reshape(&shape)?, 2, 4)?.into_iter();
+            let first = two.next().unwrap().squeeze_axes(&[4])?;
+            let second = two.next().unwrap().squeeze_axes(&[4])?;
+            Ok((first, second))
+        };
+        let (k1, k2) = halves(k, &[dk])?;
+        let (c1, c2) = halves(cum, &[])?;
+        let (_, beta2) = halves(beta, &[])?;
+        let (x11, x22) = halves(&inv, &[m])?;
+        let a21 = beta2
+            .expand_dims(-1)?
+            .multiply(ops::exp(
+                c2.expand_dims(-1)?.subtract(c1.expand_dims(-2)?)?,
+            )?)?
+            .multiply(k2.matmul(k1.swap_axes(-1, -2)?)?)?;
+        let x21 = x22.matmul(&a21)?.matmul(&x11)?.negative()?;
+        let top = ops::concatenate(&[&x11, &ops::zeros_like(&x11)?], -1)?;
+        let bottom = ops::concatenate(&[&x21, &x22], -1)?;
+        inv = ops::concatenate(&[&top, &bottom], -2)?;
+        m *= 2;
+    }
+    inv.reshape(&[b, h, n, c, c])
 }
