@@ -146,6 +146,13 @@ impl Gateway {
         self.logs.lock().unwrap().clone()
     }
 
+    /// Whether the log shows `text` within 10 s: the log is read from the
+    /// process's stderr by a thread of its own, so a line the gateway just
+    /// wrote may not be here yet.
+    pub fn logged(&self, text: &str) -> bool {
+        self.wait_for(Duration::from_secs(10), |gw| gw.logs().contains(text))
+    }
+
     pub fn get(&self, path: &str) -> Response {
         http::get(self.addr, path)
     }

@@ -171,8 +171,7 @@ fn handover_between_plugins_never_stalls() {
     }
     assert!(events > 3, "the handed-over stream went on");
     assert!(
-        gw.logs()
-            .contains("handed its sequence to the batched engine"),
+        gw.logged("handed its sequence to the batched engine"),
         "a handover happened"
     );
     assert!(

@@ -242,8 +242,7 @@ fn a_handed_over_quantized_sequence_continues_exactly() {
         .collect();
     assert_eq!(ids, alone, "the streamed tokens");
     assert!(
-        gw.logs()
-            .contains("handed its sequence to the batched engine"),
+        gw.logged("handed its sequence to the batched engine"),
         "a handover happened"
     );
 }

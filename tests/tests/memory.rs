@@ -144,7 +144,7 @@ fn a_memory_budget_is_divided_at_startup_and_reported() {
     // No forward exceeds the measured step: rows default to it, and the
     // configured chunk is cut to it.
     assert!(
-        gw.logs().contains("max_batch=64 prefill_chunk=64"),
+        gw.logged("max_batch=64 prefill_chunk=64"),
         "{}",
         gw.logs()
     );

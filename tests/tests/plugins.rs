@@ -96,10 +96,10 @@ policy:
             "{e}"
         );
     }
-    let logs = gw.logs();
     assert!(
-        logs.contains("plugin refused") && logs.contains("0.0.0-mismatch"),
-        "{logs}"
+        gw.logged("plugin refused") && gw.logged("0.0.0-mismatch"),
+        "{}",
+        gw.logs()
     );
     assert_eq!(gw.metric("gateway_engines_failed", &[]), Some(2.0));
 }
@@ -107,6 +107,7 @@ policy:
 #[test]
 fn plugin_log_lines_reach_the_host_log() {
     let gw = Gateway::start(&e2e_tests::basic_config(""));
+    gw.logged("reference engine ready");
     let logs = gw.logs();
     let line = logs
         .lines()
@@ -261,10 +262,10 @@ fn a_plugin_built_apart_serves_and_shares_the_weights() {
     assert_eq!(s.status, 200, "{}", s.text());
     assert!(s.text().contains("data: [DONE]"), "{}", s.text());
     // Its log lines reach the host's log through the boundary.
-    let logs = gw.logs();
     assert!(
-        logs.contains("template engine ready") && logs.contains("engine=tmpl"),
-        "{logs}"
+        gw.logged("template engine ready") && gw.logged("engine=tmpl"),
+        "{}",
+        gw.logs()
     );
     let two = gw.rss_bytes();
     let mb = |b: u64| b as f64 / (1 << 20) as f64;

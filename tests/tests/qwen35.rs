@@ -153,8 +153,7 @@ policy:
     }
     assert_eq!(text, alone, "the handed-over stream");
     assert!(
-        gw.logs()
-            .contains("handed its sequence to the batched engine"),
+        gw.logged("handed its sequence to the batched engine"),
         "no handover happened"
     );
     wait_idle(&gw);
@@ -212,8 +211,7 @@ policy:
     );
     let gw = Gateway::start(&config);
     assert!(
-        gw.logs()
-            .contains("drafting with the checkpoint's MTP head"),
+        gw.logged("drafting with the checkpoint's MTP head"),
         "the startup log does not say the MTP head was found"
     );
     let prompts: Vec<Vec<u32>> = vec![
