@@ -143,11 +143,7 @@ fn a_memory_budget_is_divided_at_startup_and_reported() {
     let gw = Gateway::start(&config);
     // No forward exceeds the measured step: rows default to it, and the
     // configured chunk is cut to it.
-    assert!(
-        gw.logged("max_batch=64 prefill_chunk=64"),
-        "{}",
-        gw.logs()
-    );
+    assert!(gw.logged("max_batch=64 prefill_chunk=64"), "{}", gw.logs());
     let health = gw.health();
     let budget = &health["memory"]["budget"];
     let bytes = |k: &str| {
