@@ -15,7 +15,7 @@ use dflash::Dflash;
 use fixtures::dflash::{write_drafter, TinyDflash};
 use fixtures::gemma4::Gemma4Shape;
 use fixtures::model::{write_model, TinySpec};
-use fixtures::reference::{float_rows, token_ids};
+use fixtures::reference::{assert_rounds_match, DraftRound};
 use mlx_rs::transforms::eval;
 use mlx_rs::{ops, Array, Dtype};
 use runtime::config::ModelConfig;
@@ -31,7 +31,7 @@ const PREFILL_CHUNK: usize = 5;
 const K: usize = 7;
 
 /// Drafts, committed tokens and the drafter's logits of one round.
-type Round = (Vec<u32>, Vec<u32>, Vec<Vec<f32>>);
+type Round = DraftRound;
 
 fn load(dir: &Path) -> Model {
     Model::load(
@@ -44,19 +44,7 @@ fn load(dir: &Path) -> Model {
 fn reference(target: &Path, drafter: &Path, prompt: &[u32], gemma4: bool) -> Vec<Round> {
     let req = serde_json::json!({ "model": target, "drafter": drafter, "prompt": prompt,
         "draft_tokens": K, "accept": ACCEPT, "gemma4": gemma4 });
-    let v = fixtures::reference::run("dflash_oracle.py", &req);
-    v["rounds"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| {
-            (
-                token_ids(&r["drafts"]),
-                token_ids(&r["committed"]),
-                float_rows(&r["logits"]),
-            )
-        })
-        .collect()
+    fixtures::reference::draft_rounds(&fixtures::reference::run("dflash_oracle.py", &req))
 }
 
 fn greedy_at(logits: &Array, row: i32) -> u32 {
@@ -130,24 +118,7 @@ fn check(spec: TinySpec, drafter_spec: TinyDflash, gemma4: bool) {
     assert_eq!(mine.len(), ACCEPT.len());
     let distinct: std::collections::HashSet<_> = mine.iter().flat_map(|r| &r.0).collect();
     assert!(distinct.len() > 3, "the drafts hardly vary: {distinct:?}");
-    let mut worst = 0f32;
-    for (r, (m, t)) in mine.iter().zip(&theirs).enumerate() {
-        eprintln!("round {r}: {:?} {:?}", m.0, m.1);
-        assert_eq!(
-            (&m.0, &m.1),
-            (&t.0, &t.1),
-            "round {r}: (drafts, committed) differ from mlx-vlm's"
-        );
-        assert_eq!(m.2.len(), t.2.len());
-        for (a, b) in m.2.iter().zip(&t.2) {
-            assert_eq!(a.len(), b.len());
-            for (x, y) in a.iter().zip(b) {
-                worst = worst.max((x - y).abs());
-            }
-        }
-    }
-    eprintln!("max drafter logit difference {worst}");
-    assert!(worst < 1e-3, "the drafter's logits differ by {worst}");
+    assert_rounds_match(&mine, &theirs, 1e-3, "dflash");
 }
 
 #[test]

@@ -13,7 +13,7 @@ use std::path::Path;
 use fixtures::gemma4::Gemma4Shape;
 use fixtures::model::{write_model, TinySpec};
 use fixtures::mtp::{write_drafter, TinyAssistant};
-use fixtures::reference::{float_rows, token_ids};
+use fixtures::reference::{assert_rounds_match, DraftRound};
 use mlx_rs::transforms::eval;
 use mlx_rs::{ops, Array, Dtype};
 use mtp::Assistant;
@@ -29,7 +29,7 @@ const ACCEPT: [usize; 12] = [0, 1, 3, 0, 2, 3, 3, 0, 1, 3, 3, 0];
 const PREFILL_CHUNK: usize = 5;
 
 /// Drafts, committed tokens and each draft step's logits of one round.
-type Round = (Vec<u32>, Vec<u32>, Vec<Vec<f32>>);
+type Round = DraftRound;
 
 fn load(dir: &Path) -> Model {
     Model::load(
@@ -43,18 +43,7 @@ fn reference(target: &Path, drafter: &Path, prompt: &[u32], k: usize) -> Vec<Rou
     let req = serde_json::json!({ "model": target, "drafter": drafter, "prompt": prompt,
         "draft_tokens": k, "accept": ACCEPT });
     let v = fixtures::reference::run("gemma4_assistant_oracle.py", &req);
-    v["rounds"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| {
-            (
-                token_ids(&r["drafts"]),
-                token_ids(&r["committed"]),
-                float_rows(&r["logits"]),
-            )
-        })
-        .collect()
+    fixtures::reference::draft_rounds(&v)
 }
 
 fn greedy_at(logits: &Array, row: i32) -> u32 {
@@ -143,24 +132,7 @@ fn check(shape: Gemma4Shape, ks: &[usize]) {
             end > spec.sliding_window as usize + 8,
             "the rounds must run past the sliding window"
         );
-        let mut worst = 0f32;
-        for (r, (m, t)) in mine.iter().zip(&theirs).enumerate() {
-            eprintln!("k = {k}, round {r}: {:?} {:?}", m.0, m.1);
-            assert_eq!(
-                (&m.0, &m.1),
-                (&t.0, &t.1),
-                "k = {k}, round {r}: (drafts, committed) differ from mlx-vlm's"
-            );
-            assert_eq!(m.2.len(), t.2.len());
-            for (a, b) in m.2.iter().zip(&t.2) {
-                assert_eq!(a.len(), b.len());
-                for (x, y) in a.iter().zip(b) {
-                    worst = worst.max((x - y).abs());
-                }
-            }
-        }
-        eprintln!("k = {k}: max drafter logit difference {worst}");
-        assert!(worst < 1e-3, "the drafter's logits differ by {worst}");
+        assert_rounds_match(&mine, &theirs, 1e-3, &format!("k = {k}"));
     }
 }
 
