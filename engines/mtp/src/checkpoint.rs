@@ -44,6 +44,7 @@ struct RawText {
     #[serde(default)]
     layer_types: Vec<String>,
     sliding_window: Option<i32>,
+    rope_parameters: Option<serde_json::Value>,
 }
 
 impl AssistantConfig {
@@ -99,6 +100,21 @@ impl AssistantConfig {
                 other => bail!("layer type `{other}` is not supported"),
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
+        // Drafts rotate with the target layer's rope (they attend into its
+        // keys), so a drafter declaring another rope is refused.
+        if let (Some(g), Some(declared)) = (&target.gemma4, t.rope_parameters.as_ref()) {
+            for (full, kind, theirs) in [
+                (true, "full_attention", &g.rope_full),
+                (false, "sliding_attention", &g.rope_sliding),
+            ] {
+                let ours = runtime::config::gemma4_rope(Some(declared), full)
+                    .context("text_config.rope_parameters")?;
+                ensure!(
+                    &ours == theirs,
+                    "text_config.rope_parameters.{kind} ({ours:?}) differs from the target's ({theirs:?}): the drafter attends into the target's keys with the target's rope"
+                );
+            }
+        }
         Ok(Self {
             backbone_hidden_size: raw.backbone_hidden_size,
             hidden_size: t.hidden_size,

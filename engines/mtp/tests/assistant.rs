@@ -16,7 +16,7 @@ use fixtures::mtp::{write_drafter, TinyAssistant};
 use fixtures::reference::{assert_rounds_match, DraftRound};
 use mlx_rs::transforms::eval;
 use mlx_rs::{ops, Array, Dtype};
-use mtp::Assistant;
+use mtp::{Assistant, AssistantConfig};
 use runtime::cache::slice;
 use runtime::config::ModelConfig;
 use runtime::generate::tokens_array;
@@ -149,4 +149,29 @@ fn moe_26b_like_assistant_drafts_what_mlx_vlm_drafts() {
 #[test]
 fn dense_31b_like_assistant_drafts_what_mlx_vlm_drafts() {
     check(Gemma4Shape::dense_31b(4), &[2]);
+}
+
+/// The assistant attends into the target's keys with the target's rope, so
+/// a drafter that declares another rope fails at load, naming the field.
+#[test]
+fn an_assistant_with_another_rope_fails_at_load() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (target, drafter) = (tmp.path().join("target"), tmp.path().join("drafter"));
+    write_model(&target, &TinySpec::gemma4(Gemma4Shape::e2b(6))).unwrap();
+    write_drafter(&target, &drafter, &TinyAssistant::default()).unwrap();
+    let target_config = ModelConfig::from_dir(&target).unwrap();
+    AssistantConfig::load(&drafter, &target_config).expect("the target's own rope loads");
+    let path = drafter.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["text_config"]["rope_parameters"]["sliding_attention"]["rope_theta"] = 500.0.into();
+    std::fs::write(&path, config.to_string()).unwrap();
+    let e = format!(
+        "{:#}",
+        AssistantConfig::load(&drafter, &target_config).unwrap_err()
+    );
+    assert!(
+        e.contains("rope_parameters.sliding_attention") && e.contains("differs from the target's"),
+        "{e}"
+    );
 }

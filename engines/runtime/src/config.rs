@@ -765,16 +765,6 @@ fn gemma4_config(raw: &Raw) -> anyhow::Result<Gemma4Config> {
             bail!("KV-shared layers of a kind no earlier layer computes keys and values for");
         }
     }
-    let rope = |kind: &str, default_base: f32, default: RopeScaling| -> anyhow::Result<_> {
-        let Some(p) = raw.rope_parameters.as_ref().and_then(|r| r.get(kind)) else {
-            return Ok((default_base, default));
-        };
-        let base = p
-            .get("rope_theta")
-            .and_then(|v| v.as_f64())
-            .map_or(default_base, |v| v as f32);
-        Ok((base, parse_rope_scaling(Some(p))?))
-    };
     let moe = match raw.enable_moe_block.unwrap_or(false) {
         false => None,
         true => {
@@ -807,16 +797,38 @@ fn gemma4_config(raw: &Raw) -> anyhow::Result<Gemma4Config> {
         double_wide_mlp: raw.use_double_wide_mlp.unwrap_or(false),
         final_logit_softcapping: raw.final_logit_softcapping,
         moe,
-        rope_full: rope(
+        rope_full: gemma4_rope(raw.rope_parameters.as_ref(), true)?,
+        rope_sliding: gemma4_rope(raw.rope_parameters.as_ref(), false)?,
+    })
+}
+
+/// A Gemma 4 layer kind's rope base and scaling from `rope_parameters`
+/// (keyed by `full_attention` / `sliding_attention`), with the family's
+/// defaults for a kind it leaves out. Drafters bound to a Gemma 4 target
+/// read theirs the same way to check they rotate as the target does.
+pub fn gemma4_rope(
+    rope_parameters: Option<&serde_json::Value>,
+    full: bool,
+) -> anyhow::Result<(f32, RopeScaling)> {
+    let (kind, default_base, default) = match full {
+        true => (
             "full_attention",
             1_000_000.0,
             RopeScaling::Proportional {
                 rotated_fraction: 0.25,
                 factor: 1.0,
             },
-        )?,
-        rope_sliding: rope("sliding_attention", 10_000.0, RopeScaling::None)?,
-    })
+        ),
+        false => ("sliding_attention", 10_000.0, RopeScaling::None),
+    };
+    let Some(p) = rope_parameters.and_then(|r| r.get(kind)) else {
+        return Ok((default_base, default));
+    };
+    let base = p
+        .get("rope_theta")
+        .and_then(|v| v.as_f64())
+        .map_or(default_base, |v| v as f32);
+    Ok((base, parse_rope_scaling(Some(p))?))
 }
 
 fn parse_rope_scaling(value: Option<&serde_json::Value>) -> anyhow::Result<RopeScaling> {
