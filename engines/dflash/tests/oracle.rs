@@ -14,14 +14,12 @@ use std::path::Path;
 use dflash::Dflash;
 use fixtures::dflash::{write_drafter, TinyDflash};
 use fixtures::gemma4::Gemma4Shape;
-use fixtures::model::{write_model, TinySpec};
+use fixtures::model::{greedy_at, load_model, write_model, TinySpec};
 use fixtures::reference::{assert_rounds_match, DraftRound};
 use mlx_rs::transforms::eval;
-use mlx_rs::{ops, Array, Dtype};
-use runtime::config::ModelConfig;
+use mlx_rs::{Array, Dtype};
 use runtime::generate::tokens_array;
 use runtime::model::{Logits, Model};
-use runtime::weights::Weights;
 use runtime::Family;
 use speculative::{DraftSource, DraftState, Proposal};
 
@@ -33,27 +31,10 @@ const K: usize = 7;
 /// Drafts, committed tokens and the drafter's logits of one round.
 type Round = DraftRound;
 
-fn load(dir: &Path) -> Model {
-    Model::load(
-        ModelConfig::from_dir(dir).unwrap(),
-        Weights::from_dir(dir).unwrap(),
-    )
-    .unwrap()
-}
-
 fn reference(target: &Path, drafter: &Path, prompt: &[u32], gemma4: bool) -> Vec<Round> {
     let req = serde_json::json!({ "model": target, "drafter": drafter, "prompt": prompt,
         "draft_tokens": K, "accept": ACCEPT, "gemma4": gemma4 });
     fixtures::reference::draft_rounds(&fixtures::reference::run("dflash_oracle.py", &req))
-}
-
-fn greedy_at(logits: &Array, row: i32) -> u32 {
-    let t = ops::indexing::argmax_axis(logits, -1, None)
-        .unwrap()
-        .as_dtype(Dtype::Int32)
-        .unwrap();
-    eval([&t]).unwrap();
-    t.as_slice::<i32>()[row as usize] as u32
 }
 
 /// The reference's rounds through our target and draft state: a chunked
@@ -111,7 +92,7 @@ fn check(spec: TinySpec, drafter_spec: TinyDflash, gemma4: bool) {
     let (target, drafter) = (tmp.path().join("target"), tmp.path().join("drafter"));
     write_model(&target, &spec).unwrap();
     write_drafter(&target, &drafter, &drafter_spec).unwrap();
-    let model = load(&target);
+    let model = load_model(&target);
     let prompt: Vec<u32> = (0..13).map(|i| (i * 37 + 11) % spec.vocab as u32).collect();
     let theirs = reference(&target, &drafter, &prompt, gemma4);
     let mine = ours(&model, &drafter, &prompt);
@@ -175,7 +156,7 @@ fn drafter_variants_we_do_not_run_fail_at_load() {
     let (target, drafter) = (tmp.path().join("target"), tmp.path().join("drafter"));
     write_model(&target, &TinySpec::tiny(Family::Qwen3)).unwrap();
     write_drafter(&target, &drafter, &sliding()).unwrap();
-    let model = load(&target);
+    let model = load_model(&target);
     let file = drafter.join("config.json");
     let original: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();

@@ -11,17 +11,16 @@
 use std::path::Path;
 
 use fixtures::gemma4::Gemma4Shape;
-use fixtures::model::{write_model, TinySpec};
+use fixtures::model::{greedy_at, load_model, write_model, TinySpec};
 use fixtures::mtp::{write_drafter, TinyAssistant};
 use fixtures::reference::{assert_rounds_match, DraftRound};
 use mlx_rs::transforms::eval;
-use mlx_rs::{ops, Array, Dtype};
+use mlx_rs::Array;
 use mtp::{Assistant, AssistantConfig};
 use runtime::cache::slice;
 use runtime::config::ModelConfig;
 use runtime::generate::tokens_array;
 use runtime::model::{Logits, Model};
-use runtime::weights::Weights;
 use speculative::{DraftSource, Proposal};
 
 /// Drafts accepted per round (whatever the target says), capped at k.
@@ -31,28 +30,11 @@ const PREFILL_CHUNK: usize = 5;
 /// Drafts, committed tokens and each draft step's logits of one round.
 type Round = DraftRound;
 
-fn load(dir: &Path) -> Model {
-    Model::load(
-        ModelConfig::from_dir(dir).unwrap(),
-        Weights::from_dir(dir).unwrap(),
-    )
-    .unwrap()
-}
-
 fn reference(target: &Path, drafter: &Path, prompt: &[u32], k: usize) -> Vec<Round> {
     let req = serde_json::json!({ "model": target, "drafter": drafter, "prompt": prompt,
         "draft_tokens": k, "accept": ACCEPT });
     let v = fixtures::reference::run("gemma4_assistant_oracle.py", &req);
     fixtures::reference::draft_rounds(&v)
-}
-
-fn greedy_at(logits: &Array, row: i32) -> u32 {
-    let t = ops::indexing::argmax_axis(logits, -1, None)
-        .unwrap()
-        .as_dtype(Dtype::Int32)
-        .unwrap();
-    eval([&t]).unwrap();
-    t.as_slice::<i32>()[row as usize] as u32
 }
 
 /// Row `row` of a `[1, L, H]` hidden state, as `[1, 1, H]`.
@@ -121,7 +103,7 @@ fn check(shape: Gemma4Shape, ks: &[usize]) {
     let spec = TinySpec::gemma4(shape);
     write_model(&target, &spec).unwrap();
     write_drafter(&target, &drafter, &TinyAssistant::default()).unwrap();
-    let model = load(&target);
+    let model = load_model(&target);
     let prompt: Vec<u32> = (0..13).map(|i| (i * 37 + 11) % spec.vocab as u32).collect();
     for &k in ks {
         let theirs = reference(&target, &drafter, &prompt, k);

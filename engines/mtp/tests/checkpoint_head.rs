@@ -9,16 +9,14 @@
 
 use std::path::Path;
 
-use fixtures::model::{write_model, TinySpec};
+use fixtures::model::{greedy_at, load_model, write_model, TinySpec};
 use fixtures::qwen::QwenShape;
 use fixtures::reference::{float_rows, token_ids};
 use mlx_rs::transforms::eval;
-use mlx_rs::{ops, Array, Dtype};
+use mlx_rs::Array;
 use mtp::CheckpointHead;
-use runtime::config::ModelConfig;
 use runtime::generate::tokens_array;
 use runtime::model::{Logits, Model, MtpHead, Taps};
-use runtime::weights::Weights;
 use speculative::{DraftSource, Proposal};
 
 /// Drafts accepted per round (whatever the target says), capped at k.
@@ -27,14 +25,6 @@ const PREFILL_CHUNK: usize = 5;
 
 /// Drafts and committed tokens of one round.
 type Round = (Vec<u32>, Vec<u32>);
-
-fn load(dir: &Path) -> Model {
-    Model::load(
-        ModelConfig::from_dir(dir).unwrap(),
-        Weights::from_dir(dir).unwrap(),
-    )
-    .unwrap()
-}
 
 /// The reference's rounds, and its head's logits over the prompt.
 fn reference(dir: &Path, prompt: &[u32], k: usize) -> (Vec<Round>, Vec<Vec<f32>>) {
@@ -90,15 +80,6 @@ fn prompt_logits(model: &Model, dir: &Path, prompt: &[u32]) -> Vec<Vec<f32>> {
         .collect()
 }
 
-fn greedy_at(logits: &Array, row: i32) -> u32 {
-    let t = ops::indexing::argmax_axis(logits, -1, None)
-        .unwrap()
-        .as_dtype(Dtype::Int32)
-        .unwrap();
-    eval([&t]).unwrap();
-    t.as_slice::<i32>()[row as usize] as u32
-}
-
 /// The rounds the reference runs, through our target and draft state: a
 /// chunked prefill, then each round k drafts, one verify forward, the
 /// forced acceptance and the rollback of the rest.
@@ -147,7 +128,7 @@ fn check(shape: QwenShape, ks: &[usize]) {
     let tmp = tempfile::tempdir().unwrap();
     let spec = TinySpec::qwen(shape);
     write_model(tmp.path(), &spec).unwrap();
-    let model = load(tmp.path());
+    let model = load_model(tmp.path());
     let prompt: Vec<u32> = (0..13).map(|i| (i * 37 + 11) % spec.vocab as u32).collect();
     for &k in ks {
         let (theirs, their_logits) = reference(tmp.path(), &prompt, k);
@@ -193,7 +174,7 @@ fn moe_head_drafts_what_mlx_vlm_drafts() {
 fn missing_incomplete_or_misshapen_heads_fail_at_load() {
     let tmp = tempfile::tempdir().unwrap();
     write_model(tmp.path(), &TinySpec::qwen(QwenShape::qwen35())).unwrap();
-    let err = CheckpointHead::load(&load(tmp.path()), tmp.path(), 2)
+    let err = CheckpointHead::load(&load_model(tmp.path()), tmp.path(), 2)
         .err()
         .expect("a checkpoint without mtp.* has no head");
     assert!(format!("{err:#}").contains("no MTP head"), "{err:#}");
@@ -213,7 +194,7 @@ fn missing_incomplete_or_misshapen_heads_fail_at_load() {
             .filter_map(|(n, a)| edit(n, a).map(|a| (n.clone(), a)))
             .collect();
         Array::save_safetensors(tensors.iter().map(|(n, a)| (n, a)), None, &file).unwrap();
-        let err = CheckpointHead::load(&load(tmp.path()), tmp.path(), 2)
+        let err = CheckpointHead::load(&load_model(tmp.path()), tmp.path(), 2)
             .err()
             .expect("a broken head fails");
         format!("{err:#}")
