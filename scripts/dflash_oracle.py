@@ -20,10 +20,10 @@ argmax of the drafter's logits (its __call__, the body of draft_block).
 
 import json
 import sys
-from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm import load
+from reference_drafter import load_drafter
 
 
 class Tap:
@@ -53,15 +53,7 @@ def main():
     lm = getattr(model, "language_model", model)
     inner = lm.model
 
-    drafter_dir = Path(req["drafter"])
-    draft = Model(
-        ModelConfig.from_dict(json.loads((drafter_dir / "config.json").read_text()))
-    )
-    weights = {}
-    for file in sorted(drafter_dir.glob("*.safetensors")):
-        weights.update(mx.load(str(file)))
-    draft.load_weights(list(draft.sanitize(weights).items()))
-    mx.eval(draft.parameters())
+    draft = load_drafter(Model, ModelConfig, req["drafter"])
     cache = draft.reset(model)
     ids = list(draft.config.target_layer_ids)
     sink = {}

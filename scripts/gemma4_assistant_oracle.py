@@ -23,10 +23,10 @@ what draft_block samples from) on that step's input.
 
 import json
 import sys
-from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm import load
+from reference_drafter import load_drafter
 from mlx_lm.models.cache import KVCache
 from mlx_vlm.speculative.drafters.gemma4_assistant import (
     Gemma4AssistantDraftModel,
@@ -49,15 +49,7 @@ def main():
     # KV-shared layers after it read the same ones).
     owner = {inner.layers[i].layer_type: i for i in range(first_shared)}
 
-    drafter_dir = Path(req["drafter"])
-    draft = Gemma4AssistantDraftModel(
-        ModelConfig.from_dict(json.loads((drafter_dir / "config.json").read_text()))
-    )
-    weights = {}
-    for file in sorted(drafter_dir.glob("*.safetensors")):
-        weights.update(mx.load(str(file)))
-    draft.load_weights(list(draft.sanitize(weights).items()))
-    mx.eval(draft.parameters())
+    draft = load_drafter(Gemma4AssistantDraftModel, ModelConfig, req["drafter"])
     draft.reset(model)
 
     def target(tokens):
