@@ -87,30 +87,17 @@ impl DflashConfig {
                 target.num_layers
             );
         }
-        let layer_types = if raw.layer_types.is_empty() {
-            vec!["full_attention".to_string(); raw.num_hidden_layers as usize]
-        } else {
-            raw.layer_types
-        };
-        ensure!(
-            layer_types.len() == raw.num_hidden_layers as usize,
-            "layer_types has {} entries for {} layers",
-            layer_types.len(),
-            raw.num_hidden_layers
-        );
-        let windows = layer_types
-            .iter()
-            .map(|t| match t.as_str() {
-                "full_attention" => Ok(None),
-                "sliding_attention" => match raw.sliding_window {
+        let windows =
+            speculative::checkpoint::sliding_layers(&raw.layer_types, raw.num_hidden_layers)?
+                .into_iter()
+                .map(|sliding| match (sliding, raw.sliding_window) {
+                    (false, _) => Ok(None),
                     // It keeps `window - 2` earlier context positions.
-                    Some(w) if w >= 3 => Ok(Some(w)),
-                    Some(w) => bail!("sliding_window {w} is too small"),
-                    None => bail!("sliding_attention layers but no sliding_window"),
-                },
-                other => bail!("drafter layer type `{other}` is not supported"),
-            })
-            .collect::<anyhow::Result<Vec<_>>>()?;
+                    (true, Some(w)) if w >= 3 => Ok(Some(w)),
+                    (true, Some(w)) => bail!("sliding_window {w} is too small"),
+                    (true, None) => bail!("sliding_attention layers but no sliding_window"),
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
         let section = raw.dflash_config;
         if let Some(s) = &section {
             ensure!(

@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use anyhow::{bail, ensure, Context};
+use anyhow::{ensure, Context};
 use runtime::ModelConfig;
 use serde::Deserialize;
 
@@ -81,25 +81,7 @@ impl AssistantConfig {
             raw.backbone_hidden_size,
             target.hidden_size
         );
-        let layer_types = if t.layer_types.is_empty() {
-            vec!["full_attention".to_string(); t.num_hidden_layers as usize]
-        } else {
-            t.layer_types
-        };
-        ensure!(
-            layer_types.len() == t.num_hidden_layers as usize,
-            "layer_types has {} entries for {} layers",
-            layer_types.len(),
-            t.num_hidden_layers
-        );
-        let sliding = layer_types
-            .iter()
-            .map(|l| match l.as_str() {
-                "sliding_attention" => Ok(true),
-                "full_attention" => Ok(false),
-                other => bail!("layer type `{other}` is not supported"),
-            })
-            .collect::<anyhow::Result<Vec<_>>>()?;
+        let sliding = speculative::checkpoint::sliding_layers(&t.layer_types, t.num_hidden_layers)?;
         // Drafts rotate with the target layer's rope (they attend into its
         // keys), so a drafter declaring another rope is refused.
         if let (Some(g), Some(declared)) = (&target.gemma4, t.rope_parameters.as_ref()) {

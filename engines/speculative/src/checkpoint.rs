@@ -32,3 +32,25 @@ pub fn read_config(
     );
     Ok(value)
 }
+
+/// Which of a drafter's `layers` layers use sliding-window attention, from
+/// its `layer_types` (`sliding_attention` or `full_attention`; an empty
+/// list means every layer is full).
+pub fn sliding_layers(layer_types: &[String], layers: i32) -> anyhow::Result<Vec<bool>> {
+    if layer_types.is_empty() {
+        return Ok(vec![false; layers.max(0) as usize]);
+    }
+    ensure!(
+        layer_types.len() == layers as usize,
+        "layer_types has {} entries for {layers} layers",
+        layer_types.len()
+    );
+    layer_types
+        .iter()
+        .map(|t| match t.as_str() {
+            "sliding_attention" => Ok(true),
+            "full_attention" => Ok(false),
+            other => anyhow::bail!("drafter layer type `{other}` is not supported"),
+        })
+        .collect()
+}
