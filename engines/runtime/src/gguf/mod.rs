@@ -131,7 +131,8 @@ fn config(file: &GgufFile) -> anyhow::Result<ModelConfig> {
     ModelConfig::from_json(raw)
 }
 
-fn vocab(file: &GgufFile) -> text::gguf::GgufVocab {
+/// The tokenizer metadata of `file`.
+pub fn vocab(file: &GgufFile) -> text::gguf::GgufVocab {
     let get = |k: &str| file.get(&format!("tokenizer.ggml.{k}"));
     let strings = |k: &str| -> Vec<String> {
         get(k)
