@@ -220,6 +220,21 @@ fn check(
         2,
         "{rendered:?}"
     );
+    assert_eq!(ids[0], bos, "{rendered:?}");
+    // A template beside the file (and no tokenizer_config.json) renders
+    // with the file's special tokens.
+    std::fs::write(
+        dir.path().join("chat_template.jinja"),
+        "{{ bos_token }}[{{ messages[0]['content'] }}]",
+    )
+    .unwrap();
+    let model = LoadedModel::load(&file, None).unwrap();
+    let template = model.template.as_ref().expect("chat_template.jinja");
+    let rendered = template
+        .render(&chat, &text::RenderOptions::default())
+        .unwrap();
+    let bos_token = tok.id_to_token(bos).unwrap();
+    assert_eq!(rendered, format!("{bos_token}[Hello]"));
 }
 
 /// Gemma's files: no space prefix (`add_space_prefix = false`), BOS added,

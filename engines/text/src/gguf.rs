@@ -14,13 +14,15 @@
 //!   on; spaces become `▁` (normalizer), and a `▁` is prepended where
 //!   `tokenizer.ggml.add_space_prefix` says so (llama.cpp's default; Gemma's
 //!   files say no). The decoder reverses it and strips that prefix.
-//!   Where the two could part: pieces of equal score (BPE ranks them by id
-//!   where SentencePiece takes the leftmost pair; SentencePiece's trainer
-//!   gives every normal piece its own score, Gemma 3's 255,474 included),
-//!   and added tokens: control and user-defined tokens are matched whole in
-//!   the raw text and the text after one gets its own space prefix, as
-//!   llama.cpp does (SentencePiece itself matches user-defined pieces after
-//!   adding the one prefix, and control pieces not at all).
+//!   Where the two could part: competing pairs of equal score (two pieces
+//!   scored alike, or two splits of one piece) are taken in merge-list
+//!   order, where SentencePiece takes the leftmost; its trainer gives every
+//!   normal piece its own score (Gemma 3's 255,474 pieces too), and none of
+//!   the oracle texts met a split conflict. And added tokens: control and
+//!   user-defined tokens are matched whole in the raw text and the text
+//!   after one gets its own space prefix, as llama.cpp does (SentencePiece
+//!   itself matches user-defined pieces after adding the one prefix, and
+//!   control pieces not at all).
 //!   `engines/runtime/tests/gguf_spm.rs` checks the ids against the
 //!   `sentencepiece` package itself.
 
