@@ -258,6 +258,9 @@ fn llama2_style_vocab_with_space_prefix_encodes_as_sentencepiece() {
     check(Family::Llama, None, &[], None);
 }
 
+/// A change to a file's metadata.
+type MetaEdit<'a> = Box<dyn Fn(&mut Vec<(&'static str, Meta)>) + 'a>;
+
 /// Bad vocabularies are load errors naming the file and the key.
 #[test]
 fn inconsistent_vocabularies_are_load_errors() {
@@ -281,7 +284,7 @@ fn inconsistent_vocabularies_are_load_errors() {
         .map(|v| v.as_i64().unwrap() as i32)
         .collect();
     let byte_41 = tokens.iter().position(|t| t == "<0x41>").unwrap();
-    let cases: Vec<(Box<dyn Fn(&mut Vec<(&'static str, Meta)>)>, &str)> = vec![
+    let cases: Vec<(MetaEdit, &str)> = vec![
         (
             Box::new(|m| replace(m, "tokenizer.ggml.scores", Meta::F32s(vec![0.0; 5]))),
             "`tokenizer.ggml.scores` has 5 entries",
