@@ -312,7 +312,7 @@ fn build(path: &Path, compute: ComputeDtype) -> anyhow::Result<Built> {
                     origin: file.clone(),
                 }
             };
-            let template = match text::ChatTemplate::from_dir(dir)? {
+            let template = match text::ChatTemplate::from_dir_or(dir, &config)? {
                 Some(t) => Some(t),
                 None => text::ChatTemplate::from_tokenizer_config(&config, file)?,
             };

@@ -9,7 +9,6 @@ use mlx_rs::{Array, Dtype};
 
 use crate::config::Quantization;
 
-#[derive(Default)]
 pub struct Weights {
     tensors: HashMap<String, Array>,
     /// Per-layer quantization (by weight prefix) where it differs from the
@@ -17,7 +16,32 @@ pub struct Weights {
     quantization: HashMap<String, Quantization>,
     /// The file each tensor came from (kept after `take`, for errors).
     files: HashMap<String, PathBuf>,
-    dir: PathBuf,
+    origin: Origin,
+}
+
+/// Where a checkpoint's tensors were read from, for errors.
+enum Origin {
+    /// The `*.safetensors` files of a directory.
+    Dir(PathBuf),
+    /// One GGUF file.
+    Gguf(PathBuf),
+}
+
+impl Origin {
+    fn path(&self) -> &Path {
+        match self {
+            Origin::Dir(p) | Origin::Gguf(p) => p,
+        }
+    }
+}
+
+impl std::fmt::Display for Origin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Origin::Dir(dir) => write!(f, "*.safetensors in {}", dir.display()),
+            Origin::Gguf(file) => write!(f, "{}", file.display()),
+        }
+    }
 }
 
 impl Weights {
@@ -47,8 +71,18 @@ impl Weights {
             tensors,
             quantization: HashMap::new(),
             files: names,
-            dir: dir.to_path_buf(),
+            origin: Origin::Dir(dir.to_path_buf()),
         })
+    }
+
+    /// No tensors yet; those inserted come from the GGUF file `path`.
+    pub fn from_gguf(path: &Path) -> Self {
+        Self {
+            tensors: HashMap::new(),
+            quantization: HashMap::new(),
+            files: HashMap::new(),
+            origin: Origin::Gguf(path.to_path_buf()),
+        }
     }
 
     pub fn insert(&mut self, name: String, array: Array) {
@@ -67,8 +101,8 @@ impl Weights {
     pub fn take(&mut self, name: &str) -> anyhow::Result<Array> {
         self.tensors.remove(name).ok_or_else(|| {
             anyhow!(
-                "weight `{name}` missing from the checkpoint (*.safetensors in {})",
-                self.dir.display()
+                "weight `{name}` missing from the checkpoint ({})",
+                self.origin
             )
         })
     }
@@ -94,10 +128,11 @@ impl Weights {
 
     /// The file a tensor was read from, for messages.
     pub fn file_of(&self, name: &str) -> String {
-        self.files.get(name).map_or_else(
-            || self.dir.display().to_string(),
-            |f| f.display().to_string(),
-        )
+        self.files
+            .get(name)
+            .map_or(self.origin.path(), PathBuf::as_path)
+            .display()
+            .to_string()
     }
 
     pub fn take_optional(&mut self, name: &str) -> Option<Array> {

@@ -3,7 +3,7 @@
 //! writes them (fixtures::gguf) load to the logits of their Hugging Face
 //! directories.
 
-use fixtures::gguf::{convert, write_gguf, Meta};
+use fixtures::gguf::{convert, converted, write_gguf, Meta};
 use fixtures::model::{write_model, TinySpec};
 use mlx_rs::Dtype;
 use runtime::generate::prefill;
@@ -56,6 +56,19 @@ fn bad_files_are_clear_errors() {
     std::fs::write(&path, write_gguf(&tiny_gguf_meta("mamba"), &[tensor])).unwrap();
     let err = format!("{:#}", LoadedModel::load(&path, None).err().unwrap());
     assert!(err.contains("`mamba`") && err.contains("m.gguf"), "{err}");
+    // A tensor of another shape than the config's is named with the file.
+    let hf = dir.path().join("hf");
+    write_model(&hf, &TinySpec::tiny(Family::Llama)).unwrap();
+    let (mut meta, tensors) = converted(&hf, Family::Llama);
+    for (key, value) in meta.iter_mut() {
+        if *key == "llama.feed_forward_length" {
+            *value = Meta::U32(96);
+        }
+    }
+    std::fs::write(&path, write_gguf(&meta, &tensors)).unwrap();
+    let err = format!("{:#}", LoadedModel::load(&path, None).err().unwrap());
+    let named = format!("mlp.gate_proj.weight` in {} has shape", path.display());
+    assert!(err.contains(&named), "{err}");
 }
 
 #[test]

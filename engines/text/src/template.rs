@@ -112,11 +112,20 @@ impl ChatTemplate {
     /// `chat_template` over `chat_template.json`. `Ok(None)` when the model
     /// has no template (a base model).
     pub fn from_dir(dir: &Path) -> Result<Option<Self>> {
+        Self::from_dir_or(dir, &Json::Object(Map::new()))
+    }
+
+    /// [`ChatTemplate::from_dir`] of the directory beside a GGUF file: where
+    /// it has no `tokenizer_config.json`, the special tokens (`bos_token`
+    /// ...) are those of `defaults`, the file's metadata.
+    pub fn from_dir_or(dir: &Path, defaults: &Json) -> Result<Option<Self>> {
         let config_path = dir.join("tokenizer_config.json");
-        let config = if config_path.exists() {
-            read_json(&config_path)?
+        let (config, special) = if config_path.exists() {
+            let config = read_json(&config_path)?;
+            let special = special_tokens(&config);
+            (config, special)
         } else {
-            Json::Object(Map::new())
+            (Json::Object(Map::new()), special_tokens(defaults))
         };
         let mut templates: Vec<(String, String)> = Vec::new();
         let jinja = dir.join("chat_template.jinja");
@@ -162,7 +171,7 @@ impl ChatTemplate {
         if templates.is_empty() {
             return Ok(None);
         }
-        Self::with_templates(templates, special_tokens(&config)).map(Some)
+        Self::with_templates(templates, special).map(Some)
     }
 
     /// The template of an in-memory `tokenizer_config.json` (a GGUF file's

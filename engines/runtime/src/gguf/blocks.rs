@@ -13,7 +13,10 @@
 //! (`-8 d` and `-128 d` are exact in float16: powers of two.) The K-quants
 //! (Q4_K, Q5_K, Q6_K) nest 6- or 8-bit sub-block scales inside 256-element
 //! super-blocks, which MLX's one-level groups cannot hold; they are
-//! dequantized at load to float16 (the precision of their block scales).
+//! dequantized at load to float16 (the precision of their block scales),
+//! and so is Q5_0 (`d * (q - 16)`, its fifth bits apart from the nibbles),
+//! which llama.cpp's K-quant mixes use for rows that are not a multiple of
+//! 256 (Gemma 3 270M's 640).
 
 use half::f16;
 use mlx_rs::Array;
@@ -51,14 +54,15 @@ pub fn load(info: &TensorInfo, bytes: &[u8]) -> Loaded {
             &shape,
         )),
         TensorType::Q4_0 | TensorType::Q4_1 | TensorType::Q8_0 => affine(info, bytes, &shape),
-        TensorType::Q4K | TensorType::Q5K | TensorType::Q6K => {
-            let (_, block_bytes) = info.ty.block();
-            let mut out = Vec::with_capacity(bytes.len() / block_bytes * 256);
+        TensorType::Q5_0 | TensorType::Q4K | TensorType::Q5K | TensorType::Q6K => {
+            let (per_block, block_bytes) = info.ty.block();
+            let mut out = Vec::with_capacity(bytes.len() / block_bytes * per_block);
             for block in bytes.chunks_exact(block_bytes) {
-                let values = match info.ty {
-                    TensorType::Q4K => q4_k(block),
-                    TensorType::Q5K => q5_k(block),
-                    _ => q6_k(block),
+                let values: &[f32] = match info.ty {
+                    TensorType::Q5_0 => &q5_0(block),
+                    TensorType::Q4K => &q4_k(block),
+                    TensorType::Q5K => &q5_k(block),
+                    _ => &q6_k(block),
                 };
                 out.extend(values.iter().map(|&v| f16::from_f32(v)));
             }
@@ -140,6 +144,21 @@ fn affine(info: &TensorInfo, bytes: &[u8], shape: &[i32]) -> Loaded {
             bits: bits as i32,
         },
     }
+}
+
+/// Q5_0: d (f16), 32 fifth bits (little-endian u32, bit `j` for element
+/// `j`), 16 bytes of nibbles (element `j` low, `j + 16` high); values are
+/// 5-bit minus 16.
+fn q5_0(b: &[u8]) -> [f32; 32] {
+    let d = half_at(b, 0).to_f32();
+    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    let mut out = [0f32; 32];
+    for (j, &q) in b[6..22].iter().enumerate() {
+        let fifth = |k: usize| (((qh >> k) & 1) << 4) as i32;
+        out[j] = d * ((q & 0x0f) as i32 + fifth(j) - 16) as f32;
+        out[j + 16] = d * ((q >> 4) as i32 + fifth(j + 16) - 16) as f32;
+    }
+    out
 }
 
 /// The 6-bit scale and min of sub-block `j` of a Q4_K / Q5_K super-block.

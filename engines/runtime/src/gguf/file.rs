@@ -71,6 +71,7 @@ pub enum TensorType {
     Q4_0,
     Q4_1,
     Q8_0,
+    Q5_0,
     Q4K,
     Q5K,
     Q6K,
@@ -83,6 +84,7 @@ impl TensorType {
             1 => Self::F16,
             2 => Self::Q4_0,
             3 => Self::Q4_1,
+            6 => Self::Q5_0,
             8 => Self::Q8_0,
             12 => Self::Q4K,
             13 => Self::Q5K,
@@ -100,6 +102,7 @@ impl TensorType {
             Self::Q4_0 => (32, 18),
             Self::Q4_1 => (32, 20),
             Self::Q8_0 => (32, 34),
+            Self::Q5_0 => (32, 22),
             Self::Q4K => (256, 144),
             Self::Q5K => (256, 176),
             Self::Q6K => (256, 210),
@@ -110,7 +113,6 @@ impl TensorType {
 /// The name ggml gives a tensor type id, for error messages.
 fn type_name(id: u32) -> String {
     const NAMES: &[(u32, &str)] = &[
-        (6, "Q5_0"),
         (7, "Q5_1"),
         (9, "Q8_1"),
         (10, "Q2_K"),
@@ -171,7 +173,7 @@ pub enum GgufError {
     Version(u32),
     #[error("truncated or corrupt: {0}")]
     Corrupt(String),
-    #[error("tensor `{name}` has type {ty}, which this runtime cannot load (supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)")]
+    #[error("tensor `{name}` has type {ty}, which this runtime cannot load (supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q5_K, Q6_K)")]
     UnsupportedType { name: String, ty: String },
 }
 

@@ -33,7 +33,7 @@ pub fn load(path: &Path) -> anyhow::Result<GgufCheckpoint> {
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
     let file = GgufFile::parse(bytes).with_context(|| format!("reading {}", path.display()))?;
     let config = config(&file).with_context(|| format!("model config of {}", path.display()))?;
-    let weights = weights(&file, &config)
+    let weights = weights(&file, &config, path)
         .with_context(|| format!("loading the tensors of {}", path.display()))?;
     Ok(GgufCheckpoint {
         vocab: vocab(&file),
@@ -131,7 +131,8 @@ fn config(file: &GgufFile) -> anyhow::Result<ModelConfig> {
     ModelConfig::from_json(raw)
 }
 
-fn vocab(file: &GgufFile) -> text::gguf::GgufVocab {
+/// The tokenizer metadata of `file`.
+pub fn vocab(file: &GgufFile) -> text::gguf::GgufVocab {
     let get = |k: &str| file.get(&format!("tokenizer.ggml.{k}"));
     let strings = |k: &str| -> Vec<String> {
         get(k)
@@ -159,9 +160,13 @@ fn vocab(file: &GgufFile) -> text::gguf::GgufVocab {
             .and_then(Value::as_array)
             .map(|a| {
                 a.iter()
-                    .map(|v| v.as_u64().map_or(-1, |t| t as i64))
+                    .map(|v| v.as_u64().and_then(|t| i64::try_from(t).ok()).unwrap_or(-1))
                     .collect()
             })
+            .unwrap_or_default(),
+        scores: get("scores")
+            .and_then(Value::as_array)
+            .map(|a| a.iter().map(|v| v.as_f64().unwrap_or(f64::NAN)).collect())
             .unwrap_or_default(),
         merges: strings("merges"),
         bos_token_id: id("bos_token_id"),
@@ -169,9 +174,8 @@ fn vocab(file: &GgufFile) -> text::gguf::GgufVocab {
         eot_token_id: id("eot_token_id"),
         padding_token_id: id("padding_token_id"),
         unknown_token_id: id("unknown_token_id"),
-        add_bos_token: get("add_bos_token")
-            .and_then(Value::as_bool)
-            .unwrap_or(false),
+        add_bos_token: get("add_bos_token").and_then(Value::as_bool),
+        add_space_prefix: get("add_space_prefix").and_then(Value::as_bool),
         chat_template: file
             .get("tokenizer.chat_template")
             .and_then(Value::as_str)
@@ -216,9 +220,9 @@ fn hf_name(name: &str, family: Family) -> Option<String> {
     Some(format!("model.layers.{layer}.{hf}.{suffix}"))
 }
 
-fn weights(file: &GgufFile, config: &ModelConfig) -> anyhow::Result<Weights> {
+fn weights(file: &GgufFile, config: &ModelConfig, path: &Path) -> anyhow::Result<Weights> {
     let family = config.family;
-    let mut weights = Weights::default();
+    let mut weights = Weights::from_gguf(path);
     for info in &file.tensors {
         let name = hf_name(&info.name, family)
             .ok_or_else(|| anyhow!("tensor `{}` has no place in a {family} model", info.name))?;

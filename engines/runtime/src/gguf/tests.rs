@@ -133,3 +133,28 @@ fn k_quants_dequantize_by_their_block_layout() {
     let a = a.as_dtype(Dtype::Float32).unwrap();
     assert!(a.as_slice::<f32>().iter().all(|&x| x == 0.125 * 3.0 * 8.0));
 }
+
+/// Q5_0 from ggml's block definition: codes chosen per element, packed
+/// (low nibbles, element `j + 16` in the high nibble, fifth bits in `qh`),
+/// read back as d * (code - 16).
+#[test]
+fn q5_0_dequantizes_by_its_block_layout() {
+    let codes: Vec<u32> = (0..32).map(|j| (j * 7 + 3) % 32).collect();
+    let d = 0.375f32;
+    let mut b = vec![0u8; 22];
+    b[0..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+    let qh = codes
+        .iter()
+        .enumerate()
+        .fold(0u32, |acc, (j, &c)| acc | (c >> 4) << j);
+    b[2..6].copy_from_slice(&qh.to_le_bytes());
+    for j in 0..16 {
+        b[6 + j] = (codes[j] & 0x0f) as u8 | ((codes[j + 16] & 0x0f) as u8) << 4;
+    }
+    let Loaded::Dense(a) = blocks::load(&info("q", TensorType::Q5_0, vec![32], 22), &b) else {
+        panic!("dense");
+    };
+    let a = a.as_dtype(Dtype::Float32).unwrap();
+    let want: Vec<f32> = codes.iter().map(|&c| d * (c as f32 - 16.0)).collect();
+    assert_eq!(a.as_slice::<f32>(), &want[..]);
+}
