@@ -52,14 +52,16 @@ fn pixels_and_prompt_ids_match_the_reference_processor() {
     let reference = fixtures::reference::run("mlx_vlm_oracle.py", &req);
 
     let tokens = ImageTokens {
+        marker: BOI.into(),
+        padding: "\n\n",
         boi: BOI.into(),
         eoi: EOI.into(),
         soft: IMAGE_TOKEN.into(),
         soft_id: cfg.image_token_id,
-        per_image: cfg.tokens_per_image as usize,
     };
+    let per_image = cfg.fixed_soft_tokens().unwrap();
     let ours_ids = tokenizer
-        .encode_chat(&tokens.expand(&prompt, 1).unwrap())
+        .encode_chat(&tokens.expand(&prompt, &[per_image]).unwrap())
         .unwrap();
     for (k, (name, _, _, resized)) in files.iter().enumerate() {
         let theirs = &reference["processed"][k];
@@ -69,7 +71,9 @@ fn pixels_and_prompt_ids_match_the_reference_processor() {
             "{name}: prompt ids differ from the processor's"
         );
         let bytes = std::fs::read(dir.path().join(name)).unwrap();
-        let ours = preprocess(&decode(&bytes, 1 << 20).unwrap(), &cfg.preprocess);
+        let ours = preprocess(&decode(&bytes, 1 << 20).unwrap(), &cfg.preprocess)
+            .unwrap()
+            .data;
         let theirs: Vec<f32> = serde_json::from_value(theirs["pixels"].clone()).unwrap();
         assert_eq!(ours.len(), theirs.len(), "{name}");
         let diffs: Vec<f32> = ours

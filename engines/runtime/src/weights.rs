@@ -147,7 +147,7 @@ pub fn canonical_name(name: &str) -> String {
     if let Some(rest) = name.strip_prefix("model.language_model.") {
         return format!("model.{rest}");
     }
-    for part in ["vision_tower.", "multi_modal_projector."] {
+    for part in ["vision_tower.", "multi_modal_projector.", "embed_vision."] {
         if let Some(rest) = name.strip_prefix("model.").filter(|r| r.starts_with(part)) {
             return rest.to_string();
         }

@@ -17,7 +17,7 @@ use mlx_rs::transforms::eval;
 use mlx_rs::{Array, Dtype};
 use runtime::generate::{argmax_tokens, tokens_array};
 use runtime::model::Logits;
-use runtime::vision::{chunk_end, image_spans, replacement};
+use runtime::vision::{chunk_end, image_spans, replacement, TowerKind};
 use runtime::LoadedModel;
 
 const STEPS: usize = 24;
@@ -174,7 +174,15 @@ fn check_against_mlx_vlm(bidirectional: bool, dtype: Dtype) {
     let model = LoadedModel::load(dir.path(), None).unwrap();
     let tower = model.vision.as_ref().expect("a vision tower");
     let cfg = tower.config.clone();
-    let (size, per) = (cfg.image_size as usize, cfg.tokens_per_image as usize);
+    let TowerKind::Gemma3 {
+        image_size,
+        tokens_per_image,
+        ..
+    } = cfg.tower
+    else {
+        panic!("a Gemma 3 tower")
+    };
+    let (size, per) = (image_size as usize, tokens_per_image as usize);
     let text_vocab = spec.text.vocab as u32;
     let (boi, eoi, soft) = (cfg.boi_token_id, cfg.eoi_token_id, cfg.image_token_id);
     assert_eq!(

@@ -11,7 +11,7 @@
 //!   allow_local_files: false      # file:///abs/path and /abs/path URLs
 //!   allow_remote_urls: false      # http:// URLs
 //!   fetch_timeout_s: 10           # per download
-//!   image_attention: causal       # or bidirectional: within each image
+//!   image_attention: bidirectional # or causal; unset: as the model's config says
 //! ```
 
 use serde::Deserialize;
@@ -26,7 +26,9 @@ pub struct VisionSettings {
     pub allow_local_files: bool,
     pub allow_remote_urls: bool,
     pub fetch_timeout_s: f64,
-    pub image_attention: ImageAttention,
+    /// Unset: the model's choice (Gemma 4's `use_bidirectional_attention`;
+    /// causal for Gemma 3, as mlx-vlm runs it).
+    pub image_attention: Option<ImageAttention>,
 }
 
 /// How an image's soft tokens attend to each other during prefill.
@@ -49,7 +51,7 @@ impl Default for VisionSettings {
             allow_local_files: false,
             allow_remote_urls: false,
             fetch_timeout_s: 10.0,
-            image_attention: ImageAttention::Causal,
+            image_attention: None,
         }
     }
 }
