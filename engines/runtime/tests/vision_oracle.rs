@@ -12,8 +12,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use engine_core::ImageInput;
-use fixtures::gemma4::Layout;
+use fixtures::gemma4::{Gemma4Shape, Layout};
 use fixtures::model::random_prompt;
+use fixtures::model::TinySpec;
 use fixtures::vision::{
     write_gemma4_vision_model, write_vision_model, TinyGemma4VisionSpec, TinyVisionSpec,
 };
@@ -326,10 +327,9 @@ struct Gemma4Case {
     images: Vec<(usize, usize, u64)>,
 }
 
-fn check_gemma4_against_mlx_vlm(layout: Layout, bidirectional: bool) {
+fn check_gemma4_against_mlx_vlm(spec: TinyGemma4VisionSpec) {
     let dir = tempfile::tempdir().unwrap();
-    let mut spec = TinyGemma4VisionSpec::tiny(layout);
-    spec.bidirectional = bidirectional;
+    let bidirectional = spec.bidirectional;
     write_gemma4_vision_model(dir.path(), &spec).unwrap();
     let model = LoadedModel::load(dir.path(), None).unwrap();
     let tower = model.vision.as_ref().expect("a vision tower");
@@ -496,13 +496,24 @@ fn check_gemma4_against_mlx_vlm(layout: Layout, bidirectional: bool) {
 
 #[test]
 fn gemma4_vision_matches_mlx_vlm() {
-    check_gemma4_against_mlx_vlm(Layout::HfMultimodal, false);
+    check_gemma4_against_mlx_vlm(TinyGemma4VisionSpec::tiny(Layout::HfMultimodal));
 }
 
 /// mlx-community's names (`vision_tower.*`, `embed_vision.*` at the top).
 #[test]
 fn gemma4_vision_in_the_mlx_layout_matches_mlx_vlm() {
-    check_gemma4_against_mlx_vlm(Layout::Mlx, false);
+    check_gemma4_against_mlx_vlm(TinyGemma4VisionSpec::tiny(Layout::Mlx));
+}
+
+/// E2B-like text model: soft tokens read the per-layer input table at id 0.
+#[test]
+fn gemma4_e2b_vision_matches_mlx_vlm() {
+    let mut shape = Gemma4Shape::e2b(6);
+    shape.layout = Layout::HfMultimodal;
+    check_gemma4_against_mlx_vlm(TinyGemma4VisionSpec {
+        text: TinySpec::gemma4(shape),
+        ..TinyGemma4VisionSpec::tiny(Layout::HfMultimodal)
+    });
 }
 
 /// `use_bidirectional_attention: vision`: against mlx-vlm's model given
@@ -510,5 +521,8 @@ fn gemma4_vision_in_the_mlx_layout_matches_mlx_vlm() {
 /// full-attention layers causal).
 #[test]
 fn gemma4_bidirectional_image_attention_matches_mlx_vlm_given_hf_masks() {
-    check_gemma4_against_mlx_vlm(Layout::HfMultimodal, true);
+    check_gemma4_against_mlx_vlm(TinyGemma4VisionSpec {
+        bidirectional: true,
+        ..TinyGemma4VisionSpec::tiny(Layout::HfMultimodal)
+    });
 }
