@@ -232,15 +232,14 @@ impl VisionConfig {
             return Ok(None);
         };
         let config = match top.model_type.as_str() {
-            "gemma3" => Self::gemma3(dir, &top, v)?,
-            "gemma4" => Self::gemma4(dir, &top, v)?,
-            other => bail!(
-                "{}: vision towers of model_type `{other}` are not supported (supported: gemma3, gemma4)",
-                path.display()
-            ),
+            "gemma3" => Self::gemma3(dir, &top, v),
+            "gemma4" => Self::gemma4(dir, &top, v),
+            other => Err(anyhow::anyhow!(
+                "vision towers of model_type `{other}` are not supported (supported: gemma3, gemma4)"
+            )),
         };
-        config
-            .check()
+        let config = config
+            .and_then(|c| c.check().map(|()| c))
             .with_context(|| format!("{}", path.display()))?;
         Ok(Some(config))
     }
