@@ -167,7 +167,10 @@ def run_processor(req):
     from mlx_vlm.utils import load_processor
     from PIL import Image
 
-    model = load_model(Path(req["model"])) if any(c.get("max_tokens") for c in req["processor"]) else None
+    # Loading the model also imports its mlx-vlm processor module, which
+    # registers the processor with AutoProcessor (Gemma 4's otherwise falls
+    # back to transformers' own, which wants an audio feature extractor).
+    model = load_model(Path(req["model"]))
     processor = load_processor(Path(req["model"]))
     tokenizer = processor.tokenizer
     out = []

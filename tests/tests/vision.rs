@@ -143,7 +143,7 @@ fn greedy_tokens_match_mlx_vlm(vlm: &Vlm) {
         })
         .collect();
     let url = |i: usize| data_url(&std::fs::read(&pictures[i]).unwrap(), "image/png");
-    let steps = 12;
+    let steps = 16;
     let cases = [
         (
             vec![

@@ -14,7 +14,6 @@ use std::sync::Arc;
 use engine_core::ImageInput;
 use mlx_rs::transforms::eval;
 use mlx_rs::Array;
-use runtime::vision::TowerKind;
 use runtime::SharedModel;
 
 use crate::api::ApiError;
@@ -97,26 +96,7 @@ impl Vision {
             return Ok(None);
         };
         let cfg = &tower.config;
-        let tokenizer = &shared.model.tokenizer;
-        let text = |id: u32| -> anyhow::Result<String> {
-            tokenizer
-                .id_to_token(id)
-                .ok_or_else(|| anyhow::anyhow!("the tokenizer has no image token with id {id}"))
-        };
-        let (boi, soft) = (text(cfg.boi_token_id)?, text(cfg.image_token_id)?);
-        // What the family's chat template writes for an image.
-        let (marker, padding) = match cfg.tower {
-            TowerKind::Gemma3 { .. } => (boi.clone(), "\n\n"),
-            TowerKind::Gemma4(_) => (soft.clone(), ""),
-        };
-        let tokens = ImageTokens {
-            marker,
-            padding,
-            boi,
-            eoi: text(cfg.eoi_token_id)?,
-            soft,
-            soft_id: cfg.image_token_id,
-        };
+        let tokens = ImageTokens::for_model(cfg, &shared.model.tokenizer)?;
         let width = shared.model.model.config.hidden_size as u32;
         let bidirectional = match settings.image_attention {
             Some(a) => a == settings::ImageAttention::Bidirectional,

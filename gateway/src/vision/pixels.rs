@@ -3,7 +3,8 @@
 //! dropped, as PIL's `convert("RGB")` does), resize as the model's processor
 //! does (Gemma 3: bilinear to a fixed size; Gemma 4: bicubic, keeping the
 //! aspect ratio, to fit its patch budget), rescale and normalise per channel
-//! (rescale in float64, normalise in float32).
+//! (rescale in float64 for Gemma 3, float32 for Gemma 4, as their
+//! processors do; normalise in float32).
 
 use std::io::Cursor;
 
@@ -86,7 +87,11 @@ pub fn preprocess(image: &RgbImage, p: &Preprocess) -> Result<Pixels, ImageError
         for (c, &v) in pixel.0.iter().enumerate() {
             let mut x = v as f32;
             if p.do_rescale {
-                x = (v as f64 * p.rescale_factor) as f32;
+                x = if p.rescale_in_f32 {
+                    v as f32 * p.rescale_factor as f32
+                } else {
+                    (v as f64 * p.rescale_factor) as f32
+                };
             }
             if p.do_normalize {
                 x = (x - p.mean[c]) / p.std[c];
@@ -150,6 +155,7 @@ mod tests {
                 height: 2,
             },
             rescale_factor: 1.0 / 255.0,
+            rescale_in_f32: false,
             mean: [0.5; 3],
             std: [0.5; 3],
             do_rescale: true,

@@ -9,6 +9,8 @@
 //!
 //! Then each image's soft-token run is found in the ids.
 
+use runtime::vision::TowerKind;
+
 use super::ImageError;
 
 /// The image tokens' text and ids for the loaded model.
@@ -25,6 +27,32 @@ pub struct ImageTokens {
 }
 
 impl ImageTokens {
+    /// The loaded model's: its config's ids, their text from `tokenizer`,
+    /// the marker and padding its family's processor uses.
+    pub fn for_model(
+        cfg: &runtime::vision::VisionConfig,
+        tokenizer: &text::Tokenizer,
+    ) -> anyhow::Result<Self> {
+        let text = |id: u32| -> anyhow::Result<String> {
+            tokenizer
+                .id_to_token(id)
+                .ok_or_else(|| anyhow::anyhow!("the tokenizer has no image token with id {id}"))
+        };
+        let (boi, soft) = (text(cfg.boi_token_id)?, text(cfg.image_token_id)?);
+        let (marker, padding) = match cfg.tower {
+            TowerKind::Gemma3 { .. } => (boi.clone(), "\n\n"),
+            TowerKind::Gemma4(_) => (soft.clone(), ""),
+        };
+        Ok(Self {
+            marker,
+            padding,
+            boi,
+            eoi: text(cfg.eoi_token_id)?,
+            soft,
+            soft_id: cfg.image_token_id,
+        })
+    }
+
     /// `rendered` with every image marker expanded to its image's `counts`
     /// soft tokens; fails unless there is exactly one marker per image.
     pub fn expand(&self, rendered: &str, counts: &[usize]) -> Result<String, ImageError> {

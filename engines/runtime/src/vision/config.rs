@@ -80,6 +80,9 @@ pub struct Gemma4Tower {
 pub struct Preprocess {
     pub resize: Resize,
     pub rescale_factor: f64,
+    /// Rescale in float32 (Gemma 4's processor: `uint8 -> f32 * f32`);
+    /// else in float64 (Hugging Face's Gemma 3 processor).
+    pub rescale_in_f32: bool,
     pub mean: [f32; 3],
     pub std: [f32; 3],
     pub do_rescale: bool,
@@ -286,6 +289,7 @@ impl VisionConfig {
                     height: size.height,
                 },
                 rescale_factor: pre.rescale_factor.unwrap_or(1.0 / 255.0),
+                rescale_in_f32: false,
                 mean: pre.image_mean.unwrap_or([0.5; 3]),
                 std: pre.image_std.unwrap_or([0.5; 3]),
                 do_rescale: pre.do_rescale.unwrap_or(true),
@@ -375,6 +379,7 @@ impl VisionConfig {
                     pooling_kernel: pooling_kernel as u32,
                 },
                 rescale_factor: pre.rescale_factor.unwrap_or(1.0 / 255.0),
+                rescale_in_f32: true,
                 mean: pre.image_mean.unwrap_or([0.5; 3]),
                 std: pre.image_std.unwrap_or([0.5; 3]),
                 do_rescale: pre.do_rescale.unwrap_or(true),
