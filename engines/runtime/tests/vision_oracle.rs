@@ -505,6 +505,15 @@ fn gemma4_vision_in_the_mlx_layout_matches_mlx_vlm() {
     check_gemma4_against_mlx_vlm(TinyGemma4VisionSpec::tiny(Layout::Mlx));
 }
 
+/// An mlx-community-style conversion with the tower's linear layers (and
+/// the text model's) quantized to 8 bits in groups of 32.
+#[test]
+fn gemma4_quantized_vision_matches_mlx_vlm() {
+    let mut spec = TinyGemma4VisionSpec::tiny(Layout::Mlx);
+    spec.text.quant_bits = Some(8);
+    check_gemma4_against_mlx_vlm(spec);
+}
+
 /// E2B-like text model: soft tokens read the per-layer input table at id 0.
 #[test]
 fn gemma4_e2b_vision_matches_mlx_vlm() {
