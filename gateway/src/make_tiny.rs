@@ -31,11 +31,14 @@ pub fn run(args: &MakeTinyArgs) -> anyhow::Result<()> {
         args.family,
         FamilyArg::Gemma3Vision | FamilyArg::Gemma4Vision
     );
-    if vision && (!matches!(args.preset, PresetArg::Tiny) || args.quant_bits.is_some()) {
+    if vision && !matches!(args.preset, PresetArg::Tiny) {
         bail!(
-            "{} models are written with the tiny preset and no quantization",
+            "{} models are written with the tiny preset",
             value_name(&args.family)
         );
+    }
+    if matches!(args.family, FamilyArg::Gemma3Vision) && args.quant_bits.is_some() {
+        bail!("gemma3-vision models are written unquantized");
     }
     // A real-size preset is one model's shape, so it names its family.
     let mut spec = match (args.preset, args.family) {
