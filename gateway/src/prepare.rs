@@ -125,7 +125,7 @@ pub async fn chat(
     req.grammar = grammar(state, source, exempt).await?;
     req.has_tools = has_tools;
     req.cache_scope = scope;
-    // Images are fetched and encoded only for a request that is otherwise
+    // Images are decoded and encoded only for a request that is otherwise
     // valid: the tower is the expensive part.
     if let Some(vision) = vision {
         let fetched = match fetched {
