@@ -273,10 +273,13 @@ impl Gemma4Encoder {
 
         // Pooling: k x k patches to one soft token, in raster order.
         let d = config.hidden_size;
+        // Averaged in float32, as the reference does.
         let pooled = h
+            .as_dtype(Dtype::Float32)?
             .reshape(&[n, rows / k, k, cols / k, k, d])?
             .mean_axes(&[2, 4], false)?
-            .reshape(&[n, (rows / k) * (cols / k), d])?;
+            .reshape(&[n, (rows / k) * (cols / k), d])?
+            .as_dtype(dtype)?;
         let mut x = pooled.multiply(Array::from_f32((d as f32).sqrt()).as_dtype(dtype)?)?;
         if let Some((bias, scale)) = &self.standardize {
             x = x.subtract(bias)?.multiply(scale)?;
@@ -315,6 +318,17 @@ impl Gemma4Encoder {
     }
 }
 
+/// The q, k and v norms: computed in float32 and rounded once, as the
+/// reference does (it matters in bf16).
+fn head_norm(x: &Array, weight: Option<&Array>, eps: f32) -> R<Array> {
+    let dtype = x.dtype();
+    let w = match weight {
+        Some(w) => Some(w.as_dtype(Dtype::Float32)?),
+        None => None,
+    };
+    fast::rms_norm(x.as_dtype(Dtype::Float32)?, w.as_ref(), eps)?.as_dtype(dtype)
+}
+
 /// `x * cos + rotate_half(x) * sin`, rotate_half within each half of the
 /// head (each axis' part).
 fn rope_2d(x: &Array, (cos, sin): &(Array, Array)) -> R<Array> {
@@ -341,9 +355,9 @@ impl Layer {
         let q = self.q.forward(&y)?.reshape(&[b, l, heads, hd])?;
         let k = self.k.forward(&y)?.reshape(&[b, l, kv, hd])?;
         let v = self.v.forward(&y)?.reshape(&[b, l, kv, hd])?;
-        let q = rope_2d(&fast::rms_norm(&q, Some(&self.q_norm), eps)?, rope)?;
-        let k = rope_2d(&fast::rms_norm(&k, Some(&self.k_norm), eps)?, rope)?;
-        let v = fast::rms_norm(&v, None, eps)?;
+        let q = rope_2d(&head_norm(&q, Some(&self.q_norm), eps)?, rope)?;
+        let k = rope_2d(&head_norm(&k, Some(&self.k_norm), eps)?, rope)?;
+        let v = head_norm(&v, None, eps)?;
         let t = |a: Array| a.transpose_axes(&[0, 2, 1, 3]);
         let a = fast::scaled_dot_product_attention(&t(q)?, &t(k)?, &t(v)?, 1.0, None, None)?
             .transpose_axes(&[0, 2, 1, 3])?
