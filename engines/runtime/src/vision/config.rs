@@ -160,13 +160,16 @@ struct RawTop {
     hidden_size: Option<f32>,
 }
 
+/// `vision_config`. Hugging Face writes only the fields that differ from
+/// the config class's defaults, so Gemma 4's fall back to
+/// `Gemma4VisionConfig`'s; Gemma 3's SigLIP fields must be present.
 #[derive(Deserialize)]
 struct RawVision {
-    hidden_size: i32,
-    intermediate_size: i32,
-    num_hidden_layers: i32,
-    num_attention_heads: i32,
-    patch_size: i32,
+    hidden_size: Option<i32>,
+    intermediate_size: Option<i32>,
+    num_hidden_layers: Option<i32>,
+    num_attention_heads: Option<i32>,
+    patch_size: Option<i32>,
     image_size: Option<i32>,
     num_channels: Option<i32>,
     layer_norm_eps: Option<f32>,
@@ -248,6 +251,10 @@ impl VisionConfig {
     }
 
     fn gemma3(dir: &Path, top: &RawTop, v: &RawVision) -> anyhow::Result<Self> {
+        let need = |field: Option<i32>, name: &str| {
+            field.with_context(|| format!("vision_config.{name} missing"))
+        };
+        let patch_size = need(v.patch_size, "patch_size")?;
         let pre_path = dir.join("preprocessor_config.json");
         let pre: RawPreprocessor = serde_json::from_value(read_json(&pre_path)?)
             .with_context(|| format!("parsing {}", pre_path.display()))?;
@@ -267,11 +274,11 @@ impl VisionConfig {
             );
         }
         Ok(Self {
-            hidden_size: v.hidden_size,
-            intermediate_size: v.intermediate_size,
-            num_layers: v.num_hidden_layers,
-            num_heads: v.num_attention_heads,
-            patch_size: v.patch_size,
+            hidden_size: need(v.hidden_size, "hidden_size")?,
+            intermediate_size: need(v.intermediate_size, "intermediate_size")?,
+            num_layers: need(v.num_hidden_layers, "num_hidden_layers")?,
+            num_heads: need(v.num_attention_heads, "num_attention_heads")?,
+            patch_size,
             num_channels: v.num_channels.unwrap_or(3),
             tower: TowerKind::Gemma3 {
                 image_size,
@@ -332,7 +339,8 @@ impl VisionConfig {
             .and_then(|r| r["rope_theta"].as_f64())
             .unwrap_or(100.0) as f32;
         let pre = gemma4_preprocessor(dir)?;
-        let patch_size = v.patch_size;
+        let patch_size = v.patch_size.unwrap_or(16);
+        let num_heads = v.num_attention_heads.unwrap_or(12);
         let pooling_kernel = v.pooling_kernel_size.unwrap_or(3);
         if pre.patch_size.is_some_and(|p| p as i32 != patch_size)
             || pre
@@ -349,16 +357,16 @@ impl VisionConfig {
         }
         let max_soft_tokens = pre.max_soft_tokens.unwrap_or(280);
         Ok(Self {
-            hidden_size: v.hidden_size,
-            intermediate_size: v.intermediate_size,
-            num_layers: v.num_hidden_layers,
-            num_heads: v.num_attention_heads,
+            hidden_size: v.hidden_size.unwrap_or(768),
+            intermediate_size: v.intermediate_size.unwrap_or(3072),
+            num_layers: v.num_hidden_layers.unwrap_or(16),
+            num_heads,
             patch_size,
             num_channels: v.num_channels.unwrap_or(3),
             tower: TowerKind::Gemma4(Gemma4Tower {
                 text_hidden: text_hidden as i32,
-                head_dim: v.head_dim.unwrap_or(v.hidden_size / v.num_attention_heads),
-                kv_heads: v.num_key_value_heads.unwrap_or(v.num_attention_heads),
+                head_dim: v.head_dim.unwrap_or(64),
+                kv_heads: v.num_key_value_heads.unwrap_or(num_heads),
                 rms_norm_eps: v.rms_norm_eps.unwrap_or(1e-6),
                 rope_theta,
                 position_embedding_size: v.position_embedding_size.unwrap_or(10_240),
@@ -500,6 +508,43 @@ fn gemma4_preprocessor(dir: &Path) -> anyhow::Result<RawPreprocessor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Hugging Face writes only what differs from the config class's
+    /// defaults; a Gemma 4 vision config of defaults is the real tower's.
+    #[test]
+    fn gemma4_defaults_are_hugging_faces() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = serde_json::json!({
+            "model_type": "gemma4",
+            "text_config": { "hidden_size": 2816, "use_bidirectional_attention": "vision" },
+            "vision_config": { "model_type": "gemma4_vision" },
+        });
+        std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+        let cfg = VisionConfig::from_dir(dir.path()).unwrap().unwrap();
+        assert_eq!(
+            (
+                cfg.hidden_size,
+                cfg.num_layers,
+                cfg.num_heads,
+                cfg.patch_size
+            ),
+            (768, 16, 12, 16)
+        );
+        let TowerKind::Gemma4(g) = &cfg.tower else {
+            panic!("a Gemma 4 tower")
+        };
+        assert_eq!((g.head_dim, g.kv_heads, g.pooling_kernel), (64, 12, 3));
+        assert_eq!(g.position_embedding_size, 10_240);
+        assert!(cfg.bidirectional_images && !cfg.preprocess.do_normalize);
+        assert_eq!(
+            (cfg.image_token_id, cfg.boi_token_id, cfg.eoi_token_id),
+            (258_880, 255_999, 258_882)
+        );
+        // 280 soft tokens at most: a 640x480 photo takes 19 x 14.
+        assert_eq!(cfg.soft_tokens(640, 480), Ok(266));
+        assert_eq!(cfg.soft_tokens(1000, 1000), Ok(256));
+        assert_eq!(cfg.fixed_soft_tokens(), None);
+    }
 
     #[test]
     fn fit_patches_keeps_aspect_ratio_within_the_budget() {
