@@ -24,11 +24,14 @@ import json
 import sys
 from pathlib import Path
 
-import mlx.core as mx
-import numpy as np
-from mlx_vlm.generate import generate_step
-from mlx_vlm.models.cache import make_prompt_cache
-from mlx_vlm.utils import load_model
+try:
+    import mlx.core as mx
+    import numpy as np
+    from mlx_vlm.generate import generate_step
+    from mlx_vlm.models.cache import make_prompt_cache
+    from mlx_vlm.utils import load_model
+except ImportError as e:
+    raise SystemExit(f"the vision reference is missing ({e}): run scripts/setup")
 
 
 def greedy(x):
