@@ -11,7 +11,7 @@
 //!   allow_local_files: false      # file:///abs/path and /abs/path URLs
 //!   allow_remote_urls: false      # http:// URLs
 //!   fetch_timeout_s: 10           # per download
-//!   image_attention: bidirectional # or causal; unset: as the model's config says
+//!   # image_attention: causal     # or bidirectional; unset: the model's choice
 //! ```
 
 use serde::Deserialize;
@@ -37,7 +37,8 @@ pub struct VisionSettings {
 pub enum ImageAttention {
     /// Causally, like every other token: what mlx-vlm does for Gemma 3.
     Causal,
-    /// Both ways within each image: what Hugging Face's Gemma 3 does.
+    /// Both ways within each image: what Hugging Face's Gemma 3 and Gemma 4
+    /// do.
     Bidirectional,
 }
 
