@@ -1,5 +1,5 @@
-"""Reference greedy decoding with mlx-vlm (Gemma 3 vision), for the vision
-oracle tests.
+"""Reference greedy decoding with mlx-vlm (Gemma 3 and Gemma 4 vision), for
+the vision oracle tests.
 
 Reads a JSON request on stdin and prints JSON results. Two modes:
 
@@ -16,18 +16,22 @@ Reads a JSON request on stdin and prints JSON results. Two modes:
   template, runs mlx-vlm's processor (Hugging Face's Gemma 3 image
   processor and the Gemma 3 prompt expansion) and, with max_tokens, greedy
   generation; prints {"processed": [{"ids": [...], "pixels": [...flat
-  float32 NHWC...], "tokens": [...], "logprobs": [...]}]}.
+  float32 NHWC, image after image...], "shapes": [[H, W], ...],
+  "tokens": [...], "logprobs": [...]}]}.
 """
 
 import json
 import sys
 from pathlib import Path
 
-import mlx.core as mx
-import numpy as np
-from mlx_vlm.generate import generate_step
-from mlx_vlm.models.cache import make_prompt_cache
-from mlx_vlm.utils import load_model
+try:
+    import mlx.core as mx
+    import numpy as np
+    from mlx_vlm.generate import generate_step
+    from mlx_vlm.models.cache import make_prompt_cache
+    from mlx_vlm.utils import load_model
+except ImportError as e:
+    raise SystemExit(f"the vision reference is missing ({e}): run scripts/setup")
 
 
 def greedy(x):
@@ -61,8 +65,81 @@ def stepwise(model, ids, pixels, n, mask=None):
     return tokens, rows
 
 
+def hf_gemma4_masks(lm, ids, image_token):
+    """Hugging Face's Gemma 4 prefill masks per layer for one sequence."""
+    ids = np.array(ids).reshape(-1)
+    is_image = ids == image_token
+    starts = is_image & ~np.concatenate([[False], is_image[:-1]])
+    block = np.where(is_image, np.cumsum(starts) - 1, -1)
+    n = len(ids)
+    q = np.arange(n)[:, None]
+    k = np.arange(n)[None, :]
+    causal = k <= q
+    same = (block[:, None] == block[None, :]) & (block[:, None] >= 0)
+    window = (q - k) < lm.model.window_size
+    full = mx.array(causal)[None, None]
+    sliding = mx.array(window & (causal | same))[None, None]
+    return [sliding if l.layer_type == "sliding_attention" else full for l in lm.model.layers]
+
+
+def stepwise_gemma4(model, ids, images, n, masks=None):
+    lm = model.language_model
+    cache = make_prompt_cache(lm)
+    emb = model.get_input_embeddings(ids, images)
+    kw = {}
+    if emb.per_layer_inputs is not None:
+        kw["per_layer_inputs"] = emb.per_layer_inputs
+    if masks is not None:
+        lm.model._make_masks = lambda h, c, mm=None: masks
+    out = lm(ids, inputs_embeds=emb.inputs_embeds, cache=cache, **kw)
+    if masks is not None:
+        del lm.model._make_masks
+    logits = out.logits[:, -1, :]
+    tokens, rows = [], []
+    for _ in range(n):
+        logits = logits.astype(mx.float32)
+        rows.append(logits[0].tolist())
+        token = int(mx.argmax(logits, axis=-1).item())
+        tokens.append(token)
+        logits = lm(mx.array([[token]]), cache=cache).logits[:, -1, :]
+    return tokens, rows
+
+
+def run_gemma4_cases(req, model):
+    n = req["max_tokens"]
+    results = []
+    for case in req["cases"]:
+        ids = mx.array(case["ids"])[None]
+        raw = np.fromfile(case["pixels"], dtype="<f4")
+        images, at = [], 0
+        for h, w in case["shapes"]:
+            size = h * w * 3
+            images.append(mx.array(raw[at : at + size].reshape(1, h, w, 3)).transpose(0, 3, 1, 2))
+            at += size
+        features = [
+            model.encode_image(im).astype(mx.float32).reshape(-1).tolist() for im in images
+        ]
+        if case.get("bidirectional"):
+            masks = hf_gemma4_masks(model.language_model, case["ids"], model.config.image_token_id)
+            tokens, rows = stepwise_gemma4(model, ids, images, n, masks)
+        else:
+            official = [
+                int(t)
+                for t, _ in generate_step(
+                    ids, model, images, mx.ones_like(ids), max_tokens=n, sampler=greedy
+                )
+            ]
+            tokens, rows = stepwise_gemma4(model, ids, images, n)
+            if tokens != official:
+                raise SystemExit(f"mlx-vlm disagrees with itself: {tokens} vs {official}")
+        results.append({"tokens": tokens, "logits": rows, "features": features})
+    return {"results": results}
+
+
 def run_cases(req):
     model = load_model(Path(req["model"]))
+    if model.config.model_type == "gemma4":
+        return run_gemma4_cases(req, model)
     size = model.config.vision_config.image_size
     n = req["max_tokens"]
     results = []
@@ -93,7 +170,10 @@ def run_processor(req):
     from mlx_vlm.utils import load_processor
     from PIL import Image
 
-    model = load_model(Path(req["model"])) if any(c.get("max_tokens") for c in req["processor"]) else None
+    # Loading the model also imports its mlx-vlm processor module, which
+    # registers the processor with AutoProcessor (Gemma 4's otherwise falls
+    # back to transformers' own, which wants an audio feature extractor).
+    model = load_model(Path(req["model"]))
     processor = load_processor(Path(req["model"]))
     tokenizer = processor.tokenizer
     out = []
@@ -112,15 +192,21 @@ def run_processor(req):
             add_special_tokens=not prompt.startswith(tokenizer.bos_token),
         )
         ids = np.array(inputs["input_ids"]).reshape(-1).tolist()
-        result = {"ids": [int(i) for i in ids], "pixels": []}
-        pv = None
+        result = {"ids": [int(i) for i in ids], "pixels": [], "shapes": []}
+        pixels = None
         if images:
-            pv = np.array(inputs["pixel_values"], dtype=np.float32)  # NCHW
-            result["pixels"] = pv.transpose(0, 2, 3, 1).reshape(-1).tolist()
+            pv = inputs["pixel_values"]  # NCHW, or a list of CHW (Gemma 4, sizes differ)
+            each = [np.array(p, dtype=np.float32).reshape(-1, *np.shape(p)[-3:]) for p in pv]
+            flat = []
+            for p in each:
+                for img in p:
+                    flat.extend(img.transpose(1, 2, 0).reshape(-1).tolist())
+                    result["shapes"].append(list(img.shape[1:]))
+            result["pixels"] = flat
+            pixels = [mx.array(p) for p in each] if isinstance(pv, list) else mx.array(np.array(pv))
         n = case.get("max_tokens")
         if n:
             x = mx.array(ids)[None]
-            pixels = mx.array(pv) if pv is not None else None
             tokens, logprobs = [], []
             for t, lp in generate_step(x, model, pixels, mx.ones_like(x), max_tokens=n, sampler=greedy):
                 tokens.append(int(t))

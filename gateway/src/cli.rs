@@ -63,6 +63,11 @@ pub enum FamilyArg {
     /// multimodal layout, text only).
     #[value(name = "gemma4-dense")]
     Gemma4Dense,
+    /// The 31B-like shape with a vision tower
+    /// (`Gemma4ForConditionalGeneration`, Hugging Face layout); tiny preset,
+    /// unquantized.
+    #[value(name = "gemma4-vision")]
+    Gemma4Vision,
     /// Qwen3 MoE shaped like 30B-A3B: experts in place of every MLP
     /// (Hugging Face layout, one tensor set per expert).
     #[value(name = "qwen3-moe")]

@@ -3,9 +3,12 @@
 
 use anyhow::{bail, Context};
 use fixtures::gemma4::Gemma4Shape;
+use fixtures::gemma4::Layout;
 use fixtures::model::{write_model, TinySpec};
 use fixtures::qwen::QwenShape;
-use fixtures::vision::{write_vision_model, TinyVisionSpec};
+use fixtures::vision::{
+    write_gemma4_vision_model, write_vision_model, TinyGemma4VisionSpec, TinyVisionSpec,
+};
 use mlx_rs::Dtype;
 use runtime::Family;
 
@@ -19,11 +22,23 @@ pub fn run(args: &MakeTinyArgs) -> anyhow::Result<()> {
             Family::Qwen3
         }
         FamilyArg::Gemma3 | FamilyArg::Gemma3Vision => Family::Gemma3,
-        FamilyArg::Gemma4 | FamilyArg::Gemma4E2b | FamilyArg::Gemma4Dense => Family::Gemma4,
+        FamilyArg::Gemma4
+        | FamilyArg::Gemma4E2b
+        | FamilyArg::Gemma4Dense
+        | FamilyArg::Gemma4Vision => Family::Gemma4,
     };
-    let vision = matches!(args.family, FamilyArg::Gemma3Vision);
-    if vision && (!matches!(args.preset, PresetArg::Tiny) || args.quant_bits.is_some()) {
-        bail!("gemma3-vision models are written with the tiny preset and no quantization");
+    let vision = matches!(
+        args.family,
+        FamilyArg::Gemma3Vision | FamilyArg::Gemma4Vision
+    );
+    if vision && !matches!(args.preset, PresetArg::Tiny) {
+        bail!(
+            "{} models are written with the tiny preset",
+            value_name(&args.family)
+        );
+    }
+    if matches!(args.family, FamilyArg::Gemma3Vision) && args.quant_bits.is_some() {
+        bail!("gemma3-vision models are written unquantized");
     }
     // A real-size preset is one model's shape, so it names its family.
     let mut spec = match (args.preset, args.family) {
@@ -54,6 +69,10 @@ pub fn run(args: &MakeTinyArgs) -> anyhow::Result<()> {
         spec.gemma4 = Some(match args.family {
             FamilyArg::Gemma4E2b => Gemma4Shape::e2b(layers),
             FamilyArg::Gemma4Dense => Gemma4Shape::dense_31b(layers),
+            FamilyArg::Gemma4Vision => TinyGemma4VisionSpec::tiny(Layout::HfMultimodal)
+                .text
+                .gemma4
+                .expect("a Gemma 4 shape"),
             _ => Gemma4Shape::moe_26b(layers),
         });
     }
@@ -87,18 +106,26 @@ pub fn run(args: &MakeTinyArgs) -> anyhow::Result<()> {
     if let Some(context) = args.context {
         spec.context = context;
     }
-    if vision {
-        let spec = TinyVisionSpec {
-            text: spec.clone(),
-            ..TinyVisionSpec::tiny()
-        };
-        write_vision_model(&args.out, &spec)
-    } else {
-        write_model(&args.out, &spec)
+    match args.family {
+        FamilyArg::Gemma3Vision => write_vision_model(
+            &args.out,
+            &TinyVisionSpec {
+                text: spec.clone(),
+                ..TinyVisionSpec::tiny()
+            },
+        ),
+        FamilyArg::Gemma4Vision => write_gemma4_vision_model(
+            &args.out,
+            &TinyGemma4VisionSpec {
+                text: spec.clone(),
+                ..TinyGemma4VisionSpec::tiny(Layout::HfMultimodal)
+            },
+        ),
+        _ => write_model(&args.out, &spec),
     }
     .with_context(|| format!("writing {}", args.out.display()))?;
     let family = match (&spec.qwen, vision) {
-        (_, true) => "gemma3-vision".to_string(),
+        (_, true) => value_name(&args.family),
         (Some(q), _) => q.model_type().to_string(),
         _ => family.to_string(),
     };

@@ -71,8 +71,25 @@ pub async fn chat(
     };
     let messages = request.template_messages();
     let images = request.images.len();
+    let vision = state.vision.as_ref().filter(|_| images > 0);
+    // Each image's soft-token count goes into the prompt. Where it depends
+    // on the image (Gemma 4), the images are read (not decoded) first;
+    // else the prompt is checked before any image is read.
+    let mut fetched = None;
+    let counts = match vision {
+        None => Vec::new(),
+        Some(v) => match v.fixed_tokens() {
+            Some(n) => vec![n; images],
+            None => {
+                let f = v.fetch(&request.images).await?;
+                let counts = f.iter().map(|f| f.tokens).collect();
+                fetched = Some(f);
+                counts
+            }
+        },
+    };
     let rendered = blocking(state, move |state| {
-        render_chat(state, &messages, &options, images)
+        render_chat(state, &messages, &options, &counts)
     })
     .await?;
     let max_tokens = resolve_max_tokens(
@@ -108,10 +125,14 @@ pub async fn chat(
     req.grammar = grammar(state, source, exempt).await?;
     req.has_tools = has_tools;
     req.cache_scope = scope;
-    // Images are fetched and encoded only for a request that is otherwise
+    // Images are decoded and encoded only for a request that is otherwise
     // valid: the tower is the expensive part.
-    if let Some(vision) = state.vision.as_ref().filter(|_| images > 0) {
-        let prepared = vision.prepare(&request.images).await?;
+    if let Some(vision) = vision {
+        let fetched = match fetched {
+            Some(f) => f,
+            None => vision.fetch(&request.images).await?,
+        };
+        let prepared = vision.encode(&request.images, fetched).await?;
         req.images = vision.inputs(&prepared, &rendered.image_starts);
         // Image placeholders are the same ids for every image: prefix
         // cache entries are shared only between requests with the same
@@ -196,7 +217,7 @@ fn render_chat(
     state: &AppState,
     messages: &[Value],
     options: &RenderOptions,
-    images: usize,
+    image_tokens: &[usize],
 ) -> Result<Rendered, ApiError> {
     let loaded = &state.registry.shared.model;
     let template = loaded.template.as_ref().ok_or_else(|| {
@@ -212,11 +233,11 @@ fn render_chat(
         ),
         other => ApiError::Internal(other.to_string()),
     })?;
-    let vision = state.vision.as_ref().filter(|_| images > 0);
+    let vision = state.vision.as_ref().filter(|_| !image_tokens.is_empty());
     let expanded = match vision {
         Some(vision) => vision
             .tokens
-            .expand(&text, images)
+            .expand(&text, image_tokens)
             .map_err(|e| e.into_api("messages"))?,
         None => text.clone(),
     };
@@ -227,7 +248,7 @@ fn render_chat(
     let image_starts = match vision {
         Some(vision) => vision
             .tokens
-            .spans(&prompt, images)
+            .spans(&prompt, image_tokens)
             .map_err(|e| e.into_api("messages"))?,
         None => Vec::new(),
     };

@@ -4,8 +4,11 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+use fixtures::gemma4::Layout;
 use fixtures::model::{write_model, TinySpec};
-use fixtures::vision::{write_vision_model, TinyVisionSpec};
+use fixtures::vision::{
+    write_gemma4_vision_model, write_vision_model, TinyGemma4VisionSpec, TinyVisionSpec,
+};
 use runtime::Family;
 
 pub struct ModelDir {
@@ -35,6 +38,34 @@ pub fn tiny_gemma3_vision() -> &'static Path {
             ModelDir { _dir: dir, path }
         })
         .path
+}
+
+/// The tiny Gemma 4 vision model (up to 16 soft tokens, as many as the
+/// image's shape gives), causal image attention.
+pub fn tiny_gemma4_vision() -> &'static Path {
+    static MODEL: OnceLock<ModelDir> = OnceLock::new();
+    &MODEL
+        .get_or_init(|| gemma4_vision("tiny-gemma4-vision", false))
+        .path
+}
+
+/// The same with `use_bidirectional_attention: vision` in its config.
+pub fn tiny_gemma4_vision_bidirectional() -> &'static Path {
+    static MODEL: OnceLock<ModelDir> = OnceLock::new();
+    &MODEL
+        .get_or_init(|| gemma4_vision("tiny-gemma4-vision-bidi", true))
+        .path
+}
+
+fn gemma4_vision(name: &str, bidirectional: bool) -> ModelDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join(name);
+    let spec = TinyGemma4VisionSpec {
+        bidirectional,
+        ..TinyGemma4VisionSpec::tiny(Layout::HfMultimodal)
+    };
+    write_gemma4_vision_model(&path, &spec).expect("write vision model");
+    ModelDir { _dir: dir, path }
 }
 
 /// The tiny Qwen3 model with a chat template that opens the think block in

@@ -1,6 +1,7 @@
-//! Images in chat requests, end to end on the tiny Gemma 3 vision model
-//! with the real batched and fast-path plugins: greedy tokens and logprobs
-//! equal mlx-vlm's (its own processor and chat template on the same image),
+//! Images in chat requests, end to end on the tiny Gemma 3 and Gemma 4
+//! vision models with the real batched and fast-path plugins: greedy tokens
+//! and logprobs equal mlx-vlm's (its own processor and chat template on the
+//! same image),
 //! the feature cache skips the tower for a repeated image, image and text
 //! requests batched together get their tokens alone, image soft tokens
 //! count against the context, routing keeps images off engines that do not
@@ -8,7 +9,7 @@
 
 use std::io::{Cursor, Read, Write};
 use std::net::TcpListener;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use base64::Engine as _;
 use e2e_tests::{models, Gateway};
@@ -17,7 +18,32 @@ use serde_json::{json, Value};
 
 const MODEL: &str = "tiny-gemma3-vision";
 
+/// A generated vision model under test: its name, directory, and picture
+/// sizes (width, height) its processor takes without resizing.
+struct Vlm {
+    name: &'static str,
+    path: fn() -> &'static Path,
+    sizes: [(u32, u32); 2],
+}
+
+const GEMMA3: Vlm = Vlm {
+    name: MODEL,
+    path: models::tiny_gemma3_vision,
+    sizes: [(56, 56), (56, 56)],
+};
+
+/// 16 and 12 soft tokens.
+const GEMMA4: Vlm = Vlm {
+    name: "tiny-gemma4-vision",
+    path: models::tiny_gemma4_vision,
+    sizes: [(32, 32), (16, 48)],
+};
+
 fn config(policy: &str, vision: &str) -> String {
+    config_for(&GEMMA3, policy, vision)
+}
+
+fn config_for(vlm: &Vlm, policy: &str, vision: &str) -> String {
     format!(
         r#"model: {{ path: "{}", kv_cache_mb: 64 }}
 engines:
@@ -26,7 +52,7 @@ engines:
 {policy}
 vision: {vision}
 "#,
-        models::tiny_gemma3_vision().display()
+        (vlm.path)().display()
     )
 }
 
@@ -58,7 +84,11 @@ fn image_part(url: &str) -> Value {
 }
 
 fn chat(parts: Vec<Value>, max_tokens: u32) -> Value {
-    json!({"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true,
+    chat_for(&GEMMA3, parts, max_tokens)
+}
+
+fn chat_for(vlm: &Vlm, parts: Vec<Value>, max_tokens: u32) -> Value {
+    json!({"model": vlm.name, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true,
            "logprobs": true, "messages": [{"role": "user", "content": parts}]})
 }
 
@@ -89,20 +119,31 @@ fn oracle(req: &Value) -> Value {
 
 #[test]
 fn greedy_tokens_match_mlx_vlm_through_the_api() {
+    greedy_tokens_match_mlx_vlm(&GEMMA3);
+}
+
+/// Two images of their own soft-token counts (16 and 12).
+#[test]
+fn gemma4_greedy_tokens_match_mlx_vlm_through_the_api() {
+    greedy_tokens_match_mlx_vlm(&GEMMA4);
+}
+
+fn greedy_tokens_match_mlx_vlm(vlm: &Vlm) {
     let dir = tempfile::tempdir().unwrap();
-    let model = models::tiny_gemma3_vision();
+    let model = (vlm.path)();
     let tokenizer = text::Tokenizer::from_dir(model).unwrap();
-    // Pictures at the model's own size, so no resampling is involved
+    // Pictures at sizes the processor keeps, so no resampling is involved
     // (resizing is compared separately, with a tolerance).
     let pictures: Vec<PathBuf> = (0..2)
         .map(|i| {
             let path = dir.path().join(format!("p{i}.png"));
-            std::fs::write(&path, encode(&picture(56, 56, i), ImageFormat::Png)).unwrap();
+            let (w, h) = vlm.sizes[i as usize];
+            std::fs::write(&path, encode(&picture(w, h, i), ImageFormat::Png)).unwrap();
             path
         })
         .collect();
     let url = |i: usize| data_url(&std::fs::read(&pictures[i]).unwrap(), "image/png");
-    let steps = 12;
+    let steps = 16;
     let cases = [
         (
             vec![
@@ -129,7 +170,7 @@ fn greedy_tokens_match_mlx_vlm_through_the_api() {
             vec![1, 0],
         ),
     ];
-    let gw = Gateway::start(&config(BATCHED_ONLY, "{}"));
+    let gw = Gateway::start(&config_for(vlm, BATCHED_ONLY, "{}"));
     let reference = oracle(&json!({
         "model": model,
         "processor": cases.iter().map(|(_, template, images)| json!({
@@ -139,7 +180,7 @@ fn greedy_tokens_match_mlx_vlm_through_the_api() {
         })).collect::<Vec<_>>(),
     }));
     for (k, (parts, _, _)) in cases.iter().enumerate() {
-        let ours = post_ok(&gw, &chat(parts.clone(), steps));
+        let ours = post_ok(&gw, &chat_for(vlm, parts.clone(), steps));
         let theirs = &reference["processed"][k];
         let ids: Vec<u32> = serde_json::from_value(theirs["ids"].clone()).unwrap();
         assert_eq!(
@@ -154,6 +195,11 @@ fn greedy_tokens_match_mlx_vlm_through_the_api() {
             .collect();
         let their_logprobs: Vec<f64> = serde_json::from_value(theirs["logprobs"].clone()).unwrap();
         let (texts, logprobs) = tokens(&ours);
+        eprintln!(
+            "{} case {k}: {} prompt tokens, {texts:?}",
+            vlm.name,
+            ids.len()
+        );
         assert_eq!(
             texts, their_texts,
             "case {k}: greedy tokens differ from mlx-vlm"
@@ -176,15 +222,33 @@ fn close(a: &[f64], b: &[f64]) {
 
 #[test]
 fn feature_cache_skips_the_tower_for_a_repeated_image() {
-    let gw = Gateway::start(&config(BATCHED_ONLY, "{ feature_cache_images: 2 }"));
-    let url = |seed| {
-        data_url(
-            &encode(&picture(56, 56, seed), ImageFormat::Png),
-            "image/png",
-        )
+    feature_cache_skips_the_tower(&GEMMA3);
+}
+
+#[test]
+fn gemma4_feature_cache_skips_the_tower_for_a_repeated_image() {
+    feature_cache_skips_the_tower(&GEMMA4);
+}
+
+fn feature_cache_skips_the_tower(vlm: &Vlm) {
+    let gw = Gateway::start(&config_for(
+        vlm,
+        BATCHED_ONLY,
+        "{ feature_cache_images: 2 }",
+    ));
+    // Odd seeds get the second size (Gemma 4: another soft-token count, so
+    // a cached image must bring its own count back).
+    let url = |seed: u32| {
+        let (w, h) = vlm.sizes[(seed % 2) as usize];
+        data_url(&encode(&picture(w, h, seed), ImageFormat::Png), "image/png")
     };
     let metric = |name: &str| gw.metric(name, &[]).unwrap_or(0.0) as u64;
-    let ask = |seed| tokens(&post_ok(&gw, &chat(vec![image_part(&url(seed))], 6)));
+    let ask = |seed| {
+        tokens(&post_ok(
+            &gw,
+            &chat_for(vlm, vec![image_part(&url(seed))], 6),
+        ))
+    };
 
     let first = ask(0);
     assert_eq!(
@@ -209,6 +273,10 @@ fn feature_cache_skips_the_tower_for_a_repeated_image() {
     // Two more images push the first out of a cache of two.
     let other = ask(1);
     assert_ne!(other.1, first.1, "another image gave the same logprobs");
+    // A cached image of the second size.
+    let other_again = ask(1);
+    assert_eq!(other_again.0, other.0);
+    close(&other_again.1, &other.1);
     ask(2);
     assert_eq!(metric("gateway_vision_cache_images"), 2);
     ask(0);
@@ -217,7 +285,7 @@ fn feature_cache_skips_the_tower_for_a_repeated_image() {
             metric("gateway_vision_cache_hits_total"),
             metric("gateway_vision_cache_misses_total")
         ),
-        (1, 4)
+        (2, 4)
     );
 }
 
@@ -314,6 +382,15 @@ fn image_tokens_count_against_the_context() {
 
 #[test]
 fn images_are_routed_only_to_engines_that_take_them() {
+    images_are_routed_only_to_capable_engines(&GEMMA3);
+}
+
+#[test]
+fn gemma4_images_are_routed_only_to_engines_that_take_them() {
+    images_are_routed_only_to_capable_engines(&GEMMA4);
+}
+
+fn images_are_routed_only_to_capable_engines(vlm: &Vlm) {
     let policy = r#"policy:
   default: batched
   fallback: [batched]
@@ -325,9 +402,12 @@ fn images_are_routed_only_to_engines_that_take_them() {
       when: { greedy: true }
       route: fastpath
 "#;
-    let gw = Gateway::start(&config(policy, "{}"));
+    let gw = Gateway::start(&config_for(vlm, policy, "{}"));
     let img = image_part(&data_url(
-        &encode(&picture(56, 56, 1), ImageFormat::Png),
+        &encode(
+            &picture(vlm.sizes[0].0, vlm.sizes[0].1, 1),
+            ImageFormat::Png,
+        ),
         "image/png",
     ));
     let route = |body: &Value| {
@@ -338,13 +418,11 @@ fn images_are_routed_only_to_engines_that_take_them() {
             r.header("x-route-rule").unwrap().to_owned(),
         )
     };
-    let text =
-        json!({"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]});
+    let text = json!({"model": vlm.name, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]});
     assert_eq!(route(&text), ("fastpath".into(), "greedy-fast".into()));
     // Greedy, so the policy picks the fast path, which takes no images:
     // the request falls back to the batched engine.
-    let mut image =
-        json!({"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": [img]}]});
+    let mut image = json!({"model": vlm.name, "max_tokens": 3, "messages": [{"role": "user", "content": [img]}]});
     assert_eq!(route(&image), ("batched".into(), "greedy-fast".into()));
     // `has_images` reaches the policy.
     image["temperature"] = json!(0.7);
@@ -357,7 +435,7 @@ fn images_are_routed_only_to_engines_that_take_them() {
 
     // With nothing to fall back on, the image request is refused rather
     // than sent to the fast path.
-    let gw = Gateway::start(&config("policy: { default: fastpath }", "{}"));
+    let gw = Gateway::start(&config_for(vlm, "policy: { default: fastpath }", "{}"));
     image["temperature"] = json!(0);
     image.as_object_mut().unwrap().remove("seed");
     let r = gw.post("/v1/chat/completions", &image);
@@ -576,4 +654,41 @@ fn image_requests_stream() {
         })
         .collect();
     assert_eq!(streamed, whole);
+}
+
+/// Gemma 4's `use_bidirectional_attention: vision` turns bidirectional image
+/// attention on by itself; `vision.image_attention` overrides it.
+#[test]
+fn gemma4_config_turns_on_bidirectional_image_attention() {
+    let vlm = Vlm {
+        name: "tiny-gemma4-vision-bidi",
+        path: models::tiny_gemma4_vision_bidirectional,
+        ..GEMMA4
+    };
+    let (w, h) = vlm.sizes[0];
+    let img = image_part(&data_url(
+        &encode(&picture(w, h, 4), ImageFormat::Png),
+        "image/png",
+    ));
+    let body = chat_for(
+        &vlm,
+        vec![json!({"type": "text", "text": "Look at this"}), img],
+        8,
+    );
+    let run = |batched: &str, vision: &str| {
+        let cfg =
+            config_for(&vlm, BATCHED_ONLY, vision).replace("batched: { kind: batched }", batched);
+        let gw = Gateway::start(&cfg);
+        tokens(&post_ok(&gw, &body))
+    };
+    let chunk5 = "batched: { kind: batched, prefill_chunk: 5 }";
+    let by_config = run("batched: { kind: batched }", "{}");
+    let bidirectional = run(chunk5, "{ image_attention: bidirectional }");
+    let causal = run(chunk5, "{ image_attention: causal }");
+    assert_eq!(by_config.0, bidirectional.0);
+    close(&by_config.1, &bidirectional.1);
+    assert_ne!(
+        causal.1, by_config.1,
+        "the config's bidirectional attention changed nothing"
+    );
 }

@@ -13,7 +13,7 @@ use mlx_rs::transforms::eval;
 use mlx_rs::{Array, Dtype};
 use runtime::generate::{self, argmax_tokens, tokens_array};
 use runtime::model::Logits;
-use runtime::vision::{image_spans, replacement};
+use runtime::vision::{image_spans, replacement, TowerKind};
 use runtime::{KvPool, LoadedModel, SharedModel};
 
 fn setup(pool_blocks: usize) -> (tempfile::TempDir, Arc<SharedModel>, BatchedEngine) {
@@ -43,16 +43,23 @@ fn image_request(
 ) -> (Vec<u32>, Vec<ImageInput>) {
     let tower = shared.model.vision.as_ref().unwrap();
     let cfg = &tower.config;
+    let TowerKind::Gemma3 {
+        image_size: size,
+        tokens_per_image,
+        ..
+    } = cfg.tower
+    else {
+        panic!("a Gemma 3 tower")
+    };
     let mut prompt = vec![2];
     prompt.extend_from_slice(&text[..at]);
     prompt.push(cfg.boi_token_id);
     prompt.extend(std::iter::repeat_n(
         cfg.image_token_id,
-        cfg.tokens_per_image as usize,
+        tokens_per_image as usize,
     ));
     prompt.push(cfg.eoi_token_id);
     prompt.extend_from_slice(&text[at..]);
-    let size = cfg.image_size;
     let pixels: Vec<f32> = random_prompt(seed, (size * size * 3) as usize, 2001)
         .into_iter()
         .map(|v| v as f32 / 1000.0 - 1.0)

@@ -193,7 +193,8 @@ pub struct ImageInput {
     pub width: u32,
     pub embeddings: Arc<Vec<f32>>,
     /// The image's tokens attend to each other in both directions during
-    /// prefill (Hugging Face's Gemma 3); otherwise causally (mlx-vlm's).
+    /// prefill (Hugging Face's rule; the model decides on which layers:
+    /// Gemma 3 all, Gemma 4 its sliding-window ones); otherwise causally.
     /// Engines then prefill each image within one chunk.
     pub bidirectional: bool,
 }

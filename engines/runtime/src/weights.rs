@@ -173,8 +173,9 @@ impl Weights {
 /// Multimodal checkpoints prefix the text model: `language_model.model.*`
 /// (Hugging Face before Transformers 5, MLX conversions) or
 /// `model.language_model.*` with `model.vision_tower.*` and
-/// `model.multi_modal_projector.*` beside it (Transformers 5). Both become
-/// `model.*`, `vision_tower.*` and `multi_modal_projector.*`.
+/// `model.multi_modal_projector.*` (Gemma 3) or `model.embed_vision.*`
+/// (Gemma 4) beside it (Transformers 5). Both become `model.*`,
+/// `vision_tower.*`, `multi_modal_projector.*` and `embed_vision.*`.
 pub fn canonical_name(name: &str) -> String {
     if let Some(rest) = name.strip_prefix("language_model.") {
         return rest.to_string();
@@ -182,7 +183,7 @@ pub fn canonical_name(name: &str) -> String {
     if let Some(rest) = name.strip_prefix("model.language_model.") {
         return format!("model.{rest}");
     }
-    for part in ["vision_tower.", "multi_modal_projector."] {
+    for part in ["vision_tower.", "multi_modal_projector.", "embed_vision."] {
         if let Some(rest) = name.strip_prefix("model.").filter(|r| r.starts_with(part)) {
             return rest.to_string();
         }
@@ -214,6 +215,15 @@ mod tests {
             (
                 "vision_tower.vision_model.post_layernorm.bias",
                 "vision_tower.vision_model.post_layernorm.bias",
+            ),
+            // Gemma 4's projection beside its tower.
+            (
+                "model.embed_vision.embedding_projection.weight",
+                "embed_vision.embedding_projection.weight",
+            ),
+            (
+                "embed_vision.embedding_projection.weight",
+                "embed_vision.embedding_projection.weight",
             ),
             ("lm_head.weight", "lm_head.weight"),
         ] {

@@ -168,3 +168,81 @@ mod qwen35 {
         );
     }
 }
+
+/// Gemma 4 multimodal checkpoints: the vision tower's tensors are checked
+/// like the text model's.
+mod gemma4_vision {
+    use super::*;
+    use fixtures::vision::{write_gemma4_vision_model, TinyGemma4VisionSpec};
+
+    fn tiny(dir: &Path) {
+        write_gemma4_vision_model(dir, &TinyGemma4VisionSpec::tiny(Layout::HfMultimodal)).unwrap();
+    }
+
+    #[test]
+    fn the_tiny_vision_model_loads_its_tower() {
+        let dir = tempfile::tempdir().unwrap();
+        tiny(dir.path());
+        let model = LoadedModel::load(dir.path(), None).unwrap();
+        assert!(model.vision.is_some());
+    }
+
+    #[test]
+    fn a_missing_tower_tensor_is_named() {
+        for name in [
+            "model.vision_tower.encoder.layers.1.mlp.up_proj.linear.weight",
+            "model.vision_tower.encoder.layers.0.self_attn.k_proj.output_max",
+            "model.embed_vision.embedding_projection.weight",
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            tiny(dir.path());
+            edit_tensors(dir.path(), |t| {
+                t.remove(name).unwrap();
+            });
+            let err = load_error(dir.path());
+            let canonical = name.strip_prefix("model.").unwrap();
+            assert!(err.contains(canonical) && err.contains("missing"), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_misshapen_tower_tensor_is_named_with_its_file() {
+        for (name, shape) in [
+            (
+                "model.vision_tower.patch_embedder.position_embedding_table",
+                vec![2, 16, 32],
+            ),
+            (
+                "model.vision_tower.encoder.layers.0.self_attn.q_proj.linear.weight",
+                vec![32, 32 + 1],
+            ),
+            ("model.vision_tower.std_scale", vec![31]),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            tiny(dir.path());
+            edit_tensors(dir.path(), |t| {
+                t.insert(name.into(), Array::zeros::<f32>(&shape).unwrap());
+            });
+            let err = load_error(dir.path());
+            let canonical = name.strip_prefix("model.").unwrap();
+            assert!(
+                err.contains(canonical) && err.contains("model.safetensors"),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_unsupported_attention_setting_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        tiny(dir.path());
+        edit_config(dir.path(), |c| {
+            c["text_config"]["use_bidirectional_attention"] = "all".into()
+        });
+        let err = load_error(dir.path());
+        assert!(
+            err.contains("use_bidirectional_attention") && err.contains("config.json"),
+            "{err}"
+        );
+    }
+}

@@ -4,6 +4,7 @@
 //! out. Prefill runs whole and in chunks that cut through an image (causal)
 //! or end after it (bidirectional image attention, compared with mlx-vlm's
 //! model given Hugging Face's mask: causal, or within the same image).
+//! Gemma 4 likewise, with each image's features compared too.
 //! (The pixels path, decoding and resizing, is compared against mlx-vlm's
 //! processor in the gateway's end-to-end vision test.)
 
@@ -11,13 +12,17 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use engine_core::ImageInput;
+use fixtures::gemma4::{Gemma4Shape, Layout};
 use fixtures::model::random_prompt;
-use fixtures::vision::{write_vision_model, TinyVisionSpec};
+use fixtures::model::TinySpec;
+use fixtures::vision::{
+    write_gemma4_vision_model, write_vision_model, TinyGemma4VisionSpec, TinyVisionSpec,
+};
 use mlx_rs::transforms::eval;
 use mlx_rs::{Array, Dtype};
 use runtime::generate::{argmax_tokens, tokens_array};
 use runtime::model::Logits;
-use runtime::vision::{chunk_end, image_spans, replacement};
+use runtime::vision::{chunk_end, image_spans, replacement, TowerKind};
 use runtime::LoadedModel;
 
 const STEPS: usize = 24;
@@ -174,7 +179,15 @@ fn check_against_mlx_vlm(bidirectional: bool, dtype: Dtype) {
     let model = LoadedModel::load(dir.path(), None).unwrap();
     let tower = model.vision.as_ref().expect("a vision tower");
     let cfg = tower.config.clone();
-    let (size, per) = (cfg.image_size as usize, cfg.tokens_per_image as usize);
+    let TowerKind::Gemma3 {
+        image_size,
+        tokens_per_image,
+        ..
+    } = cfg.tower
+    else {
+        panic!("a Gemma 3 tower")
+    };
+    let (size, per) = (image_size as usize, tokens_per_image as usize);
     let text_vocab = spec.text.vocab as u32;
     let (boi, eoi, soft) = (cfg.boi_token_id, cfg.eoi_token_id, cfg.image_token_id);
     assert_eq!(
@@ -294,4 +307,231 @@ fn check_against_mlx_vlm(bidirectional: bool, dtype: Dtype) {
             "case {i}: the image changed nothing"
         );
     }
+}
+
+// Gemma 4: the tower on images of their own sizes (soft-token counts differ),
+// the features against mlx-vlm's `encode_image`, then greedy decoding.
+
+/// Deterministic pixels in [0, 1] (what Gemma 4's processor gives the
+/// tower), `[h, w, 3]`.
+fn unit_pixels(seed: u64, h: usize, w: usize) -> Vec<f32> {
+    random_prompt(seed, h * w * 3, 1001)
+        .into_iter()
+        .map(|v| v as f32 / 1000.0)
+        .collect()
+}
+
+struct Gemma4Case {
+    prompt: Vec<u32>,
+    /// (height, width, seed) of each image, in prompt order.
+    images: Vec<(usize, usize, u64)>,
+}
+
+fn check_gemma4_against_mlx_vlm(spec: TinyGemma4VisionSpec) {
+    let dir = tempfile::tempdir().unwrap();
+    let bidirectional = spec.bidirectional;
+    write_gemma4_vision_model(dir.path(), &spec).unwrap();
+    let model = LoadedModel::load(dir.path(), None).unwrap();
+    let tower = model.vision.as_ref().expect("a vision tower");
+    let cfg = tower.config.clone();
+    assert_eq!(cfg.bidirectional_images, bidirectional);
+    let text_vocab = spec.text.vocab as u32;
+    let (boi, eoi, soft) = (cfg.boi_token_id, cfg.eoi_token_id, cfg.image_token_id);
+    assert_eq!(
+        (boi, eoi, soft),
+        (text_vocab, text_vocab + 1, text_vocab + 2)
+    );
+    let with_images = |text: Vec<u32>, at: &[usize], shapes: &[(usize, usize, u64)]| {
+        let mut out = vec![2];
+        let mut next = shapes.iter();
+        for (i, &t) in text.iter().enumerate() {
+            if at.contains(&i) {
+                let &(h, w, _) = next.next().unwrap();
+                let n = cfg.soft_tokens(w as u32, h as u32).unwrap();
+                out.push(boi);
+                out.extend(std::iter::repeat_n(soft, n));
+                out.push(eoi);
+            }
+            out.push(t);
+        }
+        Gemma4Case {
+            prompt: out,
+            images: shapes.to_vec(),
+        }
+    };
+    // One square image early in a prompt longer than the sliding window (16
+    // soft tokens); then a tall image (12) and a square one in a short prompt.
+    let cases = [
+        with_images(random_prompt(1, 30, text_vocab), &[3], &[(32, 32, 11)]),
+        with_images(
+            random_prompt(2, 12, text_vocab),
+            &[1, 7],
+            &[(48, 16, 12), (32, 32, 13)],
+        ),
+    ];
+    let mut requests = Vec::new();
+    let mut ours_by_case = Vec::new();
+    let mut features_by_case = Vec::new();
+    for (i, case) in cases.iter().enumerate() {
+        let mut all = Vec::new();
+        let mut features = Vec::new();
+        for &(h, w, seed) in &case.images {
+            let px = unit_pixels(seed, h, w);
+            all.extend_from_slice(&px);
+            let input = Array::from_slice(&px, &[1, h as i32, w as i32, 3]);
+            let f = tower
+                .forward(&input)
+                .unwrap()
+                .as_dtype(Dtype::Float32)
+                .unwrap();
+            eval([&f]).unwrap();
+            features.push((f.dim(2) as u32, f.as_slice::<f32>().to_vec()));
+        }
+        let file = dir.path().join(format!("pixels{i}.f32"));
+        let bytes: Vec<u8> = all.iter().flat_map(|v| v.to_le_bytes()).collect();
+        std::fs::write(&file, bytes).unwrap();
+        let shapes: Vec<[usize; 2]> = case.images.iter().map(|&(h, w, _)| [h, w]).collect();
+        requests.push(serde_json::json!({
+            "ids": case.prompt, "pixels": file, "shapes": shapes, "bidirectional": bidirectional,
+        }));
+
+        let spans = image_spans(&case.prompt, soft);
+        assert_eq!(spans.len(), case.images.len());
+        let images: Vec<ImageInput> = spans
+            .iter()
+            .zip(&features)
+            .map(|(&(start, len), (width, f))| {
+                assert_eq!(f.len(), len * *width as usize, "case {i}: soft-token count");
+                ImageInput {
+                    start: start as u32,
+                    tokens: len as u32,
+                    width: *width,
+                    embeddings: Arc::new(f.clone()),
+                    bidirectional,
+                }
+            })
+            .collect();
+        let whole = ours(&model, &case.prompt, &images, usize::MAX);
+        // Chunks of 7 cut every image's soft tokens (or, bidirectional, end
+        // after them).
+        let chunked = ours(&model, &case.prompt, &images, 7);
+        assert_eq!(
+            whole.tokens, chunked.tokens,
+            "case {i}: chunked prefill changed the tokens"
+        );
+        if bidirectional {
+            let causal: Vec<ImageInput> = images
+                .iter()
+                .map(|im| ImageInput {
+                    bidirectional: false,
+                    ..im.clone()
+                })
+                .collect();
+            let causal = ours(&model, &case.prompt, &causal, usize::MAX);
+            assert_ne!(
+                causal.logits[0], whole.logits[0],
+                "case {i}: bidirectional attention changed nothing"
+            );
+        }
+        let plain = ours(&model, &case.prompt, &[], usize::MAX);
+        assert_ne!(
+            plain.logits[0], whole.logits[0],
+            "case {i}: the image changed nothing"
+        );
+        ours_by_case.push(whole);
+        features_by_case.push(features);
+    }
+
+    let req = serde_json::json!({ "model": dir.path(), "cases": requests, "max_tokens": STEPS });
+    let answer = fixtures::reference::run("mlx_vlm_oracle.py", &req);
+    let results = answer["results"].as_array().unwrap();
+    for (i, r) in results.iter().enumerate() {
+        // The reference's features go into the prompt after the text
+        // model's scale; ours are divided by it first (`feature_divisor`).
+        let theirs: Vec<Vec<f32>> = serde_json::from_value(r["features"].clone()).unwrap();
+        for (k, ((_, mine), theirs)) in features_by_case[i].iter().zip(&theirs).enumerate() {
+            assert_eq!(
+                mine.len(),
+                theirs.len(),
+                "case {i} image {k}: feature count"
+            );
+            let (worst, largest) = mine
+                .iter()
+                .zip(theirs)
+                .fold((0f32, 0f32), |(w, l), (a, b)| {
+                    let a = a * cfg.feature_divisor;
+                    (w.max((a - b).abs()), l.max(b.abs()))
+                });
+            eprintln!(
+                "case {i} image {k}: worst feature difference {worst:e} (largest feature {largest})"
+            );
+            assert!(
+                worst < 1e-4,
+                "case {i} image {k}: features differ from mlx-vlm's by {worst}"
+            );
+        }
+        let tokens = fixtures::reference::token_ids(&r["tokens"]);
+        let logits: Vec<Vec<f32>> = serde_json::from_value(r["logits"].clone()).unwrap();
+        let mine = &ours_by_case[i];
+        assert_eq!(
+            mine.tokens, tokens,
+            "case {i}: greedy tokens differ from mlx-vlm"
+        );
+        let worst = mine
+            .logits
+            .iter()
+            .zip(&logits)
+            .flat_map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()))
+            .fold(0f32, f32::max);
+        eprintln!(
+            "case {i}: tokens {:?}, worst logit difference {worst:e}",
+            mine.tokens
+        );
+        assert!(
+            worst < 2e-3,
+            "case {i}: logits differ from mlx-vlm by {worst}"
+        );
+    }
+}
+
+#[test]
+fn gemma4_vision_matches_mlx_vlm() {
+    check_gemma4_against_mlx_vlm(TinyGemma4VisionSpec::tiny(Layout::HfMultimodal));
+}
+
+/// mlx-community's names (`vision_tower.*`, `embed_vision.*` at the top).
+#[test]
+fn gemma4_vision_in_the_mlx_layout_matches_mlx_vlm() {
+    check_gemma4_against_mlx_vlm(TinyGemma4VisionSpec::tiny(Layout::Mlx));
+}
+
+/// An mlx-community-style conversion with the tower's linear layers (and
+/// the text model's) quantized to 8 bits in groups of 32.
+#[test]
+fn gemma4_quantized_vision_matches_mlx_vlm() {
+    let mut spec = TinyGemma4VisionSpec::tiny(Layout::Mlx);
+    spec.text.quant_bits = Some(8);
+    check_gemma4_against_mlx_vlm(spec);
+}
+
+/// E2B-like text model: soft tokens read the per-layer input table at id 0.
+#[test]
+fn gemma4_e2b_vision_matches_mlx_vlm() {
+    let mut shape = Gemma4Shape::e2b(6);
+    shape.layout = Layout::HfMultimodal;
+    check_gemma4_against_mlx_vlm(TinyGemma4VisionSpec {
+        text: TinySpec::gemma4(shape),
+        ..TinyGemma4VisionSpec::tiny(Layout::HfMultimodal)
+    });
+}
+
+/// `use_bidirectional_attention: vision`: against mlx-vlm's model given
+/// Hugging Face's Gemma 4 masks (sliding layers open within an image,
+/// full-attention layers causal).
+#[test]
+fn gemma4_bidirectional_image_attention_matches_mlx_vlm_given_hf_masks() {
+    check_gemma4_against_mlx_vlm(TinyGemma4VisionSpec {
+        bidirectional: true,
+        ..TinyGemma4VisionSpec::tiny(Layout::HfMultimodal)
+    });
 }

@@ -59,12 +59,25 @@ pub struct ImagePart {
     pub param: String,
 }
 
-/// An image ready for the engines: its soft-token embeddings
-/// (`tokens_per_image` rows of the text model's width) and content hash.
+/// An image ready for the engines: its soft-token embeddings (`tokens`
+/// rows of the text model's width) and content hash.
 #[derive(Debug, Clone)]
 pub struct PreparedImage {
     pub hash: cache::ImageHash,
     pub embeddings: Arc<Vec<f32>>,
+}
+
+/// An image read from its source, not yet encoded: how many soft tokens it
+/// takes and either its cached features or its bytes.
+pub struct FetchedImage {
+    hash: cache::ImageHash,
+    pub tokens: usize,
+    found: Found,
+}
+
+enum Found {
+    Cached(Arc<Vec<f32>>),
+    Bytes(Vec<u8>),
 }
 
 pub struct Vision {
@@ -73,6 +86,7 @@ pub struct Vision {
     pub tokens: ImageTokens,
     shared: Arc<SharedModel>,
     width: u32,
+    bidirectional: bool,
 }
 
 impl Vision {
@@ -82,32 +96,41 @@ impl Vision {
             return Ok(None);
         };
         let cfg = &tower.config;
-        let tokenizer = &shared.model.tokenizer;
-        let text = |id: u32| -> anyhow::Result<String> {
-            tokenizer
-                .id_to_token(id)
-                .ok_or_else(|| anyhow::anyhow!("the tokenizer has no image token with id {id}"))
-        };
-        let tokens = ImageTokens {
-            boi: text(cfg.boi_token_id)?,
-            eoi: text(cfg.eoi_token_id)?,
-            soft: text(cfg.image_token_id)?,
-            soft_id: cfg.image_token_id,
-            per_image: cfg.tokens_per_image as usize,
-        };
+        let tokens = ImageTokens::for_model(cfg, &shared.model.tokenizer)?;
         let width = shared.model.model.config.hidden_size as u32;
+        let bidirectional = match settings.image_attention {
+            Some(a) => a == settings::ImageAttention::Bidirectional,
+            None => cfg.bidirectional_images,
+        };
         Ok(Some(Self {
             cache: FeatureCache::new(settings.feature_cache_images),
             settings,
             tokens,
             shared,
             width,
+            bidirectional,
         }))
     }
 
-    /// Fetches, decodes and encodes every image (cached ones skip decoding
-    /// and the tower). Decoding and the tower run on a blocking thread.
-    pub async fn prepare(&self, parts: &[ImagePart]) -> Result<Vec<PreparedImage>, ApiError> {
+    fn config(&self) -> &runtime::vision::VisionConfig {
+        &self
+            .shared
+            .model
+            .vision
+            .as_ref()
+            .expect("vision model")
+            .config
+    }
+
+    /// Soft tokens every image takes, when that does not depend on the image
+    /// (Gemma 3): the prompt can then be checked before any image is read.
+    pub fn fixed_tokens(&self) -> Option<usize> {
+        self.config().fixed_soft_tokens()
+    }
+
+    /// Reads every image's bytes (or finds its features in the cache) and
+    /// its soft-token count (from the image's header, not decoding it).
+    pub async fn fetch(&self, parts: &[ImagePart]) -> Result<Vec<FetchedImage>, ApiError> {
         if parts.len() > self.settings.max_images {
             return Err(ApiError::InvalidRequest {
                 message: format!(
@@ -119,17 +142,56 @@ impl Vision {
                 code: Some("too_many_images"),
             });
         }
-        let mut out: Vec<Option<PreparedImage>> = vec![None; parts.len()];
-        // (index in `parts`, hash, encoded bytes) of the images to encode.
-        let mut missing = Vec::new();
-        for (i, part) in parts.iter().enumerate() {
+        let mut out = Vec::with_capacity(parts.len());
+        for part in parts {
             let bytes = source::fetch(&part.url, &self.settings)
                 .await
                 .map_err(|e| e.into_api(&part.param))?;
             let hash = cache::hash(&bytes);
-            match self.cache.get(&hash) {
-                Some(embeddings) => out[i] = Some(PreparedImage { hash, embeddings }),
-                None => missing.push((i, hash, bytes)),
+            let fetched = match self.cache.get(&hash) {
+                Some(features) => FetchedImage {
+                    hash,
+                    tokens: features.len() / self.width as usize,
+                    found: Found::Cached(features),
+                },
+                None => {
+                    let (w, h) = pixels::dimensions(&bytes, self.settings.max_image_pixels)
+                        .map_err(|e| e.into_api(&part.param))?;
+                    let tokens = self
+                        .config()
+                        .soft_tokens(w, h)
+                        .map_err(|e| ImageError::Invalid(e).into_api(&part.param))?;
+                    FetchedImage {
+                        hash,
+                        tokens,
+                        found: Found::Bytes(bytes),
+                    }
+                }
+            };
+            out.push(fetched);
+        }
+        Ok(out)
+    }
+
+    /// Decodes and encodes the fetched images that were not cached (on a
+    /// blocking thread) and caches their features.
+    pub async fn encode(
+        &self,
+        parts: &[ImagePart],
+        fetched: Vec<FetchedImage>,
+    ) -> Result<Vec<PreparedImage>, ApiError> {
+        let mut out: Vec<Option<PreparedImage>> = vec![None; fetched.len()];
+        // (index, hash, encoded bytes) of the images to encode.
+        let mut missing = Vec::new();
+        for (i, f) in fetched.into_iter().enumerate() {
+            match f.found {
+                Found::Cached(embeddings) => {
+                    out[i] = Some(PreparedImage {
+                        hash: f.hash,
+                        embeddings,
+                    })
+                }
+                Found::Bytes(bytes) => missing.push((i, f.hash, bytes)),
             }
         }
         if !missing.is_empty() {
@@ -150,9 +212,8 @@ impl Vision {
                     ApiError::Internal(format!("the vision tower failed: {failed}"))
                 }
             })?;
-            let per_image = self.tokens.per_image * self.width as usize;
-            for (k, (i, hash, _)) in missing.into_iter().enumerate() {
-                let embeddings = Arc::new(features[k * per_image..(k + 1) * per_image].to_vec());
+            for ((i, hash, _), features) in missing.into_iter().zip(features) {
+                let embeddings = Arc::new(features);
                 self.cache.insert(hash, embeddings.clone());
                 out[i] = Some(PreparedImage { hash, embeddings });
             }
@@ -170,11 +231,10 @@ impl Vision {
             .zip(starts)
             .map(|(im, &start)| ImageInput {
                 start: start as u32,
-                tokens: self.tokens.per_image as u32,
+                tokens: (im.embeddings.len() / self.width as usize) as u32,
                 width: self.width,
                 embeddings: im.embeddings.clone(),
-                bidirectional: self.settings.image_attention
-                    == settings::ImageAttention::Bidirectional,
+                bidirectional: self.bidirectional,
             })
             .collect()
     }
@@ -186,39 +246,33 @@ enum EncodeError {
     Tower(anyhow::Error),
 }
 
-/// Decodes and preprocesses `encoded` images, then runs the tower on them
-/// all at once.
+/// Decodes and preprocesses `encoded` images, then runs the tower on each;
+/// every image's soft-token embeddings as float32.
 fn decode_and_encode(
     shared: &SharedModel,
     encoded: &[Vec<u8>],
     max_pixels: u64,
-) -> Result<Vec<f32>, EncodeError> {
-    let p = &shared
-        .model
-        .vision
-        .as_ref()
-        .expect("vision model")
-        .config
-        .preprocess;
-    let mut batch = Vec::new();
+) -> Result<Vec<Vec<f32>>, EncodeError> {
+    let tower = shared.model.vision.as_ref().expect("vision model");
+    let mut images = Vec::with_capacity(encoded.len());
     for (k, bytes) in encoded.iter().enumerate() {
         let image = pixels::decode(bytes, max_pixels).map_err(|e| EncodeError::Image(k, e))?;
-        batch.extend(pixels::preprocess(&image, p));
+        images.push(
+            pixels::preprocess(&image, &tower.config.preprocess)
+                .map_err(|e| EncodeError::Image(k, e))?,
+        );
     }
-    encode(shared, &batch, encoded.len(), p).map_err(EncodeError::Tower)
+    let _device = shared.model.lock_device();
+    images
+        .iter()
+        .map(|px| encode(tower, px).map_err(EncodeError::Tower))
+        .collect()
 }
 
-/// Runs the tower on `n` preprocessed images under the device lock; the
-/// soft-token embeddings as float32, image after image.
-fn encode(
-    shared: &SharedModel,
-    pixels: &[f32],
-    n: usize,
-    p: &runtime::vision::Preprocess,
-) -> anyhow::Result<Vec<f32>> {
-    let tower = shared.model.vision.as_ref().expect("vision model");
-    let _device = shared.model.lock_device();
-    let input = Array::from_slice(pixels, &[n as i32, p.height as i32, p.width as i32, 3]);
+/// Runs the tower on one preprocessed image (the caller holds the device
+/// lock); its soft-token embeddings as float32.
+fn encode(tower: &runtime::vision::VisionTower, px: &pixels::Pixels) -> anyhow::Result<Vec<f32>> {
+    let input = Array::from_slice(&px.data, &[1, px.height as i32, px.width as i32, 3]);
     let features = tower.forward(&input)?.as_dtype(mlx_rs::Dtype::Float32)?;
     eval([&features])?;
     Ok(features.as_slice::<f32>().to_vec())

@@ -1,20 +1,22 @@
 //! Encoded image bytes to the tower's input: decode (PNG, JPEG, WebP) with
 //! a pixel-count limit checked before decoding, convert to RGB (alpha is
-//! dropped, as PIL's `convert("RGB")` does), resize bilinearly to the
-//! model's size, rescale and normalise per channel the way Hugging Face's
-//! Gemma 3 image processor does (rescale in float64, normalise in float32).
+//! dropped, as PIL's `convert("RGB")` does), resize as the model's processor
+//! does (Gemma 3: bilinear to a fixed size; Gemma 4: bicubic, keeping the
+//! aspect ratio, to fit its patch budget), rescale and normalise per channel
+//! (rescale in float64 for Gemma 3, float32 for Gemma 4, as their
+//! processors do; normalise in float32).
 
 use std::io::Cursor;
 
 use image::imageops::FilterType;
 use image::{ImageFormat, ImageReader, RgbImage};
-use runtime::vision::Preprocess;
+use runtime::vision::{Preprocess, Resize};
 
 use super::ImageError;
 
-/// Decodes `bytes` into RGB, refusing anything but PNG, JPEG and WebP and
-/// images of more than `max_pixels` pixels.
-pub fn decode(bytes: &[u8], max_pixels: u64) -> Result<RgbImage, ImageError> {
+/// The `(width, height)` in the image's header, refusing anything but PNG,
+/// JPEG and WebP and images of more than `max_pixels` pixels.
+pub fn dimensions(bytes: &[u8], max_pixels: u64) -> Result<(u32, u32), ImageError> {
     let reader = ImageReader::new(Cursor::new(bytes))
         .with_guessed_format()
         .map_err(|e| ImageError::Invalid(format!("cannot read the image: {e}")))?;
@@ -39,6 +41,12 @@ pub fn decode(bytes: &[u8], max_pixels: u64) -> Result<RgbImage, ImageError> {
             "the image is {w}x{h} pixels, more than the limit of {max_pixels}"
         )));
     }
+    Ok((w, h))
+}
+
+/// Decodes `bytes` into RGB, with [`dimensions`]' checks first.
+pub fn decode(bytes: &[u8], max_pixels: u64) -> Result<RgbImage, ImageError> {
+    let (w, h) = dimensions(bytes, max_pixels)?;
     let mut reader = ImageReader::new(Cursor::new(bytes))
         .with_guessed_format()
         .map_err(|e| ImageError::Invalid(format!("cannot read the image: {e}")))?;
@@ -52,21 +60,38 @@ pub fn decode(bytes: &[u8], max_pixels: u64) -> Result<RgbImage, ImageError> {
     Ok(decoded.to_rgb8())
 }
 
-/// `[height, width, 3]` float32 pixels, row-major, ready for the tower.
-pub fn preprocess(image: &RgbImage, p: &Preprocess) -> Vec<f32> {
+/// A preprocessed image: `[height, width, 3]` float32 pixels, row-major,
+/// ready for the tower.
+pub struct Pixels {
+    pub data: Vec<f32>,
+    pub width: u32,
+    pub height: u32,
+}
+
+pub fn preprocess(image: &RgbImage, p: &Preprocess) -> Result<Pixels, ImageError> {
+    let (w, h) = image.dimensions();
+    let (width, height) = p.resize.target(w, h).map_err(ImageError::Invalid)?;
+    let filter = match p.resize {
+        Resize::Fixed { .. } => FilterType::Triangle,
+        Resize::FitPatches { .. } => FilterType::CatmullRom,
+    };
     let resized;
-    let image = if image.dimensions() == (p.width, p.height) {
+    let image = if (w, h) == (width, height) {
         image
     } else {
-        resized = image::imageops::resize(image, p.width, p.height, FilterType::Triangle);
+        resized = image::imageops::resize(image, width, height, filter);
         &resized
     };
-    let mut out = Vec::with_capacity((p.width * p.height * 3) as usize);
+    let mut out = Vec::with_capacity((width * height * 3) as usize);
     for pixel in image.pixels() {
         for (c, &v) in pixel.0.iter().enumerate() {
             let mut x = v as f32;
             if p.do_rescale {
-                x = (v as f64 * p.rescale_factor) as f32;
+                x = if p.rescale_in_f32 {
+                    v as f32 * p.rescale_factor as f32
+                } else {
+                    (v as f64 * p.rescale_factor) as f32
+                };
             }
             if p.do_normalize {
                 x = (x - p.mean[c]) / p.std[c];
@@ -74,7 +99,11 @@ pub fn preprocess(image: &RgbImage, p: &Preprocess) -> Vec<f32> {
             out.push(x);
         }
     }
-    out
+    Ok(Pixels {
+        data: out,
+        width,
+        height,
+    })
 }
 
 #[cfg(test)]
@@ -121,9 +150,12 @@ mod tests {
     #[test]
     fn normalises_to_minus_one_one() {
         let p = Preprocess {
-            height: 2,
-            width: 2,
+            resize: Resize::Fixed {
+                width: 2,
+                height: 2,
+            },
             rescale_factor: 1.0 / 255.0,
+            rescale_in_f32: false,
             mean: [0.5; 3],
             std: [0.5; 3],
             do_rescale: true,
@@ -132,10 +164,10 @@ mod tests {
         let img = RgbImage::from_fn(2, 2, |x, _| {
             image::Rgb([if x == 0 { 0 } else { 255 }, 0, 255])
         });
-        let px = preprocess(&img, &p);
+        let px = preprocess(&img, &p).unwrap().data;
         assert_eq!(px.len(), 12);
         assert_eq!(&px[0..6], &[-1.0, -1.0, 1.0, 1.0, -1.0, 1.0]);
         // Resizing keeps the shape the model wants.
-        assert_eq!(preprocess(&RgbImage::new(5, 3), &p).len(), 12);
+        assert_eq!(preprocess(&RgbImage::new(5, 3), &p).unwrap().data.len(), 12);
     }
 }

@@ -11,7 +11,7 @@
 //!   allow_local_files: false      # file:///abs/path and /abs/path URLs
 //!   allow_remote_urls: false      # http:// URLs
 //!   fetch_timeout_s: 10           # per download
-//!   image_attention: causal       # or bidirectional: within each image
+//!   # image_attention: causal     # or bidirectional; unset: the model's choice
 //! ```
 
 use serde::Deserialize;
@@ -26,7 +26,9 @@ pub struct VisionSettings {
     pub allow_local_files: bool,
     pub allow_remote_urls: bool,
     pub fetch_timeout_s: f64,
-    pub image_attention: ImageAttention,
+    /// Unset: the model's choice (Gemma 4's `use_bidirectional_attention`;
+    /// causal for Gemma 3, as mlx-vlm runs it).
+    pub image_attention: Option<ImageAttention>,
 }
 
 /// How an image's soft tokens attend to each other during prefill.
@@ -35,7 +37,8 @@ pub struct VisionSettings {
 pub enum ImageAttention {
     /// Causally, like every other token: what mlx-vlm does for Gemma 3.
     Causal,
-    /// Both ways within each image: what Hugging Face's Gemma 3 does.
+    /// Both ways within each image: what Hugging Face's Gemma 3 and Gemma 4
+    /// do.
     Bidirectional,
 }
 
@@ -49,7 +52,7 @@ impl Default for VisionSettings {
             allow_local_files: false,
             allow_remote_urls: false,
             fetch_timeout_s: 10.0,
-            image_attention: ImageAttention::Causal,
+            image_attention: None,
         }
     }
 }

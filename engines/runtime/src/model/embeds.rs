@@ -6,6 +6,7 @@ use mlx_rs::{ops, Array};
 
 use super::{Logits, Model, Taps};
 use crate::cache::KvCache;
+use crate::config::Family;
 use crate::mask;
 use crate::vision::mask as image_mask;
 
@@ -24,7 +25,12 @@ impl Model {
     /// `forward` for one sequence whose embeddings at `replace.mask` are
     /// `replace.rows`. The family's embedding scale (Gemma) applies to the
     /// replaced rows too, as in mlx-vlm, whose tower output is divided by
-    /// the scale beforehand.
+    /// the scale beforehand. Replaced positions read the per-layer input
+    /// table (Gemma 4 E2B/E4B) at id 0, as the references do for soft
+    /// tokens. Image blocks open both kinds of layer for Gemma 3 (Hugging
+    /// Face's mask); Gemma 4 keeps its full-attention layers causal and
+    /// opens only the sliding ones (Hugging Face's
+    /// `create_masks_for_vision_model`).
     pub fn forward_replacing(
         &self,
         tokens: &Array,
@@ -37,19 +43,23 @@ impl Model {
         let rows = replace.rows.as_dtype(text.dtype())?;
         let h = self.scale_embeddings(ops::select(&replace.mask, &rows, &text)?)?;
         let blocks = &replace.blocks;
-        let build = |window| {
-            if blocks.is_empty() {
+        let global_causal = self.config.family == Family::Gemma4;
+        let build = |window: Option<i32>| {
+            if blocks.is_empty() || (window.is_none() && global_causal) {
                 mask::build(cache, n, window)
             } else {
                 image_mask::with_image_blocks(cache, n, window, blocks)
             }
         };
+        let soft = replace.mask.squeeze_axes(&[2])?;
+        let layer_tokens =
+            ops::select(&soft, Array::from_int(0).as_dtype(tokens.dtype())?, tokens)?;
         let global_mask = build(None);
         let window_mask = self.config.sliding_window.map(|w| build(Some(w)));
         let taps = Taps::default();
         let masks = (&global_mask, window_mask.as_ref());
         Ok(self
-            .run_layers(tokens, h, masks, cache, which, &taps)?
+            .run_layers(&layer_tokens, h, masks, cache, which, &taps)?
             .logits)
     }
 }

@@ -1,15 +1,16 @@
-//! Images in the prompt (Gemma 3 vision): the tower that turns pixels into
-//! soft-token embeddings, and the helpers engines use to put those
-//! embeddings into a prompt chunk's input.
+//! Images in the prompt (Gemma 3 and Gemma 4 vision): the towers that turn
+//! pixels into soft-token embeddings, and the helpers engines use to put
+//! those embeddings into a prompt chunk's input.
 
 pub mod config;
+pub mod gemma4;
 pub mod mask;
 pub mod tower;
 
 use engine_core::ImageInput;
 use mlx_rs::Array;
 
-pub use config::{Preprocess, VisionConfig};
+pub use config::{Preprocess, Resize, TowerKind, VisionConfig};
 pub use tower::VisionTower;
 
 use crate::model::Replacement;

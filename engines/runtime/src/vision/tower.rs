@@ -1,13 +1,17 @@
-//! Gemma 3's vision encoder: a SigLIP tower (patch embedding, learned
-//! positions, pre-norm encoder layers with full attention, a final
-//! LayerNorm), then the multimodal projector (average pooling of the patch
-//! grid to the soft-token grid, Gemma RMSNorm, a linear map into the text
-//! model's width). Computed the way mlx-vlm computes it, the reference the
-//! oracle test compares against (exact GELU in the MLP, eps 1e-5 on the
-//! post-LayerNorm).
+//! The vision towers: pixels to soft-token embeddings in the text model's
+//! units. [`VisionTower`] picks the family's encoder; this file holds
+//! Gemma 3's: a SigLIP tower (patch embedding, learned positions, pre-norm
+//! encoder layers with full attention, a final LayerNorm), then the
+//! multimodal projector (average pooling of the patch grid to the soft-token
+//! grid, Gemma RMSNorm, a linear map into the text model's width). Computed
+//! the way mlx-vlm computes it, the reference the oracle test compares
+//! against (exact GELU in the MLP, eps 1e-5 on the post-LayerNorm).
+//! Gemma 4's is in [`super::gemma4`].
 
 use mlx_rs::{fast, nn, ops, Array, Dtype};
 
+use super::config::TowerKind;
+use super::gemma4::Gemma4Encoder;
 use crate::config::Quantization;
 use crate::layers::{Linear, RmsNorm};
 use crate::vision::config::VisionConfig;
@@ -51,14 +55,12 @@ struct EncoderLayer {
 
 pub struct VisionTower {
     pub config: VisionConfig,
-    /// `[out, kh, kw, in]`, MLX's convolution layout.
-    patch_weight: Array,
-    patch_bias: Array,
-    positions: Array,
-    layers: Vec<EncoderLayer>,
-    post_norm: LayerNorm,
-    soft_norm: RmsNorm,
-    projection: Array,
+    encoder: Encoder,
+}
+
+enum Encoder {
+    Siglip(Siglip),
+    Gemma4(Gemma4Encoder),
 }
 
 impl VisionTower {
@@ -71,7 +73,66 @@ impl VisionTower {
         w: &mut Weights,
         quant: Option<Quantization>,
     ) -> anyhow::Result<Self> {
-        let eps = config.layer_norm_eps;
+        let encoder = match &config.tower {
+            TowerKind::Gemma3 { .. } => Encoder::Siglip(Siglip::load(&config, w, quant)?),
+            TowerKind::Gemma4(_) => Encoder::Gemma4(Gemma4Encoder::load(&config, w, quant)?),
+        };
+        Ok(Self { config, encoder })
+    }
+
+    pub fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
+        match &self.encoder {
+            Encoder::Siglip(s) => s.collect(out),
+            Encoder::Gemma4(g) => g.collect(out),
+        }
+    }
+
+    pub fn dtype(&self) -> Dtype {
+        match &self.encoder {
+            Encoder::Siglip(s) => s.patch_weight.dtype(),
+            Encoder::Gemma4(g) => g.dtype(),
+        }
+    }
+
+    /// `pixels`: `[N, H, W, 3]` float32, preprocessed (images of one size).
+    /// Returns the soft-token embeddings `[N, tokens, text_hidden]` in the
+    /// units the text model's embedding table uses before its own scale.
+    pub fn forward(&self, pixels: &Array) -> anyhow::Result<Array> {
+        let dtype = self.dtype();
+        let projected = match &self.encoder {
+            Encoder::Siglip(s) => s.forward(&self.config, pixels)?,
+            Encoder::Gemma4(g) => g.forward(&self.config, pixels)?,
+        };
+        let divisor = Array::from_f32(self.config.feature_divisor).as_dtype(dtype)?;
+        Ok(projected.divide(&divisor)?)
+    }
+}
+
+/// Gemma 3's tower and projector.
+struct Siglip {
+    /// `[out, kh, kw, in]`, MLX's convolution layout.
+    patch_weight: Array,
+    patch_bias: Array,
+    positions: Array,
+    layers: Vec<EncoderLayer>,
+    post_norm: LayerNorm,
+    soft_norm: RmsNorm,
+    projection: Array,
+}
+
+impl Siglip {
+    fn load(
+        config: &VisionConfig,
+        w: &mut Weights,
+        quant: Option<Quantization>,
+    ) -> anyhow::Result<Self> {
+        let TowerKind::Gemma3 {
+            layer_norm_eps: eps,
+            ..
+        } = config.tower
+        else {
+            unreachable!("a Gemma 3 config")
+        };
         let mut patch_weight = w.take(&format!("{TOWER}.embeddings.patch_embedding.weight"))?;
         // Hugging Face stores PyTorch's `[out, in, kh, kw]`; MLX conversions
         // store `[out, kh, kw, in]` already.
@@ -100,7 +161,6 @@ impl VisionTower {
         let soft_norm = RmsNorm::load(w, &format!("{PROJECTOR}.mm_soft_emb_norm"), eps, true)?;
         let projection = w.take(&format!("{PROJECTOR}.mm_input_projection_weight"))?;
         Ok(Self {
-            config,
             patch_weight,
             patch_bias,
             positions,
@@ -111,7 +171,7 @@ impl VisionTower {
         })
     }
 
-    pub fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
+    fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
         out.extend([
             &self.patch_weight,
             &self.patch_bias,
@@ -130,45 +190,45 @@ impl VisionTower {
         self.soft_norm.collect(out);
     }
 
-    pub fn dtype(&self) -> Dtype {
-        self.patch_weight.dtype()
-    }
-
-    /// `pixels`: `[N, H, W, 3]` float32, already normalised. Returns the
-    /// soft-token embeddings `[N, tokens_per_image, text_hidden]` in the
-    /// units the text model's embedding table uses before its own scale.
-    pub fn forward(&self, pixels: &Array) -> anyhow::Result<Array> {
-        let dtype = self.dtype();
+    /// The projected soft tokens `[N, tokens_per_image, text_hidden]`.
+    fn forward(&self, config: &VisionConfig, pixels: &Array) -> anyhow::Result<Array> {
+        let dtype = self.patch_weight.dtype();
         let x = pixels.as_dtype(dtype)?;
-        let p = self.config.patch_size;
+        let p = config.patch_size;
         let patches =
             ops::conv2d(&x, &self.patch_weight, (p, p), None, None, None)?.add(&self.patch_bias)?;
         let n = patches.dim(0);
-        let d = self.config.hidden_size;
+        let d = config.hidden_size;
         let mut h = patches.reshape(&[n, -1, d])?.add(&self.positions)?;
         for layer in &self.layers {
-            h = layer.forward(&h, self.config.num_heads)?;
+            h = layer.forward(&h, config.num_heads)?;
         }
         let h = self.post_norm.forward(&h)?;
-        let pooled = self.pool(&h)?;
+        let pooled = pool(config, &h)?;
         let normed = self.soft_norm.forward(&pooled)?;
-        let projected = normed.matmul(&self.projection)?.as_dtype(dtype)?;
-        let divisor = Array::from_f32(self.config.feature_divisor).as_dtype(dtype)?;
-        Ok(projected.divide(&divisor)?)
+        Ok(normed.matmul(&self.projection)?.as_dtype(dtype)?)
     }
+}
 
-    /// Average pooling of the `patches x patches` grid down to the soft
-    /// token grid, rows in raster order.
-    fn pool(&self, h: &Array) -> R<Array> {
-        let n = h.dim(0);
-        let d = h.dim(2);
-        let patches = self.config.patches_per_side();
-        let side = self.config.tokens_per_side();
-        let k = patches / side;
-        h.reshape(&[n, side, k, side, k, d])?
-            .mean_axes(&[2, 4], false)?
-            .reshape(&[n, side * side, d])
-    }
+/// Average pooling of the `patches x patches` grid down to the soft token
+/// grid, rows in raster order.
+fn pool(config: &VisionConfig, h: &Array) -> R<Array> {
+    let TowerKind::Gemma3 {
+        image_size,
+        tokens_per_image,
+        ..
+    } = config.tower
+    else {
+        unreachable!("a Gemma 3 config")
+    };
+    let n = h.dim(0);
+    let d = h.dim(2);
+    let patches = image_size / config.patch_size;
+    let side = (tokens_per_image as f64).sqrt() as i32;
+    let k = patches / side;
+    h.reshape(&[n, side, k, side, k, d])?
+        .mean_axes(&[2, 4], false)?
+        .reshape(&[n, side * side, d])
 }
 
 impl EncoderLayer {
