@@ -61,7 +61,7 @@ def mlx_lm_module(name):
     missing, the package is entered without its __init__."""
     try:
         import mlx_lm  # noqa: F401
-    except ImportError:
+    except Exception:  # transformers missing, or a version mlx-lm rejects
         spec = importlib.util.find_spec("mlx_lm")
         pkg = types.ModuleType("mlx_lm")
         pkg.__path__ = list(spec.submodule_search_locations)
@@ -169,7 +169,7 @@ def generate(model, prompts, max_new, stops, batch, until):
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     stop_set = np.array(stops)
     for s in range(0, len(order), batch):
-        if time.time() > until:
+        if s and time.time() > until:
             break
         rows = order[s : s + batch]
         ps = [prompts[i] for i in rows]
@@ -386,7 +386,9 @@ def block_logits(drafter, target, batch):
     b, _, d = h.shape
     h = h.reshape(b, batch.n, batch.block, d)[:, :, 1:].reshape(b, -1, d)
     head = embed.as_linear if target.args.tie_word_embeddings else target.lm_head
-    return head(h).astype(mx.float32)
+    # The head computes in the target's dtype (its quantized kernels take
+    # one dtype); the loss in float32.
+    return head(h.astype(target.model.norm.weight.dtype)).astype(mx.float32)
 
 
 def loss_fn(drafter, target, batch):
@@ -477,6 +479,10 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--eval-every", type=float, default=0.2, help="held-out evaluation every this share of the budget")
     ap.add_argument("--data-share", type=float, default=0.4, help="most of the budget spent generating answers")
+    ap.add_argument("--target-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="the target's compute dtype (auto: bfloat16 on a GPU, float32 on the CPU, as the engine)")
+    ap.add_argument("--dense", choices=["auto", "yes", "no"], default="auto",
+                    help="dequantize a quantized target (auto: on the CPU)")
     ap.add_argument("--shard-mb", type=int, default=15)
     args = ap.parse_args()
     if args.prepare:
@@ -494,7 +500,9 @@ def main():
     gpu = mx.default_device() == mx.gpu
     print(f"device {mx.default_device()}, mlx {mx.__version__}", flush=True)
 
-    target, tcfg = load_target(args.model, mx.bfloat16 if gpu else mx.float32, dense=not gpu)
+    dtype = {"auto": mx.bfloat16 if gpu else mx.float32, "float32": mx.float32, "bfloat16": mx.bfloat16}[args.target_dtype]
+    dense = {"auto": not gpu, "yes": True, "no": False}[args.dense]
+    target, tcfg = load_target(args.model, dtype, dense)
     train_p, held_p, stops, mask_id = prompt_set(args)
     cfg = drafter_config(tcfg, args.layers, args.block, mask_id)
     layer_ids = cfg["dflash_config"]["target_layer_ids"]
@@ -524,6 +532,8 @@ def main():
     # Anchors: response positions whose next token is the target's choice.
     valid = [np.nonzero(o[s : len(q) - 1])[0] + s for q, o, s in zip(seqs[:n_train], ok[:n_train], starts[:n_train])]
     usable = [i for i in range(n_train) if len(valid[i])]
+    if not usable:
+        raise SystemExit("no training answer has a position to draft from")
 
     drafter = Drafter(cfg)
     mx.eval(drafter.parameters())
