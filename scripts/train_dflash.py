@@ -457,6 +457,33 @@ def with_openblas():
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
+def check_reference(out, target, held, cfg):
+    """Loads the written checkpoint into this script's drafter and into
+    mlx-vlm's `qwen3_dflash` drafter (the reference our engine's drafter is
+    tested equal to) and compares their logits for one held-out block."""
+    from mlx_vlm.speculative.drafters.qwen3_dflash import Model, ModelConfig
+    from reference_drafter import load_drafter
+
+    ref = load_drafter(Model, ModelConfig, out)
+    ref.set_dtype(mx.float32)
+    cache = ref.reset(target)
+    weights = {}
+    for f in sorted(Path(out).glob("*.safetensors")):
+        weights.update(mx.load(str(f)))
+    mine = Drafter(cfg)
+    mine.load_weights([(k, v.astype(mx.float32)) for k, v in weights.items()])
+    seq, feat, ok, p = held[0]
+    block, mask_id = cfg["block_size"], cfg["dflash_config"]["mask_token_id"]
+    ours = block_logits(mine, target, Batch([seq], [feat], [ok], [[p]], block, mask_id, 1.0))[0]
+    tokens = mx.array([[seq[p]] + [mask_id] * (block - 1)])
+    theirs = ref(tokens, feat[None, :p].astype(mx.float32), cache)[0, 1:].astype(mx.float32)
+    diff = mx.abs(ours - theirs).max().item()
+    same = (mx.argmax(ours, -1) == mx.argmax(theirs, -1)).all().item()
+    print(f"reference check (mlx-vlm qwen3_dflash): max |logit diff| {diff:.2e}, drafts equal: {same}", flush=True)
+    if diff > 1e-3 or not same:
+        raise SystemExit("the checkpoint does not draft as mlx-vlm's drafter does")
+
+
 def main():
     with_openblas()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -470,6 +497,8 @@ def main():
     ap.add_argument("--prompt-ids", help="tokenized prompt set: read if present, else written")
     ap.add_argument("--prepare", action="store_true", help="only write --prompt-ids (on a machine with the tokenizer)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--check-reference", action="store_true",
+                    help="after saving, compare the checkpoint's logits with mlx-vlm's drafter (needs mlx-vlm)")
     ap.add_argument("--gen", type=int, default=160, help="longest target answer, tokens")
     ap.add_argument("--gen-batch", type=int, default=32)
     ap.add_argument("--layers", type=int, default=4, help="drafter layers (and target layers read)")
@@ -552,7 +581,9 @@ def main():
     losses, hits, counts = [], 0.0, 0.0
     history = []
     while True:
-        frac = (time.time() - train_start) / budget
+        # The schedule runs over the time budget, or over --steps when
+        # those end first.
+        frac = max((time.time() - train_start) / budget, step / args.steps if args.steps else 0)
         if frac >= 1 or (args.steps and step >= args.steps):
             break
         # Linear warm-up over 5% of the budget, then cosine to 10%.
@@ -594,6 +625,8 @@ def main():
         "history": history,
     }
     save(drafter, cfg, Path(args.out), args.shard_mb, info)
+    if args.check_reference:
+        check_reference(args.out, target, held, cfg)
     print(f"done: {step} steps in {time.time() - t0:.0f} s; held-out acceptance length {tau:.3f} "
           f"(untrained {tau0:.3f}), first draft accepted {first:.3f}; wrote {args.out}", flush=True)
 
