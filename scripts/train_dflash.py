@@ -552,7 +552,8 @@ def main():
     seqs = [p + a for p, a in zip(train_p + held_p, answers)]
     starts = [len(p) for p in train_p + held_p]
     t = time.time()
-    feats, ok = target_pass(target, seqs, set(layer_ids), args.gen_batch)
+    # Fewer rows than generation: this pass holds every position's logits.
+    feats, ok = target_pass(target, seqs, set(layer_ids), min(args.gen_batch, 64))
     agree = np.mean(np.concatenate([o[s:] for o, s in zip(ok, starts)]))
     print(f"target features: {sum(map(len, seqs))} positions in {time.time() - t:.1f} s; "
           f"answers equal the teacher-forced argmax at {agree:.4f} of positions", flush=True)
