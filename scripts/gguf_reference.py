@@ -16,15 +16,6 @@ import sys
 
 import mlx.core as mx
 import numpy as np
-from gguf import GGUFReader
-from transformers import PreTrainedTokenizerFast
-
-# transformers' GGUF tokenizer conversion; its own GGUF reader needs
-# PyTorch, so the metadata is read with llama.cpp's gguf-py instead.
-from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-    GGUF_TOKENIZER_MAPPING,
-    convert_gguf_tokenizer,
-)
 
 GLOBAL = {
     "token_embd": "model.embed_tokens",
@@ -67,7 +58,10 @@ def unpermute(a, heads):
     )
 
 
-def convert(gguf, out):
+def mlx_lm_weights(gguf):
+    """The tensors under Hugging Face's names and the mlx-lm config of a
+    llama GGUF (mlx and numpy only: scripts/train_dflash.py reads the
+    target through this on machines without transformers)."""
     weights, meta = mx.load(gguf, return_metadata=True)
     arch = meta["general.architecture"]
     if arch != "llama":
@@ -102,6 +96,11 @@ def convert(gguf, out):
         "tie_word_embeddings": "output.weight" not in weights,
         "quantization": quant,
     }
+    return hf, config
+
+
+def convert(gguf, out):
+    hf, config = mlx_lm_weights(gguf)
     os.makedirs(out, exist_ok=True)
     mx.save_safetensors(os.path.join(out, "model.safetensors"), hf)
     with open(os.path.join(out, "config.json"), "w") as f:
@@ -112,6 +111,16 @@ def convert(gguf, out):
 
 
 def tokenizer(gguf):
+    from gguf import GGUFReader
+    from transformers import PreTrainedTokenizerFast
+
+    # transformers' GGUF tokenizer conversion; its own GGUF reader needs
+    # PyTorch, so the metadata is read with llama.cpp's gguf-py instead.
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
+    )
+
     fields = GGUFReader(gguf).fields
     value = lambda k: fields[k].contents()
     groups = {

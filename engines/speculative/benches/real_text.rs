@@ -1,7 +1,7 @@
 //! Speculative engines with prompt lookup against the fast path, on a real
 //! checkpoint and real prompts, one request at a time, per prompt type:
 //!
-//!     cargo bench -p speculative --bench real_text -- --model DIR [--gen 128 --reps 2 --per-kind 1]
+//!     cargo bench -p speculative --bench real_text -- --model DIR [--drafter DIR --gen 128 --reps 2 --per-kind 1]
 //!
 //! Prompt types: the bundled mixed set (`bench/prompts/mixed.jsonl`; tool
 //! calls left out, they need the gateway's tool rendering) and two that
@@ -10,9 +10,13 @@
 //! grammar verified with each draft). Engines: the fast path, `dflash`
 //! and `mtp` with `draft: ngram` (3/1/8, adaptive sizing, the default), and
 //! `dflash` with `adaptive: false` (every round verifies the full block of
-//! 8: the fixed-k behaviour). Each cell: decode tok/s (after the first
-//! token), its ratio to the fast path on the same prompts, accepted /
-//! drafted and tokens per target forward; engines interleaved per prompt,
+//! 8: the fixed-k behaviour); with `--drafter`, `dflash` with that trained
+//! DFlash checkpoint, adaptive and fixed (every round drafts the full
+//! block). Each cell: decode tok/s (after the first token), its ratio to
+//! the fast path on the same prompts, accepted / drafted, the acceptance
+//! length (tokens committed per decode round: accepted drafts + the
+//! target's own) and tokens per target forward (prefill included); engines
+//! interleaved per prompt,
 //! each keeping its best of `reps`. Every engine's tokens are checked
 //! against the fast path's.
 
@@ -49,6 +53,8 @@ fn record_schema() -> Grammar {
 
 struct Args {
     model: PathBuf,
+    /// A trained DFlash drafter for the model.
+    drafter: Option<PathBuf>,
     dtype: ComputeDtype,
     gen: usize,
     reps: usize,
@@ -58,6 +64,7 @@ struct Args {
 fn args() -> Args {
     let mut a = Args {
         model: PathBuf::new(),
+        drafter: None,
         dtype: ComputeDtype::Auto,
         gen: 128,
         reps: 2,
@@ -68,6 +75,7 @@ fn args() -> Args {
         let v = &w[1];
         match w[0].as_str() {
             "--model" => a.model = v.into(),
+            "--drafter" => a.drafter = Some(v.into()),
             "--dtype" => a.dtype = v.parse().expect("compute dtype"),
             "--gen" => a.gen = v.parse().expect("gen"),
             "--reps" => a.reps = v.parse().expect("reps"),
@@ -202,7 +210,7 @@ fn main() {
     let spec = |e: Result<speculative::SpecEngine, String>| {
         Arc::new(e.expect("engine")) as Arc<dyn Engine>
     };
-    let engines: Vec<(&str, Arc<dyn Engine>)> = vec![
+    let mut engines: Vec<(&str, Arc<dyn Engine>)> = vec![
         (
             "fastpath",
             Arc::new(FastpathEngine::new("fastpath".into(), shared.clone())),
@@ -232,6 +240,27 @@ fn main() {
             )),
         ),
     ];
+    if let Some(dir) = &a.drafter {
+        let dir = dir.canonicalize().expect("the drafter directory");
+        let trained =
+            |fixed: bool| format!("{{ drafter: {}, adaptive: {} }}", dir.display(), !fixed);
+        engines.push((
+            "dflash drafter",
+            spec(dflash::new_engine(
+                "dflash-drafter".into(),
+                shared.clone(),
+                settings(&trained(false), None),
+            )),
+        ));
+        engines.push((
+            "dflash drafter, fixed k",
+            spec(dflash::new_engine(
+                "dflash-drafter-fixed".into(),
+                shared.clone(),
+                settings(&trained(true), None),
+            )),
+        ));
+    }
     // Warm-up: every engine's graphs once.
     for (_, e) in &engines {
         one(e.as_ref(), &encoded[0].1, 8);
@@ -269,8 +298,8 @@ fn main() {
         mlx_sys::blas_backend()
     );
     println!();
-    println!("| prompt type | engine | decode tok/s | vs fastpath | accepted/drafted | tokens/target forward |");
-    println!("|---|---|---|---|---|---|");
+    println!("| prompt type | engine | decode tok/s | vs fastpath | accepted/drafted | acceptance length | tokens/target forward |");
+    println!("|---|---|---|---|---|---|---|");
     // Prompts of one kind are summed.
     let mut kinds: Vec<&str> = Vec::new();
     for (kind, _) in &encoded {
@@ -298,11 +327,14 @@ fn main() {
         for (ei, (name, _)) in engines.iter().enumerate() {
             let r = sum(ei);
             let tps = r.decode_tokens as f64 / r.decode_seconds;
-            let (rate, per_forward) = if ei == 0 {
-                (String::new(), "1.00".to_string())
+            let (rate, length, per_forward) = if ei == 0 {
+                (String::new(), "1.00".to_string(), "1.00".to_string())
             } else {
+                // Each request's first forward is its prefill.
+                let rounds = r.spec.target_forwards.saturating_sub(rows.len() as u64);
                 (
                     format!("{}/{}", r.spec.accepted, r.spec.drafted),
+                    format!("{:.2}", r.decode_tokens as f64 / rounds.max(1) as f64),
                     format!(
                         "{:.2}",
                         (r.decode_tokens + rows.len()) as f64
@@ -311,7 +343,7 @@ fn main() {
                 )
             };
             println!(
-                "| {kind} | {name} | {tps:.2} | {:.2}x | {rate} | {per_forward} |",
+                "| {kind} | {name} | {tps:.2} | {:.2}x | {rate} | {length} | {per_forward} |",
                 tps / base_tps
             );
         }

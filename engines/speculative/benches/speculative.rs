@@ -8,13 +8,8 @@
 //! one-layer MTP head in the checkpoint: their `mtp-head` row is the mtp
 //! engine with `draft: checkpoint`, `head-k` drafts every round.
 //!
-//! or on a real checkpoint with the bundled mixed chat prompts
-//! (bench/prompts/mixed.jsonl: prose, code, JSON, math, tool calls), where
-//! only the engines that need no drafter weights run (fast path, batched,
-//! prompt lookup), the `c` clients share the prompt set, generation stops at
-//! the model's stop tokens, and a second table splits the c=1 run by kind:
-//!
-//!     cargo bench -p speculative --bench speculative -- --model PATH --prompts mixed --gen 64
+//! (A real checkpoint on real prompts, per prompt type: the `real_text`
+//! bench.)
 //!
 //! A random drafter is almost never right, so this measures what a round
 //! costs, not what a trained drafter gains: per engine and concurrency it
@@ -50,10 +45,6 @@ struct Args {
     /// Sweeps run, interleaved; each cell keeps its best (machines here are
     /// shared and noisy).
     reps: usize,
-    /// A checkpoint to serve instead of a generated target.
-    model: Option<PathBuf>,
-    /// `mixed`: the bundled chat prompts instead of synthetic ids.
-    prompts: Option<String>,
 }
 
 fn args() -> Args {
@@ -67,8 +58,6 @@ fn args() -> Args {
         mtp_k: 3,
         head_k: 2,
         reps: 2,
-        model: None,
-        prompts: None,
     };
     let argv: Vec<String> = std::env::args().collect();
     for w in argv.windows(2) {
@@ -83,8 +72,6 @@ fn args() -> Args {
             "--mtp-k" => a.mtp_k = v.parse().expect("mtp-k"),
             "--head-k" => a.head_k = v.parse().expect("head-k"),
             "--reps" => a.reps = v.parse().expect("reps"),
-            "--model" => a.model = Some(PathBuf::from(v)),
-            "--prompts" => a.prompts = Some(v.clone()),
             _ => {}
         }
     }
@@ -201,50 +188,32 @@ fn one(engine: &dyn Engine, req: GenerateRequest) -> Run {
     run
 }
 
-/// One request of a client's work: its kind (for the per-kind table) and
-/// prompt ids.
-type Work = Vec<(String, Vec<u32>)>;
+/// One client's requests: prompt ids.
+type Work = Vec<Vec<u32>>;
 
 /// Each client's requests at concurrency `c`: `rounds` synthetic prompts
-/// each, or the prompt set dealt out round-robin.
-fn work(c: usize, a: &Args, vocab: u32, set: Option<&Work>) -> Vec<Work> {
-    match set {
-        None => (0..c)
-            .map(|id| {
-                (0..a.rounds)
-                    .map(|r| ("random".to_string(), prompt(id * 31 + r, a.prompt, vocab)))
-                    .collect()
-            })
-            .collect(),
-        Some(set) => (0..c)
-            .map(|id| set.iter().skip(id).step_by(c).cloned().collect())
-            .collect(),
-    }
+/// each.
+fn work(c: usize, a: &Args, vocab: u32) -> Vec<Work> {
+    (0..c)
+        .map(|id| {
+            (0..a.rounds)
+                .map(|r| prompt(id * 31 + r, a.prompt, vocab))
+                .collect()
+        })
+        .collect()
 }
 
 /// The clients, each sending its requests back to back. The fast path
-/// serves one at a time, so its clients run one after another. Returns the
-/// whole level's run and one run per request kind (counts only).
-fn level(
-    engine: Arc<dyn Engine>,
-    clients: Vec<Work>,
-    gen: usize,
-    stops: &[u32],
-    serial: bool,
-) -> (Run, Vec<(String, Run)>) {
+/// serves one at a time, so its clients run one after another.
+fn level(engine: Arc<dyn Engine>, clients: Vec<Work>, gen: usize, serial: bool) -> Run {
     let start = Instant::now();
-    let stops = stops.to_vec();
     let client = move |engine: Arc<dyn Engine>, requests: Work| {
         requests
             .into_iter()
-            .map(|(kind, ids)| {
-                let mut req = GenerateRequest::new(ids, gen as u32);
-                req.stop_tokens = stops.clone();
-                (kind, one(engine.as_ref(), req))
-            })
+            .map(|ids| one(engine.as_ref(), GenerateRequest::new(ids, gen as u32)))
             .collect::<Vec<_>>()
     };
-    let runs: Vec<(String, Run)> = if serial {
+    let runs: Vec<Run> = if serial {
         clients
             .into_iter()
             .flat_map(|w| client(engine.clone(), w))
@@ -267,65 +236,18 @@ fn level(
         seconds: start.elapsed().as_secs_f64(),
         ..Run::default()
     };
-    let mut kinds: Vec<(String, Run)> = Vec::new();
-    for (kind, r) in &runs {
+    for r in &runs {
         all.add(r);
-        match kinds.iter_mut().find(|(k, _)| k == kind) {
-            Some((_, acc)) => acc.add(r),
-            None => kinds.push((kind.clone(), *r)),
-        }
     }
-    (all, kinds)
-}
-
-/// bench/prompts/mixed.jsonl rendered with the model's chat template.
-fn mixed_prompts(model: &LoadedModel) -> Work {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let text =
-        std::fs::read_to_string(root.join("bench/prompts/mixed.jsonl")).expect("mixed.jsonl");
-    let template = model.template.as_ref().expect("a chat model");
-    text.lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|line| {
-            let v: serde_json::Value = serde_json::from_str(line).expect("JSON line");
-            let messages = [serde_json::json!({"role": "user", "content": v["prompt"]})];
-            let options = text::RenderOptions {
-                tools: v["tools"].as_array().cloned(),
-                ..Default::default()
-            }
-            .with_generation_prompt();
-            let rendered = template.render(&messages, &options).expect("render");
-            let ids = model.tokenizer.encode_chat(&rendered).expect("encode");
-            (v["kind"].as_str().unwrap().to_string(), ids)
-        })
-        .collect()
+    all
 }
 
 fn main() {
     runtime::cuda_env::apply_defaults();
     let a = args();
-    // A real checkpoint has no drafters here: only the weightless engines.
-    let (target, drafters) = match &a.model {
-        Some(path) => (path.clone(), None),
-        None => {
-            let (target, dflash, mtp) = models(&a);
-            (target, Some((dflash, mtp)))
-        }
-    };
+    let (target, dflash_dir, mtp_dir) = models(&a);
     let model = LoadedModel::load(&target, Some("bench")).expect("load model");
     let vocab = model.vocab_size() as u32;
-    let prompt_set = match a.prompts.as_deref() {
-        None => None,
-        Some("mixed") => Some(mixed_prompts(&model)),
-        Some(other) => panic!("--prompts {other}: only `mixed` is bundled"),
-    };
-    // Synthetic prompts run to their length, as before; chat prompts stop
-    // where the model ends its turn, as served.
-    let stops = if prompt_set.is_some() {
-        model.stop_tokens.clone()
-    } else {
-        Vec::new()
-    };
     let bytes = model.model.kv_bytes_per_token();
     let shared = Arc::new(SharedModel::new(
         model,
@@ -356,37 +278,35 @@ fn main() {
             )),
         ),
     ];
-    if let Some((dflash_dir, mtp_dir)) = &drafters {
-        engines.push((
-            "dflash",
-            spec(dflash::new_engine(
-                "dflash".into(),
-                shared.clone(),
-                settings(
-                    format!(
-                        "{{ drafter: {}, max_concurrent: 16 }}",
-                        dflash_dir.display()
-                    ),
-                    None,
+    engines.push((
+        "dflash",
+        spec(dflash::new_engine(
+            "dflash".into(),
+            shared.clone(),
+            settings(
+                format!(
+                    "{{ drafter: {}, max_concurrent: 16 }}",
+                    dflash_dir.display()
                 ),
-            )),
-        ));
-        engines.push((
-            "mtp",
-            spec(mtp::new_engine(
-                "mtp".into(),
-                shared.clone(),
-                settings(
-                    format!(
-                        "{{ drafter: {}, max_concurrent: 16, draft_tokens: {} }}",
-                        mtp_dir.display(),
-                        a.mtp_k
-                    ),
-                    Some(2),
+                None,
+            ),
+        )),
+    ));
+    engines.push((
+        "mtp",
+        spec(mtp::new_engine(
+            "mtp".into(),
+            shared.clone(),
+            settings(
+                format!(
+                    "{{ drafter: {}, max_concurrent: 16, draft_tokens: {} }}",
+                    mtp_dir.display(),
+                    a.mtp_k
                 ),
-            )),
-        ));
-    }
+                Some(2),
+            ),
+        )),
+    ));
     let has_head = shared
         .model
         .model
@@ -421,65 +341,52 @@ fn main() {
     // Warm up every engine's graphs once, and check each answers like the
     // fast path on this device (numerics differ between a verify of k+1
     // tokens and one-token steps only at near-ties).
-    let checks: Vec<Vec<u32>> = match &prompt_set {
-        Some(set) => set.iter().map(|(_, ids)| ids.clone()).collect(),
-        None => vec![prompt(999, a.prompt, vocab)],
-    };
-    let mut reference: Vec<Vec<u32>> = Vec::new();
+    let check = prompt(999, a.prompt, vocab);
+    let mut reference = Vec::new();
     for (name, e) in &engines {
-        let (mut same, mut total) = (0, 0);
-        for (i, check) in checks.iter().enumerate() {
-            let mut req = GenerateRequest::new(check.clone(), a.gen as u32);
-            req.stop_tokens = stops.clone();
-            let mut stream = e.submit(req).expect("submit");
-            let mut ids = Vec::new();
-            while let Some(Event::Token(t)) = stream.blocking_recv() {
-                ids.push(t.id);
-            }
-            if *name == "fastpath" {
-                reference.push(ids);
-            } else {
-                same += ids
-                    .iter()
-                    .zip(&reference[i])
-                    .take_while(|(a, b)| a == b)
-                    .count();
-                total += reference[i].len();
-            }
+        let mut stream = e
+            .submit(GenerateRequest::new(check.clone(), a.gen as u32))
+            .expect("submit");
+        let mut ids = Vec::new();
+        while let Some(Event::Token(t)) = stream.blocking_recv() {
+            ids.push(t.id);
         }
-        if *name != "fastpath" {
+        if *name == "fastpath" {
+            reference = ids;
+        } else {
+            let same = ids
+                .iter()
+                .zip(&reference)
+                .take_while(|(a, b)| a == b)
+                .count();
             println!(
-                "{name}: {same} of {total} tokens equal the fast path's{}",
-                if same == total { "" } else { " (diverged)" }
+                "{name}: {same} of {} tokens equal the fast path's{}",
+                reference.len(),
+                if same == reference.len() {
+                    ""
+                } else {
+                    " (diverged)"
+                }
             );
         }
     }
     // Every (level, engine) cell keeps the fastest of `reps` interleaved runs.
-    let mut best: Vec<Vec<(Run, Vec<(String, Run)>)>> =
-        vec![vec![(Run::default(), Vec::new()); engines.len()]; a.levels.len()];
+    let mut best: Vec<Vec<Run>> = vec![vec![Run::default(); engines.len()]; a.levels.len()];
     for _ in 0..a.reps {
         for (li, &c) in a.levels.iter().enumerate() {
             for (ei, (name, engine)) in engines.iter().enumerate() {
-                let clients = work(c, &a, vocab, prompt_set.as_ref());
-                let run = level(engine.clone(), clients, a.gen, &stops, *name == "fastpath");
+                let clients = work(c, &a, vocab);
+                let run = level(engine.clone(), clients, a.gen, *name == "fastpath");
                 let cell = &mut best[li][ei];
-                if cell.0.seconds == 0.0 || run.0.seconds < cell.0.seconds {
+                if cell.seconds == 0.0 || run.seconds < cell.seconds {
                     *cell = run;
                 }
             }
         }
     }
-    let shape = match &prompt_set {
-        Some(set) => format!("{} mixed chat prompts shared by the clients", set.len()),
-        None => format!(
-            "prompt {} tokens, {} requests per client",
-            a.prompt, a.rounds
-        ),
-    };
     println!(
-        "target {} ({}), {shape}, up to {} generated, dflash block {}, mtp k {}, head k {}, best of {}, blas {}",
-        a.model.as_ref().map_or(a.preset.clone(), |_| "checkpoint".into()),
-        target.display(), a.gen, a.block, a.mtp_k, a.head_k, a.reps, mlx_sys::blas_backend()
+        "target {} ({}), prompt {} tokens, {} requests per client, {} generated, dflash block {}, mtp k {}, head k {}, best of {}, blas {}",
+        a.preset, target.display(), a.prompt, a.rounds, a.gen, a.block, a.mtp_k, a.head_k, a.reps, mlx_sys::blas_backend()
     );
     println!();
     println!("| engine | c | tok/s | vs fastpath | vs batched | accepted/drafted | tokens/target forward | break-even acceptance |");
@@ -488,7 +395,7 @@ fn main() {
     for (li, &c) in a.levels.iter().enumerate() {
         let mut base = (0.0, 0.0);
         for (ei, (name, _)) in engines.iter().enumerate() {
-            let run = best[li][ei].0;
+            let run = best[li][ei];
             let tps = run.tokens as f64 / run.seconds;
             match *name {
                 "fastpath" => {
@@ -508,27 +415,6 @@ fn main() {
                 "| {name} | {c} | {tps:.1} | {:.2}x | {vs_batched} | {rate} | {per_forward} | {break_even} |",
                 tps / base.0
             );
-        }
-    }
-    // Per kind at c=1 (one request at a time: decode rates compare).
-    if let (Some(_), Some(li)) = (&prompt_set, a.levels.iter().position(|&c| c == 1)) {
-        println!();
-        println!("| kind | engine | decode tok/s | vs fastpath | accepted/drafted | tokens/target forward |");
-        println!("|---|---|---|---|---|---|");
-        let fast = &best[li][0].1;
-        for (kind, base) in fast {
-            let base_rate = base.decode_tokens as f64 / base.decode_seconds;
-            for (ei, (name, _)) in engines.iter().enumerate() {
-                let Some((_, run)) = best[li][ei].1.iter().find(|(k, _)| k == kind) else {
-                    continue;
-                };
-                let rate = run.decode_tokens as f64 / run.decode_seconds;
-                let (acc, per_forward, _) = spec_columns(run, None);
-                println!(
-                    "| {kind} | {name} | {rate:.1} | {:.2}x | {acc} | {per_forward} |",
-                    rate / base_rate
-                );
-            }
         }
     }
 }
