@@ -124,6 +124,42 @@ fn ours(model: &LoadedModel, prompt: &[u32], images: &[ImageInput], chunk: usize
 /// the same tokens; they may part only where the reference's best two
 /// logits are within `tol` (a tie at bf16's resolution), and after that
 /// their inputs differ, so nothing more is compared.
+/// Our greedy run of one case, after checking what must hold whatever
+/// the reference says: with `chunked`, prefill in chunks of 7 (which cut
+/// every image's soft tokens, or end after them) gives the same tokens;
+/// bidirectional images change the logits against causal ones.
+fn ours_checked(
+    model: &LoadedModel,
+    prompt: &[u32],
+    images: &[ImageInput],
+    case: usize,
+    chunked: bool,
+) -> Reference {
+    let whole = ours(model, prompt, images, usize::MAX);
+    if chunked {
+        let pieces = ours(model, prompt, images, 7);
+        assert_eq!(
+            whole.tokens, pieces.tokens,
+            "case {case}: chunked prefill changed the tokens"
+        );
+    }
+    if images.iter().any(|im| im.bidirectional) {
+        let causal: Vec<ImageInput> = images
+            .iter()
+            .map(|im| ImageInput {
+                bidirectional: false,
+                ..im.clone()
+            })
+            .collect();
+        let causal = ours(model, prompt, &causal, usize::MAX);
+        assert_ne!(
+            causal.logits[0], whole.logits[0],
+            "case {case}: bidirectional attention changed nothing"
+        );
+    }
+    whole
+}
+
 fn agree_up_to_a_near_tie(case: usize, mine: &Reference, theirs: &Reference, tol: f32) {
     for (step, (a, b)) in mine.logits.iter().zip(&theirs.logits).enumerate() {
         let worst = a
@@ -249,30 +285,7 @@ fn check_against_mlx_vlm(bidirectional: bool, dtype: Dtype) {
                 bidirectional,
             })
             .collect();
-        let whole = ours(&model, prompt, &images, usize::MAX);
-        // Chunks of 7 cut every image's soft tokens (or end after them).
-        if exact {
-            let chunked = ours(&model, prompt, &images, 7);
-            assert_eq!(
-                whole.tokens, chunked.tokens,
-                "case {i}: chunked prefill changed the tokens"
-            );
-        }
-        if bidirectional {
-            let causal: Vec<ImageInput> = images
-                .iter()
-                .map(|im| ImageInput {
-                    bidirectional: false,
-                    ..im.clone()
-                })
-                .collect();
-            let causal = ours(&model, prompt, &causal, usize::MAX);
-            assert_ne!(
-                causal.logits[0], whole.logits[0],
-                "case {i}: bidirectional attention changed nothing"
-            );
-        }
-        ours_by_case.push(whole);
+        ours_by_case.push(ours_checked(&model, prompt, &images, i, exact));
     }
 
     let refs = reference(dir.path(), &files, bidirectional);
@@ -411,28 +424,7 @@ fn check_gemma4_against_mlx_vlm(spec: TinyGemma4VisionSpec) {
                 }
             })
             .collect();
-        let whole = ours(&model, &case.prompt, &images, usize::MAX);
-        // Chunks of 7 cut every image's soft tokens (or, bidirectional, end
-        // after them).
-        let chunked = ours(&model, &case.prompt, &images, 7);
-        assert_eq!(
-            whole.tokens, chunked.tokens,
-            "case {i}: chunked prefill changed the tokens"
-        );
-        if bidirectional {
-            let causal: Vec<ImageInput> = images
-                .iter()
-                .map(|im| ImageInput {
-                    bidirectional: false,
-                    ..im.clone()
-                })
-                .collect();
-            let causal = ours(&model, &case.prompt, &causal, usize::MAX);
-            assert_ne!(
-                causal.logits[0], whole.logits[0],
-                "case {i}: bidirectional attention changed nothing"
-            );
-        }
+        let whole = ours_checked(&model, &case.prompt, &images, i, true);
         let plain = ours(&model, &case.prompt, &[], usize::MAX);
         assert_ne!(
             plain.logits[0], whole.logits[0],
