@@ -3,12 +3,23 @@
 //! token, which is most of what decode costs beyond the matmuls on a GPU.
 
 use std::cell::RefCell;
+use std::thread::LocalKey;
 
 use mlx_rs::error::Exception;
 use mlx_rs::transforms::compile::compile;
 use mlx_rs::{nn, Array};
 
-type Fused = Box<dyn FnMut(&[Array]) -> Result<Vec<Array>, Exception>>;
+/// A compiled function, kept per thread in a `thread_local!` (the compile
+/// cache is keyed by function, so it is traced once per thread and shape).
+pub(crate) type Fused = Box<dyn FnMut(&[Array]) -> Result<Vec<Array>, Exception>>;
+
+/// Calls the compiled function `kernel` holds.
+pub(crate) fn call(
+    kernel: &'static LocalKey<RefCell<Fused>>,
+    args: &[Array],
+) -> Result<Vec<Array>, Exception> {
+    kernel.with(|f| (f.borrow_mut())(args))
+}
 
 fn swiglu(args: &[Array]) -> Vec<Array> {
     let act = nn::silu(&args[0]).expect("silu of a float array");
@@ -28,9 +39,6 @@ thread_local! {
 
 /// `act(gate) * up`, with SiLU (Llama, Qwen) or tanh-approximated GELU (Gemma).
 pub fn gated(gate: &Array, up: &Array, gelu: bool) -> Result<Array, Exception> {
-    let cell = if gelu { &GEGLU } else { &SWIGLU };
-    cell.with(|f| {
-        let mut out = (f.borrow_mut())(&[gate.clone(), up.clone()])?;
-        Ok(out.remove(0))
-    })
+    let kernel = if gelu { &GEGLU } else { &SWIGLU };
+    Ok(call(kernel, &[gate.clone(), up.clone()])?.remove(0))
 }

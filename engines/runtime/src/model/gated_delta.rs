@@ -18,10 +18,10 @@
 
 use std::cell::RefCell;
 
-use mlx_rs::error::Exception;
 use mlx_rs::transforms::compile::compile;
 use mlx_rs::{fast, nn, ops, Array, Dtype};
 
+use crate::activations::{call as fused, Fused};
 use crate::cache::{slice, KvCache, Recurrent, Steps, MAX_ROLLBACK_STEPS};
 use crate::config::{HybridConfig, ModelConfig};
 use crate::layers::{Linear, Projections, RmsNorm};
@@ -34,9 +34,8 @@ const QK_EPS: f32 = 1e-6;
 
 // The element-wise parts of a decode step as compiled (fused) kernels, as
 // mlx-lm compiles its step: on a GPU every unfused op is a kernel launch,
-// and at one token per step the launches, not the bytes, set the time of
-// these layers (24 of 32 in Qwen3.5-4B).
-type Fused = Box<dyn FnMut(&[Array]) -> Result<Vec<Array>, Exception>>;
+// and one token's step is small (measured on an H100: about a tenth less
+// device time per Qwen3.5-4B step, docs/benchmarks.md).
 
 /// `[neg_a, a, dt_bias]` to the log decay `neg_a * softplus(a + dt_bias)`.
 fn log_decay_kernel(args: &[Array]) -> Vec<Array> {
@@ -83,10 +82,6 @@ thread_local! {
     static LOG_DECAY: RefCell<Fused> = RefCell::new(Box::new(compile(log_decay_kernel, true)));
     static STEP: RefCell<Fused> = RefCell::new(Box::new(compile(step_kernel, false)));
     static GATE: RefCell<Fused> = RefCell::new(Box::new(compile(gate_kernel, true)));
-}
-
-fn fused(kernel: &'static std::thread::LocalKey<RefCell<Fused>>, args: &[Array]) -> R<Vec<Array>> {
-    kernel.with(|f| (f.borrow_mut())(args))
 }
 
 /// Positions per chunk of the chunked form (a power of two: the
