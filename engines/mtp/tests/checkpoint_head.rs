@@ -136,12 +136,7 @@ fn check(shape: QwenShape, ks: &[usize]) {
         assert_eq!(my_logits.len(), prompt.len());
         let sizes = |l: &[Vec<f32>]| l.iter().map(Vec::len).collect::<Vec<_>>();
         assert_eq!(sizes(&my_logits), sizes(&their_logits));
-        let worst = my_logits
-            .iter()
-            .flatten()
-            .zip(their_logits.iter().flatten())
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
+        let worst = fixtures::reference::worst_difference(&my_logits, &their_logits);
         assert!(worst < 1e-3, "the head's logits differ by {worst}");
         let mine = ours(&model, tmp.path(), &prompt, k);
         assert_eq!(mine.len(), ACCEPT.len());

@@ -8,6 +8,7 @@
 use std::path::Path;
 
 use fixtures::model::{write_model, TinySpec};
+use fixtures::reference::worst_difference;
 use mlx_rs::Dtype;
 use runtime::config::ModelConfig;
 use runtime::generate::{self, prefill};
@@ -78,13 +79,6 @@ fn ours(model: &Model, prompt: &[u32], steps: usize, chunk: usize) -> (Vec<u32>,
             .unwrap();
     }
     (tokens, rows)
-}
-
-fn worst_difference(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
-    a.iter()
-        .zip(b)
-        .flat_map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()))
-        .fold(0f32, f32::max)
 }
 
 fn prompts(vocab: u32) -> Vec<Vec<u32>> {

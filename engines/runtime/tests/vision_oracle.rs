@@ -160,6 +160,23 @@ fn ours_checked(
     whole
 }
 
+/// Our greedy tokens equal the reference's, and our logits lie within 2e-3.
+fn assert_matches_reference(case: usize, mine: &Reference, tokens: &[u32], logits: &[Vec<f32>]) {
+    assert_eq!(
+        mine.tokens, tokens,
+        "case {case}: greedy tokens differ from mlx-vlm"
+    );
+    let worst = fixtures::reference::worst_difference(&mine.logits, logits);
+    eprintln!(
+        "case {case}: tokens {:?}, worst logit difference {worst:e}",
+        mine.tokens
+    );
+    assert!(
+        worst < 2e-3,
+        "case {case}: logits differ from mlx-vlm by {worst}"
+    );
+}
+
 fn agree_up_to_a_near_tie(case: usize, mine: &Reference, theirs: &Reference, tol: f32) {
     for (step, (a, b)) in mine.logits.iter().zip(&theirs.logits).enumerate() {
         let worst = a
@@ -294,24 +311,7 @@ fn check_against_mlx_vlm(bidirectional: bool, dtype: Dtype) {
             agree_up_to_a_near_tie(i, mine, theirs, 2e-2);
             continue;
         }
-        assert_eq!(
-            mine.tokens, theirs.tokens,
-            "case {i}: greedy tokens differ from mlx-vlm"
-        );
-        let worst = mine
-            .logits
-            .iter()
-            .zip(&theirs.logits)
-            .flat_map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()))
-            .fold(0f32, f32::max);
-        eprintln!(
-            "case {i}: tokens {:?}, worst logit difference {worst:e}",
-            mine.tokens
-        );
-        assert!(
-            !exact || worst < 2e-3,
-            "case {i}: logits differ from mlx-vlm by {worst}"
-        );
+        assert_matches_reference(i, mine, &theirs.tokens, &theirs.logits);
         // The image must matter: text-only decoding gives other logits.
         let text_only: Vec<u32> = files[i].0.clone();
         let plain = ours(&model, &text_only, &[], usize::MAX);
@@ -465,24 +465,7 @@ fn check_gemma4_against_mlx_vlm(spec: TinyGemma4VisionSpec) {
         let tokens = fixtures::reference::token_ids(&r["tokens"]);
         let logits: Vec<Vec<f32>> = serde_json::from_value(r["logits"].clone()).unwrap();
         let mine = &ours_by_case[i];
-        assert_eq!(
-            mine.tokens, tokens,
-            "case {i}: greedy tokens differ from mlx-vlm"
-        );
-        let worst = mine
-            .logits
-            .iter()
-            .zip(&logits)
-            .flat_map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()))
-            .fold(0f32, f32::max);
-        eprintln!(
-            "case {i}: tokens {:?}, worst logit difference {worst:e}",
-            mine.tokens
-        );
-        assert!(
-            worst < 2e-3,
-            "case {i}: logits differ from mlx-vlm by {worst}"
-        );
+        assert_matches_reference(i, mine, &tokens, &logits);
     }
 }
 
