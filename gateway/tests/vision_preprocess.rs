@@ -7,6 +7,7 @@
 //! (PIL's and the `image` crate's bilinear filters round differently).
 
 use std::io::Cursor;
+use std::path::Path;
 
 use fixtures::gemma4::Layout;
 use fixtures::vision::{
@@ -29,6 +30,26 @@ fn picture(w: u32, h: u32) -> RgbImage {
     })
 }
 
+/// Writes each image to `dir` and runs mlx-vlm's processor on `prompt`
+/// with it, one case per image.
+fn reference_processor<'a>(
+    dir: &Path,
+    model: &Path,
+    prompt: &str,
+    images: impl Iterator<Item = (&'a str, ImageFormat, &'a RgbImage)>,
+) -> serde_json::Value {
+    let mut cases = Vec::new();
+    for (name, format, img) in images {
+        let path = dir.join(name);
+        let mut bytes = Cursor::new(Vec::new());
+        img.write_to(&mut bytes, format).unwrap();
+        std::fs::write(&path, bytes.into_inner()).unwrap();
+        cases.push(json!({"prompt": prompt, "images": [path]}));
+    }
+    let req = json!({"model": model, "processor": cases});
+    fixtures::reference::run("mlx_vlm_oracle.py", &req)
+}
+
 #[test]
 fn pixels_and_prompt_ids_match_the_reference_processor() {
     let dir = tempfile::tempdir().unwrap();
@@ -45,16 +66,10 @@ fn pixels_and_prompt_ids_match_the_reference_processor() {
     ];
     let prompt =
         format!("<bos><start_of_turn>user\nLook{BOI}<end_of_turn>\n<start_of_turn>model\n");
-    let mut cases = Vec::new();
-    for (name, format, img, _) in &files {
-        let path = dir.path().join(name);
-        let mut bytes = Cursor::new(Vec::new());
-        img.write_to(&mut bytes, *format).unwrap();
-        std::fs::write(&path, bytes.into_inner()).unwrap();
-        cases.push(json!({"prompt": prompt, "images": [path]}));
-    }
-    let req = json!({"model": model, "processor": cases});
-    let reference = fixtures::reference::run("mlx_vlm_oracle.py", &req);
+    let images = files
+        .iter()
+        .map(|(name, format, img, _)| (*name, *format, img));
+    let reference = reference_processor(dir.path(), &model, &prompt, images);
 
     let tokens = ImageTokens::for_model(&cfg, &tokenizer).unwrap();
     let per_image = cfg.fixed_soft_tokens().unwrap();
@@ -121,16 +136,10 @@ fn gemma4_pixels_and_prompt_ids_match_the_reference_processor() {
     let prompt = format!(
         "<bos><start_of_turn>user\nLook{GEMMA4_IMAGE_TOKEN}<end_of_turn>\n<start_of_turn>model\n"
     );
-    let mut cases = Vec::new();
-    for (name, format, img, _) in &files {
-        let path = dir.path().join(name);
-        let mut bytes = Cursor::new(Vec::new());
-        img.write_to(&mut bytes, *format).unwrap();
-        std::fs::write(&path, bytes.into_inner()).unwrap();
-        cases.push(json!({"prompt": prompt, "images": [path]}));
-    }
-    let req = json!({"model": model, "processor": cases});
-    let reference = fixtures::reference::run("mlx_vlm_oracle.py", &req);
+    let images = files
+        .iter()
+        .map(|(name, format, img, _)| (*name, *format, img));
+    let reference = reference_processor(dir.path(), &model, &prompt, images);
     let mut counts = Vec::new();
     for (k, (name, _, _, levels)) in files.iter().enumerate() {
         let theirs = &reference["processed"][k];
