@@ -66,6 +66,9 @@ def parse_args():
     p.add_argument("--sequential", action="store_true",
                    help="one server at a time, each through every level (default: all servers up at once, "
                         "levels interleaved, so a noisy neighbour hits every server alike; needs memory for all)")
+    p.add_argument("--torch-peer", action="store_true",
+                   help="also run scripts/bench_torch.py (a compiled PyTorch decode loop, batch = each level) "
+                        "on the same model with this Python, and tabulate it beside the servers")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to come up")
     return p.parse_args()
 
@@ -383,6 +386,33 @@ def headline(results):
     return "\n".join(lines)
 
 
+def torch_peer(args, model, results, out):
+    """The compiled PyTorch loop at batch c for each level, prompts as long
+    as the servers' mean, and its table beside ours (issue 18)."""
+    levels = args.levels
+    path = out / "torch.json"
+    run([sys.executable, str(ROOT / "scripts" / "bench_torch.py"), "--model", str(model), "--batches", levels,
+         "--prompt", str(round(prompt_tokens(results))), "--gen", str(args.output_len), "--json", str(path)])
+    loop = {r["batch"]: r for r in json.loads(path.read_text())["results"]}
+    ours = [n for n in ("ours-default", "ours-batched") if n in results]
+    rows = ["| c | torch loop output tok/s | torch loop decode tok/s | "
+            + " | ".join(f"{n} output tok/s | {n} / torch" for n in ours) + " |",
+            "|" + " --- |" * (3 + 2 * len(ours))]
+    for c in [int(x) for x in levels.split(",")]:
+        r = loop.get(c)
+        if not r:
+            continue
+        cells = [str(c), f"{r['output_tok_s']:.0f}", f"{r['decode_tok_s']:.0f}"]
+        for n in ours:
+            l = level(results[n], c)
+            got = l["output_tok_s"] if l and l["completed"] else 0
+            cells += [f"{got:.0f}", f"{got / r['output_tok_s']:.2f}x"]
+        rows.append("| " + " | ".join(cells) + " |")
+    return ("Compiled PyTorch decode loop (`scripts/bench_torch.py`: transformers, static KV cache,\n"
+            "`torch.compile` with CUDA graphs, batch c, no HTTP, every row the same length; output tok/s\n"
+            "counts its prefill like the servers' figures):\n\n" + "\n".join(rows) + "\n")
+
+
 def write_docs(args, section_text):
     begin, end = f"<!-- bench_serving:{args.section}:begin -->", f"<!-- bench_serving:{args.section}:end -->"
     block = f"{begin}\n{section_text.rstrip()}\n{end}\n"
@@ -419,6 +449,8 @@ def main():
     for r in ratios:
         plot += ["--ratio", r]
     tables = run(plot, capture_output=True, text=True).stdout
+    if args.torch_peer:
+        tables = tables.rstrip() + "\n\n" + torch_peer(args, model, results, out)
     summary = headline(results)
     print(tables)
     print(summary)
