@@ -196,6 +196,50 @@ def generate(model, prompts, max_new, stops, batch, until):
     return out
 
 
+def generate_torch(model, config, prompts, max_new, stops, batch, until):
+    """What `generate` returns, computed by PyTorch on a CUDA GPU from the
+    same (dense) weights: MLX's CUDA backend runs a small model's decode
+    step at ~13 ms whatever the batch, and rows of equal length are few,
+    so left-padded batches of hundreds of rows through transformers
+    (attention-masked) are ~30x faster there. A position where PyTorch's
+    bfloat16 answer differs from MLX's argmax is masked out of training
+    by the teacher-forced pass, as any disagreement is."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "rms_norm_eps", "rope_theta", "max_position_embeddings",
+            "vocab_size", "tie_word_embeddings")
+    cfg = LlamaConfig(**{k: config[k] for k in keys if k in config})
+    net = LlamaForCausalLM(cfg).to(dtype=torch.bfloat16, device="cuda").eval()
+    state = {k: torch.from_numpy(np.array(v.astype(mx.float32))).to(torch.bfloat16)
+             for k, v in tree_flatten(model.parameters())}
+    missing, unexpected = net.load_state_dict(state, strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise SystemExit(f"weights do not map onto transformers' Llama: missing {missing}, unexpected {unexpected}")
+    net.tie_weights()
+    out = [None] * len(prompts)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    stop_set = set(stops)
+    with torch.inference_mode():
+        for s in range(0, len(order), batch):
+            if s and time.time() > until:
+                break
+            rows = order[s : s + batch]
+            width = max(len(prompts[i]) for i in rows)
+            ids = torch.tensor([[0] * (width - len(prompts[i])) + prompts[i] for i in rows], device="cuda")
+            mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in rows], device="cuda")
+            gen = net.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                               eos_token_id=list(stops), pad_token_id=stops[0])[:, width:].tolist()
+            for r, i in enumerate(rows):
+                end = next((j + 1 for j, t in enumerate(gen[r]) if t in stop_set), len(gen[r]))
+                out[i] = gen[r][:end]
+    # Give PyTorch's cached blocks back: MLX allocates from the same card.
+    del net
+    torch.cuda.empty_cache()
+    return out
+
+
 def target_pass(model, seqs, layer_ids, batch):
     """Per sequence: the target's tapped hidden states `[T, n * hidden]`
     (bfloat16) and whether each next token is the target's argmax."""
@@ -510,9 +554,12 @@ def main():
     ap.add_argument("--data-share", type=float, default=0.4, help="most of the budget spent generating answers")
     ap.add_argument("--target-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                     help="the target's compute dtype (auto: bfloat16 on a GPU, float32 on the CPU, as the engine)")
-    ap.add_argument("--dense", choices=["auto", "yes", "no"], default="auto",
-                    help="dequantize a quantized target (auto: on the CPU)")
+    ap.add_argument("--dense", choices=["yes", "no"], default="yes",
+                    help="dequantize a quantized target (MLX's kernels for quantized products of many rows "
+                         "are far slower than dense ones on the CPU, and on CUDA with 32-wide groups)")
     ap.add_argument("--shard-mb", type=int, default=15)
+    ap.add_argument("--generator", choices=["mlx", "torch"], default="mlx",
+                    help="who writes the target's answers: MLX, or PyTorch on a CUDA GPU (same weights, dense)")
     args = ap.parse_args()
     if args.prepare:
         if not args.prompt_ids:
@@ -530,7 +577,7 @@ def main():
     print(f"device {mx.default_device()}, mlx {mx.__version__}", flush=True)
 
     dtype = {"auto": mx.bfloat16 if gpu else mx.float32, "float32": mx.float32, "bfloat16": mx.bfloat16}[args.target_dtype]
-    dense = {"auto": not gpu, "yes": True, "no": False}[args.dense]
+    dense = args.dense == "yes"
     target, tcfg = load_target(args.model, dtype, dense)
     train_p, held_p, stops, mask_id = prompt_set(args)
     cfg = drafter_config(tcfg, args.layers, args.block, mask_id)
@@ -541,8 +588,9 @@ def main():
     t = time.time()
     # Held-out answers first; the training data gets what is left of
     # `--data-share` of the budget.
-    held_a = generate(target, held_p, args.gen, stops, args.gen_batch, float("inf"))
-    answers = generate(target, train_p, args.gen, stops, args.gen_batch, t0 + args.data_share * (deadline - t0))
+    writer = generate if args.generator == "mlx" else lambda *a: generate_torch(a[0], tcfg, *a[1:])
+    held_a = writer(target, held_p, args.gen, stops, args.gen_batch, float("inf"))
+    answers = writer(target, train_p, args.gen, stops, args.gen_batch, t0 + args.data_share * (deadline - t0))
     kept = [i for i, a in enumerate(answers) if a is not None]
     if len(kept) < len(train_p):
         print(f"time for {len(kept)} of {len(train_p)} training answers", flush=True)
