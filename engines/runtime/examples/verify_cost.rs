@@ -2,8 +2,8 @@
 //! step, synchronously (as a draft-and-verify round runs) and pipelined (as
 //! the fast path runs). Each verify keeps one token, so the context grows
 //! by one per round as in a real sequence; on a GPU both attention paths
-//! are timed (one single-query kernel per drafted token, the default, and
-//! the masked causal kernel):
+//! are timed (the ragged attention kernel, the default, and MLX's causal
+//! attention):
 //!
 //!     cargo run --release -p runtime --example verify_cost [-- --preset qwen3-4b]
 
@@ -13,7 +13,7 @@ use std::time::Instant;
 use fixtures::model::{random_prompt, write_model, TinySpec};
 use mlx_rs::transforms::eval;
 use runtime::generate::{argmax_tokens, prefill, tokens_array, GreedyStream};
-use runtime::mask::{set_row_attention, RowAttention};
+use runtime::mask::{set_ragged_attention, RaggedAttention};
 use runtime::model::Logits;
 use runtime::{Family, LoadedModel};
 
@@ -48,16 +48,16 @@ fn main() {
     let pipelined = t.elapsed().as_secs_f64() * 1e3 / steps as f64;
     println!("pipelined decode step: {pipelined:.2} ms");
 
-    let modes: &[(&str, RowAttention)] = if runtime::mask::on_gpu() {
+    let modes: &[(&str, RaggedAttention)] = if runtime::mask::on_gpu() {
         &[
-            ("per-query", RowAttention::Auto),
-            ("causal", RowAttention::Never),
+            ("ragged kernel", RaggedAttention::Auto),
+            ("causal", RaggedAttention::Never),
         ]
     } else {
-        &[("causal", RowAttention::Auto)]
+        &[("causal", RaggedAttention::Auto)]
     };
     for &(label, mode) in modes {
-        set_row_attention(mode);
+        set_ragged_attention(mode);
         for l in [1usize, 2, 4, 8] {
             let mut cache = m.new_cache(1);
             prefill(m, &mut cache, &prompt, 512).unwrap();

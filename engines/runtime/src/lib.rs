@@ -27,6 +27,7 @@ pub mod layers;
 pub mod loader;
 
 pub mod mask;
+pub mod ragged;
 pub mod model;
 
 pub mod weights;

@@ -13,19 +13,20 @@ pub enum AttnMask {
     /// Lower-right aligned causal mask, computed inside the kernel.
     Causal,
     Array(Array),
-    /// Single-token decode on a GPU: row `b` attends to keys
-    /// `[starts[b], total)`. One fused attention kernel per row beats the
-    /// masked attention, which MLX's CUDA backend runs unfused.
-    RowStarts(Vec<i32>),
-    /// A few causal queries of one unpadded sequence on a GPU (verifying
-    /// drafted tokens): query `i` attends to the first `past + i + 1` keys,
-    /// one single-query kernel each. The causal path builds and caches a
-    /// cuDNN graph per (queries, keys) shape, so a verify whose context
-    /// grows every round would build one per round and wear out MLX CUDA's
-    /// SDPA cache.
-    CausalRows {
-        past: i32,
-    },
+    /// A few queries per row over a left-padded batch, or a verify's block
+    /// over one sequence: [`ragged_mask`]'s rule, run by one CUDA kernel
+    /// on a GPU ([`crate::ragged`]) and as that mask elsewhere.
+    Ragged(Ragged),
+}
+
+pub struct Ragged {
+    /// Row `b`'s first real key column (its left padding).
+    pub starts: Vec<i32>,
+    pub window: Option<i32>,
+    /// `starts` and `window` as the kernel reads them.
+    pub meta: Array,
+    /// Whether the kernel runs it (on a GPU stream); else the mask does.
+    pub kernel: bool,
 }
 
 impl AttnMask {
@@ -33,63 +34,45 @@ impl AttnMask {
     /// (`None`: attend everywhere), for attention that is not a fused
     /// kernel (the quantized KV cache's).
     pub fn as_array(&self, n: i32, total: i32) -> anyhow::Result<Option<Array>> {
-        let causal = |past: i32| {
-            let data: Vec<bool> = (0..n)
-                .flat_map(|q| (0..total).map(move |k| k <= past + q))
-                .collect();
-            Array::from_slice(&data, &[n, total])
-        };
         Ok(match self {
             AttnMask::None => None,
-            AttnMask::Causal => Some(causal(total - n)),
-            AttnMask::CausalRows { past } => Some(causal(*past)),
+            AttnMask::Causal => Some(ragged_mask(&[0], n, total, None)),
             AttnMask::Array(m) => Some(m.clone()),
-            AttnMask::RowStarts(starts) => {
-                let data: Vec<bool> = starts
-                    .iter()
-                    .flat_map(|&s| (0..total).map(move |k| k >= s))
-                    .collect();
-                Some(Array::from_slice(
-                    &data,
-                    &[starts.len() as i32, 1, 1, total],
-                ))
-            }
+            AttnMask::Ragged(r) => Some(ragged_mask(&r.starts, n, total, r.window)),
         })
     }
 }
 
-/// When single-token decode of a padded batch attends row by row.
+/// Which attention a few queries over a padded batch (or a verify) get.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RowAttention {
-    /// On GPU streams for batches of up to `ROW_ATTENTION_MAX_BATCH`
-    /// rows: there one fused kernel per row beats MLX CUDA's unfused masked
-    /// attention; past it the per-row launches cost more (measured on an
-    /// H100 with a Qwen3-4B shape: faster at 2 and 4 rows, slower at 8+).
+pub enum RaggedAttention {
+    /// The kernel on GPU streams, the mask array elsewhere.
     Auto,
+    /// [`AttnMask::Ragged`] on any device (tests exercise it on the CPU,
+    /// where its reference path runs).
     Always,
+    /// Mask arrays and MLX's causal attention only.
     Never,
 }
 
-pub const ROW_ATTENTION_MAX_BATCH: usize = 4;
-
-/// Most queries verified with [`AttnMask::CausalRows`].
-pub const CAUSAL_ROWS_MAX: i32 = 16;
-
 thread_local! {
-    static ROW_ATTENTION: Cell<RowAttention> = const { Cell::new(RowAttention::Auto) };
+    static RAGGED: Cell<RaggedAttention> = const { Cell::new(RaggedAttention::Auto) };
 }
 
-/// Overrides the choice on this thread (tests exercise both paths on any
-/// device).
-pub fn set_row_attention(mode: RowAttention) {
-    ROW_ATTENTION.with(|m| m.set(mode));
+/// Overrides the choice on this thread.
+pub fn set_ragged_attention(mode: RaggedAttention) {
+    RAGGED.with(|m| m.set(mode));
 }
 
-fn row_attention(batch: usize) -> bool {
-    match ROW_ATTENTION.with(Cell::get) {
-        RowAttention::Always => true,
-        RowAttention::Never => false,
-        RowAttention::Auto => batch <= ROW_ATTENTION_MAX_BATCH && on_gpu(),
+/// `Some(kernel?)` when `n` queries attend as [`AttnMask::Ragged`].
+fn ragged(n: i32) -> Option<bool> {
+    if n > crate::ragged::MAX_QUERIES {
+        return None;
+    }
+    match RAGGED.with(Cell::get) {
+        RaggedAttention::Never => None,
+        RaggedAttention::Always => Some(on_gpu()),
+        RaggedAttention::Auto => on_gpu().then_some(true),
     }
 }
 
@@ -99,41 +82,48 @@ fn row_attention(batch: usize) -> bool {
 pub fn build(cache: &KvCache, n: i32, window: Option<i32>) -> AttnMask {
     let past = cache.len();
     let total = past + n;
-    let padded = cache.batch_size() > 1 || cache.left_padding().iter().any(|&p| p > 0);
-    let window_bites = window.is_some_and(|w| total > w);
-    if !padded && !window_bites {
-        return match n {
-            1 => AttnMask::None,
-            _ if past > 0 && n <= CAUSAL_ROWS_MAX && row_attention(1) => {
-                AttnMask::CausalRows { past }
-            }
-            _ => AttnMask::Causal,
-        };
-    }
     let pads = cache.left_padding();
-    if n == 1 && row_attention(pads.len()) {
-        let starts = pads
-            .iter()
-            .map(|&p| p.max(window.map_or(0, |w| total - w)))
-            .collect();
-        return AttnMask::RowStarts(starts);
+    let padded = cache.batch_size() > 1 || pads.iter().any(|&p| p > 0);
+    let window_bites = window.is_some_and(|w| total > w);
+    // One unpadded sequence within its window: MLX's own kernels, except
+    // for a verify's block (a causal block over a grown context).
+    let plain = !padded && !window_bites;
+    if plain && (n == 1 || past == 0) {
+        return if n == 1 { AttnMask::None } else { AttnMask::Causal };
     }
-    let mut data = Vec::with_capacity(pads.len() * (n * total) as usize);
-    for &pad in pads {
+    match ragged(n) {
+        Some(kernel) => AttnMask::Ragged(Ragged {
+            meta: crate::ragged::meta(pads, window),
+            starts: pads.to_vec(),
+            window,
+            kernel,
+        }),
+        None if plain => AttnMask::Causal,
+        None => AttnMask::Array(ragged_mask(pads, n, total, window)),
+    }
+}
+
+/// The ragged rule, `[B, 1, n, total]` (true = attend): query `q` of row
+/// `b` sits at column `total - n + q` and sees keys from its row's start
+/// up to itself, within the last `window`. A padding query (before its
+/// row's start) still sees itself, so no softmax row is empty (an
+/// all-masked row would produce NaN that can leak through 0 * NaN in the
+/// value product).
+pub fn ragged_mask(starts: &[i32], n: i32, total: i32, window: Option<i32>) -> Array {
+    let past = total - n;
+    let mut data = Vec::with_capacity(starts.len() * (n * total) as usize);
+    for &start in starts {
         for q in 0..n {
             let qpos = past + q;
             for k in 0..total {
                 let causal = k <= qpos;
-                // A padding query still sees itself, so no softmax row is
-                // empty (an all-masked row would produce NaN that can leak
-                // through 0 * NaN in the value product).
-                let real = k >= pad || k == qpos;
+                let real = k >= start || k == qpos;
                 let in_window = window.is_none_or(|w| qpos - k < w);
                 data.push(causal && real && in_window);
             }
         }
     }
-    AttnMask::Array(Array::from_slice(&data, &[pads.len() as i32, 1, n, total]))
+    Array::from_slice(&data, &[starts.len() as i32, 1, n, total])
 }
 
 /// Whether ops issued now run on a GPU stream.

@@ -10,7 +10,7 @@ use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
 use mlx_rs::{ops, Array, Dtype};
 
 use crate::activations;
-use crate::cache::{slice, KvCache, LayerView};
+use crate::cache::{KvCache, LayerView};
 use crate::config::{Family, LayerSpec, ModelConfig};
 use crate::kv_quant::KvQuant;
 use crate::layers::{Embedding, Linear, Offsets, Projections, RmsNorm, Rope};
@@ -765,39 +765,12 @@ impl Attention {
             AttnMask::Array(m) => {
                 fast::scaled_dot_product_attention(&q, k, v, self.scale, m, None)?
             }
-            AttnMask::RowStarts(starts) => {
-                let total = k.dim(2);
-                let rows = starts
-                    .iter()
-                    .enumerate()
-                    .map(|(r, &from)| -> anyhow::Result<Array> {
-                        let r = r as i32;
-                        let qs = q.shape();
-                        let ks = k.shape();
-                        let qr = slice(&q, &[r, 0, 0, 0], &[r + 1, qs[1], qs[2], qs[3]])?;
-                        let kr = slice(k, &[r, 0, from, 0], &[r + 1, ks[1], total, ks[3]])?;
-                        let vr = slice(v, &[r, 0, from, 0], &[r + 1, ks[1], total, ks[3]])?;
-                        Ok(fast::scaled_dot_product_attention(
-                            &qr, &kr, &vr, self.scale, None, None,
-                        )?)
-                    })
-                    .collect::<anyhow::Result<Vec<_>>>()?;
-                ops::concatenate(&rows, 0)?
+            AttnMask::Ragged(r) if r.kernel && crate::ragged::applies(&q, k) => {
+                crate::ragged::attention(&q, k, v, self.scale, &r.meta)?
             }
-            AttnMask::CausalRows { past } => {
-                let (qs, ks) = (q.shape().to_vec(), k.shape().to_vec());
-                let rows = (0..qs[2])
-                    .map(|i| -> anyhow::Result<Array> {
-                        let qi = slice(&q, &[0, 0, i, 0], &[qs[0], qs[1], i + 1, qs[3]])?;
-                        let end = past + i + 1;
-                        let ki = slice(k, &[0, 0, 0, 0], &[ks[0], ks[1], end, ks[3]])?;
-                        let vi = slice(v, &[0, 0, 0, 0], &[ks[0], ks[1], end, ks[3]])?;
-                        Ok(fast::scaled_dot_product_attention(
-                            &qi, &ki, &vi, self.scale, None, None,
-                        )?)
-                    })
-                    .collect::<anyhow::Result<Vec<_>>>()?;
-                ops::concatenate(&rows, 2)?
+            AttnMask::Ragged(r) => {
+                let m = mask::ragged_mask(&r.starts, l, k.dim(2), r.window);
+                fast::scaled_dot_product_attention(&q, k, v, self.scale, &m, None)?
             }
         };
         Ok((self.output(out, gate.as_ref(), b, l)?, kv))

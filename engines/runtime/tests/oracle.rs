@@ -12,7 +12,7 @@ use fixtures::reference::worst_difference;
 use mlx_rs::Dtype;
 use runtime::config::ModelConfig;
 use runtime::generate::{self, prefill};
-use runtime::mask::{set_row_attention, RowAttention};
+use runtime::mask::{set_ragged_attention, RaggedAttention};
 use runtime::model::{Logits, Model};
 use runtime::weights::Weights;
 use runtime::{Family, KvQuant};
@@ -163,12 +163,12 @@ fn check(spec: TinySpec, logit_tol: Option<f32>, compute: Option<Dtype>, kv: Opt
             "{label}: prompt {i} generate::greedy differs"
         );
     }
-    // Both ways a padded batch can decode: one masked attention, or one
-    // unmasked attention per row (what GPUs use).
-    for mode in [RowAttention::Never, RowAttention::Always] {
-        set_row_attention(mode);
+    // Both ways a padded batch can decode: a mask array, or the ragged
+    // attention GPUs run as one kernel (here its reference path).
+    for mode in [RaggedAttention::Never, RaggedAttention::Always] {
+        set_ragged_attention(mode);
         let batched = generate::greedy_batch(&model, &prompts, STEPS, &[]).unwrap();
-        set_row_attention(RowAttention::Auto);
+        set_ragged_attention(RaggedAttention::Auto);
         for (i, (b, r)) in batched.iter().zip(&refs).enumerate() {
             assert_eq!(
                 b, &r.tokens,

@@ -1,0 +1,245 @@
+//! Attention over a ragged batch in one CUDA kernel (issue 18).
+//!
+//! A few queries per row (one for a decode step, a drafted block for a
+//! verify) attend to that row's own keys: row `b` starts at column
+//! `starts[b]` of the left-padded cache, query `i` of `n` sits at column
+//! `total - n + i` and sees keys up to itself (lower-right causal), and a
+//! sliding window keeps its last `window` keys. MLX's CUDA backend has no
+//! fused kernel for this: a mask array sends attention down its unfused
+//! path, and a causal block of several queries builds a cuDNN graph per
+//! (queries, keys) shape, which a context growing by one token per round
+//! misses every round. This kernel takes the rows' starts as data, so one
+//! compiled kernel serves every shape.
+//!
+//! The rule is [`crate::mask::ragged_mask`]'s, which is also the reference:
+//! on the CPU, and wherever the kernel does not apply, the same mask goes
+//! to MLX's attention. `examples/ragged_check.rs` compares the two on a GPU.
+
+use std::ffi::CString;
+
+use anyhow::anyhow;
+use mlx_rs::{Array, Dtype};
+
+/// Most queries per row the kernel takes (a verify of up to 15 drafts).
+pub const MAX_QUERIES: i32 = 16;
+
+/// Warps per block: each walks every `WARPS`-th key of its query's range.
+const WARPS: i32 = 8;
+
+/// One block per (row, query head, query). Each lane holds `D / 32`
+/// elements of the query, the output and the current key and value; each
+/// warp keeps an online softmax over its keys, and the warps' partial
+/// results are merged through shared memory at the end. Scores and sums
+/// are float32 whatever `T` is.
+const SOURCE: &str = r#"
+    constexpr int PER = D / 32;
+    const int n = q_shape[2];
+    const int heads = q_shape[1];
+    const int kv_heads = k_shape[1];
+    const int total = k_shape[2];
+    const int rows = q_shape[0];
+    int item = blockIdx.x;
+    const int qi = item % n;
+    item /= n;
+    const int h = item % heads;
+    const int b = item / heads;
+    const int kh = h / (heads / kv_heads);
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int qpos = total - n + qi;
+    const int window = meta[rows];
+    int lo = meta[b];
+    if (window > 0 && qpos - window + 1 > lo) lo = qpos - window + 1;
+    // A padding query (before its row's start) sees only itself, as the
+    // reference mask has it, so no softmax is empty.
+    if (lo > qpos) lo = qpos;
+
+    const float sc = scale[0];
+    const T* qp = q + b * q_strides[0] + h * q_strides[1] + qi * q_strides[2];
+    float qv[PER];
+    float o[PER];
+    for (int i = 0; i < PER; i++) {
+        qv[i] = static_cast<float>(qp[(lane * PER + i) * q_strides[3]]) * sc;
+        o[i] = 0.f;
+    }
+    float m = -1e30f;
+    float s = 0.f;
+    const T* kb = k + b * k_strides[0] + kh * k_strides[1];
+    const T* vb = v + b * v_strides[0] + kh * v_strides[1];
+    for (int j = lo + warp; j <= qpos; j += WARPS) {
+        const T* kr = kb + j * k_strides[2];
+        float d = 0.f;
+        for (int i = 0; i < PER; i++) {
+            d += qv[i] * static_cast<float>(kr[(lane * PER + i) * k_strides[3]]);
+        }
+        for (int off = 16; off > 0; off /= 2) {
+            d += __shfl_xor_sync(0xffffffff, d, off);
+        }
+        const float mn = fmaxf(m, d);
+        const float corr = __expf(m - mn);
+        const float p = __expf(d - mn);
+        s = s * corr + p;
+        const T* vr = vb + j * v_strides[2];
+        for (int i = 0; i < PER; i++) {
+            o[i] = o[i] * corr + p * static_cast<float>(vr[(lane * PER + i) * v_strides[3]]);
+        }
+        m = mn;
+    }
+    __shared__ float wm[WARPS];
+    __shared__ float ws[WARPS];
+    __shared__ float wo[WARPS][D];
+    if (lane == 0) {
+        wm[warp] = m;
+        ws[warp] = s;
+    }
+    for (int i = 0; i < PER; i++) {
+        wo[warp][lane * PER + i] = o[i];
+    }
+    __syncthreads();
+    float big = -1e30f;
+    for (int w = 0; w < WARPS; w++) big = fmaxf(big, wm[w]);
+    float sum = 0.f;
+    for (int w = 0; w < WARPS; w++) sum += ws[w] * __expf(wm[w] - big);
+    T* dst = out + (((size_t)b * heads + h) * n + qi) * D;
+    for (int e = threadIdx.x; e < D; e += blockDim.x) {
+        float acc = 0.f;
+        for (int w = 0; w < WARPS; w++) acc += wo[w][e] * __expf(wm[w] - big);
+        dst[e] = static_cast<T>(acc / sum);
+    }
+"#;
+
+/// Whether the kernel takes these operands: float keys and values (the
+/// quantized cache is dequantized before attention on a GPU), a head
+/// width of whole warps, at most [`MAX_QUERIES`] queries, and query heads
+/// a multiple of the key heads.
+pub fn applies(q: &Array, k: &Array) -> bool {
+    let d = q.dim(3);
+    matches!(
+        q.dtype(),
+        Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16
+    ) && k.dtype() == q.dtype()
+        && d % 32 == 0
+        && d <= 512
+        && q.dim(2) <= MAX_QUERIES
+        && q.dim(1) % k.dim(1) == 0
+}
+
+/// The row starts and window as the kernel reads them: `[starts..., window]`
+/// (window 0: none).
+pub fn meta(starts: &[i32], window: Option<i32>) -> Array {
+    let mut data = starts.to_vec();
+    data.push(window.unwrap_or(0));
+    Array::from_slice(&data, &[data.len() as i32])
+}
+
+/// `softmax(q k^T * scale + mask) v` for `q` `[B, heads, n, D]` and `k`, `v`
+/// `[B, kv_heads, total, D]` (strided views are read in place), under the
+/// ragged mask that `meta` describes. Returns `[B, heads, n, D]`.
+pub fn attention(q: &Array, k: &Array, v: &Array, scale: f32, meta: &Array) -> anyhow::Result<Array> {
+    let (b, heads, n, d) = (q.dim(0), q.dim(1), q.dim(2), q.dim(3));
+    let dtype = q.dtype();
+    let scale = Array::from_slice(&[scale], &[1]);
+    let inputs = [q, k, v, meta, &scale];
+    unsafe {
+        let kernel = KERNEL.with(|k| k.as_ref().map(|k| k.raw).map_err(|e| anyhow!("{e}")))?;
+        let config = mlx_sys::mlx_fast_cuda_kernel_config_new();
+        let shape = [b, heads, n, d];
+        let t = CString::new("T").unwrap();
+        let dn = CString::new("D").unwrap();
+        let warps = CString::new("WARPS").unwrap();
+        let ok = mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(
+            config,
+            shape.as_ptr(),
+            4,
+            dtype as mlx_sys::mlx_dtype,
+        ) == 0
+            && mlx_sys::mlx_fast_cuda_kernel_config_set_grid(config, b * heads * n * WARPS * 32, 1, 1)
+                == 0
+            && mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(config, WARPS * 32, 1, 1) == 0
+            && mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(
+                config,
+                t.as_ptr(),
+                dtype as mlx_sys::mlx_dtype,
+            ) == 0
+            && mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(config, dn.as_ptr(), d)
+                == 0
+            && mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(
+                config,
+                warps.as_ptr(),
+                WARPS,
+            ) == 0;
+        let vin = mlx_sys::mlx_vector_array_new();
+        for a in inputs {
+            mlx_sys::mlx_vector_array_append_value(vin, a.as_ptr());
+        }
+        let mut vout = mlx_sys::mlx_vector_array_new();
+        let stream = mlx_rs::Stream::thread_local_or_default();
+        let applied = ok
+            && mlx_sys::mlx_fast_cuda_kernel_apply(&mut vout, kernel, vin, config, stream.as_ptr())
+                == 0;
+        let mut out = mlx_sys::mlx_array_new();
+        let got = applied && mlx_sys::mlx_vector_array_get(&mut out, vout, 0) == 0;
+        mlx_sys::mlx_vector_array_free(vin);
+        mlx_sys::mlx_vector_array_free(vout);
+        mlx_sys::mlx_fast_cuda_kernel_config_free(config);
+        if !got {
+            mlx_sys::mlx_array_free(out);
+            return Err(anyhow!(
+                "the ragged attention kernel could not be applied ({b} rows, {heads} heads, {n} queries, head width {d}, {dtype:?})"
+            ));
+        }
+        Ok(Array::from_ptr(out))
+    }
+}
+
+/// The kernel object: its source and argument names (compiled by MLX on
+/// first use, once per template instance, and cached).
+struct Kernel {
+    raw: mlx_sys::mlx_fast_cuda_kernel,
+}
+
+impl Kernel {
+    fn new() -> anyhow::Result<Self> {
+        let names = |list: &[&str]| -> anyhow::Result<mlx_sys::mlx_vector_string> {
+            let owned = list
+                .iter()
+                .map(|s| CString::new(*s))
+                .collect::<Result<Vec<_>, _>>()?;
+            let ptrs: Vec<*const std::os::raw::c_char> = owned.iter().map(|s| s.as_ptr()).collect();
+            Ok(unsafe { mlx_sys::mlx_vector_string_new_data(ptrs.as_ptr() as *mut _, ptrs.len()) })
+        };
+        let inputs = names(&["q", "k", "v", "meta", "scale"])?;
+        let outputs = names(&["out"])?;
+        let name = CString::new("ragged_attention")?;
+        let source = CString::new(SOURCE)?;
+        let header = CString::new("")?;
+        let raw = unsafe {
+            let raw = mlx_sys::mlx_fast_cuda_kernel_new(
+                name.as_ptr(),
+                inputs,
+                outputs,
+                source.as_ptr(),
+                header.as_ptr(),
+                false,
+                0,
+            );
+            mlx_sys::mlx_vector_string_free(inputs);
+            mlx_sys::mlx_vector_string_free(outputs);
+            raw
+        };
+        if raw.ctx.is_null() {
+            return Err(anyhow!("MLX refused the ragged attention kernel"));
+        }
+        Ok(Self { raw })
+    }
+}
+
+impl Drop for Kernel {
+    fn drop(&mut self) {
+        unsafe { mlx_sys::mlx_fast_cuda_kernel_free(self.raw) };
+    }
+}
+
+thread_local! {
+    static KERNEL: Result<Kernel, String> = Kernel::new().map_err(|e| format!("{e:#}"));
+}
