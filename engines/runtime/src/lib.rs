@@ -27,8 +27,8 @@ pub mod layers;
 pub mod loader;
 
 pub mod mask;
-pub mod ragged;
 pub mod model;
+pub mod ragged;
 
 pub mod weights;
 

@@ -89,7 +89,11 @@ pub fn build(cache: &KvCache, n: i32, window: Option<i32>) -> AttnMask {
     // for a verify's block (a causal block over a grown context).
     let plain = !padded && !window_bites;
     if plain && (n == 1 || past == 0) {
-        return if n == 1 { AttnMask::None } else { AttnMask::Causal };
+        return if n == 1 {
+            AttnMask::None
+        } else {
+            AttnMask::Causal
+        };
     }
     match ragged(n) {
         Some(kernel) => AttnMask::Ragged(Ragged {

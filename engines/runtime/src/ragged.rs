@@ -114,10 +114,8 @@ const SOURCE: &str = r#"
 /// a multiple of the key heads.
 pub fn applies(q: &Array, k: &Array) -> bool {
     let d = q.dim(3);
-    matches!(
-        q.dtype(),
-        Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16
-    ) && k.dtype() == q.dtype()
+    matches!(q.dtype(), Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
+        && k.dtype() == q.dtype()
         && d % 32 == 0
         && d <= 512
         && q.dim(2) <= MAX_QUERIES
@@ -135,7 +133,13 @@ pub fn meta(starts: &[i32], window: Option<i32>) -> Array {
 /// `softmax(q k^T * scale + mask) v` for `q` `[B, heads, n, D]` and `k`, `v`
 /// `[B, kv_heads, total, D]` (strided views are read in place), under the
 /// ragged mask that `meta` describes. Returns `[B, heads, n, D]`.
-pub fn attention(q: &Array, k: &Array, v: &Array, scale: f32, meta: &Array) -> anyhow::Result<Array> {
+pub fn attention(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    meta: &Array,
+) -> anyhow::Result<Array> {
     let (b, heads, n, d) = (q.dim(0), q.dim(1), q.dim(2), q.dim(3));
     let dtype = q.dtype();
     let scale = Array::from_slice(&[scale], &[1]);
@@ -153,8 +157,12 @@ pub fn attention(q: &Array, k: &Array, v: &Array, scale: f32, meta: &Array) -> a
             4,
             dtype as mlx_sys::mlx_dtype,
         ) == 0
-            && mlx_sys::mlx_fast_cuda_kernel_config_set_grid(config, b * heads * n * WARPS * 32, 1, 1)
-                == 0
+            && mlx_sys::mlx_fast_cuda_kernel_config_set_grid(
+                config,
+                b * heads * n * WARPS * 32,
+                1,
+                1,
+            ) == 0
             && mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(config, WARPS * 32, 1, 1) == 0
             && mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(
                 config,

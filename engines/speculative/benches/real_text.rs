@@ -1,7 +1,7 @@
 //! Speculative engines with prompt lookup against the fast path, on a real
 //! checkpoint and real prompts, one request at a time, per prompt type:
 //!
-//!     cargo bench -p speculative --bench real_text -- --model DIR [--drafter DIR --gen 128 --reps 2 --per-kind 1]
+//!     cargo bench -p speculative --bench real_text -- --model DIR [--drafter DIR --gen 128 --reps 2 --per-kind 1 --prefix-entries 16]
 //!
 //! Prompt types: the bundled mixed set (`bench/prompts/mixed.jsonl`; tool
 //! calls left out, they need the gateway's tool rendering) and two that
@@ -59,6 +59,8 @@ struct Args {
     gen: usize,
     reps: usize,
     per_kind: usize,
+    /// Prefixes the engines share (0: none, each prefills alone).
+    prefix_entries: usize,
 }
 
 fn args() -> Args {
@@ -69,6 +71,7 @@ fn args() -> Args {
         gen: 128,
         reps: 2,
         per_kind: 1,
+        prefix_entries: runtime::shared::DEFAULT_PREFIX_CACHE_ENTRIES,
     };
     let argv: Vec<String> = std::env::args().collect();
     for w in argv.windows(2) {
@@ -80,6 +83,7 @@ fn args() -> Args {
             "--gen" => a.gen = v.parse().expect("gen"),
             "--reps" => a.reps = v.parse().expect("reps"),
             "--per-kind" => a.per_kind = v.parse().expect("per-kind"),
+            "--prefix-entries" => a.prefix_entries = v.parse().expect("prefix-entries"),
             _ => {}
         }
     }
@@ -190,9 +194,10 @@ fn main() {
         })
         .collect();
     let dtype = model.model.dtype();
-    let shared = Arc::new(SharedModel::new(
+    let shared = Arc::new(SharedModel::with_prefix_cache(
         model,
         KvPool::with_budget(1 << 30, 16, bytes),
+        a.prefix_entries,
     ));
     let settings = |yaml: &str, max_batch: Option<usize>| {
         let section: serde_yaml::Value = serde_yaml::from_str(yaml).unwrap();
