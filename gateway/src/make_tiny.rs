@@ -157,6 +157,7 @@ pub fn run_drafter(args: &MakeTinyDrafterArgs) -> anyhow::Result<()> {
                 hidden: args.hidden,
                 layers: args.layers,
                 seed: args.seed,
+                ..fixtures::mtp::TinyAssistant::default()
             },
         ),
     }

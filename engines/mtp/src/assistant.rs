@@ -14,6 +14,7 @@ use runtime::{KvCache, Model};
 use speculative::{DraftSource, DraftState, Proposal};
 
 use crate::checkpoint::AssistantConfig;
+use crate::masked_head::MaskedHead;
 
 struct Layer {
     q: Linear,
@@ -38,6 +39,9 @@ struct Net {
     pre_projection: Linear,
     post_projection: Linear,
     embed: Embedding,
+    /// The centroid-masked head over `embed`, where the checkpoint asks for
+    /// it (`use_ordered_embeddings`); else `embed` is the dense tied head.
+    masked: Option<MaskedHead>,
     norm: RmsNorm,
     layers: Vec<Layer>,
     /// `sqrt(backbone_hidden_size)`, applied to the target's embeddings.
@@ -133,6 +137,10 @@ impl Assistant {
                 pre_projection: Linear::load(&mut w, "pre_projection", q)?,
                 post_projection: Linear::load(&mut w, "post_projection", q)?,
                 embed: Embedding::load(&mut w, "model.embed_tokens", q)?,
+                masked: cfg
+                    .ordered_embeddings
+                    .map(|o| MaskedHead::load(&mut w, &cfg, o))
+                    .transpose()?,
                 norm: RmsNorm::load(&mut w, "model.norm", eps, false)?,
                 layers,
                 embed_scale: (cfg.backbone_hidden_size as f32).sqrt(),
@@ -143,9 +151,7 @@ impl Assistant {
         // Materialise now: a graph left lazy here would belong to this
         // thread's stream, not the worker's.
         net.eval()?;
-        // The centroid-masked head of the smallest Gemma 4 assistants is an
-        // optional speed-up over the dense tied head used here.
-        if let Some(extra) = w.remaining().find(|n| !n.starts_with("masked_embedding.")) {
+        if let Some(extra) = w.remaining().next() {
             tracing::warn!(weight = %extra, "unused weight in the drafter checkpoint");
         }
         Ok(Self {
@@ -277,11 +283,16 @@ impl Net {
                 h = layer.forward(net, target, &h, keys, values, position)?;
             }
             let h = net.norm.forward(&h)?;
-            let logits = net.embed.as_linear(&h)?.as_dtype(Dtype::Float32)?;
+            let (next, logits) = match &net.masked {
+                Some(m) => m.forward(&net.embed, &h)?,
+                None => {
+                    let logits = net.embed.as_linear(&h)?.as_dtype(Dtype::Float32)?;
+                    let next = ops::indexing::argmax_axis(&logits, -1, None)?;
+                    (next, logits)
+                }
+            };
             hidden = net.post_projection.forward(&h)?;
-            token = ops::indexing::argmax_axis(&logits, -1, None)?
-                .reshape(&[1, 1])?
-                .as_dtype(Dtype::Int32)?;
+            token = next.reshape(&[1, 1])?.as_dtype(Dtype::Int32)?;
             drafts.push(token.clone());
             all_logits.push(logits);
         }
@@ -297,6 +308,9 @@ impl Net {
         self.pre_projection.collect(&mut all);
         self.post_projection.collect(&mut all);
         self.embed.collect(&mut all);
+        if let Some(m) = &self.masked {
+            m.collect(&mut all);
+        }
         self.norm.collect(&mut all);
         for l in &self.layers {
             l.q.collect(&mut all);

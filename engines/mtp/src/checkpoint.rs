@@ -22,14 +22,40 @@ pub struct AssistantConfig {
     pub sliding: Vec<bool>,
     /// The window of its sliding layers, when declared.
     pub sliding_window: Option<i32>,
+    pub vocab_size: i32,
+    /// The centroid-masked output head, when `use_ordered_embeddings`.
+    pub ordered_embeddings: Option<OrderedEmbeddings>,
     pub quantization: Option<runtime::config::Quantization>,
+}
+
+/// The masked head's clusters: `vocab_size / num_centroids` tokens each,
+/// of which the `top_k` best-scoring clusters' are scored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OrderedEmbeddings {
+    pub num_centroids: i32,
+    pub top_k: i32,
 }
 
 #[derive(Deserialize)]
 struct Raw {
     backbone_hidden_size: i32,
+    #[serde(default)]
+    use_ordered_embeddings: bool,
+    // The reference's defaults (mlx-vlm's Gemma4AssistantConfig).
+    #[serde(default = "default_num_centroids")]
+    num_centroids: i32,
+    #[serde(default = "default_top_k")]
+    centroid_intermediate_top_k: i32,
     text_config: RawText,
     quantization: Option<runtime::config::Quantization>,
+}
+
+fn default_num_centroids() -> i32 {
+    2048
+}
+
+fn default_top_k() -> i32 {
+    32
 }
 
 #[derive(Deserialize)]
@@ -81,6 +107,24 @@ impl AssistantConfig {
             raw.backbone_hidden_size,
             target.hidden_size
         );
+        let ordered_embeddings = if raw.use_ordered_embeddings {
+            let (c, k) = (raw.num_centroids, raw.centroid_intermediate_top_k);
+            ensure!(
+                c > 0 && t.vocab_size % c == 0,
+                "num_centroids ({c}) must divide text_config.vocab_size ({}) into equal clusters",
+                t.vocab_size
+            );
+            ensure!(
+                (1..=c).contains(&k),
+                "centroid_intermediate_top_k ({k}) must be between 1 and num_centroids ({c})"
+            );
+            Some(OrderedEmbeddings {
+                num_centroids: c,
+                top_k: k,
+            })
+        } else {
+            None
+        };
         let sliding = speculative::checkpoint::sliding_layers(&t.layer_types, t.num_hidden_layers)?;
         // Drafts rotate with the target layer's rope (they attend into its
         // keys), so a drafter declaring another rope is refused.
@@ -106,6 +150,8 @@ impl AssistantConfig {
             rms_norm_eps: t.rms_norm_eps.unwrap_or(1e-6),
             sliding,
             sliding_window: t.sliding_window,
+            vocab_size: t.vocab_size,
+            ordered_embeddings,
             quantization: raw.quantization,
         })
     }

@@ -18,13 +18,17 @@
 //! `model.norm`, `model.layers.N.{self_attn.{q_proj,o_proj,q_norm},
 //! mlp.*, input_layernorm, post_attention_layernorm,
 //! pre_feedforward_layernorm, post_feedforward_layernorm, layer_scalar}`.
+//! With `use_ordered_embeddings` (the E2B/E4B assistants) the output head
+//! is centroid-masked (`masked_embedding.{centroids.weight,
+//! token_ordering}`, see masked_head.rs).
 
 mod assistant;
 mod checkpoint;
 mod checkpoint_head;
 mod engine;
+mod masked_head;
 
 pub use assistant::Assistant;
-pub use checkpoint::AssistantConfig;
+pub use checkpoint::{AssistantConfig, OrderedEmbeddings};
 pub use checkpoint_head::CheckpointHead;
 pub use engine::{engine_from_context, new_engine};

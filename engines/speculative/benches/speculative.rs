@@ -122,6 +122,7 @@ fn models(a: &Args) -> (PathBuf, PathBuf, PathBuf) {
             hidden: 256,
             layers: 2,
             seed: 11,
+            ..fixtures::mtp::TinyAssistant::default()
         };
         fixtures::mtp::write_drafter(&dir, &mtp, &spec).expect("write mtp drafter");
     }
