@@ -208,6 +208,12 @@ fn prompt_lookup_is_lossless_and_accepts_repeated_text() {
         .chain(&base[..6])
         .copied()
         .collect();
+    // A fresh engine: the first one may have measured verifies too slow
+    // to pay on this machine (then it rightly drafts nothing); a fresh one
+    // drafts on the prior cost until it has measured three.
+    let e = t
+        .engine("dflash", "{ draft: ngram, ngram: { draft_tokens: 6 } }")
+        .unwrap();
     let (tokens, f) = run(e.submit(GenerateRequest::new(p.clone(), 64)).unwrap());
     assert_eq!(tokens, t.greedy(&p, 64, &[]));
     let spec = f.spec.unwrap();
