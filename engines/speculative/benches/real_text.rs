@@ -1,7 +1,7 @@
 //! Speculative engines with prompt lookup against the fast path, on a real
 //! checkpoint and real prompts, one request at a time, per prompt type:
 //!
-//!     cargo bench -p speculative --bench real_text -- --model DIR [--drafter DIR --gen 128 --reps 2 --per-kind 1 --prefix-entries 16]
+//!     cargo bench -p speculative --bench real_text -- --model DIR [--drafter DIR --gen 128 --reps 2 --per-kind 1 --prefix-entries 16 --no-fixed]
 //!
 //! Prompt types: the bundled mixed set (`bench/prompts/mixed.jsonl`; tool
 //! calls left out, they need the gateway's tool rendering) and two that
@@ -10,7 +10,7 @@
 //! grammar verified with each draft). Engines: the fast path, `dflash`
 //! and `mtp` with `draft: ngram` (3/1/8, adaptive sizing, the default), and
 //! `dflash` with `adaptive: false` (every round verifies the full block of
-//! 8: the fixed-k behaviour); with `--drafter`, `dflash` with that trained
+//! 8: the fixed-k behaviour; `--no-fixed` leaves the fixed-k engines out); with `--drafter`, `dflash` with that trained
 //! DFlash checkpoint, adaptive and fixed (every round drafts the full
 //! block). Each cell: decode tok/s (after the first token), its ratio to
 //! the fast path on the same prompts, accepted / drafted, the acceptance
@@ -61,6 +61,7 @@ struct Args {
     per_kind: usize,
     /// Prefixes the engines share (0: none, each prefills alone).
     prefix_entries: usize,
+    fixed: bool,
 }
 
 fn args() -> Args {
@@ -72,6 +73,7 @@ fn args() -> Args {
         reps: 2,
         per_kind: 1,
         prefix_entries: runtime::shared::DEFAULT_PREFIX_CACHE_ENTRIES,
+        fixed: !std::env::args().any(|a| a == "--no-fixed"),
     };
     let argv: Vec<String> = std::env::args().collect();
     for w in argv.windows(2) {
@@ -236,15 +238,17 @@ fn main() {
                 settings(ngram, Some(2)),
             )),
         ),
-        (
+    ];
+    if a.fixed {
+        engines.push((
             "dflash ngram, fixed k=8",
             spec(dflash::new_engine(
                 "dflash-fixed".into(),
                 shared.clone(),
                 settings(fixed, None),
             )),
-        ),
-    ];
+        ));
+    }
     if let Some(dir) = &a.drafter {
         let dir = dir.canonicalize().expect("the drafter directory");
         let trained =
@@ -257,14 +261,16 @@ fn main() {
                 settings(&trained(false), None),
             )),
         ));
-        engines.push((
-            "dflash drafter, fixed k",
-            spec(dflash::new_engine(
-                "dflash-drafter-fixed".into(),
-                shared.clone(),
-                settings(&trained(true), None),
-            )),
-        ));
+        if a.fixed {
+            engines.push((
+                "dflash drafter, fixed k",
+                spec(dflash::new_engine(
+                    "dflash-drafter-fixed".into(),
+                    shared.clone(),
+                    settings(&trained(true), None),
+                )),
+            ));
+        }
     }
     // Warm-up: every engine's graphs once.
     for (_, e) in &engines {

@@ -13,10 +13,16 @@
 //! kind), moved by [`RATE`] toward every outcome: deep rejections pull the
 //! size down within a few rounds, acceptances push it up, and a depth never
 //! tried borrows the rate of the one above it so the size can grow. A kind
-//! that stops paying is probed again with one token after a pause that
-//! doubles with every failed probe, so a source with nothing credible
-//! drafts (almost) nothing and its sequence runs as plain decode steps.
+//! is first tried with one token (a probe), and one that stops paying is
+//! probed again after a pause that doubles with every failed probe, so a
+//! source with nothing credible drafts (almost) nothing and its sequence
+//! runs as plain decode steps. Where the measured cost says that not even
+//! drafts that are always accepted would pay (a verify of `k` tokens
+//! costing about `k + 1` decode steps, as MLX's CPU quantized kernels do),
+//! nothing is drafted and probes wait the longest pause: they only keep
+//! the cost measured.
 
+use std::collections::VecDeque;
 use std::time::Duration;
 
 /// Weight of the newest outcome in every moving estimate.
@@ -27,6 +33,11 @@ const PRIOR_ACCEPT: f64 = 0.9;
 /// Extra cost per drafted token, relative to a decode step, assumed until
 /// the engine has measured both.
 const PRIOR_COST_PER_TOKEN: f64 = 0.15;
+/// The per-token cost is the median of the last drafting rounds, once
+/// there are enough of them: one slow verify (a first-seen shape, a busy
+/// machine) must not stop drafting.
+const COST_ROUNDS: usize = 5;
+const COST_ROUNDS_NEEDED: usize = 3;
 /// Expected gain a round must promise over a decode step (noise guard).
 const MARGIN: f64 = 1.03;
 /// Rounds between probes of a kind that stopped paying: first and longest.
@@ -34,14 +45,15 @@ const PROBE_FIRST: u32 = 8;
 const PROBE_LONGEST: u32 = 1024;
 
 /// The engine's measured cost of a round, as a function of the tokens it
-/// drafted: `cost(k) / cost(0) = 1 + per_token * k`, both terms moving
-/// averages of the rounds its sequences ran (drafting included).
+/// drafted: `cost(k) / cost(0) = 1 + per_token * k`, measured on the
+/// rounds its sequences ran (drafting included).
 #[derive(Debug, Clone, Default)]
 pub struct RoundCost {
-    /// Seconds of a round that drafted nothing.
+    /// Seconds of a round that drafted nothing (moving average).
     decode: Option<f64>,
-    /// Extra cost per drafted token, relative to a decode step.
-    per_token: Option<f64>,
+    /// Extra cost per drafted token, relative to a decode step, of the
+    /// last [`COST_ROUNDS`] rounds that drafted.
+    per_token: VecDeque<f64>,
 }
 
 impl RoundCost {
@@ -53,13 +65,32 @@ impl RoundCost {
         }
         if let Some(decode) = self.decode {
             let extra = ((t / decode - 1.0) / drafted as f64).max(0.0);
-            self.per_token = Some(ewma(self.per_token, extra));
+            if self.per_token.len() == COST_ROUNDS {
+                self.per_token.pop_front();
+            }
+            self.per_token.push_back(extra);
         }
+    }
+
+    /// Extra cost per drafted token: the median of the recent rounds.
+    fn per_token(&self) -> f64 {
+        if self.per_token.len() < COST_ROUNDS_NEEDED {
+            return PRIOR_COST_PER_TOKEN;
+        }
+        let mut sorted: Vec<f64> = self.per_token.iter().copied().collect();
+        sorted.sort_by(f64::total_cmp);
+        sorted[sorted.len() / 2]
     }
 
     /// `cost(k) / cost(0)`.
     pub fn relative(&self, k: usize) -> f64 {
-        1.0 + self.per_token.unwrap_or(PRIOR_COST_PER_TOKEN) * k as f64
+        1.0 + self.per_token() * k as f64
+    }
+
+    /// Whether some round of at most `limit` drafts could beat a decode
+    /// step if every draft were accepted.
+    fn could_pay(&self, limit: usize) -> bool {
+        (1..=limit).any(|k| (1 + k) as f64 / self.relative(k) > MARGIN)
     }
 
     /// Seconds of a plain decode step: measured, or inferred from a round
@@ -92,7 +123,8 @@ impl Kind {
         Self {
             accept: vec![None; max_draft],
             probe_every: PROBE_FIRST,
-            waited: 0,
+            // A kind never tried is due for its first probe.
+            waited: PROBE_FIRST,
         }
     }
 
@@ -106,8 +138,12 @@ impl Kind {
     }
 
     /// The draft size with the best expected tokens per unit of cost, or
-    /// 0 when none beats a decode step.
+    /// 0 when none beats a decode step or the kind was never tried (it is
+    /// probed first: a wrong block costs up to `cost(k)` decode steps).
     fn best(&self, cost: &RoundCost, limit: usize) -> usize {
+        if self.accept.first().is_none_or(Option::is_none) {
+            return 0;
+        }
         let (mut expected, mut reach) = (0.0, 1.0);
         let (mut best, mut best_gain) = (0, MARGIN);
         for (i, p) in self.rates().take(limit).enumerate() {
@@ -122,8 +158,15 @@ impl Kind {
         best
     }
 
-    fn probe_due(&self) -> bool {
-        self.waited >= self.probe_every
+    /// Whether a one-token probe is due: after the kind's pause, or the
+    /// longest one where not even accepted drafts would pay.
+    fn probe_due(&self, cost: &RoundCost, limit: usize) -> bool {
+        let pause = if cost.could_pay(limit) {
+            self.probe_every
+        } else {
+            PROBE_LONGEST
+        };
+        self.waited >= pause
     }
 
     fn learn(&mut self, drafted: usize, accepted: usize) {
@@ -157,7 +200,7 @@ impl DraftSizer {
     /// Before proposing: the most tokens any kind may draft this round
     /// (the source proposes that many at most), or 0 for a plain decode
     /// step, so that a source with device work does not run it for
-    /// nothing. A kind not tried yet is worth its full block.
+    /// nothing.
     pub fn plan(&mut self, cost: &RoundCost, limit: usize) -> usize {
         if !self.adaptive {
             return limit;
@@ -165,10 +208,7 @@ impl DraftSizer {
         let most = self
             .kinds
             .iter()
-            .map(|k| match k.accept.first() {
-                Some(None) => limit,
-                _ => k.best(cost, limit).max(k.probe_due() as usize),
-            })
+            .map(|k| k.best(cost, limit).max(k.probe_due(cost, limit) as usize))
             .max()
             .unwrap_or(0)
             .min(limit);
@@ -188,11 +228,8 @@ impl DraftSizer {
         }
         let last = self.kinds.len() - 1;
         let k = &mut self.kinds[kind.min(last)];
-        let best = match k.accept.first() {
-            Some(None) => limit,
-            _ => k.best(cost, limit),
-        };
-        if best > 0 || k.probe_due() {
+        let best = k.best(cost, limit);
+        if best > 0 || k.probe_due(cost, limit) {
             k.waited = 0;
             return best.max(1).min(limit);
         }
@@ -258,7 +295,29 @@ mod tests {
     fn always_accepted_drafts_grow_to_the_full_block() {
         let (mut s, cost) = (DraftSizer::new(8, 1, true), RoundCost::default());
         let sizes = run(&mut s, &cost, 20, |k| k);
+        assert_eq!(sizes[0], 1, "a kind never tried is probed first");
         assert!(sizes[5..].iter().all(|&k| k == 8), "{sizes:?}");
+    }
+
+    #[test]
+    fn nothing_is_drafted_where_not_even_accepted_drafts_pay() {
+        // A verify of k drafts costing k + 1 decode steps (MLX's CPU
+        // quantized kernels): drafting cannot beat plain steps.
+        let mut cost = RoundCost::default();
+        cost.record(0, Duration::from_millis(10));
+        for took in [12, 50, 12] {
+            cost.record(4, Duration::from_millis(took));
+        }
+        assert!(cost.could_pay(8), "one slow verify is not the cost");
+        for _ in 0..2 {
+            cost.record(4, Duration::from_millis(50));
+        }
+        assert!(!cost.could_pay(8));
+        let mut s = DraftSizer::new(8, 1, true);
+        let sizes = run(&mut s, &cost, 2000, |k| k);
+        let drafted: usize = sizes.iter().sum();
+        assert!(sizes[..1000].iter().all(|&k| k == 0), "{sizes:?}");
+        assert!(drafted <= 2, "only probes that keep the cost measured");
     }
 
     #[test]
@@ -275,7 +334,9 @@ mod tests {
     fn expensive_verifies_draft_less() {
         let mut cost = RoundCost::default();
         cost.record(0, Duration::from_millis(10));
-        cost.record(4, Duration::from_millis(30)); // +50% per token
+        for _ in 0..COST_ROUNDS_NEEDED {
+            cost.record(4, Duration::from_millis(30)); // +50% per token
+        }
         let mut s = DraftSizer::new(8, 1, true);
         // 50% acceptance cannot pay for +50% per token.
         let mut flip = false;
