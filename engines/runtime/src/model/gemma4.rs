@@ -2,7 +2,7 @@
 //! mixture-of-experts block beside the dense MLP (26B-A4B) and the
 //! per-layer input embeddings (E2B/E4B).
 
-use mlx_rs::{fast, nn, ops, Array};
+use mlx_rs::{fast, ops, Array};
 
 use super::experts::{top_k, SwitchGlu};
 use crate::config::{ModelConfig, MoeConfig};
@@ -212,7 +212,7 @@ impl PerLayerGate {
 
     /// `h + norm(projection(gelu(gate(h)) * input))`.
     pub fn forward(&self, h: &Array, input: &Array) -> R<Array> {
-        let g = nn::gelu_approximate(self.gate.forward(h)?)?.multiply(input)?;
+        let g = crate::activations::gelu_approx(&self.gate.forward(h)?)?.multiply(input)?;
         h.add(self.norm.forward(&self.projection.forward(&g)?)?)
     }
 
