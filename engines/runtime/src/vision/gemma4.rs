@@ -365,7 +365,8 @@ impl Layer {
         let attn = fast::rms_norm(&self.o.forward(&a)?, Some(&self.post_attention_norm), eps)?;
         let h = x.add(&attn)?;
         let m = fast::rms_norm(&h, Some(&self.pre_mlp_norm), eps)?;
-        let m = crate::activations::gelu_approx(&self.gate.forward(&m)?)?.multiply(self.up.forward(&m)?)?;
+        let m = crate::activations::gelu_approx(&self.gate.forward(&m)?)?
+            .multiply(self.up.forward(&m)?)?;
         let m = fast::rms_norm(&self.down.forward(&m)?, Some(&self.post_mlp_norm), eps)?;
         Ok(h.add(&m)?)
     }
