@@ -12,11 +12,13 @@
 //! plain step) and one with prompt lookup (adaptive, the default). Every
 //! run's tokens are checked against the pipelined loop's.
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use engine_core::{Engine, Event, GenerateRequest};
+use engine_core::{Engine, GenerateRequest};
 use mlx_rs::transforms::eval;
 use runtime::generate::{self, tokens_array, GreedyStream};
 use runtime::model::{Logits, Tapped, Taps};
@@ -50,30 +52,16 @@ impl DraftState for Nothing {
 
 /// Tokens and decode seconds after the first token.
 fn engine_run(engine: &dyn Engine, prompt: &[u32], gen: usize) -> (Vec<u32>, f64) {
-    let request = GenerateRequest::new(prompt.to_vec(), gen as u32);
-    let mut stream = engine.submit(request).expect("submit");
-    let (mut ids, mut first) = (Vec::new(), None::<Instant>);
-    while let Some(ev) = stream.blocking_recv() {
-        match ev {
-            Event::Token(t) => {
-                first.get_or_insert_with(Instant::now);
-                ids.push(t.id);
-            }
-            Event::Finished(f) => {
-                if let Some(s) = f.spec.filter(|s| s.drafted > 0) {
-                    println!(
-                        "  {}: accepted {}/{} drafted",
-                        engine.name(),
-                        s.accepted,
-                        s.drafted
-                    );
-                }
-                break;
-            }
-            Event::Error(e) => panic!("{e}"),
-        }
+    let out = common::stream(engine, GenerateRequest::new(prompt.to_vec(), gen as u32));
+    if let Some(s) = out.spec.filter(|s| s.drafted > 0) {
+        println!(
+            "  {}: accepted {}/{} drafted",
+            engine.name(),
+            s.accepted,
+            s.drafted
+        );
     }
-    (ids, first.expect("a token").elapsed().as_secs_f64())
+    (out.tokens, out.decode_seconds)
 }
 
 fn pipelined(model: &Model, prompt: &[u32], gen: usize) -> (Vec<u32>, f64) {

@@ -20,12 +20,13 @@
 //! each keeping its best of `reps`. Every engine's tokens are checked
 //! against the fast path's.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
 
-use engine_core::{Engine, Event, GenerateRequest, Grammar, SpecStats};
+use engine_core::{Engine, GenerateRequest, Grammar, SpecStats};
 use fastpath::FastpathEngine;
 use runtime::{ComputeDtype, KvPool, LoadedModel, SharedModel};
 use speculative::SpecSettings;
@@ -145,24 +146,13 @@ fn one(engine: &dyn Engine, prompt: &Prompt, gen: usize) -> (Vec<u32>, Run) {
     let mut request = GenerateRequest::new(prompt.ids.clone(), gen as u32);
     request.grammar = prompt.grammar.clone();
     request.stop_tokens = prompt.stop_tokens.clone();
-    let mut stream = engine.submit(request).expect("submit");
-    let (mut ids, mut run, mut first) = (Vec::new(), Run::default(), None::<Instant>);
-    while let Some(ev) = stream.blocking_recv() {
-        match ev {
-            Event::Token(t) => {
-                first.get_or_insert_with(Instant::now);
-                ids.push(t.id);
-            }
-            Event::Finished(f) => {
-                run.spec = f.spec.unwrap_or_default();
-                break;
-            }
-            Event::Error(e) => panic!("{e}"),
-        }
-    }
-    run.decode_seconds = first.map_or(0.0, |t| t.elapsed().as_secs_f64());
-    run.decode_tokens = ids.len().saturating_sub(1);
-    (ids, run)
+    let out = common::stream(engine, request);
+    let run = Run {
+        decode_tokens: out.decode_tokens(),
+        decode_seconds: out.decode_seconds,
+        spec: out.spec.unwrap_or_default(),
+    };
+    (out.tokens, run)
 }
 
 fn main() {

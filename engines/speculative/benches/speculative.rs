@@ -20,6 +20,8 @@
 //! round (draft + verify of k+1 tokens) to pay for itself against plain
 //! decoding, `(t_round / t_token - 1) / k`, from decode-only timings at c=1.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -161,32 +163,15 @@ impl Run {
 }
 
 fn one(engine: &dyn Engine, req: GenerateRequest) -> Run {
-    let mut stream = engine.submit(req).expect("submit");
-    let mut run = Run {
+    let out = common::stream(engine, req);
+    Run {
         requests: 1,
+        tokens: out.tokens.len(),
+        decode_tokens: out.decode_tokens(),
+        decode_seconds: out.decode_seconds,
+        spec: out.spec.unwrap_or_default(),
         ..Run::default()
-    };
-    let mut first = None::<Instant>;
-    while let Some(ev) = stream.blocking_recv() {
-        match ev {
-            Event::Token(_) => {
-                first.get_or_insert_with(Instant::now);
-                run.tokens += 1;
-            }
-            Event::Finished(f) => {
-                if let (Some(t), Some(spec)) = (first, f.spec) {
-                    run.spec = spec;
-                    run.decode_seconds = t.elapsed().as_secs_f64();
-                } else if let Some(t) = first {
-                    run.decode_seconds = t.elapsed().as_secs_f64();
-                }
-                run.decode_tokens = run.tokens.saturating_sub(1);
-                break;
-            }
-            Event::Error(e) => panic!("{e}"),
-        }
     }
-    run
 }
 
 /// One client's requests: prompt ids.
