@@ -160,6 +160,11 @@ def prompt_set(args):
     return train, held, data["stops"], data["mask_token_id"]
 
 
+def through_stop(tokens, stops):
+    """`tokens` up to and including the first stop token."""
+    return tokens[: next((j + 1 for j, t in enumerate(tokens) if t in stops), len(tokens))]
+
+
 def generate(model, prompts, max_new, stops, batch, until):
     """The target's greedy answer to each prompt (ending with its stop
     token, when it stops within `max_new`), batched over prompts of equal
@@ -190,20 +195,18 @@ def generate(model, prompts, max_new, stops, batch, until):
             tok = nxt
         gen = np.stack(steps, axis=1)
         for r, i in enumerate(rows):
-            g = [int(t) for t in gen[r]]
-            end = next((j + 1 for j, t in enumerate(g) if t in stops), len(g))
-            out[i] = g[:end]
+            out[i] = through_stop([int(t) for t in gen[r]], stops)
     return out
 
 
-def generate_torch(model, config, prompts, max_new, stops, batch, until):
-    """What `generate` returns, computed by PyTorch on a CUDA GPU from the
-    same (dense) weights: MLX's CUDA backend runs a small model's decode
-    step at ~13 ms whatever the batch, and rows of equal length are few,
-    so left-padded batches of hundreds of rows through transformers
-    (attention-masked) are ~30x faster there. A position where PyTorch's
-    bfloat16 answer differs from MLX's argmax is masked out of training
-    by the teacher-forced pass, as any disagreement is."""
+def torch_generator(model, config):
+    """`generate` (less its model argument) computed by PyTorch on a CUDA
+    GPU from the same (dense) weights: MLX's CUDA backend runs a small
+    model's decode step at ~13 ms whatever the batch, and rows of equal
+    length are few, so left-padded batches of hundreds of rows through
+    transformers (attention-masked) are ~30x faster there. A position
+    where PyTorch's bfloat16 answer differs from MLX's argmax is masked
+    out of training by the teacher-forced pass, as any disagreement is."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -218,26 +221,28 @@ def generate_torch(model, config, prompts, max_new, stops, batch, until):
     if unexpected or [k for k in missing if k != "lm_head.weight"]:
         raise SystemExit(f"weights do not map onto transformers' Llama: missing {missing}, unexpected {unexpected}")
     net.tie_weights()
-    out = [None] * len(prompts)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    stop_set = set(stops)
-    with torch.inference_mode():
-        for s in range(0, len(order), batch):
-            if s and time.time() > until:
-                break
-            rows = order[s : s + batch]
-            width = max(len(prompts[i]) for i in rows)
-            ids = torch.tensor([[0] * (width - len(prompts[i])) + prompts[i] for i in rows], device="cuda")
-            mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in rows], device="cuda")
-            gen = net.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
-                               eos_token_id=list(stops), pad_token_id=stops[0])[:, width:].tolist()
-            for r, i in enumerate(rows):
-                end = next((j + 1 for j, t in enumerate(gen[r]) if t in stop_set), len(gen[r]))
-                out[i] = gen[r][:end]
-    # Give PyTorch's cached blocks back: MLX allocates from the same card.
-    del net
-    torch.cuda.empty_cache()
-    return out
+
+    def generate(prompts, max_new, stops, batch, until):
+        out = [None] * len(prompts)
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        with torch.inference_mode():
+            for s in range(0, len(order), batch):
+                if s and time.time() > until:
+                    break
+                rows = order[s : s + batch]
+                width = max(len(prompts[i]) for i in rows)
+                pad = [width - len(prompts[i]) for i in rows]
+                ids = torch.tensor([[0] * n + prompts[i] for n, i in zip(pad, rows)], device="cuda")
+                mask = torch.tensor([[0] * n + [1] * (width - n) for n in pad], device="cuda")
+                gen = net.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                                   eos_token_id=list(stops), pad_token_id=stops[0])[:, width:].tolist()
+                for r, i in enumerate(rows):
+                    out[i] = through_stop(gen[r], stops)
+        # Give PyTorch's cached blocks back: MLX allocates from the same card.
+        torch.cuda.empty_cache()
+        return out
+
+    return generate
 
 
 def target_pass(model, seqs, layer_ids, batch):
@@ -588,9 +593,10 @@ def main():
     t = time.time()
     # Held-out answers first; the training data gets what is left of
     # `--data-share` of the budget.
-    writer = generate if args.generator == "mlx" else lambda *a: generate_torch(a[0], tcfg, *a[1:])
-    held_a = writer(target, held_p, args.gen, stops, args.gen_batch, float("inf"))
-    answers = writer(target, train_p, args.gen, stops, args.gen_batch, t0 + args.data_share * (deadline - t0))
+    writer = (lambda *a: generate(target, *a)) if args.generator == "mlx" else torch_generator(target, tcfg)
+    held_a = writer(held_p, args.gen, stops, args.gen_batch, float("inf"))
+    answers = writer(train_p, args.gen, stops, args.gen_batch, t0 + args.data_share * (deadline - t0))
+    del writer
     kept = [i for i, a in enumerate(answers) if a is not None]
     if len(kept) < len(train_p):
         print(f"time for {len(kept)} of {len(train_p)} training answers", flush=True)
