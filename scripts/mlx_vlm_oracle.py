@@ -38,44 +38,63 @@ def greedy(x):
     return mx.argmax(x, axis=-1)
 
 
-def image_block_mask(ids, image_token):
-    """Hugging Face's Gemma 3 prefill mask: causal, or within one image."""
+def same_image(ids, image_token):
+    """`[n, n]`: whether positions q and k are tokens of one image."""
     ids = np.array(ids).reshape(-1)
     is_image = ids == image_token
     starts = is_image & ~np.concatenate([[False], is_image[:-1]])
     block = np.where(is_image, np.cumsum(starts) - 1, -1)
-    n = len(ids)
+    return (block[:, None] == block[None, :]) & (block[:, None] >= 0)
+
+
+def image_block_mask(ids, image_token):
+    """Hugging Face's Gemma 3 prefill mask: causal, or within one image."""
+    n = np.array(ids).size
     causal = np.tril(np.ones((n, n), dtype=bool))
-    same = (block[:, None] == block[None, :]) & (block[:, None] >= 0)
-    return mx.array(causal | same)[None, None]
+    return mx.array(causal | same_image(ids, image_token))[None, None]
 
 
-def stepwise(model, ids, pixels, n, mask=None):
-    cache = make_prompt_cache(model.language_model)
-    emb = model.get_input_embeddings(ids, pixels, mask=mx.ones_like(ids))
-    out = model.language_model(ids, inputs_embeds=emb.inputs_embeds, cache=cache, mask=mask)
-    logits = out.logits[:, -1, :]
+def greedy_walk(logits, n, step):
+    """`n` greedy tokens from the prefill's last `logits`, with each step's
+    float32 logits; `step(token)` runs the model on one token."""
     tokens, rows = [], []
     for _ in range(n):
         logits = logits.astype(mx.float32)
         rows.append(logits[0].tolist())
         token = int(mx.argmax(logits, axis=-1).item())
         tokens.append(token)
-        logits = model.language_model(mx.array([[token]]), cache=cache).logits[:, -1, :]
+        logits = step(token)
     return tokens, rows
+
+
+def checked(model, ids, images, n, walk):
+    """`walk(model, ids, images, n)`'s tokens and logits, after checking its
+    tokens equal mlx-vlm's own generation."""
+    official = [
+        int(t)
+        for t, _ in generate_step(ids, model, images, mx.ones_like(ids), max_tokens=n, sampler=greedy)
+    ]
+    tokens, rows = walk(model, ids, images, n)
+    if tokens != official:
+        raise SystemExit(f"mlx-vlm disagrees with itself: {tokens} vs {official}")
+    return tokens, rows
+
+
+def stepwise(model, ids, pixels, n, mask=None):
+    lm = model.language_model
+    cache = make_prompt_cache(lm)
+    emb = model.get_input_embeddings(ids, pixels, mask=mx.ones_like(ids))
+    out = lm(ids, inputs_embeds=emb.inputs_embeds, cache=cache, mask=mask)
+    return greedy_walk(out.logits[:, -1, :], n, lambda t: lm(mx.array([[t]]), cache=cache).logits[:, -1, :])
 
 
 def hf_gemma4_masks(lm, ids, image_token):
     """Hugging Face's Gemma 4 prefill masks per layer for one sequence."""
-    ids = np.array(ids).reshape(-1)
-    is_image = ids == image_token
-    starts = is_image & ~np.concatenate([[False], is_image[:-1]])
-    block = np.where(is_image, np.cumsum(starts) - 1, -1)
-    n = len(ids)
+    n = np.array(ids).size
     q = np.arange(n)[:, None]
     k = np.arange(n)[None, :]
     causal = k <= q
-    same = (block[:, None] == block[None, :]) & (block[:, None] >= 0)
+    same = same_image(ids, image_token)
     window = (q - k) < lm.model.window_size
     full = mx.array(causal)[None, None]
     sliding = mx.array(window & (causal | same))[None, None]
@@ -94,15 +113,7 @@ def stepwise_gemma4(model, ids, images, n, masks=None):
     out = lm(ids, inputs_embeds=emb.inputs_embeds, cache=cache, **kw)
     if masks is not None:
         del lm.model._make_masks
-    logits = out.logits[:, -1, :]
-    tokens, rows = [], []
-    for _ in range(n):
-        logits = logits.astype(mx.float32)
-        rows.append(logits[0].tolist())
-        token = int(mx.argmax(logits, axis=-1).item())
-        tokens.append(token)
-        logits = lm(mx.array([[token]]), cache=cache).logits[:, -1, :]
-    return tokens, rows
+    return greedy_walk(out.logits[:, -1, :], n, lambda t: lm(mx.array([[t]]), cache=cache).logits[:, -1, :])
 
 
 def run_gemma4_cases(req, model):
@@ -123,15 +134,7 @@ def run_gemma4_cases(req, model):
             masks = hf_gemma4_masks(model.language_model, case["ids"], model.config.image_token_id)
             tokens, rows = stepwise_gemma4(model, ids, images, n, masks)
         else:
-            official = [
-                int(t)
-                for t, _ in generate_step(
-                    ids, model, images, mx.ones_like(ids), max_tokens=n, sampler=greedy
-                )
-            ]
-            tokens, rows = stepwise_gemma4(model, ids, images, n)
-            if tokens != official:
-                raise SystemExit(f"mlx-vlm disagrees with itself: {tokens} vs {official}")
+            tokens, rows = checked(model, ids, images, n, stepwise_gemma4)
         results.append({"tokens": tokens, "logits": rows, "features": features})
     return {"results": results}
 
@@ -153,15 +156,7 @@ def run_cases(req):
             tokens, rows = stepwise(model, ids, pixels, n, mask)
             results.append({"tokens": tokens, "logits": rows})
             continue
-        official = [
-            int(t)
-            for t, _ in generate_step(
-                ids, model, pixels, mx.ones_like(ids), max_tokens=n, sampler=greedy
-            )
-        ]
-        tokens, rows = stepwise(model, ids, pixels, n)
-        if tokens != official:
-            raise SystemExit(f"mlx-vlm disagrees with itself: {tokens} vs {official}")
+        tokens, rows = checked(model, ids, pixels, n, stepwise)
         results.append({"tokens": tokens, "logits": rows if req.get("logits", True) else []})
     return {"results": results}
 
