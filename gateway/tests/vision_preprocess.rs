@@ -32,6 +32,17 @@ fn picture(w: u32, h: u32) -> RgbImage {
 
 /// Writes each image to `dir` and runs mlx-vlm's processor on `prompt`
 /// with it, one case per image.
+/// The worst and the mean absolute difference of two pixel tensors.
+fn pixel_differences(ours: &[f32], theirs: &[f32]) -> (f32, f32) {
+    let diffs: Vec<f32> = ours
+        .iter()
+        .zip(theirs)
+        .map(|(a, b)| (a - b).abs())
+        .collect();
+    let worst = diffs.iter().cloned().fold(0f32, f32::max);
+    (worst, diffs.iter().sum::<f32>() / diffs.len() as f32)
+}
+
 fn reference_processor<'a>(
     dir: &Path,
     model: &Path,
@@ -89,13 +100,7 @@ fn pixels_and_prompt_ids_match_the_reference_processor() {
             .data;
         let theirs: Vec<f32> = serde_json::from_value(theirs["pixels"].clone()).unwrap();
         assert_eq!(ours.len(), theirs.len(), "{name}");
-        let diffs: Vec<f32> = ours
-            .iter()
-            .zip(&theirs)
-            .map(|(a, b)| (a - b).abs())
-            .collect();
-        let worst = diffs.iter().cloned().fold(0f32, f32::max);
-        let mean = diffs.iter().sum::<f32>() / diffs.len() as f32;
+        let (worst, mean) = pixel_differences(&ours, &theirs);
         let level = 2.0 / 255.0;
         eprintln!("{name}: worst pixel difference {worst}, mean {mean}");
         if *resized {
@@ -160,14 +165,7 @@ fn gemma4_pixels_and_prompt_ids_match_the_reference_processor() {
         assert_eq!(shape, vec![vec![ours.height, ours.width]], "{name}: size");
         let theirs: Vec<f32> = serde_json::from_value(theirs["pixels"].clone()).unwrap();
         assert_eq!(ours.data.len(), theirs.len(), "{name}");
-        let diffs: Vec<f32> = ours
-            .data
-            .iter()
-            .zip(&theirs)
-            .map(|(a, b)| (a - b).abs())
-            .collect();
-        let worst = diffs.iter().cloned().fold(0f32, f32::max);
-        let mean = diffs.iter().sum::<f32>() / diffs.len() as f32;
+        let (worst, mean) = pixel_differences(&ours.data, &theirs);
         let level = 1.0 / 255.0;
         eprintln!(
             "{name}: {}x{} -> {}x{}, {n} soft tokens, worst pixel difference {worst}, mean {mean}",
