@@ -1,11 +1,18 @@
 """Synthetic chat instructions for training a DFlash drafter by
 self-distillation (scripts/train_dflash.py): prose, code, JSON, math, tool
-calls, editing and extraction, made from templates and fillers with a seed.
-None of them is a prompt of the evaluation set (bench/prompts/mixed.jsonl).
+calls, editing and extraction, made from templates and fillers with a seed,
+and tasks over real code: functions of Python's own standard library
+(renamed, documented, explained, quoted line by line) and generated
+configuration files. None of them is a prompt of the evaluation sets
+(bench/prompts/mixed.jsonl, the real-text bench's own prompts).
 """
 
+import ast
 import json
 import random
+import sysconfig
+from functools import lru_cache
+from pathlib import Path
 
 TOPICS = [
     "volcanoes", "the printing press", "honey bees", "glaciers", "the Roman road network",
@@ -182,7 +189,72 @@ def extract(r):
     return r.choice(forms)
 
 
-KINDS = [prose, prose, code, code, json_prompt, math, tool_call, edit, extract]
+@lru_cache(maxsize=1)
+def library_functions():
+    """Functions of 6-30 lines from the standard library's top-level
+    modules (sorted, so the pool is the same on the same Python), each with
+    the names it assigns."""
+    out = []
+    for file in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        try:
+            source = file.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        lines = source.splitlines()
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or not 6 <= node.end_lineno - node.lineno + 1 <= 30:
+                continue
+            text = "\n".join(lines[node.lineno - 1 : node.end_lineno])
+            names = sorted({
+                t.id for n in ast.walk(node) if isinstance(n, ast.Assign)
+                for t in n.targets if isinstance(t, ast.Name) and len(t.id) > 2
+            })
+            out.append((text, names))
+    return out
+
+
+def library_code(r):
+    text, names = r.choice(library_functions())
+    block = f"```python\n{text}\n```"
+    line = r.choice([l.strip() for l in text.splitlines() if len(l.strip()) > 12] or [text.splitlines()[0]])
+    word = r.choice([w for w in line.replace("(", " ").replace(")", " ").split() if w.isidentifier()] or ["return"])
+    forms = [
+        f"Explain what this function does:\n\n{block}",
+        f"Add a docstring to this function and return the whole function in a code block:\n\n{block}",
+        f"Copy out, unchanged and in a code block, every line of this function that mentions `{word}`:\n\n{block}",
+        f"Rewrite this function with type hints and return the complete function:\n\n{block}",
+        f"Here is a function:\n\n{block}\n\nReturn it unchanged, then list the names it uses.",
+    ]
+    if names:
+        old = r.choice(names)
+        forms.append(
+            f"Here is a function:\n\n{block}\n\nRename the variable `{old}` to `{old}_value` everywhere "
+            "and return the complete updated function in a code block."
+        )
+    return r.choice(forms)
+
+
+def config_file(r):
+    sections = r.sample(["app", "db", "queue", "mail", "log", "auth", "storage", "metrics"], 3)
+    keys = ["host", "port", "timeout", "retries", "enabled", "path", "level", "user", "pool", "ttl"]
+    values = lambda: r.choice([str(r.randint(1, 9000)), f"{r.randint(1, 90)}s", "true", "false",
+                               f"/var/{r.choice(ITEMS).replace(' ', '_')}", r.choice(CITIES).lower()])
+    lines = [f"{s}.{k} = {values()}" for s in sections for k in r.sample(keys, r.randint(2, 4))]
+    r.shuffle(lines)
+    body = "```\n" + "\n".join(lines) + "\n```"
+    keep = r.sample(sections, 2)
+    forms = [
+        f"Here is a configuration file:\n\n{body}\n\nCopy out, unchanged and in a code block, every line that starts with `{keep[0]}.`.",
+        f"Sort the lines of this configuration file alphabetically and return them in a code block:\n\n{body}",
+        f"Convert this configuration file into one JSON object with a nested object per section:\n\n{body}",
+        f"Here is a configuration file:\n\n{body}\n\nReturn it with every `{keep[1]}.` line removed and the rest unchanged.",
+    ]
+    return r.choice(forms)
+
+
+KINDS = [prose, prose, code, code, json_prompt, math, tool_call, edit, extract,
+         library_code, library_code, config_file]
 
 
 def prompts(n, seed):

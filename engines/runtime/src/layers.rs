@@ -1,6 +1,7 @@
 //! The building blocks shared by the model families: linear layers (dense or
 //! MLX group-quantized), embeddings, RMSNorm and rotary embeddings.
 
+use mlx_rs::ops::indexing::{Ellipsis, TryIndexOp};
 use mlx_rs::{fast, ops, Array, Dtype};
 
 use crate::config::{Quantization, RopeScaling};
@@ -239,15 +240,23 @@ impl Projections {
     pub fn forward(&self, x: &Array) -> R<Vec<Array>> {
         match self {
             Projections::Separate(parts) => parts.iter().map(|p| p.forward(x)).collect(),
+            // Slices of the output, not `split`: MLX's Split gives a
+            // strided part the data size of its element count, and MLX
+            // CUDA's rope allocates its output with that size and the
+            // input's strides, so rope on a split part (q and k of a model
+            // without q/k norms: Llama, Qwen2) writes past its buffer and
+            // returns wrong, run-to-run different values for prompts of
+            // more than one token. A slice's data size spans its strides.
             Projections::Stacked { linear, sizes } => {
                 let y = linear.forward(x)?;
-                let mut bounds = Vec::with_capacity(sizes.len() - 1);
                 let mut at = 0;
-                for s in &sizes[..sizes.len() - 1] {
-                    at += s;
-                    bounds.push(at);
-                }
-                ops::split_at_indices(&y, &bounds, -1)
+                sizes
+                    .iter()
+                    .map(|&size| {
+                        at += size;
+                        y.try_index((Ellipsis, at - size..at))
+                    })
+                    .collect()
             }
         }
     }
