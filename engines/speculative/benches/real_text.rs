@@ -1,7 +1,7 @@
 //! Speculative engines with prompt lookup against the fast path, on a real
 //! checkpoint and real prompts, one request at a time, per prompt type:
 //!
-//!     cargo bench -p speculative --bench real_text -- --model DIR [--drafter DIR --gen 128 --reps 2 --per-kind 1 --prefix-entries 16 --no-fixed]
+//!     cargo bench -p speculative --bench real_text -- --model DIR [--drafter DIR --gen 128 --reps 2 --per-kind 1 --prefix-entries 16 --no-fixed --levels 1,2,4]
 //!
 //! Prompt types: the bundled mixed set (`bench/prompts/mixed.jsonl`; tool
 //! calls left out, they need the gateway's tool rendering) and two that
@@ -19,6 +19,13 @@
 //! interleaved per prompt,
 //! each keeping its best of `reps`. Every engine's tokens are checked
 //! against the fast path's.
+//!
+//! `--levels` adds a second table: per prompt type and concurrency `c`,
+//! `c` clients sending that prompt at once to the batched engine and the
+//! prompt-lookup engines (and to the fast path, which serves one at a
+//! time, one after another), as aggregate tok/s over the wall time
+//! (prefill included), every client's tokens checked against the fast
+//! path's.
 
 mod common;
 
@@ -26,6 +33,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use std::time::Instant;
+
+use batched::{BatchedConfig, BatchedEngine};
 use engine_core::{Engine, GenerateRequest, Grammar, SpecStats};
 use fastpath::FastpathEngine;
 use runtime::{ComputeDtype, KvPool, LoadedModel, SharedModel};
@@ -63,6 +73,8 @@ struct Args {
     /// Prefixes the engines share (0: none, each prefills alone).
     prefix_entries: usize,
     fixed: bool,
+    /// Concurrency levels of the second table (none: no second table).
+    levels: Vec<usize>,
 }
 
 fn args() -> Args {
@@ -75,6 +87,7 @@ fn args() -> Args {
         per_kind: 1,
         prefix_entries: runtime::shared::DEFAULT_PREFIX_CACHE_ENTRIES,
         fixed: !std::env::args().any(|a| a == "--no-fixed"),
+        levels: Vec::new(),
     };
     let argv: Vec<String> = std::env::args().collect();
     for w in argv.windows(2) {
@@ -87,6 +100,7 @@ fn args() -> Args {
             "--reps" => a.reps = v.parse().expect("reps"),
             "--per-kind" => a.per_kind = v.parse().expect("per-kind"),
             "--prefix-entries" => a.prefix_entries = v.parse().expect("prefix-entries"),
+            "--levels" => a.levels = v.split(',').map(|c| c.parse().expect("level")).collect(),
             _ => {}
         }
     }
@@ -268,20 +282,16 @@ fn main() {
     }
     // best[prompt][engine]
     let mut best = vec![vec![Run::default(); engines.len()]; encoded.len()];
+    // The fast path's tokens per prompt, what every other run must give.
+    let mut references = vec![Vec::new(); encoded.len()];
     for _ in 0..a.reps {
         for (pi, (kind, prompt)) in encoded.iter().enumerate() {
-            let mut reference = Vec::new();
             for (ei, (name, e)) in engines.iter().enumerate() {
                 let (ids, run) = one(e.as_ref(), prompt, a.gen);
                 if ei == 0 {
-                    reference = ids;
-                } else if ids != reference {
-                    let same = ids
-                        .iter()
-                        .zip(&reference)
-                        .take_while(|(a, b)| a == b)
-                        .count();
-                    println!("{kind}: {name} diverged from the fast path after {same} tokens");
+                    references[pi] = ids;
+                } else {
+                    check(kind, name, &ids, &references[pi]);
                 }
                 let cell = &mut best[pi][ei];
                 let rate = |r: &Run| r.decode_tokens as f64 / r.decode_seconds.max(1e-9);
@@ -349,4 +359,102 @@ fn main() {
             );
         }
     }
+    if a.levels.is_empty() {
+        return;
+    }
+    let batched: Arc<dyn Engine> = Arc::new(BatchedEngine::new(
+        "batched".into(),
+        shared.clone(),
+        BatchedConfig::default(),
+    ));
+    one(batched.as_ref(), &encoded[0].1, 8);
+    // (name, engine, serves one request at a time)
+    let concurrent: Vec<(&str, Arc<dyn Engine>, bool)> = vec![
+        ("fastpath", engines[0].1.clone(), true),
+        ("batched", batched, false),
+        (engines[1].0, engines[1].1.clone(), false),
+        (engines[2].0, engines[2].1.clone(), false),
+    ];
+    println!();
+    println!("| prompt type | c | engine | tok/s, all clients | vs fastpath | vs batched | accepted/drafted |");
+    println!("|---|---|---|---|---|---|---|");
+    for &c in &a.levels {
+        for (pi, (kind, prompt)) in encoded.iter().enumerate() {
+            let mut rates = Vec::new();
+            for (name, engine, serial) in &concurrent {
+                let mut fastest: Option<(f64, SpecStats)> = None;
+                for _ in 0..a.reps {
+                    let (outputs, seconds, spec) = clients(engine, prompt, a.gen, c, *serial);
+                    for ids in &outputs {
+                        check(kind, name, ids, &references[pi]);
+                    }
+                    let tokens: usize = outputs.iter().map(Vec::len).sum();
+                    let rate = tokens as f64 / seconds;
+                    if fastest.is_none_or(|(r, _)| rate > r) {
+                        fastest = Some((rate, spec));
+                    }
+                }
+                rates.push(fastest.expect("reps >= 1"));
+            }
+            for (i, (name, _, _)) in concurrent.iter().enumerate() {
+                let (rate, spec) = rates[i];
+                let drafts = match i {
+                    0 | 1 => String::new(),
+                    _ => format!("{}/{}", spec.accepted, spec.drafted),
+                };
+                println!(
+                    "| {kind} | {c} | {name} | {rate:.2} | {:.2}x | {:.2}x | {drafts} |",
+                    rate / rates[0].0,
+                    rate / rates[1].0
+                );
+            }
+        }
+    }
+}
+
+/// Reports a run whose tokens left the fast path's.
+fn check(kind: &str, engine: &str, ids: &[u32], reference: &[u32]) {
+    if ids != reference {
+        let same = ids
+            .iter()
+            .zip(reference)
+            .take_while(|(a, b)| a == b)
+            .count();
+        println!("{kind}: {engine} diverged from the fast path after {same} tokens");
+    }
+}
+
+/// `c` clients sending `prompt` at once (one after another when
+/// `serial`): each client's tokens, the wall seconds, and the summed
+/// speculation counts.
+fn clients(
+    engine: &Arc<dyn Engine>,
+    prompt: &Prompt,
+    gen: usize,
+    c: usize,
+    serial: bool,
+) -> (Vec<Vec<u32>>, f64, SpecStats) {
+    let start = Instant::now();
+    let runs: Vec<(Vec<u32>, Run)> = if serial {
+        (0..c).map(|_| one(engine.as_ref(), prompt, gen)).collect()
+    } else {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..c)
+                .map(|_| s.spawn(|| one(engine.as_ref(), prompt, gen)))
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    };
+    let seconds = start.elapsed().as_secs_f64();
+    let mut spec = SpecStats::default();
+    for (_, r) in &runs {
+        spec.drafted += r.spec.drafted;
+        spec.accepted += r.spec.accepted;
+        spec.target_forwards += r.spec.target_forwards;
+    }
+    (
+        runs.into_iter().map(|(ids, _)| ids).collect(),
+        seconds,
+        spec,
+    )
 }
