@@ -23,6 +23,18 @@ pub enum Linear {
     },
 }
 
+/// From this many rows on (a verify, a prefill chunk), a product with
+/// packed weights on the CPU unpacks them once and multiplies densely:
+/// MLX's CPU kernel unpacks every weight again for each row, so its cost
+/// grows with the rows, where unpacking once costs about two rows'
+/// worth (docs/benchmarks.md, "plain round").
+const DEQUANTIZE_ROWS: i32 = 2;
+
+/// Rows of `x`: every axis but the last.
+fn rows(x: &Array) -> i32 {
+    x.shape()[..x.ndim() - 1].iter().product()
+}
+
 impl Linear {
     pub fn load(
         w: &mut Weights,
@@ -110,7 +122,12 @@ impl Linear {
                 group_size,
                 bits,
             } => {
-                let y = ops::quantized_matmul(x, weight, scales, biases, true, *group_size, *bits)?;
+                let y = if rows(x) >= DEQUANTIZE_ROWS && crate::compute::on_cpu() {
+                    let w = ops::dequantize(weight, scales, biases, *group_size, *bits)?;
+                    x.matmul(w.t())?
+                } else {
+                    ops::quantized_matmul(x, weight, scales, biases, true, *group_size, *bits)?
+                };
                 match bias {
                     Some(b) => y.add(b),
                     None => Ok(y),

@@ -1,7 +1,7 @@
 //! Speculative engines with prompt lookup against the fast path, on a real
 //! checkpoint and real prompts, one request at a time, per prompt type:
 //!
-//!     cargo bench -p speculative --bench real_text -- --model DIR [--drafter DIR --gen 128 --reps 2 --per-kind 1 --prefix-entries 16 --no-fixed]
+//!     cargo bench -p speculative --bench real_text -- --model DIR [--drafter DIR --gen 128 --reps 2 --per-kind 1 --prefix-entries 16 --no-fixed --only KIND]
 //!
 //! Prompt types: the bundled mixed set (`bench/prompts/mixed.jsonl`; tool
 //! calls left out, they need the gateway's tool rendering) and two that
@@ -63,6 +63,8 @@ struct Args {
     /// Prefixes the engines share (0: none, each prefills alone).
     prefix_entries: usize,
     fixed: bool,
+    /// Only the prompt types whose name contains this.
+    only: Option<String>,
 }
 
 fn args() -> Args {
@@ -75,6 +77,7 @@ fn args() -> Args {
         per_kind: 1,
         prefix_entries: runtime::shared::DEFAULT_PREFIX_CACHE_ENTRIES,
         fixed: !std::env::args().any(|a| a == "--no-fixed"),
+        only: None,
     };
     let argv: Vec<String> = std::env::args().collect();
     for w in argv.windows(2) {
@@ -87,6 +90,7 @@ fn args() -> Args {
             "--reps" => a.reps = v.parse().expect("reps"),
             "--per-kind" => a.per_kind = v.parse().expect("per-kind"),
             "--prefix-entries" => a.prefix_entries = v.parse().expect("prefix-entries"),
+            "--only" => a.only = Some(v.clone()),
             _ => {}
         }
     }
@@ -162,6 +166,7 @@ fn main() {
     let bytes = model.model.kv_bytes_per_token();
     let encoded: Vec<(String, Prompt)> = prompts(a.per_kind)
         .into_iter()
+        .filter(|(kind, ..)| a.only.as_ref().is_none_or(|o| kind.contains(o.as_str())))
         .map(|(kind, text, grammar)| {
             let messages = [serde_json::json!({"role": "user", "content": text})];
             let options = text::template::RenderOptions::default().with_generation_prompt();
