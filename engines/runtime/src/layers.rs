@@ -24,11 +24,12 @@ pub enum Linear {
 }
 
 /// From this many rows on (a verify, a prefill chunk), a product with
-/// packed weights on the CPU unpacks them once and multiplies densely:
-/// MLX's CPU kernel unpacks every weight again for each row, so its cost
-/// grows with the rows, where unpacking once costs about two rows'
-/// worth (docs/benchmarks.md, "plain round").
-const DEQUANTIZE_ROWS: i32 = 2;
+/// packed weights on the CPU (those too large to expand at load,
+/// [`crate::ComputeDtype::expands_packed`]) unpacks them once and
+/// multiplies densely: MLX's CPU kernel unpacks every weight again for each
+/// row, so its cost grows with the rows, where unpacking once costs about
+/// two or three rows' worth (docs/benchmarks.md, "plain round").
+const DEQUANTIZE_ROWS: i32 = 3;
 
 /// Rows of `x`: every axis but the last.
 fn rows(x: &Array) -> i32 {

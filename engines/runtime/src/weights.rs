@@ -152,6 +152,44 @@ impl Weights {
         self.tensors.keys()
     }
 
+    /// Packed quantized layers (by prefix) and their quantization; layers
+    /// without their own take `default`.
+    fn packed(&self, default: Option<Quantization>) -> Vec<(String, Quantization)> {
+        self.tensors
+            .keys()
+            .filter_map(|n| n.strip_suffix(".scales"))
+            .filter(|p| self.tensors.contains_key(&format!("{p}.weight")))
+            .filter_map(|p| Some((p.to_string(), self.quantization(p).or(default)?)))
+            .collect()
+    }
+
+    /// Bytes the packed quantized layers would take expanded to their
+    /// scales' dtype.
+    pub fn expanded_bytes(&self, default: Option<Quantization>) -> u64 {
+        self.packed(default)
+            .iter()
+            .map(|(p, q)| {
+                let w = &self.tensors[&format!("{p}.weight")];
+                let s = &self.tensors[&format!("{p}.scales")];
+                (w.size() * 32 / q.bits as usize * s.item_size()) as u64
+            })
+            .sum()
+    }
+
+    /// Expands every packed quantized layer to its scales' dtype (dense),
+    /// lazily like [`Weights::cast_floats`].
+    pub fn expand_packed(&mut self, default: Option<Quantization>) -> anyhow::Result<()> {
+        for (prefix, q) in self.packed(default) {
+            let w = self.take(&format!("{prefix}.weight"))?;
+            let s = self.take(&format!("{prefix}.scales"))?;
+            let b = self.take(&format!("{prefix}.biases"))?;
+            let dense = mlx_rs::ops::dequantize(&w, &s, &b, q.group_size, q.bits)?;
+            self.tensors.insert(format!("{prefix}.weight"), dense);
+            self.quantization.remove(&prefix);
+        }
+        Ok(())
+    }
+
     /// Casts every floating-point tensor to `dtype` (lazily: the copy is
     /// made when the weights are evaluated, and the checkpoint's arrays are
     /// dropped then).

@@ -1,7 +1,7 @@
 //! Where a speculative engine's time goes against the fast path, on a real
 //! checkpoint and one prompt, one request at a time:
 //!
-//!     cargo bench -p speculative --bench plain_round -- --model DIR [--gen 48 --reps 3 --text PROMPT]
+//!     cargo bench -p speculative --bench plain_round -- --model DIR [--gen 48 --reps 3 --dtype auto --text PROMPT]
 //!
 //! First the cost of a verify of `k` drafts (`k + 1` positions in one
 //! forward) relative to a decode step, median of 7. Then decode tok/s
@@ -125,8 +125,9 @@ fn main() {
     assert!(!dir.as_os_str().is_empty(), "--model DIR is required");
     let gen: usize = arg("--gen", "48").parse().expect("gen");
     let reps: usize = arg("--reps", "3").parse().expect("reps");
+    let dtype: ComputeDtype = arg("--dtype", "auto").parse().expect("compute dtype");
     let text = arg("--text", "Write a short paragraph describing a quiet harbour town at dawn, from the point of view of a fisherman who has lived there all his life.");
-    let loaded = LoadedModel::load_as(&dir, None, ComputeDtype::Auto).expect("load");
+    let loaded = LoadedModel::load_as(&dir, None, dtype).expect("load");
     let bytes = loaded.model.kv_bytes_per_token();
     let shared = Arc::new(SharedModel::new(
         loaded,
