@@ -26,6 +26,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use common::{record_schema, RECORD};
 use engine_core::{Engine, GenerateRequest, Grammar, SpecStats};
 use fastpath::FastpathEngine;
 use runtime::{ComputeDtype, KvPool, LoadedModel, SharedModel};
@@ -34,23 +35,6 @@ use speculative::SpecSettings;
 const EDIT: &str = "Here is a Python function:\n\n```python\ndef summarize(orders):\n    total = 0\n    count = 0\n    for order in orders:\n        if order.status == \"paid\":\n            total += order.amount\n            count += 1\n    average = total / count if count else 0\n    return {\"total\": total, \"count\": count, \"average\": average}\n```\n\nRename the variable `total` to `paid_total` everywhere and return the complete updated function in a code block.";
 
 const EXTRACT: &str = "Here is a configuration file:\n\n```\nserver.host = 0.0.0.0\nserver.port = 8080\nserver.read_timeout = 30s\ndatabase.url = postgres://db:5432/shop\ndatabase.pool_size = 16\ndatabase.connect_timeout = 5s\ncache.enabled = true\ncache.ttl = 600s\n```\n\nCopy out, unchanged and in a code block, every line of this file that starts with `server.` or `database.`.";
-
-const RECORD: &str = "Customer record:\n\nname: Ada Lovelace\nemail: ada.lovelace@example.com\ncity: London\ncountry: United Kingdom\nphone: +44 20 7946 0958\nmember_since: 2019\n\nReturn this record as a JSON object with the keys name, email, city, country, phone and member_since.";
-
-/// The record prompt's answer: its keys in order, values of their types.
-fn record_schema() -> Grammar {
-    let text = |max: u32| serde_json::json!({"type": "string", "maxLength": max});
-    let schema = serde_json::json!({
-        "type": "object",
-        "properties": {
-            "name": text(40), "email": text(60), "city": text(40), "country": text(40),
-            "phone": text(30), "member_since": {"type": "integer", "minimum": 1900, "maximum": 2100},
-        },
-        "required": ["name", "email", "city", "country", "phone", "member_since"],
-        "additionalProperties": false,
-    });
-    Grammar::JsonSchema(schema.to_string())
-}
 
 struct Args {
     model: PathBuf,
