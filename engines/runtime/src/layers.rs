@@ -28,8 +28,8 @@ pub enum Linear {
 /// [`crate::ComputeDtype::expands_packed`]) unpacks them once and
 /// multiplies densely: MLX's CPU kernel unpacks every weight again for each
 /// row, so its cost grows with the rows, where unpacking once costs about
-/// two or three rows' worth (docs/benchmarks.md, "plain round").
-const DEQUANTIZE_ROWS: i32 = 3;
+/// three rows' worth (docs/benchmarks.md, "plain round").
+const DEQUANTIZE_ROWS: i32 = 4;
 
 /// Rows of `x`: every axis but the last.
 fn rows(x: &Array) -> i32 {
