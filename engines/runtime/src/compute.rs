@@ -62,7 +62,7 @@ impl ComputeDtype {
     /// the CPU, where they take at most a quarter of the memory. MLX's CPU
     /// kernels unpack every packed weight again for every row, where dense
     /// products run on BLAS: SmolLM2-135M's Q4_1 weights expanded to fp32
-    /// decode 1.4-3.5x faster, and a verify of 8 drafts costs 1.3-2.1
+    /// decode 1.5-3.6x faster, and a verify of 8 drafts costs 1.3-2.1
     /// decode steps instead of 8-10 (docs/benchmarks.md). Larger models keep
     /// their memory and stay packed.
     pub fn expands_packed(self, dense_bytes: u64) -> bool {
