@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, Context};
 use mlx_rs::{Array, Dtype};
 
-use crate::config::Quantization;
+use crate::config::{ModelConfig, Quantization};
 
 pub struct Weights {
     tensors: HashMap<String, Array>,
@@ -152,21 +152,27 @@ impl Weights {
         self.tensors.keys()
     }
 
-    /// Packed quantized layers (by prefix) and their quantization; layers
-    /// without their own take `default`.
-    fn packed(&self, default: Option<Quantization>) -> Vec<(String, Quantization)> {
+    /// Packed quantized layers (by prefix) and their quantization: their
+    /// own (GGUF), else the config's for that layer, as [`Linear::load`]
+    /// reads it.
+    ///
+    /// [`Linear::load`]: crate::layers::Linear::load
+    fn packed(&self, config: &ModelConfig) -> Vec<(String, Quantization)> {
         self.tensors
             .keys()
             .filter_map(|n| n.strip_suffix(".scales"))
             .filter(|p| self.tensors.contains_key(&format!("{p}.weight")))
-            .filter_map(|p| Some((p.to_string(), self.quantization(p).or(default)?)))
+            .filter_map(|p| {
+                let q = self.quantization(p).or_else(|| config.quant_for(p))?;
+                Some((p.to_string(), q))
+            })
             .collect()
     }
 
     /// Bytes the packed quantized layers would take expanded to their
     /// scales' dtype.
-    pub fn expanded_bytes(&self, default: Option<Quantization>) -> u64 {
-        self.packed(default)
+    pub fn expanded_bytes(&self, config: &ModelConfig) -> u64 {
+        self.packed(config)
             .iter()
             .map(|(p, q)| {
                 let w = &self.tensors[&format!("{p}.weight")];
@@ -178,8 +184,8 @@ impl Weights {
 
     /// Expands every packed quantized layer to its scales' dtype (dense),
     /// lazily like [`Weights::cast_floats`].
-    pub fn expand_packed(&mut self, default: Option<Quantization>) -> anyhow::Result<()> {
-        for (prefix, q) in self.packed(default) {
+    pub fn expand_packed(&mut self, config: &ModelConfig) -> anyhow::Result<()> {
+        for (prefix, q) in self.packed(config) {
             let w = self.take(&format!("{prefix}.weight"))?;
             let s = self.take(&format!("{prefix}.scales"))?;
             let b = self.take(&format!("{prefix}.biases"))?;

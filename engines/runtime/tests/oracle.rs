@@ -58,10 +58,9 @@ fn load(dir: &Path, compute: Option<Dtype>, expand: bool) -> Model {
         weights.cast_floats(dtype).unwrap();
     }
     if expand {
-        let q = config.quantization;
-        assert!(ComputeDtype::Auto.expands_packed(weights.expanded_bytes(q)));
-        weights.expand_packed(q).unwrap();
-        assert_eq!(weights.expanded_bytes(q), 0, "nothing left packed");
+        assert!(ComputeDtype::Auto.expands_packed(weights.expanded_bytes(&config)));
+        weights.expand_packed(&config).unwrap();
+        assert_eq!(weights.expanded_bytes(&config), 0, "nothing left packed");
     }
     Model::load(config, weights).unwrap()
 }
@@ -343,6 +342,17 @@ mod gemma4 {
             };
             check_family(spec, None);
         }
+    }
+
+    /// The same experts (and the routers that stay unquantized) expanded
+    /// at load, as `auto` does on the CPU.
+    #[test]
+    fn quantized_moe_expanded_at_load_matches_mlx_lm() {
+        let spec = TinySpec {
+            quant_bits: Some(4),
+            ..TinySpec::gemma4(Gemma4Shape::moe_26b(4))
+        };
+        check(spec, None, Some(Dtype::Float32), None, true);
     }
 }
 
