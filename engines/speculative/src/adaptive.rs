@@ -12,8 +12,7 @@
 //! (prompt lookup: the length of the matched suffix; trained drafters: one
 //! kind), moved by [`RATE`] toward every outcome: deep rejections pull the
 //! size down within a few rounds, acceptances push it up, and a depth never
-//! tried borrows the rate of the one above it so the size can grow, to
-//! twice the deepest draft accepted so far at most. A kind
+//! tried borrows the rate of the one above it so the size can grow. A kind
 //! is first tried with one token (a probe), and one that stops paying is
 //! probed again after a pause that doubles with every failed probe, so a
 //! source with nothing credible drafts (almost) nothing and its sequence
@@ -155,10 +154,6 @@ struct Kind {
     /// Rounds to wait before the next probe, and rounds waited.
     probe_every: u32,
     waited: u32,
-    /// The deepest draft accepted so far: blocks grow to twice it at
-    /// most, so one lucky probe does not buy a full block on borrowed
-    /// rates.
-    shown: usize,
 }
 
 impl Kind {
@@ -168,7 +163,6 @@ impl Kind {
             probe_every: PROBE_FIRST,
             // A kind never tried is due for its first probe.
             waited: PROBE_FIRST,
-            shown: 0,
         }
     }
 
@@ -190,8 +184,7 @@ impl Kind {
         }
         let (mut expected, mut reach) = (0.0, 1.0);
         let (mut best, mut best_gain) = (0, MARGIN);
-        let grown = limit.min((2 * self.shown).max(1));
-        for (i, p) in self.rates().take(grown).enumerate() {
+        for (i, p) in self.rates().take(limit).enumerate() {
             reach *= p;
             expected += reach;
             let k = i + 1;
@@ -216,7 +209,6 @@ impl Kind {
     }
 
     fn learn(&mut self, drafted: usize, accepted: usize) {
-        self.shown = self.shown.max(accepted);
         for (i, p) in self.accept.iter_mut().enumerate().take(drafted) {
             let hit = if i < accepted { 1.0 } else { 0.0 };
             *p = Some(ewma(Some(p.unwrap_or(PRIOR_ACCEPT)), hit));
@@ -343,16 +335,7 @@ mod tests {
         let (mut s, cost) = (DraftSizer::new(8, 1, true), RoundCost::default());
         let sizes = run(&mut s, &cost, 20, |k| k);
         assert_eq!(sizes[0], 1, "a kind never tried is probed first");
-        assert_eq!(sizes[1..4], [2, 4, 8], "blocks double while accepted");
-        assert!(sizes[4..].iter().all(|&k| k == 8), "{sizes:?}");
-    }
-
-    #[test]
-    fn blocks_grow_only_to_twice_what_was_accepted() {
-        // Only the first draft is ever right: a full block would waste 7.
-        let (mut s, cost) = (DraftSizer::new(8, 1, true), RoundCost::default());
-        let sizes = run(&mut s, &cost, 40, |k| k.min(1));
-        assert!(sizes.iter().all(|&k| k <= 2), "{sizes:?}");
+        assert!(sizes[5..].iter().all(|&k| k == 8), "{sizes:?}");
     }
 
     #[test]
