@@ -60,8 +60,8 @@ impl ComputeDtype {
     /// Whether packed quantized weights that take `dense_bytes` once
     /// expanded are expanded to the compute dtype at load: under `auto` on
     /// the CPU, where they take at most a quarter of the memory. MLX's CPU
-    /// kernels unpack every packed weight again for every row, where dense
-    /// products run on BLAS: SmolLM2-135M's Q4_1 weights expanded to fp32
+    /// kernels for packed weights cost a pass over them per row, where
+    /// dense products run on BLAS: SmolLM2-135M's Q4_1 weights expanded to fp32
     /// decode 1.5-3.6x faster, and a verify of 8 drafts costs 1.3-2.1
     /// decode steps instead of 8-10 (docs/benchmarks.md). Larger models keep
     /// their memory and stay packed.

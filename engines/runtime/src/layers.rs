@@ -26,9 +26,9 @@ pub enum Linear {
 /// From this many rows on (a verify, a prefill chunk), a product with
 /// packed weights on the CPU (those too large to expand at load,
 /// [`crate::ComputeDtype::expands_packed`]) unpacks them once and
-/// multiplies densely: MLX's CPU kernel unpacks every weight again for each
-/// row, so its cost grows with the rows, where unpacking once costs about
-/// three rows' worth (docs/benchmarks.md, "plain round").
+/// multiplies densely: MLX's CPU kernel costs a pass over the packed
+/// weights per row, where unpacking once costs about three rows' worth
+/// (docs/benchmarks.md, "plain round").
 const DEQUANTIZE_ROWS: i32 = 4;
 
 /// Rows of `x`: every axis but the last.
