@@ -4,10 +4,10 @@
 //! half-precision BLAS: every half matmul converts its operands and runs a
 //! slower kernel, so a bf16 checkpoint decodes well below the fp32 speed of
 //! the same weights. `auto` therefore upcasts half-precision tensors to
-//! fp32 at load on the CPU and keeps them elsewhere. Quantized weights stay
-//! packed (MLX's CPU quantized matmul reads 4-8x fewer bytes than fp32);
-//! their scales and biases take the compute dtype, which sets the dtype of
-//! the activations and of the KV cache.
+//! fp32 at load on the CPU and keeps them elsewhere. Quantized weights'
+//! scales and biases take the compute dtype, which sets the dtype of the
+//! activations and of the KV cache; the packed weights themselves are
+//! expanded too where that fits ([`ComputeDtype::expands_packed`]).
 
 use mlx_rs::{Device, DeviceType, Dtype};
 use serde::Deserialize;
@@ -53,6 +53,23 @@ impl std::str::FromStr for ComputeDtype {
     fn from_str(s: &str) -> Result<Self, String> {
         serde_json::from_value(serde_json::Value::String(s.into()))
             .map_err(|_| format!("unknown compute dtype `{s}` (auto, float32, bfloat16, float16)"))
+    }
+}
+
+impl ComputeDtype {
+    /// Whether packed quantized weights that take `dense_bytes` once
+    /// expanded are expanded to the compute dtype at load: under `auto` on
+    /// the CPU, where they take at most a quarter of the memory. MLX's CPU
+    /// kernels for packed weights cost a pass over them per row, where
+    /// dense products run on BLAS: SmolLM2-135M's Q4_1 weights expanded to fp32
+    /// decode 1.5-3.6x faster, and a verify of 8 drafts costs 1.3-2.1
+    /// decode steps instead of 8-10 (docs/benchmarks.md). Larger models keep
+    /// their memory and stay packed.
+    pub fn expands_packed(self, dense_bytes: u64) -> bool {
+        self == ComputeDtype::Auto
+            && dense_bytes > 0
+            && on_cpu()
+            && crate::memory::device_total().is_some_and(|total| dense_bytes <= total / 4)
     }
 }
 

@@ -24,6 +24,19 @@ pub enum Linear {
     },
 }
 
+/// From this many rows on (a verify, a prefill chunk), a product with
+/// packed weights on the CPU (those too large to expand at load,
+/// [`crate::ComputeDtype::expands_packed`]) unpacks them once and
+/// multiplies densely: MLX's CPU kernel costs a pass over the packed
+/// weights per row, where unpacking once costs about three rows' worth
+/// (docs/benchmarks.md, "plain round").
+const DEQUANTIZE_ROWS: i32 = 4;
+
+/// Rows of `x`: every axis but the last.
+fn rows(x: &Array) -> i32 {
+    x.shape()[..x.ndim() - 1].iter().product()
+}
+
 impl Linear {
     pub fn load(
         w: &mut Weights,
@@ -111,7 +124,12 @@ impl Linear {
                 group_size,
                 bits,
             } => {
-                let y = ops::quantized_matmul(x, weight, scales, biases, true, *group_size, *bits)?;
+                let y = if rows(x) >= DEQUANTIZE_ROWS && crate::compute::on_cpu() {
+                    let w = ops::dequantize(weight, scales, biases, *group_size, *bits)?;
+                    x.matmul(w.t())?
+                } else {
+                    ops::quantized_matmul(x, weight, scales, biases, true, *group_size, *bits)?
+                };
                 match bias {
                     Some(b) => y.add(b),
                     None => Ok(y),

@@ -328,6 +328,9 @@ fn build(path: &Path, compute: ComputeDtype) -> anyhow::Result<Built> {
     if let Some(dtype) = compute.resolve() {
         weights.cast_floats(dtype)?;
     }
+    if compute.expands_packed(weights.expanded_bytes(&config)) {
+        weights.expand_packed(&config)?;
+    }
     let shown = checkpoint.path().display().to_string();
     let vision = match &checkpoint {
         Checkpoint::Dir(dir) => match VisionConfig::from_dir(dir)? {

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, Context};
 use mlx_rs::{Array, Dtype};
 
-use crate::config::Quantization;
+use crate::config::{ModelConfig, Quantization};
 
 pub struct Weights {
     tensors: HashMap<String, Array>,
@@ -150,6 +150,50 @@ impl Weights {
 
     pub fn remaining(&self) -> impl Iterator<Item = &String> {
         self.tensors.keys()
+    }
+
+    /// Packed quantized layers (by prefix) and their quantization: their
+    /// own (GGUF), else the config's for that layer, as [`Linear::load`]
+    /// reads it.
+    ///
+    /// [`Linear::load`]: crate::layers::Linear::load
+    fn packed(&self, config: &ModelConfig) -> Vec<(String, Quantization)> {
+        self.tensors
+            .keys()
+            .filter_map(|n| n.strip_suffix(".scales"))
+            .filter(|p| self.tensors.contains_key(&format!("{p}.weight")))
+            .filter_map(|p| {
+                let q = self.quantization(p).or_else(|| config.quant_for(p))?;
+                Some((p.to_string(), q))
+            })
+            .collect()
+    }
+
+    /// Bytes the packed quantized layers would take expanded to their
+    /// scales' dtype.
+    pub fn expanded_bytes(&self, config: &ModelConfig) -> u64 {
+        self.packed(config)
+            .iter()
+            .map(|(p, q)| {
+                let w = &self.tensors[&format!("{p}.weight")];
+                let s = &self.tensors[&format!("{p}.scales")];
+                (w.size() * 32 / q.bits as usize * s.item_size()) as u64
+            })
+            .sum()
+    }
+
+    /// Expands every packed quantized layer to its scales' dtype (dense),
+    /// lazily like [`Weights::cast_floats`].
+    pub fn expand_packed(&mut self, config: &ModelConfig) -> anyhow::Result<()> {
+        for (prefix, q) in self.packed(config) {
+            let w = self.take(&format!("{prefix}.weight"))?;
+            let s = self.take(&format!("{prefix}.scales"))?;
+            let b = self.take(&format!("{prefix}.biases"))?;
+            let dense = mlx_rs::ops::dequantize(&w, &s, &b, q.group_size, q.bits)?;
+            self.tensors.insert(format!("{prefix}.weight"), dense);
+            self.quantization.remove(&prefix);
+        }
+        Ok(())
     }
 
     /// Casts every floating-point tensor to `dtype` (lazily: the copy is

@@ -37,6 +37,7 @@ fn smollm2_gguf_matches_mlx_lm_and_transformers() {
         &serde_json::json!({"gguf": gguf, "out": out.path(), "texts": texts, "chats": chats}),
     );
     // `auto` computes in fp32 on the CPU; the reference is cast to match.
+    // `float32` keeps the packed weights (`auto` expands them, below).
     let model = LoadedModel::load_as(&gguf, None, ComputeDtype::Float32).unwrap();
     assert_eq!(model.name, "SmolLM2-135M-Instruct.Q4_1");
     assert_eq!(model.model.config.num_layers, 30);
@@ -69,42 +70,46 @@ fn smollm2_gguf_matches_mlx_lm_and_transformers() {
         "mlx_lm_oracle.py",
         &serde_json::json!({"model": out.path(), "prompts": prompts, "max_tokens": STEPS, "logits": false, "dtype": COMPUTE}),
     );
-    let m = &model.model;
-    for (prompt, r) in prompts.iter().zip(oracle["results"].as_array().unwrap()) {
-        let run = generate::greedy(m, prompt, STEPS, &[], |_| true).unwrap();
-        assert_eq!(
-            run.tokens,
-            ids(&r["tokens"]),
-            "greedy tokens differ from mlx-lm"
-        );
-    }
     let with_logits = fixtures::reference::run(
         "mlx_lm_oracle.py",
         &serde_json::json!({"model": out.path(), "prompts": [prompts[0]], "max_tokens": LOGIT_STEPS, "dtype": COMPUTE}),
     );
-    let r = &with_logits["results"][0];
-    let want = ids(&r["tokens"]);
-    let mut cache = m.new_cache(1);
-    let mut logits = prefill(m, &mut cache, &prompts[0], 16).unwrap();
-    let mut worst = 0f32;
-    for (step, row) in r["logits"].as_array().unwrap().iter().enumerate() {
-        let ours: Vec<f32> = logits.reshape(&[-1]).unwrap().as_slice::<f32>().to_vec();
-        for (a, b) in ours.iter().zip(row.as_array().unwrap()) {
-            worst = worst.max((a - b.as_f64().unwrap() as f32).abs());
+    // The weights as they load under `float32` (packed) and under `auto`
+    // on the CPU (expanded to fp32) against the same packed reference.
+    let expanded = LoadedModel::load_as(&gguf, None, ComputeDtype::Auto).unwrap();
+    for (label, m) in [("packed", &model.model), ("expanded", &expanded.model)] {
+        for (prompt, r) in prompts.iter().zip(oracle["results"].as_array().unwrap()) {
+            let run = generate::greedy(m, prompt, STEPS, &[], |_| true).unwrap();
+            assert_eq!(
+                run.tokens,
+                ids(&r["tokens"]),
+                "{label}: greedy tokens differ from mlx-lm"
+            );
         }
-        logits = m
-            .forward(
-                &generate::tokens_array(&[want[step]]),
-                &mut cache,
-                Logits::Last,
-            )
-            .unwrap();
+        let r = &with_logits["results"][0];
+        let want = ids(&r["tokens"]);
+        let mut cache = m.new_cache(1);
+        let mut logits = prefill(m, &mut cache, &prompts[0], 16).unwrap();
+        let mut worst = 0f32;
+        for (step, row) in r["logits"].as_array().unwrap().iter().enumerate() {
+            let ours: Vec<f32> = logits.reshape(&[-1]).unwrap().as_slice::<f32>().to_vec();
+            for (a, b) in ours.iter().zip(row.as_array().unwrap()) {
+                worst = worst.max((a - b.as_f64().unwrap() as f32).abs());
+            }
+            logits = m
+                .forward(
+                    &generate::tokens_array(&[want[step]]),
+                    &mut cache,
+                    Logits::Last,
+                )
+                .unwrap();
+        }
+        eprintln!("{label}: max |logit - mlx-lm logit| over {LOGIT_STEPS} steps: {worst}");
+        assert!(
+            worst < LOGIT_TOLERANCE,
+            "{label}: logits differ from mlx-lm by {worst}"
+        );
     }
-    eprintln!("max |logit - mlx-lm logit| over {LOGIT_STEPS} steps: {worst}");
-    assert!(
-        worst < LOGIT_TOLERANCE,
-        "logits differ from mlx-lm by {worst}"
-    );
     // The factual prompt is answered.
     let answer = ids(&oracle["results"][0]["tokens"]);
     let text = model.tokenizer.decode(&answer, true).unwrap();

@@ -15,7 +15,7 @@ use runtime::generate::{self, prefill};
 use runtime::mask::{set_ragged_attention, RaggedAttention};
 use runtime::model::{Logits, Model};
 use runtime::weights::Weights;
-use runtime::{Family, KvQuant};
+use runtime::{ComputeDtype, Family, KvQuant};
 
 const STEPS: usize = 64;
 
@@ -49,13 +49,20 @@ fn reference(
 }
 
 /// The model, its floating-point weights cast to `compute` (as
-/// `model.compute_dtype` does at load).
-fn load(dir: &Path, compute: Option<Dtype>) -> Model {
+/// `model.compute_dtype` does at load), its packed weights expanded when
+/// `expand` (as `auto` does on the CPU where they fit).
+fn load(dir: &Path, compute: Option<Dtype>, expand: bool) -> Model {
+    let config = ModelConfig::from_dir(dir).unwrap();
     let mut weights = Weights::from_dir(dir).unwrap();
     if let Some(dtype) = compute {
         weights.cast_floats(dtype).unwrap();
     }
-    Model::load(ModelConfig::from_dir(dir).unwrap(), weights).unwrap()
+    if expand {
+        assert!(ComputeDtype::Auto.expands_packed(weights.expanded_bytes(&config)));
+        weights.expand_packed(&config).unwrap();
+        assert_eq!(weights.expanded_bytes(&config), 0, "nothing left packed");
+    }
+    Model::load(config, weights).unwrap()
 }
 
 /// Our greedy decode after a prefill in forwards of `chunk` tokens, step
@@ -110,16 +117,22 @@ fn check_family(spec: TinySpec, logit_tol: Option<f32>) {
 }
 
 fn check_computed_in(spec: TinySpec, logit_tol: Option<f32>, compute: Option<Dtype>) {
-    check(spec, logit_tol, compute, None)
+    check(spec, logit_tol, compute, None, false)
 }
 
 /// Ours with the checkpoint's floats cast to `compute` and full-attention
 /// KV quantized with `kv` against mlx-lm with its parameters cast and its
 /// caches quantized the same way.
-fn check(spec: TinySpec, logit_tol: Option<f32>, compute: Option<Dtype>, kv: Option<KvQuant>) {
+fn check(
+    spec: TinySpec,
+    logit_tol: Option<f32>,
+    compute: Option<Dtype>,
+    kv: Option<KvQuant>,
+    expand: bool,
+) {
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path(), &spec).unwrap();
-    let mut model = load(dir.path(), compute);
+    let mut model = load(dir.path(), compute, expand);
     model.set_kv_quant(kv).unwrap();
     let prompts = prompts(spec.vocab as u32);
     let cast = compute.map(|d| match d {
@@ -130,7 +143,7 @@ fn check(spec: TinySpec, logit_tol: Option<f32>, compute: Option<Dtype>, kv: Opt
     });
     let refs = reference(dir.path(), &prompts, STEPS, logit_tol.is_some(), cast, kv);
     let label = format!(
-        "{:?} {:?} q{:?} computed in {:?}, KV {kv:?}",
+        "{:?} {:?} q{:?} computed in {:?}, expanded {expand}, KV {kv:?}",
         spec.family, spec.dtype, spec.quant_bits, compute
     );
     for (i, (prompt, r)) in prompts.iter().zip(&refs).enumerate() {
@@ -234,6 +247,20 @@ fn checkpoints_upcast_to_fp32_match_mlx_lm_in_fp32() {
     check_computed_in(spec, Some(1e-3), Some(Dtype::Float32));
 }
 
+/// `model.compute_dtype: auto` on the CPU with a small packed checkpoint:
+/// its 4- and 8-bit weights expanded to fp32 at load match mlx-lm running
+/// the packed weights in fp32, tokens and logits.
+#[test]
+fn packed_weights_expanded_at_load_match_mlx_lm_in_fp32() {
+    for bits in [4, 8] {
+        let spec = TinySpec {
+            quant_bits: Some(bits),
+            ..TinySpec::tiny(Family::Qwen3)
+        };
+        check(spec, Some(1e-3), Some(Dtype::Float32), None, true);
+    }
+}
+
 /// `model.kv_cache`, fp32: keys and values quantized as they are appended
 /// and attended through quantized matmul give mlx-lm's tokens, and its
 /// logits within 1e-3, for 64 steps, alone and in padded batches, at both
@@ -252,7 +279,7 @@ fn quantized_kv_cache_matches_mlx_lm() {
             head_dim,
             ..TinySpec::tiny(family)
         };
-        check(spec, Some(1e-3), None, quant);
+        check(spec, Some(1e-3), None, quant, false);
     }
 }
 
@@ -302,6 +329,7 @@ mod gemma4 {
             Some(1e-3),
             None,
             Some(kv),
+            false,
         );
     }
 
@@ -314,6 +342,17 @@ mod gemma4 {
             };
             check_family(spec, None);
         }
+    }
+
+    /// The same experts (and the routers that stay unquantized) expanded
+    /// at load, as `auto` does on the CPU.
+    #[test]
+    fn quantized_moe_expanded_at_load_matches_mlx_lm() {
+        let spec = TinySpec {
+            quant_bits: Some(4),
+            ..TinySpec::gemma4(Gemma4Shape::moe_26b(4))
+        };
+        check(spec, None, Some(Dtype::Float32), None, true);
     }
 }
 
@@ -362,7 +401,7 @@ mod qwen {
             let spec = TinySpec::qwen(shape);
             let dir = tempfile::tempdir().unwrap();
             write_model(dir.path(), &spec).unwrap();
-            let model = load(dir.path(), None);
+            let model = load(dir.path(), None, false);
             let prompts = prompts_of(spec.vocab as u32, &[200, 65, 128, 150]);
             let steps = 16;
             let refs = reference(dir.path(), &prompts, steps, true, None, None);

@@ -1,7 +1,7 @@
 //! Where a speculative engine's time goes against the fast path, on a real
 //! checkpoint and one prompt, one request at a time:
 //!
-//!     cargo bench -p speculative --bench plain_round -- --model DIR [--gen 48 --reps 3 --text PROMPT]
+//!     cargo bench -p speculative --bench plain_round -- --model DIR [--gen 48 --reps 3 --dtype auto --text PROMPT | --json-schema]
 //!
 //! First the cost of a verify of `k` drafts (`k + 1` positions in one
 //! forward) relative to a decode step, median of 7. Then decode tok/s
@@ -10,7 +10,9 @@
 //! round takes them (one forward, read, next), the fast path engine, a
 //! speculative engine whose draft source never proposes (every round a
 //! plain step) and one with prompt lookup (adaptive, the default). Every
-//! run's tokens are checked against the pipelined loop's.
+//! run's tokens are checked against the pipelined loop's. `--json-schema`:
+//! the record prompt under its JSON Schema (real_text's `json (schema)`),
+//! the engines only, checked against the fast path's tokens.
 
 mod common;
 
@@ -18,7 +20,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use engine_core::{Engine, GenerateRequest};
+use engine_core::{Engine, GenerateRequest, Grammar};
 use mlx_rs::transforms::eval;
 use runtime::generate::{self, tokens_array, GreedyStream};
 use runtime::model::{Logits, Tapped, Taps};
@@ -50,9 +52,19 @@ impl DraftState for Nothing {
     }
 }
 
+/// A request's prompt, and the grammar and stop tokens of a constrained one.
+struct Prompt {
+    ids: Vec<u32>,
+    grammar: Option<Grammar>,
+    stop_tokens: Vec<u32>,
+}
+
 /// Tokens and decode seconds after the first token.
-fn engine_run(engine: &dyn Engine, prompt: &[u32], gen: usize) -> (Vec<u32>, f64) {
-    let out = common::stream(engine, GenerateRequest::new(prompt.to_vec(), gen as u32));
+fn engine_run(engine: &dyn Engine, prompt: &Prompt, gen: usize) -> (Vec<u32>, f64) {
+    let mut request = GenerateRequest::new(prompt.ids.clone(), gen as u32);
+    request.grammar = prompt.grammar.clone();
+    request.stop_tokens = prompt.stop_tokens.clone();
+    let out = common::stream(engine, request);
     if let Some(s) = out.spec.filter(|s| s.drafted > 0) {
         println!(
             "  {}: accepted {}/{} drafted",
@@ -125,8 +137,13 @@ fn main() {
     assert!(!dir.as_os_str().is_empty(), "--model DIR is required");
     let gen: usize = arg("--gen", "48").parse().expect("gen");
     let reps: usize = arg("--reps", "3").parse().expect("reps");
-    let text = arg("--text", "Write a short paragraph describing a quiet harbour town at dawn, from the point of view of a fisherman who has lived there all his life.");
-    let loaded = LoadedModel::load_as(&dir, None, ComputeDtype::Auto).expect("load");
+    let dtype: ComputeDtype = arg("--dtype", "auto").parse().expect("compute dtype");
+    let schema = argv.iter().any(|a| a == "--json-schema");
+    let text = match schema {
+        true => common::RECORD.to_string(),
+        false => arg("--text", "Write a short paragraph describing a quiet harbour town at dawn, from the point of view of a fisherman who has lived there all his life."),
+    };
+    let loaded = LoadedModel::load_as(&dir, None, dtype).expect("load");
     let bytes = loaded.model.kv_bytes_per_token();
     let shared = Arc::new(SharedModel::new(
         loaded,
@@ -142,6 +159,15 @@ fn main() {
         .tokenizer
         .encode_chat(&rendered)
         .expect("encode");
+    // A constrained answer ends where its grammar does.
+    let request = Prompt {
+        ids: prompt.clone(),
+        grammar: schema.then(common::record_schema),
+        stop_tokens: match schema {
+            true => shared.model.stop_tokens.clone(),
+            false => Vec::new(),
+        },
+    };
 
     let spec = |name: &str, plan: DraftPlan| {
         SpecEngine::new(
@@ -183,20 +209,27 @@ fn main() {
     pipelined(model, &prompt, 4);
     unpipelined(model, &prompt, 4);
     for e in [&fast as &dyn Engine, &nothing, &lookup] {
-        engine_run(e, &prompt, 4);
+        engine_run(e, &request, 4);
     }
-    let rate = |t: f64| (gen - 1) as f64 / t;
+    let rate = |n: usize, t: f64| n.saturating_sub(1) as f64 / t;
     for _ in 0..reps {
-        let (reference, t0) = pipelined(model, &prompt, gen);
-        let mut line = format!("pipelined loop {:.2}", rate(t0));
-        let (tokens, t) = unpipelined(model, &prompt, gen);
-        assert_eq!(tokens, reference);
-        line += &format!(", unpipelined {:.2}", rate(t));
-        for e in [&fast as &dyn Engine, &nothing, &lookup] {
-            let (tokens, t) = engine_run(e, &prompt, gen);
-            assert_eq!(tokens, reference, "{}", e.name());
-            line += &format!(", {} {:.2}", e.name(), rate(t));
+        // The loops take no grammar: a constrained run checks the engines
+        // against the fast path's tokens.
+        let (mut reference, mut line) = (None, String::new());
+        if !schema {
+            let (tokens, t0) = pipelined(model, &prompt, gen);
+            line += &format!("pipelined loop {:.2}, ", rate(tokens.len(), t0));
+            let (unpiped, t) = unpipelined(model, &prompt, gen);
+            assert_eq!(unpiped, tokens);
+            line += &format!("unpipelined {:.2}, ", rate(tokens.len(), t));
+            reference = Some(tokens);
         }
-        println!("{line} tok/s");
+        for e in [&fast as &dyn Engine, &nothing, &lookup] {
+            let (tokens, t) = engine_run(e, &request, gen);
+            let reference = reference.get_or_insert_with(|| tokens.clone());
+            assert_eq!(&tokens, reference, "{}", e.name());
+            line += &format!("{} {:.2}, ", e.name(), rate(tokens.len(), t));
+        }
+        println!("{}tok/s", line);
     }
 }

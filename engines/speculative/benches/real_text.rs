@@ -1,7 +1,7 @@
 //! Speculative engines with prompt lookup against the fast path, on a real
 //! checkpoint and real prompts, one request at a time, per prompt type:
 //!
-//!     cargo bench -p speculative --bench real_text -- --model DIR [--drafter DIR --gen 128 --reps 2 --per-kind 1 --prefix-entries 16 --no-fixed --levels 1,2,4]
+//!     cargo bench -p speculative --bench real_text -- --model DIR [--drafter DIR --gen 128 --reps 2 --per-kind 1 --prefix-entries 16 --no-fixed --only KIND --levels 1,2,4]
 //!
 //! Prompt types: the bundled mixed set (`bench/prompts/mixed.jsonl`; tool
 //! calls left out, they need the gateway's tool rendering) and two that
@@ -36,6 +36,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use batched::{BatchedConfig, BatchedEngine};
+use common::{record_schema, RECORD};
 use engine_core::{Engine, GenerateRequest, Grammar, SpecStats};
 use fastpath::FastpathEngine;
 use runtime::{ComputeDtype, KvPool, LoadedModel, SharedModel};
@@ -44,23 +45,6 @@ use speculative::SpecSettings;
 const EDIT: &str = "Here is a Python function:\n\n```python\ndef summarize(orders):\n    total = 0\n    count = 0\n    for order in orders:\n        if order.status == \"paid\":\n            total += order.amount\n            count += 1\n    average = total / count if count else 0\n    return {\"total\": total, \"count\": count, \"average\": average}\n```\n\nRename the variable `total` to `paid_total` everywhere and return the complete updated function in a code block.";
 
 const EXTRACT: &str = "Here is a configuration file:\n\n```\nserver.host = 0.0.0.0\nserver.port = 8080\nserver.read_timeout = 30s\ndatabase.url = postgres://db:5432/shop\ndatabase.pool_size = 16\ndatabase.connect_timeout = 5s\ncache.enabled = true\ncache.ttl = 600s\n```\n\nCopy out, unchanged and in a code block, every line of this file that starts with `server.` or `database.`.";
-
-const RECORD: &str = "Customer record:\n\nname: Ada Lovelace\nemail: ada.lovelace@example.com\ncity: London\ncountry: United Kingdom\nphone: +44 20 7946 0958\nmember_since: 2019\n\nReturn this record as a JSON object with the keys name, email, city, country, phone and member_since.";
-
-/// The record prompt's answer: its keys in order, values of their types.
-fn record_schema() -> Grammar {
-    let text = |max: u32| serde_json::json!({"type": "string", "maxLength": max});
-    let schema = serde_json::json!({
-        "type": "object",
-        "properties": {
-            "name": text(40), "email": text(60), "city": text(40), "country": text(40),
-            "phone": text(30), "member_since": {"type": "integer", "minimum": 1900, "maximum": 2100},
-        },
-        "required": ["name", "email", "city", "country", "phone", "member_since"],
-        "additionalProperties": false,
-    });
-    Grammar::JsonSchema(schema.to_string())
-}
 
 struct Args {
     model: PathBuf,
@@ -75,6 +59,8 @@ struct Args {
     fixed: bool,
     /// Concurrency levels of the second table (none: no second table).
     levels: Vec<usize>,
+    /// Only the prompt types whose name contains this.
+    only: Option<String>,
 }
 
 fn args() -> Args {
@@ -88,6 +74,7 @@ fn args() -> Args {
         prefix_entries: runtime::shared::DEFAULT_PREFIX_CACHE_ENTRIES,
         fixed: !std::env::args().any(|a| a == "--no-fixed"),
         levels: Vec::new(),
+        only: None,
     };
     let argv: Vec<String> = std::env::args().collect();
     for w in argv.windows(2) {
@@ -101,6 +88,7 @@ fn args() -> Args {
             "--per-kind" => a.per_kind = v.parse().expect("per-kind"),
             "--prefix-entries" => a.prefix_entries = v.parse().expect("prefix-entries"),
             "--levels" => a.levels = v.split(',').map(|c| c.parse().expect("level")).collect(),
+            "--only" => a.only = Some(v.clone()),
             _ => {}
         }
     }
@@ -176,6 +164,7 @@ fn main() {
     let bytes = model.model.kv_bytes_per_token();
     let encoded: Vec<(String, Prompt)> = prompts(a.per_kind)
         .into_iter()
+        .filter(|(kind, ..)| a.only.as_ref().is_none_or(|o| kind.contains(o.as_str())))
         .map(|(kind, text, grammar)| {
             let messages = [serde_json::json!({"role": "user", "content": text})];
             let options = text::template::RenderOptions::default().with_generation_prompt();

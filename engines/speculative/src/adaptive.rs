@@ -18,9 +18,8 @@
 //! source with nothing credible drafts (almost) nothing and its sequence
 //! runs as plain decode steps. Where the measured cost says that not even
 //! drafts that are always accepted would pay (a verify of `k` tokens
-//! costing about `k + 1` decode steps, as MLX's CPU quantized kernels do),
-//! nothing is drafted and probes wait the longest pause: they only keep
-//! the cost measured.
+//! costing about `k + 1` decode steps), nothing is drafted and probes wait
+//! the longest pause: they only keep the cost measured.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -33,10 +32,10 @@ const PRIOR_ACCEPT: f64 = 0.9;
 /// Extra cost per drafted token, relative to a decode step, assumed until
 /// the engine has measured both.
 const PRIOR_COST_PER_TOKEN: f64 = 0.15;
-/// The per-token cost is the median of the last drafting rounds, once
-/// there are enough of them: one slow verify (a first-seen shape, a busy
-/// machine) must not stop drafting.
-const COST_ROUNDS: usize = 5;
+/// The cost is fitted to the last drafting rounds, once there are enough
+/// of them, robustly (medians): one slow verify (a first-seen shape, a
+/// busy machine) must not stop drafting.
+const COST_ROUNDS: usize = 8;
 const COST_ROUNDS_NEEDED: usize = 3;
 /// Expected gain a round must promise over a decode step (noise guard).
 const MARGIN: f64 = 1.03;
@@ -45,15 +44,18 @@ const PROBE_FIRST: u32 = 8;
 const PROBE_LONGEST: u32 = 1024;
 
 /// The engine's measured cost of a round, as a function of the tokens it
-/// drafted: `cost(k) / cost(0) = 1 + per_token * k`, measured on the
-/// rounds its sequences ran (drafting included).
+/// drafted: `cost(k) / cost(0) = 1 + fixed + per_token * k` for `k >= 1`,
+/// fitted to the rounds its sequences ran (drafting included). A verify
+/// has a fixed part where it takes another path than a decode step (on the
+/// CPU, packed weights unpacked once for all its rows) and a per-token part
+/// where every drafted row costs a step's share.
 #[derive(Debug, Clone, Default)]
 pub struct RoundCost {
     /// Seconds of a round that drafted nothing (moving average).
     decode: Option<f64>,
-    /// Extra cost per drafted token, relative to a decode step, of the
-    /// last [`COST_ROUNDS`] rounds that drafted.
-    per_token: VecDeque<f64>,
+    /// (drafted, cost relative to a decode step) of the last
+    /// [`COST_ROUNDS`] rounds that drafted.
+    rounds: VecDeque<(usize, f64)>,
 }
 
 impl RoundCost {
@@ -64,27 +66,53 @@ impl RoundCost {
             return;
         }
         if let Some(decode) = self.decode {
-            let extra = ((t / decode - 1.0) / drafted as f64).max(0.0);
-            if self.per_token.len() == COST_ROUNDS {
-                self.per_token.pop_front();
+            if self.rounds.len() == COST_ROUNDS {
+                self.rounds.pop_front();
             }
-            self.per_token.push_back(extra);
+            self.rounds.push_back((drafted, t / decode));
         }
     }
 
-    /// Extra cost per drafted token: the median of the recent rounds.
-    fn per_token(&self) -> f64 {
-        if self.per_token.len() < COST_ROUNDS_NEEDED {
-            return PRIOR_COST_PER_TOKEN;
+    /// `(fixed, per_token)`. The slope is the median of the slopes between
+    /// rounds of different sizes (Theil-Sen) and the fixed part the median
+    /// of what it leaves. Rounds of one size alone cannot tell the two
+    /// apart: they get the prior slope (at most the measured one) and the
+    /// rest is fixed, so a larger round is tried and measured.
+    fn fit(&self) -> (f64, f64) {
+        if self.rounds.len() < COST_ROUNDS_NEEDED {
+            return (0.0, PRIOR_COST_PER_TOKEN);
         }
-        let mut sorted: Vec<f64> = self.per_token.iter().copied().collect();
-        sorted.sort_by(f64::total_cmp);
-        sorted[sorted.len() / 2]
+        let mut slopes = Vec::new();
+        for (i, &(k1, c1)) in self.rounds.iter().enumerate() {
+            for &(k2, c2) in self.rounds.iter().skip(i + 1) {
+                if k1 != k2 {
+                    slopes.push((c2 - c1) / (k2 as f64 - k1 as f64));
+                }
+            }
+        }
+        let per_token = if slopes.is_empty() {
+            let each = median(self.rounds.iter().map(|&(k, c)| (c - 1.0) / k as f64));
+            PRIOR_COST_PER_TOKEN.min(each)
+        } else {
+            median(slopes.into_iter())
+        }
+        .max(0.0);
+        let fixed = median(
+            self.rounds
+                .iter()
+                .map(|&(k, c)| c - 1.0 - per_token * k as f64),
+        )
+        .max(0.0);
+        (fixed, per_token)
     }
 
     /// `cost(k) / cost(0)`.
     pub fn relative(&self, k: usize) -> f64 {
-        1.0 + self.per_token() * k as f64
+        if k == 0 {
+            return 1.0;
+        }
+        let (fixed, per_token) = self.fit();
+        1.0 + fixed + per_token * k as f64
     }
 
     /// Whether some round of at most `limit` drafts could beat a decode
@@ -98,6 +126,16 @@ impl RoundCost {
     pub fn decode_seconds(&self, drafted: usize, took: Duration) -> f64 {
         self.decode
             .unwrap_or_else(|| took.as_secs_f64() / self.relative(drafted))
+    }
+}
+
+fn median(values: impl Iterator<Item = f64>) -> f64 {
+    let mut v: Vec<f64> = values.collect();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
     }
 }
 
@@ -159,9 +197,10 @@ impl Kind {
     }
 
     /// Whether a one-token probe is due: after the kind's pause, or the
-    /// longest one where not even accepted drafts would pay.
-    fn probe_due(&self, cost: &RoundCost, limit: usize) -> bool {
-        let pause = if cost.could_pay(limit) {
+    /// longest one where not even a full block of accepted drafts would
+    /// pay (a probe itself may not: it is how a larger block gets tried).
+    fn probe_due(&self, cost: &RoundCost) -> bool {
+        let pause = if cost.could_pay(self.accept.len()) {
             self.probe_every
         } else {
             PROBE_LONGEST
@@ -208,7 +247,7 @@ impl DraftSizer {
         let most = self
             .kinds
             .iter()
-            .map(|k| k.best(cost, limit).max(k.probe_due(cost, limit) as usize))
+            .map(|k| k.best(cost, limit).max(k.probe_due(cost) as usize))
             .max()
             .unwrap_or(0)
             .min(limit);
@@ -229,7 +268,7 @@ impl DraftSizer {
         let last = self.kinds.len() - 1;
         let k = &mut self.kinds[kind.min(last)];
         let best = k.best(cost, limit);
-        if best > 0 || k.probe_due(cost, limit) {
+        if best > 0 || k.probe_due(cost) {
             k.waited = 0;
             return best.max(1).min(limit);
         }
@@ -301,23 +340,53 @@ mod tests {
 
     #[test]
     fn nothing_is_drafted_where_not_even_accepted_drafts_pay() {
-        // A verify of k drafts costing k + 1 decode steps (MLX's CPU
-        // quantized kernels): drafting cannot beat plain steps.
+        // A verify of k drafts costing k + 1 decode steps: drafting cannot
+        // beat plain steps.
         let mut cost = RoundCost::default();
         cost.record(0, Duration::from_millis(10));
-        for took in [12, 50, 12] {
-            cost.record(4, Duration::from_millis(took));
+        for (k, took) in [(4, 12), (4, 50), (1, 11)] {
+            cost.record(k, Duration::from_millis(took));
         }
         assert!(cost.could_pay(8), "one slow verify is not the cost");
-        for _ in 0..2 {
-            cost.record(4, Duration::from_millis(50));
+        for (k, took) in [(4, 50), (1, 20), (4, 50), (1, 20)] {
+            cost.record(k, Duration::from_millis(took));
         }
-        assert!(!cost.could_pay(8));
+        assert!(!cost.could_pay(8), "{:?}", cost.fit());
         let mut s = DraftSizer::new(8, 1, true);
         let sizes = run(&mut s, &cost, 2000, |k| k);
         let drafted: usize = sizes.iter().sum();
         assert!(sizes[..1000].iter().all(|&k| k == 0), "{sizes:?}");
         assert!(drafted <= 2, "only probes that keep the cost measured");
+    }
+
+    #[test]
+    fn a_fixed_verify_cost_still_pays_for_long_blocks() {
+        // Dequantized products on the CPU: any verify costs about two
+        // decode steps, a drafted token little more.
+        let mut cost = RoundCost::default();
+        cost.record(0, Duration::from_millis(100));
+        for (k, took) in [(1, 210), (1, 212), (8, 230), (1, 209)] {
+            cost.record(k, Duration::from_millis(took));
+        }
+        let (fixed, per_token) = cost.fit();
+        assert!((fixed - 1.08).abs() < 0.03, "{fixed}");
+        assert!((per_token - 0.028).abs() < 0.01, "{per_token}");
+        // Probes alone (one size) leave room to try a larger block.
+        let mut probes = RoundCost::default();
+        probes.record(0, Duration::from_millis(100));
+        for took in [210, 212, 209] {
+            probes.record(1, Duration::from_millis(took));
+        }
+        assert!(probes.could_pay(8), "{:?}", probes.fit());
+        let mut s = DraftSizer::new(8, 1, true);
+        let sizes = run(&mut s, &cost, 20, |k| k);
+        assert!(sizes[5..].iter().all(|&k| k == 8), "{sizes:?}");
+        // Half the drafts rejected: a block of 8 commits 2 tokens for 2.3
+        // steps, one token 1.5 for 2.1: plain steps win.
+        let mut s = DraftSizer::new(8, 1, true);
+        let sizes = run(&mut s, &cost, 200, |k| k / 2);
+        let late: usize = sizes[100..].iter().sum();
+        assert!(late <= 16, "{sizes:?}");
     }
 
     #[test]

@@ -1,8 +1,9 @@
-//! What the speculative benches share: one request's stream read to its end.
+//! What the speculative benches share: one request's stream read to its end,
+//! and the prompt whose answer a JSON Schema constrains.
 
 use std::time::Instant;
 
-use engine_core::{Engine, Event, GenerateRequest, SpecStats};
+use engine_core::{Engine, Event, GenerateRequest, Grammar, SpecStats};
 
 /// A finished request: its tokens, the seconds from its first token to its
 /// end (decode, prefill excluded) and the engine's speculation counts.
@@ -43,4 +44,23 @@ pub fn stream(engine: &dyn Engine, request: GenerateRequest) -> Streamed {
         decode_seconds: first.map_or(0.0, |t| t.elapsed().as_secs_f64()),
         spec,
     }
+}
+
+#[allow(dead_code)]
+pub const RECORD: &str = "Customer record:\n\nname: Ada Lovelace\nemail: ada.lovelace@example.com\ncity: London\ncountry: United Kingdom\nphone: +44 20 7946 0958\nmember_since: 2019\n\nReturn this record as a JSON object with the keys name, email, city, country, phone and member_since.";
+
+/// The record prompt's answer: its keys in order, values of their types.
+#[allow(dead_code)]
+pub fn record_schema() -> Grammar {
+    let text = |max: u32| serde_json::json!({"type": "string", "maxLength": max});
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": text(40), "email": text(60), "city": text(40), "country": text(40),
+            "phone": text(30), "member_since": {"type": "integer", "minimum": 1900, "maximum": 2100},
+        },
+        "required": ["name", "email", "city", "country", "phone", "member_since"],
+        "additionalProperties": false,
+    });
+    Grammar::JsonSchema(schema.to_string())
 }
