@@ -235,7 +235,8 @@ pub fn quantized_shape(in_features: i32, group_size: i32, bits: i32) -> Option<(
 }
 
 /// Several projections of the same input (q/k/v, or gate/up), computed by
-/// one stacked matmul whose output is split, when their weights allow it.
+/// one stacked matmul whose output is sliced into them, when their weights
+/// allow it.
 pub enum Projections {
     Stacked { linear: Linear, sizes: Vec<i32> },
     Separate(Vec<Linear>),
