@@ -19,7 +19,8 @@
 //! runs as plain decode steps. Where the measured cost says that not even
 //! drafts that are always accepted would pay (a verify of `k` tokens
 //! costing about `k + 1` decode steps), nothing is drafted and probes wait
-//! the longest pause: they only keep the cost measured.
+//! the longest pause: they only keep the cost measured, and the costs
+//! themselves are measured afresh after [`COST_STALE_ROUNDS`] plain rounds.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -42,6 +43,12 @@ const MARGIN: f64 = 1.03;
 /// Rounds between probes of a kind that stopped paying: first and longest.
 const PROBE_FIRST: u32 = 8;
 const PROBE_LONGEST: u32 = 1024;
+/// Plain rounds in a row after which the drafting rounds' costs are
+/// forgotten and measured again. Where they say nothing pays, sequences
+/// probe only after the longest pause, which a new sequence never reaches,
+/// so without this an estimate taken under a passing load (a busy
+/// machine) would stop the engine drafting for good.
+const COST_STALE_ROUNDS: u32 = 1024;
 
 /// The engine's measured cost of a round, as a function of the tokens it
 /// drafted: `cost(k) / cost(0) = 1 + fixed + per_token * k` for `k >= 1`,
@@ -56,6 +63,8 @@ pub struct RoundCost {
     /// (drafted, cost relative to a decode step) of the last
     /// [`COST_ROUNDS`] rounds that drafted.
     rounds: VecDeque<(usize, f64)>,
+    /// Plain rounds since the last one that drafted.
+    plain_since: u32,
 }
 
 impl RoundCost {
@@ -63,8 +72,14 @@ impl RoundCost {
         let t = took.as_secs_f64();
         if drafted == 0 {
             self.decode = Some(ewma(self.decode, t));
+            self.plain_since += 1;
+            if self.plain_since >= COST_STALE_ROUNDS {
+                self.rounds.clear();
+                self.plain_since = 0;
+            }
             return;
         }
+        self.plain_since = 0;
         if let Some(decode) = self.decode {
             if self.rounds.len() == COST_ROUNDS {
                 self.rounds.pop_front();
@@ -316,6 +331,24 @@ mod tests {
                 k
             })
             .collect()
+    }
+
+    #[test]
+    fn a_cost_that_stopped_drafting_is_measured_again() {
+        let mut cost = RoundCost::default();
+        let step = Duration::from_millis(10);
+        cost.record(0, step);
+        // Verifies measured (under load, say) at two steps more than k.
+        for k in [1, 2, 4, 8, 1, 2] {
+            cost.record(k, step * (k as u32 + 2));
+        }
+        assert!(!cost.could_pay(8), "these verifies never pay");
+        for _ in 1..COST_STALE_ROUNDS {
+            cost.record(0, step);
+        }
+        assert!(!cost.could_pay(8), "not forgotten before its time");
+        cost.record(0, step);
+        assert!(cost.could_pay(8), "measured again after the plain rounds");
     }
 
     #[test]
