@@ -56,7 +56,7 @@ const COST_STALE_ROUNDS: u32 = 1024;
 /// has a fixed part where it takes another path than a decode step (on the
 /// CPU, packed weights unpacked once for all its rows) and a per-token part
 /// where every drafted row costs a step's share.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct RoundCost {
     /// Seconds of a round that drafted nothing (moving average).
     decode: Option<f64>,
@@ -65,6 +65,20 @@ pub struct RoundCost {
     rounds: VecDeque<(usize, f64)>,
     /// Plain rounds since the last one that drafted.
     plain_since: u32,
+    /// `(fixed, per_token)` fitted to `rounds`, refitted when they change:
+    /// it is read for every draft size considered, every round.
+    line: (f64, f64),
+}
+
+impl Default for RoundCost {
+    fn default() -> Self {
+        Self {
+            decode: None,
+            rounds: VecDeque::new(),
+            plain_since: 0,
+            line: fit_line(&VecDeque::new()),
+        }
+    }
 }
 
 impl RoundCost {
@@ -76,6 +90,7 @@ impl RoundCost {
             if self.plain_since >= COST_STALE_ROUNDS {
                 self.rounds.clear();
                 self.plain_since = 0;
+                self.line = fit_line(&self.rounds);
             }
             return;
         }
@@ -85,40 +100,13 @@ impl RoundCost {
                 self.rounds.pop_front();
             }
             self.rounds.push_back((drafted, t / decode));
+            self.line = fit_line(&self.rounds);
         }
     }
 
-    /// `(fixed, per_token)`. The slope is the median of the slopes between
-    /// rounds of different sizes (Theil-Sen) and the fixed part the median
-    /// of what it leaves. Rounds of one size alone cannot tell the two
-    /// apart: they get the prior slope (at most the measured one) and the
-    /// rest is fixed, so a larger round is tried and measured.
+    /// `(fixed, per_token)`: see [`fit_line`].
     fn fit(&self) -> (f64, f64) {
-        if self.rounds.len() < COST_ROUNDS_NEEDED {
-            return (0.0, PRIOR_COST_PER_TOKEN);
-        }
-        let mut slopes = Vec::new();
-        for (i, &(k1, c1)) in self.rounds.iter().enumerate() {
-            for &(k2, c2) in self.rounds.iter().skip(i + 1) {
-                if k1 != k2 {
-                    slopes.push((c2 - c1) / (k2 as f64 - k1 as f64));
-                }
-            }
-        }
-        let per_token = if slopes.is_empty() {
-            let each = median(self.rounds.iter().map(|&(k, c)| (c - 1.0) / k as f64));
-            PRIOR_COST_PER_TOKEN.min(each)
-        } else {
-            median(slopes.into_iter())
-        }
-        .max(0.0);
-        let fixed = median(
-            self.rounds
-                .iter()
-                .map(|&(k, c)| c - 1.0 - per_token * k as f64),
-        )
-        .max(0.0);
-        (fixed, per_token)
+        self.line
     }
 
     /// `cost(k) / cost(0)`.
@@ -142,6 +130,34 @@ impl RoundCost {
         self.decode
             .unwrap_or_else(|| took.as_secs_f64() / self.relative(drafted))
     }
+}
+
+/// `(fixed, per_token)`. The slope is the median of the slopes between
+/// rounds of different sizes (Theil-Sen) and the fixed part the median
+/// of what it leaves. Rounds of one size alone cannot tell the two
+/// apart: they get the prior slope (at most the measured one) and the
+/// rest is fixed, so a larger round is tried and measured.
+fn fit_line(rounds: &VecDeque<(usize, f64)>) -> (f64, f64) {
+    if rounds.len() < COST_ROUNDS_NEEDED {
+        return (0.0, PRIOR_COST_PER_TOKEN);
+    }
+    let mut slopes = Vec::new();
+    for (i, &(k1, c1)) in rounds.iter().enumerate() {
+        for &(k2, c2) in rounds.iter().skip(i + 1) {
+            if k1 != k2 {
+                slopes.push((c2 - c1) / (k2 as f64 - k1 as f64));
+            }
+        }
+    }
+    let per_token = if slopes.is_empty() {
+        let each = median(rounds.iter().map(|&(k, c)| (c - 1.0) / k as f64));
+        PRIOR_COST_PER_TOKEN.min(each)
+    } else {
+        median(slopes.into_iter())
+    }
+    .max(0.0);
+    let fixed = median(rounds.iter().map(|&(k, c)| c - 1.0 - per_token * k as f64)).max(0.0);
+    (fixed, per_token)
 }
 
 fn median(values: impl Iterator<Item = f64>) -> f64 {
