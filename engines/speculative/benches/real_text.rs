@@ -424,16 +424,7 @@ fn clients(
     serial: bool,
 ) -> (Vec<Vec<u32>>, f64, SpecStats) {
     let start = Instant::now();
-    let runs: Vec<(Vec<u32>, Run)> = if serial {
-        (0..c).map(|_| one(engine.as_ref(), prompt, gen)).collect()
-    } else {
-        std::thread::scope(|s| {
-            let handles: Vec<_> = (0..c)
-                .map(|_| s.spawn(|| one(engine.as_ref(), prompt, gen)))
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        })
-    };
+    let runs = common::clients(c, serial, |_| one(engine.as_ref(), prompt, gen));
     let seconds = start.elapsed().as_secs_f64();
     let mut spec = SpecStats::default();
     for (_, r) in &runs {

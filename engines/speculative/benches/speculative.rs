@@ -193,31 +193,20 @@ fn work(c: usize, a: &Args, vocab: u32) -> Vec<Work> {
 /// serves one at a time, so its clients run one after another.
 fn level(engine: Arc<dyn Engine>, clients: Vec<Work>, gen: usize, serial: bool) -> Run {
     let start = Instant::now();
-    let client = move |engine: Arc<dyn Engine>, requests: Work| {
-        requests
-            .into_iter()
-            .map(|ids| one(engine.as_ref(), GenerateRequest::new(ids, gen as u32)))
-            .collect::<Vec<_>>()
-    };
-    let runs: Vec<Run> = if serial {
-        clients
-            .into_iter()
-            .flat_map(|w| client(engine.clone(), w))
-            .collect()
-    } else {
-        let handles: Vec<_> = clients
-            .into_iter()
-            .map(|w| {
-                let engine = engine.clone();
-                let client = client.clone();
-                std::thread::spawn(move || client(engine, w))
+    let runs: Vec<Run> = common::clients(clients.len(), serial, |i| {
+        clients[i]
+            .iter()
+            .map(|ids| {
+                one(
+                    engine.as_ref(),
+                    GenerateRequest::new(ids.clone(), gen as u32),
+                )
             })
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| h.join().unwrap())
-            .collect()
-    };
+            .collect::<Vec<_>>()
+    })
+    .into_iter()
+    .flatten()
+    .collect();
     let mut all = Run {
         seconds: start.elapsed().as_secs_f64(),
         ..Run::default()

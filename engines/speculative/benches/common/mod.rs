@@ -64,3 +64,18 @@ pub fn record_schema() -> Grammar {
     });
     Grammar::JsonSchema(schema.to_string())
 }
+
+/// `client(i)` for clients `0..c` at once, each on its own thread, or one
+/// after another when `serial` (an engine that serves one request at a
+/// time, the fast path); their results in client order.
+#[allow(dead_code)]
+pub fn clients<T: Send>(c: usize, serial: bool, client: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    if serial {
+        return (0..c).map(&client).collect();
+    }
+    std::thread::scope(|s| {
+        let client = &client;
+        let handles: Vec<_> = (0..c).map(|i| s.spawn(move || client(i))).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
