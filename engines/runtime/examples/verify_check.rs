@@ -14,6 +14,7 @@
 
 use std::path::PathBuf;
 
+use fixtures::reference::worst_difference;
 use mlx_rs::transforms::eval;
 use mlx_rs::Array;
 use runtime::generate::{prefill, tokens_array};
@@ -93,17 +94,9 @@ fn blocks(
         got.extend(rows(&logits));
         at += k;
     }
-    let mut first_bad = None;
-    let mut worst = 0f32;
-    for (i, row) in got.iter().enumerate().take(want.len()) {
-        if first_bad.is_none() && argmax(row) != tokens[i] {
-            first_bad = Some(i);
-        }
-        for (a, b) in row.iter().zip(&want[i]) {
-            worst = worst.max((a - b).abs());
-        }
-    }
-    (first_bad, worst)
+    got.truncate(want.len());
+    let first_bad = (0..got.len()).find(|&i| argmax(&got[i]) != tokens[i]);
+    (first_bad, worst_difference(&got, want))
 }
 
 fn report(label: &str, model: &Model, prompt: &[u32], tokens: &[u32], want: &[Vec<f32>]) {
