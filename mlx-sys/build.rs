@@ -167,6 +167,12 @@ mod linux {
             // `blas_backend()` (the runtime does at model load): the global
             // symbol lookup then finds OpenBLAS before the wheel's reference
             // BLAS, which libmlx only pulls in as an indirect dependency.
+            // One-row products go to OpenBLAS's sgemv (see the file).
+            cc::Build::new()
+                .file(native.join("sgemv_forward.c"))
+                .pic(true)
+                .opt_level(2)
+                .compile("mlx_sgemv_forward");
             println!("cargo:rustc-link-search=native={}", openblas.display());
             println!("cargo:rustc-link-lib=dylib=openblas");
             println!("cargo:rustc-cfg=mlx_openblas");
