@@ -263,9 +263,14 @@ fn packed_weights_expanded_at_load_match_mlx_lm_in_fp32() {
 
 /// `model.kv_cache`, fp32: keys and values quantized as they are appended
 /// and attended through quantized matmul give mlx-lm's tokens, and its
-/// logits within 1e-3, for 64 steps, alone and in padded batches, at both
+/// logits within 5e-3, for 64 steps, alone and in padded batches, at both
 /// bit widths and every group size. Heads of 32 to 128 (groups are at
 /// least 32 wide); Gemma 3's sliding layers stay unquantized in both.
+/// The tolerance is wider than the unquantized oracles' 1e-3 because a key
+/// that lands on a rounding boundary takes the neighbouring code when its
+/// projection is summed in another order (our BLAS's sgemv against the
+/// reference's sgemm), moving a logit by ~1e-3; storing the KV unquantized
+/// moves them by ~0.2, which `check` shows is outside it.
 #[test]
 fn quantized_kv_cache_matches_mlx_lm() {
     let kv = |bits, group_size| Some(KvQuant { bits, group_size });
@@ -279,7 +284,7 @@ fn quantized_kv_cache_matches_mlx_lm() {
             head_dim,
             ..TinySpec::tiny(family)
         };
-        check(spec, Some(1e-3), None, quant, false);
+        check(spec, Some(5e-3), None, quant, false);
     }
 }
 
