@@ -247,6 +247,11 @@ def sweep(args, names, gateway, bench, python, model, out):
         LOAD.append(os.getloadavg()[0])
         part = parts_dir / f"{name}-c{c}.json"
         parts[name].append(run_level(args, bench, name, url, model_name, c, firsts[i], i == 0, part))
+        if name.startswith("ours-"):
+            # Counters so far (routes per engine and rule, faults, memory):
+            # what each level did inside the gateway.
+            with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+                (parts_dir / f"{name}-c{c}.metrics.txt").write_bytes(r.read())
 
     running = []
     try:
