@@ -69,6 +69,9 @@ def parse_args():
     p.add_argument("--torch-peer", action="store_true",
                    help="also run scripts/bench_torch.py (a compiled PyTorch decode loop, batch = each level) "
                         "on the same model with this Python, and tabulate it beside the servers")
+    p.add_argument("--torch-json", type=Path,
+                   help="with --torch-peer: tabulate this earlier bench_torch.py result (same model, levels, "
+                        "prompt and output lengths) instead of running the loop again")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to come up")
     return p.parse_args()
 
@@ -395,9 +398,10 @@ def torch_peer(args, model, results, out):
     """The compiled PyTorch loop at batch c for each level, prompts as long
     as the servers' mean, and its table beside ours (issue 18)."""
     levels = args.levels
-    path = out / "torch.json"
-    run([sys.executable, str(ROOT / "scripts" / "bench_torch.py"), "--model", str(model), "--batches", levels,
-         "--prompt", str(round(prompt_tokens(results))), "--gen", str(args.output_len), "--json", str(path)])
+    path = args.torch_json or out / "torch.json"
+    if not args.torch_json:
+        run([sys.executable, str(ROOT / "scripts" / "bench_torch.py"), "--model", str(model), "--batches", levels,
+             "--prompt", str(round(prompt_tokens(results))), "--gen", str(args.output_len), "--json", str(path)])
     loop = {r["batch"]: r for r in json.loads(path.read_text())["results"]}
     ours = [n for n in ("ours-default", "ours-batched") if n in results]
     rows = ["| c | torch loop output tok/s | torch loop decode tok/s | "

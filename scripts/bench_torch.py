@@ -100,10 +100,10 @@ def main():
             }
             print(json.dumps(r), flush=True)
             results.append(r)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": args.model, "torch": torch.__version__, "device": torch.cuda.get_device_name(),
-                       "results": results}, f, indent=2)
+            if args.json:  # after every batch size: a run cut short keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump({"model": args.model, "torch": torch.__version__,
+                               "device": torch.cuda.get_device_name(), "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":
