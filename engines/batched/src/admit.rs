@@ -29,16 +29,21 @@ pub enum Start {
 pub struct PrefillBudget {
     /// A prompt longer than this is prefilled alone, chunk by chunk.
     pub chunk: usize,
-    /// Padded tokens (rows times the longest prompt) of one group.
+    /// Padded tokens (rows times the padded width) of one group.
     pub group_tokens: usize,
+    /// A group's width is its longest prompt rounded up to a multiple of
+    /// this: on the GPU every new forward shape costs MLX a one-time
+    /// 50-100 ms (kernel and attention-graph builds), so widths repeat.
+    pub width_multiple: usize,
 }
 
 impl From<usize> for PrefillBudget {
-    /// Groups within one chunk too.
+    /// Groups within one chunk too, as wide as their longest prompt.
     fn from(chunk: usize) -> Self {
         Self {
             chunk,
             group_tokens: chunk,
+            width_multiple: 1,
         }
     }
 }
@@ -59,7 +64,9 @@ pub fn plan(
     let PrefillBudget {
         chunk,
         group_tokens,
+        width_multiple,
     } = budget.into();
+    let width = |longest| runtime::generate::padded_width(longest, width_multiple);
     let mut queue = queue.into_iter();
     let first = queue.next()?;
     if room == 0 || first.blocks > free_blocks {
@@ -70,7 +77,7 @@ pub fn plan(
     }
     let (mut n, mut longest, mut blocks) = (1, first.prompt_len, first.blocks);
     for next in queue.take(room - 1) {
-        let padded = longest.max(next.prompt_len) * (n + 1);
+        let padded = width(longest.max(next.prompt_len)) * (n + 1);
         if padded > group_tokens
             || next.images
             || next.prefix_hit
@@ -145,8 +152,16 @@ mod tests {
         let wide = PrefillBudget {
             chunk: 300,
             group_tokens: 1200,
+            width_multiple: 1,
         };
         assert_eq!(plan(mixed, 8, 100, wide), Some(Start::Group(4)));
+        // Widths rounded up to 32 (the GPU's): 3 x 128 would not fit 300.
+        let rounded = PrefillBudget {
+            width_multiple: 32,
+            group_tokens: 300,
+            ..wide
+        };
+        assert_eq!(plan(mixed, 8, 100, rounded), Some(Start::Group(2)));
     }
 
     #[test]

@@ -54,7 +54,11 @@ impl BatchedEngine {
     pub fn new(name: String, shared: Arc<SharedModel>, cfg: BatchedConfig) -> Self {
         let (tx, rx) = crossbeam_channel::unbounded();
         let stats = Arc::new(Stats::default());
-        let limits = cfg.limits(shared.kv_pool.step_tokens(), shared.model.model.is_hybrid());
+        let limits = cfg.limits(
+            shared.kv_pool.step_tokens(),
+            shared.model.model.is_hybrid(),
+            !runtime::compute::on_cpu(),
+        );
         let pipeline = cfg.pipeline;
         let thread = std::thread::Builder::new()
             .name(format!("{name}-scheduler"))
@@ -64,7 +68,7 @@ impl BatchedEngine {
             })
             .expect("spawn the scheduler thread");
         shared.set_handover_sink(Arc::new(Sink(tx.clone(), stats.clone())));
-        tracing::info!(engine = %name, max_batch = limits.max_batch, prefill_chunk = limits.prefill.chunk, group_tokens = limits.prefill.group_tokens, pipeline, "batched engine ready");
+        tracing::info!(engine = %name, max_batch = limits.max_batch, prefill_chunk = limits.prefill.chunk, group_tokens = limits.prefill.group_tokens, width_multiple = limits.prefill.width_multiple, pipeline, "batched engine ready");
         Self {
             name,
             shared,

@@ -167,7 +167,21 @@ impl Scheduler {
             // Published before stepping: an exclusive engine holding the
             // device must see this work to hand over and let it run.
             self.publish();
-            match self.step() {
+            let started = Instant::now();
+            let (rows, group, prefill) =
+                (self.rows.len(), self.group.len(), self.prefill.is_some());
+            let result = self.step();
+            // Per step, for finding where a slow batch spends its time
+            // (`RUST_LOG=batched=debug`).
+            tracing::debug!(
+                rows,
+                group,
+                prefill,
+                columns = self.batch.as_ref().map_or(0, |b| b.len()),
+                ms = started.elapsed().as_secs_f64() * 1e3,
+                "step"
+            );
+            match result {
                 Ok(()) => {}
                 Err(e) if memory::is_out_of_memory(&e) => self.recover_from_oom(&e),
                 Err(e) => {
@@ -511,8 +525,10 @@ impl Scheduler {
         // The rows stay in the group until their first token is out: a
         // step that fails leaves them to the caller's recovery.
         let model = &self.shared.model.model;
-        let (ids, pads) =
-            generate::left_padded(self.group.iter().map(|r| r.request().prompt.as_slice()));
+        let (ids, pads) = generate::left_padded(
+            self.group.iter().map(|r| r.request().prompt.as_slice()),
+            self.limits.prefill.width_multiple,
+        );
         let mut cache = model.new_padded_cache(pads);
         let logits = model.forward(&ids, &mut cache, Logits::Last)?;
         let finished = advance_rows(&mut self.group, &logits)?;

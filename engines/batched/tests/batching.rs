@@ -59,13 +59,26 @@ fn alone(shared: &SharedModel, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
 
 #[test]
 fn batch_output_equals_each_request_alone() {
-    let (_dir, shared, engine) = setup(
-        1024,
-        BatchedConfig {
-            prefill_chunk: 8,
-            ..Default::default()
-        },
-    );
+    batch_equals_alone(BatchedConfig {
+        prefill_chunk: 8,
+        ..Default::default()
+    });
+}
+
+/// The GPU's grouping on the CPU: wide groups whose widths are padded to
+/// multiples of 32 give the same tokens.
+#[test]
+fn wide_groups_padded_to_repeating_widths_equal_each_request_alone() {
+    batch_equals_alone(BatchedConfig {
+        prefill_chunk: 64,
+        prefill_group_tokens: Some(512),
+        prefill_width_multiple: Some(32),
+        ..Default::default()
+    });
+}
+
+fn batch_equals_alone(cfg: BatchedConfig) {
+    let (_dir, shared, engine) = setup(1024, cfg);
     let prompts: Vec<Vec<u32>> = [3usize, 40, 11, 25, 1]
         .iter()
         .enumerate()
