@@ -122,7 +122,7 @@ def our_config(args, variant, model, out):
     if args.kv_cache_mb:
         config["model"]["kv_cache_mb"] = args.kv_cache_mb
     if variant != "default":
-        config["engines"] = {variant: {"kind": variant}}
+        config["engines"] = {variant: (config.get("engines") or {}).get(variant) or {"kind": variant}}
         config["policy"] = {"default": variant}
     path = out / f"config-{variant}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
