@@ -37,6 +37,20 @@ pub struct PrefillBudget {
     pub width_multiple: usize,
 }
 
+impl PrefillBudget {
+    /// The width of a group of `rows` prompts whose longest has `longest`
+    /// tokens: rounded up to `width_multiple` while the group stays within
+    /// `group_tokens`, else the longest prompt's.
+    pub fn width(&self, longest: usize, rows: usize) -> usize {
+        let multiple = self.width_multiple.max(1);
+        let rounded = longest.div_ceil(multiple) * multiple;
+        match rounded * rows <= self.group_tokens {
+            true => rounded,
+            false => longest,
+        }
+    }
+}
+
 impl From<usize> for PrefillBudget {
     /// Groups within one chunk too, as wide as their longest prompt.
     fn from(chunk: usize) -> Self {
@@ -61,24 +75,19 @@ pub fn plan(
     free_blocks: usize,
     budget: impl Into<PrefillBudget>,
 ) -> Option<Start> {
-    let PrefillBudget {
-        chunk,
-        group_tokens,
-        width_multiple,
-    } = budget.into();
-    let width = |longest| runtime::generate::padded_width(longest, width_multiple);
+    let budget = budget.into();
     let mut queue = queue.into_iter();
     let first = queue.next()?;
     if room == 0 || first.blocks > free_blocks {
         return None;
     }
-    if first.prefix_hit || first.images || first.prompt_len > chunk {
+    if first.prefix_hit || first.images || first.prompt_len > budget.chunk {
         return Some(Start::Chunked);
     }
     let (mut n, mut longest, mut blocks) = (1, first.prompt_len, first.blocks);
     for next in queue.take(room - 1) {
-        let padded = width(longest.max(next.prompt_len)) * (n + 1);
-        if padded > group_tokens
+        let padded = budget.width(longest.max(next.prompt_len), n + 1) * (n + 1);
+        if padded > budget.group_tokens
             || next.images
             || next.prefix_hit
             || blocks + next.blocks > free_blocks
@@ -155,13 +164,16 @@ mod tests {
             width_multiple: 1,
         };
         assert_eq!(plan(mixed, 8, 100, wide), Some(Start::Group(4)));
-        // Widths rounded up to 32 (the GPU's): 3 x 128 would not fit 300.
+        // Widths rounded up to 32 (the GPU's) while the group fits: two
+        // rows at 128; three would not fit 300 at 128, so they keep the
+        // longest prompt's 100, and a fourth fits neither way.
         let rounded = PrefillBudget {
             width_multiple: 32,
             group_tokens: 300,
             ..wide
         };
-        assert_eq!(plan(mixed, 8, 100, rounded), Some(Start::Group(2)));
+        assert_eq!((rounded.width(100, 2), rounded.width(100, 3)), (128, 100));
+        assert_eq!(plan(mixed, 8, 100, rounded), Some(Start::Group(3)));
     }
 
     #[test]

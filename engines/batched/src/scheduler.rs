@@ -172,7 +172,7 @@ impl Scheduler {
                 (self.rows.len(), self.group.len(), self.prefill.is_some());
             let result = self.step();
             // Per step, for finding where a slow batch spends its time
-            // (`RUST_LOG=batched=debug`).
+            // (`RUST_LOG=batched=debug`; through the gateway `plugin=debug`).
             tracing::debug!(
                 rows,
                 group,
@@ -525,10 +525,10 @@ impl Scheduler {
         // The rows stay in the group until their first token is out: a
         // step that fails leaves them to the caller's recovery.
         let model = &self.shared.model.model;
-        let (ids, pads) = generate::left_padded(
-            self.group.iter().map(|r| r.request().prompt.as_slice()),
-            self.limits.prefill.width_multiple,
-        );
+        let prompts = self.group.iter().map(|r| r.request().prompt.as_slice());
+        let longest = prompts.clone().map(<[u32]>::len).max().unwrap_or(0);
+        let width = self.limits.prefill.width(longest, self.group.len());
+        let (ids, pads) = generate::left_padded(prompts, width);
         let mut cache = model.new_padded_cache(pads);
         let logits = model.forward(&ids, &mut cache, Logits::Last)?;
         let finished = advance_rows(&mut self.group, &logits)?;

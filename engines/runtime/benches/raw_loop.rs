@@ -127,7 +127,7 @@ fn ours(dir: &Path, a: &Args) -> (f64, f64) {
 fn batch_step_rates(model: &runtime::model::Model, prompts: &[Vec<u32>], gen: usize) -> (f64, f64) {
     use mlx_rs::transforms::eval;
     use runtime::model::Logits;
-    let (ids, pads) = generate::left_padded(prompts.iter().map(Vec::as_slice), 1);
+    let (ids, pads) = generate::left_padded(prompts.iter().map(Vec::as_slice), 0);
     let mut cache = model.new_padded_cache(pads);
     let start = Instant::now();
     let logits = model.forward(&ids, &mut cache, Logits::Last).unwrap();

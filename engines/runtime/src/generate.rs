@@ -165,15 +165,19 @@ pub fn greedy(
 }
 
 /// Prompts of different lengths as one left-padded `[B, width]` batch,
-/// with each row's padding: `width` is the longest prompt rounded up to a
-/// multiple of `multiple` (1: the longest prompt).
+/// with each row's padding; `width` is at least the longest prompt (0: just
+/// that).
 pub fn left_padded<'a>(
     prompts: impl ExactSizeIterator<Item = &'a [u32]> + Clone,
-    multiple: usize,
+    width: usize,
 ) -> (Array, Vec<i32>) {
     let b = prompts.len() as i32;
-    let longest = prompts.clone().map(<[u32]>::len).max().unwrap_or(0);
-    let longest = padded_width(longest, multiple);
+    let longest = prompts
+        .clone()
+        .map(<[u32]>::len)
+        .max()
+        .unwrap_or(0)
+        .max(width);
     let mut ids = Vec::with_capacity(prompts.len() * longest);
     let mut pads = Vec::with_capacity(prompts.len());
     for p in prompts {
@@ -182,11 +186,6 @@ pub fn left_padded<'a>(
         ids.extend(p.iter().map(|&t| t as i32));
     }
     (Array::from_slice(&ids, &[b, longest as i32]), pads)
-}
-
-/// `longest` rounded up to a multiple of `multiple` (at least 1).
-pub fn padded_width(longest: usize, multiple: usize) -> usize {
-    longest.div_ceil(multiple.max(1)) * multiple.max(1)
 }
 
 /// Greedy decoding of several prompts of different lengths as one
@@ -202,7 +201,7 @@ pub fn greedy_batch(
         prompts.iter().all(|p| !p.is_empty()),
         "empty prompt in batch"
     );
-    let (ids, pads) = left_padded(prompts.iter().map(Vec::as_slice), 1);
+    let (ids, pads) = left_padded(prompts.iter().map(Vec::as_slice), 0);
     let mut cache = model.new_padded_cache(pads);
     let logits = model.forward(&ids, &mut cache, Logits::Last)?;
     let mut current = argmax_tokens(&logits)?;
