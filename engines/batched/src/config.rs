@@ -16,13 +16,12 @@ pub struct BatchedConfig {
     /// requests are refused as overloaded.
     pub max_queue: usize,
     /// Prompt tokens prefilled per scheduler step: bounds how long a long
-    /// prompt can stall the decode of running rows. Default: 2048 on the
-    /// GPU (like vLLM's `max_num_batched_tokens`), where a wide forward
-    /// costs a few narrow ones; 256 on the CPU, where the cost is per token.
-    pub prefill_chunk: Option<usize>,
-    /// Padded prompt tokens of prompts (each within a chunk) prefilled
-    /// together in one forward. Default: `prefill_chunk`; 4096 for hybrid
-    /// models.
+    /// prompt can stall the decode of running rows.
+    pub prefill_chunk: usize,
+    /// Padded prompt tokens of short prompts prefilled together in one
+    /// forward (like vLLM's `max_num_batched_tokens`). Default: 2048 on
+    /// the GPU, where a wide forward costs little more than a narrow one;
+    /// `prefill_chunk` on the CPU; 4096 for hybrid models.
     pub prefill_group_tokens: Option<usize>,
     /// A group's prefill width is its longest prompt rounded up to a
     /// multiple of this (left padding), so forward shapes repeat. Default:
@@ -41,7 +40,7 @@ impl Default for BatchedConfig {
             kind: None,
             max_batch: None,
             max_queue: 256,
-            prefill_chunk: None,
+            prefill_chunk: 256,
             prefill_group_tokens: None,
             prefill_width_multiple: None,
             pipeline: true,
@@ -58,7 +57,7 @@ impl BatchedConfig {
             .map_err(|e| format!("batched engine config: {e}"))?;
         let zero = [
             cfg.max_batch,
-            cfg.prefill_chunk,
+            Some(cfg.prefill_chunk),
             cfg.prefill_group_tokens,
             cfg.prefill_width_multiple,
         ];
@@ -77,17 +76,17 @@ impl BatchedConfig {
     /// computing on a GPU when `gpu`.
     pub fn limits(&self, step_tokens: Option<usize>, hybrid: bool, gpu: bool) -> StepLimits {
         let within = |n: usize| step_tokens.map_or(n, |s| n.min(s.max(1)));
-        let prefill_chunk = within(self.prefill_chunk.unwrap_or(match gpu {
-            true => GPU_PREFILL_CHUNK,
-            false => CPU_PREFILL_CHUNK,
-        }));
+        let prefill_chunk = within(self.prefill_chunk);
         // A recurrent layer's prefill is a loop over positions, so a group
         // costs about what its longest prompt does: hybrid models group
-        // wide. Others group within a chunk: its stall on running rows.
-        let group_tokens = match (self.prefill_group_tokens, hybrid) {
-            (Some(n), _) => n,
-            (None, true) => HYBRID_GROUP_TOKENS,
-            (None, false) => prefill_chunk,
+        // wide. On the GPU a forward of 2048 tokens costs a few narrow
+        // ones; on the CPU the cost is per token, so groups stay within a
+        // chunk (their stall on running rows is the chunk's).
+        let group_tokens = match (self.prefill_group_tokens, hybrid, gpu) {
+            (Some(n), _, _) => n,
+            (None, true, _) => HYBRID_GROUP_TOKENS,
+            (None, false, true) => GPU_GROUP_TOKENS,
+            (None, false, false) => prefill_chunk,
         };
         StepLimits {
             max_batch: within(self.max_batch.or(step_tokens).unwrap_or(DEFAULT_MAX_BATCH)),
@@ -109,9 +108,8 @@ const DEFAULT_MAX_BATCH: usize = 32;
 /// Without a memory budget, the padded tokens of a hybrid model's group.
 const HYBRID_GROUP_TOKENS: usize = 4096;
 
-/// Without a memory budget, the prompt tokens of one prefill forward.
-const CPU_PREFILL_CHUNK: usize = 256;
-const GPU_PREFILL_CHUNK: usize = 2048;
+/// Without a memory budget, the padded tokens of a group on the GPU.
+const GPU_GROUP_TOKENS: usize = 2048;
 
 /// On the GPU, group widths are multiples of this: MLX builds kernels and
 /// attention graphs once per forward shape (50-100 ms each on an H200 for
@@ -147,7 +145,7 @@ mod tests {
         assert_eq!(limits(&cfg, Some(64)), (64, 64));
         let set = BatchedConfig {
             max_batch: Some(8),
-            prefill_chunk: Some(1024),
+            prefill_chunk: 1024,
             ..cfg.clone()
         };
         assert_eq!(limits(&set, None), (8, 1024));
@@ -166,7 +164,7 @@ mod tests {
         let gpu = cfg.limits(None, false, true).prefill;
         assert_eq!(
             (gpu.chunk, gpu.group_tokens, gpu.width_multiple),
-            (2048, 2048, 32)
+            (256, 2048, 32)
         );
         assert_eq!(cfg.limits(Some(512), false, true).prefill.group_tokens, 512);
         let set = BatchedConfig {
@@ -174,13 +172,8 @@ mod tests {
             ..cfg.clone()
         };
         assert_eq!(set.limits(None, false, false).prefill.group_tokens, 1024);
-        // Never narrower than a chunk (the GPU's is 2048).
-        assert_eq!(set.limits(None, true, true).prefill.group_tokens, 2048);
-        for zero in [
-            "prefill_chunk: 0",
-            "prefill_group_tokens: 0",
-            "prefill_width_multiple: 0",
-        ] {
+        assert_eq!(set.limits(None, true, true).prefill.group_tokens, 1024);
+        for zero in ["prefill_group_tokens: 0", "prefill_width_multiple: 0"] {
             let zero = serde_yaml::from_str(zero).unwrap();
             assert!(BatchedConfig::from_yaml(&zero).is_err());
         }

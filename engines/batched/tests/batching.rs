@@ -60,7 +60,7 @@ fn alone(shared: &SharedModel, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
 #[test]
 fn batch_output_equals_each_request_alone() {
     batch_equals_alone(BatchedConfig {
-        prefill_chunk: Some(8),
+        prefill_chunk: 8,
         ..Default::default()
     });
 }
@@ -70,7 +70,7 @@ fn batch_output_equals_each_request_alone() {
 #[test]
 fn wide_groups_padded_to_repeating_widths_equal_each_request_alone() {
     batch_equals_alone(BatchedConfig {
-        prefill_chunk: Some(64),
+        prefill_chunk: 64,
         prefill_group_tokens: Some(512),
         prefill_width_multiple: Some(32),
         ..Default::default()
@@ -108,7 +108,7 @@ fn requests_joining_mid_flight_match_alone() {
     let (_dir, shared, engine) = setup(
         1024,
         BatchedConfig {
-            prefill_chunk: Some(16),
+            prefill_chunk: 16,
             ..Default::default()
         },
     );
@@ -423,7 +423,7 @@ fn prompts_arriving_together_share_one_padded_prefill() {
     let (_dir, shared, engine) = setup(
         1024,
         BatchedConfig {
-            prefill_chunk: Some(256),
+            prefill_chunk: 256,
             ..Default::default()
         },
     );
@@ -581,7 +581,7 @@ fn pipelined_decode_equals_unpipelined_decode() {
             1024,
             BatchedConfig {
                 pipeline,
-                prefill_chunk: Some(16),
+                prefill_chunk: 16,
                 ..Default::default()
             },
         );

@@ -26,7 +26,7 @@ fn setup(pool_blocks: usize) -> (tempfile::TempDir, Arc<SharedModel>, BatchedEng
         KvPool::new(pool_blocks, 16, bytes * 16),
     ));
     let cfg = BatchedConfig {
-        prefill_chunk: Some(8),
+        prefill_chunk: 8,
         ..Default::default()
     };
     let engine = BatchedEngine::new("batched".into(), shared.clone(), cfg);
