@@ -10,7 +10,7 @@
 #include <stdatomic.h>
 #include <stddef.h>
 
-enum { ROW_MAJOR = 101, NO_TRANS = 111 };
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 
 // OpenBLAS's own entry points (not interposed: we define neither).
 void cblas_sgemv(int order, int trans, int m, int n, float alpha, const float *a, int lda,
@@ -50,7 +50,7 @@ void cblas_sgemm(int order, int transa, int transb, int m, int n, int k, float a
     if (m == 1) {
       // C (1 x n) = op(A) (1 x k) * op(B) (k x n): c = op(B)^T a.
       int inca = transa == NO_TRANS ? 1 : lda;
-      gemv(transb == NO_TRANS ? 112 : NO_TRANS, n, k, alpha, b, ldb, a, inca, beta, c, 1);
+      gemv(transb == NO_TRANS ? TRANS : NO_TRANS, n, k, alpha, b, ldb, a, inca, beta, c, 1);
       return;
     }
     if (n == 1) {
