@@ -338,19 +338,26 @@ impl KvCache {
                 if self.recurrent[l].is_none() {
                     continue;
                 }
-                let steps = self.steps[l].take().ok_or_else(|| {
-                    anyhow!("cannot roll a recurrent state back: its steps were not kept")
-                })?;
-                let s = steps.ssm.len() as i32;
-                anyhow::ensure!(
-                    n <= s,
-                    "cannot roll a recurrent state back {n} positions, its last forward had {s}"
-                );
-                self.recurrent[l] = Some(steps.after((s - n) as usize)?);
+                self.recurrent[l] = Some(self.rolled_back(l, n)?);
+                self.steps[l] = None;
             }
         }
         self.len = (self.len - n).max(*self.left_pad.iter().max().unwrap_or(&0));
         Ok(())
+    }
+
+    /// Linear layer `l`'s state (every row) `n` positions before the end of
+    /// the last forward, from the steps it kept.
+    fn rolled_back(&self, l: usize, n: i32) -> anyhow::Result<Recurrent> {
+        let steps = self.steps[l].as_ref().ok_or_else(|| {
+            anyhow!("cannot roll a recurrent state back: its steps were not kept")
+        })?;
+        let s = steps.ssm.len() as i32;
+        anyhow::ensure!(
+            n <= s,
+            "cannot roll a recurrent state back {n} positions, its last forward had {s}"
+        );
+        steps.after((s - n) as usize)
     }
 
     /// Keeps only the given rows, in that order, and drops padding columns
@@ -452,28 +459,56 @@ impl KvCache {
 
     /// Row `b` as a cache of its own (no padding).
     pub fn extract_row(&self, b: usize) -> anyhow::Result<KvCache> {
+        self.row(b, self.row_len(b), self.recurrent.clone())
+    }
+
+    /// Each row as a cache of its own, row `b` without its last `drop[b]`
+    /// positions (a batched verify's rejected drafts and padding), its
+    /// linear layers rolled back as [`KvCache::truncate`] does.
+    pub fn split(&self, drop: &[i32]) -> anyhow::Result<Vec<KvCache>> {
+        anyhow::ensure!(drop.len() == self.batch_size(), "one count per row");
+        (0..self.batch_size())
+            .map(|b| {
+                let recurrent = (0..self.recurrent.len())
+                    .map(|l| match &self.recurrent[l] {
+                        Some(_) if drop[b] > 0 => self.rolled_back(l, drop[b]).map(Some),
+                        r => Ok(r.clone()),
+                    })
+                    .collect::<anyhow::Result<_>>()?;
+                self.row(b, self.row_len(b) - drop[b], recurrent)
+            })
+            .collect()
+    }
+
+    /// Row `b`'s first `keep` positions, with row `b` of `recurrent` (states
+    /// of every row) as its linear layers' states.
+    fn row(
+        &self,
+        b: usize,
+        keep: i32,
+        recurrent: Vec<Option<Recurrent>>,
+    ) -> anyhow::Result<KvCache> {
         let idx = Array::from_slice(&[b as i32], &[1]);
         let start = self.left_pad[b];
-        let row_len = self.len - start;
-        let capacity = round_up(row_len.max(1));
+        let capacity = round_up(keep.max(1));
         let mut out = KvCache::with_formats(self.formats(), vec![0]);
         for (mine, theirs) in out.layers.iter_mut().zip(&self.layers) {
             mine.buffers = theirs
                 .buffers
                 .iter()
                 .map(|buf| {
-                    let row = slice_cols(&buf.take_axis(&idx, 0)?, start, self.len)?;
-                    align(&row, row_len, 0, capacity)
+                    let row = slice_cols(&buf.take_axis(&idx, 0)?, start, start + keep)?;
+                    align(&row, keep, 0, capacity)
                 })
                 .collect::<anyhow::Result<_>>()?;
         }
-        for (l, r) in self.recurrent.iter().enumerate() {
+        for (l, r) in recurrent.into_iter().enumerate() {
             if let Some(r) = r {
                 out.recurrent[l] = Some(r.map(|a| Ok(a.take_axis(&idx, 0)?))?);
             }
         }
         out.keep_steps = self.keep_steps;
-        out.len = row_len;
+        out.len = keep;
         out.capacity = capacity;
         Ok(out)
     }

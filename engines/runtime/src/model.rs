@@ -6,6 +6,8 @@
 //! attention or, in Qwen 3.5, by a Gated DeltaNet recurrence; its
 //! feed-forward part is an MLP or a sparse expert block (Qwen MoE).
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
 use mlx_rs::{ops, Array, Dtype};
 
@@ -111,6 +113,8 @@ pub struct Model {
     /// `model.kv_cache`: full-attention layers store keys and values
     /// quantized.
     kv_quant: Option<KvQuant>,
+    /// Forwards run, a batched one counting once (see [`Model::forwards`]).
+    forwards: AtomicU64,
 }
 
 impl Model {
@@ -188,6 +192,7 @@ impl Model {
             embed_scale,
             per_layer_inputs,
             kv_quant: None,
+            forwards: AtomicU64::new(0),
         })
     }
 
@@ -271,6 +276,12 @@ impl Model {
         }
     }
 
+    /// Forwards this model has run (prefill chunks, decode steps, verifies;
+    /// a batched one counts once): how the tests see rows run together.
+    pub fn forwards(&self) -> u64 {
+        self.forwards.load(Ordering::Relaxed)
+    }
+
     /// Bytes of K+V one token occupies in this model's cache.
     pub fn kv_bytes_per_token(&self) -> usize {
         self.config
@@ -329,6 +340,7 @@ impl Model {
         which: Logits,
         taps: &Taps,
     ) -> anyhow::Result<Tapped> {
+        self.forwards.fetch_add(1, Ordering::Relaxed);
         let n = tokens.dim(1);
         let per_layer = match &self.per_layer_inputs {
             Some(p) => Some(p.forward(tokens, &h)?),

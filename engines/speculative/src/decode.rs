@@ -22,7 +22,7 @@ use mlx_rs::transforms::eval;
 use mlx_rs::{ops, Array, Dtype};
 use runtime::emit::Emitter;
 use runtime::generate::tokens_array;
-use runtime::model::{Logits, Taps};
+use runtime::model::{Logits, Tapped, Taps};
 use runtime::{KvCache, Model, SharedModel};
 
 use crate::adaptive::{DraftSizer, RoundCost};
@@ -183,6 +183,23 @@ impl Sequence {
         if self.is_finished() {
             return Ok(RoundStats::default());
         }
+        let plan = self.plan(model, speculate, cost)?;
+        self.verify(model, plan)
+    }
+
+    /// Verifies `plan` in a forward of this sequence alone.
+    fn verify(&mut self, model: &Model, mut plan: Plan) -> anyhow::Result<RoundStats> {
+        let out = model.forward_tapped(&plan.input, &mut self.cache, Logits::All, &self.taps)?;
+        let greedy = choose(&out.logits, &plan.sets)?;
+        let verdict = plan.judge(&greedy)?;
+        self.cache
+            .truncate(plan.drafted() - verdict.accepted as i32)?;
+        self.settle(model, plan, verdict, &out)
+    }
+
+    /// Drafts this round's tokens (when `speculate` and they are expected
+    /// to pay for their verify at `cost`): the verify input, not yet run.
+    fn plan(&mut self, model: &Model, speculate: bool, cost: &RoundCost) -> anyhow::Result<Plan> {
         let newest = *self.history.last().expect("prefilled");
         // Never draft past max_tokens: a round commits at most k + 1.
         let budget = ((self.out.request.max_tokens - self.out.generated()).saturating_sub(1)
@@ -240,33 +257,36 @@ impl Sequence {
             }
             _ => input,
         };
-        let k = input.dim(1) - 1;
-        let out = model.forward_tapped(&input, &mut self.cache, Logits::All, &self.taps)?;
-        let greedy = choose(&out.logits, &sets)?;
-        match &lazy {
-            Some(d) => {
-                eval([&greedy, d])?;
-                proposed = d.as_slice::<i32>().iter().map(|&t| t as u32).collect();
-            }
-            None => eval([&greedy])?,
-        }
-        let target: Vec<u32> = greedy.as_slice::<i32>().iter().map(|&t| t as u32).collect();
-        let accepted = proposed
-            .iter()
-            .zip(&target)
-            .take_while(|(d, t)| d == t)
-            .count();
-        self.cache.truncate(k - accepted as i32)?;
-        self.sizer.learn(kind, k as usize, accepted);
+        Ok(Plan {
+            input,
+            lazy,
+            proposed,
+            kind,
+            sets,
+        })
+    }
+
+    /// Learns from the verdict, shows the drafter the committed positions
+    /// (rows of `out`, this sequence's verify output) and commits. The
+    /// cache must already hold exactly the committed context.
+    fn settle(
+        &mut self,
+        model: &Model,
+        plan: Plan,
+        verdict: Verdict,
+        out: &Tapped,
+    ) -> anyhow::Result<RoundStats> {
+        let (k, accepted) = (plan.drafted() as usize, verdict.accepted);
+        self.sizer.learn(plan.kind, k, accepted);
         if let Some(draft) = &mut self.draft {
-            draft.observe(model, &out, rows(accepted))?;
+            draft.observe(model, out, rows(accepted))?;
         }
         self.stats.target_forwards += 1;
         self.stats.drafted += k as u64;
         self.stats.accepted += accepted as u64;
-        let mut committed = proposed[..accepted].to_vec();
-        committed.push(target[accepted]);
-        self.commit(&committed, &sets);
+        let mut committed = plan.proposed[..accepted].to_vec();
+        committed.push(verdict.target[accepted]);
+        self.commit(&committed, &plan.sets);
         Ok(RoundStats {
             drafted: k as u32,
             accepted: accepted as u32,
@@ -346,6 +366,168 @@ impl Sequence {
             self.finish(FinishReason::Cancelled);
         }
     }
+}
+
+/// A round's input, drafted and not yet verified.
+struct Plan {
+    /// `[1, 1 + k]`: the newest committed token, then the drafts.
+    input: Array,
+    /// `[1, k]` drafts still on the device, read back with the verdict.
+    lazy: Option<Array>,
+    /// The drafts, once on the host.
+    proposed: Vec<u32>,
+    /// The kind of evidence behind them (see [`DraftSizer`]).
+    kind: usize,
+    /// The grammar's allowed sets along them (empty: no grammar).
+    sets: Vec<Option<Allowed>>,
+}
+
+/// The target's greedy tokens along a verified block, and how many drafts
+/// they agree with.
+struct Verdict {
+    target: Vec<u32>,
+    accepted: usize,
+}
+
+impl Plan {
+    fn drafted(&self) -> i32 {
+        self.input.dim(1) - 1
+    }
+
+    /// Reads the target's choices `greedy` (`[1 + k]`, from [`choose`])
+    /// and lazy drafts back from the device, then compares them.
+    fn judge(&mut self, greedy: &Array) -> anyhow::Result<Verdict> {
+        match &self.lazy {
+            Some(d) => eval([greedy, d])?,
+            None => eval([greedy])?,
+        }
+        if let Some(d) = self.lazy.take() {
+            self.proposed = d.as_slice::<i32>().iter().map(|&t| t as u32).collect();
+        }
+        let target: Vec<u32> = greedy.as_slice::<i32>().iter().map(|&t| t as u32).collect();
+        let accepted = self
+            .proposed
+            .iter()
+            .zip(&target)
+            .take_while(|(d, t)| d == t)
+            .count();
+        Ok(Verdict { target, accepted })
+    }
+}
+
+/// One round for several sequences at once: each drafts on its own, then
+/// one forward over their caches stacked as a padded batch verifies every
+/// row's block (right-padded to the longest), and each row keeps its own
+/// accepted prefix when the batch is split back. Rows that drafted nothing
+/// take their plain decode step in the same forward. A sequence whose
+/// drafter fails ends with that error; a failed verify fails the batch
+/// (returned; the caller fails every sequence in it).
+///
+/// Returns each verified sequence's round, in order.
+pub fn round_together(
+    seqs: &mut [&mut Sequence],
+    model: &Model,
+    speculate: bool,
+    cost: &RoundCost,
+) -> anyhow::Result<Vec<RoundStats>> {
+    let mut rows: Vec<(&mut Sequence, Plan)> = Vec::new();
+    for seq in seqs.iter_mut() {
+        if seq.is_finished() {
+            continue;
+        }
+        match seq.plan(model, speculate, cost) {
+            Ok(plan) => rows.push((&mut **seq, plan)),
+            Err(e) => {
+                tracing::error!(request = %seq.out.request.id, error = %e, "drafting failed");
+                seq.fail(runtime::memory::failed_step(&e));
+            }
+        }
+    }
+    if rows.len() <= 1 {
+        return rows
+            .pop()
+            .map(|(seq, plan)| seq.verify(model, plan))
+            .into_iter()
+            .collect();
+    }
+    let width = rows.iter().map(|(_, p)| p.input.dim(1)).max().unwrap_or(1);
+    let input = rows
+        .iter()
+        .map(|(_, p)| right_padded(&p.input, width))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let input = ops::concatenate(&input, 0)?;
+    let caches = rows
+        .iter_mut()
+        .map(|(seq, _)| std::mem::replace(&mut seq.cache, KvCache::new(0, 1)))
+        .collect();
+    let mut batch = KvCache::merge(caches)?;
+    let taps = rows[0].0.taps.clone();
+    let out = model.forward_tapped(&input, &mut batch, Logits::All, &taps)?;
+    let outs = (0..rows.len())
+        .map(|b| row_of(&out, b as i32, rows[b].1.input.dim(1)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let greedy = rows
+        .iter()
+        .zip(&outs)
+        .map(|((_, plan), out)| choose(&out.logits, &plan.sets))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    // One sync for the whole batch: every row's choices and lazy drafts.
+    eval(
+        greedy
+            .iter()
+            .chain(rows.iter().filter_map(|(_, p)| p.lazy.as_ref())),
+    )?;
+    let verdicts = rows
+        .iter_mut()
+        .zip(&greedy)
+        .map(|((_, plan), g)| plan.judge(g))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    // Each row keeps its newest token and accepted drafts.
+    let drop: Vec<i32> = verdicts
+        .iter()
+        .map(|v| width - 1 - v.accepted as i32)
+        .collect();
+    let parts = batch.split(&drop)?;
+    let mut stats = Vec::new();
+    for (((seq, plan), verdict), (cache, out)) in rows
+        .into_iter()
+        .zip(verdicts)
+        .zip(parts.into_iter().zip(&outs))
+    {
+        seq.cache = cache;
+        match seq.settle(model, plan, verdict, out) {
+            Ok(round) => stats.push(round),
+            Err(e) => {
+                tracing::error!(request = %seq.out.request.id, error = %e, "drafter update failed");
+                seq.fail(runtime::memory::failed_step(&e));
+            }
+        }
+    }
+    Ok(stats)
+}
+
+/// `[1, n]` tokens followed by zeros up to `width` columns (positions a
+/// row's verdict never reads, dropped with its rejected drafts).
+fn right_padded(tokens: &Array, width: i32) -> anyhow::Result<Array> {
+    let n = tokens.dim(1);
+    if n == width {
+        return Ok(tokens.clone());
+    }
+    let pad = ops::zeros_dtype(&[1, width - n], tokens.dtype())?;
+    Ok(ops::concatenate(&[tokens.clone(), pad], 1)?)
+}
+
+/// Row `b`'s first `n` positions of a batched forward's outputs.
+fn row_of(out: &Tapped, b: i32, n: i32) -> anyhow::Result<Tapped> {
+    let cut = |a: &Array| {
+        let s = a.shape();
+        runtime::cache::slice(a, &[b, 0, 0], &[b + 1, n, s[2]])
+    };
+    Ok(Tapped {
+        logits: cut(&out.logits)?,
+        layers: out.layers.as_ref().map(cut).transpose()?,
+        final_hidden: out.final_hidden.as_ref().map(cut).transpose()?,
+    })
 }
 
 /// Rows of the verify output that are now committed context: the newest

@@ -1,7 +1,8 @@
 //! The `Engine` face of a speculative engine: admission (plain greedy only,
 //! a concurrency cap, KV reserved for target and drafter together) and one
-//! worker thread that runs its sequences round-robin, one draft-and-verify
-//! round each per turn, under the shared device lock.
+//! worker thread that runs a draft-and-verify round of all its sequences
+//! per turn, verified together in one forward, under the shared device
+//! lock.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -19,7 +20,7 @@ use runtime::{memory, LoadedModel, Reservation, SharedModel};
 
 use crate::adaptive::RoundCost;
 use crate::config::SpecSettings;
-use crate::decode::Sequence;
+use crate::decode::{self, Sequence};
 use crate::draft::DraftSource;
 use crate::ngram::PromptLookup;
 use crate::window::AcceptWindow;
@@ -150,7 +151,7 @@ impl SpecEngine {
             state: state.clone(),
             max_batch: settings.max_batch,
             adaptive: settings.adaptive,
-            cost: RoundCost::default(),
+            costs: HashMap::new(),
             source,
             name: name.clone(),
         };
@@ -276,8 +277,9 @@ struct Worker {
     state: Arc<Shared>,
     max_batch: Option<usize>,
     adaptive: bool,
-    /// What rounds cost on this engine, by tokens drafted.
-    cost: RoundCost,
+    /// What rounds cost on this engine, by tokens drafted, per number of
+    /// sequences verified together (a wider batch costs more per round).
+    costs: HashMap<usize, RoundCost>,
     source: Source,
     name: String,
 }
@@ -299,31 +301,42 @@ impl Worker {
                 running.push(self.start(job));
             }
             let speculate = self.max_batch.is_none_or(|m| running.len() <= m);
-            for seq in running.iter_mut() {
-                seq.check_cancelled();
-                if seq.is_finished() {
-                    continue;
-                }
-                let result = {
-                    let _device = self.shared.model.lock_device();
-                    let started = Instant::now();
-                    seq.round(&self.shared.model.model, speculate, &self.cost)
-                        .map(|round| (round, started.elapsed()))
-                };
-                match result {
-                    Ok((round, took)) => {
-                        let drafted = round.drafted as usize;
-                        self.cost.record(drafted, took);
-                        let decode = self.cost.decode_seconds(drafted, took);
-                        lock(&self.state.window).record(round, took, decode);
-                    }
-                    Err(e) => {
-                        tracing::error!(engine = %self.name, request = %seq.out.request.id, error = %e, "speculative round failed");
-                        seq.fail(memory::failed_step(&e));
-                    }
-                }
+            running.iter_mut().for_each(Sequence::check_cancelled);
+            let mut active: Vec<&mut Sequence> =
+                running.iter_mut().filter(|s| !s.is_finished()).collect();
+            if !active.is_empty() {
+                self.round(&mut active, speculate);
             }
             running.retain(|seq| !seq.is_finished());
+        }
+    }
+
+    /// One round of every active sequence, verified in one forward.
+    fn round(&mut self, active: &mut [&mut Sequence], speculate: bool) {
+        let cost = self.costs.entry(active.len()).or_default();
+        let result = {
+            let _device = self.shared.model.lock_device();
+            let started = Instant::now();
+            decode::round_together(active, &self.shared.model.model, speculate, cost)
+                .map(|rounds| (rounds, started.elapsed()))
+        };
+        match result {
+            Ok((rounds, took)) => {
+                // The batch's verify width is what its forward cost.
+                let width = rounds.iter().map(|r| r.drafted).max().unwrap_or(0) as usize;
+                cost.record(width, took);
+                let decode = cost.decode_seconds(width, took);
+                let mut window = lock(&self.state.window);
+                for round in rounds {
+                    window.record(round, took, decode);
+                }
+            }
+            Err(e) => {
+                tracing::error!(engine = %self.name, rows = active.len(), error = %e, "speculative round failed");
+                for seq in active.iter_mut() {
+                    seq.fail(memory::failed_step(&e));
+                }
+            }
         }
     }
 

@@ -7,7 +7,8 @@
 //! output is exactly the target's greedy output, whatever the drafter
 //! proposes: a bad drafter costs speed, never correctness.
 //!
-//! The [`engine`] runs sequences round-robin on one worker thread and keeps
+//! The [`engine`] runs its sequences on one worker thread, verifying all
+//! their drafts together in one batched forward per round, and keeps
 //! a moving window of acceptance ([`window`]) that the router reads as
 //! `engine_accept_rate.NAME`. [`ngram`] is a draft source that needs no
 //! drafter weights (prompt lookup).

@@ -14,6 +14,7 @@ use engine_core::{
     SamplingParams, SpecStats,
 };
 use fixtures::model::{random_prompt, write_model, TinySpec};
+use fixtures::qwen::QwenShape;
 use runtime::model::{Tapped, Taps};
 use runtime::{generate, Family, KvCache, KvPool, LoadedModel, Model, SharedModel};
 use speculative::engine::DraftPlan;
@@ -537,4 +538,49 @@ fn lazy_drafter_loads_on_first_use_and_a_failed_load_takes_the_engine_out() {
         EngineError::Refused(Refusal::NotReady)
     );
     assert_eq!(t.shared.kv_pool.allocated(), 0);
+}
+
+/// Sequences running together have their drafts verified in one forward
+/// per round: far fewer target forwards than the rounds the sequences
+/// took, each row still committing its own accepted block.
+#[test]
+fn the_rounds_of_sequences_running_together_are_one_forward() {
+    let t = target(Family::Qwen3);
+    let prompts = prompts();
+    let e = oracle_engine(&t, &prompts, 5);
+    let model = &t.shared.model.model;
+    let before = model.forwards();
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| e.submit(GenerateRequest::new(p.clone(), 40)).unwrap())
+        .collect();
+    let done: Vec<_> = streams.into_iter().map(run).collect();
+    let forwards = model.forwards() - before;
+    let rounds: u64 = done
+        .iter()
+        .map(|(_, f)| f.spec.unwrap().target_forwards)
+        .sum();
+    for (p, (tokens, _)) in prompts.iter().zip(&done) {
+        assert_eq!(tokens, &t.greedy(p, 40, &[]));
+    }
+    // 4 x (prefill, a probe of 1, 7 rounds of 5) = 36 rounds; together:
+    // 4 prefills and about 10 verifies.
+    assert_eq!(rounds, 36);
+    assert!(forwards <= 18, "{forwards} forwards for {rounds} rounds");
+}
+
+/// A hybrid target's linear layers roll back per row: rows of one verify
+/// accept different numbers of drafts (prompt lookup, full blocks
+/// whatever they earn), each returning to its own position's state.
+#[test]
+fn a_hybrid_target_rolls_each_row_back_to_its_own_accepted_position() {
+    let t = target_of(&TinySpec::qwen(QwenShape::qwen35()));
+    let e = t
+        .engine(
+            "dflash",
+            "{ draft: ngram, adaptive: false, ngram: { draft_tokens: 4 } }",
+        )
+        .unwrap();
+    let stats = lossless(&t, &e, 32);
+    assert!(stats.drafted > stats.accepted, "{stats:?}");
 }
