@@ -489,7 +489,7 @@ impl KvCache {
         recurrent: Vec<Option<Recurrent>>,
     ) -> anyhow::Result<KvCache> {
         let idx = Array::from_slice(&[b as i32], &[1]);
-        let start = self.left_pad[b];
+        let (b, start) = (b as i32, self.left_pad[b]);
         let capacity = round_up(keep.max(1));
         let mut out = KvCache::with_formats(self.formats(), vec![0]);
         for (mine, theirs) in out.layers.iter_mut().zip(&self.layers) {
@@ -497,7 +497,9 @@ impl KvCache {
                 .buffers
                 .iter()
                 .map(|buf| {
-                    let row = slice_cols(&buf.take_axis(&idx, 0)?, start, start + keep)?;
+                    // A view of the row's filled columns, copied once.
+                    let s = buf.shape();
+                    let row = slice(buf, &[b, 0, start, 0], &[b + 1, s[1], start + keep, s[3]])?;
                     align(&row, keep, 0, capacity)
                 })
                 .collect::<anyhow::Result<_>>()?;

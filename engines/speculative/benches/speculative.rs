@@ -12,7 +12,9 @@
 //! bench.)
 //!
 //! A random drafter is almost never right, so this measures what a round
-//! costs, not what a trained drafter gains: per engine and concurrency it
+//! costs, not what a trained drafter gains; the `agree-*` rows draft the
+//! target's own greedy continuation (every draft accepted, blocks of
+//! dflash's size and of mtp's k), the most the verify machinery gives: per engine and concurrency it
 //! reports aggregate output tok/s, the ratio to the fast path (which serves
 //! one request at a time, so its rate is the same at every level), the
 //! acceptance rate, tokens per target forward, and the break-even
@@ -22,6 +24,7 @@
 
 mod common;
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -32,7 +35,8 @@ use fastpath::FastpathEngine;
 use fixtures::model::{write_model, TinySpec};
 use fixtures::qwen::QwenShape;
 use runtime::{Family, KvPool, LoadedModel, SharedModel};
-use speculative::{SpecEngine, SpecSettings};
+use speculative::engine::DraftPlan;
+use speculative::{DraftSource, Replay, SpecEngine, SpecSettings};
 
 struct Args {
     preset: String,
@@ -313,6 +317,36 @@ fn main() {
             settings("{ draft: ngram, max_concurrent: 16 }".into(), None),
         )),
     ));
+    // A drafter that always agrees (the target's own greedy continuation
+    // of every prompt the levels send), at dflash's block and mtp's k:
+    // what the verify machinery gives when every draft is accepted.
+    let mut continuations = HashMap::new();
+    for &c in &a.levels {
+        for p in work(c, &a, vocab).into_iter().flatten() {
+            if !continuations.contains_key(&p) {
+                let greedy =
+                    runtime::generate::greedy(&shared.model.model, &p, a.gen, &[], |_| true)
+                        .expect("greedy reference");
+                continuations.insert(p, greedy.tokens);
+            }
+        }
+    }
+    for (name, k) in [("agree-block", a.block), ("agree-mtp-k", a.mtp_k)] {
+        let replay = Arc::new(Replay::new(continuations.clone(), k));
+        engines.push((
+            name,
+            spec(SpecEngine::new(
+                name.into(),
+                shared.clone(),
+                settings("{ draft: ngram, max_concurrent: 16 }".into(), None),
+                DraftPlan {
+                    max_draft: k,
+                    kv_bytes_per_token: 0,
+                    loader: Box::new(move |_| Ok(replay as Arc<dyn DraftSource>)),
+                },
+            )),
+        ));
+    }
     // Warm up every engine's graphs once, and check each answers like the
     // fast path on this device (numerics differ between a verify of k+1
     // tokens and one-token steps only at near-ties).

@@ -20,6 +20,7 @@ pub mod decode;
 pub mod draft;
 pub mod engine;
 pub mod ngram;
+pub mod replay;
 pub mod window;
 
 pub use adaptive::{DraftSizer, RoundCost};
@@ -28,4 +29,5 @@ pub use decode::Sequence;
 pub use draft::{DraftSource, DraftState, Proposal};
 pub use engine::{DraftPlan, SourceLoader, SpecEngine};
 pub use ngram::PromptLookup;
+pub use replay::Replay;
 pub use window::AcceptWindow;

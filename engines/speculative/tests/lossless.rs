@@ -5,7 +5,6 @@
 //! inside an accepted block, cancellation mid-block, refusals, drafter
 //! checkpoints that do not fit, and the lazy drafter.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -15,10 +14,9 @@ use engine_core::{
 };
 use fixtures::model::{random_prompt, write_model, TinySpec};
 use fixtures::qwen::QwenShape;
-use runtime::model::{Tapped, Taps};
-use runtime::{generate, Family, KvCache, KvPool, LoadedModel, Model, SharedModel};
+use runtime::{generate, Family, KvPool, LoadedModel, SharedModel};
 use speculative::engine::DraftPlan;
-use speculative::{DraftChoice, DraftSource, DraftState, Proposal, SpecEngine, SpecSettings};
+use speculative::{DraftChoice, DraftSource, Replay, SpecEngine, SpecSettings};
 
 struct Target {
     dir: tempfile::TempDir,
@@ -221,75 +219,20 @@ fn prompt_lookup_is_lossless_and_accepts_repeated_text() {
     assert!(spec.drafted > 0 && spec.accepted > 0, "{spec:?}");
 }
 
-/// Proposes what plain greedy decoding of the prompt produces: every draft
-/// is accepted. `garble` turns it into a drafter that is always wrong.
-struct Oracle {
-    continuations: HashMap<Vec<u32>, Vec<u32>>,
-    k: usize,
-    garble: bool,
-}
-
-impl DraftSource for Oracle {
-    fn taps(&self) -> Taps {
-        Taps::default()
-    }
-    fn max_draft(&self) -> usize {
-        self.k
-    }
-    fn start(&self) -> Box<dyn DraftState> {
-        let mut c = self.continuations.clone();
-        if self.garble {
-            c.values_mut().flatten().for_each(|t| *t ^= 1);
-        }
-        Box::new(OracleState(c))
-    }
-}
-
-struct OracleState(HashMap<Vec<u32>, Vec<u32>>);
-
-impl DraftState for OracleState {
-    fn observe(&mut self, _: &Model, _: &Tapped, _: std::ops::Range<i32>) -> anyhow::Result<()> {
-        Ok(())
-    }
-    fn propose(
-        &mut self,
-        _: &Model,
-        _: &KvCache,
-        history: &[u32],
-        k: usize,
-    ) -> anyhow::Result<Proposal> {
-        for (prompt, cont) in &self.0 {
-            if history.starts_with(prompt) {
-                let done = history.len() - prompt.len();
-                let next: Vec<u32> = cont.iter().skip(done).take(k).copied().collect();
-                return Ok(if next.is_empty() {
-                    Proposal::None
-                } else {
-                    Proposal::Tokens {
-                        tokens: next,
-                        kind: 0,
-                    }
-                });
-            }
-        }
-        Ok(Proposal::None)
-    }
-}
-
 fn oracle_engine(t: &Target, prompts: &[Vec<u32>], k: usize) -> SpecEngine {
     oracle_engine_of(t, prompts, k, false)
 }
 
+/// An engine whose drafter proposes plain greedy decoding's continuation
+/// of each prompt (every draft accepted), or with `garble` a changed one
+/// (every draft rejected).
 fn oracle_engine_of(t: &Target, prompts: &[Vec<u32>], k: usize, garble: bool) -> SpecEngine {
     let continuations = prompts
         .iter()
         .map(|p| (p.clone(), t.greedy(p, 256, &[])))
         .collect();
-    let oracle = Arc::new(Oracle {
-        continuations,
-        k,
-        garble,
-    });
+    let replay = Replay::new(continuations, k);
+    let replay = Arc::new(if garble { replay.garbled() } else { replay });
     let mut settings = SpecSettings::defaults(4, None);
     settings.draft = DraftChoice::Ngram;
     SpecEngine::new(
@@ -299,7 +242,7 @@ fn oracle_engine_of(t: &Target, prompts: &[Vec<u32>], k: usize, garble: bool) ->
         DraftPlan {
             max_draft: k,
             kv_bytes_per_token: 0,
-            loader: Box::new(move |_| Ok(oracle as Arc<dyn DraftSource>)),
+            loader: Box::new(move |_| Ok(replay as Arc<dyn DraftSource>)),
         },
     )
     .unwrap()
