@@ -333,16 +333,69 @@ impl KvCache {
     /// Linear layers go back to their state after that position, which
     /// must lie within the last forward, with steps kept.
     pub fn truncate(&mut self, n: i32) -> anyhow::Result<()> {
-        if n > 0 && self.has_recurrent() {
+        self.truncate_rows(&vec![n; self.batch_size()])
+    }
+
+    /// Drops the last `drop[b]` positions of each row `b` (a batched
+    /// verify's rejected drafts). Rows stay right-aligned: a row that drops
+    /// more than the fewest is shifted right by the difference (one gather
+    /// per buffer) and its left padding grows by as much; leading padding
+    /// that no row needs any more is let go once it spans a growth step.
+    /// Linear layers go back to each row's own state, kept by the last
+    /// forward ([`KvCache::keep_steps`]).
+    pub fn truncate_rows(&mut self, drop: &[i32]) -> anyhow::Result<()> {
+        anyhow::ensure!(drop.len() == self.batch_size(), "one count per row");
+        let fewest = drop.iter().copied().min().unwrap_or(0);
+        let shifts: Vec<i32> = drop.iter().map(|d| d - fewest).collect();
+        if drop.iter().any(|&d| d > 0) {
             for l in 0..self.recurrent.len() {
                 if self.recurrent[l].is_none() {
                     continue;
                 }
-                self.recurrent[l] = Some(self.rolled_back(l, n)?);
+                let state = if shifts.iter().all(|&s| s == 0) {
+                    self.rolled_back(l, fewest)?
+                } else {
+                    let rows = drop
+                        .iter()
+                        .enumerate()
+                        .map(|(b, &d)| {
+                            let idx = Array::from_slice(&[b as i32], &[1]);
+                            self.rolled_back(l, d)?.map(|a| Ok(a.take_axis(&idx, 0)?))
+                        })
+                        .collect::<anyhow::Result<Vec<_>>>()?;
+                    Recurrent {
+                        conv: ops::concatenate(
+                            &rows.iter().map(|r| &r.conv).collect::<Vec<_>>(),
+                            0,
+                        )?,
+                        ssm: ops::concatenate(&rows.iter().map(|r| &r.ssm).collect::<Vec<_>>(), 0)?,
+                    }
+                };
+                self.recurrent[l] = Some(state);
                 self.steps[l] = None;
             }
         }
-        self.len = (self.len - n).max(*self.left_pad.iter().max().unwrap_or(&0));
+        if shifts.iter().any(|&s| s > 0) {
+            // Column c of row b takes column c - shift[b] (the columns it
+            // leaves behind are padding).
+            let cap = self.capacity;
+            let idx: Vec<i32> = shifts
+                .iter()
+                .flat_map(|&s| (0..cap).map(move |c| (c - s).max(0)))
+                .collect();
+            let idx = Array::from_slice(&idx, &[shifts.len() as i32, 1, cap, 1]);
+            for l in &mut self.layers {
+                l.map(|b| Ok(b.take_along_axis(&idx, 2)?))?;
+            }
+            for (pad, s) in self.left_pad.iter_mut().zip(&shifts) {
+                *pad += s;
+            }
+        }
+        self.len = (self.len - fewest).max(*self.left_pad.iter().max().unwrap_or(&0));
+        let common = self.left_pad.iter().copied().min().unwrap_or(0);
+        if common >= STEP {
+            self.drop_leading(common)?;
+        }
         Ok(())
     }
 
@@ -457,61 +510,44 @@ impl KvCache {
         })
     }
 
-    /// Row `b` as a cache of its own (no padding).
+    /// Row `b` as a cache of its own (no padding), its keys and values
+    /// copied out of the batch's buffers.
     pub fn extract_row(&self, b: usize) -> anyhow::Result<KvCache> {
-        self.row(b, self.row_len(b), self.recurrent.clone())
+        let mut out = self.row_view(b)?;
+        let (len, capacity) = (out.len, round_up(out.len.max(1)));
+        for l in &mut out.layers {
+            l.map(|buf| align(buf, len, 0, capacity))?;
+        }
+        out.capacity = capacity;
+        out.keep_steps = self.keep_steps;
+        Ok(out)
     }
 
-    /// Each row as a cache of its own, row `b` without its last `drop[b]`
-    /// positions (a batched verify's rejected drafts and padding), its
-    /// linear layers rolled back as [`KvCache::truncate`] does.
-    pub fn split(&self, drop: &[i32]) -> anyhow::Result<Vec<KvCache>> {
-        anyhow::ensure!(drop.len() == self.batch_size(), "one count per row");
-        (0..self.batch_size())
-            .map(|b| {
-                let recurrent = (0..self.recurrent.len())
-                    .map(|l| match &self.recurrent[l] {
-                        Some(_) if drop[b] > 0 => self.rolled_back(l, drop[b]).map(Some),
-                        r => Ok(r.clone()),
-                    })
-                    .collect::<anyhow::Result<_>>()?;
-                self.row(b, self.row_len(b) - drop[b], recurrent)
-            })
-            .collect()
-    }
-
-    /// Row `b`'s first `keep` positions, with row `b` of `recurrent` (states
-    /// of every row) as its linear layers' states.
-    fn row(
-        &self,
-        b: usize,
-        keep: i32,
-        recurrent: Vec<Option<Recurrent>>,
-    ) -> anyhow::Result<KvCache> {
+    /// Row `b` as a cache of its own that views the batch's buffers (no
+    /// copy): for readers of one row's context (a drafter attending into
+    /// the target's keys). Writing to it copies first.
+    pub fn row_view(&self, b: usize) -> anyhow::Result<KvCache> {
         let idx = Array::from_slice(&[b as i32], &[1]);
-        let (b, start) = (b as i32, self.left_pad[b]);
-        let capacity = round_up(keep.max(1));
+        let (start, len) = (self.left_pad[b], self.row_len(b));
+        let bi = b as i32;
         let mut out = KvCache::with_formats(self.formats(), vec![0]);
         for (mine, theirs) in out.layers.iter_mut().zip(&self.layers) {
             mine.buffers = theirs
                 .buffers
                 .iter()
                 .map(|buf| {
-                    // A view of the row's filled columns, copied once.
                     let s = buf.shape();
-                    let row = slice(buf, &[b, 0, start, 0], &[b + 1, s[1], start + keep, s[3]])?;
-                    align(&row, keep, 0, capacity)
+                    slice(buf, &[bi, 0, start, 0], &[bi + 1, s[1], self.len, s[3]])
                 })
                 .collect::<anyhow::Result<_>>()?;
         }
-        for (l, r) in recurrent.into_iter().enumerate() {
+        for (l, r) in self.recurrent.iter().enumerate() {
             if let Some(r) = r {
                 out.recurrent[l] = Some(r.map(|a| Ok(a.take_axis(&idx, 0)?))?);
             }
         }
-        out.keep_steps = self.keep_steps;
-        out.len = keep;
-        out.capacity = capacity;
+        out.len = len;
+        out.capacity = len;
         Ok(out)
     }
 }

@@ -54,6 +54,9 @@ pub struct Sequence {
     /// How many of them are worth verifying, learned from this sequence.
     sizer: DraftSizer,
     stats: SpecStats,
+    /// Why it ended, until its cache is handed back to publish it
+    /// ([`Sequence::conclude`]).
+    ending: Option<FinishReason>,
 }
 
 impl Sequence {
@@ -83,11 +86,19 @@ impl Sequence {
                 adaptive,
             ),
             stats: SpecStats::default(),
+            ending: None,
         }
     }
 
+    /// Ended, or ending ([`Sequence::is_ending`]): commits nothing more.
     pub fn is_finished(&self) -> bool {
-        self.out.ended()
+        self.out.ended() || self.ending.is_some()
+    }
+
+    /// Ended at a stop, a token limit or a grammar's end, waiting for
+    /// [`Sequence::conclude`].
+    pub fn is_ending(&self) -> bool {
+        self.ending.is_some()
     }
 
     pub fn stats(&self) -> SpecStats {
@@ -168,38 +179,27 @@ impl Sequence {
         eval([&token])?;
         self.stats.target_forwards += 1;
         self.commit(&[token.as_slice::<i32>()[0] as u32], &sets);
+        if self.is_ending() {
+            let cache = self.take_cache();
+            self.conclude(cache);
+        }
         Ok(())
     }
 
-    /// One round: draft (when `speculate` and the drafts are expected to
-    /// pay for their verify at the engine's `cost`), verify, commit, roll
-    /// back.
-    pub fn round(
-        &mut self,
-        model: &Model,
-        speculate: bool,
-        cost: &RoundCost,
-    ) -> anyhow::Result<RoundStats> {
-        if self.is_finished() {
-            return Ok(RoundStats::default());
-        }
-        let plan = self.plan(model, speculate, cost)?;
-        self.verify(model, plan)
-    }
-
-    /// Verifies `plan` in a forward of this sequence alone.
-    fn verify(&mut self, model: &Model, mut plan: Plan) -> anyhow::Result<RoundStats> {
-        let out = model.forward_tapped(&plan.input, &mut self.cache, Logits::All, &self.taps)?;
-        let greedy = choose(&out.logits, &plan.sets)?;
-        let verdict = plan.judge(&greedy)?;
-        self.cache
-            .truncate(plan.drafted() - verdict.accepted as i32)?;
-        self.settle(model, plan, verdict, &out)
+    /// The cache it has filled alone (prefill), to join a batch.
+    fn take_cache(&mut self) -> KvCache {
+        std::mem::replace(&mut self.cache, KvCache::new(0, 1))
     }
 
     /// Drafts this round's tokens (when `speculate` and they are expected
     /// to pay for their verify at `cost`): the verify input, not yet run.
-    fn plan(&mut self, model: &Model, speculate: bool, cost: &RoundCost) -> anyhow::Result<Plan> {
+    fn plan(
+        &mut self,
+        model: &Model,
+        speculate: bool,
+        cost: &RoundCost,
+        cache: impl FnOnce() -> anyhow::Result<KvCache>,
+    ) -> anyhow::Result<Plan> {
         let newest = *self.history.last().expect("prefilled");
         // Never draft past max_tokens: a round commits at most k + 1.
         let budget = ((self.out.request.max_tokens - self.out.generated()).saturating_sub(1)
@@ -210,7 +210,7 @@ impl Sequence {
             _ => 0,
         };
         let proposal = match &mut self.draft {
-            Some(draft) if limit > 0 => draft.propose(model, &self.cache, &self.history, limit)?,
+            Some(draft) if limit > 0 => draft.propose(model, &cache()?, &self.history, limit)?,
             _ => Proposal::None,
         };
         let newest_arr = Array::from_slice(&[newest as i32], &[1, 1]);
@@ -267,8 +267,7 @@ impl Sequence {
     }
 
     /// Learns from the verdict, shows the drafter the committed positions
-    /// (rows of `out`, this sequence's verify output) and commits. The
-    /// cache must already hold exactly the committed context.
+    /// (rows of `out`, this sequence's verify output) and commits.
     fn settle(
         &mut self,
         model: &Model,
@@ -301,16 +300,16 @@ impl Sequence {
         for (i, &token) in tokens.iter().enumerate() {
             if let Some(c) = &self.constraint {
                 if sets[i].is_none() || c.is_end(token) {
-                    return self.finish(FinishReason::Stop);
+                    return self.end(FinishReason::Stop);
                 }
             }
             if let Some(reason) = self.out.plain(token) {
-                return self.finish(reason);
+                return self.end(reason);
             }
             self.history.push(token);
             if let Some(c) = &mut self.constraint {
                 if !c.commit(token) {
-                    return self.finish(FinishReason::Stop);
+                    return self.end(FinishReason::Stop);
                 }
             }
         }
@@ -327,28 +326,41 @@ impl Sequence {
         }
     }
 
-    /// Ends the sequence, releasing what it holds before the final event.
-    fn finish(&mut self, reason: FinishReason) {
+    /// Ends the sequence: a cancelled one at once (nothing is published:
+    /// that happens outside the device lock), any other once its cache is
+    /// handed back ([`Sequence::conclude`]).
+    fn end(&mut self, reason: FinishReason) {
         if self.is_finished() {
             return;
         }
-        // Published before the final event, so the chat's next turn finds
-        // it. The cache holds every committed token but the newest, and
-        // possibly accepted drafts after a stop token (not in `history`).
-        // Not when cancelled: that happens outside the device lock.
-        if reason != FinishReason::Cancelled {
-            let scope = self.out.request.cache_scope.as_deref();
-            self.shared.prefix.insert(scope, &self.history, &self.cache);
+        if reason == FinishReason::Cancelled {
+            self.release();
+            self.out.finish(reason, Some(self.stats));
+        } else {
+            self.ending = Some(reason);
         }
+    }
+
+    /// Completes an ending: publishes `cache` (its context: every committed
+    /// token but the newest, possibly accepted drafts after a stop token)
+    /// to the prefix cache, so the chat's next turn finds it, releases
+    /// what it holds and sends the final event.
+    pub fn conclude(&mut self, cache: KvCache) {
+        let Some(reason) = self.ending.take() else {
+            return;
+        };
+        let scope = self.out.request.cache_scope.as_deref();
+        self.shared.prefix.insert(scope, &self.history, &cache);
         self.release();
         self.out.finish(reason, Some(self.stats));
     }
 
     /// Ends the sequence with an error (the engine keeps running).
     pub fn fail(&mut self, error: StreamError) {
-        if self.is_finished() {
+        if self.out.ended() {
             return;
         }
+        self.ending = None;
         self.release();
         self.out.fail(error);
     }
@@ -363,7 +375,7 @@ impl Sequence {
     /// Cancelled from outside (client gone, shutdown) between rounds.
     pub fn check_cancelled(&mut self) {
         if self.out.request.cancel.is_cancelled() {
-            self.finish(FinishReason::Cancelled);
+            self.end(FinishReason::Cancelled);
         }
     }
 }
@@ -415,95 +427,179 @@ impl Plan {
     }
 }
 
-/// One round for several sequences at once: each drafts on its own, then
-/// one forward over their caches stacked as a padded batch verifies every
-/// row's block (right-padded to the longest), and each row keeps its own
-/// accepted prefix when the batch is split back. Rows that drafted nothing
-/// take their plain decode step in the same forward. A sequence whose
-/// drafter fails ends with that error; a failed verify fails the batch
-/// (returned; the caller fails every sequence in it).
-///
-/// Returns each verified sequence's round, in order.
-pub fn round_together(
-    seqs: &mut [&mut Sequence],
-    model: &Model,
-    speculate: bool,
-    cost: &RoundCost,
-) -> anyhow::Result<Vec<RoundStats>> {
-    let mut rows: Vec<(&mut Sequence, Plan)> = Vec::new();
-    for seq in seqs.iter_mut() {
-        if seq.is_finished() {
-            continue;
-        }
-        match seq.plan(model, speculate, cost) {
-            Ok(plan) => rows.push((&mut **seq, plan)),
+/// The sequences running together. Row `b` of their stacked cache (left
+/// padded, right-aligned) is `seqs[b]`'s context; it is kept from round to
+/// round, so a round copies no keys or values unless rows accept
+/// different numbers of drafts.
+#[derive(Default)]
+pub struct Batch {
+    seqs: Vec<Sequence>,
+    cache: Option<KvCache>,
+}
+
+impl Batch {
+    pub fn len(&self) -> usize {
+        self.seqs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.seqs.is_empty()
+    }
+
+    pub fn seqs_mut(&mut self) -> &mut [Sequence] {
+        &mut self.seqs
+    }
+
+    /// Adds a prefilled sequence as the last row; on failure it is handed
+    /// back with the error.
+    pub fn join(&mut self, mut seq: Sequence) -> Result<(), (Sequence, anyhow::Error)> {
+        let own = seq.take_cache();
+        let stacked = match self.cache.take() {
+            None => Ok(own),
+            Some(cache) => KvCache::merge(vec![cache, own]),
+        };
+        match stacked {
+            Ok(cache) => {
+                self.cache = Some(cache);
+                self.seqs.push(seq);
+                Ok(())
+            }
             Err(e) => {
-                tracing::error!(request = %seq.out.request.id, error = %e, "drafting failed");
-                seq.fail(runtime::memory::failed_step(&e));
+                self.fail(runtime::memory::failed_step(&e));
+                Err((seq, e))
             }
         }
     }
-    if rows.len() <= 1 {
-        return rows
-            .pop()
-            .map(|(seq, plan)| seq.verify(model, plan))
-            .into_iter()
+
+    /// Concludes every ending row with its own row of the cache, then
+    /// drops the rows that finished.
+    pub fn retire(&mut self) -> anyhow::Result<()> {
+        let Some(cache) = &mut self.cache else {
+            return Ok(());
+        };
+        for (b, seq) in self.seqs.iter_mut().enumerate() {
+            if seq.is_ending() {
+                seq.conclude(cache.extract_row(b)?);
+            }
+        }
+        let keep: Vec<usize> = (0..self.seqs.len())
+            .filter(|&b| !self.seqs[b].is_finished())
             .collect();
+        if keep.len() == self.seqs.len() {
+            return Ok(());
+        }
+        if keep.is_empty() {
+            self.cache = None;
+        } else {
+            cache.select_rows(&keep)?;
+        }
+        self.seqs.retain(|s| !s.is_finished());
+        Ok(())
     }
-    let width = rows.iter().map(|(_, p)| p.input.dim(1)).max().unwrap_or(1);
-    let input = rows
-        .iter()
-        .map(|(_, p)| right_padded(&p.input, width))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let input = ops::concatenate(&input, 0)?;
-    let caches = rows
-        .iter_mut()
-        .map(|(seq, _)| std::mem::replace(&mut seq.cache, KvCache::new(0, 1)))
-        .collect();
-    let mut batch = KvCache::merge(caches)?;
-    let taps = rows[0].0.taps.clone();
-    let out = model.forward_tapped(&input, &mut batch, Logits::All, &taps)?;
-    let outs = (0..rows.len())
-        .map(|b| row_of(&out, b as i32, rows[b].1.input.dim(1)))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let greedy = rows
-        .iter()
-        .zip(&outs)
-        .map(|((_, plan), out)| choose(&out.logits, &plan.sets))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    // One sync for the whole batch: every row's choices and lazy drafts.
-    eval(
-        greedy
+
+    /// Fails every sequence (a failed round: their context is lost).
+    pub fn fail(&mut self, error: StreamError) {
+        for seq in &mut self.seqs {
+            seq.fail(error.clone());
+        }
+        self.seqs.clear();
+        self.cache = None;
+    }
+
+    /// One round of every row: each drafts on its own (when `speculate`
+    /// and its drafts are expected to pay at `cost`), then one forward
+    /// verifies every row's block, right-padded to the widest, and each
+    /// row keeps its newest token and its own accepted drafts
+    /// ([`KvCache::truncate_rows`]). Rows that drafted nothing take their
+    /// plain decode step in the same forward. A sequence whose drafter
+    /// fails ends with that error (its row runs a dropped dummy token); an
+    /// error of the forward itself is returned (the caller fails the
+    /// batch). Returns the verified rows' rounds.
+    pub fn round(
+        &mut self,
+        model: &Model,
+        speculate: bool,
+        cost: &RoundCost,
+    ) -> anyhow::Result<Vec<RoundStats>> {
+        let Some(cache) = &mut self.cache else {
+            return Ok(Vec::new());
+        };
+        let mut plans = Vec::with_capacity(self.seqs.len());
+        for (b, seq) in self.seqs.iter_mut().enumerate() {
+            let plan = match seq.is_finished() {
+                true => None,
+                false => match seq.plan(model, speculate, cost, || cache.row_view(b)) {
+                    Ok(plan) => Some(plan),
+                    Err(e) => {
+                        tracing::error!(request = %seq.out.request.id, error = %e, "drafting failed");
+                        seq.fail(runtime::memory::failed_step(&e));
+                        None
+                    }
+                },
+            };
+            plans.push(plan);
+        }
+        let width = plans
             .iter()
-            .chain(rows.iter().filter_map(|(_, p)| p.lazy.as_ref())),
-    )?;
-    let verdicts = rows
-        .iter_mut()
-        .zip(&greedy)
-        .map(|((_, plan), g)| plan.judge(g))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    // Each row keeps its newest token and accepted drafts.
-    let drop: Vec<i32> = verdicts
-        .iter()
-        .map(|v| width - 1 - v.accepted as i32)
-        .collect();
-    let parts = batch.split(&drop)?;
-    let mut stats = Vec::new();
-    for (((seq, plan), verdict), (cache, out)) in rows
-        .into_iter()
-        .zip(verdicts)
-        .zip(parts.into_iter().zip(&outs))
-    {
-        seq.cache = cache;
-        match seq.settle(model, plan, verdict, out) {
-            Ok(round) => stats.push(round),
-            Err(e) => {
-                tracing::error!(request = %seq.out.request.id, error = %e, "drafter update failed");
-                seq.fail(runtime::memory::failed_step(&e));
+            .flatten()
+            .map(|p| p.input.dim(1))
+            .max()
+            .unwrap_or(1);
+        let dummy = Array::from_slice(&[0i32], &[1, 1]);
+        let input = plans
+            .iter()
+            .map(|p| right_padded(p.as_ref().map_or(&dummy, |p| &p.input), width))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let taps = self.seqs[0].taps.clone();
+        let out = model.forward_tapped(&ops::concatenate(&input, 0)?, cache, Logits::All, &taps)?;
+        let mut rows = Vec::new();
+        for (b, plan) in plans.iter().enumerate() {
+            rows.push(match plan {
+                Some(plan) => {
+                    let out = row_of(&out, b as i32, plan.input.dim(1))?;
+                    let greedy = choose(&out.logits, &plan.sets)?;
+                    Some((out, greedy))
+                }
+                None => None,
+            });
+        }
+        // One sync for the whole batch: every row's choices and lazy drafts.
+        let pending = rows
+            .iter()
+            .flatten()
+            .map(|(_, g)| g)
+            .chain(plans.iter().flatten().filter_map(|p| p.lazy.as_ref()));
+        eval(pending)?;
+        let mut verdicts = Vec::new();
+        for (plan, row) in plans.iter_mut().zip(&rows) {
+            verdicts.push(match (plan, row) {
+                (Some(plan), Some((_, greedy))) => Some(plan.judge(greedy)?),
+                _ => None,
+            });
+        }
+        // Each row keeps its newest token and accepted drafts; a row
+        // without a plan keeps nothing of this forward.
+        let drop: Vec<i32> = verdicts
+            .iter()
+            .map(|v| v.as_ref().map_or(width, |v| width - 1 - v.accepted as i32))
+            .collect();
+        cache.truncate_rows(&drop)?;
+        let mut stats = Vec::new();
+        let rounds = self.seqs.iter_mut().zip(plans).zip(verdicts).zip(rows);
+        for (((seq, plan), verdict), row) in rounds {
+            let (Some(plan), Some(verdict), Some((out, _))) = (plan, verdict, row) else {
+                continue;
+            };
+            match seq.settle(model, plan, verdict, &out) {
+                Ok(round) => stats.push(round),
+                Err(e) => {
+                    tracing::error!(request = %seq.out.request.id, error = %e, "drafter update failed");
+                    seq.fail(runtime::memory::failed_step(&e));
+                }
             }
         }
+        Ok(stats)
     }
-    Ok(stats)
 }
 
 /// `[1, n]` tokens followed by zeros up to `width` columns (positions a

@@ -20,7 +20,7 @@ use runtime::{memory, LoadedModel, Reservation, SharedModel};
 
 use crate::adaptive::RoundCost;
 use crate::config::SpecSettings;
-use crate::decode::{self, Sequence};
+use crate::decode::{Batch, Sequence};
 use crate::draft::DraftSource;
 use crate::ngram::PromptLookup;
 use crate::window::AcceptWindow;
@@ -287,9 +287,9 @@ struct Worker {
 impl Worker {
     fn run(mut self, rx: Receiver<Job>) {
         let mut waiting: VecDeque<Job> = VecDeque::new();
-        let mut running: Vec<Sequence> = Vec::new();
+        let mut batch = Batch::default();
         loop {
-            if running.is_empty() && waiting.is_empty() {
+            if batch.is_empty() && waiting.is_empty() {
                 match rx.recv() {
                     Ok(job) => waiting.push_back(job),
                     Err(_) => break,
@@ -298,26 +298,36 @@ impl Worker {
             waiting.extend(rx.try_iter());
             // One prefill per turn, so running sequences keep streaming.
             if let Some(job) = waiting.pop_front() {
-                running.push(self.start(job));
+                let seq = self.start(job);
+                if !seq.is_finished() {
+                    let _device = self.shared.model.lock_device();
+                    if let Err((mut seq, e)) = batch.join(seq) {
+                        tracing::error!(engine = %self.name, error = %e, "joining the batch failed");
+                        seq.fail(memory::failed_step(&e));
+                    }
+                }
             }
-            let speculate = self.max_batch.is_none_or(|m| running.len() <= m);
-            running.iter_mut().for_each(Sequence::check_cancelled);
-            let mut active: Vec<&mut Sequence> =
-                running.iter_mut().filter(|s| !s.is_finished()).collect();
-            if !active.is_empty() {
-                self.round(&mut active, speculate);
+            batch
+                .seqs_mut()
+                .iter_mut()
+                .for_each(Sequence::check_cancelled);
+            self.retire(&mut batch);
+            if !batch.is_empty() {
+                self.round(&mut batch);
+                self.retire(&mut batch);
             }
-            running.retain(|seq| !seq.is_finished());
         }
     }
 
-    /// One round of every active sequence, verified in one forward.
-    fn round(&mut self, active: &mut [&mut Sequence], speculate: bool) {
-        let cost = self.costs.entry(active.len()).or_default();
+    /// One round of every running sequence, verified in one forward.
+    fn round(&mut self, batch: &mut Batch) {
+        let speculate = self.max_batch.is_none_or(|m| batch.len() <= m);
+        let cost = self.costs.entry(batch.len()).or_default();
         let result = {
             let _device = self.shared.model.lock_device();
             let started = Instant::now();
-            decode::round_together(active, &self.shared.model.model, speculate, cost)
+            batch
+                .round(&self.shared.model.model, speculate, cost)
                 .map(|rounds| (rounds, started.elapsed()))
         };
         match result {
@@ -332,11 +342,21 @@ impl Worker {
                 }
             }
             Err(e) => {
-                tracing::error!(engine = %self.name, rows = active.len(), error = %e, "speculative round failed");
-                for seq in active.iter_mut() {
-                    seq.fail(memory::failed_step(&e));
-                }
+                tracing::error!(engine = %self.name, rows = batch.len(), error = %e, "speculative round failed");
+                batch.fail(memory::failed_step(&e));
             }
+        }
+    }
+
+    /// Ends the batch's finished sequences (publishing their prefixes).
+    fn retire(&self, batch: &mut Batch) {
+        let result = {
+            let _device = self.shared.model.lock_device();
+            batch.retire()
+        };
+        if let Err(e) = result {
+            tracing::error!(engine = %self.name, error = %e, "ending sequences failed");
+            batch.fail(memory::failed_step(&e));
         }
     }
 
