@@ -1,6 +1,5 @@
 //! The mtp engine: the shared speculative engine with an assistant drafter,
-//! the checkpoint's own MTP head or prompt lookup, speculating only while
-//! the batch is small.
+//! the checkpoint's own MTP head or prompt lookup.
 
 use std::sync::Arc;
 
@@ -15,8 +14,6 @@ use crate::checkpoint::AssistantConfig;
 use crate::checkpoint_head::CheckpointHead;
 
 const MAX_CONCURRENT: usize = 8;
-/// Speculate while at most this many sequences run; plain decode above.
-const MAX_BATCH: usize = 2;
 /// Tokens drafted per round (the Gemma 4 assistants' usual setting).
 const DRAFT_TOKENS: usize = 3;
 
@@ -24,7 +21,7 @@ pub fn engine_from_context(ctx: EngineContext) -> Result<SpecEngine, String> {
     let (shared, settings) = speculative::engine::from_context(
         &ctx,
         "mtp",
-        SpecSettings::defaults(MAX_CONCURRENT, Some(MAX_BATCH)),
+        SpecSettings::defaults(MAX_CONCURRENT, None),
     )?;
     new_engine(ctx.name, shared, settings)
 }

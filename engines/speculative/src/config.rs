@@ -87,7 +87,8 @@ pub struct SpecSettings {
     #[serde(default)]
     pub accept_window: WindowOptions,
     /// Speculate only while at most this many sequences are running; plain
-    /// decode above (mtp: 2; dflash: no limit).
+    /// decode above (default: no limit; adaptive sizing stops drafting
+    /// where it does not pay at the batch's size).
     pub max_batch: Option<usize>,
     /// Tokens drafted per round by the trained drafter (mtp; dflash uses
     /// its checkpoint's block size unless this is set lower).
