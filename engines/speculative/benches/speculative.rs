@@ -282,7 +282,7 @@ fn main() {
                     mtp_dir.display(),
                     a.mtp_k
                 ),
-                Some(2),
+                None,
             ),
         )),
     ));
