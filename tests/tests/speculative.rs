@@ -1,5 +1,6 @@
 //! The speculative engines as plugins behind the gateway, over HTTP: their
-//! answers equal the fast path's plain greedy answers token for token, the
+//! answers equal the fast path's plain greedy answers token for token (one
+//! client, and four at once), the
 //! usage and metrics carry the draft accounting, the acceptance rate routes
 //! work away from a drafter that does not pay, and a drafter that cannot
 //! load leaves the gateway serving with the other engines.
@@ -103,6 +104,46 @@ fn speculative_engines_answer_exactly_like_plain_greedy() {
         .metric("gateway_engine_speedup", &[("engine", "mtp")])
         .unwrap();
     assert!(speedup > 0.0 && speedup < 3.0, "{speedup}");
+    assert_eq!(gw.metric("gateway_kv_blocks_allocated", &[]), Some(0.0));
+}
+
+/// Clients at once on each speculative engine: their sequences are
+/// verified together in one forward per round, rows keeping different
+/// numbers of drafts (the repeated prompt's lookup drafts are accepted,
+/// the others' mostly not), and every answer is still the fast path's.
+#[test]
+fn concurrent_requests_verified_together_answer_like_plain_greedy() {
+    let gw = Gateway::start(CONFIG);
+    let prompts: Vec<Vec<u32>> = vec![
+        vec![5, 9, 14],
+        vec![7; 24],
+        vec![100, 3, 47, 300, 2, 8, 77, 12, 9, 41, 5],
+        [11, 12, 13, 14].repeat(5),
+    ];
+    let oracle: Vec<Vec<u64>> = prompts.iter().map(|p| complete(&gw, p, 34).1).collect();
+    for (name, max_tokens) in [("dflash", 31), ("mtp", 32), ("lookup", 33)] {
+        let answers: Vec<(String, Vec<u64>)> = std::thread::scope(|s| {
+            let handles: Vec<_> = prompts
+                .iter()
+                .map(|p| s.spawn(|| complete(&gw, p, max_tokens)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    let (engine, ids, _) = h.join().unwrap();
+                    (engine, ids)
+                })
+                .collect()
+        });
+        for (i, (engine, ids)) in answers.iter().enumerate() {
+            assert_eq!(engine, name);
+            assert_eq!(
+                ids,
+                &oracle[i][..max_tokens as usize],
+                "{name}, prompt {i} of 4 at once"
+            );
+        }
+    }
     assert_eq!(gw.metric("gateway_kv_blocks_allocated", &[]), Some(0.0));
 }
 

@@ -10,6 +10,7 @@ pub mod cache;
 pub mod compute;
 pub mod config;
 pub mod cuda_env;
+pub mod cuda_kernel;
 pub mod emit;
 pub mod generate;
 pub mod gguf;

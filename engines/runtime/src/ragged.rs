@@ -15,10 +15,10 @@
 //! on the CPU, and wherever the kernel does not apply, the same mask goes
 //! to MLX's attention. `examples/ragged_check.rs` compares the two on a GPU.
 
-use std::ffi::CString;
-
 use anyhow::anyhow;
 use mlx_rs::{Array, Dtype};
+
+use crate::cuda_kernel::{CudaKernel, Launch, TemplateArg};
 
 /// Most queries per row the kernel takes (a verify of up to 15 drafts).
 pub const MAX_QUERIES: i32 = 16;
@@ -143,111 +143,31 @@ pub fn attention(
     let (b, heads, n, d) = (q.dim(0), q.dim(1), q.dim(2), q.dim(3));
     let dtype = q.dtype();
     let scale = Array::from_slice(&[scale], &[1]);
-    let inputs = [q, k, v, meta, &scale];
-    unsafe {
-        let kernel = KERNEL.with(|k| k.as_ref().map(|k| k.raw).map_err(|e| anyhow!("{e}")))?;
-        let config = mlx_sys::mlx_fast_cuda_kernel_config_new();
-        let shape = [b, heads, n, d];
-        let t = CString::new("T").unwrap();
-        let dn = CString::new("D").unwrap();
-        let warps = CString::new("WARPS").unwrap();
-        let ok = mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(
-            config,
-            shape.as_ptr(),
-            4,
-            dtype as mlx_sys::mlx_dtype,
-        ) == 0
-            && mlx_sys::mlx_fast_cuda_kernel_config_set_grid(
-                config,
-                b * heads * n * WARPS * 32,
-                1,
-                1,
-            ) == 0
-            && mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(config, WARPS * 32, 1, 1) == 0
-            && mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(
-                config,
-                t.as_ptr(),
-                dtype as mlx_sys::mlx_dtype,
-            ) == 0
-            && mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(config, dn.as_ptr(), d)
-                == 0
-            && mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(
-                config,
-                warps.as_ptr(),
-                WARPS,
-            ) == 0;
-        let vin = mlx_sys::mlx_vector_array_new();
-        for a in inputs {
-            mlx_sys::mlx_vector_array_append_value(vin, a.as_ptr());
-        }
-        let mut vout = mlx_sys::mlx_vector_array_new();
-        let stream = mlx_rs::Stream::thread_local_or_default();
-        let applied = ok
-            && mlx_sys::mlx_fast_cuda_kernel_apply(&mut vout, kernel, vin, config, stream.as_ptr())
-                == 0;
-        let mut out = mlx_sys::mlx_array_new();
-        let got = applied && mlx_sys::mlx_vector_array_get(&mut out, vout, 0) == 0;
-        mlx_sys::mlx_vector_array_free(vin);
-        mlx_sys::mlx_vector_array_free(vout);
-        mlx_sys::mlx_fast_cuda_kernel_config_free(config);
-        if !got {
-            mlx_sys::mlx_array_free(out);
-            return Err(anyhow!(
+    let launch = Launch {
+        output_shape: &[b, heads, n, d],
+        output_dtype: dtype,
+        grid_threads: b * heads * n * WARPS * 32,
+        block_threads: WARPS * 32,
+        templates: &[
+            TemplateArg::Dtype("T", dtype),
+            TemplateArg::Int("D", d),
+            TemplateArg::Int("WARPS", WARPS),
+        ],
+    };
+    KERNEL
+        .with(|kernel| {
+            let kernel = kernel.as_ref().map_err(|e| anyhow!("{e}"))?;
+            Ok::<_, anyhow::Error>(kernel.apply(&[q, k, v, meta, &scale], &launch))
+        })?
+        .ok_or_else(|| {
+            anyhow!(
                 "the ragged attention kernel could not be applied ({b} rows, {heads} heads, {n} queries, head width {d}, {dtype:?})"
-            ));
-        }
-        Ok(Array::from_ptr(out))
-    }
-}
-
-/// The kernel object: its source and argument names (compiled by MLX on
-/// first use, once per template instance, and cached).
-struct Kernel {
-    raw: mlx_sys::mlx_fast_cuda_kernel,
-}
-
-impl Kernel {
-    fn new() -> anyhow::Result<Self> {
-        let names = |list: &[&str]| -> anyhow::Result<mlx_sys::mlx_vector_string> {
-            let owned = list
-                .iter()
-                .map(|s| CString::new(*s))
-                .collect::<Result<Vec<_>, _>>()?;
-            let ptrs: Vec<*const std::os::raw::c_char> = owned.iter().map(|s| s.as_ptr()).collect();
-            Ok(unsafe { mlx_sys::mlx_vector_string_new_data(ptrs.as_ptr() as *mut _, ptrs.len()) })
-        };
-        let inputs = names(&["q", "k", "v", "meta", "scale"])?;
-        let outputs = names(&["out"])?;
-        let name = CString::new("ragged_attention")?;
-        let source = CString::new(SOURCE)?;
-        let header = CString::new("")?;
-        let raw = unsafe {
-            let raw = mlx_sys::mlx_fast_cuda_kernel_new(
-                name.as_ptr(),
-                inputs,
-                outputs,
-                source.as_ptr(),
-                header.as_ptr(),
-                false,
-                0,
-            );
-            mlx_sys::mlx_vector_string_free(inputs);
-            mlx_sys::mlx_vector_string_free(outputs);
-            raw
-        };
-        if raw.ctx.is_null() {
-            return Err(anyhow!("MLX refused the ragged attention kernel"));
-        }
-        Ok(Self { raw })
-    }
-}
-
-impl Drop for Kernel {
-    fn drop(&mut self) {
-        unsafe { mlx_sys::mlx_fast_cuda_kernel_free(self.raw) };
-    }
+            )
+        })
 }
 
 thread_local! {
-    static KERNEL: Result<Kernel, String> = Kernel::new().map_err(|e| format!("{e:#}"));
+    static KERNEL: Result<CudaKernel, String> =
+        CudaKernel::new("ragged_attention", &["q", "k", "v", "meta", "scale"], "out", SOURCE, false)
+            .map_err(|e| format!("{e:#}"));
 }

@@ -1,10 +1,12 @@
-//! One sequence's draft-and-verify loop.
+//! The draft-and-verify loop of the sequences running together
+//! ([`Batch`]).
 //!
 //! Invariant between rounds: every committed token has been streamed, and
-//! all but the newest (`history.last()`) are in the target's KV cache. A
-//! round feeds `[newest, d1..dk]` to the target in one forward, keeps
-//! `d1..da` where the target's greedy choice agreed, adds the target's own
-//! token after them, and drops the KV of the `k - a` rejected positions.
+//! all but the newest (`history.last()`) are in the sequence's row of the
+//! target's KV cache. A round feeds each row `[newest, d1..dk]` (the
+//! rows' blocks in one forward), keeps `d1..da` where the target's greedy
+//! choice agreed, adds the target's own token after them, and drops the
+//! KV of the `k - a` rejected positions of that row.
 //!
 //! A constrained request (a grammar) verifies under the grammar's masks:
 //! drafts are cut at the first token the grammar rejects, the target's
@@ -539,12 +541,9 @@ impl Batch {
             };
             plans.push(plan);
         }
-        let width = plans
-            .iter()
-            .flatten()
-            .map(|p| p.input.dim(1))
-            .max()
-            .unwrap_or(1);
+        let Some(width) = plans.iter().flatten().map(|p| p.input.dim(1)).max() else {
+            return Ok(Vec::new());
+        };
         let dummy = Array::from_slice(&[0i32], &[1, 1]);
         let input = plans
             .iter()

@@ -1,0 +1,147 @@
+//! MLX custom CUDA kernels (mlx-c's `mlx_fast_cuda_kernel_*`): a kernel
+//! body compiled by MLX on first use, once per template instance, and run
+//! inside the MLX graph like any other op.
+
+use std::ffi::CString;
+
+use anyhow::anyhow;
+use mlx_rs::{Array, Dtype};
+
+/// A template argument of one launch.
+pub enum TemplateArg<'a> {
+    Dtype(&'a str, Dtype),
+    Int(&'a str, i32),
+}
+
+/// One launch: the output's shape and dtype, the grid in threads (MLX
+/// divides it by the block), the block, and the template arguments.
+pub struct Launch<'a> {
+    pub output_shape: &'a [i32],
+    pub output_dtype: Dtype,
+    pub grid_threads: i32,
+    pub block_threads: i32,
+    pub templates: &'a [TemplateArg<'a>],
+}
+
+pub struct CudaKernel {
+    raw: mlx_sys::mlx_fast_cuda_kernel,
+}
+
+impl CudaKernel {
+    /// `source` is the kernel's body; it reads its `inputs` and writes its
+    /// one output by these names (MLX adds `<name>_shape` and
+    /// `<name>_strides` for those the body uses). With `contiguous`, MLX
+    /// copies inputs that are not row-contiguous first.
+    pub fn new(
+        name: &str,
+        inputs: &[&str],
+        output: &str,
+        source: &str,
+        contiguous: bool,
+    ) -> anyhow::Result<Self> {
+        let names = |list: &[&str]| -> anyhow::Result<mlx_sys::mlx_vector_string> {
+            let owned = list
+                .iter()
+                .map(|s| CString::new(*s))
+                .collect::<Result<Vec<_>, _>>()?;
+            let ptrs: Vec<*const std::os::raw::c_char> = owned.iter().map(|s| s.as_ptr()).collect();
+            Ok(unsafe { mlx_sys::mlx_vector_string_new_data(ptrs.as_ptr() as *mut _, ptrs.len()) })
+        };
+        let inputs = names(inputs)?;
+        let outputs = names(&[output])?;
+        let c_name = CString::new(name)?;
+        let source = CString::new(source)?;
+        let header = CString::new("")?;
+        let raw = unsafe {
+            let raw = mlx_sys::mlx_fast_cuda_kernel_new(
+                c_name.as_ptr(),
+                inputs,
+                outputs,
+                source.as_ptr(),
+                header.as_ptr(),
+                contiguous,
+                0,
+            );
+            mlx_sys::mlx_vector_string_free(inputs);
+            mlx_sys::mlx_vector_string_free(outputs);
+            raw
+        };
+        if raw.ctx.is_null() {
+            return Err(anyhow!("MLX refused the {name} kernel"));
+        }
+        Ok(Self { raw })
+    }
+
+    /// Adds one launch of the kernel over `inputs` to the graph on this
+    /// thread's stream; returns its output. `None` when MLX refused it.
+    pub fn apply(&self, inputs: &[&Array], launch: &Launch) -> Option<Array> {
+        unsafe {
+            let config = mlx_sys::mlx_fast_cuda_kernel_config_new();
+            let mut ok = mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(
+                config,
+                launch.output_shape.as_ptr(),
+                launch.output_shape.len(),
+                launch.output_dtype as mlx_sys::mlx_dtype,
+            ) == 0
+                && mlx_sys::mlx_fast_cuda_kernel_config_set_grid(config, launch.grid_threads, 1, 1)
+                    == 0
+                && mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(
+                    config,
+                    launch.block_threads,
+                    1,
+                    1,
+                ) == 0;
+            for t in launch.templates {
+                ok = ok
+                    && match t {
+                        TemplateArg::Dtype(name, dtype) => {
+                            let name = CString::new(*name).unwrap_or_default();
+                            mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(
+                                config,
+                                name.as_ptr(),
+                                *dtype as mlx_sys::mlx_dtype,
+                            ) == 0
+                        }
+                        TemplateArg::Int(name, value) => {
+                            let name = CString::new(*name).unwrap_or_default();
+                            mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(
+                                config,
+                                name.as_ptr(),
+                                *value,
+                            ) == 0
+                        }
+                    };
+            }
+            let vin = mlx_sys::mlx_vector_array_new();
+            for a in inputs {
+                mlx_sys::mlx_vector_array_append_value(vin, a.as_ptr());
+            }
+            let mut vout = mlx_sys::mlx_vector_array_new();
+            let stream = mlx_rs::Stream::thread_local_or_default();
+            let applied = ok
+                && mlx_sys::mlx_fast_cuda_kernel_apply(
+                    &mut vout,
+                    self.raw,
+                    vin,
+                    config,
+                    stream.as_ptr(),
+                ) == 0;
+            let mut out = mlx_sys::mlx_array_new();
+            let got = applied && mlx_sys::mlx_vector_array_get(&mut out, vout, 0) == 0;
+            mlx_sys::mlx_vector_array_free(vin);
+            mlx_sys::mlx_vector_array_free(vout);
+            mlx_sys::mlx_fast_cuda_kernel_config_free(config);
+            if !got {
+                mlx_sys::mlx_array_free(out);
+                return None;
+            }
+            Some(Array::from_ptr(out))
+        }
+    }
+}
+
+impl Drop for CudaKernel {
+    fn drop(&mut self) {
+        unsafe { mlx_sys::mlx_fast_cuda_kernel_free(self.raw) };
+    }
+}
