@@ -180,6 +180,22 @@ fn every_engine_gives_the_same_tokens_with_a_quantized_kv_cache() {
         assert_eq!(engine, "batched");
         assert_eq!(got, ids[..n], "concurrent row");
     }
+    // The speculative engines verify concurrent sequences in one forward
+    // and roll each row of the quantized cache back on its own.
+    for (name, n) in [("dflash", 31), ("lookup", 33)] {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let b = body(p, n);
+                std::thread::spawn(move || read(post_json(addr, "/v1/completions", &b)))
+            })
+            .collect();
+        for (h, ids) in handles.into_iter().zip(&greedy) {
+            let (engine, got, _) = h.join().unwrap();
+            assert_eq!(engine, name);
+            assert_eq!(got, ids[..n as usize], "{name}, concurrent row");
+        }
+    }
     // The 40-token prompt's 32-token prefix is cached (quantized) and reused.
     let (_, again, usage) = complete(&gw, &prompts[2], 30);
     assert_eq!(again, greedy[2][..30]);
