@@ -17,6 +17,17 @@ pub enum Proposal {
     Lazy(Array),
 }
 
+impl Proposal {
+    /// Host tokens with their kind of evidence; nothing when there are none.
+    pub fn tokens(tokens: Vec<u32>, kind: usize) -> Self {
+        if tokens.is_empty() {
+            Proposal::None
+        } else {
+            Proposal::Tokens { tokens, kind }
+        }
+    }
+}
+
 /// A drafter, loaded once per engine and shared by its sequences.
 pub trait DraftSource: Send + Sync {
     /// Hidden states of the target the drafter reads from every forward.

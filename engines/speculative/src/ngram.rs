@@ -115,14 +115,7 @@ impl DraftState for PromptLookup {
         k: usize,
     ) -> anyhow::Result<Proposal> {
         let (tokens, matched) = self.lookup(history, k);
-        Ok(if tokens.is_empty() {
-            Proposal::None
-        } else {
-            Proposal::Tokens {
-                tokens,
-                kind: kind_of(matched),
-            }
-        })
+        Ok(Proposal::tokens(tokens, kind_of(matched)))
     }
 }
 

@@ -80,13 +80,6 @@ impl DraftState for ReplayState {
                     .collect()
             })
             .unwrap_or_default();
-        Ok(if next.is_empty() {
-            Proposal::None
-        } else {
-            Proposal::Tokens {
-                tokens: next,
-                kind: 0,
-            }
-        })
+        Ok(Proposal::tokens(next, 0))
     }
 }
