@@ -94,7 +94,7 @@ impl BatchedConfig {
                 chunk: prefill_chunk,
                 group_tokens: within(group_tokens).max(prefill_chunk),
                 width_multiple: self.prefill_width_multiple.unwrap_or(match gpu {
-                    true => GPU_WIDTH_MULTIPLE,
+                    true => runtime::generate::GPU_SHAPE_MULTIPLE,
                     false => 1,
                 }),
             },
@@ -110,12 +110,6 @@ const HYBRID_GROUP_TOKENS: usize = 4096;
 
 /// Without a memory budget, the padded tokens of a group on the GPU.
 const GPU_GROUP_TOKENS: usize = 2048;
-
-/// On the GPU, group widths are multiples of this: MLX builds kernels and
-/// attention graphs once per forward shape (50-100 ms each on an H200 for
-/// a 4B model, then 10 ms a prefill), so random prompt lengths would pay
-/// it on almost every admission.
-const GPU_WIDTH_MULTIPLE: usize = 32;
 
 /// What one forward may hold, after the memory budget: no forward (a
 /// decode step of every row, a prefill chunk, a padded group) exceeds the

@@ -19,13 +19,47 @@ pub fn tokens_array(tokens: &[u32]) -> Array {
     Array::from_slice(&ids, &[1, ids.len() as i32])
 }
 
+/// On a GPU, prefill widths are padded to a multiple of this many tokens:
+/// MLX builds kernels and attention graphs once per forward shape (50-100
+/// ms each on an H200 for a 4B model, then about 10 ms a prefill), so
+/// prompts of random lengths would pay it on nearly every request. The
+/// batched engine pads its prefill groups to the same multiple.
+pub const GPU_SHAPE_MULTIPLE: usize = 32;
+
+/// The multiple prefill widths are padded to on this device: none on the
+/// CPU, which pays for padding per token.
+pub fn shape_multiple() -> usize {
+    if crate::compute::on_cpu() {
+        1
+    } else {
+        GPU_SHAPE_MULTIPLE
+    }
+}
+
 /// Runs the prompt through the model in chunks and returns the `[1, 1, V]`
-/// logits of its last position.
+/// logits of its last position; the last chunk is padded as
+/// [`prefill_padded`] does, to this device's [`shape_multiple`].
 pub fn prefill(
     model: &Model,
     cache: &mut KvCache,
     prompt: &[u32],
     chunk: usize,
+) -> anyhow::Result<Array> {
+    prefill_padded(model, cache, prompt, chunk, shape_multiple())
+}
+
+/// [`prefill`] with the last chunk padded at its end to a multiple of
+/// `multiple` tokens (while it stays within `chunk`): causal attention
+/// keeps the padding out of the real positions, the logits are read at the
+/// last real one, and the padding's keys and values are dropped after. A
+/// model with recurrent layers is not padded: its state would run through
+/// the padding.
+pub fn prefill_padded(
+    model: &Model,
+    cache: &mut KvCache,
+    prompt: &[u32],
+    chunk: usize,
+    multiple: usize,
 ) -> anyhow::Result<Array> {
     anyhow::ensure!(!prompt.is_empty(), "empty prompt");
     let chunk = chunk.max(1);
@@ -37,7 +71,28 @@ pub fn prefill(
         eval(cache.state())?;
         rest = tail;
     }
-    model.forward(&tokens_array(rest), cache, Logits::Last)
+    let width = padded_width(rest.len(), chunk, multiple, model.is_hybrid());
+    if width == rest.len() {
+        return model.forward(&tokens_array(rest), cache, Logits::Last);
+    }
+    let mut padded = rest.to_vec();
+    padded.resize(width, 0);
+    let last = Logits::At(rest.len() as i32 - 1);
+    let logits = model.forward(&tokens_array(&padded), cache, last)?;
+    cache.truncate((width - rest.len()) as i32)?;
+    Ok(logits)
+}
+
+/// The width a last prefill chunk of `len` tokens runs at: `len` rounded
+/// up to `multiple`, unless that passes `chunk` or the model has recurrent
+/// layers (`hybrid`).
+pub fn padded_width(len: usize, chunk: usize, multiple: usize, hybrid: bool) -> usize {
+    let width = len.next_multiple_of(multiple.max(1));
+    if hybrid || width > chunk {
+        len
+    } else {
+        width
+    }
 }
 
 /// Greedy token from `[B, 1, V]` logits as a lazy `[B, 1]` int32 array.

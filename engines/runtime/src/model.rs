@@ -35,6 +35,9 @@ type R<T> = Result<T, mlx_rs::error::Exception>;
 pub enum Logits {
     /// Only the last position of every row: `[B, 1, V]`.
     Last,
+    /// Only position `i` of every row: `[B, 1, V]` (a prefill padded at
+    /// the end, see [`crate::generate::prefill`]).
+    At(i32),
     /// Every position: `[B, L, V]` (verification of drafted tokens).
     All,
 }
@@ -376,7 +379,8 @@ impl Model {
         crate::inject::at_forward()?;
         let normed = self.norm.forward(&h)?;
         let logits = match which {
-            Logits::Last if n > 1 => self.logits(&last_position(&normed)?)?,
+            Logits::Last if n > 1 => self.logits(&position(&normed, n - 1)?)?,
+            Logits::At(i) => self.logits(&position(&normed, i)?)?,
             _ => self.logits(&normed)?,
         };
         let layers = if tapped.is_empty() {
@@ -480,9 +484,9 @@ fn padding_mask(cache: &KvCache, n: i32) -> Option<Array> {
     Some(Array::from_slice(&data, &[pads.len() as i32, n]))
 }
 
-fn last_position(h: &Array) -> R<Array> {
-    let n = h.dim(1);
-    h.take_axis(Array::from_slice(&[n - 1], &[1]), 1)
+/// Position `i` of every row of `h` (`[B, L, D]` to `[B, 1, D]`).
+fn position(h: &Array, i: i32) -> R<Array> {
+    h.take_axis(Array::from_slice(&[i], &[1]), 1)
 }
 
 impl Layer {
