@@ -95,6 +95,39 @@ pub fn padded_width(len: usize, chunk: usize, multiple: usize, hybrid: bool) -> 
     }
 }
 
+/// Decode steps [`warm_up`] runs: past the lengths a short exchange
+/// reaches.
+const WARM_DECODE_STEPS: usize = 256;
+
+/// Builds before the first request what MLX CUDA builds on the first use
+/// of a forward shape (kernels and attention graphs: 50-600 ms each for a
+/// 4B model on an H200, docs/benchmarks.md): a prefill at every padded
+/// width up to `chunk`, then a greedy decode of [`WARM_DECODE_STEPS`]
+/// tokens. The kernels are the process's, so every engine gains. Nothing
+/// on the CPU, which builds nothing per shape. Returns the time it took.
+pub fn warm_up(model: &Model, chunk: usize) -> anyhow::Result<Duration> {
+    let started = Instant::now();
+    if crate::compute::on_cpu() {
+        return Ok(Duration::ZERO);
+    }
+    for width in (GPU_SHAPE_MULTIPLE..=chunk).step_by(GPU_SHAPE_MULTIPLE) {
+        let mut cache = model.new_cache(1);
+        let logits = prefill_padded(
+            model,
+            &mut cache,
+            &vec![0; width],
+            chunk,
+            GPU_SHAPE_MULTIPLE,
+        )?;
+        eval([&logits])?;
+    }
+    let mut stream = GreedyStream::start(model, &[0; GPU_SHAPE_MULTIPLE])?;
+    for _ in 0..WARM_DECODE_STEPS {
+        stream.next_token(true)?;
+    }
+    Ok(started.elapsed())
+}
+
 /// Greedy token from `[B, 1, V]` logits as a lazy `[B, 1]` int32 array.
 pub fn argmax_tokens(logits: &Array) -> anyhow::Result<Array> {
     let b = logits.dim(0);

@@ -179,6 +179,14 @@ fn load_shared(config: &Config) -> anyhow::Result<(SharedModel, Option<MemoryPla
         "shared KV pool ready"
     );
     let shared = SharedModel::with_prefix_cache(model, kv_pool, m.prefix_cache_entries);
+    let warm = runtime::generate::warm_up(&shared.model.model, shared.prefill_chunk())
+        .context("warming up the model's forward shapes")?;
+    if !warm.is_zero() {
+        tracing::info!(
+            seconds = warm.as_secs_f64(),
+            "forward shapes built (prefill widths, decode lengths)"
+        );
+    }
     Ok((shared, plan))
 }
 
