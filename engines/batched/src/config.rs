@@ -93,10 +93,9 @@ impl BatchedConfig {
             prefill: PrefillBudget {
                 chunk: prefill_chunk,
                 group_tokens: within(group_tokens).max(prefill_chunk),
-                width_multiple: self.prefill_width_multiple.unwrap_or(match gpu {
-                    true => runtime::generate::GPU_SHAPE_MULTIPLE,
-                    false => 1,
-                }),
+                width_multiple: self
+                    .prefill_width_multiple
+                    .unwrap_or(runtime::generate::shape_multiple(gpu)),
             },
         }
     }

@@ -24,15 +24,15 @@ pub fn tokens_array(tokens: &[u32]) -> Array {
 /// ms each on an H200 for a 4B model, then about 10 ms a prefill), so
 /// prompts of random lengths would pay it on nearly every request. The
 /// batched engine pads its prefill groups to the same multiple.
-pub const GPU_SHAPE_MULTIPLE: usize = 32;
+const GPU_SHAPE_MULTIPLE: usize = 32;
 
-/// The multiple prefill widths are padded to on this device: none on the
-/// CPU, which pays for padding per token.
-pub fn shape_multiple() -> usize {
-    if crate::compute::on_cpu() {
-        1
-    } else {
+/// The multiple prefill widths are padded to, computing on a GPU or not:
+/// none on the CPU, which pays for padding per token.
+pub fn shape_multiple(gpu: bool) -> usize {
+    if gpu {
         GPU_SHAPE_MULTIPLE
+    } else {
+        1
     }
 }
 
@@ -45,7 +45,8 @@ pub fn prefill(
     prompt: &[u32],
     chunk: usize,
 ) -> anyhow::Result<Array> {
-    prefill_padded(model, cache, prompt, chunk, shape_multiple())
+    let multiple = shape_multiple(!crate::compute::on_cpu());
+    prefill_padded(model, cache, prompt, chunk, multiple)
 }
 
 /// [`prefill`] with the last chunk padded at its end to a multiple of
@@ -107,21 +108,15 @@ const WARM_DECODE_STEPS: usize = 256;
 /// on the CPU, which builds nothing per shape. Returns the time it took.
 pub fn warm_up(model: &Model, chunk: usize) -> anyhow::Result<Duration> {
     let started = Instant::now();
-    if crate::compute::on_cpu() {
+    let multiple = shape_multiple(!crate::compute::on_cpu());
+    if multiple == 1 {
         return Ok(Duration::ZERO);
     }
-    for width in (GPU_SHAPE_MULTIPLE..=chunk).step_by(GPU_SHAPE_MULTIPLE) {
+    for width in (multiple..=chunk).step_by(multiple) {
         let mut cache = model.new_cache(1);
-        let logits = prefill_padded(
-            model,
-            &mut cache,
-            &vec![0; width],
-            chunk,
-            GPU_SHAPE_MULTIPLE,
-        )?;
-        eval([&logits])?;
+        eval([&prefill(model, &mut cache, &vec![0; width], chunk)?])?;
     }
-    let mut stream = GreedyStream::start(model, &[0; GPU_SHAPE_MULTIPLE])?;
+    let mut stream = GreedyStream::start(model, &vec![0; multiple])?;
     for _ in 0..WARM_DECODE_STEPS {
         stream.next_token(true)?;
     }

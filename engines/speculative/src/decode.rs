@@ -409,12 +409,8 @@ impl Plan {
     }
 
     /// Reads the target's choices `greedy` (`[1 + k]`, from [`choose`])
-    /// and lazy drafts back from the device, then compares them.
-    fn judge(&mut self, greedy: &Array) -> anyhow::Result<Verdict> {
-        match &self.lazy {
-            Some(d) => eval([greedy, d])?,
-            None => eval([greedy])?,
-        }
+    /// and the lazy drafts, both evaluated, and compares them.
+    fn judge(&mut self, greedy: &Array) -> Verdict {
         if let Some(d) = self.lazy.take() {
             self.proposed = d.as_slice::<i32>().iter().map(|&t| t as u32).collect();
         }
@@ -425,7 +421,7 @@ impl Plan {
             .zip(&target)
             .take_while(|(d, t)| d == t)
             .count();
-        Ok(Verdict { target, accepted })
+        Verdict { target, accepted }
     }
 }
 
@@ -450,6 +446,11 @@ impl Batch {
 
     pub fn seqs_mut(&mut self) -> &mut [Sequence] {
         &mut self.seqs
+    }
+
+    /// Whether some row has ended (or is ending) and is still in the batch.
+    pub fn any_finished(&self) -> bool {
+        self.seqs.iter().any(Sequence::is_finished)
     }
 
     /// Adds a prefilled sequence as the last row; on failure it is handed
@@ -569,13 +570,14 @@ impl Batch {
             .map(|(_, g)| g)
             .chain(plans.iter().flatten().filter_map(|p| p.lazy.as_ref()));
         eval(pending)?;
-        let mut verdicts = Vec::new();
-        for (plan, row) in plans.iter_mut().zip(&rows) {
-            verdicts.push(match (plan, row) {
-                (Some(plan), Some((_, greedy))) => Some(plan.judge(greedy)?),
+        let verdicts: Vec<Option<Verdict>> = plans
+            .iter_mut()
+            .zip(&rows)
+            .map(|(plan, row)| match (plan, row) {
+                (Some(plan), Some((_, greedy))) => Some(plan.judge(greedy)),
                 _ => None,
-            });
-        }
+            })
+            .collect();
         // Each row keeps its newest token and accepted drafts; a row
         // without a plan keeps nothing of this forward.
         let drop: Vec<i32> = verdicts

@@ -348,8 +348,12 @@ impl Worker {
         }
     }
 
-    /// Ends the batch's finished sequences (publishing their prefixes).
+    /// Ends the batch's finished sequences (publishing their prefixes);
+    /// the device lock is taken only when one has finished.
     fn retire(&self, batch: &mut Batch) {
+        if !batch.any_finished() {
+            return;
+        }
         let result = {
             let _device = self.shared.model.lock_device();
             batch.retire()
