@@ -1,8 +1,10 @@
-//! The ragged attention kernel against its reference, on a GPU (issue 18):
-//! for each case, the kernel's output against MLX's attention under the
-//! same mask (`mask::ragged_mask`), computed in float32; then greedy
-//! decoding of a padded batch with the kernel against the same decoding
-//! with mask arrays, token for token. Exits non-zero on any mismatch.
+//! The ragged attention kernels against their reference, on a GPU (issue
+//! 18): for each case, the kernel's output, over a contiguous cache and
+//! over a paged one whose blocks are scattered through the pool, against
+//! MLX's attention under the same mask (`mask::ragged_mask`), computed in
+//! float32; then greedy decoding of a padded batch with the kernels (both
+//! layouts) against the same decoding with mask arrays, token for token.
+//! Exits non-zero on any mismatch.
 //!
 //!     cargo run --release -p runtime --example ragged_check
 
@@ -12,8 +14,10 @@ use mlx_rs::{ops, random, Array, Dtype};
 
 use fixtures::model::{random_prompt, write_model, TinySpec};
 use runtime::cache::slice;
+use runtime::cache::LayerView;
 use runtime::mask::{ragged_mask, set_ragged_attention, RaggedAttention};
-use runtime::{generate, ragged, Family, LoadedModel};
+use runtime::paged::PagePool;
+use runtime::{generate, ragged, Family, KvCache, LoadedModel};
 
 struct Case {
     rows: i32,
@@ -26,7 +30,24 @@ struct Case {
     dtype: Dtype,
 }
 
-fn check(c: &Case, seed: u64) -> f32 {
+/// A pool whose free blocks are handed out in a scrambled order, so rows'
+/// tables are neither contiguous nor ascending.
+fn scrambled_pool(layers: usize, blocks: usize, block: usize, seed: u64) -> PagePool {
+    let pool = PagePool::new(layers, blocks, block).unwrap();
+    let mut all: Vec<_> = (0..blocks)
+        .map(|_| Some(pool.allocate().unwrap()))
+        .collect();
+    let mut order: Vec<usize> = (0..blocks).collect();
+    order.sort_by_key(|&i| (i as u64 * 2654435761 + seed) % 1009);
+    for i in order {
+        all[i] = None;
+    }
+    pool
+}
+
+/// Max |kernel - reference| over the real queries, for the contiguous
+/// cache and the paged one.
+fn check(c: &Case, seed: u64) -> (f32, f32) {
     let normal = |shape: &[i32], part: u64| {
         let key = random::key(seed * 3 + part).unwrap();
         random::normal::<f32>(shape, None, None, &key)
@@ -57,7 +78,15 @@ fn check(c: &Case, seed: u64) -> f32 {
         })
         .collect();
     let scale = 1.0 / (c.dim as f32).sqrt();
-    let ours = ragged::attention(&q, &k, &v, scale, &ragged::meta(&starts, c.window)).unwrap();
+    let meta = ragged::meta(&starts, c.window, c.total);
+    let ours = ragged::attention(&q, &k, &v, scale, &meta).unwrap();
+    let pool = scrambled_pool(1, (c.rows * (c.total / 16 + 2)) as usize, 16, seed);
+    let mut cache = KvCache::paged(&pool, vec![None], starts.clone());
+    let LayerView::Paged { keys, values, read } = cache.update(0, k.clone(), v.clone()).unwrap()
+    else {
+        panic!("a paged cache gives a paged view")
+    };
+    let paged = ragged::paged_attention(&q, &keys, &values, scale, &meta, &read).unwrap();
     let f = |a: &Array| a.as_dtype(Dtype::Float32).unwrap();
     let mask = ragged_mask(&starts, c.queries, c.total, c.window);
     // On the CPU: the GPU's float32 matmuls (TF32) are further off than
@@ -65,12 +94,23 @@ fn check(c: &Case, seed: u64) -> f32 {
     let reference = mlx_rs::with_stream(&mlx_rs::Stream::cpu(), || {
         scaled_dot_product_attention(&f(&q), &f(&k), &f(&v), scale, &mask, None).unwrap()
     });
-    let diff = ops::abs(&f(&ours).subtract(&reference).unwrap())
-        .unwrap()
-        .max(None)
-        .unwrap();
-    eval([&diff]).unwrap();
-    diff.item_cast::<f32>()
+    // A padding query's output is the padding's (the paged cache keeps
+    // no padding keys): only real queries are compared.
+    let real: Vec<bool> = starts
+        .iter()
+        .flat_map(|&s| (0..c.queries).map(move |i| past + i >= s))
+        .collect();
+    let real = Array::from_slice(&real, &[c.rows, 1, c.queries, 1]);
+    let diff = |out: &Array| {
+        let d = ops::abs(&f(out).subtract(&reference).unwrap()).unwrap();
+        let d = ops::select(&real, &d, &Array::from_f32(0.0))
+            .unwrap()
+            .max(None)
+            .unwrap();
+        eval([&d]).unwrap();
+        d.item_cast::<f32>()
+    };
+    (diff(&ours), diff(&paged))
 }
 
 fn main() {
@@ -101,11 +141,11 @@ fn main() {
                     dtype,
                 };
                 seed += 1;
-                let diff = check(&case, seed);
-                let ok = diff <= tol;
+                let (diff, paged) = check(&case, seed);
+                let ok = diff <= tol && paged <= tol;
                 failed += usize::from(!ok);
                 println!(
-                    "{} {dtype:?} D={dim} heads {heads}/{kv_heads} rows {rows} queries {queries} keys {total} window {window:?}: max |diff| {diff:.2e}",
+                    "{} {dtype:?} D={dim} heads {heads}/{kv_heads} rows {rows} queries {queries} keys {total} window {window:?}: max |diff| {diff:.2e}, paged {paged:.2e}",
                     if ok { "ok  " } else { "FAIL" }
                 );
             }
@@ -120,21 +160,24 @@ fn main() {
     let prompts: Vec<Vec<u32>> = (0..6)
         .map(|i| random_prompt(i, 3 + 5 * i as usize, 256))
         .collect();
-    let run = |mode| {
+    let pool = scrambled_pool(model.model.config.num_layers as usize, 256, 16, 7);
+    let run = |mode, pool| {
         set_ragged_attention(mode);
-        let out = generate::greedy_batch(&model.model, &prompts, 24, &[]).unwrap();
+        let out = generate::greedy_batch_in(&model.model, pool, &prompts, 24, &[]).unwrap();
         set_ragged_attention(RaggedAttention::Auto);
         out
     };
-    let (kernel, masked) = (run(RaggedAttention::Auto), run(RaggedAttention::Never));
-    let same = kernel == masked;
-    failed += usize::from(!same);
-    println!(
-        "{} greedy padded batch of {} rows, 24 steps: kernel tokens {} mask-array tokens",
-        if same { "ok  " } else { "FAIL" },
-        prompts.len(),
-        if same { "equal" } else { "differ from" }
-    );
+    let masked = run(RaggedAttention::Never, None);
+    for (layout, pool) in [("contiguous", None), ("paged", Some(&pool))] {
+        let same = run(RaggedAttention::Auto, pool) == masked;
+        failed += usize::from(!same);
+        println!(
+            "{} greedy padded batch of {} rows, 24 steps: kernel tokens ({layout} cache) {} mask-array tokens",
+            if same { "ok  " } else { "FAIL" },
+            prompts.len(),
+            if same { "equal" } else { "differ from" }
+        );
+    }
     if failed > 0 {
         eprintln!("{failed} checks failed");
         std::process::exit(1);

@@ -61,7 +61,7 @@ fn main() {
         for l in [1usize, 2, 4, 8] {
             let mut cache = m.new_cache(1);
             prefill(m, &mut cache, &prompt, 512).unwrap();
-            eval(cache.state()).unwrap();
+            eval(&cache.state()).unwrap();
             let input = tokens_array(&random_prompt(2, l, 1000));
             let mut time = || {
                 let logits = m.forward(&input, &mut cache, Logits::All).unwrap();

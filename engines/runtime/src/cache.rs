@@ -12,12 +12,21 @@
 //! with its row through every batch operation. It cannot be cut back by
 //! dropping columns: a rollback restores the state after an earlier
 //! position of the last forward, kept when [`KvCache::keep_steps`] is on.
+//!
+//! A cache can instead be paged ([`KvCache::paged`]): its keys and values
+//! live in a [`PagePool`]'s blocks, listed per row, and the columns above
+//! are a view of them (row `b`'s column `c` is its position `c -
+//! left_pad[b]`). Every operation keeps its meaning; those that move
+//! columns around only edit the rows' block tables.
+
+use std::sync::Arc;
 
 use anyhow::anyhow;
 use mlx_rs::{ops, Array};
 
 use crate::kv_quant::KvQuant;
 use crate::layers::Offsets;
+use crate::paged::{self, BlockRef, PagePool};
 
 /// Capacity grows in multiples of this many positions.
 const STEP: i32 = 256;
@@ -85,6 +94,39 @@ pub enum LayerView {
         keys: Vec<Array>,
         values: Vec<Array>,
     },
+    /// A paged cache's layer: the pool's key and value buffers (`[slots,
+    /// kv_heads, head_dim]`) and where each row's columns lie in them.
+    Paged {
+        keys: Array,
+        values: Array,
+        read: PagedRead,
+    },
+}
+
+/// Where a paged batch's columns `0..total` lie in its pool, for one
+/// forward: as slots for a gather, and as block tables for the attention
+/// kernel ([`crate::ragged::paged_attention`]).
+#[derive(Clone)]
+pub struct PagedRead {
+    /// `[B * total]`: row-major slots of every column.
+    pub slots: Array,
+    /// `[B, most blocks]`: each row's block ids (0 past its end).
+    pub tables: Array,
+    pub block: i32,
+    pub total: i32,
+    pub rows: i32,
+}
+
+impl PagedRead {
+    /// `buf` (`[slots, kv_heads, width]`) gathered into the batch's columns,
+    /// `[B, kv_heads, total, width]`.
+    pub fn gather(&self, buf: &Array) -> anyhow::Result<Array> {
+        let s = buf.shape();
+        Ok(buf
+            .take_axis(&self.slots, 0)?
+            .reshape(&[self.rows, self.total, s[1], s[2]])?
+            .transpose_axes(&[0, 2, 1, 3])?)
+    }
 }
 
 impl LayerView {
@@ -98,6 +140,7 @@ impl LayerView {
                 keys,
                 values,
             } => (quant.dequantize(keys)?, quant.dequantize(values)?),
+            LayerView::Paged { keys, values, read } => (read.gather(keys)?, read.gather(values)?),
         })
     }
 }
@@ -120,6 +163,21 @@ pub struct KvCache {
     /// forward (kept only when `keep_steps` is on).
     steps: Vec<Option<Steps>>,
     keep_steps: bool,
+    /// The rows' blocks when the cache is paged (`layers` then hold no
+    /// buffers of their own).
+    paged: Option<Paged>,
+}
+
+/// A paged cache's rows.
+#[derive(Clone)]
+pub(crate) struct Paged {
+    pool: PagePool,
+    /// Per row, the blocks holding its positions in order.
+    tables: Vec<Vec<BlockRef>>,
+    /// The forward under way: its new positions' slots (`[B * n]`) and
+    /// what its attention reads, set by its first write and cleared by
+    /// [`KvCache::advance`].
+    forward: Option<(Array, PagedRead)>,
 }
 
 /// One linear-attention layer's state, per row of the batch.
@@ -195,7 +253,87 @@ impl KvCache {
             recurrent: vec![None; num_layers],
             steps: vec![None; num_layers],
             keep_steps: false,
+            paged: None,
         }
+    }
+
+    /// An empty paged batch cache whose rows will be filled by one prefill
+    /// of prompts left-padded by `left_pad` columns each, its keys and
+    /// values in `pool`'s blocks.
+    pub fn paged(pool: &PagePool, formats: Vec<Option<KvQuant>>, left_pad: Vec<i32>) -> Self {
+        let rows = left_pad.len();
+        let mut cache = Self::with_formats(formats, left_pad);
+        cache.paged = Some(Paged {
+            pool: pool.clone(),
+            tables: vec![Vec::new(); rows],
+            forward: None,
+        });
+        cache
+    }
+
+    /// The pool of a paged cache.
+    pub fn page_pool(&self) -> Option<&PagePool> {
+        self.paged.as_ref().map(|p| &p.pool)
+    }
+
+    /// This cache with its keys and values moved into `pool`'s blocks
+    /// (itself when already paged there).
+    pub fn into_paged(self, pool: &PagePool) -> anyhow::Result<KvCache> {
+        if let Some(p) = &self.paged {
+            if p.pool.same(pool) {
+                return Ok(self);
+            }
+        }
+        let this = self.contiguous()?;
+        let mut out = KvCache::paged(pool, this.formats(), this.left_pad.clone());
+        out.recurrent = this.recurrent.clone();
+        out.keep_steps = this.keep_steps;
+        if this.len > 0 {
+            let slots = out.paged_mut().prepare(0, this.len, &this.left_pad)?;
+            for (l, layer) in this.layers.iter().enumerate() {
+                if layer.buffers.is_empty() {
+                    continue;
+                }
+                let parts = layer
+                    .buffers
+                    .iter()
+                    .map(|b| slice_cols(b, 0, this.len))
+                    .collect::<anyhow::Result<Vec<_>>>()?;
+                pool.write(l, &parts, &slots)?;
+            }
+            out.advance(this.len);
+        }
+        Ok(out)
+    }
+
+    /// This cache with every layer's keys and values in arrays of its own
+    /// (a copy out of the pool when paged).
+    pub fn contiguous(&self) -> anyhow::Result<KvCache> {
+        let Some(p) = &self.paged else {
+            return Ok(self.clone());
+        };
+        let mut out = KvCache::with_formats(self.formats(), self.left_pad.clone());
+        out.recurrent = self.recurrent.clone();
+        out.keep_steps = self.keep_steps;
+        if self.len > 0 {
+            let read = p.read(self.len, &self.left_pad)?;
+            let capacity = round_up(self.len);
+            for (l, layer) in out.layers.iter_mut().enumerate() {
+                if let Some(bufs) = p.pool.buffers(l) {
+                    layer.buffers = bufs
+                        .iter()
+                        .map(|b| align(&read.gather(b)?, self.len, 0, capacity))
+                        .collect::<anyhow::Result<_>>()?;
+                }
+            }
+            out.len = self.len;
+            out.capacity = capacity;
+        }
+        Ok(out)
+    }
+
+    fn paged_mut(&mut self) -> &mut Paged {
+        self.paged.as_mut().expect("a paged cache")
     }
 
     /// Each layer's quantization (`None`: stored in the activations' dtype).
@@ -277,6 +415,9 @@ impl KvCache {
     pub fn update(&mut self, layer: usize, k: Array, v: Array) -> anyhow::Result<LayerView> {
         let n = k.dim(2);
         let end = self.len + n;
+        if self.paged.is_some() {
+            return self.update_paged(layer, k, v);
+        }
         if end > self.capacity {
             let new_capacity = round_up(end);
             let len = self.len;
@@ -300,33 +441,116 @@ impl KvCache {
             .ok_or_else(|| anyhow!("layer {layer} was not written"))
     }
 
+    /// [`KvCache::update`] of a paged cache: the new positions go to their
+    /// rows' blocks (allocated, or copied when shared, at the forward's
+    /// first write).
+    fn update_paged(&mut self, layer: usize, k: Array, v: Array) -> anyhow::Result<LayerView> {
+        let (len, n) = (self.len, k.dim(2));
+        let quant = self.layers[layer].quant;
+        let p = self.paged.as_mut().expect("a paged cache");
+        if p.forward.is_none() {
+            let slots = p.prepare(len, n, &self.left_pad)?;
+            let read = p.read(len + n, &self.left_pad)?;
+            p.forward = Some((slots, read));
+        }
+        let (slots, read) = p.forward.clone().expect("set above");
+        let parts = match quant {
+            None => vec![k, v],
+            Some(q) => q.quantize(&k)?.into_iter().chain(q.quantize(&v)?).collect(),
+        };
+        let mut buffers = p.pool.write(layer, &parts, &slots)?;
+        Ok(match quant {
+            None => {
+                let values = buffers.pop().expect("two buffers");
+                let keys = buffers.pop().expect("two buffers");
+                LayerView::Paged { keys, values, read }
+            }
+            Some(quant) => {
+                let mut keys = buffers
+                    .iter()
+                    .map(|b| read.gather(b))
+                    .collect::<anyhow::Result<Vec<_>>>()?;
+                let values = keys.split_off(3);
+                LayerView::Quantized {
+                    quant,
+                    keys,
+                    values,
+                }
+            }
+        })
+    }
+
     /// Layer `layer`'s keys and values for the filled columns, `[B,
     /// kv_heads, len, head_dim]` in the activations' dtype (rope applied),
     /// for drafters that attend into the target's cache without writing it.
     pub fn layer_kv(&self, layer: usize) -> anyhow::Result<Option<(Array, Array)>> {
+        if let Some(p) = &self.paged {
+            let Some(bufs) = p.pool.buffers(layer) else {
+                return Ok(None);
+            };
+            let read = p.read(self.len, &self.left_pad)?;
+            let mut dense = bufs
+                .iter()
+                .map(|b| read.gather(b))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            return Ok(Some(match self.layers[layer].quant {
+                None => {
+                    let v = dense.pop().expect("two buffers");
+                    (dense.pop().expect("two buffers"), v)
+                }
+                Some(quant) => {
+                    let values = dense.split_off(3);
+                    (quant.dequantize(&dense)?, quant.dequantize(&values)?)
+                }
+            }));
+        }
         self.layers[layer]
             .view(self.len)?
             .map(|v| v.dense())
             .transpose()
     }
 
-    /// The buffers, for evaluating them between prefill chunks.
-    pub fn state(&self) -> impl Iterator<Item = &Array> {
-        self.layers.iter().flat_map(|l| &l.buffers).chain(
-            self.recurrent
-                .iter()
-                .flatten()
-                .flat_map(|r| [&r.conv, &r.ssm]),
-        )
+    /// The arrays holding the cache (a paged cache's pool included), for
+    /// evaluating them between prefill chunks.
+    pub fn state(&self) -> Vec<Array> {
+        let kv = match &self.paged {
+            Some(p) => p.pool.state(),
+            None => self.layers.iter().flat_map(|l| l.buffers.clone()).collect(),
+        };
+        kv.into_iter()
+            .chain(
+                self.recurrent
+                    .iter()
+                    .flatten()
+                    .flat_map(|r| [r.conv.clone(), r.ssm.clone()]),
+            )
+            .collect()
     }
 
-    /// Bytes the buffers and recurrent states hold (capacity included).
+    /// Bytes the buffers and recurrent states hold (capacity included; a
+    /// paged cache's share of its pool: the blocks its rows list).
     pub fn nbytes(&self) -> usize {
-        self.state().map(Array::nbytes).sum()
+        let kv = match &self.paged {
+            Some(p) => {
+                let slots = (p.pool.usable() + 1) * p.pool.block() as usize;
+                let blocks: usize = p.tables.iter().map(Vec::len).sum();
+                p.pool.nbytes() / slots.max(1) * blocks * p.pool.block() as usize
+            }
+            None => self
+                .layers
+                .iter()
+                .flat_map(|l| &l.buffers)
+                .map(Array::nbytes)
+                .sum(),
+        };
+        kv + self.recurrent_bytes()
     }
 
     pub fn advance(&mut self, n: i32) {
         self.len += n;
+        if let Some(p) = &mut self.paged {
+            p.forward = None;
+        }
     }
 
     /// Drops the last `n` positions of every row (speculative rollback).
@@ -375,6 +599,19 @@ impl KvCache {
                 self.steps[l] = None;
             }
         }
+        if let Some(p) = &mut self.paged {
+            // A row's positions stay where they are: its start moves right
+            // by its shift, and the blocks past its new end go back.
+            p.forward = None;
+            for (pad, s) in self.left_pad.iter_mut().zip(&shifts) {
+                *pad += s;
+            }
+            self.len -= fewest;
+            p.release_past(self.len, &self.left_pad);
+            let common = self.left_pad.iter().copied().min().unwrap_or(0);
+            self.drop_leading(common)?;
+            return Ok(());
+        }
         if shifts.iter().any(|&s| s > 0) {
             // Column c of row b takes column c - shift[b] (the columns it
             // leaves behind are padding).
@@ -422,6 +659,10 @@ impl KvCache {
         for l in &mut self.layers {
             l.map(|b| Ok(b.take_axis(&idx, 0)?))?;
         }
+        if let Some(p) = &mut self.paged {
+            p.tables = rows.iter().map(|&r| p.tables[r].clone()).collect();
+            p.forward = None;
+        }
         for r in self.recurrent.iter_mut().flatten() {
             *r = r.map(|a| Ok(a.take_axis(&idx, 0)?))?;
         }
@@ -434,6 +675,15 @@ impl KvCache {
     }
 
     fn drop_leading(&mut self, cols: i32) -> anyhow::Result<()> {
+        if self.paged.is_some() {
+            // Padding columns hold nothing in a paged cache.
+            self.len -= cols;
+            self.capacity = self.len;
+            for p in &mut self.left_pad {
+                *p -= cols;
+            }
+            return Ok(());
+        }
         let capacity = self.capacity;
         for l in &mut self.layers {
             l.map(|b| slice_cols(b, cols, capacity))?;
@@ -459,6 +709,12 @@ impl KvCache {
         }
         let num_layers = formats.len();
         let len = parts.iter().map(|c| c.len).max().unwrap_or(0);
+        if let Some(pool) = first.page_pool() {
+            return Self::merge_paged(pool.clone(), parts, len);
+        }
+        if parts.iter().any(|p| p.paged.is_some()) {
+            return Err(anyhow!("cannot merge paged and contiguous KV caches"));
+        }
         let capacity = round_up(len.max(1));
         let without_kv: Vec<bool> = (0..num_layers)
             .map(|l| parts.iter().all(|p| p.layers[l].buffers.is_empty()))
@@ -507,12 +763,36 @@ impl KvCache {
             recurrent,
             steps: vec![None; num_layers],
             keep_steps,
+            paged: None,
         })
     }
 
+    /// [`KvCache::merge`] of paged caches: their tables stacked, no copy.
+    fn merge_paged(pool: PagePool, parts: Vec<KvCache>, len: i32) -> anyhow::Result<KvCache> {
+        let recurrent = merge_recurrent(&parts)?;
+        let mut out = KvCache::paged(&pool, parts[0].formats(), Vec::new());
+        out.recurrent = recurrent;
+        out.keep_steps = parts.iter().any(|p| p.keep_steps);
+        out.len = len;
+        out.capacity = len;
+        let tables = &mut out.paged.as_mut().expect("paged").tables;
+        for part in parts {
+            let Some(p) = part.paged.filter(|p| p.pool.same(&pool)) else {
+                return Err(anyhow!("cannot merge KV caches of different pools"));
+            };
+            let shift = len - part.len;
+            out.left_pad.extend(part.left_pad.iter().map(|l| l + shift));
+            tables.extend(p.tables);
+        }
+        Ok(out)
+    }
+
     /// Row `b` as a cache of its own (no padding), its keys and values
-    /// copied out of the batch's buffers.
+    /// copied out of the batch's buffers (out of the pool when paged).
     pub fn extract_row(&self, b: usize) -> anyhow::Result<KvCache> {
+        if self.paged.is_some() {
+            return self.row_view(b)?.contiguous();
+        }
         let mut out = self.row_view(b)?;
         let (len, capacity) = (out.len, round_up(out.len.max(1)));
         for l in &mut out.layers {
@@ -525,12 +805,20 @@ impl KvCache {
 
     /// Row `b` as a cache of its own that views the batch's buffers (no
     /// copy): for readers of one row's context (a drafter attending into
-    /// the target's keys). Writing to it copies first.
+    /// the target's keys). Writing to it copies first (a paged row: the
+    /// shared block it writes into).
     pub fn row_view(&self, b: usize) -> anyhow::Result<KvCache> {
         let idx = Array::from_slice(&[b as i32], &[1]);
         let (start, len) = (self.left_pad[b], self.row_len(b));
         let bi = b as i32;
-        let mut out = KvCache::with_formats(self.formats(), vec![0]);
+        let mut out = match &self.paged {
+            Some(p) => {
+                let mut out = KvCache::paged(&p.pool, self.formats(), vec![0]);
+                out.paged_mut().tables = vec![p.tables[b].clone()];
+                out
+            }
+            None => KvCache::with_formats(self.formats(), vec![0]),
+        };
         for (mine, theirs) in out.layers.iter_mut().zip(&self.layers) {
             mine.buffers = theirs
                 .buffers
@@ -549,6 +837,69 @@ impl KvCache {
         out.len = len;
         out.capacity = len;
         Ok(out)
+    }
+}
+
+impl Paged {
+    /// Makes room for `n` new positions after column `len` in every row:
+    /// blocks they would write that another cache shares are copied, and
+    /// missing ones allocated. Returns the new positions' slots, `[B * n]`.
+    fn prepare(&mut self, len: i32, n: i32, left_pad: &[i32]) -> anyhow::Result<Array> {
+        let block = self.pool.block();
+        let mut slots = Vec::with_capacity(left_pad.len() * n as usize);
+        for (table, &start) in self.tables.iter_mut().zip(left_pad) {
+            let (from, to) = ((len - start).max(0), len + n - start);
+            let needed = ((to.max(0) + block - 1) / block) as usize;
+            for i in (from / block) as usize..needed.min(table.len()) {
+                if Arc::strong_count(&table[i]) > 1 {
+                    let copy = self.pool.allocate()?;
+                    self.pool.copy_block(table[i].id(), copy.id())?;
+                    table[i] = copy;
+                }
+            }
+            while table.len() < needed {
+                table.push(self.pool.allocate()?);
+            }
+            for col in len..len + n {
+                slots.push(paged::slot(table, start, block, col)?);
+            }
+        }
+        Ok(Array::from_slice(&slots, &[slots.len() as i32]))
+    }
+
+    /// Where columns `0..total` of each row lie.
+    fn read(&self, total: i32, left_pad: &[i32]) -> anyhow::Result<PagedRead> {
+        let block = self.pool.block();
+        let rows = left_pad.len() as i32;
+        let mut slots = Vec::with_capacity((rows * total) as usize);
+        for (table, &start) in self.tables.iter().zip(left_pad) {
+            for col in 0..total {
+                slots.push(paged::slot(table, start, block, col)?);
+            }
+        }
+        let most = self.tables.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let mut tables = vec![0i32; rows as usize * most];
+        for (b, table) in self.tables.iter().enumerate() {
+            for (i, blk) in table.iter().enumerate() {
+                tables[b * most + i] = blk.id() as i32;
+            }
+        }
+        Ok(PagedRead {
+            slots: Array::from_slice(&slots, &[slots.len() as i32]),
+            tables: Array::from_slice(&tables, &[rows, most as i32]),
+            block,
+            total,
+            rows,
+        })
+    }
+
+    /// Lets go of each row's blocks past its last column before `len`.
+    fn release_past(&mut self, len: i32, left_pad: &[i32]) {
+        let block = self.pool.block();
+        for (table, &start) in self.tables.iter_mut().zip(left_pad) {
+            let keep = ((len - start).max(0) + block - 1) / block;
+            table.truncate(keep as usize);
+        }
     }
 }
 
@@ -717,7 +1068,10 @@ mod tests {
         assert!(close(&want.0, tokens(0, 3).as_slice::<f32>()));
         let mut merged = KvCache::merge(vec![a, b]).unwrap();
         assert_eq!(merged.left_padding(), &[2, 0]);
-        assert!(merged.state().any(|x| x.dtype() == mlx_rs::Dtype::Uint32));
+        assert!(merged
+            .state()
+            .iter()
+            .any(|x| x.dtype() == mlx_rs::Dtype::Uint32));
         assert_eq!(row_keys(&merged, 0), want.0);
         assert_eq!(row_keys(&merged, 1), want.1);
         assert_eq!(row_keys(&merged.extract_row(0).unwrap(), 0), want.0);

@@ -69,7 +69,7 @@ pub fn prefill_padded(
         let (head, tail) = rest.split_at(chunk);
         model.forward(&tokens_array(head), cache, Logits::Last)?;
         // Materialise the cache so the next chunk's graph stays small.
-        eval(cache.state())?;
+        eval(&cache.state())?;
         rest = tail;
     }
     let width = padded_width(rest.len(), chunk, multiple, model.is_hybrid());
@@ -201,7 +201,7 @@ impl<'m> GreedyStream<'m> {
     /// thread's stream, which the thread that takes the cache over lacks
     /// (a linear layer's convolution state is no input of the logits).
     pub fn into_cache(self) -> anyhow::Result<KvCache> {
-        eval(self.cache.state())?;
+        eval(&self.cache.state())?;
         Ok(self.cache)
     }
 }
@@ -280,12 +280,27 @@ pub fn greedy_batch(
     max_tokens: usize,
     stop_tokens: &[u32],
 ) -> anyhow::Result<Vec<Vec<u32>>> {
+    greedy_batch_in(model, None, prompts, max_tokens, stop_tokens)
+}
+
+/// [`greedy_batch`] with the batch's keys and values in `pool` when given
+/// (a paged cache).
+pub fn greedy_batch_in(
+    model: &Model,
+    pool: Option<&crate::paged::PagePool>,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+    stop_tokens: &[u32],
+) -> anyhow::Result<Vec<Vec<u32>>> {
     anyhow::ensure!(
         prompts.iter().all(|p| !p.is_empty()),
         "empty prompt in batch"
     );
     let (ids, pads) = left_padded(prompts.iter().map(Vec::as_slice), 0);
-    let mut cache = model.new_padded_cache(pads);
+    let mut cache = match pool {
+        Some(pool) => model.new_paged_cache(pool, pads),
+        None => model.new_padded_cache(pads),
+    };
     let logits = model.forward(&ids, &mut cache, Logits::Last)?;
     let mut current = argmax_tokens(&logits)?;
     let mut outs = vec![Vec::new(); prompts.len()];

@@ -97,7 +97,7 @@ pub fn build(cache: &KvCache, n: i32, window: Option<i32>) -> AttnMask {
     }
     match ragged(n) {
         Some(kernel) => AttnMask::Ragged(Ragged {
-            meta: crate::ragged::meta(pads, window),
+            meta: crate::ragged::meta(pads, window, total),
             starts: pads.to_vec(),
             window,
             kernel,

@@ -247,10 +247,19 @@ impl Model {
 
     /// A batch cache for prompts left-padded by `left_pad` columns each.
     pub fn new_padded_cache(&self, left_pad: Vec<i32>) -> KvCache {
-        let formats = (0..self.config.num_layers)
+        KvCache::with_formats(self.kv_formats(), left_pad)
+    }
+
+    /// [`Model::new_padded_cache`] with its keys and values in `pool`.
+    pub fn new_paged_cache(&self, pool: &crate::paged::PagePool, left_pad: Vec<i32>) -> KvCache {
+        KvCache::paged(pool, self.kv_formats(), left_pad)
+    }
+
+    /// Each layer's KV storage format.
+    fn kv_formats(&self) -> Vec<Option<crate::KvQuant>> {
+        (0..self.config.num_layers)
             .map(|i| self.config.kv_quant_for(i, self.kv_quant))
-            .collect();
-        KvCache::with_formats(formats, left_pad)
+            .collect()
     }
 
     /// Whether some layers keep a recurrent state instead of keys and
@@ -751,6 +760,20 @@ impl Attention {
         let dequantized;
         let (k, v) = match &kv {
             LayerView::Dense(k, v) => (k, v),
+            // A paged layer: the kernel reads the rows' blocks in place;
+            // elsewhere attention reads a gathered copy.
+            LayerView::Paged { keys, values, read } => match mask {
+                AttnMask::Ragged(r) if r.kernel && crate::ragged::applies_paged(&q, keys) => {
+                    let out = crate::ragged::paged_attention(
+                        &q, keys, values, self.scale, &r.meta, read,
+                    )?;
+                    return Ok((self.output(out, gate.as_ref(), b, l)?, kv));
+                }
+                _ => {
+                    dequantized = kv.dense()?;
+                    (&dequantized.0, &dequantized.1)
+                }
+            },
             // MLX's CUDA backend has no quantized matmul for attention's
             // shapes (a 513-position prefill fails on the H100): on the GPU
             // attention reads a dequantized copy, one layer at a time.

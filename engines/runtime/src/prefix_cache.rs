@@ -257,7 +257,7 @@ impl SharedPrefixCache {
         if !self.wants(tokens.len()) {
             return;
         }
-        if let Err(e) = eval(cache.state()) {
+        if let Err(e) = eval(&cache.state()) {
             tracing::warn!(error = %e, "a prefix for the prefix cache failed to evaluate");
             return;
         }

@@ -35,9 +35,9 @@ const SOURCE: &str = r#"
     constexpr int PER = D / 32;
     const int n = q_shape[2];
     const int heads = q_shape[1];
-    const int kv_heads = k_shape[1];
-    const int total = k_shape[2];
     const int rows = q_shape[0];
+    const int kv_heads = KV_HEADS;
+    const int total = TOTAL;
     int item = blockIdx.x;
     const int qi = item % n;
     item /= n;
@@ -64,10 +64,8 @@ const SOURCE: &str = r#"
     }
     float m = -1e30f;
     float s = 0.f;
-    const T* kb = k + b * k_strides[0] + kh * k_strides[1];
-    const T* vb = v + b * v_strides[0] + kh * v_strides[1];
     for (int j = lo + warp; j <= qpos; j += WARPS) {
-        const T* kr = kb + j * k_strides[2];
+        const T* kr = k + KEY_AT(k_strides, j);
         float d = 0.f;
         for (int i = 0; i < PER; i++) {
             d += qv[i] * static_cast<float>(kr[(lane * PER + i) * k_strides[3]]);
@@ -79,7 +77,7 @@ const SOURCE: &str = r#"
         const float corr = __expf(m - mn);
         const float p = __expf(d - mn);
         s = s * corr + p;
-        const T* vr = vb + j * v_strides[2];
+        const T* vr = v + KEY_AT(v_strides, j);
         for (int i = 0; i < PER; i++) {
             o[i] = o[i] * corr + p * static_cast<float>(vr[(lane * PER + i) * v_strides[3]]);
         }
@@ -108,25 +106,55 @@ const SOURCE: &str = r#"
     }
 "#;
 
+/// The contiguous cache's layout: `k`, `v` are `[B, kv_heads, total, D]`.
+const CONTIGUOUS: &str = r#"
+#define KV_HEADS (k_shape[1])
+#define TOTAL (k_shape[2])
+#define KEY_AT(st, j) ((size_t)b * st[0] + (size_t)kh * st[1] + (size_t)(j) * st[2])
+"#;
+
+/// A paged cache's layout (`crate::paged`): `k`, `v` are the pool's
+/// `[slots, kv_heads, D]`, row `b`'s position `p` lies in block
+/// `tables[b][p / BLOCK]`, and columns before the row's start (padding)
+/// in block 0, as `paged::slot` has it.
+const PAGED: &str = r#"
+#define KV_HEADS (k_shape[1])
+#define TOTAL (meta[rows + 1])
+#define SLOT(j) ((j) < meta[b] ? (j) % BLOCK \
+    : tables[b * tables_shape[1] + ((j) - meta[b]) / BLOCK] * BLOCK + ((j) - meta[b]) % BLOCK)
+#define KEY_AT(st, j) ((size_t)SLOT(j) * st[0] + (size_t)kh * st[1])
+"#;
+
 /// Whether the kernel takes these operands: float keys and values (the
 /// quantized cache is dequantized before attention on a GPU), a head
 /// width of whole warps, at most [`MAX_QUERIES`] queries, and query heads
 /// a multiple of the key heads.
 pub fn applies(q: &Array, k: &Array) -> bool {
+    fits(q, k.dim(1), k.dtype())
+}
+
+/// [`applies`] for a paged layer's pool buffers (`[slots, kv_heads, D]`).
+pub fn applies_paged(q: &Array, k: &Array) -> bool {
+    k.ndim() == 3 && k.dim(2) == q.dim(3) && fits(q, k.dim(1), k.dtype())
+}
+
+fn fits(q: &Array, kv_heads: i32, kv_dtype: Dtype) -> bool {
     let d = q.dim(3);
     matches!(q.dtype(), Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
-        && k.dtype() == q.dtype()
+        && kv_dtype == q.dtype()
         && d % 32 == 0
         && d <= 512
         && q.dim(2) <= MAX_QUERIES
-        && q.dim(1) % k.dim(1) == 0
+        && kv_heads > 0
+        && q.dim(1) % kv_heads == 0
 }
 
-/// The row starts and window as the kernel reads them: `[starts..., window]`
-/// (window 0: none).
-pub fn meta(starts: &[i32], window: Option<i32>) -> Array {
+/// The row starts, window and total columns as the kernels read them:
+/// `[starts..., window, total]` (window 0: none).
+pub fn meta(starts: &[i32], window: Option<i32>, total: i32) -> Array {
     let mut data = starts.to_vec();
     data.push(window.unwrap_or(0));
+    data.push(total);
     Array::from_slice(&data, &[data.len() as i32])
 }
 
@@ -140,24 +168,61 @@ pub fn attention(
     scale: f32,
     meta: &Array,
 ) -> anyhow::Result<Array> {
+    launch(&CONTIGUOUS_KERNEL, q, &[k, v, meta], scale, None)
+}
+
+/// [`attention`] over a paged layer: `k`, `v` are the pool's buffers
+/// (`[slots, kv_heads, D]`) and `read` says where each row's columns lie.
+pub fn paged_attention(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    meta: &Array,
+    read: &crate::cache::PagedRead,
+) -> anyhow::Result<Array> {
+    launch(
+        &PAGED_KERNEL,
+        q,
+        &[k, v, meta, &read.tables],
+        scale,
+        Some(read.block),
+    )
+}
+
+fn launch(
+    kernel: &'static std::thread::LocalKey<Result<CudaKernel, String>>,
+    q: &Array,
+    kv: &[&Array],
+    scale: f32,
+    block: Option<i32>,
+) -> anyhow::Result<Array> {
     let (b, heads, n, d) = (q.dim(0), q.dim(1), q.dim(2), q.dim(3));
     let dtype = q.dtype();
     let scale = Array::from_slice(&[scale], &[1]);
+    let mut templates = vec![
+        TemplateArg::Dtype("T", dtype),
+        TemplateArg::Int("D", d),
+        TemplateArg::Int("WARPS", WARPS),
+    ];
+    if let Some(block) = block {
+        templates.push(TemplateArg::Int("BLOCK", block));
+    }
     let launch = Launch {
         output_shape: &[b, heads, n, d],
         output_dtype: dtype,
         grid_threads: b * heads * n * WARPS * 32,
         block_threads: WARPS * 32,
-        templates: &[
-            TemplateArg::Dtype("T", dtype),
-            TemplateArg::Int("D", d),
-            TemplateArg::Int("WARPS", WARPS),
-        ],
+        templates: &templates,
     };
-    KERNEL
+    let mut inputs = vec![q];
+    inputs.extend(&kv[..3]);
+    inputs.push(&scale);
+    inputs.extend(&kv[3..]);
+    kernel
         .with(|kernel| {
             let kernel = kernel.as_ref().map_err(|e| anyhow!("{e}"))?;
-            Ok::<_, anyhow::Error>(kernel.apply(&[q, k, v, meta, &scale], &launch))
+            Ok::<_, anyhow::Error>(kernel.apply(&inputs, &launch))
         })?
         .ok_or_else(|| {
             anyhow!(
@@ -167,7 +232,20 @@ pub fn attention(
 }
 
 thread_local! {
-    static KERNEL: Result<CudaKernel, String> =
-        CudaKernel::new("ragged_attention", &["q", "k", "v", "meta", "scale"], "out", SOURCE, false)
-            .map_err(|e| format!("{e:#}"));
+    static CONTIGUOUS_KERNEL: Result<CudaKernel, String> = CudaKernel::new(
+        "ragged_attention",
+        &["q", "k", "v", "meta", "scale"],
+        "out",
+        &format!("{CONTIGUOUS}{SOURCE}"),
+        false,
+    )
+    .map_err(|e| format!("{e:#}"));
+    static PAGED_KERNEL: Result<CudaKernel, String> = CudaKernel::new(
+        "paged_attention",
+        &["q", "k", "v", "meta", "scale", "tables"],
+        "out",
+        &format!("{PAGED}{SOURCE}"),
+        false,
+    )
+    .map_err(|e| format!("{e:#}"));
 }
