@@ -2,8 +2,8 @@
 //! after the first start from the KV its earlier turns left in the shared
 //! prefix cache (`usage.prompt_tokens_details.cached_tokens` > 0) on the
 //! default policy (a lone greedy chat goes to the fast path) and on the
-//! speculative engines, and answer exactly as a gateway without the cache
-//! does. Also: the fast path is free the moment a batched request's last
+//! speculative engines and the batched engine with a paged cache, and
+//! answer exactly as a gateway without the cache does. Also: the fast path is free the moment a batched request's last
 //! byte arrives (no 503 on a route without fallback).
 
 use e2e_tests::{default_config_on_tiny_model, Gateway, MODEL};
@@ -84,6 +84,29 @@ policy: {{ default: spec }}
         };
         warm_and_cold(&config(16), &config(0), 3, 12, "spec");
     }
+}
+
+/// The batched engine with its cache paged: turns start from prefix-cache
+/// entries copied into its pool, and its entries are copied out of it; the
+/// answers equal a contiguous batched engine's without the cache.
+#[test]
+fn a_growing_greedy_chat_reuses_its_prefix_on_the_paged_batched_engine() {
+    let config = |layout: &str, entries: usize| {
+        format!(
+            r#"model: {{ path: "{{model}}", kv_cache_mb: 64, prefix_cache_entries: {entries} }}
+engines:
+  batched: {{ kind: batched, kv_layout: {layout} }}
+policy: {{ default: batched }}
+"#
+        )
+    };
+    warm_and_cold(
+        &config("paged", 16),
+        &config("contiguous", 0),
+        3,
+        12,
+        "batched",
+    );
 }
 
 /// A route without fallback to the fast path, right after a batched

@@ -241,7 +241,7 @@ fn main() {
         let model = &shared.model.model;
         let mut cache = model.new_cache(1);
         generate::prefill(model, &mut cache, &p, 512).unwrap();
-        mlx_rs::transforms::eval(cache.state()).unwrap();
+        mlx_rs::transforms::eval(&cache.state()).unwrap();
         // A cache holds whole 256-position steps.
         let held = cache.nbytes() / 256;
         let mut row = format!(

@@ -32,6 +32,19 @@ pub struct BatchedConfig {
     /// the host between tokens (docs/batching.md). The same tokens either
     /// way; `false` reads every step before queuing the next.
     pub pipeline: bool,
+    /// Where the batch's keys and values live: `paged` (blocks of one
+    /// pool preallocated for the engine's share of the KV budget, listed
+    /// per row; joining and leaving the batch copy nothing) or
+    /// `contiguous` (arrays per batch). Default: paged on the GPU,
+    /// contiguous on the CPU (docs/batching.md).
+    pub kv_layout: Option<KvLayout>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvLayout {
+    Paged,
+    Contiguous,
 }
 
 impl Default for BatchedConfig {
@@ -44,6 +57,7 @@ impl Default for BatchedConfig {
             prefill_group_tokens: None,
             prefill_width_multiple: None,
             pipeline: true,
+            kv_layout: None,
         }
     }
 }
@@ -69,6 +83,14 @@ impl BatchedConfig {
             );
         }
         Ok(cfg)
+    }
+
+    /// Whether the batch's cache is paged, on a GPU when `gpu`.
+    pub fn paged(&self, gpu: bool) -> bool {
+        self.kv_layout.unwrap_or(match gpu {
+            true => KvLayout::Paged,
+            false => KvLayout::Contiguous,
+        }) == KvLayout::Paged
     }
 
     /// The limits under a measured step of `step_tokens` tokens (`None`:

@@ -11,6 +11,7 @@ use engine_core::{
 };
 use parking_lot::Mutex;
 use runtime::handover::{Handover, HandoverSink};
+use runtime::paged::PagePool;
 use runtime::SharedModel;
 
 use crate::config::BatchedConfig;
@@ -25,6 +26,7 @@ pub struct BatchedEngine {
     tx: Sender<Msg>,
     stats: Arc<Stats>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    pages: Option<PagePool>,
 }
 
 struct Sink(Sender<Msg>, Arc<Stats>);
@@ -60,15 +62,20 @@ impl BatchedEngine {
             !runtime::compute::on_cpu(),
         );
         let pipeline = cfg.pipeline;
+        let pages = match cfg.paged(!runtime::compute::on_cpu()) {
+            true => Some(page_pool(&shared)),
+            false => None,
+        };
+        let paged = pages.is_some();
         let thread = std::thread::Builder::new()
             .name(format!("{name}-scheduler"))
             .spawn({
-                let (shared, stats) = (shared.clone(), stats.clone());
-                move || Scheduler::supervise(shared, limits, pipeline, rx, stats)
+                let (shared, stats, pages) = (shared.clone(), stats.clone(), pages.clone());
+                move || Scheduler::supervise(shared, limits, pipeline, pages, rx, stats)
             })
             .expect("spawn the scheduler thread");
         shared.set_handover_sink(Arc::new(Sink(tx.clone(), stats.clone())));
-        tracing::info!(engine = %name, max_batch = limits.max_batch, prefill_chunk = limits.prefill.chunk, group_tokens = limits.prefill.group_tokens, width_multiple = limits.prefill.width_multiple, pipeline, "batched engine ready");
+        tracing::info!(engine = %name, max_batch = limits.max_batch, prefill_chunk = limits.prefill.chunk, group_tokens = limits.prefill.group_tokens, width_multiple = limits.prefill.width_multiple, pipeline, paged, "batched engine ready");
         Self {
             name,
             shared,
@@ -76,8 +83,27 @@ impl BatchedEngine {
             tx,
             stats,
             thread: Mutex::new(Some(thread)),
+            pages,
         }
     }
+
+    /// The batch's KV pool when its cache is paged.
+    pub fn page_pool(&self) -> Option<&PagePool> {
+        self.pages.as_ref()
+    }
+}
+
+/// The engine's paged KV pool: as many blocks as the shared KV pool
+/// counts, of its block size, so every block a row's reservation counts
+/// exists (the ledger admits; the pool holds).
+fn page_pool(shared: &SharedModel) -> PagePool {
+    let ledger = &shared.kv_pool;
+    PagePool::new(
+        shared.model.model.num_layers(),
+        ledger.total().max(1),
+        ledger.block_size(),
+    )
+    .expect("a KV pool's blocks fit a page pool")
 }
 
 impl Engine for BatchedEngine {

@@ -27,6 +27,7 @@ use mlx_rs::{ops, Array, Dtype};
 use runtime::emit::Emitter;
 use runtime::handover::Handover;
 use runtime::model::Logits;
+use runtime::paged::PagePool;
 use runtime::prefix_cache::Hit;
 use runtime::sampling::{self, Sampler};
 use runtime::{generate, memory, vision, KvCache, SharedModel};
@@ -79,6 +80,8 @@ pub struct Scheduler {
     limits: StepLimits,
     /// Pipelined decode (`pipeline` in the engine's config).
     pipeline: bool,
+    /// Where the batch's keys and values live when paged (`kv_layout`).
+    pages: Option<PagePool>,
     rx: Receiver<Msg>,
     stats: Arc<Stats>,
     waiting: WaitQueue,
@@ -107,10 +110,12 @@ impl Scheduler {
         shared: Arc<SharedModel>,
         limits: StepLimits,
         pipeline: bool,
+        pages: Option<PagePool>,
         rx: Receiver<Msg>,
         stats: Arc<Stats>,
     ) -> Self {
         Self {
+            pages,
             waiting: WaitQueue::default(),
             shared,
             limits,
@@ -137,12 +142,19 @@ impl Scheduler {
         shared: Arc<SharedModel>,
         limits: StepLimits,
         pipeline: bool,
+        pages: Option<PagePool>,
         rx: Receiver<Msg>,
         stats: Arc<Stats>,
     ) {
         loop {
-            let scheduler =
-                Scheduler::new(shared.clone(), limits, pipeline, rx.clone(), stats.clone());
+            let scheduler = Scheduler::new(
+                shared.clone(),
+                limits,
+                pipeline,
+                pages.clone(),
+                rx.clone(),
+                stats.clone(),
+            );
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| scheduler.run())) {
                 Ok(()) => return,
                 Err(_) => {
@@ -267,10 +279,10 @@ impl Scheduler {
     }
 
     fn join_batch(&mut self, rows: Vec<Row>, cache: KvCache) -> anyhow::Result<()> {
-        let merged = match self.batch.take() {
+        let merged = self.paged(cache).and_then(|cache| match self.batch.take() {
             Some(b) => KvCache::merge(vec![b, cache]),
             None => Ok(cache),
-        };
+        });
         match merged {
             Ok(b) => {
                 self.batch = Some(b);
@@ -286,6 +298,25 @@ impl Scheduler {
                 self.fail_all("internal error joining the batch");
                 Err(e)
             }
+        }
+    }
+
+    /// `cache` in the engine's layout: moved into the pool when paged (a
+    /// prefix hit or a handed-over sequence arrives contiguous).
+    fn paged(&self, cache: KvCache) -> anyhow::Result<KvCache> {
+        match &self.pages {
+            Some(pool) => cache.into_paged(pool),
+            None => Ok(cache),
+        }
+    }
+
+    /// An empty cache for prompts left-padded by `pads`, in the engine's
+    /// layout.
+    fn new_cache(&self, pads: Vec<i32>) -> KvCache {
+        let model = &self.shared.model.model;
+        match &self.pages {
+            Some(pool) => model.new_paged_cache(pool, pads),
+            None => model.new_padded_cache(pads),
         }
     }
 
@@ -393,7 +424,7 @@ impl Scheduler {
                 layers,
             ) {
                 Some(h) => (h.cache, h.tokens),
-                None => (self.shared.model.model.new_cache(1), 0),
+                None => (self.new_cache(vec![0]), 0),
             };
             self.prefill = Some(Prefilling {
                 row,
@@ -419,7 +450,7 @@ impl Scheduler {
                 if let Some((row, hit)) = self.take_next() {
                     let (cache, done) = match hit {
                         Some(h) => (h.cache, h.tokens),
-                        None => (self.shared.model.model.new_cache(1), 0),
+                        None => (self.new_cache(vec![0]), 0),
                     };
                     let tokens = row.request().prompt.clone();
                     self.prefill = Some(Prefilling {
@@ -529,7 +560,7 @@ impl Scheduler {
         let longest = prompts.clone().map(<[u32]>::len).max().unwrap_or(0);
         let width = self.limits.prefill.width(longest, self.group.len());
         let (ids, pads) = generate::left_padded(prompts, width);
-        let mut cache = model.new_padded_cache(pads);
+        let mut cache = self.new_cache(pads);
         let logits = model.forward(&ids, &mut cache, Logits::Last)?;
         let finished = advance_rows(&mut self.group, &logits)?;
         let rows = std::mem::take(&mut self.group);
@@ -580,7 +611,7 @@ impl Scheduler {
         let resumed = p.row.out.generated() > 0;
         if end < p.tokens.len() || resumed {
             // A preempted row's next input is its newest token: no sample.
-            eval(p.cache.state())?;
+            eval(&p.cache.state())?;
             p.done = end;
             if snapshot == Some(end) {
                 let scope = p.row.request().cache_scope.as_deref();

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use batched::{BatchedConfig, BatchedEngine};
+use batched::{BatchedConfig, BatchedEngine, KvLayout};
 use engine_core::{
     Engine, EngineError, Event, EventStream, Finish, FinishReason, GenerateRequest, SamplingParams,
     TokenEvent,
@@ -575,19 +575,26 @@ fn mixed_traffic(shared: &SharedModel, engine: &BatchedEngine) -> Vec<Seen> {
 }
 
 #[test]
-fn pipelined_decode_equals_unpipelined_decode() {
-    let run = |pipeline: bool| {
+fn pipelined_decode_equals_unpipelined_decode_and_paged_equals_contiguous() {
+    let run = |pipeline: bool, layout: KvLayout| {
         let (dir, shared, engine) = setup(
             1024,
             BatchedConfig {
                 pipeline,
                 prefill_chunk: 16,
+                kv_layout: Some(layout),
                 ..Default::default()
             },
         );
         let seen = mixed_traffic(&shared, &engine);
+        // Blocks go back just after a row's final event.
+        let pool_free = || {
+            engine
+                .page_pool()
+                .is_none_or(|p| p.free_blocks() == p.usable())
+        };
         for _ in 0..100 {
-            if shared.kv_pool.allocated() == 0 {
+            if shared.kv_pool.allocated() == 0 && pool_free() {
                 break;
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -595,13 +602,15 @@ fn pipelined_decode_equals_unpipelined_decode() {
         assert_eq!(
             shared.kv_pool.allocated(),
             0,
-            "pipeline {pipeline}: KV leaked"
+            "pipeline {pipeline}, {layout:?}: KV leaked"
         );
+        assert!(pool_free(), "pool blocks leaked: {:?}", engine.page_pool());
         assert_eq!(engine.load().active, 0);
         (dir, shared, seen)
     };
-    let (_d1, shared, piped) = run(true);
-    let (_d2, _, plain) = run(false);
+    let (_d1, shared, piped) = run(true, KvLayout::Contiguous);
+    let (_d2, _, plain) = run(false, KvLayout::Contiguous);
+    let (_d3, _, paged) = run(true, KvLayout::Paged);
     let names = [
         "warm-up",
         "long",
@@ -614,6 +623,7 @@ fn pipelined_decode_equals_unpipelined_decode() {
     ];
     for (i, name) in names.iter().enumerate() {
         assert_same(&piped[i], &plain[i], name);
+        assert_same(&paged[i], &piped[i], name);
     }
     // And greedy rows as each alone.
     let long = prompt(73, 9);
@@ -631,7 +641,7 @@ fn pipelined_decode_equals_unpipelined_decode() {
     assert_eq!(piped[6].finish.cached_tokens, 32, "a prefix-cache hit");
     // The cancelled row: a prefix of its answer, billed as streamed, in
     // both modes (how far it got depends on timing).
-    for s in [&piped[8], &plain[8]] {
+    for s in [&piped[8], &plain[8], &paged[8]] {
         assert_eq!(s.finish.reason, FinishReason::Cancelled);
         assert_eq!(s.finish.completion_tokens as usize, s.tokens.len());
         let reference = alone(&shared, &prompt(80, 8), s.tokens.len());

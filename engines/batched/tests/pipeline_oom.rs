@@ -2,20 +2,22 @@
 //! `GATEWAY_INJECT_OOM`, counted in model forwards of this process) while
 //! a decode step is queued and unread fail no request, and every output
 //! equals an undisturbed unpipelined run token for token (greedy and
-//! seeded), with every KV block back. Its own test binary: the injection
+//! seeded), with every KV block back (the disturbed run's cache is paged:
+//! its pool's blocks too). Its own test binary: the injection
 //! plan is read once per process, at the first forward.
 
 use std::sync::Arc;
 
-use batched::{BatchedConfig, BatchedEngine};
+use batched::{BatchedConfig, BatchedEngine, KvLayout};
 use engine_core::{Engine, Event, EventStream, Finish, FinishReason, GenerateRequest};
 use fixtures::model::{random_prompt, write_model, TinySpec};
 use runtime::inject::OOM_ENV;
 use runtime::{generate, Family, KvPool, LoadedModel, SharedModel};
 
-fn engine(shared: &Arc<SharedModel>, pipeline: bool) -> BatchedEngine {
+fn engine(shared: &Arc<SharedModel>, pipeline: bool, layout: KvLayout) -> BatchedEngine {
     let cfg = BatchedConfig {
         pipeline,
+        kv_layout: Some(layout),
         prefill_chunk: 8,
         max_batch: Some(8),
         ..Default::default()
@@ -71,9 +73,23 @@ fn pipelined_decode_recovers_from_out_of_memory_with_the_same_tokens() {
     let bytes = model.model.config.kv_bytes_per_token(4, None);
     let shared = Arc::new(SharedModel::new(model, KvPool::new(1024, 16, bytes * 16)));
 
-    let disturbed = run(&engine(&shared, true));
+    let paged = engine(&shared, true, KvLayout::Paged);
+    let disturbed = run(&paged);
     assert_eq!(shared.kv_pool.allocated(), 0, "KV leaked through recovery");
-    let undisturbed = run(&engine(&shared, false));
+    // Blocks go back just after a row's final event.
+    let pool = paged.page_pool().expect("a paged engine");
+    for _ in 0..100 {
+        if pool.free_blocks() == pool.usable() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_eq!(
+        pool.free_blocks(),
+        pool.usable(),
+        "blocks leaked through recovery"
+    );
+    let undisturbed = run(&engine(&shared, false, KvLayout::Contiguous));
     assert_eq!(disturbed, undisturbed);
     for (i, (tokens, reason, n)) in disturbed.iter().enumerate() {
         assert_eq!((*reason, *n as usize), (FinishReason::Length, tokens.len()));

@@ -119,7 +119,7 @@ impl DraftState for State {
                 self.cache.truncate(appended - keep)?;
                 // Evaluated with the drafts, unless the loop verified none
                 // of them: then now, so its graph does not grow over rounds.
-                eval(self.cache.state())?;
+                eval(&self.cache.state())?;
                 keep
             }
             None => 0,

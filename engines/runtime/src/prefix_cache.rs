@@ -257,6 +257,22 @@ impl SharedPrefixCache {
         if !self.wants(tokens.len()) {
             return;
         }
+        // Entries hold arrays of their own: a paged cache's blocks belong
+        // to its engine's pool.
+        let copied;
+        let cache = match cache.page_pool() {
+            None => cache,
+            Some(_) => match cache.contiguous() {
+                Ok(c) => {
+                    copied = c;
+                    &copied
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "copying a prefix out of the KV pool failed");
+                    return;
+                }
+            },
+        };
         if let Err(e) = eval(&cache.state()) {
             tracing::warn!(error = %e, "a prefix for the prefix cache failed to evaluate");
             return;

@@ -162,7 +162,7 @@ impl Sequence {
             }
             done = end;
             if done < prompt.len() {
-                eval(self.cache.state())?;
+                eval(&self.cache.state())?;
             }
             if snapshot == Some(done) {
                 self.shared
