@@ -66,6 +66,17 @@ impl Stats {
     }
 }
 
+/// Makes every layer's pool buffers now, on the scheduler's thread, by
+/// writing one token (so its memory is taken at startup, not mid-serving).
+fn preallocate(shared: &SharedModel, pool: &PagePool) -> anyhow::Result<()> {
+    let model = &shared.model.model;
+    let mut cache = model.new_paged_cache(pool, vec![0]);
+    let _device = shared.model.lock_device();
+    model.forward(&generate::tokens_array(&[0]), &mut cache, Logits::Last)?;
+    eval(&cache.state())?;
+    Ok(())
+}
+
 struct Prefilling {
     row: Row,
     cache: KvCache,
@@ -146,6 +157,18 @@ impl Scheduler {
         rx: Receiver<Msg>,
         stats: Arc<Stats>,
     ) {
+        if let Some(pool) = &pages {
+            match preallocate(&shared, pool) {
+                Ok(()) => tracing::info!(
+                    blocks = pool.usable(),
+                    block = pool.block(),
+                    mib = pool.nbytes() >> 20,
+                    "paged KV pool allocated"
+                ),
+                // Each layer's buffers are then made at its first write.
+                Err(e) => tracing::error!(error = %e, "allocating the paged KV pool failed"),
+            }
+        }
         loop {
             let scheduler = Scheduler::new(
                 shared.clone(),

@@ -178,6 +178,17 @@ fn main() {
             if same { "equal" } else { "differ from" }
         );
     }
+    // One unpadded sequence: its decode steps' mask is none, which the
+    // paged cache still reads with the kernel.
+    let one = &prompts[5..];
+    let plain = generate::greedy_batch_in(&model.model, None, one, 24, &[]).unwrap();
+    let same = generate::greedy_batch_in(&model.model, Some(&pool), one, 24, &[]).unwrap() == plain;
+    failed += usize::from(!same);
+    println!(
+        "{} greedy single sequence, 24 steps: paged kernel tokens {} contiguous tokens",
+        if same { "ok  " } else { "FAIL" },
+        if same { "equal" } else { "differ from" }
+    );
     if failed > 0 {
         eprintln!("{failed} checks failed");
         std::process::exit(1);
