@@ -32,19 +32,20 @@ pub struct BatchedConfig {
     /// the host between tokens (docs/batching.md). The same tokens either
     /// way; `false` reads every step before queuing the next.
     pub pipeline: bool,
-    /// Where the batch's keys and values live: `paged` (blocks of one
-    /// pool preallocated for the engine's share of the KV budget, listed
-    /// per row; joining and leaving the batch copy nothing) or
-    /// `contiguous` (arrays per batch). Default: paged on the GPU,
-    /// contiguous on the CPU (docs/batching.md).
-    pub kv_layout: Option<KvLayout>,
+    /// Where the batch's keys and values live: `contiguous` (arrays per
+    /// batch, grown as needed; the default) or `paged` (blocks of one pool,
+    /// allocated at startup for the whole KV budget and listed per row, so
+    /// joining and leaving the batch copy nothing). See docs/batching.md
+    /// for what each costs and when paged pays.
+    pub kv_layout: KvLayout,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum KvLayout {
-    Paged,
+    #[default]
     Contiguous,
+    Paged,
 }
 
 impl Default for BatchedConfig {
@@ -57,7 +58,7 @@ impl Default for BatchedConfig {
             prefill_group_tokens: None,
             prefill_width_multiple: None,
             pipeline: true,
-            kv_layout: None,
+            kv_layout: KvLayout::Contiguous,
         }
     }
 }
@@ -83,14 +84,6 @@ impl BatchedConfig {
             );
         }
         Ok(cfg)
-    }
-
-    /// Whether the batch's cache is paged, on a GPU when `gpu`.
-    pub fn paged(&self, gpu: bool) -> bool {
-        self.kv_layout.unwrap_or(match gpu {
-            true => KvLayout::Paged,
-            false => KvLayout::Contiguous,
-        }) == KvLayout::Paged
     }
 
     /// The limits under a measured step of `step_tokens` tokens (`None`:

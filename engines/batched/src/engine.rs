@@ -14,7 +14,7 @@ use runtime::handover::{Handover, HandoverSink};
 use runtime::paged::PagePool;
 use runtime::SharedModel;
 
-use crate::config::BatchedConfig;
+use crate::config::{BatchedConfig, KvLayout};
 use crate::queue::Waiting;
 use crate::scheduler::{Msg, Scheduler, Stats};
 use crate::validate;
@@ -62,9 +62,9 @@ impl BatchedEngine {
             !runtime::compute::on_cpu(),
         );
         let pipeline = cfg.pipeline;
-        let pages = match cfg.paged(!runtime::compute::on_cpu()) {
-            true => Some(page_pool(&shared)),
-            false => None,
+        let pages = match cfg.kv_layout {
+            KvLayout::Paged => Some(page_pool(&shared)),
+            KvLayout::Contiguous => None,
         };
         let paged = pages.is_some();
         let thread = std::thread::Builder::new()

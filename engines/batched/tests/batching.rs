@@ -582,7 +582,7 @@ fn pipelined_decode_equals_unpipelined_decode_and_paged_equals_contiguous() {
             BatchedConfig {
                 pipeline,
                 prefill_chunk: 16,
-                kv_layout: Some(layout),
+                kv_layout: layout,
                 ..Default::default()
             },
         );

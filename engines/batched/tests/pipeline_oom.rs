@@ -17,7 +17,7 @@ use runtime::{generate, Family, KvPool, LoadedModel, SharedModel};
 fn engine(shared: &Arc<SharedModel>, pipeline: bool, layout: KvLayout) -> BatchedEngine {
     let cfg = BatchedConfig {
         pipeline,
-        kv_layout: Some(layout),
+        kv_layout: layout,
         prefill_chunk: 8,
         max_batch: Some(8),
         ..Default::default()

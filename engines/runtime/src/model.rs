@@ -769,9 +769,10 @@ impl Attention {
                     _ => None,
                 };
                 match meta {
-                    Some(meta) if crate::ragged::applies_paged(&q, keys) => {
-                        let out =
-                            crate::ragged::paged_attention(&q, keys, values, self.scale, meta, read)?;
+                    Some(meta) if crate::ragged::applies_paged(&q, keys, &read.tables) => {
+                        let out = crate::ragged::paged_attention(
+                            &q, keys, values, self.scale, meta, read,
+                        )?;
                         return Ok((self.output(out, gate.as_ref(), b, l)?, kv));
                     }
                     _ => {

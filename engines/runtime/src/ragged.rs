@@ -23,16 +23,20 @@ use crate::cuda_kernel::{CudaKernel, Launch, TemplateArg};
 /// Most queries per row the kernel takes (a verify of up to 15 drafts).
 pub const MAX_QUERIES: i32 = 16;
 
-/// Warps per block: each walks every `WARPS`-th key of its query's range.
-const WARPS: i32 = 8;
+/// Warps per block: each takes every `WARPS`-th chunk of 32 keys of its
+/// query's range.
+const WARPS: i32 = 4;
 
-/// One block per (row, query head, query). Each lane holds `D / 32`
-/// elements of the query, the output and the current key and value; each
-/// warp keeps an online softmax over its keys, and the warps' partial
-/// results are merged through shared memory at the end. Scores and sums
-/// are float32 whatever `T` is.
+/// One block per (row, query head, query); the query sits in shared
+/// memory. A warp takes 32 keys at a time, one per lane: each lane scores
+/// its key against the whole query (independent loads, no reduction per
+/// key), the warp folds the chunk into its online softmax with one max and
+/// one sum, and then every lane adds the chunk's values into the `D / 32`
+/// output elements it owns. The warps' partial results are merged through
+/// shared memory at the end. Scores and sums are float32 whatever `T` is.
 const SOURCE: &str = r#"
     constexpr int PER = D / 32;
+    constexpr int VEC = 16 / sizeof(T);
     const int n = q_shape[2];
     const int heads = q_shape[1];
     const int rows = q_shape[0];
@@ -48,38 +52,62 @@ const SOURCE: &str = r#"
     const int lane = threadIdx.x % 32;
     const int qpos = total - n + qi;
     const int window = meta[rows];
-    int lo = meta[b];
+    const int row_start = meta[b];
+    PREPARE
+    int lo = row_start;
     if (window > 0 && qpos - window + 1 > lo) lo = qpos - window + 1;
     // A padding query (before its row's start) sees only itself, as the
     // reference mask has it, so no softmax is empty.
     if (lo > qpos) lo = qpos;
 
+    __shared__ float qs[D];
     const float sc = scale[0];
     const T* qp = q + b * q_strides[0] + h * q_strides[1] + qi * q_strides[2];
-    float qv[PER];
-    float o[PER];
-    for (int i = 0; i < PER; i++) {
-        qv[i] = static_cast<float>(qp[(lane * PER + i) * q_strides[3]]) * sc;
-        o[i] = 0.f;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        qs[i] = static_cast<float>(qp[i * q_strides[3]]) * sc;
     }
+    __syncthreads();
+    // Rows of whole aligned 16-byte vectors are read as such.
+    const bool vec_k = ESTRIDE(k_strides) == 1 && reinterpret_cast<size_t>(k) % 16 == 0
+        && ROWS_ALIGNED(k_strides, VEC);
+    float o[PER];
+    for (int i = 0; i < PER; i++) o[i] = 0.f;
     float m = -1e30f;
     float s = 0.f;
-    for (int j = lo + warp; j <= qpos; j += WARPS) {
-        const T* kr = k + KEY_AT(k_strides, j);
-        float d = 0.f;
-        for (int i = 0; i < PER; i++) {
-            d += qv[i] * static_cast<float>(kr[(lane * PER + i) * k_strides[3]]);
+    for (int c0 = lo + warp * 32; c0 <= qpos; c0 += WARPS * 32) {
+        const int j = c0 + lane;
+        float d = -1e30f;
+        if (j <= qpos) {
+            const T* kr = k + KEY_AT(k_strides, j);
+            float acc = 0.f;
+            if (vec_k) {
+                const uint4* kv = reinterpret_cast<const uint4*>(kr);
+                for (int u = 0; u < D / VEC; u++) {
+                    uint4 raw = kv[u];
+                    const T* e = reinterpret_cast<const T*>(&raw);
+                    for (int i = 0; i < VEC; i++) acc += qs[u * VEC + i] * static_cast<float>(e[i]);
+                }
+            } else {
+                for (int i = 0; i < D; i++) acc += qs[i] * static_cast<float>(kr[i * ESTRIDE(k_strides)]);
+            }
+            d = acc;
         }
-        for (int off = 16; off > 0; off /= 2) {
-            d += __shfl_xor_sync(0xffffffff, d, off);
-        }
-        const float mn = fmaxf(m, d);
+        float cm = d;
+        for (int off = 16; off > 0; off /= 2) cm = fmaxf(cm, __shfl_xor_sync(0xffffffff, cm, off));
+        const float mn = fmaxf(m, cm);
         const float corr = __expf(m - mn);
-        const float p = __expf(d - mn);
-        s = s * corr + p;
-        const T* vr = v + KEY_AT(v_strides, j);
-        for (int i = 0; i < PER; i++) {
-            o[i] = o[i] * corr + p * static_cast<float>(vr[(lane * PER + i) * v_strides[3]]);
+        const float p = j <= qpos ? __expf(d - mn) : 0.f;
+        float ps = p;
+        for (int off = 16; off > 0; off /= 2) ps += __shfl_xor_sync(0xffffffff, ps, off);
+        s = s * corr + ps;
+        for (int i = 0; i < PER; i++) o[i] *= corr;
+        const int count = min(32, qpos - c0 + 1);
+        for (int t = 0; t < count; t++) {
+            const float pt = __shfl_sync(0xffffffff, p, t);
+            const T* vr = v + KEY_AT(v_strides, c0 + t);
+            for (int i = 0; i < PER; i++) {
+                o[i] += pt * static_cast<float>(vr[(lane * PER + i) * ESTRIDE(v_strides)]);
+            }
         }
         m = mn;
     }
@@ -110,20 +138,36 @@ const SOURCE: &str = r#"
 const CONTIGUOUS: &str = r#"
 #define KV_HEADS (k_shape[1])
 #define TOTAL (k_shape[2])
+#define PREPARE
 #define KEY_AT(st, j) ((size_t)b * st[0] + (size_t)kh * st[1] + (size_t)(j) * st[2])
+#define ESTRIDE(st) (st[3])
+#define ROWS_ALIGNED(st, n) (st[0] % (n) == 0 && st[1] % (n) == 0 && st[2] % (n) == 0)
 "#;
 
 /// A paged cache's layout (`crate::paged`): `k`, `v` are the pool's
 /// `[slots, kv_heads, D]`, row `b`'s position `p` lies in block
 /// `tables[b][p / BLOCK]`, and columns before the row's start (padding)
-/// in block 0, as `paged::slot` has it.
+/// in block 0, as `paged::slot` has it. The row's table is read into
+/// shared memory first: a key's slot is then no second dependent read
+/// from global memory in the key loop.
 const PAGED: &str = r#"
 #define KV_HEADS (k_shape[1])
 #define TOTAL (meta[rows + 1])
-#define SLOT(j) ((j) < meta[b] ? (j) % BLOCK \
-    : tables[b * tables_shape[1] + ((j) - meta[b]) / BLOCK] * BLOCK + ((j) - meta[b]) % BLOCK)
+#define PREPARE \
+    __shared__ int table[MAX_TABLE]; \
+    for (int i = threadIdx.x; i < tables_shape[1]; i += blockDim.x) \
+        table[i] = tables[b * tables_shape[1] + i]; \
+    __syncthreads();
+#define SLOT(j) ((j) < row_start ? (j) % BLOCK \
+    : table[((j) - row_start) / BLOCK] * BLOCK + ((j) - row_start) % BLOCK)
 #define KEY_AT(st, j) ((size_t)SLOT(j) * st[0] + (size_t)kh * st[1])
+#define ESTRIDE(st) (st[2])
+#define ROWS_ALIGNED(st, n) (st[0] % (n) == 0 && st[1] % (n) == 0)
 "#;
+
+/// Most blocks in a row's table the paged kernel takes (its shared-memory
+/// copy): 32,768 positions of 16-position blocks.
+pub const MAX_TABLE: i32 = 2048;
 
 /// Whether the kernel takes these operands: float keys and values (the
 /// quantized cache is dequantized before attention on a GPU), a head
@@ -133,9 +177,13 @@ pub fn applies(q: &Array, k: &Array) -> bool {
     fits(q, k.dim(1), k.dtype())
 }
 
-/// [`applies`] for a paged layer's pool buffers (`[slots, kv_heads, D]`).
-pub fn applies_paged(q: &Array, k: &Array) -> bool {
-    k.ndim() == 3 && k.dim(2) == q.dim(3) && fits(q, k.dim(1), k.dtype())
+/// [`applies`] for a paged layer's pool buffers (`[slots, kv_heads, D]`)
+/// and its rows' block `tables`.
+pub fn applies_paged(q: &Array, k: &Array, tables: &Array) -> bool {
+    k.ndim() == 3
+        && k.dim(2) == q.dim(3)
+        && tables.dim(1) <= MAX_TABLE
+        && fits(q, k.dim(1), k.dtype())
 }
 
 fn fits(q: &Array, kv_heads: i32, kv_dtype: Dtype) -> bool {
@@ -207,6 +255,7 @@ fn launch(
     ];
     if let Some(block) = block {
         templates.push(TemplateArg::Int("BLOCK", block));
+        templates.push(TemplateArg::Int("MAX_TABLE", MAX_TABLE));
     }
     let launch = Launch {
         output_shape: &[b, heads, n, d],
