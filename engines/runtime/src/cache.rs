@@ -462,26 +462,7 @@ impl KvCache {
             None => vec![k, v],
             Some(q) => q.quantize(&k)?.into_iter().chain(q.quantize(&v)?).collect(),
         };
-        let mut buffers = p.pool.write(layer, &parts, &slots)?;
-        Ok(match quant {
-            None => {
-                let values = buffers.pop().expect("two buffers");
-                let keys = buffers.pop().expect("two buffers");
-                LayerView::Paged { keys, values, read }
-            }
-            Some(quant) => {
-                let mut keys = buffers
-                    .iter()
-                    .map(|b| read.gather(b))
-                    .collect::<anyhow::Result<Vec<_>>>()?;
-                let values = keys.split_off(3);
-                LayerView::Quantized {
-                    quant,
-                    keys,
-                    values,
-                }
-            }
-        })
+        paged_view(quant, p.pool.write(layer, &parts, &slots)?, read)
     }
 
     /// Layer `layer`'s keys and values for the filled columns, `[B,
@@ -493,20 +474,9 @@ impl KvCache {
                 return Ok(None);
             };
             let read = p.read(self.len, &self.left_pad)?;
-            let mut dense = bufs
-                .iter()
-                .map(|b| read.gather(b))
-                .collect::<anyhow::Result<Vec<_>>>()?;
-            return Ok(Some(match self.layers[layer].quant {
-                None => {
-                    let v = dense.pop().expect("two buffers");
-                    (dense.pop().expect("two buffers"), v)
-                }
-                Some(quant) => {
-                    let values = dense.split_off(3);
-                    (quant.dequantize(&dense)?, quant.dequantize(&values)?)
-                }
-            }));
+            return Ok(Some(
+                paged_view(self.layers[layer].quant, bufs, read)?.dense()?,
+            ));
         }
         self.layers[layer]
             .view(self.len)?
@@ -535,11 +505,7 @@ impl KvCache {
     /// paged cache's share of its pool: the blocks its rows list).
     pub fn nbytes(&self) -> usize {
         let kv = match &self.paged {
-            Some(p) => {
-                let slots = (p.pool.usable() + 1) * p.pool.block() as usize;
-                let blocks: usize = p.tables.iter().map(Vec::len).sum();
-                p.pool.nbytes() / slots.max(1) * blocks * p.pool.block() as usize
-            }
+            Some(p) => p.tables.iter().map(Vec::len).sum::<usize>() * p.pool.bytes_per_block(),
             None => self
                 .layers
                 .iter()
@@ -842,6 +808,35 @@ impl KvCache {
         out.capacity = len;
         Ok(out)
     }
+}
+
+/// A paged layer's view from its pool `buffers`: read in place when
+/// stored in the activations' dtype, gathered into columns when quantized
+/// (quantized attention takes arrays).
+fn paged_view(
+    quant: Option<KvQuant>,
+    mut buffers: Vec<Array>,
+    read: PagedRead,
+) -> anyhow::Result<LayerView> {
+    Ok(match quant {
+        None => {
+            let values = buffers.pop().expect("two buffers");
+            let keys = buffers.pop().expect("two buffers");
+            LayerView::Paged { keys, values, read }
+        }
+        Some(quant) => {
+            let mut keys = buffers
+                .iter()
+                .map(|b| read.gather(b))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            let values = keys.split_off(3);
+            LayerView::Quantized {
+                quant,
+                keys,
+                values,
+            }
+        }
+    })
 }
 
 impl Paged {

@@ -162,6 +162,11 @@ impl PagePool {
             .sum()
     }
 
+    /// Bytes one block holds across the written layers.
+    pub fn bytes_per_block(&self) -> usize {
+        self.nbytes() / self.inner.blocks as usize
+    }
+
     /// Writes `parts` (each `[B, kv_heads, n, width]`, one per buffer of
     /// the layer) at `slots` (`[B * n]`, row-major over rows then
     /// positions) and returns the layer's new buffers. The first write of a
