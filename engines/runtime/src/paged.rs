@@ -247,3 +247,58 @@ pub fn slot(table: &[BlockRef], start: i32, block: i32, col: i32) -> anyhow::Res
         .ok_or_else(|| anyhow!("position {p} lies past its row's blocks"))?;
     Ok(entry.id as i32 * block + p % block)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::KvCache;
+
+    /// `[1, 1, n, 32]` keys whose values encode their position.
+    fn keys(n: i32) -> Array {
+        let data: Vec<f32> = (0..n * 32).map(|i| i as f32).collect();
+        Array::from_slice(&data, &[1, 1, n, 32])
+    }
+
+    #[test]
+    fn blocks_come_back_when_their_last_holder_goes() {
+        let pool = PagePool::new(1, 3, 16).unwrap();
+        let a = pool.allocate().unwrap();
+        let shared = a.clone();
+        let b = pool.allocate().unwrap();
+        assert_ne!(a.id(), 0, "block 0 holds padding");
+        assert_eq!(pool.free_blocks(), 1);
+        drop(a);
+        assert_eq!(pool.free_blocks(), 1, "still held by its sharer");
+        drop((shared, b));
+        assert_eq!(pool.free_blocks(), 3);
+    }
+
+    #[test]
+    fn a_full_pool_fails_the_write_naming_its_size_and_leaks_nothing() {
+        let pool = PagePool::new(1, 2, 16).unwrap();
+        let mut cache = KvCache::paged(&pool, vec![None], vec![0]);
+        cache.update(0, keys(32), keys(32)).unwrap();
+        cache.advance(32);
+        let Err(err) = cache.update(0, keys(1), keys(1)) else {
+            panic!("a third block was handed out")
+        };
+        assert!(
+            err.to_string()
+                .contains("pool is full (2 blocks of 16 positions)"),
+            "{err}"
+        );
+        drop(cache);
+        assert_eq!(pool.free_blocks(), 2);
+    }
+
+    #[test]
+    fn padding_columns_map_into_the_padding_block() {
+        let pool = PagePool::new(1, 4, 4).unwrap();
+        let table = vec![pool.allocate().unwrap(), pool.allocate().unwrap()];
+        // Row starting at column 3: columns 0-2 are padding.
+        assert_eq!(slot(&table, 3, 4, 1).unwrap(), 1);
+        assert_eq!(slot(&table, 3, 4, 3).unwrap(), table[0].id() as i32 * 4);
+        assert_eq!(slot(&table, 3, 4, 8).unwrap(), table[1].id() as i32 * 4 + 1);
+        assert!(slot(&table, 3, 4, 11).is_err(), "past the row's blocks");
+    }
+}
