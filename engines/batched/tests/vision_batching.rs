@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use batched::{BatchedConfig, BatchedEngine};
+use batched::{BatchedConfig, BatchedEngine, KvLayout};
 use engine_core::{Engine, EngineError, Event, EventStream, GenerateRequest, ImageInput};
 use fixtures::model::random_prompt;
 use fixtures::vision::{write_vision_model, TinyVisionSpec};
@@ -17,6 +17,13 @@ use runtime::vision::{image_spans, replacement, TowerKind};
 use runtime::{KvPool, LoadedModel, SharedModel};
 
 fn setup(pool_blocks: usize) -> (tempfile::TempDir, Arc<SharedModel>, BatchedEngine) {
+    setup_with(pool_blocks, KvLayout::Contiguous)
+}
+
+fn setup_with(
+    pool_blocks: usize,
+    kv_layout: KvLayout,
+) -> (tempfile::TempDir, Arc<SharedModel>, BatchedEngine) {
     let dir = tempfile::tempdir().unwrap();
     write_vision_model(dir.path(), &TinyVisionSpec::tiny()).unwrap();
     let model = LoadedModel::load(dir.path(), Some("tiny-vision")).unwrap();
@@ -27,6 +34,7 @@ fn setup(pool_blocks: usize) -> (tempfile::TempDir, Arc<SharedModel>, BatchedEng
     ));
     let cfg = BatchedConfig {
         prefill_chunk: 8,
+        kv_layout,
         ..Default::default()
     };
     let engine = BatchedEngine::new("batched".into(), shared.clone(), cfg);
@@ -118,7 +126,15 @@ fn collect(mut stream: EventStream) -> Vec<u32> {
 
 #[test]
 fn image_and_text_requests_together_match_each_alone() {
-    let (_dir, shared, engine) = setup(1024);
+    for layout in [KvLayout::Contiguous, KvLayout::Paged] {
+        together_match_each_alone(layout);
+    }
+}
+
+/// Image prompts chunked at the image (its tokens attend both ways) and
+/// text prompts in one batch, in either cache layout.
+fn together_match_each_alone(layout: KvLayout) {
+    let (_dir, shared, engine) = setup_with(1024, layout);
     let steps = 16;
     let mut requests = Vec::new();
     for (i, (len, image_at)) in [
@@ -153,7 +169,7 @@ fn image_and_text_requests_together_match_each_alone() {
         })
         .collect();
     for (i, (stream, want)) in streams.into_iter().zip(&expected).enumerate() {
-        assert_eq!(&collect(stream), want, "request {i}");
+        assert_eq!(&collect(stream), want, "request {i}, {layout:?}");
     }
     // Text-only greedy is the plain raw loop's.
     let text = &requests[1].0;
