@@ -115,10 +115,6 @@ pub struct PagedRead {
     pub block: i32,
     pub total: i32,
     pub rows: i32,
-    /// On a GPU stream: the kernel's row starts and total for attention
-    /// that needs no window ([`crate::ragged::meta`]), so a forward whose
-    /// mask is none or plain causal also reads the blocks in place.
-    pub kernel_meta: Option<Array>,
 }
 
 impl PagedRead {
@@ -889,7 +885,6 @@ impl Paged {
             block,
             total,
             rows,
-            kernel_meta: crate::mask::on_gpu().then(|| crate::ragged::meta(left_pad, None, total)),
         })
     }
 

@@ -86,9 +86,12 @@ pub fn build(cache: &KvCache, n: i32, window: Option<i32>) -> AttnMask {
     let padded = cache.batch_size() > 1 || pads.iter().any(|&p| p > 0);
     let window_bites = window.is_some_and(|w| total > w);
     // One unpadded sequence within its window: MLX's own kernels, except
-    // for a verify's block (a causal block over a grown context).
+    // for a verify's block (a causal block over a grown context) and a
+    // paged cache on a GPU, whose blocks only the ragged kernel reads in
+    // place.
     let plain = !padded && !window_bites;
-    if plain && (n == 1 || past == 0) {
+    let paged_kernel = cache.page_pool().is_some() && on_gpu();
+    if plain && (n == 1 || past == 0) && !paged_kernel {
         return if n == 1 {
             AttnMask::None
         } else {

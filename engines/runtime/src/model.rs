@@ -762,25 +762,22 @@ impl Attention {
             LayerView::Dense(k, v) => (k, v),
             // A paged layer: the kernel reads the rows' blocks in place;
             // elsewhere attention reads a gathered copy.
-            LayerView::Paged { keys, values, read } => {
-                let meta = match mask {
-                    AttnMask::Ragged(r) if r.kernel => Some(&r.meta),
-                    AttnMask::None | AttnMask::Causal => read.kernel_meta.as_ref(),
-                    _ => None,
-                };
-                match meta {
-                    Some(meta) if crate::ragged::applies_paged(&q, keys, &read.tables) => {
-                        let out = crate::ragged::paged_attention(
-                            &q, keys, values, self.scale, meta, read,
-                        )?;
-                        return Ok((self.output(out, gate.as_ref(), b, l)?, kv));
-                    }
-                    _ => {
-                        dequantized = kv.dense()?;
-                        (&dequantized.0, &dequantized.1)
-                    }
+            // A paged layer: the kernel reads the rows' blocks in place;
+            // elsewhere attention reads a gathered copy.
+            LayerView::Paged { keys, values, read } => match mask {
+                AttnMask::Ragged(r)
+                    if r.kernel && crate::ragged::applies_paged(&q, keys, &read.tables) =>
+                {
+                    let out = crate::ragged::paged_attention(
+                        &q, keys, values, self.scale, &r.meta, read,
+                    )?;
+                    return Ok((self.output(out, gate.as_ref(), b, l)?, kv));
                 }
-            }
+                _ => {
+                    dequantized = kv.dense()?;
+                    (&dequantized.0, &dequantized.1)
+                }
+            },
             // MLX's CUDA backend has no quantized matmul for attention's
             // shapes (a 513-position prefill fails on the H100): on the GPU
             // attention reads a dequantized copy, one layer at a time.

@@ -216,7 +216,7 @@ pub fn attention(
     scale: f32,
     meta: &Array,
 ) -> anyhow::Result<Array> {
-    launch(&CONTIGUOUS_KERNEL, q, &[k, v, meta], scale, None)
+    launch(&CONTIGUOUS_KERNEL, q, k, v, meta, scale, None)
 }
 
 /// [`attention`] over a paged layer: `k`, `v` are the pool's buffers
@@ -229,21 +229,19 @@ pub fn paged_attention(
     meta: &Array,
     read: &crate::cache::PagedRead,
 ) -> anyhow::Result<Array> {
-    launch(
-        &PAGED_KERNEL,
-        q,
-        &[k, v, meta, &read.tables],
-        scale,
-        Some(read.block),
-    )
+    launch(&PAGED_KERNEL, q, k, v, meta, scale, Some(read))
 }
 
+/// Runs `kernel` on its inputs: `q, k, v, meta, scale`, and for a paged
+/// layer its block tables, its block size a template argument.
 fn launch(
     kernel: &'static std::thread::LocalKey<Result<CudaKernel, String>>,
     q: &Array,
-    kv: &[&Array],
+    k: &Array,
+    v: &Array,
+    meta: &Array,
     scale: f32,
-    block: Option<i32>,
+    paged: Option<&crate::cache::PagedRead>,
 ) -> anyhow::Result<Array> {
     let (b, heads, n, d) = (q.dim(0), q.dim(1), q.dim(2), q.dim(3));
     let dtype = q.dtype();
@@ -253,9 +251,11 @@ fn launch(
         TemplateArg::Int("D", d),
         TemplateArg::Int("WARPS", WARPS),
     ];
-    if let Some(block) = block {
-        templates.push(TemplateArg::Int("BLOCK", block));
+    let mut inputs = vec![q, k, v, meta, &scale];
+    if let Some(read) = paged {
+        templates.push(TemplateArg::Int("BLOCK", read.block));
         templates.push(TemplateArg::Int("MAX_TABLE", MAX_TABLE));
+        inputs.push(&read.tables);
     }
     let launch = Launch {
         output_shape: &[b, heads, n, d],
@@ -264,10 +264,6 @@ fn launch(
         block_threads: WARPS * 32,
         templates: &templates,
     };
-    let mut inputs = vec![q];
-    inputs.extend(&kv[..3]);
-    inputs.push(&scale);
-    inputs.extend(&kv[3..]);
     kernel
         .with(|kernel| {
             let kernel = kernel.as_ref().map_err(|e| anyhow!("{e}"))?;
