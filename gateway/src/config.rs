@@ -8,6 +8,7 @@
 //!   kv_cache_mb: 1024         # shared KV block pool (default 1024, or what `memory:` leaves)
 //!   kv_block_size: 16         # tokens per block
 //!   prefix_cache_entries: 16  # block-aligned prefixes kept for every engine (0: off)
+//!   kv_layout: contiguous     # or paged: one preallocated block pool for every engine
 //!   default_max_tokens: 4096  # cap on max_tokens when a request omits it
 //!   compute_dtype: auto       # auto (fp32 on the CPU, the checkpoint's on the GPU),
 //!                             # float32, bfloat16 or float16
@@ -116,6 +117,12 @@ pub struct ModelConfig {
     /// Full-attention keys and values stored quantized (off by default).
     #[serde(default)]
     pub kv_cache: Option<runtime::KvQuant>,
+    /// Where every engine's keys and values live: `contiguous` (arrays per
+    /// sequence, grown as they fill) or `paged` (blocks of one pool taken
+    /// at startup for the whole KV budget, shared by every engine and the
+    /// prefix cache). docs/batching.md says what each costs.
+    #[serde(default)]
+    pub kv_layout: runtime::paged::KvLayout,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -31,6 +31,7 @@ pub mod metric {
     pub const KV_BLOCKS_ALLOCATED: &str = "gateway_kv_blocks_allocated";
     pub const KV_BLOCKS_CACHED: &str = "gateway_kv_blocks_cached";
     pub const KV_PRESSURE: &str = "gateway_kv_pressure";
+    pub const KV_PAGED_BLOCKS_HELD: &str = "gateway_kv_paged_blocks_held";
     pub const MEMORY_BYTES: &str = "gateway_memory_bytes";
     pub const MEMORY_BUDGET_BYTES: &str = "gateway_memory_budget_bytes";
     pub const SPEC_DRAFTED: &str = "gateway_spec_drafted_tokens_total";
@@ -143,6 +144,10 @@ fn describe() {
         "Blocks the prefix cache holds in the shared KV pool (given up when sequences need them)"
     );
     describe_gauge!(KV_PRESSURE, "Allocated over total KV blocks");
+    describe_gauge!(
+        KV_PAGED_BLOCKS_HELD,
+        "Blocks of the paged KV pool that sequences and prefix-cache entries hold (model.kv_layout: paged)"
+    );
     describe_gauge!(
         MEMORY_BYTES,
         "Device memory MLX holds: live arrays (active), freed buffers kept for reuse (cache), the peak of active"

@@ -1,9 +1,9 @@
 //! Prefix reuse on every engine, over HTTP: a growing greedy chat's turns
 //! after the first start from the KV its earlier turns left in the shared
 //! prefix cache (`usage.prompt_tokens_details.cached_tokens` > 0) on the
-//! default policy (a lone greedy chat goes to the fast path) and on the
-//! speculative engines and the batched engine with a paged cache, and
-//! answer exactly as a gateway without the cache does. Also: the fast path is free the moment a batched request's last
+//! default policy (a lone greedy chat goes to the fast path), on the
+//! speculative engines, and on a server whose KV is paged, and answer
+//! exactly as a gateway without the cache does. Also: the fast path is free the moment a batched request's last
 //! byte arrives (no 503 on a route without fallback).
 
 use e2e_tests::{default_config_on_tiny_model, Gateway, MODEL};
@@ -11,7 +11,11 @@ use serde_json::{json, Value};
 
 /// A growing chat of `turns` user messages, each answer kept: per turn,
 /// the answer, the cached prompt tokens and the engine.
-fn chat(gw: &Gateway, turns: usize, max_tokens: u32) -> Vec<(String, u64, String)> {
+fn chat(
+    gw: &Gateway,
+    turns: usize,
+    max_tokens: impl Fn(usize) -> u32,
+) -> Vec<(String, u64, String)> {
     let mut messages = Vec::new();
     let mut out = Vec::new();
     for turn in 0..turns {
@@ -21,7 +25,7 @@ fn chat(gw: &Gateway, turns: usize, max_tokens: u32) -> Vec<(String, u64, String
         let r = gw.post(
             "/v1/chat/completions",
             &json!({"model": MODEL, "messages": messages, "temperature": 0,
-                    "max_tokens": max_tokens}),
+                    "max_tokens": max_tokens(turn)}),
         );
         assert_eq!(r.status, 200, "turn {turn}: {}", r.text());
         let engine = r.header("x-engine").unwrap_or_default().to_owned();
@@ -40,20 +44,32 @@ fn chat(gw: &Gateway, turns: usize, max_tokens: u32) -> Vec<(String, u64, String
 }
 
 /// The same chat on a gateway with the prefix cache (`warm`) and one
-/// without (`cold`).
-fn warm_and_cold(warm: &str, cold: &str, turns: usize, max_tokens: u32, engine: &str) {
+/// without (`cold`); turn `t` is served by `engine(t)`.
+fn warm_and_cold(
+    warm: &str,
+    cold: &str,
+    turns: usize,
+    max_tokens: impl Fn(usize) -> u32,
+    engine: impl Fn(usize) -> &'static str,
+) {
     let warm_gw = Gateway::start(warm);
-    let warm = chat(&warm_gw, turns, max_tokens);
+    let warm = chat(&warm_gw, turns, &max_tokens);
     // The entries hold KV blocks of the shared pool, as cached blocks:
     // nothing is held by a sequence any more.
     let pool = warm_gw.health()["kv_pool"].clone();
-    assert!(pool["prefix_cache_blocks"].as_u64().unwrap() > 0, "{pool}");
+    let cached = pool["prefix_cache_blocks"].as_u64().unwrap();
+    assert!(cached > 0, "{pool}");
     assert_eq!(pool["allocated_blocks"], 0, "{pool}");
-    let cold = chat(&Gateway::start(cold), turns, max_tokens);
+    // A paged server's blocks: the entries' only (each block they count
+    // at most once; shared with no sequence).
+    if let Some(held) = pool["paged"]["blocks_held"].as_u64() {
+        assert!(held > 0 && held <= cached, "{pool}");
+    }
+    let cold = chat(&Gateway::start(cold), turns, &max_tokens);
     for (turn, ((answer, cached, served), (cold_answer, cold_cached, _))) in
         warm.iter().zip(&cold).enumerate()
     {
-        assert_eq!(served, engine, "turn {turn}");
+        assert_eq!(served, engine(turn), "turn {turn}");
         assert_eq!(answer, cold_answer, "turn {turn}: reused KV, same answer");
         assert_eq!(*cold_cached, 0, "turn {turn}: the cache is off");
         if turn > 0 {
@@ -67,7 +83,7 @@ fn a_growing_greedy_chat_reuses_its_prefix_on_the_default_policy() {
     let warm = default_config_on_tiny_model();
     let cold = warm.replace("prefix_cache_entries: 16", "prefix_cache_entries: 0");
     assert_ne!(warm, cold, "config.yaml names prefix_cache_entries");
-    warm_and_cold(&warm, &cold, 4, 12, "fastpath");
+    warm_and_cold(&warm, &cold, 4, |_| 12, |_| "fastpath");
 }
 
 #[test]
@@ -82,31 +98,46 @@ policy: {{ default: spec }}
 "#
             )
         };
-        warm_and_cold(&config(16), &config(0), 3, 12, "spec");
+        warm_and_cold(&config(16), &config(0), 3, |_| 12, |_| "spec");
     }
 }
 
-/// The batched engine with its cache paged: turns start from prefix-cache
-/// entries copied into its pool, and its entries are copied out of it; the
-/// answers equal a contiguous batched engine's without the cache.
+/// A server whose KV is paged: the turns alternate between the fast path
+/// and the batched engine (two plugins), each starting from the entry the
+/// other left, whose blocks it shares (in the one pool, through the C
+/// boundary) instead of copying; the answers equal a contiguous server's
+/// without the cache. Then the speculative engines on a paged server.
 #[test]
-fn a_growing_greedy_chat_reuses_its_prefix_on_the_paged_batched_engine() {
-    let config = |layout: &str, entries: usize| {
+fn a_growing_greedy_chat_reuses_its_prefix_across_engines_on_a_paged_server() {
+    let config = |layout: &str, entries: usize, engines: &str, policy: &str| {
         format!(
-            r#"model: {{ path: "{{model}}", kv_cache_mb: 64, prefix_cache_entries: {entries} }}
+            r#"model: {{ path: "{{model}}", kv_cache_mb: 64, prefix_cache_entries: {entries}, kv_layout: {layout} }}
 engines:
-  batched: {{ kind: batched, kv_layout: {layout} }}
-policy: {{ default: batched }}
+{engines}
+policy:
+{policy}
 "#
         )
     };
+    let engines = "  batched: { kind: batched }\n  fastpath: { kind: fastpath }";
+    let policy = "  default: batched\n  rules:\n    - { name: short, when: { max_tokens: 12 }, route: fastpath }";
     warm_and_cold(
-        &config("paged", 16),
-        &config("contiguous", 0),
-        3,
-        12,
-        "batched",
+        &config("paged", 16, engines, policy),
+        &config("contiguous", 0, engines, policy),
+        4,
+        |turn| 12 + (turn % 2) as u32,
+        |turn| ["fastpath", "batched"][turn % 2],
     );
+    for (kind, drafter) in [("dflash", "{dflash_drafter}"), ("mtp", "{mtp_drafter}")] {
+        let engines = format!("  spec: {{ kind: {kind}, drafter: \"{drafter}\" }}");
+        warm_and_cold(
+            &config("paged", 16, &engines, "  default: spec"),
+            &config("contiguous", 0, &engines, "  default: spec"),
+            3,
+            |_| 12,
+            |_| "spec",
+        );
+    }
 }
 
 /// A route without fallback to the fast path, right after a batched

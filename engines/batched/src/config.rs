@@ -32,20 +32,6 @@ pub struct BatchedConfig {
     /// the host between tokens (docs/batching.md). The same tokens either
     /// way; `false` reads every step before queuing the next.
     pub pipeline: bool,
-    /// Where the batch's keys and values live: `contiguous` (arrays per
-    /// batch, grown as needed; the default) or `paged` (blocks of one pool,
-    /// allocated at startup for the whole KV budget and listed per row, so
-    /// joining and leaving the batch copy nothing). See docs/batching.md
-    /// for what each costs and when paged pays.
-    pub kv_layout: KvLayout,
-}
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum KvLayout {
-    #[default]
-    Contiguous,
-    Paged,
 }
 
 impl Default for BatchedConfig {
@@ -58,7 +44,6 @@ impl Default for BatchedConfig {
             prefill_group_tokens: None,
             prefill_width_multiple: None,
             pipeline: true,
-            kv_layout: KvLayout::Contiguous,
         }
     }
 }

@@ -11,10 +11,9 @@ use engine_core::{
 };
 use parking_lot::Mutex;
 use runtime::handover::{Handover, HandoverSink};
-use runtime::paged::PagePool;
 use runtime::SharedModel;
 
-use crate::config::{BatchedConfig, KvLayout};
+use crate::config::BatchedConfig;
 use crate::queue::Waiting;
 use crate::scheduler::{Msg, Scheduler, Stats};
 use crate::validate;
@@ -26,7 +25,6 @@ pub struct BatchedEngine {
     tx: Sender<Msg>,
     stats: Arc<Stats>,
     thread: Mutex<Option<JoinHandle<()>>>,
-    pages: Option<PagePool>,
 }
 
 struct Sink(Sender<Msg>, Arc<Stats>);
@@ -62,16 +60,12 @@ impl BatchedEngine {
             !runtime::compute::on_cpu(),
         );
         let pipeline = cfg.pipeline;
-        let pages = match cfg.kv_layout {
-            KvLayout::Paged => Some(page_pool(&shared)),
-            KvLayout::Contiguous => None,
-        };
-        let paged = pages.is_some();
+        let paged = shared.pages().is_some();
         let thread = std::thread::Builder::new()
             .name(format!("{name}-scheduler"))
             .spawn({
-                let (shared, stats, pages) = (shared.clone(), stats.clone(), pages.clone());
-                move || Scheduler::supervise(shared, limits, pipeline, pages, rx, stats)
+                let (shared, stats) = (shared.clone(), stats.clone());
+                move || Scheduler::supervise(shared, limits, pipeline, rx, stats)
             })
             .expect("spawn the scheduler thread");
         shared.set_handover_sink(Arc::new(Sink(tx.clone(), stats.clone())));
@@ -83,27 +77,8 @@ impl BatchedEngine {
             tx,
             stats,
             thread: Mutex::new(Some(thread)),
-            pages,
         }
     }
-
-    /// The batch's KV pool when its cache is paged.
-    pub fn page_pool(&self) -> Option<&PagePool> {
-        self.pages.as_ref()
-    }
-}
-
-/// The engine's paged KV pool: as many blocks as the shared KV pool
-/// counts, of its block size, so every block a row's reservation counts
-/// exists (the ledger admits; the pool holds).
-fn page_pool(shared: &SharedModel) -> PagePool {
-    let ledger = &shared.kv_pool;
-    PagePool::new(
-        shared.model.model.num_layers(),
-        ledger.total().max(1),
-        ledger.block_size(),
-    )
-    .expect("a KV pool's blocks fit a page pool")
 }
 
 impl Engine for BatchedEngine {

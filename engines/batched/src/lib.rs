@@ -11,5 +11,5 @@ mod row;
 mod scheduler;
 pub mod validate;
 
-pub use config::{BatchedConfig, KvLayout};
+pub use config::BatchedConfig;
 pub use engine::BatchedEngine;

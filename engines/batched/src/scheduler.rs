@@ -27,7 +27,6 @@ use mlx_rs::{ops, Array, Dtype};
 use runtime::emit::Emitter;
 use runtime::handover::Handover;
 use runtime::model::Logits;
-use runtime::paged::PagePool;
 use runtime::prefix_cache::Hit;
 use runtime::sampling::{self, Sampler};
 use runtime::{generate, memory, vision, KvCache, SharedModel};
@@ -66,17 +65,6 @@ impl Stats {
     }
 }
 
-/// Makes every layer's pool buffers now, on the scheduler's thread, by
-/// writing one token (so its memory is taken at startup, not mid-serving).
-fn preallocate(shared: &SharedModel, pool: &PagePool) -> anyhow::Result<()> {
-    let model = &shared.model.model;
-    let mut cache = model.new_paged_cache(pool, vec![0]);
-    let _device = shared.model.lock_device();
-    model.forward(&generate::tokens_array(&[0]), &mut cache, Logits::Last)?;
-    eval(&cache.state())?;
-    Ok(())
-}
-
 struct Prefilling {
     row: Row,
     cache: KvCache,
@@ -91,8 +79,6 @@ pub struct Scheduler {
     limits: StepLimits,
     /// Pipelined decode (`pipeline` in the engine's config).
     pipeline: bool,
-    /// Where the batch's keys and values live when paged (`kv_layout`).
-    pages: Option<PagePool>,
     rx: Receiver<Msg>,
     stats: Arc<Stats>,
     waiting: WaitQueue,
@@ -121,12 +107,10 @@ impl Scheduler {
         shared: Arc<SharedModel>,
         limits: StepLimits,
         pipeline: bool,
-        pages: Option<PagePool>,
         rx: Receiver<Msg>,
         stats: Arc<Stats>,
     ) -> Self {
         Self {
-            pages,
             waiting: WaitQueue::default(),
             shared,
             limits,
@@ -153,31 +137,12 @@ impl Scheduler {
         shared: Arc<SharedModel>,
         limits: StepLimits,
         pipeline: bool,
-        pages: Option<PagePool>,
         rx: Receiver<Msg>,
         stats: Arc<Stats>,
     ) {
-        if let Some(pool) = &pages {
-            match preallocate(&shared, pool) {
-                Ok(()) => tracing::info!(
-                    blocks = pool.usable(),
-                    block = pool.block(),
-                    mib = pool.nbytes() >> 20,
-                    "paged KV pool allocated"
-                ),
-                // Each layer's buffers are then made at its first write.
-                Err(e) => tracing::error!(error = %e, "allocating the paged KV pool failed"),
-            }
-        }
         loop {
-            let scheduler = Scheduler::new(
-                shared.clone(),
-                limits,
-                pipeline,
-                pages.clone(),
-                rx.clone(),
-                stats.clone(),
-            );
+            let scheduler =
+                Scheduler::new(shared.clone(), limits, pipeline, rx.clone(), stats.clone());
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| scheduler.run())) {
                 Ok(()) => return,
                 Err(_) => {
@@ -324,23 +289,17 @@ impl Scheduler {
         }
     }
 
-    /// `cache` in the engine's layout: moved into the pool when paged (a
-    /// prefix hit or a handed-over sequence arrives contiguous).
+    /// `cache` in the server's layout: a cache that arrives contiguous (a
+    /// sequence a contiguous-cache build handed over) moves into the pool.
     fn paged(&self, cache: KvCache) -> anyhow::Result<KvCache> {
-        match &self.pages {
+        match self.shared.pages() {
             Some(pool) => cache.into_paged(pool),
             None => Ok(cache),
         }
     }
 
-    /// An empty cache for prompts left-padded by `pads`, in the engine's
-    /// layout.
     fn new_cache(&self, pads: Vec<i32>) -> KvCache {
-        let model = &self.shared.model.model;
-        match &self.pages {
-            Some(pool) => model.new_paged_cache(pool, pads),
-            None => model.new_padded_cache(pads),
-        }
+        self.shared.new_cache(pads)
     }
 
     /// Keeps row `i`'s prompt and answer in the prefix cache, before its
@@ -553,7 +512,7 @@ impl Scheduler {
 
     fn step(&mut self) -> anyhow::Result<()> {
         let shared = self.shared.clone();
-        let _device = shared.model.lock_device();
+        let _device = shared.lock_device();
         let done = self
             .prefill_group()
             .and_then(|()| self.prefill_chunk())

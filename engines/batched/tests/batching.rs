@@ -5,26 +5,33 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use batched::{BatchedConfig, BatchedEngine, KvLayout};
+use batched::{BatchedConfig, BatchedEngine};
 use engine_core::{
     Engine, EngineError, Event, EventStream, Finish, FinishReason, GenerateRequest, SamplingParams,
     TokenEvent,
 };
 use fixtures::model::{random_prompt, write_model, TinySpec};
+use runtime::paged::KvLayout;
 use runtime::{generate, Family, KvPool, LoadedModel, SharedModel};
 
 fn setup(
     pool_blocks: usize,
     cfg: BatchedConfig,
 ) -> (tempfile::TempDir, Arc<SharedModel>, BatchedEngine) {
+    setup_as(pool_blocks, cfg, KvLayout::Contiguous)
+}
+
+fn setup_as(
+    pool_blocks: usize,
+    cfg: BatchedConfig,
+    layout: KvLayout,
+) -> (tempfile::TempDir, Arc<SharedModel>, BatchedEngine) {
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path(), &TinySpec::tiny(Family::Qwen3)).unwrap();
     let model = LoadedModel::load(dir.path(), Some("tiny")).unwrap();
     let bytes = model.model.config.kv_bytes_per_token(4, None);
-    let shared = Arc::new(SharedModel::new(
-        model,
-        KvPool::new(pool_blocks, 16, bytes * 16),
-    ));
+    let pool = KvPool::new(pool_blocks, 16, bytes * 16);
+    let shared = Arc::new(SharedModel::with_layout(model, pool, 16, layout).unwrap());
     let engine = BatchedEngine::new("batched".into(), shared.clone(), cfg);
     (dir, shared, engine)
 }
@@ -577,21 +584,21 @@ fn mixed_traffic(shared: &SharedModel, engine: &BatchedEngine) -> Vec<Seen> {
 #[test]
 fn pipelined_decode_equals_unpipelined_decode_and_paged_equals_contiguous() {
     let run = |pipeline: bool, layout: KvLayout| {
-        let (dir, shared, engine) = setup(
+        let (dir, shared, engine) = setup_as(
             1024,
             BatchedConfig {
                 pipeline,
                 prefill_chunk: 16,
-                kv_layout: layout,
                 ..Default::default()
             },
+            layout,
         );
         let seen = mixed_traffic(&shared, &engine);
-        // Blocks go back just after a row's final event.
+        // Blocks go back just after a row's final event, and the prefix
+        // cache's when a sequence wants every block.
         let pool_free = || {
-            engine
-                .page_pool()
-                .is_none_or(|p| p.free_blocks() == p.usable())
+            drop(shared.kv_pool.try_reserve(shared.kv_pool.total()));
+            shared.pages().is_none_or(|p| p.free_blocks() == p.usable())
         };
         for _ in 0..100 {
             if shared.kv_pool.allocated() == 0 && pool_free() {
@@ -604,7 +611,7 @@ fn pipelined_decode_equals_unpipelined_decode_and_paged_equals_contiguous() {
             0,
             "pipeline {pipeline}, {layout:?}: KV leaked"
         );
-        assert!(pool_free(), "pool blocks leaked: {:?}", engine.page_pool());
+        assert!(pool_free(), "pool blocks leaked: {:?}", shared.pages());
         assert_eq!(engine.load().active, 0);
         (dir, shared, seen)
     };

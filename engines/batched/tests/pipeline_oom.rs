@@ -2,22 +2,22 @@
 //! `GATEWAY_INJECT_OOM`, counted in model forwards of this process) while
 //! a decode step is queued and unread fail no request, and every output
 //! equals an undisturbed unpipelined run token for token (greedy and
-//! seeded), with every KV block back (the disturbed run's cache is paged:
+//! seeded), with every KV block back (the disturbed run's server is paged:
 //! its pool's blocks too). Its own test binary: the injection
 //! plan is read once per process, at the first forward.
 
 use std::sync::Arc;
 
-use batched::{BatchedConfig, BatchedEngine, KvLayout};
+use batched::{BatchedConfig, BatchedEngine};
 use engine_core::{Engine, Event, EventStream, Finish, FinishReason, GenerateRequest};
 use fixtures::model::{random_prompt, write_model, TinySpec};
 use runtime::inject::OOM_ENV;
+use runtime::paged::KvLayout;
 use runtime::{generate, Family, KvPool, LoadedModel, SharedModel};
 
-fn engine(shared: &Arc<SharedModel>, pipeline: bool, layout: KvLayout) -> BatchedEngine {
+fn engine(shared: &Arc<SharedModel>, pipeline: bool) -> BatchedEngine {
     let cfg = BatchedConfig {
         pipeline,
-        kv_layout: layout,
         prefill_chunk: 8,
         max_batch: Some(8),
         ..Default::default()
@@ -69,16 +69,21 @@ fn pipelined_decode_recovers_from_out_of_memory_with_the_same_tokens() {
     std::env::set_var(OOM_ENV, "3,7,12,20");
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path(), &TinySpec::tiny(Family::Qwen3)).unwrap();
-    let model = LoadedModel::load(dir.path(), Some("tiny")).unwrap();
-    let bytes = model.model.config.kv_bytes_per_token(4, None);
-    let shared = Arc::new(SharedModel::new(model, KvPool::new(1024, 16, bytes * 16)));
+    let shared_as = |layout| {
+        let model = LoadedModel::load(dir.path(), Some("tiny")).unwrap();
+        let bytes = model.model.config.kv_bytes_per_token(4, None);
+        let pool = KvPool::new(1024, 16, bytes * 16);
+        Arc::new(SharedModel::with_layout(model, pool, 16, layout).unwrap())
+    };
 
-    let paged = engine(&shared, true, KvLayout::Paged);
-    let disturbed = run(&paged);
-    assert_eq!(shared.kv_pool.allocated(), 0, "KV leaked through recovery");
+    let paged = shared_as(KvLayout::Paged);
+    let disturbed = run(&engine(&paged, true));
+    assert_eq!(paged.kv_pool.allocated(), 0, "KV leaked through recovery");
     // Blocks go back just after a row's final event.
-    let pool = paged.page_pool().expect("a paged engine");
+    let pool = paged.pages().expect("a paged server");
     for _ in 0..100 {
+        // The prefix cache's blocks come back for a sequence wanting all.
+        drop(paged.kv_pool.try_reserve(paged.kv_pool.total()));
         if pool.free_blocks() == pool.usable() {
             break;
         }
@@ -89,7 +94,8 @@ fn pipelined_decode_recovers_from_out_of_memory_with_the_same_tokens() {
         pool.usable(),
         "blocks leaked through recovery"
     );
-    let undisturbed = run(&engine(&shared, false, KvLayout::Contiguous));
+    let shared = shared_as(KvLayout::Contiguous);
+    let undisturbed = run(&engine(&shared, false));
     assert_eq!(disturbed, undisturbed);
     for (i, (tokens, reason, n)) in disturbed.iter().enumerate() {
         assert_eq!((*reason, *n as usize), (FinishReason::Length, tokens.len()));

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use batched::{BatchedConfig, BatchedEngine, KvLayout};
+use batched::{BatchedConfig, BatchedEngine};
 use engine_core::{Engine, EngineError, Event, EventStream, GenerateRequest, ImageInput};
 use fixtures::model::random_prompt;
 use fixtures::vision::{write_vision_model, TinyVisionSpec};
@@ -13,6 +13,7 @@ use mlx_rs::transforms::eval;
 use mlx_rs::{Array, Dtype};
 use runtime::generate::{self, argmax_tokens, tokens_array};
 use runtime::model::Logits;
+use runtime::paged::KvLayout;
 use runtime::vision::{image_spans, replacement, TowerKind};
 use runtime::{KvPool, LoadedModel, SharedModel};
 
@@ -28,13 +29,10 @@ fn setup_with(
     write_vision_model(dir.path(), &TinyVisionSpec::tiny()).unwrap();
     let model = LoadedModel::load(dir.path(), Some("tiny-vision")).unwrap();
     let bytes = model.model.config.kv_bytes_per_token(4, None);
-    let shared = Arc::new(SharedModel::new(
-        model,
-        KvPool::new(pool_blocks, 16, bytes * 16),
-    ));
+    let pool = KvPool::new(pool_blocks, 16, bytes * 16);
+    let shared = Arc::new(SharedModel::with_layout(model, pool, 16, kv_layout).unwrap());
     let cfg = BatchedConfig {
         prefill_chunk: 8,
-        kv_layout,
         ..Default::default()
     };
     let engine = BatchedEngine::new("batched".into(), shared.clone(), cfg);
@@ -154,7 +152,7 @@ fn together_match_each_alone(layout: KvLayout) {
         });
     }
     let expected: Vec<Vec<u32>> = {
-        let _device = shared.model.lock_device();
+        let _device = shared.lock_device();
         requests
             .iter()
             .map(|(p, images)| alone(&shared, p, images, steps))

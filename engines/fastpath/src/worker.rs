@@ -101,7 +101,7 @@ pub fn run(shared: &Arc<SharedModel>, job: Job, slot: &AtomicBool) -> Outcome {
 }
 
 fn decode(shared: &Arc<SharedModel>, out: &mut Emitter) -> anyhow::Result<End> {
-    let _device = shared.model.lock_device();
+    let _device = shared.lock_device();
     let model = &shared.model.model;
     let max_tokens = out.request.max_tokens;
     let scope = out.request.cache_scope.clone();
@@ -113,7 +113,7 @@ fn decode(shared: &Arc<SharedModel>, out: &mut Emitter) -> anyhow::Result<End> {
             .lookup(scope.as_deref(), &seen, model.num_layers())
         {
             Some(hit) => (hit.cache, hit.tokens),
-            None => (model.new_cache(1), 0),
+            None => (shared.new_cache(vec![0]), 0),
         };
     out.set_cached_tokens(cached as u32);
     let mut from = cached;
@@ -186,9 +186,9 @@ fn decode_constrained(
     let model = &shared.model.model;
     let vocab = shared.model.vocab_size();
     let mut argmax = Sampler::new(&SamplingParams::greedy(), vocab as i32, &[])?;
-    let mut cache = model.new_cache(1);
+    let mut cache = shared.new_cache(vec![0]);
     let mut logits = {
-        let _device = shared.model.lock_device();
+        let _device = shared.lock_device();
         generate::prefill(
             model,
             &mut cache,
@@ -200,7 +200,7 @@ fn decode_constrained(
         let Some(allowed) = constraint.allowed() else {
             return Ok(End::Done(FinishReason::Stop));
         };
-        let _device = shared.model.lock_device();
+        let _device = shared.lock_device();
         let token = argmax
             .sample_within(&logits, &sampling::allowed_mask(&allowed.to_bools(vocab)))?
             .item_exact::<u32>();

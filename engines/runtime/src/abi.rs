@@ -24,6 +24,7 @@ use crate::cache::{KvCache, LayerKv, Recurrent};
 use crate::handover::{Handover, HandoverSink};
 use crate::kv_pool::KvPool;
 use crate::kv_quant::KvQuant;
+use crate::paged::{BlockRef, PagePool};
 
 /// The MLX headers and mlx-c this build compiled against and the hash of
 /// this file, NUL-terminated: the descriptor's `mlx` field.
@@ -53,6 +54,46 @@ pub struct RawShared {
     pub kv: RawKvLedger,
     pub handover: RawHandoverSlot,
     pub prefix: RawPrefixCache,
+    /// The paged KV pool (`paged::PagePool`), null when the server's KV
+    /// is contiguous.
+    pub pages: *const RawPagePool,
+}
+
+/// The host's paged KV pool. Block ids index its buffers' blocks; each
+/// holder of a block (a `paged::Block`, in any image) is one count.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct RawPagePool {
+    pub ctx: *mut c_void,
+    /// Positions per block, blocks (the padding block 0 included), layers.
+    pub block: i32,
+    pub blocks: u32,
+    pub layers: usize,
+    /// A free block's id to `out`, counted once; false when none is free.
+    pub allocate: unsafe extern "C" fn(ctx: *mut c_void, out: *mut u32) -> bool,
+    pub retain: unsafe extern "C" fn(ctx: *mut c_void, id: u32),
+    pub release: unsafe extern "C" fn(ctx: *mut c_void, id: u32),
+    pub holders: unsafe extern "C" fn(ctx: *mut c_void, id: u32) -> u32,
+    pub free_blocks: unsafe extern "C" fn(ctx: *mut c_void) -> usize,
+    /// Layer `layer`'s buffers to `out` (up to [`KV_BUFFERS`] handles, each
+    /// then the caller's); 0 before the layer's first write.
+    pub buffers: unsafe extern "C" fn(ctx: *mut c_void, layer: usize, out: *mut mlx_array) -> usize,
+    /// Every written layer's buffers to `out` (at most `cap`).
+    pub state: unsafe extern "C" fn(ctx: *mut c_void, out: *mut mlx_array, cap: usize) -> usize,
+    /// Writes `parts` (lent) at `slots` (lent) into layer `layer`; its new
+    /// buffers to `out` as `buffers` does, or 0 and a NUL-terminated
+    /// message in `err`.
+    pub write: unsafe extern "C" fn(
+        ctx: *mut c_void,
+        layer: usize,
+        parts: *const mlx_array,
+        parts_len: usize,
+        slots: mlx_array,
+        out: *mut mlx_array,
+        err: *mut u8,
+        err_cap: usize,
+    ) -> usize,
+    pub copy_block: unsafe extern "C" fn(ctx: *mut c_void, from: u32, to: u32) -> bool,
 }
 
 /// The lock that serialises device work across engines.
@@ -139,6 +180,13 @@ pub struct RawKv {
     pub capacity: i32,
     pub left_pad: *const i32,
     pub batch: usize,
+    /// A paged cache (batch 1): the ids of its row's blocks in the host's
+    /// pool, in order (each one count the receiver then holds, or lent
+    /// with the cache); `buffers` then hold nothing. `blocks_cap`: room a
+    /// receiver has.
+    pub blocks: *mut u32,
+    pub blocks_len: usize,
+    pub blocks_cap: usize,
 }
 
 /// A layer's storage in a [`RawKv`]: `bits` 0 for the activations'
@@ -212,11 +260,13 @@ pub struct RawPrefixCache {
 }
 
 impl RawKv {
-    /// Buffers for a callee to write a cache of `layers` layers into.
-    pub(crate) fn receiver(layers: usize) -> KvReceiver {
+    /// Buffers for a callee to write a cache of `layers` layers into (a
+    /// paged one of at most `blocks` blocks).
+    pub(crate) fn receiver(layers: usize, blocks: usize) -> KvReceiver {
         let mut formats = vec![RawKvFormat::of(None); layers];
         let mut buffers = vec![null_array(); layers * KV_BUFFERS];
         let mut recurrent = vec![null_array(); layers * 2];
+        let mut ids = vec![0u32; blocks];
         let left_pad = Box::new(0i32);
         let raw = RawKv {
             formats: formats.as_mut_ptr(),
@@ -227,22 +277,37 @@ impl RawKv {
             capacity: 0,
             left_pad: &*left_pad,
             batch: 1,
+            blocks: ids.as_mut_ptr(),
+            blocks_len: 0,
+            blocks_cap: ids.len(),
         };
         KvReceiver {
             _formats: formats,
             _buffers: buffers,
             _recurrent: recurrent,
+            _ids: ids,
             _left_pad: left_pad,
             raw,
         }
     }
 
     /// Writes `cache` (batch 1) into a receiver's buffers, handing over a
-    /// handle of each array.
+    /// handle of each array (a paged cache: a count of each block). False,
+    /// handing nothing over, when its blocks do not fit.
     ///
     /// # Safety
     /// `self` came from [`RawKv::receiver`] for as many layers as `cache`.
-    pub(crate) unsafe fn give(&mut self, cache: KvCache) {
+    pub(crate) unsafe fn give(&mut self, cache: KvCache) -> bool {
+        if let Some((pool, table)) = cache.paged_table() {
+            if table.len() > self.blocks_cap {
+                return false;
+            }
+            for (i, b) in table.iter().enumerate() {
+                pool.retain(b.id());
+                *self.blocks.add(i) = b.id();
+            }
+            self.blocks_len = table.len();
+        }
         let layers = self.layers.min(cache.layers.len());
         for (l, layer) in cache.layers.into_iter().take(layers).enumerate() {
             *self.formats.add(l) = RawKvFormat::of(layer.quant);
@@ -262,6 +327,15 @@ impl RawKv {
         }
         self.len = cache.len;
         self.capacity = cache.capacity;
+        true
+    }
+
+    /// The block ids of a paged cache, empty for a contiguous one.
+    unsafe fn block_ids(&self) -> &[u32] {
+        match self.blocks_len {
+            0 => &[],
+            n => std::slice::from_raw_parts(self.blocks, n),
+        }
     }
 
     /// The cache's layers, each buffer made an `Array` by `take`.
@@ -291,18 +365,42 @@ impl RawKv {
             .collect()
     }
 
-    /// A cache over the same arrays, with handles of our own.
+    /// A cache over the same arrays (and blocks of `pages`), with handles
+    /// (and counts) of our own.
     ///
     /// # Safety
     /// Every non-null handle is a live mlx-c array handle.
-    pub(crate) unsafe fn retained(&self) -> KvCache {
+    pub(crate) unsafe fn retained(&self, pages: Option<&PagePool>) -> anyhow::Result<KvCache> {
         let left_pad = std::slice::from_raw_parts(self.left_pad, self.batch).to_vec();
         let mut cache = KvCache::with_formats(vec![None; self.layers], left_pad);
         cache.layers = self.layers(|h| retain(h));
         cache.recurrent = self.recurrent(|h| retain(h));
         cache.len = self.len;
         cache.capacity = self.capacity;
-        cache
+        self.into_pages(cache, pages, |pool, id| pool.share(id))
+    }
+
+    /// `cache` (its layers' formats read) made paged over this table's
+    /// blocks, each made a holder by `hold`, when it lists any.
+    unsafe fn into_pages(
+        &self,
+        mut cache: KvCache,
+        pages: Option<&PagePool>,
+        hold: impl Fn(&PagePool, u32) -> anyhow::Result<BlockRef>,
+    ) -> anyhow::Result<KvCache> {
+        let ids = self.block_ids();
+        if ids.is_empty() {
+            return Ok(cache);
+        }
+        let pool = pages.ok_or_else(|| {
+            anyhow::anyhow!("a paged KV cache reached an engine that has no KV pool")
+        })?;
+        let table = ids
+            .iter()
+            .map(|&id| hold(pool, id))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        cache.set_paged_table(pool, table);
+        Ok(cache)
     }
 }
 
@@ -311,13 +409,15 @@ pub(crate) struct KvReceiver {
     _formats: Vec<RawKvFormat>,
     _buffers: Vec<mlx_array>,
     _recurrent: Vec<mlx_array>,
+    _ids: Vec<u32>,
     _left_pad: Box<i32>,
     pub(crate) raw: RawKv,
 }
 
 impl KvReceiver {
-    /// The cache written, owning its handles.
-    pub(crate) fn into_cache(self) -> KvCache {
+    /// The cache written, owning its handles (and its blocks' counts,
+    /// which are `pages`').
+    pub(crate) fn into_cache(self, pages: Option<&PagePool>) -> anyhow::Result<KvCache> {
         // SAFETY: `give` wrote handles it handed over to us.
         let mut cache = KvCache::with_formats(vec![None; self.raw.layers], vec![0]);
         unsafe {
@@ -326,7 +426,10 @@ impl KvReceiver {
         }
         cache.len = self.raw.len;
         cache.capacity = self.raw.capacity;
-        cache
+        unsafe {
+            self.raw
+                .into_pages(cache, pages, |pool, id| Ok(pool.adopt(id)))
+        }
     }
 }
 
@@ -335,6 +438,8 @@ pub(crate) struct LentKv<'a> {
     formats: Vec<RawKvFormat>,
     buffers: Vec<mlx_array>,
     recurrent: Vec<mlx_array>,
+    /// A paged cache's row of block ids.
+    ids: Vec<u32>,
     cache: &'a KvCache,
 }
 
@@ -357,6 +462,10 @@ impl<'a> LentKv<'a> {
                     None => [null_array(), null_array()],
                 })
                 .collect(),
+            ids: cache
+                .paged_table()
+                .map(|(_, t)| t.iter().map(|b| b.id()).collect())
+                .unwrap_or_default(),
             cache,
         }
     }
@@ -372,6 +481,9 @@ impl<'a> LentKv<'a> {
             capacity: self.cache.capacity,
             left_pad: self.cache.left_pad.as_ptr(),
             batch: self.cache.left_pad.len(),
+            blocks: self.ids.as_ptr().cast_mut(),
+            blocks_len: self.ids.len(),
+            blocks_cap: self.ids.len(),
         }
     }
 }
@@ -386,7 +498,7 @@ pub(crate) unsafe fn retain(handle: mlx_array) -> Array {
     Array::from_ptr(mine)
 }
 
-fn null_array() -> mlx_array {
+pub(crate) fn null_array() -> mlx_array {
     mlx_array {
         ctx: std::ptr::null_mut(),
     }
@@ -506,10 +618,15 @@ impl HandoverSink for ForeignSink {
 struct SinkCtx {
     sink: Arc<dyn HandoverSink>,
     pool: KvPool,
+    pages: Option<PagePool>,
 }
 
 /// `sink` as a C handle; it lives for the process.
-pub(crate) fn export_sink(sink: Arc<dyn HandoverSink>, pool: KvPool) -> RawHandoverSink {
+pub(crate) fn export_sink(
+    sink: Arc<dyn HandoverSink>,
+    pool: KvPool,
+    pages: Option<PagePool>,
+) -> RawHandoverSink {
     if let Some(raw) = sink.raw() {
         return raw;
     }
@@ -521,7 +638,9 @@ pub(crate) fn export_sink(sink: Arc<dyn HandoverSink>, pool: KvPool) -> RawHando
             else {
                 return false;
             };
-            let cache = raw.cache.retained();
+            let Ok(cache) = raw.cache.retained(ctx.pages.as_ref()) else {
+                return false;
+            };
             request.cancel = CancelToken::from_raw(std::ptr::read(&raw.cancel));
             let handover = Handover {
                 request,
@@ -551,7 +670,7 @@ pub(crate) fn export_sink(sink: Arc<dyn HandoverSink>, pool: KvPool) -> RawHando
         catch_unwind(AssertUnwindSafe(|| (*(ctx as *const SinkCtx)).sink.busy())).unwrap_or(false)
     }
     RawHandoverSink {
-        ctx: Box::into_raw(Box::new(SinkCtx { sink, pool })) as *mut c_void,
+        ctx: Box::into_raw(Box::new(SinkCtx { sink, pool, pages })) as *mut c_void,
         adopt,
         busy,
     }

@@ -19,8 +19,6 @@
 //! left_pad[b]`). Every operation keeps its meaning; those that move
 //! columns around only edit the rows' block tables.
 
-use std::sync::Arc;
-
 use anyhow::anyhow;
 use mlx_rs::{ops, Array};
 
@@ -274,6 +272,27 @@ impl KvCache {
     /// The pool of a paged cache.
     pub fn page_pool(&self) -> Option<&PagePool> {
         self.paged.as_ref().map(|p| &p.pool)
+    }
+
+    /// A paged single row's pool and blocks (what crosses the plugin
+    /// boundary in place of arrays).
+    pub(crate) fn paged_table(&self) -> Option<(&PagePool, &[BlockRef])> {
+        let p = self.paged.as_ref()?;
+        match p.tables.as_slice() {
+            [table] => Some((&p.pool, table)),
+            _ => None,
+        }
+    }
+
+    /// Makes this single-row cache (its `len` and formats set) a paged one
+    /// over `table`'s blocks of `pool`.
+    pub(crate) fn set_paged_table(&mut self, pool: &PagePool, table: Vec<BlockRef>) {
+        self.paged = Some(Paged {
+            pool: pool.clone(),
+            tables: vec![table],
+            forward: None,
+        });
+        self.capacity = self.len;
     }
 
     /// This cache with its keys and values moved into `pool`'s blocks
@@ -846,7 +865,7 @@ impl Paged {
             let (from, to) = ((len - start).max(0), len + n - start);
             let needed = ((to.max(0) + block - 1) / block) as usize;
             for i in (from / block) as usize..needed.min(table.len()) {
-                if Arc::strong_count(&table[i]) > 1 {
+                if paged::is_shared(&table[i]) {
                     let copy = self.pool.allocate()?;
                     self.pool.copy_block(table[i].id(), copy.id())?;
                     table[i] = copy;

@@ -8,9 +8,12 @@
 //!
 //! The host owns the store; plugins reach it through a C table
 //! ([`SharedPrefixCache::export`] / [`SharedPrefixCache::import`]), the KV
-//! crossing as mlx-c handles. Entries hold every layer's keys and values
-//! for all their positions (sliding-window layers keep the whole history
-//! and mask it), so a truncated entry is exactly the prefix's cache.
+//! crossing as mlx-c handles, or as block ids when the server's KV is paged:
+//! then an entry holds blocks of the one pool, shared with the sequence that
+//! computed it and with every later hit (copied only where one writes).
+//! Entries hold every layer's keys and values for all their positions
+//! (sliding-window layers keep the whole history and mask it), so a
+//! truncated entry is exactly the prefix's cache.
 //!
 //! Entries are charged to the KV pool (their blocks, and a hybrid model's
 //! state blocks) as cached blocks: an entry is kept only if the pool has
@@ -28,6 +31,7 @@ use mlx_rs::transforms::eval;
 use crate::abi::{LentKv, RawKv, RawPrefixCache};
 use crate::cache::KvCache;
 use crate::kv_pool::{KvPool, Reservation};
+use crate::paged::PagePool;
 
 struct Entry {
     scope: Option<String>,
@@ -42,6 +46,8 @@ struct Store {
     block: usize,
     capacity: usize,
     pool: KvPool,
+    /// The server's paged pool: entries hold its blocks.
+    pages: Option<PagePool>,
     entries: VecDeque<Entry>,
 }
 
@@ -129,6 +135,17 @@ impl Store {
                 return;
             }
         };
+        // A contiguous cache's positions move into the pool (its blocks
+        // are counted by the reservation just taken).
+        if let Some(pages) = &self.pages {
+            kept = match kept.into_paged(pages) {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(error = %e, "moving a prefix into the KV pool failed");
+                    return;
+                }
+            };
+        }
         self.entries.push_back(Entry {
             scope: scope.map(str::to_string),
             tokens: key.to_vec(),
@@ -158,6 +175,8 @@ pub struct SharedPrefixCache {
     /// The model holds recurrent states (a hybrid model): entries are
     /// snapshots reused whole.
     exact: bool,
+    /// The server's paged pool, whose blocks entries hold.
+    pages: Option<PagePool>,
     inner: Inner,
 }
 
@@ -177,13 +196,15 @@ fn lock(store: &Mutex<Store>) -> MutexGuard<'_, Store> {
 impl SharedPrefixCache {
     /// A store of `capacity` entries (0 disables it) on the pool's block
     /// boundaries, charged to `pool` (which reclaims entries when full),
-    /// for a model whose caches hold recurrent states when `exact`.
-    pub fn new(pool: &KvPool, capacity: usize, exact: bool) -> Self {
+    /// for a model whose caches hold recurrent states when `exact`; its
+    /// entries hold blocks of `pages` when the server's KV is paged.
+    pub fn new(pool: &KvPool, capacity: usize, exact: bool, pages: Option<&PagePool>) -> Self {
         let block = pool.block_size();
         let store = Arc::new(Mutex::new(Store {
             block,
             capacity,
             pool: pool.clone(),
+            pages: pages.cloned(),
             entries: VecDeque::new(),
         }));
         let weak = Arc::downgrade(&store);
@@ -196,6 +217,7 @@ impl SharedPrefixCache {
             block,
             capacity,
             exact,
+            pages: pages.cloned(),
             inner: Inner::Local(store),
         }
     }
@@ -223,12 +245,18 @@ impl SharedPrefixCache {
             Inner::Local(store) => lock(store).lookup(scope, prompt),
             Inner::Foreign(raw) => unsafe {
                 let (scope, scoped) = scope_bytes(scope);
-                let mut out = RawKv::receiver(layers);
+                let mut out = RawKv::receiver(layers, prompt.len() / self.block + 1);
                 let tokens = (raw.lookup)(raw.ctx, scope, scoped, Bytes::of(prompt), &mut out.raw);
-                (tokens > 0).then(|| Hit {
-                    cache: out.into_cache(),
-                    tokens,
-                })
+                if tokens == 0 {
+                    return None;
+                }
+                match out.into_cache(self.pages.as_ref()) {
+                    Ok(cache) => Some(Hit { cache, tokens }),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "a prefix-cache hit could not be taken");
+                        None
+                    }
+                }
             },
         }
     }
@@ -257,21 +285,23 @@ impl SharedPrefixCache {
         if !self.wants(tokens.len()) {
             return;
         }
-        // Entries hold arrays of their own: a paged cache's blocks belong
-        // to its engine's pool.
+        // Entries hold blocks of the server's pool only: a cache paged in
+        // another pool is copied out.
         let copied;
         let cache = match cache.page_pool() {
-            None => cache,
-            Some(_) => match cache.contiguous() {
-                Ok(c) => {
-                    copied = c;
-                    &copied
+            Some(p) if !self.pages.as_ref().is_some_and(|s| s.same(p)) => {
+                match cache.contiguous() {
+                    Ok(c) => {
+                        copied = c;
+                        &copied
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "copying a prefix out of the KV pool failed");
+                        return;
+                    }
                 }
-                Err(e) => {
-                    tracing::warn!(error = %e, "copying a prefix out of the KV pool failed");
-                    return;
-                }
-            },
+            }
+            _ => cache,
         };
         if let Err(e) = eval(&cache.state()) {
             tracing::warn!(error = %e, "a prefix for the prefix cache failed to evaluate");
@@ -311,12 +341,13 @@ impl SharedPrefixCache {
             catch_unwind(AssertUnwindSafe(|| {
                 let store = &*(ctx as *const Mutex<Store>);
                 let hit = lock(store).lookup(read(scope, scoped), tokens(prompt));
+                let hit = hit.map(|h| (h.tokens, h.cache));
                 match hit {
-                    Some(hit) => {
-                        (*out).give(hit.cache);
-                        hit.tokens
-                    }
-                    None => 0,
+                    Some((tokens, cache)) => match (*out).give(cache) {
+                        true => tokens,
+                        false => 0,
+                    },
+                    _ => 0,
                 }
             }))
             .unwrap_or(0)
@@ -344,8 +375,11 @@ impl SharedPrefixCache {
         ) {
             let _ = catch_unwind(AssertUnwindSafe(|| {
                 let store = &*(ctx as *const Mutex<Store>);
-                let cache = (*kv).retained();
-                lock(store).insert(read(scope, scoped), tokens(seq), &cache);
+                let mut store = lock(store);
+                match (*kv).retained(store.pages.as_ref()) {
+                    Ok(cache) => store.insert(read(scope, scoped), tokens(seq), &cache),
+                    Err(e) => tracing::warn!(error = %e, "a prefix could not be kept"),
+                }
             }));
         }
         RawPrefixCache {
@@ -359,16 +393,18 @@ impl SharedPrefixCache {
         }
     }
 
-    /// A view of the host's store.
+    /// A view of the host's store, whose entries hold blocks of `pages`
+    /// (the host's pool, seen from this image).
     ///
     /// # Safety
     /// `raw` came from [`SharedPrefixCache::export`] and lives for the
     /// process.
-    pub unsafe fn import(raw: &RawPrefixCache) -> Self {
+    pub unsafe fn import(raw: &RawPrefixCache, pages: Option<&PagePool>) -> Self {
         Self {
             block: raw.block,
             capacity: raw.capacity,
             exact: raw.exact,
+            pages: pages.cloned(),
             inner: Inner::Foreign(*raw),
         }
     }
@@ -422,7 +458,7 @@ mod tests {
     fn entries_are_charged_to_the_pool_and_given_up_for_sequences() {
         // Four 16-token blocks; each 32-token entry takes two.
         let pool = KvPool::new(4, 16, 1024);
-        let store = SharedPrefixCache::new(&pool, 8, false);
+        let store = SharedPrefixCache::new(&pool, 8, false, None);
         store.insert(None, &seq(0), &filled(32));
         store.insert(None, &seq(100), &filled(32));
         assert_eq!((pool.cached(), pool.allocated()), (4, 0));

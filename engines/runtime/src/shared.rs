@@ -12,14 +12,16 @@ use engine_core::plugin::read_c_str;
 use engine_core::EngineContext;
 
 use crate::abi::{
-    export_sink, mlx_fingerprint, DeviceLock, ForeignSink, RawDeviceLock, RawHandoverSink,
-    RawHandoverSlot, RawShared, MLX_FINGERPRINT,
+    export_sink, mlx_fingerprint, DeviceGuard, DeviceLock, ForeignSink, RawDeviceLock,
+    RawHandoverSink, RawHandoverSlot, RawShared, MLX_FINGERPRINT,
 };
+use crate::cache::KvCache;
 use crate::compute::ComputeDtype;
 use crate::handover::HandoverSink;
 use crate::kv_pool::KvPool;
 use crate::kv_quant::KvQuant;
 use crate::loader::LoadedModel;
+use crate::paged::{KvLayout, PagePool};
 use crate::prefix_cache::SharedPrefixCache;
 
 /// Prefix cache entries when the host names no other number.
@@ -28,6 +30,10 @@ pub const DEFAULT_PREFIX_CACHE_ENTRIES: usize = 16;
 pub struct SharedModel {
     pub model: LoadedModel,
     pub kv_pool: KvPool,
+    /// Where every engine's sequences keep their keys and values when the
+    /// server's KV is paged: one pool with a block for each the ledger
+    /// (`kv_pool`) counts, so the ledger admits and the pool holds.
+    pages: Option<PagePool>,
     /// Block-aligned prefixes every engine reuses and publishes.
     pub prefix: SharedPrefixCache,
     /// The engine that adopts sequences other engines hand over (the
@@ -36,6 +42,22 @@ pub struct SharedModel {
     /// Structured-output grammars compiled against this model's tokenizer,
     /// built at the first constrained request.
     grammars: OnceLock<Result<Arc<grammar::Compiler>, String>>,
+}
+
+/// An engine's turn on the device ([`SharedModel::lock_device`]).
+pub struct DeviceTurn<'a> {
+    pages: Option<&'a PagePool>,
+    _guard: DeviceGuard<'a>,
+}
+
+impl Drop for DeviceTurn<'_> {
+    fn drop(&mut self) {
+        if let Some(pages) = self.pages {
+            if let Err(e) = mlx_rs::transforms::async_eval(&pages.state()) {
+                tracing::warn!(error = %e, "queuing the KV pool's writes failed");
+            }
+        }
+    }
 }
 
 enum Slot {
@@ -56,13 +78,61 @@ impl SharedModel {
     /// A shared model whose prefix cache keeps `entries` prefixes (0
     /// disables it) on the pool's block boundaries.
     pub fn with_prefix_cache(model: LoadedModel, kv_pool: KvPool, entries: usize) -> Self {
+        Self::with_layout(model, kv_pool, entries, KvLayout::Contiguous)
+            .expect("a contiguous layout needs no pool")
+    }
+
+    /// A shared model whose KV is laid out as `layout`: paged, its pool is
+    /// made here with a block for each one `kv_pool` counts (its memory is
+    /// taken at the first write; see [`PagePool::preallocate`]).
+    pub fn with_layout(
+        model: LoadedModel,
+        kv_pool: KvPool,
+        entries: usize,
+        layout: KvLayout,
+    ) -> anyhow::Result<Self> {
         let hybrid = model.model.is_hybrid();
-        Self {
+        let pages = match layout {
+            KvLayout::Contiguous => None,
+            KvLayout::Paged => Some(PagePool::new(
+                model.model.num_layers(),
+                kv_pool.total().max(1),
+                kv_pool.block_size(),
+            )?),
+        };
+        Ok(Self {
             model,
-            prefix: SharedPrefixCache::new(&kv_pool, entries, hybrid),
+            prefix: SharedPrefixCache::new(&kv_pool, entries, hybrid, pages.as_ref()),
             kv_pool,
+            pages,
             handover: Slot::Local(RwLock::new(None)),
             grammars: OnceLock::new(),
+        })
+    }
+
+    /// Exclusive use of the device for one engine step (or one fast-path
+    /// run). Paged, the turn ends by queuing what it wrote into the pool:
+    /// MLX binds a graph to the thread that built it, and the next
+    /// engine's thread builds on the pool's buffers.
+    pub fn lock_device(&self) -> DeviceTurn<'_> {
+        DeviceTurn {
+            pages: self.pages.as_ref(),
+            _guard: self.model.lock_device(),
+        }
+    }
+
+    /// The server's paged KV pool, when its KV is paged.
+    pub fn pages(&self) -> Option<&PagePool> {
+        self.pages.as_ref()
+    }
+
+    /// An empty cache for a batch of rows left-padded by `left_pad`, in the
+    /// server's layout (its keys and values in the pool when paged).
+    pub fn new_cache(&self, left_pad: Vec<i32>) -> KvCache {
+        let model = &self.model.model;
+        match &self.pages {
+            Some(pool) => model.new_paged_cache(pool, left_pad),
+            None => model.new_padded_cache(left_pad),
         }
     }
 
@@ -88,11 +158,14 @@ impl SharedModel {
     pub fn set_handover_sink(&self, sink: Arc<dyn HandoverSink>) {
         match &self.handover {
             Slot::Local(slot) => {
-                let raw = export_sink(sink.clone(), self.kv_pool.clone());
+                let raw = export_sink(sink.clone(), self.kv_pool.clone(), self.pages.clone());
                 *slot.write().unwrap_or_else(|e| e.into_inner()) = Some((sink, raw));
             }
             Slot::Foreign(raw) => unsafe {
-                (raw.set)(raw.ctx, export_sink(sink, self.kv_pool.clone()))
+                (raw.set)(
+                    raw.ctx,
+                    export_sink(sink, self.kv_pool.clone(), self.pages.clone()),
+                )
             },
         }
     }
@@ -149,10 +222,12 @@ impl SharedModel {
             .model
             .set_kv_quant(kv_cache)
             .map_err(|e| format!("{e:#}"))?;
+        let pages = unsafe { raw.pages.as_ref() }.map(|p| unsafe { PagePool::import(p) });
         Ok(Arc::new(SharedModel {
             model,
             kv_pool: unsafe { KvPool::import(&raw.kv) },
-            prefix: unsafe { SharedPrefixCache::import(&raw.prefix) },
+            prefix: unsafe { SharedPrefixCache::import(&raw.prefix, pages.as_ref()) },
+            pages,
             handover: Slot::Foreign(raw.handover),
             grammars: OnceLock::new(),
         }))
@@ -210,6 +285,9 @@ impl SharedModel {
             kv: self.kv_pool.export(),
             handover: RawHandoverSlot { ctx, set, get },
             prefix: self.prefix.export(),
+            pages: self.pages.as_ref().map_or(std::ptr::null(), |p| {
+                Box::into_raw(Box::new(p.export())).cast_const()
+            }),
         };
         Box::into_raw(Box::new(raw)) as *const c_void
     }

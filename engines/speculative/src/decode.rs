@@ -71,7 +71,7 @@ impl Sequence {
         adaptive: bool,
     ) -> Self {
         let history = request.prompt.clone();
-        let cache = shared.model.model.new_cache(1);
+        let cache = shared.new_cache(vec![0]);
         Self {
             out: Emitter::new(request, events),
             shared,

@@ -300,7 +300,7 @@ impl Worker {
             if let Some(job) = waiting.pop_front() {
                 let seq = self.start(job);
                 if !seq.is_finished() {
-                    let _device = self.shared.model.lock_device();
+                    let _device = self.shared.lock_device();
                     if let Err((mut seq, e)) = batch.join(seq) {
                         tracing::error!(engine = %self.name, error = %e, "joining the batch failed");
                         seq.fail(memory::failed_step(&e));
@@ -324,7 +324,7 @@ impl Worker {
         let speculate = self.max_batch.is_none_or(|m| batch.len() <= m);
         let cost = self.costs.entry(batch.len()).or_default();
         let result = {
-            let _device = self.shared.model.lock_device();
+            let _device = self.shared.lock_device();
             let started = Instant::now();
             batch
                 .round(&self.shared.model.model, speculate, cost)
@@ -355,7 +355,7 @@ impl Worker {
             return;
         }
         let result = {
-            let _device = self.shared.model.lock_device();
+            let _device = self.shared.lock_device();
             batch.retire()
         };
         if let Err(e) = result {
@@ -394,7 +394,7 @@ impl Worker {
         seq.check_cancelled();
         if !seq.is_finished() {
             let result = {
-                let _device = self.shared.model.lock_device();
+                let _device = self.shared.lock_device();
                 seq.prefill(model)
             };
             if let Err(e) = result {
@@ -411,7 +411,7 @@ impl Worker {
             Source::Pending(loader) => {
                 tracing::info!(engine = %self.name, "loading the drafter (lazy_drafter)");
                 let loaded = {
-                    let _device = self.shared.model.lock_device();
+                    let _device = self.shared.lock_device();
                     loader(&self.shared.model)
                 };
                 match loaded {

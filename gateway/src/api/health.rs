@@ -74,6 +74,13 @@ pub async fn health(State(state): State<SharedState>) -> Response {
             "block_size": pool.block_size(),
             "bytes_per_block": pool.bytes_per_block(),
             "pressure": pool.pressure(),
+            // The blocks themselves when the KV is paged: what sequences
+            // and prefix-cache entries hold of the preallocated pool.
+            "paged": registry.shared.pages().map(|p| json!({
+                "blocks": p.usable(),
+                "blocks_held": p.usable() - p.free_blocks(),
+                "bytes": p.nbytes(),
+            })),
         },
         "memory": {
             "mlx": runtime::memory::mlx_memory(),

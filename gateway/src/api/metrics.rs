@@ -44,6 +44,10 @@ pub async fn render(State(state): State<SharedState>) -> Response {
     metrics::gauge!(metric::KV_BLOCKS_ALLOCATED).set(pool.allocated() as f64);
     metrics::gauge!(metric::KV_BLOCKS_CACHED).set(pool.cached() as f64);
     metrics::gauge!(metric::KV_PRESSURE).set(pool.pressure());
+    if let Some(pages) = registry.shared.pages() {
+        metrics::gauge!(metric::KV_PAGED_BLOCKS_HELD)
+            .set((pages.usable() - pages.free_blocks()) as f64);
+    }
     let mlx = runtime::memory::mlx_memory();
     for (kind, bytes) in [
         ("active", mlx.active),

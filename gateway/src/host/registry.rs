@@ -178,7 +178,18 @@ fn load_shared(config: &Config) -> anyhow::Result<(SharedModel, Option<MemoryPla
         state_blocks_per_sequence = kv_pool.state_blocks(),
         "shared KV pool ready"
     );
-    let shared = SharedModel::with_prefix_cache(model, kv_pool, m.prefix_cache_entries);
+    let shared = SharedModel::with_layout(model, kv_pool, m.prefix_cache_entries, m.kv_layout)?;
+    if let Some(pages) = shared.pages() {
+        pages
+            .preallocate(&shared.model.model)
+            .context("allocating the paged KV pool")?;
+        tracing::info!(
+            blocks = pages.usable(),
+            block_size = pages.block(),
+            mib = pages.nbytes() >> 20,
+            "paged KV pool allocated"
+        );
+    }
     let warm = runtime::generate::warm_up(&shared.model.model, shared.prefill_chunk())
         .context("warming up the model's forward shapes")?;
     if !warm.is_zero() {
