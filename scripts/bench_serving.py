@@ -52,6 +52,7 @@ def parse_args():
                    "(default: all; mlx_lm-openblas only where OpenBLAS is installed and not on --section gpu)")
     p.add_argument("--config", type=Path, default=ROOT / "config.yaml", help="our default configuration (its policy is `ours-default`)")
     p.add_argument("--kv-cache-mb", type=int, help="override the config's KV pool size")
+    p.add_argument("--kv-layout", choices=["contiguous", "paged"], help="override the config's model.kv_layout")
     p.add_argument("--levels", default="1,2,4,8,16")
     p.add_argument("--rounds", type=int, default=2, help="requests per client per level")
     p.add_argument("--min-requests", type=int, default=4)
@@ -121,6 +122,8 @@ def our_config(args, variant, model, out):
     config["model"]["path"] = str(model)
     if args.kv_cache_mb:
         config["model"]["kv_cache_mb"] = args.kv_cache_mb
+    if args.kv_layout:
+        config["model"]["kv_layout"] = args.kv_layout
     if variant != "default":
         config["engines"] = {variant: (config.get("engines") or {}).get(variant) or {"kind": variant}}
         config["policy"] = {"default": variant}

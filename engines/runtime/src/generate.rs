@@ -104,19 +104,23 @@ const WARM_DECODE_STEPS: usize = 256;
 /// of a forward shape (kernels and attention graphs: 50-600 ms each for a
 /// 4B model on an H200, docs/benchmarks.md): a prefill at every padded
 /// width up to `chunk`, then a greedy decode of [`WARM_DECODE_STEPS`]
-/// tokens. The kernels are the process's, so every engine gains. Nothing
+/// tokens, on caches from `new_cache` (the server's layout). The kernels are the process's, so every engine gains. Nothing
 /// on the CPU, which builds nothing per shape. Returns the time it took.
-pub fn warm_up(model: &Model, chunk: usize) -> anyhow::Result<Duration> {
+pub fn warm_up(
+    model: &Model,
+    chunk: usize,
+    new_cache: impl Fn() -> KvCache,
+) -> anyhow::Result<Duration> {
     let started = Instant::now();
     let multiple = shape_multiple(!crate::compute::on_cpu());
     if multiple == 1 {
         return Ok(Duration::ZERO);
     }
     for width in (multiple..=chunk).step_by(multiple) {
-        let mut cache = model.new_cache(1);
+        let mut cache = new_cache();
         eval([&prefill(model, &mut cache, &vec![0; width], chunk)?])?;
     }
-    let mut stream = GreedyStream::start(model, &vec![0; multiple])?;
+    let mut stream = GreedyStream::resume(model, new_cache(), &vec![0; multiple], chunk)?;
     for _ in 0..WARM_DECODE_STEPS {
         stream.next_token(true)?;
     }

@@ -190,8 +190,10 @@ fn load_shared(config: &Config) -> anyhow::Result<(SharedModel, Option<MemoryPla
             "paged KV pool allocated"
         );
     }
-    let warm = runtime::generate::warm_up(&shared.model.model, shared.prefill_chunk())
-        .context("warming up the model's forward shapes")?;
+    let warm = runtime::generate::warm_up(&shared.model.model, shared.prefill_chunk(), || {
+        shared.new_cache(vec![0])
+    })
+    .context("warming up the model's forward shapes")?;
     if !warm.is_zero() {
         tracing::info!(
             seconds = warm.as_secs_f64(),
