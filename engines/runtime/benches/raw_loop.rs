@@ -12,6 +12,11 @@
 //! step): the model's batched step cost, without an engine around it.
 //!
 //! `--ours-only` skips the peers (for pairing runs with farm-bench).
+//! `--paged` steps rows over a paged KV pool (read by the ragged kernel on
+//! the GPU), `--gather` then gathers each layer's columns for MLX's own
+//! attention instead, and `--stepwise` steps a contiguous cache the same
+//! way (every step read): the three compare what a single sequence's step
+//! costs in each layout.
 //! mlx-lm runs as pip installs it (the wheel's reference BLAS) and with
 //! Debian's OpenBLAS preloaded, which is what our build links; on a real
 //! checkpoint each both as loaded and cast to fp32.
@@ -33,6 +38,10 @@ struct Args {
     reps: usize,
     batch: usize,
     ours_only: bool,
+    /// Step rows (read every step) over a contiguous or paged cache.
+    stepwise: bool,
+    paged: bool,
+    gather: bool,
 }
 
 fn args() -> Args {
@@ -45,14 +54,22 @@ fn args() -> Args {
         reps: 3,
         batch: 1,
         ours_only: false,
+        stepwise: false,
+        paged: false,
+        gather: false,
     };
     let argv: Vec<String> = std::env::args().collect();
     let mut i = 1;
     while i < argv.len() {
         let value = argv.get(i + 1).cloned().unwrap_or_default();
         match argv[i].as_str() {
-            "--ours-only" => {
-                a.ours_only = true;
+            "--ours-only" | "--stepwise" | "--paged" | "--gather" => {
+                match argv[i].as_str() {
+                    "--ours-only" => a.ours_only = true,
+                    "--stepwise" => a.stepwise = true,
+                    "--paged" => a.paged = true,
+                    _ => a.gather = true,
+                }
                 i += 1;
                 continue;
             }
@@ -95,13 +112,21 @@ fn ours(dir: &Path, a: &Args) -> (f64, f64) {
         .map(|i| (i * 7919 + 13) % vocab)
         .collect();
     let (mut prefill, mut decode) = (0f64, 0f64);
-    if a.batch > 1 {
+    if a.batch > 1 || a.stepwise || a.paged {
+        if a.gather {
+            runtime::mask::set_ragged_attention(runtime::mask::RaggedAttention::Never);
+        }
+        let pool = a.paged.then(|| {
+            let m = &loaded.model;
+            let blocks = a.batch * (a.prompt + a.gen).div_ceil(16) + 1;
+            runtime::paged::PagePool::new(m.num_layers(), blocks, 16).unwrap()
+        });
         // Rows differ (each token shifted by its row) but are equally long.
         let prompts: Vec<Vec<u32>> = (0..a.batch as u32)
             .map(|r| prompt.iter().map(|&t| (t + r) % vocab).collect())
             .collect();
         for rep in 0..=a.reps {
-            let (p, d) = batch_step_rates(&loaded.model, &prompts, a.gen);
+            let (p, d) = batch_step_rates(&loaded.model, pool.as_ref(), &prompts, a.gen);
             if rep > 0 {
                 prefill = prefill.max(p);
                 decode = decode.max(d);
@@ -124,24 +149,39 @@ fn ours(dir: &Path, a: &Args) -> (f64, f64) {
 
 /// Prompt tokens per second of one batched prefill, and tokens per second
 /// (all rows) of `gen` batched greedy decode steps, each step's tokens read.
-fn batch_step_rates(model: &runtime::model::Model, prompts: &[Vec<u32>], gen: usize) -> (f64, f64) {
+fn batch_step_rates(
+    model: &runtime::model::Model,
+    pool: Option<&runtime::paged::PagePool>,
+    prompts: &[Vec<u32>],
+    gen: usize,
+) -> (f64, f64) {
     use mlx_rs::transforms::eval;
     use runtime::model::Logits;
     let (ids, pads) = generate::left_padded(prompts.iter().map(Vec::as_slice), 0);
-    let mut cache = model.new_padded_cache(pads);
+    let mut cache = match pool {
+        Some(pool) => model.new_paged_cache(pool, pads),
+        None => model.new_padded_cache(pads),
+    };
     let start = Instant::now();
     let logits = model.forward(&ids, &mut cache, Logits::Last).unwrap();
     let mut current = generate::argmax_tokens(&logits).unwrap();
     eval([&current]).unwrap();
     let prefill = start.elapsed().as_secs_f64();
     let start = Instant::now();
+    let mut building = std::time::Duration::ZERO;
     for _ in 1..gen {
+        let t = Instant::now();
         let logits = model.forward(&current, &mut cache, Logits::Last).unwrap();
+        building += t.elapsed();
         current = generate::argmax_tokens(&logits).unwrap();
         eval([&current]).unwrap();
         let _ = current.as_slice::<i32>();
     }
     let rows = prompts.len() as f64;
+    println!(
+        "graph building: {:.3} ms per step",
+        building.as_secs_f64() * 1e3 / (gen - 1) as f64
+    );
     (
         rows * prompts[0].len() as f64 / prefill,
         rows * (gen - 1) as f64 / start.elapsed().as_secs_f64(),
@@ -231,7 +271,7 @@ fn main() {
     println!("{:<40} {:>13} {:>12}", "", "prefill tok/s", "decode tok/s");
     println!(
         "{:<40} {:>13.1} {:>12.1}",
-        if a.batch > 1 {
+        if a.batch > 1 || a.stepwise || a.paged {
             "ours (batched model step)"
         } else {
             "ours (runtime::generate::greedy)"

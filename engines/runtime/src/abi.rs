@@ -80,7 +80,7 @@ pub struct RawPagePool {
     pub buffers: unsafe extern "C" fn(ctx: *mut c_void, layer: usize, out: *mut mlx_array) -> usize,
     /// Every written layer's buffers to `out` (at most `cap`).
     pub state: unsafe extern "C" fn(ctx: *mut c_void, out: *mut mlx_array, cap: usize) -> usize,
-    /// Writes `parts` (lent) at `slots` (lent) into layer `layer`; its new
+    /// Writes `parts` (lent) at `slots` into layer `layer`; its new
     /// buffers to `out` as `buffers` does, or 0 and a NUL-terminated
     /// message in `err`.
     pub write: unsafe extern "C" fn(
@@ -88,7 +88,8 @@ pub struct RawPagePool {
         layer: usize,
         parts: *const mlx_array,
         parts_len: usize,
-        slots: mlx_array,
+        slots: *const i32,
+        slots_len: usize,
         out: *mut mlx_array,
         err: *mut u8,
         err_cap: usize,

@@ -19,6 +19,8 @@
 //! left_pad[b]`). Every operation keeps its meaning; those that move
 //! columns around only edit the rows' block tables.
 
+use std::sync::Arc;
+
 use anyhow::anyhow;
 use mlx_rs::{ops, Array};
 
@@ -172,10 +174,10 @@ pub(crate) struct Paged {
     pool: PagePool,
     /// Per row, the blocks holding its positions in order.
     tables: Vec<Vec<BlockRef>>,
-    /// The forward under way: its new positions' slots (`[B * n]`) and
+    /// The forward under way: its new positions' slots (`B * n`) and
     /// what its attention reads, set by its first write and cleared by
     /// [`KvCache::advance`].
-    forward: Option<(Array, PagedRead)>,
+    forward: Option<(Arc<[i32]>, PagedRead)>,
 }
 
 /// One linear-attention layer's state, per row of the batch.
@@ -857,8 +859,9 @@ fn paged_view(
 impl Paged {
     /// Makes room for `n` new positions after column `len` in every row:
     /// blocks they would write that another cache shares are copied, and
-    /// missing ones allocated. Returns the new positions' slots, `[B * n]`.
-    fn prepare(&mut self, len: i32, n: i32, left_pad: &[i32]) -> anyhow::Result<Array> {
+    /// missing ones allocated. Returns the new positions' slots, row-major
+    /// over rows then positions.
+    fn prepare(&mut self, len: i32, n: i32, left_pad: &[i32]) -> anyhow::Result<Arc<[i32]>> {
         let block = self.pool.block();
         let mut slots = Vec::with_capacity(left_pad.len() * n as usize);
         for (table, &start) in self.tables.iter_mut().zip(left_pad) {
@@ -878,7 +881,7 @@ impl Paged {
                 slots.push(paged::slot(table, start, block, col)?);
             }
         }
-        Ok(Array::from_slice(&slots, &[slots.len() as i32]))
+        Ok(slots.into())
     }
 
     /// Where columns `0..total` of each row lie.
@@ -975,20 +978,30 @@ fn write(buf: Option<Array>, update: &Array, at: i32, capacity: i32) -> anyhow::
         Some(b) => b,
         None => ops::zeros_dtype(&[s[0], s[1], capacity, s[3]], update.dtype())?,
     };
-    let start = [0, 0, at, 0];
-    let stop = [s[0], s[1], at + s[2], s[3]];
-    let strides = [1, 1, 1, 1];
+    slice_update(buf, update, &[0, 0, at, 0])
+}
+
+/// `buf` with `update` written at `start` (`buf` is taken so MLX can write
+/// it in place).
+pub(crate) fn slice_update(buf: Array, update: &Array, start: &[i32]) -> anyhow::Result<Array> {
+    let stop: Vec<i32> = start
+        .iter()
+        .zip(update.shape())
+        .map(|(a, n)| a + n)
+        .collect();
+    let strides = vec![1; start.len()];
+    let n = start.len();
     ffi_op(|res, stream| unsafe {
         mlx_sys::mlx_slice_update(
             res,
             buf.as_ptr(),
             update.as_ptr(),
             start.as_ptr(),
-            4,
+            n,
             stop.as_ptr(),
-            4,
+            n,
             strides.as_ptr(),
-            4,
+            n,
             stream,
         )
     })

@@ -147,7 +147,7 @@ impl Inner {
         self.blocks as i32 * self.block
     }
 
-    fn write(&self, layer: usize, parts: &[Array], slots: &Array) -> anyhow::Result<Vec<Array>> {
+    fn write(&self, layer: usize, parts: &[Array], slots: &[i32]) -> anyhow::Result<Vec<Array>> {
         let mut layers = lock(&self.layers);
         let entry = layers
             .get_mut(layer)
@@ -170,17 +170,33 @@ impl Inner {
             buffers.len(),
             parts.len()
         );
+        // Consecutive slots (one sequence's decode step, a chunk within a
+        // block) are one slice written in place, as a contiguous cache
+        // writes; others a scatter of one update per slot.
+        let consecutive = slots.windows(2).all(|w| w[1] == w[0] + 1);
+        let indices = (!consecutive).then(|| Array::from_slice(slots, &[slots.len() as i32]));
         for (buf, part) in buffers.iter_mut().zip(parts) {
             let s = part.shape();
-            // [B, H, n, W] -> [B * n, 1, H, W]: one update per slot.
-            let update = part
-                .transpose_axes(&[0, 2, 1, 3])?
-                .reshape(&[s[0] * s[2], 1, s[1], s[3]])?
-                .as_dtype(buf.dtype())?;
-            // The buffer is moved into the scatter so MLX can write it in
+            // [B, H, n, W] -> [B * n, H, W] (a single position needs no
+            // transpose).
+            let rows = match s[2] {
+                1 => part.clone(),
+                _ => part.transpose_axes(&[0, 2, 1, 3])?,
+            };
+            let rows = rows.as_dtype(buf.dtype())?;
+            // The buffer is moved into the update so MLX can write it in
             // place (a second handle would make it copy the whole layer).
             let old = std::mem::replace(buf, Array::from_int(0));
-            *buf = ops::indexing::scatter_single(old, slots, &update, 0)?;
+            *buf = match &indices {
+                None => {
+                    let rows = rows.reshape(&[s[0] * s[2], s[1], s[3]])?;
+                    crate::cache::slice_update(old, &rows, &[slots[0], 0, 0])?
+                }
+                Some(idx) => {
+                    let rows = rows.reshape(&[s[0] * s[2], 1, s[1], s[3]])?;
+                    ops::indexing::scatter_single(old, idx, &rows, 0)?
+                }
+            };
         }
         Ok(buffers.clone())
     }
@@ -372,14 +388,14 @@ impl PagePool {
     }
 
     /// Writes `parts` (each `[B, kv_heads, n, width]`, one per buffer of
-    /// the layer) at `slots` (`[B * n]`, row-major over rows then
-    /// positions) and returns the layer's new buffers. The first write of a
-    /// layer creates its buffers, zeroed and evaluated, shaped after `parts`.
+    /// the layer) at `slots` (`B * n`, row-major over rows then positions)
+    /// and returns the layer's new buffers. The first write of a layer
+    /// creates its buffers, zeroed and evaluated, shaped after `parts`.
     pub fn write(
         &self,
         layer: usize,
         parts: &[Array],
-        slots: &Array,
+        slots: &[i32],
     ) -> anyhow::Result<Vec<Array>> {
         match &self.backend {
             Backend::Local(inner) => inner.write(layer, parts, slots),
@@ -393,6 +409,7 @@ impl PagePool {
                     handles.as_ptr(),
                     handles.len(),
                     slots.as_ptr(),
+                    slots.len(),
                     out.as_mut_ptr(),
                     err.as_mut_ptr(),
                     err.len(),
@@ -489,7 +506,8 @@ impl PagePool {
             layer: usize,
             parts: *const mlx_array,
             parts_len: usize,
-            slots: mlx_array,
+            slots: *const i32,
+            slots_len: usize,
             out: *mut mlx_array,
             err: *mut u8,
             err_cap: usize,
@@ -499,7 +517,7 @@ impl PagePool {
                     .iter()
                     .map(|&h| retain(h))
                     .collect();
-                me(ctx).write(layer, &parts, &retain(slots))
+                me(ctx).write(layer, &parts, std::slice::from_raw_parts(slots, slots_len))
             }))
             .unwrap_or_else(|_| Err(anyhow!("writing into the KV pool panicked")));
             match result {
