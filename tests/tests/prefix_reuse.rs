@@ -52,6 +52,7 @@ fn warm_and_cold(
     max_tokens: impl Fn(usize) -> u32,
     engine: impl Fn(usize) -> &'static str,
 ) {
+    let paged = warm.contains("kv_layout: paged");
     let warm_gw = Gateway::start(warm);
     let warm = chat(&warm_gw, turns, &max_tokens);
     // The entries hold KV blocks of the shared pool, as cached blocks:
@@ -60,10 +61,19 @@ fn warm_and_cold(
     let cached = pool["prefix_cache_blocks"].as_u64().unwrap();
     assert!(cached > 0, "{pool}");
     assert_eq!(pool["allocated_blocks"], 0, "{pool}");
-    // A paged server's blocks: the entries' only (each block they count
-    // at most once; shared with no sequence).
-    if let Some(held) = pool["paged"]["blocks_held"].as_u64() {
-        assert!(held > 0 && held <= cached, "{pool}");
+    // A paged server's blocks: the entries' only once the last sequence's
+    // cache is dropped, just after its answer (each block they count at
+    // most once: sequences shared theirs).
+    let held = || warm_gw.health()["kv_pool"]["paged"]["blocks_held"].as_u64();
+    if paged {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while held().is_some_and(|h| h > cached) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let held = held().expect("a paged server shows its pool");
+        assert!(held > 0 && held <= cached, "{held} blocks held, {pool}");
+    } else {
+        assert_eq!(held(), None, "{pool}");
     }
     let cold = chat(&Gateway::start(cold), turns, &max_tokens);
     for (turn, ((answer, cached, served), (cold_answer, cold_cached, _))) in
