@@ -165,9 +165,10 @@ impl LoadedModel {
         parameters(&self.model, self.vision.as_ref())
     }
 
-    /// Exclusive use of the device for one engine step (or one fast-path
-    /// run). A panicked holder left nothing half-written that matters here.
-    pub fn lock_device(&self) -> DeviceGuard<'_> {
+    /// Exclusive use of the device; engines take it through
+    /// `SharedModel::lock_device`. A panicked holder left nothing
+    /// half-written that matters here.
+    pub(crate) fn lock_device(&self) -> DeviceGuard<'_> {
         self.device.lock()
     }
 

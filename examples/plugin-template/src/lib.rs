@@ -78,7 +78,7 @@ fn serve(shared: &SharedModel, Job { req, events }: Job) {
     };
     let mut delivered = 0u32;
     let run = {
-        let _device = shared.model.lock_device();
+        let _device = shared.lock_device();
         runtime::generate::greedy(
             &shared.model.model,
             &req.prompt,

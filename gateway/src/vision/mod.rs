@@ -262,7 +262,7 @@ fn decode_and_encode(
                 .map_err(|e| EncodeError::Image(k, e))?,
         );
     }
-    let _device = shared.model.lock_device();
+    let _device = shared.lock_device();
     images
         .iter()
         .map(|px| encode(tower, px).map_err(EncodeError::Tower))

@@ -152,7 +152,7 @@ fn run_greedy(
     events: &EventSender,
     pause: Duration,
 ) -> GenResult<Outcome> {
-    let _device = shared.model.lock_device();
+    let _device = shared.lock_device();
     let mut delivered = 0u32;
     let max = req.max_tokens as usize;
     let run = generate::greedy(
@@ -195,9 +195,9 @@ fn run_sampled(
     let vocab = model.config.vocab_size;
     let err = |e: mlx_rs::error::Exception| e.to_string();
     let mut sampler = Sampler::new(&req.sampling, vocab, &req.prompt).map_err(err)?;
-    let mut cache = model.new_cache(1);
+    let mut cache = shared.new_cache(vec![0]);
     let mut logits = {
-        let _device = shared.model.lock_device();
+        let _device = shared.lock_device();
         generate::prefill(model, &mut cache, &req.prompt, DEFAULT_PREFILL_CHUNK)
             .map_err(|e| e.to_string())?
     };
@@ -209,7 +209,7 @@ fn run_sampled(
                 delivered,
             });
         }
-        let _device = shared.model.lock_device();
+        let _device = shared.lock_device();
         let row = logits.reshape(&[1, vocab]).map_err(err)?;
         let chosen = sampler
             .sample(&row)
