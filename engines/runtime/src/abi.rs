@@ -378,12 +378,12 @@ impl RawKv {
         cache.recurrent = self.recurrent(|h| retain(h));
         cache.len = self.len;
         cache.capacity = self.capacity;
-        self.into_pages(cache, pages, |pool, id| pool.share(id))
+        self.with_pages(cache, pages, |pool, id| pool.share(id))
     }
 
     /// `cache` (its layers' formats read) made paged over this table's
     /// blocks, each made a holder by `hold`, when it lists any.
-    unsafe fn into_pages(
+    unsafe fn with_pages(
         &self,
         mut cache: KvCache,
         pages: Option<&PagePool>,
@@ -429,7 +429,7 @@ impl KvReceiver {
         cache.capacity = self.raw.capacity;
         unsafe {
             self.raw
-                .into_pages(cache, pages, |pool, id| Ok(pool.adopt(id)))
+                .with_pages(cache, pages, |pool, id| Ok(pool.adopt(id)))
         }
     }
 }

@@ -59,7 +59,7 @@ pub struct PagePool {
 #[derive(Clone)]
 enum Backend {
     Local(Arc<Inner>),
-    Foreign(Arc<RawPagePool>),
+    Foreign(RawPagePool),
 }
 
 // The host's table functions are thread-safe (mutexes behind C calls).
@@ -557,7 +557,7 @@ impl PagePool {
     /// `raw` came from [`PagePool::export`] and lives for the process.
     pub unsafe fn import(raw: &RawPagePool) -> Self {
         Self {
-            backend: Backend::Foreign(Arc::new(*raw)),
+            backend: Backend::Foreign(*raw),
             block: raw.block,
             blocks: raw.blocks,
         }
