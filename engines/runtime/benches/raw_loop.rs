@@ -16,7 +16,9 @@
 //! the GPU), `--gather` then gathers each layer's columns for MLX's own
 //! attention instead, and `--stepwise` steps a contiguous cache the same
 //! way (every step read): the three compare what a single sequence's step
-//! costs in each layout.
+//! costs in each layout. `--paged --pipelined` decodes one sequence as the
+//! fast path does (each step queued before the last is read) over a paged
+//! pool, to set beside the default run's contiguous cache.
 //! mlx-lm runs as pip installs it (the wheel's reference BLAS) and with
 //! Debian's OpenBLAS preloaded, which is what our build links; on a real
 //! checkpoint each both as loaded and cast to fp32.
@@ -42,6 +44,7 @@ struct Args {
     stepwise: bool,
     paged: bool,
     gather: bool,
+    pipelined: bool,
 }
 
 fn args() -> Args {
@@ -57,17 +60,19 @@ fn args() -> Args {
         stepwise: false,
         paged: false,
         gather: false,
+        pipelined: false,
     };
     let argv: Vec<String> = std::env::args().collect();
     let mut i = 1;
     while i < argv.len() {
         let value = argv.get(i + 1).cloned().unwrap_or_default();
         match argv[i].as_str() {
-            "--ours-only" | "--stepwise" | "--paged" | "--gather" => {
+            "--ours-only" | "--stepwise" | "--paged" | "--gather" | "--pipelined" => {
                 match argv[i].as_str() {
                     "--ours-only" => a.ours_only = true,
                     "--stepwise" => a.stepwise = true,
                     "--paged" => a.paged = true,
+                    "--pipelined" => a.pipelined = true,
                     _ => a.gather = true,
                 }
                 i += 1;
@@ -121,6 +126,16 @@ fn ours(dir: &Path, a: &Args) -> (f64, f64) {
             let blocks = a.batch * (a.prompt + a.gen).div_ceil(16) + 1;
             runtime::paged::PagePool::new(m.num_layers(), blocks, 16).unwrap()
         });
+        if let (Some(pool), true) = (&pool, a.pipelined) {
+            for rep in 0..=a.reps {
+                let (p, d) = pipelined_rates(&loaded.model, pool, &prompt, a.gen);
+                if rep > 0 {
+                    prefill = prefill.max(p);
+                    decode = decode.max(d);
+                }
+            }
+            return (prefill, decode);
+        }
         // Rows differ (each token shifted by its row) but are equally long.
         let prompts: Vec<Vec<u32>> = (0..a.batch as u32)
             .map(|r| prompt.iter().map(|&t| (t + r) % vocab).collect())
@@ -145,6 +160,30 @@ fn ours(dir: &Path, a: &Args) -> (f64, f64) {
         decode = decode.max((run.tokens.len() - 1) as f64 / run.decode_time.as_secs_f64());
     }
     (prefill, decode)
+}
+
+/// Prompt tokens per second, and decode tokens per second of one sequence
+/// over `pool` with each step queued before the last one's token is read.
+fn pipelined_rates(
+    model: &runtime::model::Model,
+    pool: &runtime::paged::PagePool,
+    prompt: &[u32],
+    gen: usize,
+) -> (f64, f64) {
+    let start = Instant::now();
+    let cache = model.new_paged_cache(pool, vec![0]);
+    let mut stream = generate::GreedyStream::resume(model, cache, prompt, 256).unwrap();
+    stream.next_token(true).unwrap();
+    let prefill = start.elapsed().as_secs_f64();
+    let start = Instant::now();
+    for _ in 2..gen {
+        stream.next_token(true).unwrap();
+    }
+    stream.next_token(false).unwrap();
+    (
+        prompt.len() as f64 / prefill,
+        (gen - 1) as f64 / start.elapsed().as_secs_f64(),
+    )
 }
 
 /// Prompt tokens per second of one batched prefill, and tokens per second
