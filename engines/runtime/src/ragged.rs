@@ -27,13 +27,17 @@ pub const MAX_QUERIES: i32 = 16;
 /// query's range.
 const WARPS: i32 = 4;
 
-/// One block per (row, query head, query); the query sits in shared
-/// memory. A warp takes 32 keys at a time, one per lane: each lane scores
-/// its key against the whole query (independent loads, no reduction per
-/// key), the warp folds the chunk into its online softmax with one max and
-/// one sum, and then every lane adds the chunk's values into the `D / 32`
-/// output elements it owns. The warps' partial results are merged through
-/// shared memory at the end. Scores and sums are float32 whatever `T` is.
+/// One block per (row, group of `GROUP` query heads sharing a key head,
+/// query); the group's queries sit in shared memory, so each key and value
+/// row is read once for the whole group (grouped-query attention reads
+/// each a quarter as often as a block per query head would). A warp takes
+/// 32 keys at a time, one per lane: each lane scores its key against the
+/// group's queries (independent loads, no reduction per key), the warp
+/// folds the chunk into each head's online softmax with one max and one
+/// sum, and then every lane adds the chunk's values into the `D / 32`
+/// output elements per head it owns. The warps' partial results are merged
+/// through shared memory at the end. Scores and sums are float32 whatever
+/// `T` is.
 const SOURCE: &str = r#"
     constexpr int PER = D / 32;
     constexpr int VEC = 16 / sizeof(T);
@@ -45,9 +49,9 @@ const SOURCE: &str = r#"
     int item = blockIdx.x;
     const int qi = item % n;
     item /= n;
-    const int h = item % heads;
-    const int b = item / heads;
-    const int kh = h / (heads / kv_heads);
+    const int h0 = (item % (heads / GROUP)) * GROUP;
+    const int b = item / (heads / GROUP);
+    const int kh = h0 / (heads / kv_heads);
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int qpos = total - n + qi;
@@ -60,77 +64,102 @@ const SOURCE: &str = r#"
     // reference mask has it, so no softmax is empty.
     if (lo > qpos) lo = qpos;
 
-    __shared__ float qs[D];
+    __shared__ float qs[GROUP][D];
     const float sc = scale[0];
-    const T* qp = q + b * q_strides[0] + h * q_strides[1] + qi * q_strides[2];
-    for (int i = threadIdx.x; i < D; i += blockDim.x) {
-        qs[i] = static_cast<float>(qp[i * q_strides[3]]) * sc;
+    for (int i = threadIdx.x; i < GROUP * D; i += blockDim.x) {
+        const int g = i / D, e = i % D;
+        const T* qp = q + b * q_strides[0] + (h0 + g) * q_strides[1] + qi * q_strides[2];
+        qs[g][e] = static_cast<float>(qp[e * q_strides[3]]) * sc;
     }
     __syncthreads();
     // Rows of whole aligned 16-byte vectors are read as such.
     const bool vec_k = ESTRIDE(k_strides) == 1 && reinterpret_cast<size_t>(k) % 16 == 0
         && ROWS_ALIGNED(k_strides, VEC);
-    float o[PER];
-    for (int i = 0; i < PER; i++) o[i] = 0.f;
-    float m = -1e30f;
-    float s = 0.f;
+    float o[GROUP][PER];
+    float m[GROUP];
+    float s[GROUP];
+    for (int g = 0; g < GROUP; g++) {
+        for (int i = 0; i < PER; i++) o[g][i] = 0.f;
+        m[g] = -1e30f;
+        s[g] = 0.f;
+    }
     for (int c0 = lo + warp * 32; c0 <= qpos; c0 += WARPS * 32) {
         const int j = c0 + lane;
-        float d = -1e30f;
+        float d[GROUP];
+        for (int g = 0; g < GROUP; g++) d[g] = -1e30f;
         if (j <= qpos) {
             const T* kr = k + KEY_AT(k_strides, j);
-            float acc = 0.f;
+            float acc[GROUP];
+            for (int g = 0; g < GROUP; g++) acc[g] = 0.f;
             if (vec_k) {
                 const uint4* kv = reinterpret_cast<const uint4*>(kr);
                 for (int u = 0; u < D / VEC; u++) {
                     uint4 raw = kv[u];
                     const T* e = reinterpret_cast<const T*>(&raw);
-                    for (int i = 0; i < VEC; i++) acc += qs[u * VEC + i] * static_cast<float>(e[i]);
+                    for (int i = 0; i < VEC; i++) {
+                        const float x = static_cast<float>(e[i]);
+                        for (int g = 0; g < GROUP; g++) acc[g] += qs[g][u * VEC + i] * x;
+                    }
                 }
             } else {
-                for (int i = 0; i < D; i++) acc += qs[i] * static_cast<float>(kr[i * ESTRIDE(k_strides)]);
+                for (int i = 0; i < D; i++) {
+                    const float x = static_cast<float>(kr[i * ESTRIDE(k_strides)]);
+                    for (int g = 0; g < GROUP; g++) acc[g] += qs[g][i] * x;
+                }
             }
-            d = acc;
+            for (int g = 0; g < GROUP; g++) d[g] = acc[g];
         }
-        float cm = d;
-        for (int off = 16; off > 0; off /= 2) cm = fmaxf(cm, __shfl_xor_sync(0xffffffff, cm, off));
-        const float mn = fmaxf(m, cm);
-        const float corr = __expf(m - mn);
-        const float p = j <= qpos ? __expf(d - mn) : 0.f;
-        float ps = p;
-        for (int off = 16; off > 0; off /= 2) ps += __shfl_xor_sync(0xffffffff, ps, off);
-        s = s * corr + ps;
-        for (int i = 0; i < PER; i++) o[i] *= corr;
+        float p[GROUP];
+        for (int g = 0; g < GROUP; g++) {
+            float cm = d[g];
+            for (int off = 16; off > 0; off /= 2) cm = fmaxf(cm, __shfl_xor_sync(0xffffffff, cm, off));
+            const float mn = fmaxf(m[g], cm);
+            const float corr = __expf(m[g] - mn);
+            p[g] = j <= qpos ? __expf(d[g] - mn) : 0.f;
+            float ps = p[g];
+            for (int off = 16; off > 0; off /= 2) ps += __shfl_xor_sync(0xffffffff, ps, off);
+            s[g] = s[g] * corr + ps;
+            for (int i = 0; i < PER; i++) o[g][i] *= corr;
+            m[g] = mn;
+        }
         const int count = min(32, qpos - c0 + 1);
         for (int t = 0; t < count; t++) {
-            const float pt = __shfl_sync(0xffffffff, p, t);
             const T* vr = v + KEY_AT(v_strides, c0 + t);
+            float val[PER];
             for (int i = 0; i < PER; i++) {
-                o[i] += pt * static_cast<float>(vr[(lane * PER + i) * ESTRIDE(v_strides)]);
+                val[i] = static_cast<float>(vr[(lane * PER + i) * ESTRIDE(v_strides)]);
+            }
+            for (int g = 0; g < GROUP; g++) {
+                const float pt = __shfl_sync(0xffffffff, p[g], t);
+                for (int i = 0; i < PER; i++) o[g][i] += pt * val[i];
             }
         }
-        m = mn;
     }
-    __shared__ float wm[WARPS];
-    __shared__ float ws[WARPS];
-    __shared__ float wo[WARPS][D];
-    if (lane == 0) {
-        wm[warp] = m;
-        ws[warp] = s;
-    }
-    for (int i = 0; i < PER; i++) {
-        wo[warp][lane * PER + i] = o[i];
+    __shared__ float wm[WARPS][GROUP];
+    __shared__ float ws[WARPS][GROUP];
+    __shared__ float wo[WARPS][GROUP][D];
+    for (int g = 0; g < GROUP; g++) {
+        if (lane == 0) {
+            wm[warp][g] = m[g];
+            ws[warp][g] = s[g];
+        }
+        for (int i = 0; i < PER; i++) {
+            wo[warp][g][lane * PER + i] = o[g][i];
+        }
     }
     __syncthreads();
-    float big = -1e30f;
-    for (int w = 0; w < WARPS; w++) big = fmaxf(big, wm[w]);
-    float sum = 0.f;
-    for (int w = 0; w < WARPS; w++) sum += ws[w] * __expf(wm[w] - big);
-    T* dst = out + (((size_t)b * heads + h) * n + qi) * D;
-    for (int e = threadIdx.x; e < D; e += blockDim.x) {
+    for (int x = threadIdx.x; x < GROUP * D; x += blockDim.x) {
+        const int g = x / D, e = x % D;
+        float big = -1e30f;
+        for (int w = 0; w < WARPS; w++) big = fmaxf(big, wm[w][g]);
+        float sum = 0.f;
         float acc = 0.f;
-        for (int w = 0; w < WARPS; w++) acc += wo[w][e] * __expf(wm[w] - big);
-        dst[e] = static_cast<T>(acc / sum);
+        for (int w = 0; w < WARPS; w++) {
+            const float f = __expf(wm[w][g] - big);
+            sum += ws[w][g] * f;
+            acc += wo[w][g][e] * f;
+        }
+        out[(((size_t)b * heads + h0 + g) * n + qi) * D + e] = static_cast<T>(acc / sum);
     }
 "#;
 
@@ -232,6 +261,18 @@ pub fn paged_attention(
     launch(&PAGED_KERNEL, q, k, v, meta, scale, Some(read))
 }
 
+/// Query heads a block takes: the most that share a key head (dividing
+/// the `ratio` of query heads to key heads), at most 8, whose outputs stay
+/// within 32 registers a lane (`GROUP * D / 32`); the group's keys and
+/// values are read once.
+fn group(ratio: i32, d: i32) -> i32 {
+    let per = d / 32;
+    (1..=ratio)
+        .rev()
+        .find(|g| ratio % g == 0 && g * per <= 32 && *g <= 8)
+        .unwrap_or(1)
+}
+
 /// Runs `kernel` on its inputs: `q, k, v, meta, scale`, and for a paged
 /// layer its block tables, its block size a template argument.
 fn launch(
@@ -246,10 +287,18 @@ fn launch(
     let (b, heads, n, d) = (q.dim(0), q.dim(1), q.dim(2), q.dim(3));
     let dtype = q.dtype();
     let scale = Array::from_slice(&[scale], &[1]);
+    // Grouped heads leave fewer blocks: for a few rows (one sequence's
+    // step) a block per query head keeps more of the GPU busy.
+    let kv_heads = k.dim(1);
+    let group = match b * n * kv_heads < 32 {
+        true => 1,
+        false => group(heads / kv_heads, d),
+    };
     let mut templates = vec![
         TemplateArg::Dtype("T", dtype),
         TemplateArg::Int("D", d),
         TemplateArg::Int("WARPS", WARPS),
+        TemplateArg::Int("GROUP", group),
     ];
     let mut inputs = vec![q, k, v, meta, &scale];
     if let Some(read) = paged {
@@ -260,7 +309,7 @@ fn launch(
     let launch = Launch {
         output_shape: &[b, heads, n, d],
         output_dtype: dtype,
-        grid_threads: b * heads * n * WARPS * 32,
+        grid_threads: b * (heads / group) * n * WARPS * 32,
         block_threads: WARPS * 32,
         templates: &templates,
     };
