@@ -774,19 +774,19 @@ impl KvCache {
         Ok(out)
     }
 
-    /// Row `b` as a cache of its own (no padding), its keys and values
-    /// copied out of the batch's buffers (out of the pool when paged).
+    /// Row `b` as a cache of its own (no padding): its keys and values
+    /// copied out of the batch's buffers, or when paged its blocks shared
+    /// (a write copies the block it writes, as for a view).
     pub fn extract_row(&self, b: usize) -> anyhow::Result<KvCache> {
-        if self.paged.is_some() {
-            return self.row_view(b)?.contiguous();
-        }
         let mut out = self.row_view(b)?;
-        let (len, capacity) = (out.len, round_up(out.len.max(1)));
-        for l in &mut out.layers {
-            l.map(|buf| align(buf, len, 0, capacity))?;
-        }
-        out.capacity = capacity;
         out.keep_steps = self.keep_steps;
+        if self.paged.is_none() {
+            let (len, capacity) = (out.len, round_up(out.len.max(1)));
+            for l in &mut out.layers {
+                l.map(|buf| align(buf, len, 0, capacity))?;
+            }
+            out.capacity = capacity;
+        }
         Ok(out)
     }
 

@@ -135,8 +135,9 @@ impl Store {
                 return;
             }
         };
-        // A contiguous cache's positions move into the pool (its blocks
-        // are counted by the reservation just taken).
+        // Paged, the entry shares the cache's blocks; a contiguous cache's
+        // positions are copied into the pool (the reservation just taken
+        // counts them).
         if let Some(pages) = &self.pages {
             kept = match kept.into_paged(pages) {
                 Ok(c) => c,
@@ -341,13 +342,12 @@ impl SharedPrefixCache {
             catch_unwind(AssertUnwindSafe(|| {
                 let store = &*(ctx as *const Mutex<Store>);
                 let hit = lock(store).lookup(read(scope, scoped), tokens(prompt));
-                let hit = hit.map(|h| (h.tokens, h.cache));
                 match hit {
-                    Some((tokens, cache)) => match (*out).give(cache) {
+                    Some(Hit { cache, tokens }) => match (*out).give(cache) {
                         true => tokens,
                         false => 0,
                     },
-                    _ => 0,
+                    None => 0,
                 }
             }))
             .unwrap_or(0)
