@@ -137,7 +137,11 @@ impl Inner {
     fn release(&self, id: u32) {
         let mut c = lock(&self.counts);
         let h = &mut c.holders[id as usize];
-        *h = h.saturating_sub(1);
+        // A block no one holds is free already (never listed twice).
+        if *h == 0 {
+            return;
+        }
+        *h -= 1;
         if *h == 0 {
             c.free.push(id);
         }
