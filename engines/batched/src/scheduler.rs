@@ -298,10 +298,6 @@ impl Scheduler {
         }
     }
 
-    fn new_cache(&self, pads: Vec<i32>) -> KvCache {
-        self.shared.new_cache(pads)
-    }
-
     /// Keeps row `i`'s prompt and answer in the prefix cache, before its
     /// final event (the chat's next turn, sent the moment it arrives,
     /// starts from it). Runs under the device lock (decode steps).
@@ -406,7 +402,7 @@ impl Scheduler {
                 layers,
             ) {
                 Some(h) => (h.cache, h.tokens),
-                None => (self.new_cache(vec![0]), 0),
+                None => (self.shared.new_cache(vec![0]), 0),
             };
             self.prefill = Some(Prefilling {
                 row,
@@ -432,7 +428,7 @@ impl Scheduler {
                 if let Some((row, hit)) = self.take_next() {
                     let (cache, done) = match hit {
                         Some(h) => (h.cache, h.tokens),
-                        None => (self.new_cache(vec![0]), 0),
+                        None => (self.shared.new_cache(vec![0]), 0),
                     };
                     let tokens = row.request().prompt.clone();
                     self.prefill = Some(Prefilling {
@@ -542,7 +538,7 @@ impl Scheduler {
         let longest = prompts.clone().map(<[u32]>::len).max().unwrap_or(0);
         let width = self.limits.prefill.width(longest, self.group.len());
         let (ids, pads) = generate::left_padded(prompts, width);
-        let mut cache = self.new_cache(pads);
+        let mut cache = self.shared.new_cache(pads);
         let logits = model.forward(&ids, &mut cache, Logits::Last)?;
         let finished = advance_rows(&mut self.group, &logits)?;
         let rows = std::mem::take(&mut self.group);

@@ -134,6 +134,14 @@ impl Inner {
         lock(&self.counts).holders[id as usize] += 1;
     }
 
+    fn holders(&self, id: u32) -> u32 {
+        lock(&self.counts).holders[id as usize]
+    }
+
+    fn free_blocks(&self) -> usize {
+        lock(&self.counts).free.len()
+    }
+
     fn release(&self, id: u32) {
         let mut c = lock(&self.counts);
         let h = &mut c.holders[id as usize];
@@ -279,7 +287,7 @@ impl PagePool {
 
     pub fn free_blocks(&self) -> usize {
         match &self.backend {
-            Backend::Local(inner) => lock(&inner.counts).free.len(),
+            Backend::Local(inner) => inner.free_blocks(),
             Backend::Foreign(raw) => unsafe { (raw.free_blocks)(raw.ctx) },
         }
     }
@@ -351,7 +359,7 @@ impl PagePool {
 
     fn holders(&self, id: u32) -> u32 {
         match &self.backend {
-            Backend::Local(inner) => lock(&inner.counts).holders[id as usize],
+            Backend::Local(inner) => inner.holders(id),
             Backend::Foreign(raw) => unsafe { (raw.holders)(raw.ctx, id) },
         }
     }
@@ -489,10 +497,10 @@ impl PagePool {
             guard((), || me(ctx).release(id))
         }
         unsafe extern "C" fn holders(ctx: *mut c_void, id: u32) -> u32 {
-            guard(0, || lock(&me(ctx).counts).holders[id as usize])
+            guard(0, || me(ctx).holders(id))
         }
         unsafe extern "C" fn free_blocks(ctx: *mut c_void) -> usize {
-            guard(0, || lock(&me(ctx).counts).free.len())
+            guard(0, || me(ctx).free_blocks())
         }
         unsafe extern "C" fn buffers(ctx: *mut c_void, layer: usize, out: *mut mlx_array) -> usize {
             guard(0, || give(me(ctx).buffers(layer).unwrap_or_default(), out))
