@@ -1,10 +1,12 @@
 //! What one ragged attention launch costs on the GPU beside MLX's own
 //! attention on the same rows (fused with no mask for one row, with the
-//! ragged mask as an array for several): decode queries over `total`
-//! keys, the Qwen3-4B shape's heads, bf16. Microseconds per call, averaged
-//! over 200 calls queued together.
+//! ragged mask as an array for several): `--queries` queries a row (1, a
+//! decode step, by default) over `total` keys, the Qwen3-4B shape's
+//! heads, bf16. Microseconds per call, averaged over 200 calls queued
+//! together. With more than one query, also what MLX's first call of the
+//! shape takes (it builds a cuDNN graph for each new shape).
 //!
-//!     cargo run --release -p runtime --example ragged_time [-- --total 256]
+//!     cargo run --release -p runtime --example ragged_time [-- --total 256 --queries 64]
 
 use std::time::Instant;
 
@@ -26,15 +28,18 @@ fn time(f: impl Fn() -> Array) -> f64 {
 fn main() {
     runtime::cuda_env::apply_defaults();
     let argv: Vec<String> = std::env::args().collect();
-    let total: i32 = argv
-        .iter()
-        .position(|a| a == "--total")
-        .and_then(|i| argv.get(i + 1))
-        .map_or(256, |v| v.parse().expect("--total N"));
+    let flag = |name: &str, default: i32| {
+        argv.iter()
+            .position(|a| a == name)
+            .and_then(|i| argv.get(i + 1))
+            .map_or(default, |v| v.parse().expect("a number"))
+    };
+    let total = flag("--total", 256);
+    let n = flag("--queries", 1);
     let (heads, kv_heads, dim) = (32, 8, 128);
     let scale = 1.0 / (dim as f32).sqrt();
     println!(
-        "decode attention over {total} keys, {heads}/{kv_heads} heads of {dim}, bf16; us per call"
+        "{n} queries a row over {total} keys, {heads}/{kv_heads} heads of {dim}, bf16; us per call"
     );
     for rows in [1, 4, 16, 64] {
         let normal = |shape: &[i32], seed: u64| {
@@ -44,21 +49,33 @@ fn main() {
                 .as_dtype(Dtype::Bfloat16)
                 .unwrap()
         };
-        let q = normal(&[rows, heads, 1, dim], 1);
+        let q = normal(&[rows, heads, n, dim], 1);
         let k = normal(&[rows, kv_heads, total, dim], 2);
         let v = normal(&[rows, kv_heads, total, dim], 3);
         eval([&q, &k, &v]).unwrap();
         let starts = vec![0; rows as usize];
         let meta = ragged::meta(&starts, None, total);
-        let mask = ragged_mask(&starts, 1, total, None);
+        let mask = ragged_mask(&starts, n, total, None);
+        let first = Instant::now();
+        let m = ScaledDotProductAttentionMask::Array(&mask);
+        eval([&scaled_dot_product_attention(&q, &k, &v, scale, m, None).unwrap()]).unwrap();
+        let first = first.elapsed().as_secs_f64() * 1e3;
         let kernel = time(|| ragged::attention(&q, &k, &v, scale, &meta).unwrap());
-        let fused = time(|| scaled_dot_product_attention(&q, &k, &v, scale, None, None).unwrap());
+        // One query sees every key; several see the keys up to their own.
+        let fused = time(|| {
+            let causal = match n {
+                1 => None,
+                _ => Some(ScaledDotProductAttentionMask::Causal),
+            };
+            scaled_dot_product_attention(&q, &k, &v, scale, causal, None).unwrap()
+        });
         let masked = time(|| {
             let m = ScaledDotProductAttentionMask::Array(&mask);
             scaled_dot_product_attention(&q, &k, &v, scale, m, None).unwrap()
         });
+        let plain = if n == 1 { "no mask" } else { "causal" };
         println!(
-            "rows {rows:3}: ragged kernel {kernel:7.1}  MLX, no mask {fused:7.1}  MLX, mask array {masked:7.1}"
+            "rows {rows:3}: ragged kernel {kernel:7.1}  MLX, {plain} {fused:7.1}  MLX, mask array {masked:7.1} (first call {first:.0} ms)"
         );
     }
 }

@@ -13,9 +13,10 @@ pub enum AttnMask {
     /// Lower-right aligned causal mask, computed inside the kernel.
     Causal,
     Array(Array),
-    /// A few queries per row over a left-padded batch, or a verify's block
-    /// over one sequence: [`ragged_mask`]'s rule, run by one CUDA kernel
-    /// on a GPU ([`crate::ragged`]) and as that mask elsewhere.
+    /// Queries over a left-padded batch, or a block over a grown sequence
+    /// (a verify, a prefill chunk after a cached prefix), as many as
+    /// [`crate::ragged::takes`]: [`ragged_mask`]'s rule, run by one CUDA
+    /// kernel on a GPU ([`crate::ragged`]) and as that mask elsewhere.
     Ragged(Ragged),
 }
 
@@ -64,9 +65,10 @@ pub fn set_ragged_attention(mode: RaggedAttention) {
     RAGGED.with(|m| m.set(mode));
 }
 
-/// `Some(kernel?)` when `n` queries attend as [`AttnMask::Ragged`].
-fn ragged(n: i32) -> Option<bool> {
-    if n > crate::ragged::MAX_QUERIES {
+/// `Some(kernel?)` when `n` queries a row over `total` columns of `rows`
+/// rows attend as [`AttnMask::Ragged`].
+fn ragged(rows: i32, n: i32, total: i32) -> Option<bool> {
+    if !crate::ragged::takes(rows, n, total) {
         return None;
     }
     match RAGGED.with(Cell::get) {
@@ -98,7 +100,7 @@ pub fn build(cache: &KvCache, n: i32, window: Option<i32>) -> AttnMask {
             AttnMask::Causal
         };
     }
-    match ragged(n) {
+    match ragged(cache.batch_size() as i32, n, total) {
         Some(kernel) => AttnMask::Ragged(Ragged {
             meta: crate::ragged::meta(pads, window, total),
             starts: pads.to_vec(),

@@ -762,8 +762,6 @@ impl Attention {
             LayerView::Dense(k, v) => (k, v),
             // A paged layer: the kernel reads the rows' blocks in place;
             // elsewhere attention reads a gathered copy.
-            // A paged layer: the kernel reads the rows' blocks in place;
-            // elsewhere attention reads a gathered copy.
             LayerView::Paged { keys, values, read } => match mask {
                 AttnMask::Ragged(r)
                     if r.kernel && crate::ragged::applies_paged(&q, keys, &read.tables) =>

@@ -1,15 +1,14 @@
 //! Attention over a ragged batch in one CUDA kernel (issue 18).
 //!
 //! A few queries per row (one for a decode step, a drafted block for a
-//! verify) attend to that row's own keys: row `b` starts at column
-//! `starts[b]` of the left-padded cache, query `i` of `n` sits at column
-//! `total - n + i` and sees keys up to itself (lower-right causal), and a
-//! sliding window keeps its last `window` keys. MLX's CUDA backend has no
-//! fused kernel for this: a mask array sends attention down its unfused
-//! path, and a causal block of several queries builds a cuDNN graph per
-//! (queries, keys) shape, which a context growing by one token per round
-//! misses every round. This kernel takes the rows' starts as data, so one
-//! compiled kernel serves every shape.
+//! verify, a short prefill chunk) attend to that row's own keys: row `b`
+//! starts at column `starts[b]` of the left-padded cache, query `i` of `n`
+//! sits at column `total - n + i` and sees keys up to itself (lower-right
+//! causal), and a sliding window keeps its last `window` keys. MLX's CUDA
+//! backend gives such queries cuDNN's attention, which builds a graph per
+//! (rows, queries, keys) shape: a context growing by one token per round,
+//! and every new group of prompts, misses it. This kernel takes the rows'
+//! starts as data, so one compiled kernel serves every shape.
 //!
 //! The rule is [`crate::mask::ragged_mask`]'s, which is also the reference:
 //! on the CPU, and wherever the kernel does not apply, the same mask goes
@@ -20,8 +19,29 @@ use mlx_rs::{Array, Dtype};
 
 use crate::cuda_kernel::{CudaKernel, Launch, TemplateArg};
 
-/// Most queries per row the kernel takes (a verify of up to 15 drafts).
-pub const MAX_QUERIES: i32 = 16;
+/// Most queries per row the kernel takes: a decode step, a verify, and a
+/// short prefill chunk (of a padded group, or after a cached prefix).
+pub const MAX_QUERIES: i32 = 256;
+
+/// Queries per row the kernel always takes: a decode step or a verify.
+const VERIFY_QUERIES: i32 = 16;
+
+/// Most (row, query, key) triples per layer the kernel takes for a prefill
+/// chunk. MLX gives such a chunk cuDNN's attention, which builds a graph
+/// for each new (rows, queries, keys) shape: 44-1357 ms the first call on
+/// an H100, paid again by every new group of prompts and prefix length in
+/// a serving run. The kernel builds nothing per shape, but reads each key
+/// once per query: about 3 ns a triple, so up to this many it costs at
+/// most ~1.5 ms a layer (`examples/ragged_time`, docs/gpu.md "Prefill
+/// chunks through the ragged kernel").
+const MAX_PREFILL_WORK: i64 = 1 << 19;
+
+/// Whether `n` queries a row over `total` columns of `rows` rows go to the
+/// kernel (the rule [`crate::mask::build`] applies).
+pub fn takes(rows: i32, n: i32, total: i32) -> bool {
+    n <= VERIFY_QUERIES
+        || (n <= MAX_QUERIES && rows as i64 * n as i64 * total as i64 <= MAX_PREFILL_WORK)
+}
 
 /// Warps per block: each takes every `WARPS`-th chunk of 32 keys of its
 /// query's range.
@@ -342,4 +362,21 @@ thread_local! {
         false,
     )
     .map_err(|e| format!("{e:#}"));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::takes;
+
+    #[test]
+    fn decode_steps_and_verifies_always_go_to_the_kernel_prefill_chunks_within_its_budget() {
+        assert!(takes(64, 1, 32_768));
+        assert!(takes(16, 16, 4096));
+        // A group of short prompts, as a burst of chat requests brings.
+        assert!(takes(12, 160, 160));
+        // A chunk after a long cached prefix, a long prompt, a wide group.
+        assert!(!takes(1, 256, 8192));
+        assert!(!takes(1, 257, 257));
+        assert!(!takes(64, 64, 256));
+    }
 }
