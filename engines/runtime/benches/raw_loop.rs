@@ -18,7 +18,8 @@
 //! way (every step read): the three compare what a single sequence's step
 //! costs in each layout. `--paged --pipelined` decodes one sequence as the
 //! fast path does (each step queued before the last is read) over a paged
-//! pool, to set beside the default run's contiguous cache.
+//! pool, to set beside the default run's contiguous cache; `--batch B
+//! --pipelined` steps B rows that way (either layout).
 //! mlx-lm runs as pip installs it (the wheel's reference BLAS) and with
 //! Debian's OpenBLAS preloaded, which is what our build links; on a real
 //! checkpoint each both as loaded and cast to fp32.
@@ -126,7 +127,7 @@ fn ours(dir: &Path, a: &Args) -> (f64, f64) {
             let blocks = a.batch * (a.prompt + a.gen).div_ceil(16) + 1;
             runtime::paged::PagePool::new(m.num_layers(), blocks, 16).unwrap()
         });
-        if let (Some(pool), true) = (&pool, a.pipelined) {
+        if let (Some(pool), true, 1) = (&pool, a.pipelined, a.batch) {
             for rep in 0..=a.reps {
                 let (p, d) = pipelined_rates(&loaded.model, pool, &prompt, a.gen);
                 if rep > 0 {
@@ -141,7 +142,8 @@ fn ours(dir: &Path, a: &Args) -> (f64, f64) {
             .map(|r| prompt.iter().map(|&t| (t + r) % vocab).collect())
             .collect();
         for rep in 0..=a.reps {
-            let (p, d) = batch_step_rates(&loaded.model, pool.as_ref(), &prompts, a.gen);
+            let (p, d) =
+                batch_step_rates(&loaded.model, pool.as_ref(), &prompts, a.gen, a.pipelined);
             if rep > 0 {
                 prefill = prefill.max(p);
                 decode = decode.max(d);
@@ -187,14 +189,18 @@ fn pipelined_rates(
 }
 
 /// Prompt tokens per second of one batched prefill, and tokens per second
-/// (all rows) of `gen` batched greedy decode steps, each step's tokens read.
+/// (all rows) of `gen` batched greedy decode steps, each step's tokens read;
+/// `pipelined`, each step queued before the previous step's are read (as
+/// the batched engine decodes), so the step costs the more of its host work
+/// and its device work, not their sum.
 fn batch_step_rates(
     model: &runtime::model::Model,
     pool: Option<&runtime::paged::PagePool>,
     prompts: &[Vec<u32>],
     gen: usize,
+    pipelined: bool,
 ) -> (f64, f64) {
-    use mlx_rs::transforms::eval;
+    use mlx_rs::transforms::{async_eval, eval};
     use runtime::model::Logits;
     let (ids, pads) = generate::left_padded(prompts.iter().map(Vec::as_slice), 0);
     let mut cache = match pool {
@@ -212,10 +218,16 @@ fn batch_step_rates(
         let t = Instant::now();
         let logits = model.forward(&current, &mut cache, Logits::Last).unwrap();
         building += t.elapsed();
-        current = generate::argmax_tokens(&logits).unwrap();
-        eval([&current]).unwrap();
+        let next = generate::argmax_tokens(&logits).unwrap();
+        if pipelined {
+            async_eval([&next]).unwrap();
+        } else {
+            eval([&next]).unwrap();
+        }
         let _ = current.as_slice::<i32>();
+        current = next;
     }
+    let _ = current.as_slice::<i32>();
     let rows = prompts.len() as f64;
     println!(
         "graph building: {:.3} ms per step",

@@ -108,8 +108,9 @@ pub enum LayerView {
 /// kernel ([`crate::ragged::paged_attention`]).
 #[derive(Clone)]
 pub struct PagedRead {
-    /// `[B * total]`: row-major slots of every column.
-    pub slots: Array,
+    /// `B * total`: row-major slots of every column, made an array only by
+    /// a gather (the kernel reads `tables`).
+    slots: Arc<[i32]>,
     /// `[B, most blocks]`: each row's block ids (0 past its end).
     pub tables: Array,
     pub block: i32,
@@ -122,8 +123,9 @@ impl PagedRead {
     /// `[B, kv_heads, total, width]`.
     pub fn gather(&self, buf: &Array) -> anyhow::Result<Array> {
         let s = buf.shape();
+        let slots = Array::from_slice(&self.slots, &[self.slots.len() as i32]);
         Ok(buf
-            .take_axis(&self.slots, 0)?
+            .take_axis(&slots, 0)?
             .reshape(&[self.rows, self.total, s[1], s[2]])?
             .transpose_axes(&[0, 2, 1, 3])?)
     }
@@ -902,7 +904,7 @@ impl Paged {
             }
         }
         Ok(PagedRead {
-            slots: Array::from_slice(&slots, &[slots.len() as i32]),
+            slots: slots.into(),
             tables: Array::from_slice(&tables, &[rows, most as i32]),
             block,
             total,

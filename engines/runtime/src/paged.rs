@@ -73,6 +73,10 @@ struct Inner {
     /// Per layer, its buffers once written (`None` before, and forever for
     /// a layer that reads another layer's keys and values).
     layers: Mutex<Vec<Option<Vec<Array>>>>,
+    /// The last scatter's slots and their index array: a forward writes
+    /// the same slots in every layer, so the array is made from host
+    /// memory once a forward, not once a layer.
+    scatter: Mutex<Option<(Vec<i32>, Array)>>,
 }
 
 struct Counts {
@@ -186,7 +190,17 @@ impl Inner {
         // block) are one slice written in place, as a contiguous cache
         // writes; others a scatter of one update per slot.
         let consecutive = slots.windows(2).all(|w| w[1] == w[0] + 1);
-        let indices = (!consecutive).then(|| Array::from_slice(slots, &[slots.len() as i32]));
+        let indices = (!consecutive).then(|| {
+            let mut last = lock(&self.scatter);
+            match last.as_ref() {
+                Some((at, index)) if at.as_slice() == slots => index.clone(),
+                _ => {
+                    let index = Array::from_slice(slots, &[slots.len() as i32]);
+                    *last = Some((slots.to_vec(), index.clone()));
+                    index
+                }
+            }
+        });
         for (buf, part) in buffers.iter_mut().zip(parts) {
             let s = part.shape();
             // [B, H, n, W] -> [B * n, H, W] (a single position needs no
@@ -267,6 +281,7 @@ impl PagePool {
                 holders: vec![0; blocks as usize],
             }),
             layers: Mutex::new(vec![None; num_layers]),
+            scatter: Mutex::new(None),
         };
         Ok(Self {
             backend: Backend::Local(Arc::new(inner)),
