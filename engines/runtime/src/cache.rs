@@ -19,7 +19,7 @@
 //! left_pad[b]`). Every operation keeps its meaning; those that move
 //! columns around only edit the rows' block tables.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use anyhow::anyhow;
 use mlx_rs::{ops, Array};
@@ -108,9 +108,11 @@ pub enum LayerView {
 /// kernel ([`crate::ragged::paged_attention`]).
 #[derive(Clone)]
 pub struct PagedRead {
-    /// `B * total`: row-major slots of every column, made an array only by
-    /// a gather (the kernel reads `tables`).
+    /// `B * total`: row-major slots of every column.
     slots: Arc<[i32]>,
+    /// `slots` as an array, made by the forward's first gather and shared
+    /// by every layer's (the kernel reads `tables` and needs none).
+    slot_index: Arc<Mutex<Option<Array>>>,
     /// `[B, most blocks]`: each row's block ids (0 past its end).
     pub tables: Array,
     pub block: i32,
@@ -123,9 +125,11 @@ impl PagedRead {
     /// `[B, kv_heads, total, width]`.
     pub fn gather(&self, buf: &Array) -> anyhow::Result<Array> {
         let s = buf.shape();
-        let slots = Array::from_slice(&self.slots, &[self.slots.len() as i32]);
+        let index = paged::lock(&self.slot_index)
+            .get_or_insert_with(|| Array::from_slice(&self.slots, &[self.slots.len() as i32]))
+            .clone();
         Ok(buf
-            .take_axis(&slots, 0)?
+            .take_axis(&index, 0)?
             .reshape(&[self.rows, self.total, s[1], s[2]])?
             .transpose_axes(&[0, 2, 1, 3])?)
     }
@@ -905,6 +909,7 @@ impl Paged {
         }
         Ok(PagedRead {
             slots: slots.into(),
+            slot_index: Arc::default(),
             tables: Array::from_slice(&tables, &[rows, most as i32]),
             block,
             total,

@@ -104,8 +104,9 @@ const WARM_DECODE_STEPS: usize = 256;
 /// of a forward shape (kernels and attention graphs: 50-600 ms each for a
 /// 4B model on an H200, docs/benchmarks.md): a prefill at every padded
 /// width up to `chunk`, then a greedy decode of [`WARM_DECODE_STEPS`]
-/// tokens, on caches from `new_cache` (the server's layout). The kernels are the process's, so every engine gains. Nothing
-/// on the CPU, which builds nothing per shape. Returns the time it took.
+/// tokens, on caches from `new_cache` (the server's layout). The kernels
+/// are the process's, so every engine gains. Nothing on the CPU, which
+/// builds nothing per shape. Returns the time it took.
 pub fn warm_up(
     model: &Model,
     chunk: usize,

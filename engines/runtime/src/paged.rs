@@ -122,7 +122,7 @@ pub fn is_shared(block: &BlockRef) -> bool {
     Arc::strong_count(block) > 1 || block.pool.holders(block.id) > 1
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
