@@ -3,6 +3,7 @@
 //! applied to the experts each token was routed to through MLX's gathered
 //! matmuls (`gather_qmm` when quantized).
 
+use mlx_rs::ops::indexing::{Ellipsis, TryIndexOp};
 use mlx_rs::{ops, Array};
 
 use crate::activations;
@@ -43,8 +44,10 @@ enum SwitchLinear {
 
 /// `down(act(gate(x)) * up(x))` of every expert.
 pub(crate) struct SwitchGlu {
-    gate: SwitchLinear,
-    up: SwitchLinear,
+    /// Gate and up stacked on the output axis: one gathered matmul for
+    /// both (a decode step is bound by its launches, not its bytes).
+    gate_up: SwitchLinear,
+    inter: i32,
     down: SwitchLinear,
     gelu: bool,
 }
@@ -62,11 +65,10 @@ impl SwitchGlu {
             &format!("{prefix}.gate_up_proj"),
             &[experts, 2 * inter, hidden],
         )?;
-        let halves = ops::split_equal(&gate_up, 2, 1)?;
         let down = w.take_shaped(&format!("{prefix}.down_proj"), &[experts, hidden, inter])?;
         Ok(Self {
-            gate: SwitchLinear::dense(&halves[0])?,
-            up: SwitchLinear::dense(&halves[1])?,
+            gate_up: SwitchLinear::dense(&gate_up)?,
+            inter,
             down: SwitchLinear::dense(&down)?,
             gelu,
         })
@@ -80,16 +82,18 @@ impl SwitchGlu {
         (experts, inter, hidden): (i32, i32, i32),
         gelu: bool,
     ) -> anyhow::Result<Self> {
-        let stack = |w: &mut Weights, n: &str, shape: &[i32]| -> anyhow::Result<SwitchLinear> {
+        let stack = |w: &mut Weights, n: &str, shape: &[i32]| -> anyhow::Result<Array> {
             let parts = (0..experts)
                 .map(|j| w.take_shaped(&format!("{prefix}.{j}.{n}.weight"), shape))
                 .collect::<anyhow::Result<Vec<_>>>()?;
-            Ok(SwitchLinear::dense(&ops::stack(&parts, 0)?)?)
+            Ok(ops::stack(&parts, 0)?)
         };
+        let gate = stack(w, "gate_proj", &[inter, hidden])?;
+        let up = stack(w, "up_proj", &[inter, hidden])?;
         Ok(Self {
-            gate: stack(w, "gate_proj", &[inter, hidden])?,
-            up: stack(w, "up_proj", &[inter, hidden])?,
-            down: stack(w, "down_proj", &[hidden, inter])?,
+            gate_up: SwitchLinear::dense(&ops::concatenate(&[gate, up], 1)?)?,
+            inter,
+            down: SwitchLinear::dense(&stack(w, "down_proj", &[hidden, inter])?)?,
             gelu,
         })
     }
@@ -107,9 +111,13 @@ impl SwitchGlu {
             let p = format!("{prefix}.{n}");
             SwitchLinear::load(w, &p, cfg.quant_for(&p), experts, out, inp)
         };
+        let gate = load(w, "gate_proj", inter, hidden)?;
+        let up = load(w, "up_proj", inter, hidden)?;
         Ok(Self {
-            gate: load(w, "gate_proj", inter, hidden)?,
-            up: load(w, "up_proj", inter, hidden)?,
+            gate_up: SwitchLinear::stack(&gate, &up).map_err(|e| {
+                anyhow::anyhow!("{prefix}.gate_proj and {prefix}.up_proj: {e}")
+            })?,
+            inter,
             down: load(w, "down_proj", hidden, inter)?,
             gelu,
         })
@@ -132,8 +140,9 @@ impl SwitchGlu {
         } else {
             (x, indices.clone(), None)
         };
-        let up = self.up.forward(&x, &idx, sort)?;
-        let gate = self.gate.forward(&x, &idx, sort)?;
+        let gate_up = self.gate_up.forward(&x, &idx, sort)?;
+        let gate = gate_up.try_index((Ellipsis, ..self.inter))?;
+        let up = gate_up.try_index((Ellipsis, self.inter..))?;
         let mut y = self
             .down
             .forward(&activations::gated(&gate, &up, self.gelu)?, &idx, sort)?;
@@ -146,7 +155,7 @@ impl SwitchGlu {
     }
 
     pub fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
-        for s in [&self.gate, &self.up, &self.down] {
+        for s in [&self.gate_up, &self.down] {
             s.collect(out);
         }
     }
@@ -156,6 +165,43 @@ impl SwitchLinear {
     fn dense(weight: &Array) -> R<Self> {
         Ok(SwitchLinear::Dense {
             weight_t: weight.swap_axes(-1, -2)?,
+        })
+    }
+
+    /// `a` and `b` stacked on the output axis (both dense, or quantized
+    /// alike).
+    fn stack(a: &Self, b: &Self) -> anyhow::Result<Self> {
+        let cat = |x: &Array, y: &Array, axis| ops::concatenate(&[x, y], axis);
+        Ok(match (a, b) {
+            // Stacked as `[experts, out, in]`, then transposed back to a
+            // view, as `dense` makes it.
+            (SwitchLinear::Dense { weight_t: x }, SwitchLinear::Dense { weight_t: y }) => {
+                let untransposed = |t: &Array| t.swap_axes(-1, -2);
+                Self::dense(&cat(&untransposed(x)?, &untransposed(y)?, 1)?)?
+            }
+            (
+                SwitchLinear::Quantized {
+                    weight,
+                    scales,
+                    biases,
+                    group_size,
+                    bits,
+                },
+                SwitchLinear::Quantized {
+                    weight: w2,
+                    scales: s2,
+                    biases: b2,
+                    group_size: g2,
+                    bits: bits2,
+                },
+            ) if (group_size, bits) == (g2, bits2) => SwitchLinear::Quantized {
+                weight: cat(weight, w2, 1)?,
+                scales: cat(scales, s2, 1)?,
+                biases: cat(biases, b2, 1)?,
+                group_size: *group_size,
+                bits: *bits,
+            },
+            _ => anyhow::bail!("the two projections are quantized differently"),
         })
     }
 
