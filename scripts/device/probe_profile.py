@@ -11,11 +11,15 @@ that took the most time.
 """
 
 import collections
+import os
 import sys
 import time
 
 import mlx.core as mx
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import mlx_lm_compat  # noqa: E402,F401  (mlx-lm 0.32.2 on mlx 0.32.2)
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 from torch.profiler import ProfilerActivity, profile
@@ -51,7 +55,7 @@ def main(model_dir, rows_list):
         total = sum(kernels.values()) / 1e3
         launches = sum(counts.values())
         print(f"rows {rows}: wall {wall:.2f} ms/step, kernels {total:.2f} ms/step, {launches:.0f} launches/step")
-        for name, us in kernels.most_common(12):
+        for name, us in kernels.most_common(20):
             print(f"  {us / 1e3:7.3f} ms  x{counts[name]:5.0f}  {name}")
 
 

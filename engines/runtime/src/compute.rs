@@ -71,6 +71,23 @@ impl ComputeDtype {
             && on_cpu()
             && crate::memory::device_total().is_some_and(|total| dense_bytes <= total / 4)
     }
+
+    /// Whether, under `auto` on a GPU, the packed linears of the decoder
+    /// layers also keep a copy expanded to the compute dtype, for products
+    /// of several rows (batched steps, verifies, prefill): MLX CUDA's 4-bit
+    /// kernels take 1.2-4.6x cuBLAS's time on the expanded weights for
+    /// 4-32 rows, while one row reads the packed weights faster
+    /// (docs/benchmarks.md, "Gemma 4 on the GPU"). Only where the copies
+    /// (`copy_bytes`) take at most a quarter of the checkpoint's
+    /// (`checkpoint_bytes`): mixture-of-experts checkpoints, whose experts
+    /// stay packed and hold most of the weights. A dense quantized model
+    /// keeps its memory.
+    pub fn keeps_dense_copies(self, copy_bytes: u64, checkpoint_bytes: u64) -> bool {
+        self == ComputeDtype::Auto
+            && copy_bytes > 0
+            && copy_bytes * 4 <= checkpoint_bytes
+            && !on_cpu()
+    }
 }
 
 /// Whether MLX computes on the CPU by default (no GPU backend, or none

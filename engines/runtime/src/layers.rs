@@ -21,15 +21,23 @@ pub enum Linear {
         bias: Option<Array>,
         group_size: i32,
         bits: i32,
+        /// The weights expanded to the compute dtype, kept beside the packed
+        /// ones on a GPU where that is cheap
+        /// ([`crate::ComputeDtype::keeps_dense_copies`]): products of
+        /// [`DEQUANTIZE_ROWS`] rows or more use it.
+        expanded: Option<Array>,
     },
 }
 
-/// From this many rows on (a verify, a prefill chunk), a product with
-/// packed weights on the CPU (those too large to expand at load,
-/// [`crate::ComputeDtype::expands_packed`]) unpacks them once and
-/// multiplies densely: MLX's CPU kernel costs a pass over the packed
+/// From this many rows on (a batched step, a verify, a prefill chunk), a
+/// product with packed weights multiplies densely. On the CPU (weights too
+/// large to expand at load, [`crate::ComputeDtype::expands_packed`]) it
+/// unpacks them first: MLX's CPU kernel costs a pass over the packed
 /// weights per row, where unpacking once costs about three rows' worth
-/// (docs/benchmarks.md, "plain round").
+/// (docs/benchmarks.md, "plain round"). On a GPU it uses the layer's
+/// expanded copy where it keeps one: MLX CUDA's 4-bit kernels take
+/// 1.2-4.6x cuBLAS's time for 4-32 rows (docs/benchmarks.md, "Gemma 4 on
+/// the GPU").
 const DEQUANTIZE_ROWS: i32 = 4;
 
 /// Rows of `x`: every axis but the last.
@@ -47,14 +55,22 @@ impl Linear {
         let weight = w.take(&format!("{prefix}.weight"))?;
         let quant = w.quantization(prefix).or(quant);
         match (quant, w.take_optional(&format!("{prefix}.scales"))) {
-            (Some(q), Some(scales)) => Ok(Linear::Quantized {
-                weight,
-                scales,
-                biases: w.take(&format!("{prefix}.biases"))?,
-                bias,
-                group_size: q.group_size,
-                bits: q.bits,
-            }),
+            (Some(q), Some(scales)) => {
+                let biases = w.take(&format!("{prefix}.biases"))?;
+                let expanded = w
+                    .keeps_dense_copy(prefix, &weight)
+                    .then(|| ops::dequantize(&weight, &scales, &biases, q.group_size, q.bits))
+                    .transpose()?;
+                Ok(Linear::Quantized {
+                    weight,
+                    scales,
+                    biases,
+                    bias,
+                    group_size: q.group_size,
+                    bits: q.bits,
+                    expanded,
+                })
+            }
             _ => Ok(Linear::Dense { weight, bias }),
         }
     }
@@ -123,12 +139,18 @@ impl Linear {
                 bias,
                 group_size,
                 bits,
+                expanded,
             } => {
-                let y = if rows(x) >= DEQUANTIZE_ROWS && crate::compute::on_cpu() {
-                    let w = ops::dequantize(weight, scales, biases, *group_size, *bits)?;
-                    x.matmul(w.t())?
-                } else {
-                    ops::quantized_matmul(x, weight, scales, biases, true, *group_size, *bits)?
+                let many = rows(x) >= DEQUANTIZE_ROWS;
+                let y = match expanded {
+                    Some(dense) if many => x.matmul(dense.t())?,
+                    _ if many && crate::compute::on_cpu() => {
+                        let w = ops::dequantize(weight, scales, biases, *group_size, *bits)?;
+                        x.matmul(w.t())?
+                    }
+                    _ => {
+                        ops::quantized_matmul(x, weight, scales, biases, true, *group_size, *bits)?
+                    }
                 };
                 match bias {
                     Some(b) => y.add(b),
@@ -148,8 +170,14 @@ impl Linear {
                 scales,
                 biases,
                 bias,
+                expanded,
                 ..
-            } => out.extend([weight, scales, biases].into_iter().chain(bias.as_ref())),
+            } => out.extend(
+                [weight, scales, biases]
+                    .into_iter()
+                    .chain(bias.as_ref())
+                    .chain(expanded.as_ref()),
+            ),
         }
     }
 
@@ -185,7 +213,7 @@ impl Linear {
             })());
         }
         let mut spec = None;
-        let (mut ws, mut ss, mut bs) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut ws, mut ss, mut bs, mut es) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for p in parts {
             let Linear::Quantized {
                 weight,
@@ -193,6 +221,7 @@ impl Linear {
                 biases,
                 group_size,
                 bits,
+                expanded,
                 ..
             } = p
             else {
@@ -205,8 +234,11 @@ impl Linear {
             ws.push(weight);
             ss.push(scales);
             bs.push(biases);
+            es.push(expanded.as_ref());
         }
         let (group_size, bits) = spec?;
+        // Copies stack where every part keeps one (they all do, or none).
+        let expanded = es.into_iter().collect::<Option<Vec<_>>>().map(cat);
         Some((|| {
             Ok(Linear::Quantized {
                 weight: cat(ws)?,
@@ -215,6 +247,7 @@ impl Linear {
                 bias: bias.transpose()?,
                 group_size,
                 bits,
+                expanded: expanded.transpose()?,
             })
         })())
     }
@@ -554,4 +587,81 @@ impl Rope {
 pub enum Offsets {
     Scalar(i32),
     PerRow(Array),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn packed(out: i32, seed: u64, expanded: impl Fn(&Array) -> Array) -> Linear {
+        mlx_rs::random::seed(seed).unwrap();
+        let w = mlx_rs::random::normal::<f32>(&[out, 64], None, None, None).unwrap();
+        let (weight, scales, biases) = ops::quantize(&w, 64, 4).unwrap();
+        let dense = ops::dequantize(&weight, &scales, &biases, 64, 4).unwrap();
+        Linear::Quantized {
+            expanded: Some(expanded(&dense)),
+            weight,
+            scales,
+            biases,
+            bias: None,
+            group_size: 64,
+            bits: 4,
+        }
+    }
+
+    /// The values of `a`, slices included (a sum makes them contiguous).
+    fn values(a: &Array) -> Vec<f32> {
+        a.add(Array::from_f32(0.0))
+            .unwrap()
+            .as_slice::<f32>()
+            .to_vec()
+    }
+
+    #[test]
+    fn a_kept_copy_serves_products_of_several_rows_and_stacks() {
+        // A copy that differs from the packed weights shows which one a
+        // product read: one row reads the packed ones, four the copy.
+        let doubled = |d: &Array| d.multiply(Array::from_f32(2.0)).unwrap();
+        let layer = packed(32, 1, doubled);
+        let x = mlx_rs::random::normal::<f32>(&[4, 64], None, None, None).unwrap();
+        let Linear::Quantized {
+            weight,
+            scales,
+            biases,
+            ..
+        } = &layer
+        else {
+            unreachable!()
+        };
+        let exact = ops::quantized_matmul(&x, weight, scales, biases, true, 64, 4).unwrap();
+        let one = layer.forward(&x.try_index(..1).unwrap()).unwrap();
+        let four = layer.forward(&x).unwrap();
+        for (a, b) in values(&one)
+            .iter()
+            .zip(values(&exact.try_index(..1).unwrap()))
+        {
+            assert!((a - b).abs() < 1e-4, "one row: {a} vs {b}");
+        }
+        for (a, b) in values(&four).iter().zip(values(&exact)) {
+            assert!((a - 2.0 * b).abs() < 1e-3, "four rows: {a} vs 2 x {b}");
+        }
+
+        // Stacked with another layer that keeps a copy, the copies stack.
+        let other = packed(16, 2, doubled);
+        let Projections::Stacked { linear, .. } = Projections::new(vec![layer, other]).unwrap()
+        else {
+            panic!("two 4-bit layers stack");
+        };
+        let Linear::Quantized { expanded, .. } = &linear else {
+            panic!("stacked packed layers stay packed");
+        };
+        assert_eq!(expanded.as_ref().unwrap().shape(), &[48, 64]);
+        let stacked = linear.forward(&x).unwrap();
+        for (a, b) in values(&stacked.try_index((.., ..32)).unwrap())
+            .iter()
+            .zip(values(&four))
+        {
+            assert!((a - b).abs() < 1e-4);
+        }
+    }
 }

@@ -332,6 +332,9 @@ fn build(path: &Path, compute: ComputeDtype) -> anyhow::Result<Built> {
     if compute.expands_packed(weights.expanded_bytes(&config)) {
         weights.expand_packed(&config)?;
     }
+    if compute.keeps_dense_copies(weights.dense_copy_bytes(&config), weights.total_bytes()) {
+        weights.keep_dense_copies();
+    }
     let shown = checkpoint.path().display().to_string();
     let vision = match &checkpoint {
         Checkpoint::Dir(dir) => match VisionConfig::from_dir(dir)? {

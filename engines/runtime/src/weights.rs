@@ -17,6 +17,9 @@ pub struct Weights {
     /// The file each tensor came from (kept after `take`, for errors).
     files: HashMap<String, PathBuf>,
     origin: Origin,
+    /// Whether packed decoder-layer linears keep a copy expanded to the
+    /// compute dtype ([`Weights::keep_dense_copies`]).
+    dense_copies: bool,
 }
 
 /// Where a checkpoint's tensors were read from, for errors.
@@ -72,6 +75,7 @@ impl Weights {
             quantization: HashMap::new(),
             files: names,
             origin: Origin::Dir(dir.to_path_buf()),
+            dense_copies: false,
         })
     }
 
@@ -82,6 +86,7 @@ impl Weights {
             quantization: HashMap::new(),
             files: HashMap::new(),
             origin: Origin::Gguf(path.to_path_buf()),
+            dense_copies: false,
         }
     }
 
@@ -180,6 +185,43 @@ impl Weights {
                 (w.size() * 32 / q.bits as usize * s.item_size()) as u64
             })
             .sum()
+    }
+
+    /// Bytes of every tensor held.
+    pub fn total_bytes(&self) -> u64 {
+        self.tensors.values().map(|t| t.nbytes() as u64).sum()
+    }
+
+    /// Bytes that [`Weights::keep_dense_copies`] would add: the packed
+    /// decoder-layer linears (not embeddings, not the 3-D expert stacks)
+    /// expanded to their scales' dtype.
+    pub fn dense_copy_bytes(&self, config: &ModelConfig) -> u64 {
+        self.packed(config)
+            .iter()
+            .filter(|(p, _)| Self::takes_dense_copy(p, &self.tensors[&format!("{p}.weight")]))
+            .map(|(p, q)| {
+                let w = &self.tensors[&format!("{p}.weight")];
+                let s = &self.tensors[&format!("{p}.scales")];
+                (w.size() * 32 / q.bits as usize * s.item_size()) as u64
+            })
+            .sum()
+    }
+
+    /// From now on, packed decoder-layer linears loaded from these weights
+    /// also keep a copy expanded to the compute dtype
+    /// ([`crate::ComputeDtype::keeps_dense_copies`]).
+    pub fn keep_dense_copies(&mut self) {
+        self.dense_copies = true;
+    }
+
+    /// Whether the packed linear at `prefix` (its packed `weight`) keeps an
+    /// expanded copy.
+    pub fn keeps_dense_copy(&self, prefix: &str, weight: &Array) -> bool {
+        self.dense_copies && Self::takes_dense_copy(prefix, weight)
+    }
+
+    fn takes_dense_copy(prefix: &str, weight: &Array) -> bool {
+        prefix.starts_with("model.layers.") && weight.ndim() == 2
     }
 
     /// Expands every packed quantized layer to its scales' dtype (dense),

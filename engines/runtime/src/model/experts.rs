@@ -114,9 +114,8 @@ impl SwitchGlu {
         let gate = load(w, "gate_proj", inter, hidden)?;
         let up = load(w, "up_proj", inter, hidden)?;
         Ok(Self {
-            gate_up: SwitchLinear::stack(&gate, &up).map_err(|e| {
-                anyhow::anyhow!("{prefix}.gate_proj and {prefix}.up_proj: {e}")
-            })?,
+            gate_up: SwitchLinear::stack(&gate, &up)
+                .map_err(|e| anyhow::anyhow!("{prefix}.gate_proj and {prefix}.up_proj: {e}"))?,
             inter,
             down: load(w, "down_proj", hidden, inter)?,
             gelu,
