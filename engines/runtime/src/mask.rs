@@ -89,10 +89,12 @@ pub fn build(cache: &KvCache, n: i32, window: Option<i32>) -> AttnMask {
     let window_bites = window.is_some_and(|w| total > w);
     // One unpadded sequence within its window: MLX's own kernels, except
     // for a verify's block (a causal block over a grown context) and a
-    // paged cache on a GPU, whose blocks only the ragged kernel reads in
-    // place.
+    // paged cache's prefill on a GPU, whose blocks only the ragged kernel
+    // reads in place. A paged single decode row gathers its blocks for
+    // MLX's vector kernel, which spreads the keys over many blocks where
+    // ours gives each key head one block (8 blocks for Qwen3-4B's row).
     let plain = !padded && !window_bites;
-    let paged_kernel = cache.page_pool().is_some() && on_gpu();
+    let paged_kernel = cache.page_pool().is_some() && on_gpu() && n > 1;
     if plain && (n == 1 || past == 0) && !paged_kernel {
         return if n == 1 {
             AttnMask::None
