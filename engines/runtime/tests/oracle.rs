@@ -51,16 +51,38 @@ fn reference(
 /// The model, its floating-point weights cast to `compute` (as
 /// `model.compute_dtype` does at load), its packed weights expanded when
 /// `expand` (as `auto` does on the CPU where they fit).
-fn load(dir: &Path, compute: Option<Dtype>, expand: bool) -> Model {
+/// What becomes of a checkpoint's packed weights at load.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Packed {
+    Kept,
+    /// Expanded to the compute dtype, as `auto` does on the CPU where they fit.
+    Expanded,
+    /// Kept, the decoder layers' linears also expanded for products of
+    /// several rows, as `auto` does on a GPU for a mixture of experts.
+    WithCopies,
+}
+
+fn load(dir: &Path, compute: Option<Dtype>, packed: Packed) -> Model {
     let config = ModelConfig::from_dir(dir).unwrap();
     let mut weights = Weights::from_dir(dir).unwrap();
     if let Some(dtype) = compute {
         weights.cast_floats(dtype).unwrap();
     }
-    if expand {
-        assert!(ComputeDtype::Auto.expands_packed(weights.expanded_bytes(&config)));
-        weights.expand_packed(&config).unwrap();
-        assert_eq!(weights.expanded_bytes(&config), 0, "nothing left packed");
+    match packed {
+        Packed::Kept => {}
+        Packed::Expanded => {
+            assert!(ComputeDtype::Auto.expands_packed(weights.expanded_bytes(&config)));
+            weights.expand_packed(&config).unwrap();
+            assert_eq!(weights.expanded_bytes(&config), 0, "nothing left packed");
+        }
+        Packed::WithCopies => {
+            let copies = weights.dense_copy_bytes(&config);
+            assert!(
+                copies > 0 && copies < weights.expanded_bytes(&config),
+                "the decoder layers' linears are copied, the experts are not"
+            );
+            weights.keep_dense_copies();
+        }
     }
     Model::load(config, weights).unwrap()
 }
@@ -117,7 +139,7 @@ fn check_family(spec: TinySpec, logit_tol: Option<f32>) {
 }
 
 fn check_computed_in(spec: TinySpec, logit_tol: Option<f32>, compute: Option<Dtype>) {
-    check(spec, logit_tol, compute, None, false)
+    check(spec, logit_tol, compute, None, Packed::Kept)
 }
 
 /// Ours with the checkpoint's floats cast to `compute` and full-attention
@@ -128,11 +150,11 @@ fn check(
     logit_tol: Option<f32>,
     compute: Option<Dtype>,
     kv: Option<KvQuant>,
-    expand: bool,
+    packed: Packed,
 ) {
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path(), &spec).unwrap();
-    let mut model = load(dir.path(), compute, expand);
+    let mut model = load(dir.path(), compute, packed);
     model.set_kv_quant(kv).unwrap();
     let prompts = prompts(spec.vocab as u32);
     let cast = compute.map(|d| match d {
@@ -143,7 +165,7 @@ fn check(
     });
     let refs = reference(dir.path(), &prompts, STEPS, logit_tol.is_some(), cast, kv);
     let label = format!(
-        "{:?} {:?} q{:?} computed in {:?}, expanded {expand}, KV {kv:?}",
+        "{:?} {:?} q{:?} computed in {:?}, packed weights {packed:?}, KV {kv:?}",
         spec.family, spec.dtype, spec.quant_bits, compute
     );
     for (i, (prompt, r)) in prompts.iter().zip(&refs).enumerate() {
@@ -257,7 +279,13 @@ fn packed_weights_expanded_at_load_match_mlx_lm_in_fp32() {
             quant_bits: Some(bits),
             ..TinySpec::tiny(Family::Qwen3)
         };
-        check(spec, Some(1e-3), Some(Dtype::Float32), None, true);
+        check(
+            spec,
+            Some(1e-3),
+            Some(Dtype::Float32),
+            None,
+            Packed::Expanded,
+        );
     }
 }
 
@@ -284,7 +312,7 @@ fn quantized_kv_cache_matches_mlx_lm() {
             head_dim,
             ..TinySpec::tiny(family)
         };
-        check(spec, Some(5e-3), None, quant, false);
+        check(spec, Some(5e-3), None, quant, Packed::Kept);
     }
 }
 
@@ -334,7 +362,7 @@ mod gemma4 {
             Some(1e-3),
             None,
             Some(kv),
-            false,
+            Packed::Kept,
         );
     }
 
@@ -357,7 +385,25 @@ mod gemma4 {
             quant_bits: Some(4),
             ..TinySpec::gemma4(Gemma4Shape::moe_26b(4))
         };
-        check(spec, None, Some(Dtype::Float32), None, true);
+        check(spec, None, Some(Dtype::Float32), None, Packed::Expanded);
+    }
+
+    /// Packed experts, and the layers' dense linears kept expanded beside
+    /// their packed weights: prefill chunks and the padded batch of four
+    /// multiply by the copies, single decode rows by the packed weights.
+    #[test]
+    fn quantized_moe_with_dense_copies_matches_mlx_lm() {
+        let spec = TinySpec {
+            quant_bits: Some(4),
+            ..TinySpec::gemma4(Gemma4Shape::moe_26b(4))
+        };
+        check(
+            spec,
+            Some(1e-3),
+            Some(Dtype::Float32),
+            None,
+            Packed::WithCopies,
+        );
     }
 }
 
@@ -406,7 +452,7 @@ mod qwen {
             let spec = TinySpec::qwen(shape);
             let dir = tempfile::tempdir().unwrap();
             write_model(dir.path(), &spec).unwrap();
-            let model = load(dir.path(), None, false);
+            let model = load(dir.path(), None, Packed::Kept);
             let prompts = prompts_of(spec.vocab as u32, &[200, 65, 128, 150]);
             let steps = 16;
             let refs = reference(dir.path(), &prompts, steps, true, None, None);
