@@ -45,7 +45,8 @@ enum SwitchLinear {
 /// `down(act(gate(x)) * up(x))` of every expert.
 pub(crate) struct SwitchGlu {
     /// Gate and up stacked on the output axis: one gathered matmul for
-    /// both (a decode step is bound by its launches, not its bytes).
+    /// both, and wide enough for MLX CUDA's tensor-core kernel (Gemma 4's
+    /// 704-wide halves fell to its naive one, docs/benchmarks.md).
     gate_up: SwitchLinear,
     inter: i32,
     down: SwitchLinear,
