@@ -44,13 +44,54 @@ enum SwitchLinear {
 
 /// `down(act(gate(x)) * up(x))` of every expert.
 pub(crate) struct SwitchGlu {
-    /// Gate and up stacked on the output axis: one gathered matmul for
-    /// both, and wide enough for MLX CUDA's tensor-core kernel (Gemma 4's
-    /// 704-wide halves fell to its naive one, docs/benchmarks.md).
-    gate_up: SwitchLinear,
-    inter: i32,
+    gate_up: GateUp,
     down: SwitchLinear,
     gelu: bool,
+}
+
+/// Every expert's gate and up projections.
+enum GateUp {
+    /// Stacked on the output axis: one gathered matmul for both, and wide
+    /// enough for MLX CUDA's tensor-core kernel (Gemma 4's 704-wide halves
+    /// fell to its naive one, docs/benchmarks.md).
+    Stacked { linear: SwitchLinear, inter: i32 },
+    /// Quantized differently (a mixed-precision conversion): apart.
+    Separate(SwitchLinear, SwitchLinear),
+}
+
+impl GateUp {
+    fn new(gate: SwitchLinear, up: SwitchLinear, inter: i32) -> R<Self> {
+        Ok(match SwitchLinear::stack(&gate, &up)? {
+            Some(linear) => GateUp::Stacked { linear, inter },
+            None => GateUp::Separate(gate, up),
+        })
+    }
+
+    /// The gate's and the up projection's outputs.
+    fn forward(&self, x: &Array, idx: &Array, sorted: bool) -> R<(Array, Array)> {
+        match self {
+            GateUp::Stacked { linear, inter } => {
+                let both = linear.forward(x, idx, sorted)?;
+                Ok((
+                    both.try_index((Ellipsis, ..*inter))?,
+                    both.try_index((Ellipsis, *inter..))?,
+                ))
+            }
+            GateUp::Separate(gate, up) => {
+                Ok((gate.forward(x, idx, sorted)?, up.forward(x, idx, sorted)?))
+            }
+        }
+    }
+
+    fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
+        match self {
+            GateUp::Stacked { linear, .. } => linear.collect(out),
+            GateUp::Separate(gate, up) => {
+                gate.collect(out);
+                up.collect(out);
+            }
+        }
+    }
 }
 
 impl SwitchGlu {
@@ -68,8 +109,10 @@ impl SwitchGlu {
         )?;
         let down = w.take_shaped(&format!("{prefix}.down_proj"), &[experts, hidden, inter])?;
         Ok(Self {
-            gate_up: SwitchLinear::dense(&gate_up)?,
-            inter,
+            gate_up: GateUp::Stacked {
+                linear: SwitchLinear::dense(&gate_up)?,
+                inter,
+            },
             down: SwitchLinear::dense(&down)?,
             gelu,
         })
@@ -92,8 +135,10 @@ impl SwitchGlu {
         let gate = stack(w, "gate_proj", &[inter, hidden])?;
         let up = stack(w, "up_proj", &[inter, hidden])?;
         Ok(Self {
-            gate_up: SwitchLinear::dense(&ops::concatenate(&[gate, up], 1)?)?,
-            inter,
+            gate_up: GateUp::Stacked {
+                linear: SwitchLinear::dense(&ops::concatenate(&[gate, up], 1)?)?,
+                inter,
+            },
             down: SwitchLinear::dense(&stack(w, "down_proj", &[hidden, inter])?)?,
             gelu,
         })
@@ -115,9 +160,7 @@ impl SwitchGlu {
         let gate = load(w, "gate_proj", inter, hidden)?;
         let up = load(w, "up_proj", inter, hidden)?;
         Ok(Self {
-            gate_up: SwitchLinear::stack(&gate, &up)
-                .map_err(|e| anyhow::anyhow!("{prefix}.gate_proj and {prefix}.up_proj: {e}"))?,
-            inter,
+            gate_up: GateUp::new(gate, up, inter)?,
             down: load(w, "down_proj", hidden, inter)?,
             gelu,
         })
@@ -140,9 +183,7 @@ impl SwitchGlu {
         } else {
             (x, indices.clone(), None)
         };
-        let gate_up = self.gate_up.forward(&x, &idx, sort)?;
-        let gate = gate_up.try_index((Ellipsis, ..self.inter))?;
-        let up = gate_up.try_index((Ellipsis, self.inter..))?;
+        let (gate, up) = self.gate_up.forward(&x, &idx, sort)?;
         let mut y = self
             .down
             .forward(&activations::gated(&gate, &up, self.gelu)?, &idx, sort)?;
@@ -155,9 +196,8 @@ impl SwitchGlu {
     }
 
     pub fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
-        for s in [&self.gate_up, &self.down] {
-            s.collect(out);
-        }
+        self.gate_up.collect(out);
+        self.down.collect(out);
     }
 }
 
@@ -168,11 +208,11 @@ impl SwitchLinear {
         })
     }
 
-    /// `a` and `b` stacked on the output axis (both dense, or quantized
-    /// alike).
-    fn stack(a: &Self, b: &Self) -> anyhow::Result<Self> {
+    /// `a` and `b` stacked on the output axis; `None` unless both are
+    /// dense or both quantized alike.
+    fn stack(a: &Self, b: &Self) -> R<Option<Self>> {
         let cat = |x: &Array, y: &Array, axis| ops::concatenate(&[x, y], axis);
-        Ok(match (a, b) {
+        Ok(Some(match (a, b) {
             // Stacked as `[experts, out, in]`, then transposed back to a
             // view, as `dense` makes it.
             (SwitchLinear::Dense { weight_t: x }, SwitchLinear::Dense { weight_t: y }) => {
@@ -201,8 +241,8 @@ impl SwitchLinear {
                 group_size: *group_size,
                 bits: *bits,
             },
-            _ => anyhow::bail!("the two projections are quantized differently"),
-        })
+            _ => return Ok(None),
+        }))
     }
 
     fn load(
@@ -293,5 +333,58 @@ impl SwitchLinear {
                 ..
             } => out.extend([weight, scales, biases]),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every expert's projection `[experts, out, 64]`, quantized to `bits`.
+    fn quantized(out: i32, bits: i32, seed: u64) -> SwitchLinear {
+        mlx_rs::random::seed(seed).unwrap();
+        let w = mlx_rs::random::normal::<f32>(&[4, out, 64], None, None, None).unwrap();
+        let (weight, scales, biases) = ops::quantize(&w, 64, bits).unwrap();
+        SwitchLinear::Quantized {
+            weight,
+            scales,
+            biases,
+            group_size: 64,
+            bits,
+        }
+    }
+
+    fn values(a: &Array) -> Vec<f32> {
+        a.add(Array::from_f32(0.0))
+            .unwrap()
+            .as_slice::<f32>()
+            .to_vec()
+    }
+
+    #[test]
+    fn gate_and_up_stack_when_quantized_alike_and_compute_the_same() {
+        // Three tokens, two experts each, as `SwitchGlu::forward` calls it.
+        let x = mlx_rs::random::normal::<f32>(&[3, 1, 1, 1, 64], None, None, None).unwrap();
+        let idx = Array::from_slice(&[0i32, 3, 1, 1, 2, 0], &[3, 1, 2]);
+        let (gate, up) = (quantized(8, 4, 1), quantized(8, 4, 2));
+        let apart = (
+            gate.forward(&x, &idx, false).unwrap(),
+            up.forward(&x, &idx, false).unwrap(),
+        );
+        let stacked = GateUp::new(gate, up, 8).unwrap();
+        assert!(matches!(stacked, GateUp::Stacked { .. }));
+        let (g, u) = stacked.forward(&x, &idx, false).unwrap();
+        for (got, want) in [(&g, &apart.0), (&u, &apart.1)] {
+            assert_eq!(got.shape(), want.shape());
+            for (a, b) in values(got).iter().zip(values(want)) {
+                assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+            }
+        }
+
+        // A mixed-precision conversion's gate and up stay apart.
+        let mixed = GateUp::new(quantized(8, 4, 1), quantized(8, 8, 2), 8).unwrap();
+        assert!(matches!(mixed, GateUp::Separate(..)));
+        let (g, u) = mixed.forward(&x, &idx, false).unwrap();
+        assert_eq!((g.shape(), u.shape()), (apart.0.shape(), apart.1.shape()));
     }
 }
