@@ -590,7 +590,7 @@ pub enum Offsets {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn packed(out: i32, seed: u64, expanded: impl Fn(&Array) -> Array) -> Linear {
@@ -610,7 +610,7 @@ mod tests {
     }
 
     /// The values of `a`, slices included (a sum makes them contiguous).
-    fn values(a: &Array) -> Vec<f32> {
+    pub(crate) fn values(a: &Array) -> Vec<f32> {
         a.add(Array::from_f32(0.0))
             .unwrap()
             .as_slice::<f32>()

@@ -177,10 +177,17 @@ impl Weights {
     /// Bytes the packed quantized layers would take expanded to their
     /// scales' dtype.
     pub fn expanded_bytes(&self, config: &ModelConfig) -> u64 {
+        self.expanded_bytes_of(config, |_, _| true)
+    }
+
+    /// [`Weights::expanded_bytes`] of the packed layers `which` picks (by
+    /// prefix and packed weight).
+    fn expanded_bytes_of(&self, config: &ModelConfig, which: impl Fn(&str, &Array) -> bool) -> u64 {
         self.packed(config)
             .iter()
-            .map(|(p, q)| {
-                let w = &self.tensors[&format!("{p}.weight")];
+            .map(|(p, q)| (&self.tensors[&format!("{p}.weight")], p, q))
+            .filter(|(w, p, _)| which(p, w))
+            .map(|(w, p, q)| {
                 let s = &self.tensors[&format!("{p}.scales")];
                 (w.size() * 32 / q.bits as usize * s.item_size()) as u64
             })
@@ -196,15 +203,7 @@ impl Weights {
     /// decoder-layer linears (not embeddings, not the 3-D expert stacks)
     /// expanded to their scales' dtype.
     pub fn dense_copy_bytes(&self, config: &ModelConfig) -> u64 {
-        self.packed(config)
-            .iter()
-            .filter(|(p, _)| Self::takes_dense_copy(p, &self.tensors[&format!("{p}.weight")]))
-            .map(|(p, q)| {
-                let w = &self.tensors[&format!("{p}.weight")];
-                let s = &self.tensors[&format!("{p}.scales")];
-                (w.size() * 32 / q.bits as usize * s.item_size()) as u64
-            })
-            .sum()
+        self.expanded_bytes_of(config, Self::takes_dense_copy)
     }
 
     /// From now on, packed decoder-layer linears loaded from these weights

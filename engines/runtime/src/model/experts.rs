@@ -339,6 +339,7 @@ impl SwitchLinear {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::layers::tests::values;
 
     /// Every expert's projection `[experts, out, 64]`, quantized to `bits`.
     fn quantized(out: i32, bits: i32, seed: u64) -> SwitchLinear {
@@ -352,13 +353,6 @@ mod tests {
             group_size: 64,
             bits,
         }
-    }
-
-    fn values(a: &Array) -> Vec<f32> {
-        a.add(Array::from_f32(0.0))
-            .unwrap()
-            .as_slice::<f32>()
-            .to_vec()
     }
 
     #[test]
