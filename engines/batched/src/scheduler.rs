@@ -99,6 +99,10 @@ pub struct Scheduler {
     /// how many of its tokens had KV then (see
     /// [`Scheduler::recover_from_oom`]).
     lone_oom: Option<(RequestId, usize)>,
+    /// Where this step's time went, for the step log.
+    times: StepTimes,
+    /// When the previous step started.
+    last_step: Option<Instant>,
     shutting_down: bool,
 }
 
@@ -125,6 +129,8 @@ impl Scheduler {
             preempted: VecDeque::new(),
             row_cap: None,
             lone_oom: None,
+            times: StepTimes::default(),
+            last_step: None,
             shutting_down: false,
         }
     }
@@ -168,8 +174,10 @@ impl Scheduler {
             // device must see this work to hand over and let it run.
             self.publish();
             let started = Instant::now();
+            let period = self.last_step.replace(started).map(|t| started - t);
             let (rows, group, prefill) =
                 (self.rows.len(), self.group.len(), self.prefill.is_some());
+            self.times = StepTimes::default();
             let result = self.step();
             // Per step, for finding where a slow batch spends its time
             // (`RUST_LOG=batched=debug`; through the gateway `plugin=debug`).
@@ -179,6 +187,10 @@ impl Scheduler {
                 prefill,
                 columns = self.batch.as_ref().map_or(0, |b| b.len()),
                 ms = started.elapsed().as_secs_f64() * 1e3,
+                built_ms = ms(self.times.built),
+                launched_ms = ms(self.times.launched),
+                waited_ms = ms(self.times.waited),
+                period_ms = period.map_or(0.0, ms),
                 "step"
             );
             match result {
@@ -267,10 +279,9 @@ impl Scheduler {
     }
 
     fn join_batch(&mut self, rows: Vec<Row>, cache: KvCache) -> anyhow::Result<()> {
-        let merged = self.paged(cache).and_then(|cache| match self.batch.take() {
-            Some(b) => KvCache::merge(vec![b, cache]),
-            None => Ok(cache),
-        });
+        let merged = self
+            .paged(cache)
+            .and_then(|cache| KvCache::join(self.batch.take(), cache));
         match merged {
             Ok(b) => {
                 self.batch = Some(b);
@@ -649,7 +660,10 @@ impl Scheduler {
             }
         }
         let prev = self.pending.take();
-        let next = match self.queue_step(prev.as_ref()) {
+        let building = Instant::now();
+        let built = self.queue_step(prev.as_ref());
+        self.times.built += building.elapsed();
+        let next = match built {
             Ok(next) => next,
             Err(e) => {
                 // Read by `step`'s recovery.
@@ -660,7 +674,9 @@ impl Scheduler {
         if !pipelined {
             return self.land(next);
         }
+        let launching = Instant::now();
         async_eval(next.arrays())?;
+        self.times.launched += launching.elapsed();
         self.pending = Some(next);
         match prev {
             Some(prev) => self.land(prev),
@@ -697,6 +713,9 @@ impl Scheduler {
     /// leave the batch.
     fn land(&mut self, step: Step) -> anyhow::Result<()> {
         let n = step.rows;
+        let waiting = Instant::now();
+        eval(step.arrays())?;
+        self.times.waited += waiting.elapsed();
         let finished = land_step(&mut self.rows[..n], step)?;
         if !finished.is_empty() {
             self.remove_rows(&finished);
@@ -807,6 +826,20 @@ impl Scheduler {
             r.finish(FinishReason::Cancelled);
         }
     }
+}
+
+/// A step's decode time by phase: building the next step's graph,
+/// launching it (MLX encodes its kernels on this thread), and waiting for
+/// the device to finish the previous one. The rest is the host's own work.
+#[derive(Default)]
+struct StepTimes {
+    built: Duration,
+    launched: Duration,
+    waited: Duration,
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
 }
 
 /// How long the row count that ran out of memory stays out of reach.

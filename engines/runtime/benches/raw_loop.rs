@@ -127,7 +127,7 @@ fn ours(dir: &Path, a: &Args) -> (f64, f64) {
             let blocks = a.batch * (a.prompt + a.gen).div_ceil(16) + 1;
             runtime::paged::PagePool::new(m.num_layers(), blocks, 16).unwrap()
         });
-        if let (Some(pool), true, 1) = (&pool, a.pipelined, a.batch) {
+        if let (Some(pool), true, 1, false) = (&pool, a.pipelined, a.batch, a.stepwise) {
             for rep in 0..=a.reps {
                 let (p, d) = pipelined_rates(&loaded.model, pool, &prompt, a.gen);
                 if rep > 0 {
@@ -213,25 +213,32 @@ fn batch_step_rates(
     eval([&current]).unwrap();
     let prefill = start.elapsed().as_secs_f64();
     let start = Instant::now();
-    let mut building = std::time::Duration::ZERO;
+    let (mut building, mut launching, mut waiting) = Default::default();
     for _ in 1..gen {
         let t = Instant::now();
         let logits = model.forward(&current, &mut cache, Logits::Last).unwrap();
-        building += t.elapsed();
         let next = generate::argmax_tokens(&logits).unwrap();
+        building += t.elapsed();
+        let t = Instant::now();
         if pipelined {
             async_eval([&next]).unwrap();
         } else {
             eval([&next]).unwrap();
         }
+        launching += t.elapsed();
+        let t = Instant::now();
         let _ = current.as_slice::<i32>();
+        waiting += t.elapsed();
         current = next;
     }
     let _ = current.as_slice::<i32>();
     let rows = prompts.len() as f64;
+    let per_step = |d: std::time::Duration| d.as_secs_f64() * 1e3 / (gen - 1) as f64;
     println!(
-        "graph building: {:.3} ms per step",
-        building.as_secs_f64() * 1e3 / (gen - 1) as f64
+        "graph building: {:.3} ms per step, launching {:.3} ms, waiting {:.3} ms",
+        per_step(building),
+        per_step(launching),
+        per_step(waiting)
     );
     (
         rows * prompts[0].len() as f64 / prefill,

@@ -760,6 +760,24 @@ impl KvCache {
         })
     }
 
+    /// `part`'s rows appended to `batch` (or on their own, without one),
+    /// right-aligned as [`KvCache::merge`] has them. A paged cache then
+    /// lets go of the leading columns every row pads: they hold no blocks,
+    /// and a lone row left unpadded attends as a plain sequence does (on a
+    /// GPU through MLX's vector kernel; a padded row takes the ragged
+    /// kernel, whose one block per query head is slower for a single row).
+    pub fn join(batch: Option<KvCache>, part: KvCache) -> anyhow::Result<KvCache> {
+        let mut out = match batch {
+            Some(b) => Self::merge(vec![b, part])?,
+            None => part,
+        };
+        let common = out.left_pad.iter().copied().min().unwrap_or(0);
+        if out.paged.is_some() && common > 0 {
+            out.drop_leading(common)?;
+        }
+        Ok(out)
+    }
+
     /// [`KvCache::merge`] of paged caches: their tables stacked, no copy.
     fn merge_paged(pool: PagePool, parts: Vec<KvCache>, len: i32) -> anyhow::Result<KvCache> {
         let recurrent = merge_recurrent(&parts)?;

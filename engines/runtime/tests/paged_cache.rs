@@ -252,3 +252,41 @@ fn batch_operations_on_a_paged_cache_match_the_contiguous_ones() {
         assert_eq!(pool.free_blocks(), pool.usable(), "{name}: blocks leaked");
     }
 }
+
+/// A prompt prefilled alone but padded (a group's repeating width on a
+/// GPU) joins a paged batch without its padding, and decodes what the
+/// padded contiguous row does.
+#[test]
+fn a_lone_padded_row_joins_a_paged_batch_without_its_padding() {
+    for (name, dir, kv) in models() {
+        let model = load(&dir, kv);
+        let m = &model.model;
+        let pool = pool(m);
+        let prompt = random_prompt(4, 11, 500);
+        let (ids, pads) = left_padded(std::iter::once(prompt.as_slice()), 16);
+        let mut caches = [
+            m.new_padded_cache(pads.clone()),
+            m.new_paged_cache(&pool, pads),
+        ];
+        let first = tokens(&m.forward(&ids, &mut caches[0], Logits::Last).unwrap());
+        m.forward(&ids, &mut caches[1], Logits::Last).unwrap();
+        let [contiguous, paged] = caches;
+        let contiguous = KvCache::join(None, contiguous).unwrap();
+        let paged = KvCache::join(None, paged).unwrap();
+        assert_eq!(contiguous.left_padding(), &[5], "{name}");
+        assert_eq!(paged.left_padding(), &[0], "{name}");
+        assert_eq!(paged.len(), prompt.len() as i32, "{name}");
+        let mut twin = Twin {
+            m,
+            caches: [contiguous, paged],
+            worst: 0.0,
+        };
+        let mut next = first;
+        for _ in 0..20 {
+            next = twin.step(&next);
+        }
+        assert!(twin.worst < 1e-4, "{name}: logits off by {}", twin.worst);
+        drop(twin);
+        assert_eq!(pool.free_blocks(), pool.usable(), "{name}: blocks leaked");
+    }
+}

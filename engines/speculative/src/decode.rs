@@ -457,10 +457,7 @@ impl Batch {
     /// back with the error.
     pub fn join(&mut self, mut seq: Sequence) -> Result<(), (Sequence, anyhow::Error)> {
         let own = seq.take_cache();
-        let stacked = match self.cache.take() {
-            None => Ok(own),
-            Some(cache) => KvCache::merge(vec![cache, own]),
-        };
+        let stacked = KvCache::join(self.cache.take(), own);
         match stacked {
             Ok(cache) => {
                 self.cache = Some(cache);
