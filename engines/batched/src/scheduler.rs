@@ -186,7 +186,7 @@ impl Scheduler {
                 group,
                 prefill,
                 columns = self.batch.as_ref().map_or(0, |b| b.len()),
-                ms = started.elapsed().as_secs_f64() * 1e3,
+                ms = ms(started.elapsed()),
                 built_ms = ms(self.times.built),
                 launched_ms = ms(self.times.launched),
                 waited_ms = ms(self.times.waited),

@@ -2,6 +2,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use engine_core::event::EventSender;
 use engine_core::{Event, FinishReason, GenerateRequest, SamplingParams, StreamError};
@@ -133,20 +134,21 @@ fn decode(shared: &Arc<SharedModel>, out: &mut Emitter) -> anyhow::Result<End> {
     shared
         .prefix
         .insert(scope.as_deref(), &seen, stream.cache());
-    // Decode time on this side of HTTP, from the first token read.
-    let mut decoding: Option<(std::time::Instant, usize)> = None;
+    // When the first token was read: the decode rate on this side of HTTP,
+    // to set beside the client's figures.
+    let mut first_read = None;
     loop {
         let hand_over = shared.handover_sink().filter(|s| s.busy());
         // Queue the next step unless this is the last token we may need or
         // we are about to hand over.
         let token = stream.next_token(hand_over.is_none() && out.generated() + 1 < max_tokens)?;
         seen.push(token);
-        let (since, read) = decoding.get_or_insert_with(|| (std::time::Instant::now(), 0));
-        *read += 1;
+        let since = *first_read.get_or_insert_with(Instant::now);
         let end = out.plain(token);
-        if end.is_some() && *read > 1 {
-            let tok_s = (*read - 1) as f64 / since.elapsed().as_secs_f64();
-            tracing::debug!(tokens = *read, tok_s, "fast path decode");
+        let read = seen.len() - out.request.prompt.len();
+        if end.is_some() && read > 1 {
+            let tok_s = (read - 1) as f64 / since.elapsed().as_secs_f64();
+            tracing::debug!(tokens = read, tok_s, "fast path decode");
         }
         if end.is_some() || hand_over.is_some() {
             // Published before the final event: the chat's next turn,

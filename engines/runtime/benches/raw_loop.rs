@@ -46,6 +46,9 @@ struct Args {
     paged: bool,
     gather: bool,
     pipelined: bool,
+    /// Blocks in the paged pool (at least what the rows need): a server's
+    /// pool is as large as its memory budget allows.
+    pool_blocks: usize,
 }
 
 fn args() -> Args {
@@ -62,6 +65,7 @@ fn args() -> Args {
         paged: false,
         gather: false,
         pipelined: false,
+        pool_blocks: 0,
     };
     let argv: Vec<String> = std::env::args().collect();
     let mut i = 1;
@@ -86,6 +90,7 @@ fn args() -> Args {
             "--gen" => a.gen = value.parse().expect("tokens to generate"),
             "--reps" => a.reps = value.parse().expect("repetitions"),
             "--batch" => a.batch = value.parse().expect("rows"),
+            "--pool-blocks" => a.pool_blocks = value.parse().expect("blocks"),
             _ => {
                 i += 1;
                 continue;
@@ -124,7 +129,8 @@ fn ours(dir: &Path, a: &Args) -> (f64, f64) {
         }
         let pool = a.paged.then(|| {
             let m = &loaded.model;
-            let blocks = a.batch * (a.prompt + a.gen).div_ceil(16) + 1;
+            let needed = a.batch * (a.prompt + a.gen).div_ceil(16) + 1;
+            let blocks = a.pool_blocks.max(needed);
             runtime::paged::PagePool::new(m.num_layers(), blocks, 16).unwrap()
         });
         if let (Some(pool), true, 1, false) = (&pool, a.pipelined, a.batch, a.stepwise) {
@@ -219,6 +225,7 @@ fn batch_step_rates(
         let logits = model.forward(&current, &mut cache, Logits::Last).unwrap();
         let next = generate::argmax_tokens(&logits).unwrap();
         building += t.elapsed();
+
         let t = Instant::now();
         if pipelined {
             async_eval([&next]).unwrap();

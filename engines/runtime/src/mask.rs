@@ -80,22 +80,25 @@ fn ragged(rows: i32, n: i32, total: i32) -> Option<bool> {
 
 /// Mask for `n` new queries appended to `cache` (before the cache grows).
 /// `window` limits each query to the last `window` positions (Gemma 3
-/// sliding layers).
-pub fn build(cache: &KvCache, n: i32, window: Option<i32>) -> AttnMask {
+/// sliding layers). `fused`: whether MLX fuses attention for the layers'
+/// head widths ([`crate::ragged::mlx_fuses`]); where it does not, a GPU
+/// gives even a plain sequence's step to the ragged kernel.
+pub fn build(cache: &KvCache, n: i32, window: Option<i32>, fused: bool) -> AttnMask {
     let past = cache.len();
     let total = past + n;
     let pads = cache.left_padding();
     let padded = cache.batch_size() > 1 || pads.iter().any(|&p| p > 0);
     let window_bites = window.is_some_and(|w| total > w);
     // One unpadded sequence within its window: MLX's own kernels, except
-    // for a verify's block (a causal block over a grown context) and a
-    // paged cache's prefill on a GPU, whose blocks only the ragged kernel
-    // reads in place. A paged single decode row gathers its blocks for
-    // MLX's vector kernel, which spreads the keys over many blocks where
-    // ours gives each key head one block (8 blocks for Qwen3-4B's row).
+    // for a verify's block (a causal block over a grown context), a paged
+    // cache's prefill on a GPU, whose blocks only the ragged kernel reads
+    // in place, and heads MLX does not fuse. A paged single decode row of
+    // fused heads gathers its blocks for MLX's vector kernel, which spreads
+    // the keys over many blocks where ours gives each key head one block
+    // (8 blocks for Qwen3-4B's row).
     let plain = !padded && !window_bites;
-    let paged_kernel = cache.page_pool().is_some() && on_gpu() && n > 1;
-    if plain && (n == 1 || past == 0) && !paged_kernel {
+    let kernel_first = on_gpu() && (!fused || (cache.page_pool().is_some() && n > 1));
+    if plain && (n == 1 || past == 0) && !kernel_first {
         return if n == 1 {
             AttnMask::None
         } else {

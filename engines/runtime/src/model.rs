@@ -325,11 +325,12 @@ impl Model {
     ) -> anyhow::Result<Tapped> {
         let n = tokens.dim(1);
         let h = self.embed(tokens)?;
-        let global_mask = mask::build(cache, n, None);
+        let fused = attention_fused(&self.layers);
+        let global_mask = mask::build(cache, n, None, fused);
         let window_mask = self
             .config
             .sliding_window
-            .map(|w| mask::build(cache, n, Some(w)));
+            .map(|w| mask::build(cache, n, Some(w), fused));
         self.run_layers(
             tokens,
             h,
@@ -691,6 +692,15 @@ impl Layer {
         }
         Ok((h, kv))
     }
+}
+
+/// Whether MLX fuses attention for every attention layer's head width
+/// ([`crate::ragged::mlx_fuses`]).
+fn attention_fused(layers: &[Layer]) -> bool {
+    layers.iter().all(|l| match &l.mixer {
+        Mixer::Attention(a) => crate::ragged::mlx_fuses(a.head_dim),
+        Mixer::Linear(_) => true,
+    })
 }
 
 /// Gemma's residual add, clipped in float16 to avoid overflow to inf.

@@ -43,6 +43,16 @@ pub fn takes(rows: i32, n: i32, total: i32) -> bool {
         || (n <= MAX_QUERIES && rows as i64 * n as i64 * total as i64 <= MAX_PREFILL_WORK)
 }
 
+/// Whether MLX's own attention is fused for heads of `dim` on a GPU. MLX
+/// 0.32's CUDA backend fuses head widths 64, 96 and 128 only (its vector
+/// kernel, and cuDNN up to 128); other widths (Gemma's 256 and 512, Qwen
+/// 3.5's 256) run unfused: two matmuls, a softmax and about a dozen views
+/// and broadcasts a layer, each a node of the step's graph. For those the
+/// kernel takes every step it can ([`crate::mask::build`]).
+pub fn mlx_fuses(dim: i32) -> bool {
+    matches!(dim, 64 | 96 | 128)
+}
+
 /// Warps per block: each takes every `WARPS`-th chunk of 32 keys of its
 /// query's range.
 const WARPS: i32 = 4;

@@ -46,7 +46,7 @@ impl Model {
         let global_causal = self.config.family == Family::Gemma4;
         let build = |window: Option<i32>| {
             if blocks.is_empty() || (window.is_none() && global_causal) {
-                mask::build(cache, n, window)
+                mask::build(cache, n, window, super::attention_fused(&self.layers))
             } else {
                 image_mask::with_image_blocks(cache, n, window, blocks)
             }

@@ -23,8 +23,9 @@ const SORT_FROM: usize = 64;
 pub(crate) fn top_k(scores: &Array, k: i32) -> R<Array> {
     let experts = scores.dim(-1);
     let kth = experts - k;
-    let part = ops::argpartition_axis(scores, kth, -1)?;
-    part.take_axis(Array::from_iter(kth..experts, &[k]), -1)
+    // A slice, not a gather of the last k positions: one graph node
+    // instead of a host array and three nodes, in every MoE layer's step.
+    ops::argpartition_axis(scores, kth, -1)?.try_index((Ellipsis, kth..experts))
 }
 
 /// One projection of every expert, `[experts, out, in]`.

@@ -129,7 +129,7 @@ impl MtpHead {
         let mut h = self
             .fc
             .forward(&ops::concatenate(&[embedded, hidden], -1)?)?;
-        let mask = mask::build(cache, n, None);
+        let mask = mask::build(cache, n, None, super::attention_fused(&self.layers));
         let offsets = Offsets::Scalar(position);
         for (i, layer) in self.layers.iter().enumerate() {
             h = layer
