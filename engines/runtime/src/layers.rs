@@ -12,10 +12,6 @@ type R<T> = Result<T, mlx_rs::error::Exception>;
 pub enum Linear {
     Dense {
         weight: Array,
-        /// `weight` transposed for the products: a view of its buffer,
-        /// made once (on its first use) rather than as a node of every
-        /// step's graph, where MLX CUDA spends host time on each node.
-        t: Array,
         bias: Option<Array>,
     },
     Quantized {
@@ -50,11 +46,6 @@ fn rows(x: &Array) -> i32 {
 }
 
 impl Linear {
-    fn dense(weight: Array, bias: Option<Array>) -> Self {
-        let t = weight.t();
-        Linear::Dense { weight, t, bias }
-    }
-
     pub fn load(
         w: &mut Weights,
         prefix: &str,
@@ -80,7 +71,7 @@ impl Linear {
                     expanded,
                 })
             }
-            _ => Ok(Linear::dense(weight, bias)),
+            _ => Ok(Linear::Dense { weight, bias }),
         }
     }
 
@@ -105,7 +96,7 @@ impl Linear {
         }
         let layer = Self::load(w, prefix, quant)?;
         match &layer {
-            Linear::Dense { weight, bias, .. } => {
+            Linear::Dense { weight, bias } => {
                 w.check_shape(&name, weight, &[out_features, in_features])?;
                 if let Some(b) = bias {
                     w.check_shape(&format!("{prefix}.bias"), b, &[out_features])?;
@@ -136,10 +127,11 @@ impl Linear {
 
     pub fn forward(&self, x: &Array) -> R<Array> {
         match self {
-            Linear::Dense { t, bias: None, .. } => x.matmul(t),
+            Linear::Dense { weight, bias: None } => x.matmul(weight.t()),
             Linear::Dense {
-                t, bias: Some(b), ..
-            } => ops::addmm(b, x, t, None, None),
+                weight,
+                bias: Some(b),
+            } => ops::addmm(b, x, weight.t(), None, None),
             Linear::Quantized {
                 weight,
                 scales,
@@ -170,7 +162,7 @@ impl Linear {
 
     pub fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
         match self {
-            Linear::Dense { weight, bias, .. } => {
+            Linear::Dense { weight, bias } => {
                 out.extend(std::iter::once(weight).chain(bias.as_ref()))
             }
             Linear::Quantized {
@@ -213,7 +205,12 @@ impl Linear {
             })
             .collect();
         if let Some(ws) = dense {
-            return Some((|| Ok(Linear::dense(cat(ws)?, bias.transpose()?)))());
+            return Some((|| {
+                Ok(Linear::Dense {
+                    weight: cat(ws)?,
+                    bias: bias.transpose()?,
+                })
+            })());
         }
         let mut spec = None;
         let (mut ws, mut ss, mut bs, mut es) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
