@@ -67,14 +67,14 @@ pub fn set_ragged_attention(mode: RaggedAttention) {
 
 /// `Some(kernel?)` when `n` queries a row over `total` columns of `rows`
 /// rows attend as [`AttnMask::Ragged`].
-fn ragged(rows: i32, n: i32, total: i32) -> Option<bool> {
+fn ragged(rows: i32, n: i32, total: i32, gpu: bool) -> Option<bool> {
     if !crate::ragged::takes(rows, n, total) {
         return None;
     }
     match RAGGED.with(Cell::get) {
         RaggedAttention::Never => None,
-        RaggedAttention::Always => Some(on_gpu()),
-        RaggedAttention::Auto => on_gpu().then_some(true),
+        RaggedAttention::Always => Some(gpu),
+        RaggedAttention::Auto => gpu.then_some(true),
     }
 }
 
@@ -84,6 +84,11 @@ fn ragged(rows: i32, n: i32, total: i32) -> Option<bool> {
 /// head widths ([`crate::ragged::mlx_fuses`]); where it does not, a GPU
 /// gives even a plain sequence's step to the ragged kernel.
 pub fn build(cache: &KvCache, n: i32, window: Option<i32>, fused: bool) -> AttnMask {
+    build_on(cache, n, window, fused, on_gpu())
+}
+
+/// [`build`] for a GPU (`gpu`) or the CPU.
+fn build_on(cache: &KvCache, n: i32, window: Option<i32>, fused: bool, gpu: bool) -> AttnMask {
     let past = cache.len();
     let total = past + n;
     let pads = cache.left_padding();
@@ -97,22 +102,24 @@ pub fn build(cache: &KvCache, n: i32, window: Option<i32>, fused: bool) -> AttnM
     // the keys over many blocks where ours gives each key head one block
     // (8 blocks for Qwen3-4B's row).
     let plain = !padded && !window_bites;
-    let kernel_first = on_gpu() && (!fused || (cache.page_pool().is_some() && n > 1));
+    // MLX's own mask for it: none for one query, causal (aligned to the
+    // last key) for several.
+    let mlx_plain = || match n {
+        1 => AttnMask::None,
+        _ => AttnMask::Causal,
+    };
+    let kernel_first = gpu && (!fused || (cache.page_pool().is_some() && n > 1));
     if plain && (n == 1 || past == 0) && !kernel_first {
-        return if n == 1 {
-            AttnMask::None
-        } else {
-            AttnMask::Causal
-        };
+        return mlx_plain();
     }
-    match ragged(cache.batch_size() as i32, n, total) {
+    match ragged(cache.batch_size() as i32, n, total, gpu) {
         Some(kernel) => AttnMask::Ragged(Ragged {
             meta: crate::ragged::meta(pads, window, total),
             starts: pads.to_vec(),
             window,
             kernel,
         }),
-        None if plain => AttnMask::Causal,
+        None if plain => mlx_plain(),
         None => AttnMask::Array(ragged_mask(pads, n, total, window)),
     }
 }
@@ -151,5 +158,55 @@ pub fn on_gpu() -> bool {
             && kind == mlx_sys::mlx_device_type__MLX_GPU;
         mlx_sys::mlx_device_free(device);
         gpu
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn one_row(len: i32) -> KvCache {
+        let mut cache = KvCache::with_formats(vec![None], vec![0]);
+        cache.advance(len);
+        cache
+    }
+
+    fn kernel(mask: &AttnMask) -> Option<bool> {
+        match mask {
+            AttnMask::Ragged(r) => Some(r.kernel),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn a_gpu_gives_plain_steps_of_heads_mlx_does_not_fuse_to_the_kernel() {
+        let cache = one_row(40);
+        // Heads MLX fuses: its own kernels, on a GPU as on the CPU.
+        assert!(matches!(
+            build_on(&cache, 1, None, true, true),
+            AttnMask::None
+        ));
+        // Heads it does not: a decode step and a verify go to the kernel.
+        assert_eq!(kernel(&build_on(&cache, 1, None, false, true)), Some(true));
+        assert_eq!(kernel(&build_on(&cache, 8, None, false, true)), Some(true));
+        // The CPU has no kernel.
+        assert!(matches!(
+            build_on(&cache, 1, None, false, false),
+            AttnMask::None
+        ));
+        // A short prefill goes to the kernel, one past its budget to MLX.
+        let fresh = one_row(0);
+        assert_eq!(
+            kernel(&build_on(&fresh, 100, None, false, true)),
+            Some(true)
+        );
+        assert!(matches!(
+            build_on(&fresh, 300, None, false, true),
+            AttnMask::Causal
+        ));
+        assert!(matches!(
+            build_on(&fresh, 100, None, true, true),
+            AttnMask::Causal
+        ));
     }
 }
