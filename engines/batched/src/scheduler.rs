@@ -887,6 +887,7 @@ impl RowCap {
 /// complete or allows nothing more, keeping the output so far.
 fn advance_rows(rows: &mut [Row], logits: &Array) -> anyhow::Result<Vec<(usize, FinishReason)>> {
     let step = sample_step(rows, logits)?;
+    eval(step.arrays())?;
     land_step(rows, step)
 }
 
@@ -959,10 +960,10 @@ fn sample_step(rows: &mut [Row], logits: &Array) -> anyhow::Result<Step> {
     })
 }
 
-/// Reads a step's picks and records each row's token (penalty counts,
-/// stream, counts, grammar); returns the rows that finished.
+/// Reads a step's picks (evaluated by the caller, which times the wait)
+/// and records each row's token (penalty counts, stream, counts,
+/// grammar); returns the rows that finished.
 fn land_step(rows: &mut [Row], step: Step) -> anyhow::Result<Vec<(usize, FinishReason)>> {
-    eval(step.arrays())?;
     let tokens = step.tokens.as_slice::<u32>();
     let (masks, lps) = (&step.masks, &step.logprobs);
     let mut finished = Vec::new();

@@ -225,7 +225,6 @@ fn batch_step_rates(
         let logits = model.forward(&current, &mut cache, Logits::Last).unwrap();
         let next = generate::argmax_tokens(&logits).unwrap();
         building += t.elapsed();
-
         let t = Instant::now();
         if pipelined {
             async_eval([&next]).unwrap();
