@@ -53,6 +53,9 @@ def parse_args():
     p.add_argument("--config", type=Path, default=ROOT / "config.yaml", help="our default configuration (its policy is `ours-default`)")
     p.add_argument("--kv-cache-mb", type=int, help="override the config's KV pool size")
     p.add_argument("--kv-layout", choices=["contiguous", "paged"], help="override the config's model.kv_layout")
+    p.add_argument("--memory-fraction", type=float,
+                   help="override the config's memory.fraction (servers up at once share the GPU: two of ours "
+                        "beside mlx_lm.server fit an 80 GB card at 0.3 each)")
     p.add_argument("--levels", default="1,2,4,8,16")
     p.add_argument("--rounds", type=int, default=2, help="requests per client per level")
     p.add_argument("--min-requests", type=int, default=4)
@@ -124,6 +127,8 @@ def our_config(args, variant, model, out):
         config["model"]["kv_cache_mb"] = args.kv_cache_mb
     if args.kv_layout:
         config["model"]["kv_layout"] = args.kv_layout
+    if args.memory_fraction:
+        config.setdefault("memory", {})["fraction"] = args.memory_fraction
     if variant != "default":
         config["engines"] = {variant: (config.get("engines") or {}).get(variant) or {"kind": variant}}
         config["policy"] = {"default": variant}
@@ -438,6 +443,20 @@ def write_docs(args, section_text):
     log(f"wrote the {args.section} section of {args.docs}")
 
 
+def warn_shared_budget(args, names):
+    """Our servers up at once each take their memory.fraction of the GPU;
+    past about 80% together, with a peer beside them, a burst runs out of
+    device memory (an H200 did at 0.45 each beside mlx_lm.server)."""
+    if args.sequential:
+        return
+    ours = [n for n in names if n.startswith("ours-")]
+    fraction = args.memory_fraction or (yaml.safe_load(args.config.read_text()).get("memory") or {}).get("fraction")
+    if fraction and len(ours) * fraction > 0.8:
+        print(f"[bench_serving] warning: {len(ours)} of our servers up at once budget {len(ours) * fraction:.0%} "
+              f"of the GPU (memory.fraction {fraction}); pass --memory-fraction (0.3) or --sequential",
+              file=sys.stderr, flush=True)
+
+
 def main():
     args = parse_args()
     t0 = time.time()
@@ -447,6 +466,7 @@ def main():
     out = (args.out or ROOT / "target" / "bench-serving" / args.section).resolve()
     out.mkdir(parents=True, exist_ok=True)
     names = servers(args)
+    warn_shared_budget(args, names)
     results = sweep(args, names, gateway, bench, python, model, out)
 
     svg = out / f"serving-{args.section}.svg"
