@@ -118,17 +118,23 @@ def free_port():
         return s.getsockname()[1]
 
 
-def our_config(args, variant, model, out):
-    """config.yaml with the model, and for the single-engine variants only
-    that engine and a default-only policy."""
+def base_config(args):
+    """--config with the command line's overrides, for every variant."""
     config = yaml.safe_load(args.config.read_text())
-    config["model"]["path"] = str(model)
     if args.kv_cache_mb:
         config["model"]["kv_cache_mb"] = args.kv_cache_mb
     if args.kv_layout:
         config["model"]["kv_layout"] = args.kv_layout
     if args.memory_fraction:
         config.setdefault("memory", {})["fraction"] = args.memory_fraction
+    return config
+
+
+def our_config(args, variant, model, out):
+    """config.yaml with the model, and for the single-engine variants only
+    that engine and a default-only policy."""
+    config = base_config(args)
+    config["model"]["path"] = str(model)
     if variant != "default":
         config["engines"] = {variant: (config.get("engines") or {}).get(variant) or {"kind": variant}}
         config["policy"] = {"default": variant}
@@ -450,11 +456,10 @@ def warn_shared_budget(args, names):
     if args.sequential:
         return
     ours = [n for n in names if n.startswith("ours-")]
-    fraction = args.memory_fraction or (yaml.safe_load(args.config.read_text()).get("memory") or {}).get("fraction")
+    fraction = (base_config(args).get("memory") or {}).get("fraction")
     if fraction and len(ours) * fraction > 0.8:
-        print(f"[bench_serving] warning: {len(ours)} of our servers up at once budget {len(ours) * fraction:.0%} "
-              f"of the GPU (memory.fraction {fraction}); pass --memory-fraction (0.3) or --sequential",
-              file=sys.stderr, flush=True)
+        log(f"warning: {len(ours)} of our servers up at once budget {len(ours) * fraction:.0%} "
+            f"of the GPU (memory.fraction {fraction}); pass --memory-fraction (0.3) or --sequential")
 
 
 def main():

@@ -44,9 +44,10 @@ impl Model {
         let h = self.scale_embeddings(ops::select(&replace.mask, &rows, &text)?)?;
         let blocks = &replace.blocks;
         let global_causal = self.config.family == Family::Gemma4;
+        let fused = super::attention_fused(&self.layers);
         let build = |window: Option<i32>| {
             if blocks.is_empty() || (window.is_none() && global_causal) {
-                mask::build(cache, n, window, super::attention_fused(&self.layers))
+                mask::build(cache, n, window, fused)
             } else {
                 image_mask::with_image_blocks(cache, n, window, blocks)
             }
