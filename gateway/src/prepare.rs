@@ -9,13 +9,14 @@
 use std::sync::Arc;
 
 use engine_core::{GenerateRequest, Grammar};
+use grammar::CallRule;
 use serde_json::Value;
 use text::reasoning::ReasoningFormat;
 use text::template::TemplateError;
 use text::tools::{ToolFormat, ToolParser, ToolSchemas};
 use text::RenderOptions;
 
-use crate::api::chat::{ChatRequest, ToolChoice};
+use crate::api::chat::{CallSchema, ChatRequest, ToolChoice};
 use crate::api::completions::{CompletionRequest, Prompt};
 use crate::api::structured::StructuredOutput;
 use crate::api::validate::{resolve_max_tokens, GenOptions};
@@ -100,14 +101,21 @@ pub async fn chat(
         max_param,
     )?;
     let family = state.registry.shared.model.model.config.family;
-    let source = match (&request.options.structured, &request.tool_choice) {
-        (Some(given), _) => Some(GrammarSource::Given(given.clone())),
-        (None, ToolChoice::Required | ToolChoice::Named(_)) => Some(GrammarSource::ToolCalls {
+    let source = match &request.options.structured {
+        Some(given) => Some(GrammarSource::Given(given.clone())),
+        None if has_tools => Some(GrammarSource::ToolCalls {
             format: family.tool_format(),
-            tools: request.offered_tools().unwrap_or_default(),
-            many: request.tool_choice == ToolChoice::Required && request.parallel_tool_calls,
+            tools: request.call_schemas(),
+            rule: CallRule {
+                forced: matches!(
+                    request.tool_choice,
+                    ToolChoice::Required | ToolChoice::Named(_)
+                ),
+                parallel: request.parallel_tool_calls
+                    && !matches!(request.tool_choice, ToolChoice::Named(_)),
+            },
         }),
-        (None, _) => None,
+        None => None,
     };
     let reasoning = family.reasoning_format();
     let starts_in_reasoning = ends_in_reasoning(&rendered.text, reasoning);
@@ -279,11 +287,11 @@ fn engine_request(
 pub enum GrammarSource {
     /// Structured outputs the client gave.
     Given(StructuredOutput),
-    /// A forced tool call: `tools` as offered to the model.
+    /// Tool calls, held to the offered tools' parameters.
     ToolCalls {
         format: ToolFormat,
-        tools: Vec<Value>,
-        many: bool,
+        tools: Vec<CallSchema>,
+        rule: CallRule,
     },
 }
 
@@ -317,29 +325,27 @@ pub async fn grammar(
         })?;
         let (grammar, param) = match source {
             GrammarSource::Given(s) => (s.grammar, s.param),
-            GrammarSource::ToolCalls {
-                format,
-                tools,
-                many,
-            } => {
-                let tools: Vec<(String, Value)> = tools
-                    .iter()
-                    .map(|t| {
-                        let f = &t["function"];
-                        let parameters = match &f["parameters"] {
-                            Value::Null => serde_json::json!({"type": "object"}),
-                            p => p.clone(),
+            GrammarSource::ToolCalls { format, tools, rule } => {
+                for tool in &tools {
+                    compiler.check_schema(&tool.parameters).map_err(|e| {
+                        let at = match e.pointer.as_str() {
+                            "" => String::new(),
+                            pointer => format!(" at {pointer}"),
                         };
-                        (
-                            f["name"].as_str().unwrap_or_default().to_owned(),
-                            parameters,
+                        ApiError::invalid(
+                            format!(
+                                "tool `{}`: its parameters schema{at} cannot be used for constrained decoding: {}",
+                                tool.name, e.message
+                            ),
+                            format!("tools[{}].function.parameters", tool.index),
                         )
-                    })
+                    })?;
+                }
+                let tools: Vec<(String, Value)> = tools
+                    .into_iter()
+                    .map(|t| (t.name, t.parameters))
                     .collect();
-                (
-                    compiler.tool_calls(format, &tools, many),
-                    "tools".to_owned(),
-                )
+                (compiler.tool_calls(format, &tools, rule), "tools".to_owned())
             }
         };
         let grammar = match exempt {

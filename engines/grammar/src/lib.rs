@@ -20,6 +20,9 @@ use llguidance::{Matcher, ParserFactory, TokenParser};
 use serde_json::{json, Value};
 use text::tools::ToolFormat;
 
+mod schema;
+pub use schema::closed;
+
 /// Compiled grammars kept per compiler; past this the cache starts over.
 const CACHE_ENTRIES: usize = 256;
 
@@ -29,6 +32,25 @@ pub struct Compiler {
     eos: Arc<[u32]>,
     factory: ParserFactory,
     cache: Mutex<HashMap<u64, TokenParser>>,
+}
+
+/// How tool calls are held to their grammar.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallRule {
+    /// The output is calls only (`tool_choice` `required` or a function),
+    /// not text.
+    pub forced: bool,
+    /// More than one call may follow (`parallel_tool_calls`).
+    pub parallel: bool,
+}
+
+/// A JSON Schema llguidance cannot compile: where (a JSON Pointer into
+/// the schema, empty for the root) and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct SchemaError {
+    pub pointer: String,
+    pub message: String,
 }
 
 /// Why a grammar cannot be used; the message is meant for the client.
@@ -53,10 +75,19 @@ impl Compiler {
         })
     }
 
-    /// The grammar of a forced tool call in the model family's `format`: one
-    /// call (`many`: one or more) of one of `tools` (name, parameters
-    /// schema), its arguments valid against that tool's parameters.
-    pub fn tool_calls(&self, format: ToolFormat, tools: &[(String, Value)], many: bool) -> Grammar {
+    /// The grammar of tool calls in the model family's `format`, each a call
+    /// of one of `tools` (name, parameters schema) with its arguments valid
+    /// against that tool's parameters. Forced (`rule.forced`), the output is
+    /// calls only; otherwise it is free text, or calls from the moment one
+    /// starts in the family's format (its open tag; for Llama 3's bare JSON,
+    /// a message that starts with `{`). One call, or with `rule.parallel`
+    /// one or more.
+    pub fn tool_calls(
+        &self,
+        format: ToolFormat,
+        tools: &[(String, Value)],
+        rule: CallRule,
+    ) -> Grammar {
         let arguments_key = match format {
             ToolFormat::Llama3Json => "parameters",
             ToolFormat::Hermes | ToolFormat::Gemma => "arguments",
@@ -74,24 +105,80 @@ impl Compiler {
             .collect();
         let mut schema = json!({ "anyOf": bodies });
         schema["x-guidance"] = compact_json();
-        let call = match format.tags() {
-            Some(tags) => format!(
-                "{} \"\\n\" %json {schema} \"\\n\" {}",
-                self.spell(tags.open),
-                self.spell(tags.close)
-            ),
-            None => format!("%json {schema}"),
-        };
         let separator = match format {
             ToolFormat::Llama3Json => "\"; \"",
             ToolFormat::Hermes | ToolFormat::Gemma => "\"\\n\"",
         };
-        let start = if many {
-            format!("start: call ({separator} call)*")
+        let more = if rule.parallel {
+            format!("({separator} call)*")
         } else {
-            "start: call".to_owned()
+            String::new()
         };
-        Grammar::Lark(format!("{start}\ncall: {call}\n"))
+        // The arguments' schema appears once: `args`.
+        let start = match (format.tags(), rule.forced) {
+            (None, true) => format!("start: call {more}\ncall: args"),
+            // A message that starts with `{` is a call; text may not.
+            (None, false) => format!(
+                "start: TEXT? | call {more}\nTEXT: /(?s:\\s+|\\s*[^\\s{{\\[].*)/\ncall: args"
+            ),
+            (Some(tags), forced) => {
+                let (open, close) = (self.spell(tags.open), self.spell(tags.close));
+                let call = format!("call: {open} body\nbody: \"\\n\" args \"\\n\" {close}");
+                if forced {
+                    format!("start: call {more}\n{call}")
+                } else if self.is_special(tags.open) {
+                    // Text cannot spell a special token: the open tag ends it.
+                    format!("start: TEXT? (call {more})?\nTEXT: /(?s:.+)/\n{call}")
+                } else {
+                    // Text up to the first open tag (a lazy lexeme that ends
+                    // there), or text that never writes it.
+                    let tag = regex_escape(tags.open);
+                    format!(
+                        "start: TEXT? | lead body {more}\n\
+                         TEXT: /(?s:.+)/ & ~/(?s:.*{tag}.*)/\n\
+                         lead[lazy]: /(?s:.*{tag})/\n{call}"
+                    )
+                }
+            }
+        };
+        let lark = format!("{start}\nargs: %json {schema}\n");
+        Grammar::Lark(lark)
+    }
+
+    /// Whether `tag` is one special token of the tokenizer.
+    fn is_special(&self, tag: &str) -> bool {
+        match self.env.tokenize_bytes_special(tag.as_bytes())[..] {
+            [id] => self.env.tok_trie().token(id).first() == Some(&TokTrie::SPECIAL_TOKEN_MARKER),
+            _ => false,
+        }
+    }
+
+    /// Where a JSON Schema llguidance cannot compile goes wrong: the JSON
+    /// Pointer of the deepest subschema that fails on its own (the root's
+    /// definitions kept in reach of its `$ref`s), and why.
+    pub fn check_schema(&self, schema: &Value) -> Result<(), SchemaError> {
+        let Err(GrammarError(mut message)) = self.build_schema(schema) else {
+            return Ok(());
+        };
+        let mut pointer = String::new();
+        let mut at = schema;
+        'deeper: loop {
+            for (suffix, child) in schema::children(at) {
+                if let Err(GrammarError(why)) = self.build_schema(&with_definitions(child, schema))
+                {
+                    pointer.push_str(&suffix);
+                    message = why;
+                    at = child;
+                    continue 'deeper;
+                }
+            }
+            break;
+        }
+        Err(SchemaError { pointer, message })
+    }
+
+    fn build_schema(&self, schema: &Value) -> Result<TokenParser, GrammarError> {
+        self.build(&Grammar::JsonSchema(schema.to_string()))
     }
 
     /// A tag as a Lark sequence, as the tokenizer reads it: its special
@@ -142,20 +229,25 @@ impl Compiler {
         if let Some(parser) = self.cache.lock().unwrap().get(&key) {
             return Ok(Constraint::new(parser.clone(), self.eos.clone()));
         }
-        let top = self.top_level(grammar)?;
-        // Arbitrary client grammars reach the compiler: a panic in it is
-        // that grammar's failure, not the server's.
-        let parser = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            self.factory.create_parser(top)
-        }))
-        .map_err(|_| GrammarError("the grammar compiler failed on this grammar".into()))?
-        .map_err(|e| GrammarError(e.to_string()))?;
+        let parser = self.build(grammar)?;
         let mut cache = self.cache.lock().unwrap();
         if cache.len() >= CACHE_ENTRIES {
             cache.clear();
         }
         cache.insert(key, parser.clone());
         Ok(Constraint::new(parser, self.eos.clone()))
+    }
+
+    /// A parser for `grammar`, uncached.
+    fn build(&self, grammar: &Grammar) -> Result<TokenParser, GrammarError> {
+        let top = self.top_level(grammar)?;
+        // Arbitrary client grammars reach the compiler: a panic in it is
+        // that grammar's failure, not the server's.
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.factory.create_parser(top)
+        }))
+        .map_err(|_| GrammarError("the grammar compiler failed on this grammar".into()))?
+        .map_err(|e| GrammarError(e.to_string()))
     }
 
     /// The `reasoning` rule: free output up to `close`. A close tag that is
@@ -235,6 +327,34 @@ impl Compiler {
             }
         })
     }
+}
+
+/// `sub` with the root schema's `$defs` and `definitions` beside it, so
+/// its `$ref`s resolve when it is compiled alone.
+fn with_definitions(sub: &Value, root: &Value) -> Value {
+    let mut sub = sub.clone();
+    if let Value::Object(obj) = &mut sub {
+        for key in ["$defs", "definitions"] {
+            if let Some(defs) = root.get(key) {
+                obj.entry(key).or_insert_with(|| defs.clone());
+            }
+        }
+    }
+    sub
+}
+
+/// `text` as a regex matching it literally.
+fn regex_escape(text: &str) -> String {
+    text.chars()
+        .map(|c| match c {
+            '\\' | '.' | '+' | '*' | '?' | '(' | ')' | '|' | '[' | ']' | '{' | '}' | '^' | '$'
+            | '#' | '&' | '-' | '~' => {
+                format!("\\{c}")
+            }
+            '/' => "\\/".to_owned(),
+            c => c.to_string(),
+        })
+        .collect()
 }
 
 fn compact_json() -> Value {

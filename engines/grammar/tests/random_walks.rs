@@ -5,7 +5,7 @@
 
 use engine_core::Grammar;
 use fixtures::Family;
-use grammar::Compiler;
+use grammar::{CallRule, Compiler};
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
@@ -309,7 +309,14 @@ fn forced_tool_calls_parse_with_valid_arguments() {
         ToolFormat::Gemma,
     ] {
         for (many, budget) in [(false, 400), (true, 3000)] {
-            let g = compiler.tool_calls(format, &tools, many);
+            let g = compiler.tool_calls(
+                format,
+                &tools,
+                CallRule {
+                    forced: true,
+                    parallel: many,
+                },
+            );
             let mut ended = 0;
             for seed in 0..10 {
                 let Some(text) = walk(&compiler, &tok, &g, seed, budget) else {
@@ -338,4 +345,138 @@ fn forced_tool_calls_parse_with_valid_arguments() {
             assert!(ended > 0, "{format:?}: no walk ended");
         }
     }
+}
+
+/// `tool_choice: "auto"`: free text, or calls from the moment one starts.
+/// Every walk's text parses as the family's parser reads it: calls with
+/// valid arguments (one unless parallel), and content that holds no call
+/// the parser gave up on. Both kinds of output occur.
+#[test]
+fn optional_tool_calls_are_held_to_their_schema_once_they_start() {
+    use text::tools::{parse_complete, ToolFormat};
+    let weather = json!({
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"],
+        "additionalProperties": false
+    });
+    let validator = jsonschema::validator_for(&weather).unwrap();
+    let tools = vec![("get_weather".to_owned(), weather.clone())];
+    let (_dir, tok, compiler) = tokenizer(Family::Qwen3);
+    for format in [
+        ToolFormat::Hermes,
+        ToolFormat::Llama3Json,
+        ToolFormat::Gemma,
+    ] {
+        for parallel in [false, true] {
+            let g = compiler.tool_calls(
+                format,
+                &tools,
+                CallRule {
+                    forced: false,
+                    parallel,
+                },
+            );
+            let (mut texts, mut calls_seen) = (0, 0);
+            // Walks start from a prefix, as a model would choose it: plain
+            // text, or the first bytes of a call.
+            let opening = match format.tags() {
+                Some(tags) => format!("Sure. {}\n", tags.open),
+                None => "{".to_owned(),
+            };
+            for (seed, prefix) in (0..24).map(|s| {
+                (
+                    s,
+                    if s % 2 == 0 {
+                        "Hi there"
+                    } else {
+                        opening.as_str()
+                    },
+                )
+            }) {
+                let prefix_ids = tok.encode_completion(prefix).unwrap();
+                let Some(text) = walk_from(&compiler, &tok, &g, &prefix_ids, seed, 600) else {
+                    continue;
+                };
+                let (content, calls) = parse_complete(format, &text);
+                if let Some(tags) = format.tags() {
+                    assert!(!content.contains(tags.open), "{format:?}: {text:?}");
+                }
+                assert!(parallel || calls.len() <= 1, "{format:?}: {text:?}");
+                if calls.is_empty() {
+                    texts += 1;
+                } else {
+                    calls_seen += 1;
+                }
+                for call in calls {
+                    assert_eq!(call.name, "get_weather");
+                    let args: Value = serde_json::from_str(&call.arguments).unwrap();
+                    assert!(validator.is_valid(&args), "{format:?}: {text}");
+                }
+            }
+            assert!(
+                texts > 0 && calls_seen > 0,
+                "{format:?}: {texts} texts, {calls_seen} calls"
+            );
+        }
+    }
+}
+
+/// `walk` after forcing `prefix` through the grammar (which must accept it).
+fn walk_from(
+    compiler: &Compiler,
+    tok: &text::Tokenizer,
+    g: &Grammar,
+    prefix: &[u32],
+    seed: u64,
+    budget: usize,
+) -> Option<String> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut c = compiler.compile(g).unwrap();
+    let mut out = Vec::new();
+    for &t in prefix {
+        assert!(
+            c.allowed().is_some_and(|a| a.contains(t)),
+            "{:?} refused after {:?}",
+            tok.decode(&[t], false),
+            tok.decode(&out, false)
+        );
+        out.push(t);
+        c.commit(t);
+    }
+    for _ in 0..budget {
+        let Some(allowed) = c.allowed() else {
+            return Some(tok.decode(&out, false).unwrap());
+        };
+        let ids: Vec<u32> = (0..VOCAB as u32).filter(|&t| allowed.contains(t)).collect();
+        let t = ids[rng.random_range(0..ids.len())];
+        if c.is_end(t) {
+            return Some(tok.decode(&out, false).unwrap());
+        }
+        out.push(t);
+        if !c.commit(t) {
+            return Some(tok.decode(&out, false).unwrap());
+        }
+    }
+    None
+}
+
+/// A schema llguidance cannot compile is named down to the subschema.
+#[test]
+fn schema_errors_name_the_subschema() {
+    let (_dir, _tok, compiler) = tokenizer(Family::Qwen3);
+    let ok =
+        json!({"type": "object", "properties": {"when": {"type": "string", "format": "date"}}});
+    assert!(compiler.check_schema(&ok).is_ok());
+    let bad = json!({
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "place": {"$ref": "#/$defs/Place"}
+        },
+        "$defs": {"Place": {"type": "object", "properties": {"zip": {"type": "string", "format": "zip-code"}}}}
+    });
+    let e = compiler.check_schema(&bad).unwrap_err();
+    assert_eq!(e.pointer, "/$defs/Place/properties/zip");
+    assert!(e.message.contains("zip-code"), "{e}");
 }

@@ -1,7 +1,8 @@
 //! Structured outputs: the request fields that constrain decoding to a
 //! grammar, read into one [`StructuredOutput`]. OpenAI's
-//! `response_format: {"type": "json_schema" | "json_object"}` (strict or
-//! not, both enforced), and vLLM's `structured_outputs` ({`json`, `regex`,
+//! `response_format: {"type": "json_schema" | "json_object"}` (enforced
+//! either way; `strict: true` also closes every object schema that leaves
+//! `additionalProperties` unset, as OpenAI's strict mode does), and vLLM's `structured_outputs` ({`json`, `regex`,
 //! `choice`, `grammar`, `json_object`}) and older `guided_json`,
 //! `guided_regex`, `guided_choice`, `guided_grammar`. A request gives at
 //! most one of them. Schemas are checked against the JSON Schema
@@ -36,6 +37,12 @@ impl StructuredOutput {
 
     /// A JSON Schema given as an object (or a boolean), or as its JSON text.
     pub fn json_schema(raw: &Value, param: &str) -> Result<Self, ApiError> {
+        Self::schema(raw, param, false)
+    }
+
+    /// `strict` closes every object schema that does not say otherwise
+    /// (`additionalProperties: false`), as OpenAI's strict mode reads it.
+    fn schema(raw: &Value, param: &str, strict: bool) -> Result<Self, ApiError> {
         let schema = match raw {
             Value::String(text) => serde_json::from_str(text).map_err(|e| {
                 ApiError::invalid(format!("`{param}` is not valid JSON: {e}"), param)
@@ -51,6 +58,11 @@ impl StructuredOutput {
                 param,
             ));
         }
+        let schema = if strict {
+            grammar::closed(&schema)
+        } else {
+            schema
+        };
         Ok(Self::new(Grammar::JsonSchema(schema.to_string()), param))
     }
 }
@@ -124,14 +136,15 @@ pub fn response_format(
                 }
                 None => (format, at.to_owned()),
             };
-            match spec.get("strict") {
-                None | Some(Value::Null) | Some(Value::Bool(_)) => {}
+            let strict = match spec.get("strict") {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
                 Some(v) => return Err(wrong_type(&format!("{spec_at}.strict"), "a boolean", v)),
-            }
+            };
             let schema_at = format!("{spec_at}.schema");
             match spec.get("schema") {
                 Some(schema) if !schema.is_null() => {
-                    StructuredOutput::json_schema(schema, &schema_at).map(Some)
+                    StructuredOutput::schema(schema, &schema_at, strict).map(Some)
                 }
                 _ => Err(ApiError::invalid(
                     format!("`{schema_at}` is required for type \"json_schema\""),
@@ -245,6 +258,20 @@ mod tests {
             None
         );
         assert_eq!(parse_json(json!({})).unwrap(), None);
+    }
+
+    #[test]
+    fn strict_closes_objects() {
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        let grammar_of = |strict: bool| {
+            let body = json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": strict}}});
+            match parse_json(body).unwrap().unwrap().grammar {
+                Grammar::JsonSchema(text) => serde_json::from_str::<Value>(&text).unwrap(),
+                other => panic!("{other:?}"),
+            }
+        };
+        assert_eq!(grammar_of(true)["additionalProperties"], false);
+        assert!(grammar_of(false).get("additionalProperties").is_none());
     }
 
     #[test]

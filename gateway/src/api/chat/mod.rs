@@ -8,7 +8,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 
-pub use request::{ChatRequest, ToolChoice};
+pub use request::{CallSchema, ChatRequest, ToolChoice};
 
 use super::body::{CacheScope, RawJson};
 use super::choices::Choices;

@@ -8,11 +8,14 @@
 //!   the think block is closed for the model after that many reasoning
 //!   tokens and the answer follows (`generation::ThinkingBudget`).
 //! * `tool_choice`: `none` hides the tools from the model and turns off
-//!   tool-call parsing; `auto` offers every tool; `required` offers every
-//!   tool and constrains decoding to one or more calls in the model
-//!   family's format (exactly one with `parallel_tool_calls: false`); a named function offers only that one and
-//!   constrains decoding to one call of it (arguments valid against its
-//!   `parameters`).
+//!   tool-call parsing; `auto` offers every tool, lets the model answer in
+//!   text, and constrains decoding from the moment a call starts in the
+//!   model family's format; `required` offers every tool and constrains
+//!   decoding to calls only; a named function offers only that one and
+//!   constrains decoding to one call of it. Arguments are held to the
+//!   tool's `parameters`: closed (no properties beyond the schema's) for a
+//!   `strict: true` tool and for any forced call, as written otherwise.
+//!   `parallel_tool_calls: false` allows at most one call.
 //! * Structured outputs (`response_format` json_schema / json_object, vLLM's
 //!   `structured_outputs` and `guided_*`): see [`crate::api::structured`].
 //!   `json_object` also adds a system instruction asking for one JSON
@@ -50,6 +53,15 @@ pub enum ResponseFormat {
 pub const JSON_INSTRUCTION: &str =
     "Respond with a single valid JSON object and nothing else: no prose, no code fences.";
 
+/// One offered tool's parameters as its calls are held to them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallSchema {
+    /// Its place in the request's `tools`.
+    pub index: usize,
+    pub name: String,
+    pub parameters: Value,
+}
+
 #[derive(Debug, Clone)]
 pub struct ChatRequest {
     pub model: Option<String>,
@@ -58,8 +70,7 @@ pub struct ChatRequest {
     /// Tool definitions as the client sent them (validated).
     pub tools: Vec<Value>,
     pub tool_choice: ToolChoice,
-    /// With `tool_choice: "required"`: one or more calls (true, the
-    /// default) or exactly one.
+    /// One or more calls (true, the default) or at most one.
     pub parallel_tool_calls: bool,
     pub response_format: ResponseFormat,
     pub template_kwargs: Map<String, Value>,
@@ -144,6 +155,40 @@ impl ChatRequest {
                     .collect(),
             ),
         }
+    }
+
+    /// The parameters the offered tools' calls are held to, as decoding
+    /// constrains them: closed (no properties beyond the schema's) for a
+    /// `strict` tool and for every forced call, as written otherwise; no
+    /// `parameters` is any object. Empty when no tool is offered.
+    pub fn call_schemas(&self) -> Vec<CallSchema> {
+        let forced = matches!(
+            self.tool_choice,
+            ToolChoice::Required | ToolChoice::Named(_)
+        );
+        let offered = self.offered_tools().unwrap_or_default();
+        self.tools
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| offered.contains(t))
+            .map(|(index, t)| {
+                let f = &t["function"];
+                let parameters = match &f["parameters"] {
+                    Value::Null => json!({"type": "object"}),
+                    p => p.clone(),
+                };
+                let closed = forced || f["strict"] == true;
+                CallSchema {
+                    index,
+                    name: f["name"].as_str().unwrap_or_default().to_owned(),
+                    parameters: if closed {
+                        grammar::closed(&parameters)
+                    } else {
+                        parameters
+                    },
+                }
+            })
+            .collect()
     }
 
     /// The messages with the JSON-mode instruction applied.
@@ -484,6 +529,10 @@ fn tools(body: &RawBody) -> Result<Vec<Value>, ApiError> {
                     v,
                 ))
             }
+        }
+        match function.get("strict") {
+            None | Some(Value::Null) | Some(Value::Bool(_)) => {}
+            Some(v) => return Err(wrong_type(&format!("{p}.function.strict"), "a boolean", v)),
         }
     }
     Ok(list.clone())

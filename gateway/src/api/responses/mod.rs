@@ -51,7 +51,8 @@ pub async fn create(
         "max_output_tokens",
         scope.map(|Extension(s)| s.0),
     )
-    .await?;
+    .await
+    .map_err(|e| request.renamed(e))?;
     let mut echo = request.echo;
     echo.insert("model".into(), json!(prepared.model));
     let generation = Generation::start(&state, prepared)?;
@@ -155,7 +156,6 @@ impl Output {
             "error": null,
             "incomplete_details": incomplete,
             "output": self.items.iter().map(|i| i.json(done)).collect::<Vec<_>>(),
-            "parallel_tool_calls": true,
             "previous_response_id": null,
             "store": false,
             "usage": summary.map_or(Value::Null, |s| usage(&s.usage)),

@@ -22,6 +22,8 @@ pub struct ResponsesRequest {
     pub chat: ChatRequest,
     /// Echoed in the response object.
     pub echo: Map<String, Value>,
+    /// Messages before `input`'s (the `instructions`).
+    offset: usize,
 }
 
 impl ResponsesRequest {
@@ -109,7 +111,21 @@ impl ResponsesRequest {
             "tool_choice".into(),
             body.get("tool_choice").cloned().unwrap_or(json!("auto")),
         );
-        Ok(Self { chat: parsed, echo })
+        echo.insert(
+            "parallel_tool_calls".into(),
+            Value::Bool(parsed.parallel_tool_calls),
+        );
+        Ok(Self {
+            chat: parsed,
+            echo,
+            offset,
+        })
+    }
+
+    /// An error about the chat request this became, in this request's
+    /// field names.
+    pub fn renamed(&self, e: ApiError) -> ApiError {
+        renamed(e, self.offset)
     }
 }
 
@@ -227,7 +243,7 @@ fn message(at: &str, obj: &Map<String, Value>) -> Result<Value, ApiError> {
 }
 
 /// Function tools, from `{type, name, description, parameters, strict}` to
-/// chat's `{type, function: {...}}`.
+/// chat's `{type, function: {name, description, parameters, strict}}`.
 fn tools(list: &[Value]) -> Result<Vec<Value>, ApiError> {
     list.iter()
         .enumerate()
@@ -244,7 +260,6 @@ fn tools(list: &[Value]) -> Result<Vec<Value>, ApiError> {
             }
             let mut function = obj.clone();
             function.remove("type");
-            function.remove("strict");
             Ok(json!({"type": "function", "function": function}))
         })
         .collect()
