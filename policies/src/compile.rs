@@ -12,10 +12,10 @@ use crate::eval::{Cond, Count, Flag, Measure, Op};
 use crate::policy::{Policy, Rule};
 use crate::schema::{RawPolicy, RawRule};
 
-/// Listed in "unknown signal" errors.
-pub(crate) const KNOWN_KEYS: &str = "prompt_tokens, max_tokens, greedy, has_tools, has_images, \
+/// The signals, as listed in "unknown signal" errors.
+pub(crate) const SIGNAL_KEYS: &str = "prompt_tokens, max_tokens, greedy, has_tools, has_images, \
      total_active, total_queued, kv_pressure, model, engine_active.NAME, engine_queued.NAME, \
-     engine_accept_rate.NAME, engine_speedup.NAME, all, any, not";
+     engine_accept_rate.NAME, engine_speedup.NAME";
 
 const NUMERIC_OPS: &str = "eq, ne, lt, lte, gt, gte";
 

@@ -59,8 +59,8 @@ pub enum PolicyError {
     },
 
     #[error(
-        "{at}: field `{field}`: unknown signal `{signal}`; known: {}",
-        crate::compile::KNOWN_KEYS
+        "{at}: field `{field}`: unknown signal `{signal}`; known: {}, all, any, not",
+        crate::compile::SIGNAL_KEYS
     )]
     UnknownSignal {
         at: At,

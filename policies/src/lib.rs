@@ -75,6 +75,7 @@
 //! it in a [`PolicyHandle`] and [`PolicyHandle::spawn_watcher`] to pick up
 //! edits, where a bad edit is logged and the old policy stays.
 
+mod cases;
 mod compile;
 mod error;
 mod eval;
@@ -83,8 +84,9 @@ mod reload;
 mod schema;
 mod signals;
 
+pub use cases::{parse_cases, Case, CaseError, Outcome};
 pub use error::{At, PolicyError};
-pub use policy::{Decision, Policy};
+pub use policy::{Decision, Policy, Verdict};
 pub use reload::PolicyHandle;
 pub use schema::{RawPolicy, RawRule};
 pub use signals::Signals;

@@ -38,6 +38,18 @@ pub struct Decision<'a> {
     /// or full). Never contains `engine` or repeats.
     pub fallback: &'a [String],
     chain: &'a [String],
+    /// The matched rule's place in the rules, `None` for the default.
+    pub(crate) index: Option<usize>,
+}
+
+/// One rule's verdict on a request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Verdict<'a> {
+    pub rule: &'a str,
+    /// Whether its condition holds.
+    pub holds: bool,
+    /// The engine it routes to.
+    pub route: &'a str,
 }
 
 impl<'a> Decision<'a> {
@@ -105,19 +117,27 @@ impl Policy {
     /// Routes one request. Pure and allocation-free: the first rule whose
     /// condition holds wins, otherwise the default.
     pub fn decide(&self, signals: &Signals) -> Decision<'_> {
-        let (rule, chain) = self
-            .rules
-            .iter()
-            .find(|r| r.when.matches(signals))
-            .map_or((DEFAULT_RULE, &*self.default_chain), |r| {
-                (r.name.as_str(), &*r.chain)
-            });
+        let index = self.rules.iter().position(|r| r.when.matches(signals));
+        let (rule, chain) = index.map_or((DEFAULT_RULE, &*self.default_chain), |i| {
+            (self.rules[i].name.as_str(), &*self.rules[i].chain)
+        });
         Decision {
             engine: &chain[0],
             rule,
             fallback: &chain[1..],
             chain,
+            index,
         }
+    }
+
+    /// Every rule's verdict on `signals`, in order, each evaluated (the
+    /// decision is the first that holds): for explaining a route.
+    pub fn verdicts<'a>(&'a self, signals: &'a Signals) -> impl Iterator<Item = Verdict<'a>> + 'a {
+        self.rules.iter().map(move |r| Verdict {
+            rule: &r.name,
+            holds: r.when.matches(signals),
+            route: &r.chain[0],
+        })
     }
 
     pub fn rule_count(&self) -> usize {
