@@ -105,6 +105,11 @@ impl Router {
         Self { registry, policy }
     }
 
+    /// The routing policy, for showing it.
+    pub fn policy(&self) -> &PolicyHandle {
+        &self.policy
+    }
+
     pub fn signals(&self, req: &GenerateRequest, model: &str) -> Signals {
         let mut s = Signals {
             prompt_tokens: req.prompt.len() as u64,
@@ -136,7 +141,7 @@ impl Router {
 
     pub fn route(&self, req: GenerateRequest, model: &str) -> Result<Routed, RouteError> {
         let signals = self.signals(&req, model);
-        let policy = self.policy.current();
+        let policy = self.policy.active();
         let decision = policy.decide(&signals);
         let rule = decision.rule.to_owned();
         let mut busy = false;

@@ -73,7 +73,10 @@ pub fn parse_cases(text: &str, engines: &[&str]) -> Result<Vec<Case>, CaseError>
             .signals
             .engines()
             .map(|e| ("a signal".to_owned(), e))
-            .chain(std::iter::once(("`engine`".to_owned(), case.engine.as_str())));
+            .chain(std::iter::once((
+                "`engine`".to_owned(),
+                case.engine.as_str(),
+            )));
         for (what, engine) in named {
             if !engines.contains(&engine) {
                 return Err(CaseError::UnknownEngine {
@@ -143,11 +146,19 @@ mod tests {
         .unwrap();
         assert_eq!(
             cases[0].check(&policy),
-            Outcome { engine: "fastpath", rule: "alone", pass: true }
+            Outcome {
+                engine: "fastpath",
+                rule: "alone",
+                pass: true
+            }
         );
         assert_eq!(
             cases[1].check(&policy),
-            Outcome { engine: "batched", rule: "default", pass: false }
+            Outcome {
+                engine: "batched",
+                rule: "default",
+                pass: false
+            }
         );
     }
 
@@ -155,7 +166,10 @@ mod tests {
     fn an_unknown_signal_names_its_line() {
         let text = "cases:\n  - name: typo\n    signals:\n      greedy: true\n      gredy: true\n    engine: batched\n";
         let e = parse_cases(text, &["batched"]).unwrap_err().to_string();
-        assert!(e.starts_with("line 5: cases[0].signals: unknown signal `gredy`"), "{e}");
+        assert!(
+            e.starts_with("line 5: cases[0].signals: unknown signal `gredy`"),
+            "{e}"
+        );
         let e = parse_cases(
             "cases:\n  - { name: x, signals: { engine_active.dflash: 1 }, engine: batched }\n",
             &["batched"],

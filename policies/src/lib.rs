@@ -87,6 +87,6 @@ mod signals;
 pub use cases::{parse_cases, Case, CaseError, Outcome};
 pub use error::{At, PolicyError};
 pub use policy::{Decision, Policy, Verdict};
-pub use reload::PolicyHandle;
+pub use reload::{ActivePolicy, PolicyHandle, Rejection, RuleHits};
 pub use schema::{RawPolicy, RawRule};
 pub use signals::Signals;

@@ -150,6 +150,13 @@ impl Policy {
         self.rules.iter().map(|r| r.name.as_str())
     }
 
+    /// Each rule's name and the engine it routes to, in order.
+    pub fn routes(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.rules
+            .iter()
+            .map(|r| (r.name.as_str(), r.chain[0].as_str()))
+    }
+
     pub fn default_engine(&self) -> &str {
         &self.default_chain[0]
     }

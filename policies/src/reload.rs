@@ -4,15 +4,90 @@
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Weak};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, SystemTime};
 
 use arc_swap::ArcSwap;
 use tokio::task::JoinHandle;
 use tokio::time::MissedTickBehavior;
 
+use crate::compile::DEFAULT_RULE;
 use crate::error::PolicyError;
-use crate::policy::Policy;
+use crate::policy::{Decision, Policy};
+use crate::signals::Signals;
+
+/// The policy in force, what it was loaded from, and how often each of
+/// its rules has decided since.
+pub struct ActivePolicy {
+    policy: Arc<Policy>,
+    /// The `policy:` section it was built from.
+    pub section: serde_yaml::Value,
+    /// A hash of the section (16 hex digits): equal sections, equal hashes.
+    pub hash: String,
+    pub loaded_at: SystemTime,
+    /// Per rule in order, then the default.
+    hits: Box<[AtomicU64]>,
+}
+
+/// One rule of the active policy and how often it decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuleHits {
+    pub rule: String,
+    pub route: String,
+    pub hits: u64,
+}
+
+/// A reload that was refused, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejection {
+    pub at: SystemTime,
+    pub error: String,
+}
+
+impl ActivePolicy {
+    fn new(policy: Policy, section: serde_yaml::Value) -> Self {
+        let text = serde_yaml::to_string(&section).unwrap_or_default();
+        let hits = (0..=policy.rule_count())
+            .map(|_| AtomicU64::new(0))
+            .collect();
+        ActivePolicy {
+            policy: Arc::new(policy),
+            hash: format!("{:016x}", hash(&text)),
+            section,
+            loaded_at: SystemTime::now(),
+            hits,
+        }
+    }
+
+    pub fn policy(&self) -> &Arc<Policy> {
+        &self.policy
+    }
+
+    /// [`Policy::decide`], counted as a hit of the deciding rule.
+    pub fn decide(&self, signals: &Signals) -> Decision<'_> {
+        let d = self.policy.decide(signals);
+        let slot = d.index.unwrap_or(self.hits.len() - 1);
+        self.hits[slot].fetch_add(1, Ordering::Relaxed);
+        d
+    }
+
+    /// Every rule with its route and hits, the default last.
+    pub fn hits(&self) -> Vec<RuleHits> {
+        let routes = self.policy.routes().chain(std::iter::once((
+            DEFAULT_RULE,
+            self.policy.default_engine(),
+        )));
+        routes
+            .zip(self.hits.iter())
+            .map(|((rule, route), hits)| RuleHits {
+                rule: rule.to_owned(),
+                route: route.to_owned(),
+                hits: hits.load(Ordering::Relaxed),
+            })
+            .collect()
+    }
+}
 
 /// A shared, swappable [`Policy`]. Cheap to clone; readers never block on
 /// a reload. Files are read as gateway configs: only `policy:` is used.
@@ -22,16 +97,19 @@ pub struct PolicyHandle {
 }
 
 struct Inner {
-    current: ArcSwap<Policy>,
+    current: ArcSwap<ActivePolicy>,
+    rejected: Mutex<Option<Rejection>>,
     /// Engines are loaded once at start, so every reload validates against
     /// the same set.
     loaded_engines: Vec<String>,
 }
 
 impl PolicyHandle {
-    pub fn new(policy: Policy, loaded_engines: &[&str]) -> Self {
+    /// `section` is the `policy:` section `policy` was built from.
+    pub fn new(policy: Policy, section: serde_yaml::Value, loaded_engines: &[&str]) -> Self {
         let inner = Inner {
-            current: ArcSwap::from_pointee(policy),
+            current: ArcSwap::from_pointee(ActivePolicy::new(policy, section)),
+            rejected: Mutex::new(None),
             loaded_engines: loaded_engines.iter().map(|e| (*e).to_owned()).collect(),
         };
         PolicyHandle {
@@ -43,23 +121,34 @@ impl PolicyHandle {
     /// the caller.
     pub fn from_file(path: impl AsRef<Path>, loaded_engines: &[&str]) -> Result<Self, PolicyError> {
         let text = read(path.as_ref())?;
-        Ok(PolicyHandle::new(
-            Policy::from_config_yaml(&text, loaded_engines)?,
-            loaded_engines,
-        ))
+        let (policy, section) = build(&text, loaded_engines)?;
+        Ok(PolicyHandle::new(policy, section, loaded_engines))
     }
 
     /// The policy in force now. Hold the `Arc` for the length of one
     /// decision; a reload meanwhile does not affect it.
     pub fn current(&self) -> Arc<Policy> {
+        self.inner.current.load().policy.clone()
+    }
+
+    /// The policy in force with its source and hit counts; decide through
+    /// it to count the hit.
+    pub fn active(&self) -> Arc<ActivePolicy> {
         self.inner.current.load_full()
+    }
+
+    /// The last reload refused since the policy in force was loaded.
+    pub fn last_rejected(&self) -> Option<Rejection> {
+        self.inner.rejected.lock().unwrap().clone()
     }
 
     /// Re-reads `path` and swaps the policy in if it is valid; otherwise
     /// keeps the old one and returns why. Logs either way.
     pub fn reload_from_file(&self, path: impl AsRef<Path>) -> Result<(), PolicyError> {
         let path = path.as_ref();
-        let result = read(path).and_then(|text| self.inner.install(&text));
+        let result = read(path)
+            .inspect_err(|e| self.inner.reject(e))
+            .and_then(|text| self.inner.install(&text));
         log_outcome(path, &result);
         result.map(drop)
     }
@@ -90,13 +179,38 @@ impl PolicyHandle {
 }
 
 impl Inner {
+    /// Swaps in the policy `text` holds, or keeps the current one and
+    /// records why not.
     fn install(&self, text: &str) -> Result<usize, PolicyError> {
         let loaded: Vec<&str> = self.loaded_engines.iter().map(String::as_str).collect();
-        let policy = Policy::from_config_yaml(text, &loaded)?;
-        let rules = policy.rule_count();
-        self.current.store(Arc::new(policy));
-        Ok(rules)
+        match build(text, &loaded) {
+            Ok((policy, section)) => {
+                let rules = policy.rule_count();
+                self.current
+                    .store(Arc::new(ActivePolicy::new(policy, section)));
+                *self.rejected.lock().unwrap() = None;
+                Ok(rules)
+            }
+            Err(e) => {
+                self.reject(&e);
+                Err(e)
+            }
+        }
     }
+
+    fn reject(&self, e: &PolicyError) {
+        *self.rejected.lock().unwrap() = Some(Rejection {
+            at: SystemTime::now(),
+            error: e.to_string(),
+        });
+    }
+}
+
+/// The policy a whole gateway config holds, and its `policy:` section.
+fn build(text: &str, loaded: &[&str]) -> Result<(Policy, serde_yaml::Value), PolicyError> {
+    let config: serde_yaml::Value = serde_yaml::from_str(text)?;
+    let policy = Policy::from_config_value(&config, loaded)?;
+    Ok((policy, config["policy"].clone()))
 }
 
 /// What the watcher last saw of the file. The mtime and length are cheap to
@@ -148,6 +262,10 @@ impl Seen {
                         error = %source,
                         "policy file unreadable; keeping the current policy"
                     );
+                    inner.reject(&PolicyError::Io {
+                        path: path.to_owned(),
+                        source,
+                    });
                 }
                 // Forget the fingerprint so the file is re-read once it is back.
                 *self = Seen {

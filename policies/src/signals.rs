@@ -178,10 +178,34 @@ impl Signals {
             values.sort();
             out.extend(values.into_iter().map(|(e, v)| (format!("{name}.{e}"), v)));
         };
-        per_engine("engine_active", self.engine_active.iter().map(|(e, v)| (e, v.to_string())).collect());
-        per_engine("engine_queued", self.engine_queued.iter().map(|(e, v)| (e, v.to_string())).collect());
-        per_engine("engine_accept_rate", self.engine_accept_rate.iter().map(|(e, v)| (e, v.to_string())).collect());
-        per_engine("engine_speedup", self.engine_speedup.iter().map(|(e, v)| (e, v.to_string())).collect());
+        per_engine(
+            "engine_active",
+            self.engine_active
+                .iter()
+                .map(|(e, v)| (e, v.to_string()))
+                .collect(),
+        );
+        per_engine(
+            "engine_queued",
+            self.engine_queued
+                .iter()
+                .map(|(e, v)| (e, v.to_string()))
+                .collect(),
+        );
+        per_engine(
+            "engine_accept_rate",
+            self.engine_accept_rate
+                .iter()
+                .map(|(e, v)| (e, v.to_string()))
+                .collect(),
+        );
+        per_engine(
+            "engine_speedup",
+            self.engine_speedup
+                .iter()
+                .map(|(e, v)| (e, v.to_string()))
+                .collect(),
+        );
         out
     }
 }

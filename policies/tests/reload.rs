@@ -164,3 +164,55 @@ async fn watcher_reloads_on_change_and_ignores_bad_or_unchanged_files() {
         .expect("watcher should exit")
         .unwrap();
 }
+
+/// The active policy counts each rule's decisions, carries a hash of its
+/// section and when it loaded, and the handle remembers the last refused
+/// reload until a good one replaces the policy.
+#[test]
+fn the_active_policy_counts_hits_and_the_last_rejection_is_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.yaml");
+    write(&path, &config("fastpath"));
+    let handle = PolicyHandle::from_file(&path, ENGINES).unwrap();
+    let active = handle.active();
+    let greedy = Signals {
+        greedy: true,
+        ..Signals::default()
+    };
+    for signals in [&greedy, &greedy, &Signals::default()] {
+        active.decide(signals);
+    }
+    let hits: Vec<(String, String, u64)> = active
+        .hits()
+        .into_iter()
+        .map(|h| (h.rule, h.route, h.hits))
+        .collect();
+    assert_eq!(
+        hits,
+        [
+            ("greedy-to-fastpath".into(), "fastpath".into(), 2),
+            ("default".into(), "batched".into(), 1)
+        ]
+    );
+    assert_eq!(active.hash.len(), 16);
+    assert!(handle.last_rejected().is_none());
+
+    write(&path, &config("mtp"));
+    handle.reload_from_file(&path).unwrap_err();
+    let rejected = handle.last_rejected().expect("a rejection");
+    assert!(
+        rejected.error.contains("engine `mtp` is not loaded"),
+        "{rejected:?}"
+    );
+    assert!(Arc::ptr_eq(&active, &handle.active()));
+
+    // An unchanged section hashes the same; a new one loads with no hits.
+    write(&path, &format!("# edited\n{}", config("fastpath")));
+    handle.reload_from_file(&path).unwrap();
+    assert_eq!(handle.active().hash, active.hash);
+    write(&path, &config("dflash"));
+    handle.reload_from_file(&path).unwrap();
+    assert!(handle.last_rejected().is_none());
+    assert_ne!(handle.active().hash, active.hash);
+    assert!(handle.active().hits().iter().all(|h| h.hits == 0));
+}
