@@ -142,6 +142,8 @@ pub struct Generation {
     earlier_tokens: u32,
     budget: Option<ThinkingBudget>,
     want_logprobs: bool,
+    /// [`Prepared::grammar_optional`], for the legs after the first.
+    grammar_optional: bool,
     started: Instant,
     first_token: bool,
     done: bool,
@@ -154,14 +156,16 @@ impl Generation {
             model,
             mut request,
             text,
+            grammar_optional,
         } = prepared;
         let tokenizer = (*state.registry.shared.model.tokenizer).clone();
         let pipeline = Pipeline::new(tokenizer, &request.prompt, &text);
         let prompt_tokens = request.prompt.len() as u32;
         let want_logprobs = request.sampling.logprobs;
         let budget = ThinkingBudget::new(state, &model, &mut request, &text);
-        let routed = state.router.route(request, &model)?;
+        let routed = state.router.route(request, &model, grammar_optional)?;
         Ok(Generation {
+            grammar_optional,
             engine: routed.entry.name.clone(),
             rule: routed.rule,
             events: routed.events,
@@ -406,7 +410,7 @@ impl Generation {
         request.max_tokens = left;
         request.id = RequestId::next();
         request.cancel = CancelToken::new();
-        let routed = state.router.route(request, &model)?;
+        let routed = state.router.route(request, &model, self.grammar_optional)?;
         self.events = routed.events;
         self.guard = routed.guard;
         Ok(batch)

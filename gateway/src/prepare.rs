@@ -31,6 +31,10 @@ pub struct Prepared {
     pub model: String,
     pub request: GenerateRequest,
     pub text: PipelineOptions,
+    /// The grammar is a best effort (tool calls under `tool_choice:
+    /// "auto"`): an engine that applies no grammars serves the request
+    /// unconstrained rather than refusing it.
+    pub grammar_optional: bool,
 }
 
 impl Prepared {
@@ -117,6 +121,10 @@ pub async fn chat(
         }),
         None => None,
     };
+    let grammar_optional = matches!(
+        &source,
+        Some(GrammarSource::ToolCalls { rule, .. }) if !rule.forced
+    );
     let reasoning = family.reasoning_format();
     let starts_in_reasoning = ends_in_reasoning(&rendered.text, reasoning);
     let thinks = starts_in_reasoning
@@ -166,6 +174,7 @@ pub async fn chat(
         model,
         request: req,
         text,
+        grammar_optional,
     })
 }
 
@@ -210,6 +219,7 @@ pub async fn completion(
         model,
         request: req,
         text: PipelineOptions::plain(request.options.stop.clone()),
+        grammar_optional: false,
     };
     Ok((prepared, text))
 }

@@ -139,7 +139,14 @@ impl Router {
         s
     }
 
-    pub fn route(&self, req: GenerateRequest, model: &str) -> Result<Routed, RouteError> {
+    /// `grammar_optional`: an engine that applies no grammars gets the
+    /// request without its grammar instead of being skipped.
+    pub fn route(
+        &self,
+        req: GenerateRequest,
+        model: &str,
+        grammar_optional: bool,
+    ) -> Result<Routed, RouteError> {
         let signals = self.signals(&req, model);
         let policy = self.policy.active();
         let decision = policy.decide(&signals);
@@ -159,14 +166,18 @@ impl Router {
                 self.count_fallback(name);
                 continue;
             }
-            if let Some(reason) = unsupported(entry, &req) {
+            let mut submitted = req.clone();
+            if grammar_optional && !entry.capabilities.grammar {
+                submitted.grammar = None;
+            }
+            if let Some(reason) = unsupported(entry, &submitted) {
                 reasons.push(format!("{name}: {reason}"));
                 self.count_fallback(name);
                 continue;
             }
             let token = req.cancel.clone();
             let id = req.id;
-            match entry.submit(req.clone()) {
+            match entry.submit(submitted) {
                 Ok(events) => {
                     metrics::counter!(metric::ROUTES, "engine" => entry.name.clone(), "rule" => rule.clone())
                         .increment(1);

@@ -15,7 +15,9 @@ use tower_http::request_id::{PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;
 
-use crate::api::{chat, completions, health, metrics, models, openapi, responses, ApiError};
+use crate::api::{
+    chat, completions, health, metrics, models, openapi, policy, responses, ApiError,
+};
 use crate::cli::ServeArgs;
 use crate::config::{Config, Overrides};
 use crate::host::Registry;
@@ -52,6 +54,8 @@ pub fn app(state: SharedState) -> axum::Router {
         .route("/models", get(models::list))
         .route("/v1/models/{id}", get(models::get))
         .route("/models/{id}", get(models::get))
+        .route("/v1/policy", get(policy::show))
+        .route("/policy", get(policy::show))
         .merge(generation)
         .route_layer(from_fn_with_state(keys, auth::require));
     let open = axum::Router::new()

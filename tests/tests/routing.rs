@@ -122,6 +122,49 @@ fn policy_reloads_when_the_file_changes_and_bad_edits_are_kept_out() {
         logs.contains("routing policy rejected") && logs.contains("nowhere")
     }));
     assert_eq!(route(&gw, &greedy()), ("a".into(), "greedy-to-a".into()));
+
+    // GET /v1/policy: the section in force, its hash, the hits since it
+    // loaded, and the refused reload.
+    let status = gw.get("/v1/policy").json();
+    assert_eq!(status["policy"]["default"], "b", "{status}");
+    assert_eq!(status["hash"].as_str().unwrap().len(), 16, "{status}");
+    assert!(status["loaded_at"].as_u64().unwrap() > 0, "{status}");
+    let rules = status["rules"].as_array().unwrap();
+    let names: Vec<&str> = rules.iter().map(|r| r["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["greedy-to-a", "default"], "{status}");
+    assert!(
+        rules[0]["hits"].as_u64().unwrap() >= 2 && rules[1]["hits"] == 1,
+        "{status}"
+    );
+    assert_eq!(
+        (&rules[0]["route"], &rules[1]["route"]),
+        (&json!("a"), &json!("b"))
+    );
+    let rejected = &status["last_rejected"];
+    assert!(
+        rejected["error"].as_str().unwrap().contains("nowhere"),
+        "{status}"
+    );
+    assert!(rejected["at"].as_u64().unwrap() >= status["loaded_at"].as_u64().unwrap());
+}
+
+#[test]
+fn the_policy_status_is_behind_the_api_keys() {
+    let config = two_engines(POLICY_V1).replace(
+        "server: { policy_reload_ms: 50 }",
+        "server: { policy_reload_ms: 50, api_keys: [sk-policy] }",
+    );
+    let gw = Gateway::start(&config);
+    assert_eq!(gw.get("/v1/policy").status, 401);
+    let r = e2e_tests::http::request(
+        gw.addr,
+        "GET",
+        "/v1/policy",
+        &[("authorization", "Bearer sk-policy")],
+        b"",
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r.json()["last_rejected"].is_null());
 }
 
 #[test]

@@ -11,6 +11,7 @@ pub mod logprobs;
 pub mod metrics;
 pub mod models;
 pub mod openapi;
+pub mod policy;
 pub mod responses;
 pub mod sse;
 pub mod structured;

@@ -28,6 +28,7 @@ use crate::state::SharedState;
         super::models::get,
         super::health::health,
         super::metrics::render,
+        super::policy::show,
     ),
     components(schemas(
         ChatCompletionRequest,
@@ -52,6 +53,9 @@ use crate::state::SharedState;
         Completion,
         ModelList,
         Model,
+        PolicyStatus,
+        PolicyRule,
+        PolicyRejection,
         ErrorBody,
         ErrorDetail,
     )),
@@ -245,9 +249,13 @@ pub struct FunctionDefinition {
     #[schema(min_length = 1)]
     pub name: String,
     pub description: Option<String>,
-    /// A JSON Schema (checked against the meta-schema).
+    /// A JSON Schema (checked against the meta-schema); calls' arguments
+    /// are held to it.
     #[schema(value_type = Option<Object>)]
     pub parameters: Option<Value>,
+    /// Closes every object schema that leaves `additionalProperties` unset
+    /// (forced calls always are).
+    pub strict: Option<bool>,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -410,6 +418,36 @@ pub struct Model {
     pub object: String,
     pub created: u64,
     pub owned_by: String,
+}
+
+/// `GET /v1/policy`: the routing policy in force.
+#[derive(Serialize, ToSchema)]
+pub struct PolicyStatus {
+    /// The config's `policy:` section as loaded.
+    #[schema(value_type = Object)]
+    pub policy: Value,
+    /// 16 hex digits; the same for the same section.
+    pub hash: String,
+    /// When it was loaded (Unix seconds).
+    pub loaded_at: u64,
+    /// Each rule in order, then `default`, with its decisions since then.
+    pub rules: Vec<PolicyRule>,
+    /// The last reload refused since then (the policy stayed), or null.
+    pub last_rejected: Option<PolicyRejection>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct PolicyRule {
+    pub name: String,
+    pub route: String,
+    pub hits: u64,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct PolicyRejection {
+    /// Unix seconds.
+    pub at: u64,
+    pub error: String,
 }
 
 /// The errors a generation request can get.
