@@ -20,11 +20,37 @@ pub struct Cli {
 pub enum Command {
     /// Load the model and engines named in the config and serve the API.
     Serve(ServeArgs),
+    /// Try a routing policy before it ships (no engines load).
+    #[command(subcommand)]
+    Policy(PolicyCommand),
     /// Write a small random-weight model in the Hugging Face layout.
     MakeTinyModel(MakeTinyArgs),
     /// Write a random-weight speculative drafter for a target model, in the
     /// published checkpoint layout of its kind.
     MakeTinyDrafter(MakeTinyDrafterArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PolicyCommand {
+    /// Print a request's signals, each rule's verdict and the engine chosen.
+    Explain {
+        #[arg(long, default_value = "config.yaml")]
+        config: PathBuf,
+        /// An API request body (JSON: chat, completions or responses), with
+        /// an optional `signals` object for live load and overrides.
+        #[arg(long)]
+        request: PathBuf,
+    },
+    /// Check the routes a file of cases expects; exits non-zero on a
+    /// mismatch.
+    Test {
+        #[arg(long, default_value = "config.yaml")]
+        config: PathBuf,
+        /// YAML: `cases:`, each with `name`, `signals`, `engine` and
+        /// optionally `rule`.
+        #[arg(long)]
+        cases: PathBuf,
+    },
 }
 
 #[derive(Debug, clap::Args)]

@@ -13,6 +13,7 @@ pub mod host;
 pub mod layers;
 pub mod make_tiny;
 pub mod pipeline;
+pub mod policy_cli;
 pub mod prepare;
 pub mod router;
 pub mod server;

@@ -6,14 +6,24 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-use gateway::cli::{Cli, Command};
-use gateway::{make_tiny, server, telemetry};
+use gateway::cli::{Cli, Command, PolicyCommand};
+use gateway::{make_tiny, policy_cli, server, telemetry};
 
 fn main() -> ExitCode {
     runtime::cuda_env::apply_defaults();
     let cli = Cli::parse();
     telemetry::init_tracing();
     let result = match cli.command {
+        Command::Policy(PolicyCommand::Explain { config, request }) => {
+            policy_cli::explain(&config, &request)
+        }
+        Command::Policy(PolicyCommand::Test { config, cases }) => {
+            match policy_cli::test(&config, &cases) {
+                Ok(true) => Ok(()),
+                Ok(false) => return ExitCode::FAILURE,
+                Err(e) => Err(e),
+            }
+        }
         Command::MakeTinyModel(args) => make_tiny::run(&args),
         Command::MakeTinyDrafter(args) => make_tiny::run_drafter(&args),
         Command::Serve(args) => tokio::runtime::Builder::new_multi_thread()

@@ -67,13 +67,8 @@ pub async fn chat(
             code: Some("images_not_supported"),
         });
     }
-    let tools = request.offered_tools();
-    let has_tools = tools.as_ref().is_some_and(|t| !t.is_empty());
-    let options = RenderOptions {
-        tools,
-        add_generation_prompt: true,
-        kwargs: request.template_kwargs.clone(),
-    };
+    let options = render_options(request);
+    let has_tools = options.tools.as_ref().is_some_and(|t| !t.is_empty());
     let messages = request.template_messages();
     let images = request.images.len();
     let vision = state.vision.as_ref().filter(|_| images > 0);
@@ -238,19 +233,7 @@ fn render_chat(
     image_tokens: &[usize],
 ) -> Result<Rendered, ApiError> {
     let loaded = &state.registry.shared.model;
-    let template = loaded.template.as_ref().ok_or_else(|| {
-        ApiError::invalid_no_param(
-            "This model has no chat template; use /v1/completions with a plain prompt",
-        )
-    })?;
-    let text = template.render(messages, options).map_err(|e| match e {
-        TemplateError::Raised(message) => ApiError::invalid(message, "messages"),
-        TemplateError::Render(message) => ApiError::invalid(
-            format!("The chat template cannot render these messages: {message}"),
-            "messages",
-        ),
-        other => ApiError::Internal(other.to_string()),
-    })?;
+    let text = chat_text(loaded, messages, options)?;
     let vision = state.vision.as_ref().filter(|_| !image_tokens.is_empty());
     let expanded = match vision {
         Some(vision) => vision
@@ -275,6 +258,37 @@ fn render_chat(
         prompt,
         image_starts,
     })
+}
+
+/// The chat template rendered over `messages`: the prompt's text.
+pub fn chat_text(
+    loaded: &runtime::LoadedModel,
+    messages: &[Value],
+    options: &RenderOptions,
+) -> Result<String, ApiError> {
+    let template = loaded.template.as_ref().ok_or_else(|| {
+        ApiError::invalid_no_param(
+            "This model has no chat template; use /v1/completions with a plain prompt",
+        )
+    })?;
+    template.render(messages, options).map_err(|e| match e {
+        TemplateError::Raised(message) => ApiError::invalid(message, "messages"),
+        TemplateError::Render(message) => ApiError::invalid(
+            format!("The chat template cannot render these messages: {message}"),
+            "messages",
+        ),
+        other => ApiError::Internal(other.to_string()),
+    })
+}
+
+/// The template options a chat request renders with: the offered tools
+/// and the template kwargs, with the generation prompt.
+pub fn render_options(request: &ChatRequest) -> RenderOptions {
+    RenderOptions {
+        tools: request.offered_tools(),
+        add_generation_prompt: true,
+        kwargs: request.template_kwargs.clone(),
+    }
 }
 
 /// What both endpoints set the same way: the prompt, the limit, the
