@@ -68,12 +68,86 @@
 //! good". "Speculate while it pays" is one comparison:
 //! `not: { engine_speedup.dflash: { lt: 1.0 } }`.
 //!
+//! # Trying a policy before it ships
+//!
+//! `gateway policy test --config config.yaml --cases CASES.yaml` routes
+//! each case's signals with this crate's evaluation ([`Case::check`], the
+//! same [`Policy::decide`] requests get) and exits non-zero when any case
+//! lands elsewhere than it expects, so a policy change can be checked in
+//! CI. A case file ([`parse_cases`]):
+//!
+//! ```yaml
+//! cases:
+//!   - name: a request with tools is batched
+//!     signals: { has_tools: true, greedy: true }
+//!     engine: batched
+//!     rule: tools-need-batched   # optional: the rule that must decide
+//!   - name: one greedy request alone takes the fast path
+//!     signals: { greedy: true, prompt_tokens: 40, max_tokens: 200 }
+//!     engine: fastpath
+//! ```
+//!
+//! `signals` takes the condition keys above with values. Unset ones are
+//! an idle server (nothing running or queued, `kv_pressure` 0, no
+//! speculative measurement yet: `engine_accept_rate` and `engine_speedup`
+//! unknown) and a request of zero tokens, sampled (`greedy: false`),
+//! without tools or images, naming no model. A name that is no signal
+//! fails the run with its line (`line 5: cases[0].signals: unknown signal
+//! `total_actve``), as does an engine the config does not have.
+//! `policies/examples/config-cases.yaml` holds the cases of the
+//! repository's config.yaml; CI runs them (`tests/tests/policy_cli.rs`):
+//!
+//! ```text
+//! $ gateway policy test --config config.yaml --cases policies/examples/config-cases.yaml
+//! ok    a request with tools is batched: batched (rule `tools-need-batched`)
+//! ...
+//! ok    one greedy request alone takes the fast path: fastpath (rule `alone-and-greedy`)
+//! 7 cases, 0 failed
+//! ```
+//!
+//! `gateway policy explain --config config.yaml --request REQUEST.json`
+//! takes an API request body (chat, completions or responses) and prints
+//! the signals the gateway reads from it, every rule's verdict
+//! ([`Policy::verdicts`]) and the engine chosen. `model`, `greedy`,
+//! `has_tools`, `has_images` and `max_tokens` come from the body as the
+//! gateway parses it; `prompt_tokens` from the model's tokenizer and chat
+//! template (the model loads for it, a few seconds; images need a given
+//! count). An optional `"signals"` object in the file sets live load and
+//! overrides any of them (`prompt_tokens` there spares loading the model;
+//! `max_tokens` then defaults to `default_max_tokens` unbounded by the
+//! context); unset live load is an idle server.
+//! `policies/examples/explain-request.json`:
+//!
+//! ```text
+//! $ gateway policy explain --config config.yaml --request policies/examples/explain-request.json
+//! request: chat completion
+//! signals:
+//!   model: "smollm2-135m-instruct"
+//!   prompt_tokens: 37
+//!   max_tokens: 64
+//!   greedy: true
+//!   ...
+//! rules (the first that holds decides):
+//!   tools-need-batched   -      route batched
+//!   ...
+//!   busy                 -      route batched
+//!   alone-and-greedy     holds  route fastpath  <- decides
+//! engine: fastpath (rule `alone-and-greedy`, then batched)
+//! ```
+//!
+//! A running gateway shows its policy at `GET /v1/policy` (behind the API
+//! keys when they are set): the `policy:` section in force, a hash of it,
+//! when it loaded, each rule's route and hits since then (the default
+//! last), and the last reload refused since then with its error
+//! ([`PolicyHandle::active`], [`PolicyHandle::last_rejected`]).
+//!
 //! # Use
 //!
 //! Build with [`Policy::from_config_yaml`] (or a sibling constructor) at
 //! start, where an error is fatal; call [`Policy::decide`] per request; wrap
 //! it in a [`PolicyHandle`] and [`PolicyHandle::spawn_watcher`] to pick up
-//! edits, where a bad edit is logged and the old policy stays.
+//! edits, where a bad edit is logged and the old policy stays; route
+//! through [`ActivePolicy::decide`] to count hits per rule.
 
 mod cases;
 mod compile;

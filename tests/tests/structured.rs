@@ -5,7 +5,9 @@
 //! each engine that applies grammars (batched sampled and greedy, the fast
 //! path, prompt-lookup speculation verifying its drafts under the mask),
 //! greedy output is the same text on each, forced tool calls carry valid
-//! arguments, and
+//! arguments, so do the calls a model starts under `tool_choice: "auto"`, a
+//! tool schema the grammar compiler refuses is a 400 naming the tool and
+//! the subschema, and
 //! `/v1/responses` answers plain and streamed with the documented events.
 
 use std::process::Command;
@@ -136,6 +138,34 @@ for seed in range(4):
         assert len(calls) == 1, calls
         if choice != "required":
             assert calls[0].function.name == "get_weather", calls
+
+# `tool_choice: "auto"`: text, or calls held to the schema from the moment
+# one starts (random weights start one now and then).
+for seed in range(8):
+    r = client.chat.completions.create(model=model, messages=user, max_tokens=200, tools=tools[:1],
+        parallel_tool_calls=False, temperature=1.0, seed=seed)
+    for call in r.choices[0].message.tool_calls or []:
+        assert call.function.name == "get_weather", call
+        jsonschema.validate(json.loads(call.function.arguments), weather)
+        assert r.choices[0].finish_reason == "tool_calls", r
+
+# A tool schema llguidance cannot compile: the client's 400, naming the tool
+# and where in its schema.
+zip_tool = {"type": "function", "function": {"name": "mail", "parameters": {"type": "object",
+    "properties": {"to": {"type": "object", "properties": {"zip": {"type": "string", "format": "zip-code"}}}}}}}
+for choice in ("auto", "required"):
+    try:
+        client.chat.completions.create(model=model, messages=user, max_tokens=8, tools=[tools[1], zip_tool], tool_choice=choice)
+        raise SystemExit("expected a 400 for the zip-code format")
+    except openai.BadRequestError as e:
+        assert e.body["param"] == "tools[1].function.parameters", e.body
+        assert "`mail`" in e.body["message"] and "/properties/to/properties/zip" in e.body["message"], e.body
+try:
+    client.responses.create(model=model, input="x", max_output_tokens=8, tools=[{"type": "function", "name": "mail",
+        "parameters": zip_tool["function"]["parameters"], "strict": True}])
+    raise SystemExit("expected a 400 for the zip-code format")
+except openai.BadRequestError as e:
+    assert e.body["param"] == "tools[0].parameters", e.body
 
 # Bad constraints are the client's 400, naming the field.
 for kw, param in [

@@ -668,6 +668,43 @@ mod tests {
     }
 
     #[test]
+    fn calls_are_held_closed_when_strict_or_forced() {
+        let open = json!({"type": "object", "properties": {"a": {"type": "string"}}});
+        let request = |strict: bool, choice: Value| {
+            parse(json!({
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": open, "strict": strict}},
+                    {"type": "function", "function": {"name": "g"}}
+                ],
+                "tool_choice": choice
+            }))
+            .unwrap()
+            .call_schemas()
+        };
+        let auto = request(false, json!("auto"));
+        assert_eq!((auto[0].index, auto[1].index), (0, 1));
+        assert_eq!(auto[0].parameters, open);
+        assert_eq!(auto[1].parameters, json!({"type": "object"}));
+        assert_eq!(
+            request(true, json!("auto"))[0].parameters["additionalProperties"],
+            false
+        );
+        let named = request(
+            false,
+            json!({"type": "function", "function": {"name": "g"}}),
+        );
+        assert_eq!(named.len(), 1);
+        assert_eq!((named[0].index, named[0].name.as_str()), (1, "g"));
+        assert_eq!(named[0].parameters["additionalProperties"], false);
+        assert_eq!(
+            request(false, json!("required"))[0].parameters["additionalProperties"],
+            false
+        );
+        assert!(request(false, json!("none")).is_empty());
+    }
+
+    #[test]
     fn json_mode_adds_a_system_message_when_there_is_none() {
         let r = parse(json!({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}})).unwrap();
         let msgs = r.template_messages();
@@ -744,6 +781,10 @@ mod tests {
             (
                 json!({"messages": [user], "tools": [{"type": "retrieval"}]}),
                 "tools[0].type",
+            ),
+            (
+                json!({"messages": [user], "tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}),
+                "tools[0].function.strict",
             ),
             (
                 json!({"messages": [user], "tool_choice": "required"}),
