@@ -33,7 +33,7 @@ const SCRIPT: &str = r#"
 import json, sys
 import jsonschema, openai
 
-base, model = sys.argv[1], sys.argv[2]
+base, model, open_tag = sys.argv[1], sys.argv[2], sys.argv[3]
 client = openai.OpenAI(base_url=base, api_key="sk-test", max_retries=0)
 user = [{"role": "user", "content": "Describe a person."}]
 person = {
@@ -139,15 +139,19 @@ for seed in range(4):
         if choice != "required":
             assert calls[0].function.name == "get_weather", calls
 
-# `tool_choice: "auto"`: text, or calls held to the schema from the moment
-# one starts (random weights start one now and then).
-for seed in range(8):
-    r = client.chat.completions.create(model=model, messages=user, max_tokens=200, tools=tools[:1],
-        parallel_tool_calls=False, temperature=1.0, seed=seed)
-    for call in r.choices[0].message.tool_calls or []:
-        assert call.function.name == "get_weather", call
-        jsonschema.validate(json.loads(call.function.arguments), weather)
-        assert r.choices[0].finish_reason == "tool_calls", r
+# `tool_choice: "auto"`: text, or a call held to the schema from the moment
+# it starts. Random weights never start one on their own: a bias on the
+# open tag's token makes them.
+for seed in range(4):
+    for bias in ({}, {open_tag: 100}):
+        r = client.chat.completions.create(model=model, messages=user, max_tokens=120, tools=tools[:1],
+            parallel_tool_calls=False, temperature=1.0, seed=seed, logit_bias=bias)
+        calls = r.choices[0].message.tool_calls or []
+        assert len(calls) == (1 if bias else 0), r
+        for call in calls:
+            assert call.function.name == "get_weather", call
+            jsonschema.validate(json.loads(call.function.arguments), weather)
+            assert r.choices[0].finish_reason == "tool_calls", r
 
 # A tool schema llguidance cannot compile: the client's 400, naming the tool
 # and where in its schema.
@@ -225,11 +229,17 @@ print("structured ok")
 #[test]
 fn structured_outputs_and_responses_through_the_openai_client() {
     let gw = Gateway::start(CONFIG);
+    let tokenizer = text::Tokenizer::from_dir(e2e_tests::models::tiny_qwen3()).unwrap();
+    let open_tag = tokenizer
+        .hf()
+        .token_to_id("<tool_call>")
+        .expect("Qwen's tag is one token");
     let out = Command::new(fixtures::reference::python())
         .arg("-c")
         .arg(SCRIPT)
         .arg(format!("http://{}/v1", gw.addr))
         .arg(MODEL)
+        .arg(open_tag.to_string())
         .output()
         .expect("run python");
     let stdout = String::from_utf8_lossy(&out.stdout);
