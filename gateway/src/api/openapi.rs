@@ -115,6 +115,8 @@ pub struct ChatCompletionRequest {
     /// "none", "auto" or "required" (or `{"type": "function", "function":
     /// {"name": ...}}` to force one tool).
     pub tool_choice: Option<ToolChoice>,
+    /// false: at most one call.
+    pub parallel_tool_calls: Option<bool>,
     pub response_format: Option<ResponseFormat>,
     /// Extra variables for the chat template (for example `enable_thinking`).
     #[schema(value_type = Option<Object>)]
@@ -306,6 +308,8 @@ pub struct ResponsesRequest {
     /// "none", "auto", "required" or `{"type": "function", "name": ...}`.
     #[schema(value_type = Option<Object>)]
     pub tool_choice: Option<Value>,
+    /// false: at most one call.
+    pub parallel_tool_calls: Option<bool>,
     pub text: Option<TextOptions>,
     /// Not supported (responses are not stored): always a 400.
     pub previous_response_id: Option<String>,
