@@ -44,5 +44,5 @@ fn no_generated_input_gets_a_server_error() {
         gw.logs()
     );
     // Every operation was exercised.
-    assert!(report.contains("Tested: 7"), "{report}");
+    assert!(report.contains("Tested: 8"), "{report}");
 }
