@@ -343,18 +343,9 @@ fn with_definitions(sub: &Value, root: &Value) -> Value {
     sub
 }
 
-/// `text` as a regex matching it literally.
+/// `text` as a regex matching it literally, inside Lark's `/.../`.
 fn regex_escape(text: &str) -> String {
-    text.chars()
-        .map(|c| match c {
-            '\\' | '.' | '+' | '*' | '?' | '(' | ')' | '|' | '[' | ']' | '{' | '}' | '^' | '$'
-            | '#' | '&' | '-' | '~' => {
-                format!("\\{c}")
-            }
-            '/' => "\\/".to_owned(),
-            c => c.to_string(),
-        })
-        .collect()
+    regex_syntax::escape(text).replace('/', "\\/")
 }
 
 fn compact_json() -> Value {
