@@ -6,6 +6,7 @@
 pub mod build;
 pub mod gateway;
 pub mod http;
+pub mod load;
 pub mod models;
 
 pub use build::{binaries, Binaries};

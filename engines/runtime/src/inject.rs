@@ -8,16 +8,21 @@
 //! * `GATEWAY_INJECT_OOM_BURST=4:6` makes the first forward of at least 4
 //!   rows and the 5 after it fail the same way: memory that does not come
 //!   back while a batch is full;
-//! * `GATEWAY_INJECT_PANIC=5` makes the 5th panic;
+//! * `GATEWAY_INJECT_PANIC=5` makes the 5th panic, and
+//!   `GATEWAY_INJECT_PANIC_BATCH=4:/tmp/now` the first forward of at least
+//!   4 rows once the file `/tmp/now` exists (a panic mid-batch, when the
+//!   test chooses; the fast path's forwards have one row);
 //! * `GATEWAY_INJECT_FREE_MB=512` makes the device report 512 MiB free
 //!   ([`crate::memory::device_free`]), for the startup budget check.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 pub const OOM_ENV: &str = "GATEWAY_INJECT_OOM";
 pub const OOM_BURST_ENV: &str = "GATEWAY_INJECT_OOM_BURST";
 pub const PANIC_ENV: &str = "GATEWAY_INJECT_PANIC";
+pub const PANIC_BATCH_ENV: &str = "GATEWAY_INJECT_PANIC_BATCH";
 pub const FREE_MEMORY_ENV: &str = "GATEWAY_INJECT_FREE_MB";
 
 struct Plan {
@@ -25,17 +30,24 @@ struct Plan {
     /// Rows that start the burst, and how many forwards it fails.
     burst: Option<(usize, u64)>,
     panic: Vec<(u64, u64)>,
+    /// Rows a forward needs to panic, and the file that arms it.
+    panic_batch: Option<(usize, PathBuf)>,
 }
 
 impl Plan {
     fn is_empty(&self) -> bool {
-        self.oom.is_empty() && self.burst.is_none() && self.panic.is_empty()
+        self.oom.is_empty()
+            && self.burst.is_none()
+            && self.panic.is_empty()
+            && self.panic_batch.is_none()
     }
 }
 
 static FORWARDS: AtomicU64 = AtomicU64::new(0);
 /// The forward that started the burst (0: not yet).
 static BURST_FROM: AtomicU64 = AtomicU64::new(0);
+/// The mid-batch panic happened (it happens once).
+static BATCH_PANICKED: AtomicBool = AtomicBool::new(false);
 
 /// `3,7,20-24`: inclusive ranges of forward numbers.
 fn ranges(text: &str) -> Vec<(u64, u64)> {
@@ -54,14 +66,17 @@ fn plan() -> &'static Plan {
     static PLAN: OnceLock<Plan> = OnceLock::new();
     PLAN.get_or_init(|| {
         let read = |key| std::env::var(key).map(|v| ranges(&v)).unwrap_or_default();
-        let burst = std::env::var(OOM_BURST_ENV).ok().and_then(|v| {
-            let (rows, count) = v.split_once(':')?;
-            Some((rows.trim().parse().ok()?, count.trim().parse().ok()?))
-        });
+        // `rows:rest`
+        let pair = |key| {
+            let v = std::env::var(key).ok()?;
+            let (rows, rest) = v.split_once(':')?;
+            Some((rows.trim().parse::<usize>().ok()?, rest.to_owned()))
+        };
         Plan {
             oom: read(OOM_ENV),
-            burst,
+            burst: pair(OOM_BURST_ENV).and_then(|(rows, n)| Some((rows, n.trim().parse().ok()?))),
             panic: read(PANIC_ENV),
+            panic_batch: pair(PANIC_BATCH_ENV).map(|(rows, path)| (rows, PathBuf::from(path))),
         }
     })
 }
@@ -80,6 +95,14 @@ pub(crate) fn at_forward(rows: usize) -> anyhow::Result<()> {
     let n = FORWARDS.fetch_add(1, Ordering::Relaxed) + 1;
     if within(&plan.panic, n) {
         panic!("[injected] panic in forward {n} ({PANIC_ENV})");
+    }
+    if let Some((min_rows, armed)) = &plan.panic_batch {
+        if rows >= *min_rows
+            && armed.exists()
+            && !BATCH_PANICKED.swap(true, Ordering::Relaxed)
+        {
+            panic!("[injected] panic in a forward of {rows} rows ({PANIC_BATCH_ENV})");
+        }
     }
     let in_burst = plan.burst.is_some_and(|(min_rows, count)| {
         if rows >= min_rows {
