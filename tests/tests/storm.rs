@@ -147,22 +147,39 @@ fn a_fault_storm_loses_nothing_and_the_server_stops_cleanly() {
     let b = Gateway::start(UPSTREAM);
     let a_port = a.addr.port();
     let upstreams = [url(&a), url(&b)];
-    // The panic lands in the storm's first batch of 4 rows or more once
-    // this file exists.
+    // The panic lands in the storm's first batch of two rows or more once
+    // this file exists (out-of-memory bursts keep the batches small).
     let dir = tempfile::tempdir().unwrap();
     let arm_panic = dir.path().join("panic-now");
-    let panic_at = format!("4:{}", arm_panic.display());
+    let panic_at = format!("2:{}", arm_panic.display());
     let mut gw = Gateway::start_with_env(
         &front(&upstreams),
-        &[(OOM_ENV, &oom_bursts()), (PANIC_BATCH_ENV, &panic_at)],
+        &[
+            (OOM_ENV, &oom_bursts()),
+            (PANIC_BATCH_ENV, &panic_at),
+            // A panic's backtrace would load the debug build's debug
+            // information (tens of MB, once): no growth under load, but it
+            // would hide any in the resident-memory check.
+            ("RUST_BACKTRACE", "0"),
+        ],
     );
 
-    // Warm-up: resident memory's level once MLX has met the batch shapes.
-    let warm_up = (requests / 2).max(concurrency);
-    let (warm, _) = load::run(gw.addr, warm_up, concurrency, 7, draw, &Arc::new(AtomicUsize::new(0)));
-    assert!(warm.broken.is_empty(), "warm-up: {:#?}", warm.broken);
-    assert!(gw.wait_for(Duration::from_secs(30), |g| idle(&g.health())), "{}", gw.health());
-    let rss_start = gw.rss_bytes();
+    // Warm-up at the same mix until resident memory grows less than 3% in
+    // a round: MLX's allocator keeps buffers for every batch shape it
+    // meets. That level is the baseline.
+    let mut rss_start = 0;
+    for round in 0..8 {
+        let (warm, _) = load::run(gw.addr, requests, concurrency, 7 + round, draw, &Arc::new(AtomicUsize::new(0)));
+        assert!(warm.broken.is_empty(), "warm-up: {:#?}", warm.broken);
+        assert!(gw.wait_for(Duration::from_secs(30), |g| idle(&g.health())), "{}", gw.health());
+        let rss = gw.rss_bytes();
+        println!("warm-up round {round}: RSS {:.1} MB", rss as f64 / 1e6);
+        let settled = rss_start > 0 && (rss as f64) < rss_start as f64 * 1.03;
+        rss_start = rss_start.max(rss);
+        if settled {
+            break;
+        }
+    }
 
     // The storm: a panic mid-batch from 20%, an upstream killed at 30%
     // and back at 50%.
@@ -198,8 +215,8 @@ fn a_fault_storm_loses_nothing_and_the_server_stops_cleanly() {
     println!(
         "storm: {requests} requests at concurrency {concurrency} in {:.1}s ({:.0} req/s); \
          completed {}, left on purpose {}, error answers {:?}, stream error events {:?}, \
-         broken {}; statuses {:?}; out-of-memory steps {}, rows ended by it {}, \
-         scheduler panics {}, upstream failures mid-stream {}; \
+         broken {}; statuses {:?}; over the whole run (warm-up included): out-of-memory \
+         steps {}, requests ended by them {}, scheduler panics {}, upstream failures mid-stream {}; \
          RSS {:.1} MB after warm-up -> {:.1} MB after ({:+.1}%); KV blocks after: {}",
         elapsed.as_secs_f64(),
         requests as f64 / elapsed.as_secs_f64(),
@@ -233,14 +250,14 @@ fn a_fault_storm_loses_nothing_and_the_server_stops_cleanly() {
     for upstream in [&a, &b] {
         assert!(upstream.wait_for(Duration::from_secs(30), |g| idle(&g.health())));
     }
-    assert!(growth < 0.25, "resident memory grew {:.1}%", growth * 100.0);
+    assert!(growth < 0.15, "resident memory grew {:.1}%", growth * 100.0);
 
     // SIGTERM with streams under way: each ends cleanly or with one typed
     // error event, and the process exits 0.
     let long = json!({"model": MODEL, "prompt": "once upon a time", "max_tokens": 400,
                       "ignore_eos": true, "temperature": 0, "stream": true});
+    let started = AtomicUsize::new(0);
     let ends: Vec<StreamEnd> = std::thread::scope(|s| {
-        let started = AtomicUsize::new(0);
         let readers: Vec<_> = (0..8)
             .map(|_| {
                 let (gw, long, started) = (&gw, &long, &started);

@@ -756,16 +756,15 @@ impl Scheduler {
     /// writing the KV caches, so no row's KV can be trusted: MLX's cached
     /// buffers go back to the device, every row gives up its KV and waits
     /// (keeping its reservation and its stream) to be recomputed from its
-    /// tokens, oldest first, with at most half the rows that were running
-    /// (see [`RowCap`]), after a pause that doubles with each failure in a
-    /// row. Past [`OOM_RETRIES`] failures in a row memory is not coming
+    /// tokens, oldest first, with half the rows at once (see [`RowCap`];
+    /// halved again by each failure in a row), after a pause that doubles
+    /// with each failure in a row. Past [`OOM_RETRIES`] failures in a row memory is not coming
     /// back: each further failure ends the newest half of the rows
     /// (rounded down, at least one) with 503, so the oldest go on and the
     /// run ends.
     fn recover_from_oom(&mut self, error: &anyhow::Error) {
         memory::release_cache();
         self.oom_streak += 1;
-        let running = self.rows.len() + self.group.len() + usize::from(self.prefill.is_some());
         let mut rows = self.take_started();
         rows.sort_by_key(|r| r.request().id);
         let shed = if self.oom_streak > OOM_RETRIES {
@@ -776,7 +775,6 @@ impl Scheduler {
         tracing::warn!(
             error = %error,
             rows = rows.len(),
-            running,
             failures_in_a_row = self.oom_streak,
             ending = shed,
             "batched step ran out of memory; recomputing its rows with fewer at once"
@@ -784,10 +782,17 @@ impl Scheduler {
         for row in rows.drain(rows.len() - shed..) {
             row.fail(memory::failed_step(error));
         }
-        self.row_cap = Some(RowCap::after_failure(running, self.row_cap.take()));
+        // A first failure halves what was admitted; each further one in a
+        // row halves the cap again, even while rows are still rejoining.
+        let admitted = rows.len() + shed;
+        self.row_cap = Some(match self.row_cap.take() {
+            Some(cap) if self.oom_streak > 1 => cap.halved(),
+            _ => RowCap::after_failure(admitted),
+        });
         self.preempted = rows.into();
         std::thread::sleep(oom_backoff(self.oom_streak));
     }
+
     fn fail_all(&mut self, message: &str) {
         for r in self.take_started() {
             r.fail(StreamError::Internal(message.to_string()));
@@ -864,14 +869,21 @@ struct RowCap {
 }
 
 impl RowCap {
-    /// `previous`: the cap the failing step ran under, if any: failures
-    /// in a row halve it again even while the rows are still rejoining.
-    fn after_failure(running: usize, previous: Option<RowCap>) -> Self {
-        let n = previous.map_or(running, |p| p.rows.max(running)).max(1);
+    fn after_failure(n: usize) -> Self {
         Self {
             rows: (n / 2).max(1),
             ceiling: n.saturating_sub(1).max(1),
             since: Instant::now(),
+        }
+    }
+
+    /// After another failure in a row: half the rows, under the ceiling
+    /// the first failure set.
+    fn halved(self) -> Self {
+        Self {
+            rows: (self.rows / 2).max(1),
+            since: Instant::now(),
+            ..self
         }
     }
 
