@@ -43,6 +43,15 @@ pub fn default_config_on_tiny_model() -> String {
     with_model(&text, &models::tiny_qwen3())
 }
 
+/// An upstream for the `remote` engine's tests: this gateway with the
+/// batched engine alone.
+pub const BATCHED_UPSTREAM: &str = r#"model: { path: "{model}", kv_cache_mb: 64 }
+engines:
+  batched: { kind: batched }
+policy:
+  default: batched
+"#;
+
 /// A gateway with one reference engine `ref` and a default-only policy.
 /// Extra YAML lines go under `server:`.
 pub fn basic_config(server: &str) -> String {

@@ -184,7 +184,9 @@ pub fn one_request(addr: SocketAddr, rng: &mut Rng, draw: Draw, tally: &Mutex<Ta
             let mut t = tally.lock().unwrap();
             match typed_error(status, &body, retry_after) {
                 Some(r) => t.refused.push(r),
-                None => t.broken.push(format!("{status} without a typed error: {body}")),
+                None => t
+                    .broken
+                    .push(format!("{status} without a typed error: {body}")),
             }
             return;
         }
@@ -211,13 +213,16 @@ pub fn one_request(addr: SocketAddr, rng: &mut Rng, draw: Draw, tally: &Mutex<Ta
             if finished {
                 t.completed += 1;
             } else {
-                t.broken.push(format!("200 without a finish reason: {}", r.text()));
+                t.broken
+                    .push(format!("200 without a finish reason: {}", r.text()));
             }
         } else {
             let retry_after = r.header("retry-after").is_some();
             match typed_error(r.status, &r.text(), retry_after) {
                 Some(e) => t.refused.push(e),
-                None => t.broken.push(format!("{} without a typed error: {}", r.status, r.text())),
+                None => t
+                    .broken
+                    .push(format!("{} without a typed error: {}", r.status, r.text())),
             }
         }
     }

@@ -61,8 +61,20 @@ fn excused(r: &Refusal) -> bool {
     r.status == 429 || r.code == "server_overloaded"
 }
 
-fn run_load(addr: std::net::SocketAddr, requests: usize, concurrency: usize, seed: u64) -> (Tally, Duration) {
-    load::run(addr, requests, concurrency, seed, draw, &Arc::new(AtomicUsize::new(0)))
+fn run_load(
+    addr: std::net::SocketAddr,
+    requests: usize,
+    concurrency: usize,
+    seed: u64,
+) -> (Tally, Duration) {
+    load::run(
+        addr,
+        requests,
+        concurrency,
+        seed,
+        draw,
+        &Arc::new(AtomicUsize::new(0)),
+    )
 }
 
 #[test]

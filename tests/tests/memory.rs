@@ -191,7 +191,12 @@ fn memory_that_does_not_come_back_ends_the_newest_and_the_oldest_finish_unchange
     const ROWS: usize = 6;
     let reference = Gateway::start(BATCHED);
     let expected: Vec<Ending> = (0..ROWS)
-        .map(|i| read_to_end(SseStream::open(reference.addr, "/v1/completions", &long_stream(i)), String::new()))
+        .map(|i| {
+            read_to_end(
+                SseStream::open(reference.addr, "/v1/completions", &long_stream(i)),
+                String::new(),
+            )
+        })
         .collect();
     drop(reference);
     // Once all six rows decode together, that step and the next three
@@ -223,7 +228,11 @@ fn memory_that_does_not_come_back_ends_the_newest_and_the_oldest_finish_unchange
         if i < 2 {
             assert_eq!(ending, expected, "row {i}");
         } else {
-            assert_eq!(ending, &Ending::Failed("server_overloaded".into()), "row {i}");
+            assert_eq!(
+                ending,
+                &Ending::Failed("server_overloaded".into()),
+                "row {i}"
+            );
         }
     }
     // Recomputed tokens are not billed again: the survivors' usage above
@@ -246,9 +255,16 @@ fn memory_that_does_not_come_back_ends_the_newest_and_the_oldest_finish_unchange
         gw.metric("gateway_engine_faults_total", &[("engine", "batched")]),
         None
     );
-    assert!(gw.wait_for(Duration::from_secs(5), |gw| gw.health()["kv_pool"]["allocated_blocks"] == 0));
+    assert!(
+        gw.wait_for(Duration::from_secs(5), |gw| gw.health()["kv_pool"]
+            ["allocated_blocks"]
+            == 0)
+    );
     // It serves as before.
-    let again = read_to_end(SseStream::open(gw.addr, "/v1/completions", &long_stream(3)), String::new());
+    let again = read_to_end(
+        SseStream::open(gw.addr, "/v1/completions", &long_stream(3)),
+        String::new(),
+    );
     assert_eq!(again, expected[3]);
 }
 
@@ -341,22 +357,38 @@ fn a_start_the_device_has_not_memory_for_fails_with_the_figures() {
     ) else {
         panic!("started with 2048 MiB budgeted and 200 MiB free");
     };
-    assert!(e.logs.contains("(200 MiB free besides the weights"), "{}", e.logs);
-    assert!(e.logs.contains("set model.kv_cache_mb to at most"), "{}", e.logs);
+    assert!(
+        e.logs.contains("(200 MiB free besides the weights"),
+        "{}",
+        e.logs
+    );
+    assert!(
+        e.logs.contains("set model.kv_cache_mb to at most"),
+        "{}",
+        e.logs
+    );
     // Without a budget, the KV pool asked for is checked the same way.
     let huge_pool = BATCHED.replace("kv_cache_mb: 64", "kv_cache_mb: 100000000");
     let Err(e) = Gateway::try_start(&huge_pool, &[]) else {
         panic!("started with a 100 TB KV pool");
     };
     assert!(e.logs.contains("not enough free memory"), "{}", e.logs);
-    assert!(e.logs.contains("set model.kv_cache_mb to at most"), "{}", e.logs);
+    assert!(
+        e.logs.contains("set model.kv_cache_mb to at most"),
+        "{}",
+        e.logs
+    );
 }
 
 #[test]
 fn a_start_short_of_memory_can_shrink_the_pool_and_says_so() {
     let config = budgeted("{ limit_mb: 2048, step_tokens: 64, when_short: shrink }");
     let gw = Gateway::start_with_env(&config, &[(FREE_MEMORY_ENV, "200")]);
-    assert!(gw.logged("starting with the pool that fits"), "{}", gw.logs());
+    assert!(
+        gw.logged("starting with the pool that fits"),
+        "{}",
+        gw.logs()
+    );
     let health = gw.health();
     let memory = &health["memory"];
     let budget = &memory["budget"];
@@ -366,14 +398,27 @@ fn a_start_short_of_memory_can_shrink_the_pool_and_says_so() {
     assert_eq!(budget["shrunk"], true, "{health}");
     // The weights are loaded: the pool is what is free less one step.
     let (weights, activations) = (bytes(&budget["weights"]), bytes(&budget["activations"]));
-    assert_eq!(bytes(&budget["kv_pool"]), (200 << 20) - activations, "{health}");
-    assert_eq!(bytes(&budget["budget"]), weights + activations + bytes(&budget["kv_pool"]));
-    assert_eq!(memory["mlx"]["limit"], budget["budget"], "MLX keeps the smaller budget");
+    assert_eq!(
+        bytes(&budget["kv_pool"]),
+        (200 << 20) - activations,
+        "{health}"
+    );
+    assert_eq!(
+        bytes(&budget["budget"]),
+        weights + activations + bytes(&budget["kv_pool"])
+    );
+    assert_eq!(
+        memory["mlx"]["limit"], budget["budget"],
+        "MLX keeps the smaller budget"
+    );
     // The pool's blocks fill the shrunken share, not the 2048 MiB asked.
     let pool = &health["kv_pool"];
     let block_bytes = bytes(&pool["bytes_per_block"]);
     let pool_bytes = bytes(&pool["total_blocks"]) * block_bytes;
-    assert!(pool_bytes > 0 && pool_bytes <= bytes(&budget["kv_pool"]), "{health}");
+    assert!(
+        pool_bytes > 0 && pool_bytes <= bytes(&budget["kv_pool"]),
+        "{health}"
+    );
     let body = json!({"model": MODEL, "prompt": "hello", "max_tokens": 4});
     assert_eq!(gw.post("/v1/completions", &body).status, 200);
 }

@@ -97,10 +97,7 @@ pub(crate) fn at_forward(rows: usize) -> anyhow::Result<()> {
         panic!("[injected] panic in forward {n} ({PANIC_ENV})");
     }
     if let Some((min_rows, armed)) = &plan.panic_batch {
-        if rows >= *min_rows
-            && armed.exists()
-            && !BATCH_PANICKED.swap(true, Ordering::Relaxed)
-        {
+        if rows >= *min_rows && armed.exists() && !BATCH_PANICKED.swap(true, Ordering::Relaxed) {
             panic!("[injected] panic in a forward of {rows} rows ({PANIC_BATCH_ENV})");
         }
     }

@@ -213,7 +213,11 @@ impl Fit<'_> {
             return Ok(self.kv);
         }
         let parts = if self.step.is_empty() {
-            format!("the weights ({}) and the KV pool ({})", mib(self.weights), mib(self.kv))
+            format!(
+                "the weights ({}) and the KV pool ({})",
+                mib(self.weights),
+                mib(self.kv)
+            )
         } else {
             format!(
                 "the weights ({}), the activations of {} ({}) and the KV pool ({})",
