@@ -219,3 +219,27 @@ fn a_stream_whose_engine_dies_ends_cleanly() {
     let r = gw.post("/v1/chat/completions", &body(false));
     assert_eq!(r.status, 200, "{}", r.text());
 }
+
+/// With every engine on its route that could serve it benched, a request
+/// is told to retry (they come back once probed).
+#[test]
+fn a_request_whose_engines_are_benched_is_told_to_retry() {
+    let config = config("panic_in_worker").replace("fallback: [steady]", "fallback: []");
+    let gw = Gateway::start(&config);
+    let r = gw.post("/v1/chat/completions", &body(false));
+    assert_eq!(
+        r.json()["error"]["code"],
+        "request_interrupted",
+        "{}",
+        r.text()
+    );
+    let r = gw.post("/v1/chat/completions", &body(false));
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(
+        r.json()["error"]["code"],
+        "engine_unavailable",
+        "{}",
+        r.text()
+    );
+    assert!(r.header("retry-after").is_some(), "no Retry-After");
+}

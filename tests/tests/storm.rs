@@ -17,7 +17,8 @@
 //!
 //! `STORM_REQUESTS` (default 200) at `STORM_CONCURRENCY` (default 32) size
 //! it; `scripts/storm` runs it at full size (2,000 at 256). Figures are
-//! printed (run with `--nocapture`).
+//! printed (run with `--nocapture`); `STORM_LOG=path` keeps the front
+//! gateway's log.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -217,6 +218,9 @@ fn a_fault_storm_loses_nothing_and_the_server_stops_cleanly() {
     let rss_end = gw.rss_bytes();
     let growth = rss_end as f64 / rss_start as f64 - 1.0;
     let logs = gw.logs();
+    if let Ok(path) = std::env::var("STORM_LOG") {
+        std::fs::write(path, &logs).expect("write the front gateway's log");
+    }
     println!(
         "storm: {requests} requests at concurrency {concurrency} in {:.1}s ({:.0} req/s); \
          completed {}, left on purpose {}, error answers {:?}, stream error events {:?}, \

@@ -242,6 +242,12 @@ mod tests {
             (ApiError::QueueFull, 429, "rate_limit_error", None),
             (ApiError::Overloaded, 503, "server_error", None),
             (
+                ApiError::OutOfService("x".into()),
+                503,
+                "server_error",
+                None,
+            ),
+            (
                 ApiError::Timeout(Duration::from_secs(3)),
                 504,
                 "server_error",
@@ -261,6 +267,9 @@ mod tests {
             assert!(!err.label().is_empty());
         }
         assert_eq!(ApiError::QueueFull.retry_after(), Some(1));
+        // Capable engines benched after a fault come back: retry.
+        assert_eq!(ApiError::OutOfService("x".into()).retry_after(), Some(1));
+        assert_eq!(ApiError::Unavailable("x".into()).retry_after(), None);
         assert_eq!(ApiError::invalid("x", "y").retry_after(), None);
     }
 
