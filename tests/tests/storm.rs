@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use e2e_tests::http::SseStream;
 use e2e_tests::load::{self, idle, read_stream, Rng, StreamEnd, Tally};
 use e2e_tests::{Gateway, BATCHED_UPSTREAM, MODEL};
-use runtime::inject::{OOM_ENV, PANIC_BATCH_ENV};
+use runtime::inject::{OOM_ENV, PANIC_ON_ENV};
 use serde_json::{json, Value};
 
 fn env_usize(key: &str, default: usize) -> usize {
@@ -142,16 +142,15 @@ fn a_fault_storm_loses_nothing_and_the_server_stops_cleanly() {
     let b = Gateway::start(BATCHED_UPSTREAM);
     let a_port = a.addr.port();
     let upstreams = [url(&a), url(&b)];
-    // The panic lands in the storm's first batch of two rows or more once
-    // this file exists (out-of-memory bursts keep the batches small).
+    // The batched engine's next step panics once this file exists.
     let dir = tempfile::tempdir().unwrap();
     let arm_panic = dir.path().join("panic-now");
-    let panic_at = format!("2:{}", arm_panic.display());
+    let panic_at = format!("batched-scheduler:{}", arm_panic.display());
     let mut gw = Gateway::start_with_env(
         &front(&upstreams),
         &[
             (OOM_ENV, &oom_bursts()),
-            (PANIC_BATCH_ENV, &panic_at),
+            (PANIC_ON_ENV, &panic_at),
             // A panic's backtrace would load the debug build's debug
             // information (tens of MB, once): no growth under load, but it
             // would hide any in the resident-memory check.

@@ -758,10 +758,10 @@ impl Scheduler {
     /// (keeping its reservation and its stream) to be recomputed from its
     /// tokens, oldest first, with half the rows at once (see [`RowCap`];
     /// halved again by each failure in a row), after a pause that doubles
-    /// with each failure in a row. Past [`OOM_RETRIES`] failures in a row memory is not coming
-    /// back: each further failure ends the newest half of the rows
-    /// (rounded down, at least one) with 503, so the oldest go on and the
-    /// run ends.
+    /// with each failure in a row. Past [`OOM_RETRIES`] failures in a row
+    /// memory is not coming back: each further failure ends the newest
+    /// half of the rows (rounded down, at least one) with 503, so the
+    /// oldest go on and the run ends.
     fn recover_from_oom(&mut self, error: &anyhow::Error) {
         memory::release_cache();
         self.oom_streak += 1;

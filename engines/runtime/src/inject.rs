@@ -9,9 +9,9 @@
 //!   rows and the 5 after it fail the same way: memory that does not come
 //!   back while a batch is full;
 //! * `GATEWAY_INJECT_PANIC=5` makes the 5th panic, and
-//!   `GATEWAY_INJECT_PANIC_BATCH=4:/tmp/now` the first forward of at least
-//!   4 rows once the file `/tmp/now` exists (a panic mid-batch, when the
-//!   test chooses; the fast path's forwards have one row);
+//!   `GATEWAY_INJECT_PANIC_ON=batched-scheduler:/tmp/now` the first forward
+//!   on the thread of that name once the file `/tmp/now` exists (a panic
+//!   mid-batch in one engine, when the test chooses);
 //! * `GATEWAY_INJECT_FREE_MB=512` makes the device report 512 MiB free
 //!   ([`crate::memory::device_free`]), for the startup budget check.
 
@@ -22,7 +22,7 @@ use std::sync::OnceLock;
 pub const OOM_ENV: &str = "GATEWAY_INJECT_OOM";
 pub const OOM_BURST_ENV: &str = "GATEWAY_INJECT_OOM_BURST";
 pub const PANIC_ENV: &str = "GATEWAY_INJECT_PANIC";
-pub const PANIC_BATCH_ENV: &str = "GATEWAY_INJECT_PANIC_BATCH";
+pub const PANIC_ON_ENV: &str = "GATEWAY_INJECT_PANIC_ON";
 pub const FREE_MEMORY_ENV: &str = "GATEWAY_INJECT_FREE_MB";
 
 struct Plan {
@@ -30,8 +30,8 @@ struct Plan {
     /// Rows that start the burst, and how many forwards it fails.
     burst: Option<(usize, u64)>,
     panic: Vec<(u64, u64)>,
-    /// Rows a forward needs to panic, and the file that arms it.
-    panic_batch: Option<(usize, PathBuf)>,
+    /// The thread whose forward panics, and the file that arms it.
+    panic_on: Option<(String, PathBuf)>,
 }
 
 impl Plan {
@@ -39,15 +39,15 @@ impl Plan {
         self.oom.is_empty()
             && self.burst.is_none()
             && self.panic.is_empty()
-            && self.panic_batch.is_none()
+            && self.panic_on.is_none()
     }
 }
 
 static FORWARDS: AtomicU64 = AtomicU64::new(0);
 /// The forward that started the burst (0: not yet).
 static BURST_FROM: AtomicU64 = AtomicU64::new(0);
-/// The mid-batch panic happened (it happens once).
-static BATCH_PANICKED: AtomicBool = AtomicBool::new(false);
+/// The armed panic happened (it happens once).
+static ARMED_PANICKED: AtomicBool = AtomicBool::new(false);
 
 /// `3,7,20-24`: inclusive ranges of forward numbers.
 fn ranges(text: &str) -> Vec<(u64, u64)> {
@@ -66,17 +66,18 @@ fn plan() -> &'static Plan {
     static PLAN: OnceLock<Plan> = OnceLock::new();
     PLAN.get_or_init(|| {
         let read = |key| std::env::var(key).map(|v| ranges(&v)).unwrap_or_default();
-        // `rows:rest`
+        // `a:b`
         let pair = |key| {
             let v = std::env::var(key).ok()?;
-            let (rows, rest) = v.split_once(':')?;
-            Some((rows.trim().parse::<usize>().ok()?, rest.to_owned()))
+            v.split_once(':')
+                .map(|(a, b)| (a.trim().to_owned(), b.to_owned()))
         };
         Plan {
             oom: read(OOM_ENV),
-            burst: pair(OOM_BURST_ENV).and_then(|(rows, n)| Some((rows, n.trim().parse().ok()?))),
+            burst: pair(OOM_BURST_ENV)
+                .and_then(|(rows, n)| Some((rows.parse().ok()?, n.trim().parse().ok()?))),
             panic: read(PANIC_ENV),
-            panic_batch: pair(PANIC_BATCH_ENV).map(|(rows, path)| (rows, PathBuf::from(path))),
+            panic_on: pair(PANIC_ON_ENV).map(|(thread, path)| (thread, PathBuf::from(path))),
         }
     })
 }
@@ -96,9 +97,12 @@ pub(crate) fn at_forward(rows: usize) -> anyhow::Result<()> {
     if within(&plan.panic, n) {
         panic!("[injected] panic in forward {n} ({PANIC_ENV})");
     }
-    if let Some((min_rows, armed)) = &plan.panic_batch {
-        if rows >= *min_rows && armed.exists() && !BATCH_PANICKED.swap(true, Ordering::Relaxed) {
-            panic!("[injected] panic in a forward of {rows} rows ({PANIC_BATCH_ENV})");
+    if let Some((thread, armed)) = &plan.panic_on {
+        if std::thread::current().name() == Some(thread.as_str())
+            && armed.exists()
+            && !ARMED_PANICKED.swap(true, Ordering::Relaxed)
+        {
+            panic!("[injected] panic in forward {n} on {thread} ({PANIC_ON_ENV})");
         }
     }
     let in_burst = plan.burst.is_some_and(|(min_rows, count)| {
