@@ -75,8 +75,8 @@ impl MemoryConfig {
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct MemoryPlan {
     pub device_total: u64,
-    /// Free on the device at startup, before this process's share was
-    /// counted in (`None`: the device does not say).
+    /// Free on the device at startup, besides the weights this process
+    /// held then (`None`: the device does not say).
     pub device_free: Option<u64>,
     pub budget: u64,
     pub weights: u64,
