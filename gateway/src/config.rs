@@ -30,6 +30,7 @@
 //! memory:                     # optional: a memory budget the server keeps
 //!   fraction: 0.9             # of the device's memory (or `limit_mb: 20000`)
 //!   step_tokens: 512          # the largest step, measured at startup for activations
+//!   when_short: fail          # less free on the device than that needs: fail, or shrink the KV pool
 //! plugin_dir: null            # default: the executable's directory
 //! plugins: [path/to/libengine_x.so]
 //! engines:

@@ -218,10 +218,12 @@ impl Generation {
                     return Some(Err(self.stream_error(error)));
                 }
                 None => {
+                    // The engine's worker died: the engine is benched and
+                    // the client may retry on what serves.
                     self.end("error");
                     let message = "the engine stopped without finishing the request";
                     self.guard.fault(FaultKind::LostStream, message);
-                    return Some(Err(ApiError::Engine(message.into())));
+                    return Some(Err(ApiError::Interrupted));
                 }
             }
             match self.events.try_recv() {
@@ -260,6 +262,11 @@ impl Generation {
                 self.guard.disarm();
                 tracing::info!(engine = %self.engine, reason = %message, "engine overloaded after admission");
                 ApiError::Overloaded
+            }
+            StreamError::Interrupted(message) => {
+                self.guard.disarm();
+                tracing::warn!(engine = %self.engine, reason = %message, "request interrupted in its engine");
+                ApiError::Interrupted
             }
             StreamError::Internal(message) => {
                 self.guard.fault(FaultKind::RequestError, &message);

@@ -25,7 +25,8 @@ pub enum RouteError {
     /// No engine in the chain can serve this kind of request.
     #[error("no engine on this request's route can serve it ({0})")]
     NoCapableEngine(String),
-    /// Every engine in the chain is out of service after a fault.
+    /// The engines in the chain that could serve it are out of service
+    /// after a fault (they come back once a probe succeeds).
     #[error("no engine on this request's route is in service; retry shortly")]
     NoHealthyEngine,
     #[error("{0}")]
@@ -37,9 +38,8 @@ impl From<RouteError> for ApiError {
         match e {
             RouteError::Invalid(message) => ApiError::invalid_no_param(message),
             RouteError::Overloaded => ApiError::Overloaded,
-            e @ (RouteError::NoCapableEngine(_) | RouteError::NoHealthyEngine) => {
-                ApiError::Unavailable(e.to_string())
-            }
+            e @ RouteError::NoCapableEngine(_) => ApiError::Unavailable(e.to_string()),
+            e @ RouteError::NoHealthyEngine => ApiError::OutOfService(e.to_string()),
             RouteError::Internal(message) => ApiError::Engine(message),
         }
     }
@@ -153,6 +153,7 @@ impl Router {
         let rule = decision.rule.to_owned();
         let mut busy = false;
         let mut out_of_service = false;
+        let mut benched = false;
         let mut reasons: Vec<String> = Vec::new();
         for name in decision.chain() {
             // Not loaded (its plugin or drafter failed at startup).
@@ -161,17 +162,18 @@ impl Router {
                 self.count_fallback(name);
                 continue;
             };
-            if !entry.is_serving() {
-                out_of_service = true;
-                self.count_fallback(name);
-                continue;
-            }
             let mut submitted = req.clone();
             if grammar_optional && !entry.capabilities.grammar {
                 submitted.grammar = None;
             }
             if let Some(reason) = unsupported(entry, &submitted) {
                 reasons.push(format!("{name}: {reason}"));
+                self.count_fallback(name);
+                continue;
+            }
+            // One that could serve it, benched after a fault: it comes back.
+            if !entry.is_serving() {
+                benched = true;
                 self.count_fallback(name);
                 continue;
             }
@@ -221,7 +223,7 @@ impl Router {
         }
         if busy {
             Err(RouteError::Overloaded)
-        } else if out_of_service && reasons.is_empty() {
+        } else if benched || (out_of_service && reasons.is_empty()) {
             Err(RouteError::NoHealthyEngine)
         } else {
             Err(RouteError::NoCapableEngine(reasons.join("; ")))

@@ -43,6 +43,16 @@ impl Gateway {
     }
 
     pub fn try_start(config: &str, env: &[(&str, &str)]) -> Result<Gateway, StartError> {
+        Self::try_start_on(config, env, 0)
+    }
+
+    /// Starts on `port` (0: any free one), as a restarted server takes its
+    /// old address again.
+    pub fn try_start_on(
+        config: &str,
+        env: &[(&str, &str)],
+        port: u16,
+    ) -> Result<Gateway, StartError> {
         let bins = binaries();
         let text = config
             .replace(
@@ -67,7 +77,7 @@ impl Gateway {
         let mut cmd = Command::new(&bins.gateway);
         cmd.args(["serve", "--config"])
             .arg(&config_path)
-            .args(["--port", "0"])
+            .args(["--port", &port.to_string()])
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

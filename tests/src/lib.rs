@@ -6,6 +6,7 @@
 pub mod build;
 pub mod gateway;
 pub mod http;
+pub mod load;
 pub mod models;
 
 pub use build::{binaries, Binaries};
@@ -41,6 +42,15 @@ pub fn default_config_on_tiny_model() -> String {
         std::fs::read_to_string(build::workspace_root().join("config.yaml")).expect("config.yaml");
     with_model(&text, &models::tiny_qwen3())
 }
+
+/// An upstream for the `remote` engine's tests: this gateway with the
+/// batched engine alone.
+pub const BATCHED_UPSTREAM: &str = r#"model: { path: "{model}", kv_cache_mb: 64 }
+engines:
+  batched: { kind: batched }
+policy:
+  default: batched
+"#;
 
 /// A gateway with one reference engine `ref` and a default-only policy.
 /// Extra YAML lines go under `server:`.

@@ -1,6 +1,7 @@
 //! Fault isolation: a plugin engine that panics (in `submit` or on its
 //! worker thread) or fails with an internal error fails only its own
-//! request with a clear 500, is shown unhealthy in /health and /metrics,
+//! request (a clear 500; a 503 to retry when the engine's worker died under
+//! it), is shown unhealthy in /health and /metrics,
 //! and gets no more work: the next request falls back to a healthy engine
 //! and the gateway stays up with every KV block back in the pool. A single
 //! request's error event fails that request only.
@@ -55,17 +56,25 @@ fn flaky_health(gw: &Gateway) -> Value {
         .unwrap()
 }
 
-fn check(fault: &str, expected_kind: &str) {
+/// `status` is what the faulted request gets: 500 for the engine's own
+/// failure, 503 `request_interrupted` with Retry-After when its worker
+/// died under it (the request was fine; a retry is served elsewhere).
+fn check(fault: &str, expected_kind: &str, status: u16) {
     let gw = Gateway::start(&config(fault));
     let r = gw.post("/v1/chat/completions", &body(false));
-    assert_eq!(r.status, 500, "{fault}: {}", r.text());
+    assert_eq!(r.status, status, "{fault}: {}", r.text());
     let error = &r.json()["error"];
     assert_eq!(error["type"], "server_error", "{fault}: {error}");
     let message = error["message"].as_str().unwrap();
-    assert!(
-        message.contains("engine") || message.contains("injected"),
-        "{fault}: unclear message {message:?}"
-    );
+    if status == 503 {
+        assert_eq!(error["code"], "request_interrupted", "{fault}: {error}");
+        assert!(r.header("retry-after").is_some(), "{fault}: no Retry-After");
+    } else {
+        assert!(
+            message.contains("engine") || message.contains("injected"),
+            "{fault}: unclear message {message:?}"
+        );
+    }
 
     // Out of service, and said so.
     let flaky = flaky_health(&gw);
@@ -98,7 +107,7 @@ fn check(fault: &str, expected_kind: &str) {
 
 #[test]
 fn a_worker_panic_fails_only_its_request() {
-    check("panic_in_worker", "lost_stream");
+    check("panic_in_worker", "lost_stream", 503);
 }
 
 /// A benched engine is probed and returns to routing once it serves.
@@ -112,7 +121,7 @@ fn an_engine_benched_by_a_panic_returns_when_it_serves_again() {
         .replace("plugins:", "server: { engine_probe_s: 0.2 }\nplugins:");
     let gw = Gateway::start(&config);
     let r = gw.post("/v1/chat/completions", &body(false));
-    assert_eq!(r.status, 500, "{}", r.text());
+    assert_eq!(r.status, 503, "{}", r.text());
     assert!(
         gw.wait_for(Duration::from_secs(20), |gw| flaky_health(gw)["status"]
             == "ready"),
@@ -128,12 +137,12 @@ fn an_engine_benched_by_a_panic_returns_when_it_serves_again() {
 
 #[test]
 fn a_panic_in_submit_fails_only_its_request() {
-    check("panic_on_submit", "panic");
+    check("panic_on_submit", "panic", 500);
 }
 
 #[test]
 fn an_engine_error_benches_the_engine() {
-    check("error_on_submit", "error");
+    check("error_on_submit", "error", 500);
 }
 
 #[test]
@@ -204,9 +213,33 @@ fn a_stream_whose_engine_dies_ends_cleanly() {
         assert_eq!(error["error"]["type"], "server_error");
         assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
     } else {
-        assert_eq!(status, 500, "{events:?}");
+        assert_eq!(status, 503, "{events:?}");
     }
     assert_eq!(gw.health()["kv_pool"]["allocated_blocks"], 0);
     let r = gw.post("/v1/chat/completions", &body(false));
     assert_eq!(r.status, 200, "{}", r.text());
+}
+
+/// With every engine on its route that could serve it benched, a request
+/// is told to retry (they come back once probed).
+#[test]
+fn a_request_whose_engines_are_benched_is_told_to_retry() {
+    let config = config("panic_in_worker").replace("fallback: [steady]", "fallback: []");
+    let gw = Gateway::start(&config);
+    let r = gw.post("/v1/chat/completions", &body(false));
+    assert_eq!(
+        r.json()["error"]["code"],
+        "request_interrupted",
+        "{}",
+        r.text()
+    );
+    let r = gw.post("/v1/chat/completions", &body(false));
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(
+        r.json()["error"]["code"],
+        "engine_unavailable",
+        "{}",
+        r.text()
+    );
+    assert!(r.header("retry-after").is_some(), "no Retry-After");
 }

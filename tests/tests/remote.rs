@@ -13,16 +13,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use e2e_tests::http::{self, SseStream};
-use e2e_tests::{build::workspace_root, models, Gateway, MODEL};
+use e2e_tests::{build::workspace_root, models, Gateway, BATCHED_UPSTREAM, MODEL};
 use serde_json::{json, Value};
-
-/// An upstream: this gateway with the batched engine.
-const UPSTREAM: &str = r#"model: { path: "{model}", kv_cache_mb: 64 }
-engines:
-  batched: { kind: batched }
-policy:
-  default: batched
-"#;
 
 /// A front gateway: a local batched engine and a `fleet` of upstreams;
 /// the fleet serves everything, the local engine is the fallback.
@@ -123,8 +115,8 @@ fn stream_counting(addr: SocketAddr, body: &Value, started: &AtomicUsize) -> Str
 
 #[test]
 fn fleet_matches_direct_answers_and_spreads_load() {
-    let a = Gateway::start(UPSTREAM);
-    let b = Gateway::start(UPSTREAM);
+    let a = Gateway::start(BATCHED_UPSTREAM);
+    let b = Gateway::start(BATCHED_UPSTREAM);
     let f = Gateway::start(&front(
         &[url(&a), url(&b)],
         "    affinity_prefix_tokens: 24",
@@ -247,8 +239,8 @@ fn direct_prompt_tokens(gw: &Gateway, prompt: &str) -> u64 {
 
 #[test]
 fn killing_an_upstream_loses_and_duplicates_nothing() {
-    let a = Gateway::start(UPSTREAM);
-    let b = Gateway::start(UPSTREAM);
+    let a = Gateway::start(BATCHED_UPSTREAM);
+    let b = Gateway::start(BATCHED_UPSTREAM);
     let f = Gateway::start(&front(&[url(&a), url(&b)], "    affinity_prefix_tokens: 0"));
     let body = completion("once upon a time", 48);
     let expected = answer(&b, &body).0;
@@ -333,7 +325,7 @@ fn a_pool_that_never_came_up_falls_back() {
 #[test]
 fn refuses_an_upstream_serving_another_model() {
     let other = models::write("other-model", &runtime_spec());
-    let cfg = UPSTREAM.replace("{model}", &other.path.display().to_string());
+    let cfg = BATCHED_UPSTREAM.replace("{model}", &other.path.display().to_string());
     let a = Gateway::start(&cfg);
     let f = Gateway::start(&front(&[url(&a)], ""));
     let refused = f.wait_for(Duration::from_secs(5), |f| {
@@ -411,7 +403,7 @@ impl Drop for MlxLmServer {
 fn mlx_lm_server_as_an_upstream() {
     let model = models::tiny_qwen3().canonicalize().unwrap();
     let mlx = MlxLmServer::start(&model);
-    let a = Gateway::start(UPSTREAM);
+    let a = Gateway::start(BATCHED_UPSTREAM);
     let f = Gateway::start(&front(
         &[format!(
             "{{ url: \"http://{}\", protocol: text }}",
@@ -468,8 +460,8 @@ fn documented_config(upstreams: [&Gateway; 2], overflow: &str) -> String {
 
 #[test]
 fn the_documented_fleet_config_serves() {
-    let a = Gateway::start(UPSTREAM);
-    let b = Gateway::start(UPSTREAM);
+    let a = Gateway::start(BATCHED_UPSTREAM);
+    let b = Gateway::start(BATCHED_UPSTREAM);
     let body = completion("the quick brown fox", 8);
     let expected = answer(&a, &body).0;
 

@@ -13,7 +13,9 @@
 //!
 //! A step that runs out of device memory fails no request by itself: its
 //! rows give up their KV and wait to be recomputed from their tokens
-//! ([`Scheduler::recover_from_oom`]), as vLLM's recompute preemption.
+//! ([`Scheduler::recover_from_oom`]), as vLLM's recompute preemption, with
+//! fewer rows at once. Retries are bounded and back off: when memory does
+//! not come back, the newest rows end with 503 and the oldest go on.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -95,10 +97,9 @@ pub struct Scheduler {
     preempted: VecDeque<Row>,
     /// Rows allowed in the batch since memory ran out; `None`: `max_batch`.
     row_cap: Option<RowCap>,
-    /// The last step that ran out of memory had a single row: its id and
-    /// how many of its tokens had KV then (see
-    /// [`Scheduler::recover_from_oom`]).
-    lone_oom: Option<(RequestId, usize)>,
+    /// Steps in a row that ran out of memory (see
+    /// [`Scheduler::recover_from_oom`]); a step that succeeds ends the run.
+    oom_streak: u32,
     /// Where this step's time went, for the step log.
     times: StepTimes,
     /// When the previous step started.
@@ -128,7 +129,7 @@ impl Scheduler {
             pending: None,
             preempted: VecDeque::new(),
             row_cap: None,
-            lone_oom: None,
+            oom_streak: 0,
             times: StepTimes::default(),
             last_step: None,
             shutting_down: false,
@@ -194,7 +195,7 @@ impl Scheduler {
                 "step"
             );
             match result {
-                Ok(()) => {}
+                Ok(()) => self.oom_streak = 0,
                 Err(e) if memory::is_out_of_memory(&e) => self.recover_from_oom(&e),
                 Err(e) => {
                     tracing::error!(error = %e, "batched step failed; failing its requests");
@@ -755,38 +756,41 @@ impl Scheduler {
     /// writing the KV caches, so no row's KV can be trusted: MLX's cached
     /// buffers go back to the device, every row gives up its KV and waits
     /// (keeping its reservation and its stream) to be recomputed from its
-    /// tokens, and the batch restarts at half the rows (see [`RowCap`]).
-    /// A row that runs out of memory alone, and again alone
-    /// before it got further (fewer or as many of its tokens computed),
-    /// cannot fit: it ends with 503.
+    /// tokens, oldest first, with half the rows at once (see [`RowCap`];
+    /// halved again by each failure in a row), after a pause that doubles
+    /// with each failure in a row. Past [`OOM_RETRIES`] failures in a row
+    /// memory is not coming back: each further failure ends the newest
+    /// half of the rows (rounded down, at least one) with 503, so the
+    /// oldest go on and the run ends.
     fn recover_from_oom(&mut self, error: &anyhow::Error) {
         memory::release_cache();
-        let lone = (self.started().count() == 1).then(|| match &self.prefill {
-            Some(p) => (p.row.request().id, p.done),
-            None => {
-                let row = self.started().next().expect("one row");
-                let computed = if self.rows.is_empty() {
-                    0
-                } else {
-                    row.context_len()
-                };
-                (row.request().id, computed)
-            }
-        });
+        self.oom_streak += 1;
         let mut rows = self.take_started();
-        tracing::warn!(error = %error, rows = rows.len(), "batched step ran out of memory; recomputing its rows with fewer at once");
-        let stuck = matches!((lone, self.lone_oom), (Some((id, now)), Some((last_id, last)))
-            if id == last_id && now <= last);
-        self.lone_oom = lone;
-        if stuck {
-            self.lone_oom = None;
-            rows.pop()
-                .expect("one row")
-                .fail(memory::failed_step(error));
-            return;
+        rows.sort_by_key(|r| r.request().id);
+        let shed = if self.oom_streak > OOM_RETRIES {
+            (rows.len() / 2).max(1)
+        } else {
+            0
+        };
+        tracing::warn!(
+            error = %error,
+            rows = rows.len(),
+            failures_in_a_row = self.oom_streak,
+            ending = shed,
+            "batched step ran out of memory; recomputing its rows with fewer at once"
+        );
+        for row in rows.drain(rows.len() - shed..) {
+            row.fail(memory::failed_step(error));
         }
-        self.row_cap = Some(RowCap::after_failure(rows.len()));
+        // A first failure halves what was admitted; each further one in a
+        // row halves the cap again, even while rows are still rejoining.
+        let admitted = rows.len() + shed;
+        self.row_cap = Some(match self.row_cap.take() {
+            Some(cap) if self.oom_streak > 1 => cap.halved(),
+            _ => RowCap::after_failure(admitted),
+        });
         self.preempted = rows.into();
+        std::thread::sleep(oom_backoff(self.oom_streak));
     }
 
     fn fail_all(&mut self, message: &str) {
@@ -845,6 +849,15 @@ fn ms(d: Duration) -> f64 {
 /// How long the row count that ran out of memory stays out of reach.
 const ROW_CEILING_LIFTS_AFTER: Duration = Duration::from_secs(60);
 
+/// Steps in a row that may run out of memory before rows are ended.
+const OOM_RETRIES: u32 = 3;
+
+/// The pause after the `streak`-th failure in a row: 10 ms doubling, at
+/// most a second (time for the memory's holder to let go).
+fn oom_backoff(streak: u32) -> Duration {
+    Duration::from_millis(10 << streak.saturating_sub(1).min(6)).min(Duration::from_secs(1))
+}
+
 /// The row limit after a step ran out of memory with `n` rows: half of
 /// them at first, one more per row that finishes, but below `n` until a
 /// minute passes without another failure (else the batch would grow back
@@ -861,6 +874,16 @@ impl RowCap {
             rows: (n / 2).max(1),
             ceiling: n.saturating_sub(1).max(1),
             since: Instant::now(),
+        }
+    }
+
+    /// After another failure in a row: half the rows, under the ceiling
+    /// the first failure set.
+    fn halved(self) -> Self {
+        Self {
+            rows: (self.rows / 2).max(1),
+            since: Instant::now(),
+            ..self
         }
     }
 

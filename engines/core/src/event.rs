@@ -118,14 +118,18 @@ pub struct Finish {
 /// Why a request that an engine accepted ended without finishing. The
 /// kind decides what the client sees: `Invalid` is the client's mistake
 /// (400), `Overloaded` a capacity problem worth retrying (503
-/// `server_overloaded` with Retry-After), `Internal` the engine's failure
-/// (500, and a fault against the engine).
+/// `server_overloaded` with Retry-After), `Interrupted` a failure outside
+/// the engine that cut the request short, such as an upstream that died
+/// mid-stream (503 `request_interrupted` with Retry-After), `Internal` the
+/// engine's failure (500, and a fault against the engine).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
 pub enum StreamError {
     #[error("{0}")]
     Invalid(String),
     #[error("{0}")]
     Overloaded(String),
+    #[error("{0}")]
+    Interrupted(String),
     #[error("{0}")]
     Internal(String),
 }

@@ -37,6 +37,8 @@ enum Attempt {
     Retryable {
         reason: String,
         upstream_down: bool,
+        /// The upstream answered that it is at capacity (429, 503).
+        busy: bool,
     },
     /// Final: the upstream rejected the request itself, or failed after
     /// tokens were delivered.
@@ -60,7 +62,7 @@ impl Forwarder {
         };
         let mut tried = Vec::new();
         let mut last_failure = String::from("no healthy upstream");
-        // Every upstream at its limit: capacity, worth retrying later.
+        // Upstreams at their limit: capacity, worth retrying later.
         let mut overloaded = false;
         for _ in 0..=self.retries {
             if request.cancel.is_cancelled() {
@@ -86,7 +88,9 @@ impl Forwarder {
                 Attempt::Retryable {
                     reason,
                     upstream_down,
+                    busy,
                 } => {
+                    overloaded |= busy;
                     let upstream = &lease.upstream;
                     if upstream_down {
                         let previous = upstream.mark_down(reason.clone());
@@ -162,8 +166,8 @@ impl Forwarder {
         let response = tokio::select! {
             r = tokio::time::timeout_at(first_token_deadline, sent) => match r {
                 Ok(Ok(response)) => response,
-                Ok(Err(e)) => return Attempt::Retryable { reason: e.message, upstream_down: e.connect },
-                Err(_) => return Attempt::Retryable { reason: "no response before the first-token timeout".into(), upstream_down: false },
+                Ok(Err(e)) => return Attempt::Retryable { reason: e.message, upstream_down: e.connect, busy: false },
+                Err(_) => return Attempt::Retryable { reason: "no response before the first-token timeout".into(), upstream_down: false, busy: false },
             },
             _ = cancel.notified() => return Attempt::Cancelled,
             _ = delivery.events.closed() => return Attempt::Cancelled,
@@ -176,6 +180,8 @@ impl Forwarder {
                 Attempt::Retryable {
                     reason: format!("upstream answered {status}: {message}"),
                     upstream_down: false,
+                    busy: status == StatusCode::TOO_MANY_REQUESTS
+                        || status == StatusCode::SERVICE_UNAVAILABLE,
                 }
             } else {
                 Attempt::Failed(StreamError::Invalid(format!(
@@ -223,10 +229,11 @@ impl Forwarder {
                 Attempt::Retryable {
                     reason: failure,
                     upstream_down: false,
+                    busy: false,
                 }
             } else {
                 tracing::warn!(request = %request.id, upstream = %upstream.url, reason = %failure, "upstream failed mid-stream");
-                Attempt::Failed(StreamError::Internal(format!(
+                Attempt::Failed(StreamError::Interrupted(format!(
                     "the upstream failed after the response started: {failure}"
                 )))
             };

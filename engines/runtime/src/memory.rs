@@ -46,7 +46,17 @@ pub fn mlx_memory() -> MlxMemory {
 /// Total memory of the default device: the GPU's own on CUDA and Metal,
 /// the machine's RAM on the CPU backend. `None` when it cannot be read.
 pub fn device_total() -> Option<u64> {
-    device_info_size(&["total_memory", "memory_size"]).or_else(system_ram)
+    device_info_size(&["total_memory", "memory_size"]).or_else(|| meminfo("MemTotal:"))
+}
+
+/// Memory of the default device free now, for any process: CUDA's own
+/// figure, the machine's available RAM (`MemAvailable`) on the CPU
+/// backend. `None` where neither can be read (Metal reports no free
+/// figure). Memory this process holds is not in it.
+pub fn device_free() -> Option<u64> {
+    crate::inject::free_memory()
+        .or_else(|| device_info_size(&["free_memory"]))
+        .or_else(|| meminfo("MemAvailable:"))
 }
 
 fn device_info_size(keys: &[&str]) -> Option<u64> {
@@ -82,11 +92,12 @@ fn device_info_size(keys: &[&str]) -> Option<u64> {
     }
 }
 
-fn system_ram() -> Option<u64> {
+/// A `/proc/meminfo` figure (Linux), in bytes.
+fn meminfo(key: &str) -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
     let kb: u64 = meminfo
         .lines()
-        .find_map(|l| l.strip_prefix("MemTotal:"))?
+        .find_map(|l| l.strip_prefix(key))?
         .trim()
         .trim_end_matches("kB")
         .trim()
@@ -174,7 +185,8 @@ mod tests {
 
     #[test]
     fn reads_the_device_and_mlx() {
-        assert!(device_total().is_some_and(|t| t > 0));
+        let total = device_total().expect("the device's size");
+        assert!(device_free().is_some_and(|free| free > 0 && free <= total));
         let before = mlx_memory();
         let a = mlx_rs::Array::from_slice(&[1.0f32; 1024], &[1024]);
         mlx_rs::transforms::eval([&a]).unwrap();

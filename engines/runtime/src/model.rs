@@ -386,7 +386,7 @@ impl Model {
             }
         }
         cache.advance(n);
-        crate::inject::at_forward()?;
+        crate::inject::at_forward(h.dim(0) as usize)?;
         let normed = self.norm.forward(&h)?;
         let logits = match which {
             Logits::Last if n > 1 => self.logits(&position(&normed, n - 1)?)?,

@@ -38,6 +38,10 @@ pub enum ApiError {
     /// No loaded engine can serve this kind of request.
     #[error("{0}")]
     Unavailable(String),
+    /// The engines that could serve it are out of service after a fault,
+    /// until a probe finds them serving again.
+    #[error("{0}")]
+    OutOfService(String),
     /// The server is draining before it stops; no new work is taken.
     #[error("The server is shutting down; retry on another instance")]
     ShuttingDown,
@@ -88,6 +92,7 @@ impl ApiError {
             ApiError::QueueFull => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Overloaded
             | ApiError::Unavailable(_)
+            | ApiError::OutOfService(_)
             | ApiError::Interrupted
             | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
@@ -107,6 +112,7 @@ impl ApiError {
             ApiError::QueueFull => "rate_limit_error",
             ApiError::Overloaded
             | ApiError::Unavailable(_)
+            | ApiError::OutOfService(_)
             | ApiError::Interrupted
             | ApiError::ShuttingDown
             | ApiError::Timeout(_) => "server_error",
@@ -131,6 +137,7 @@ impl ApiError {
             ApiError::QueueFull => Some("rate_limit_exceeded"),
             ApiError::Overloaded => Some("server_overloaded"),
             ApiError::Unavailable(_) => Some("no_capable_engine"),
+            ApiError::OutOfService(_) => Some("engine_unavailable"),
             ApiError::Interrupted => Some("request_interrupted"),
             ApiError::ShuttingDown => Some("server_shutting_down"),
             ApiError::Timeout(_) => Some("timeout"),
@@ -154,6 +161,7 @@ impl ApiError {
             ApiError::QueueFull => "queue_full",
             ApiError::Overloaded => "overloaded",
             ApiError::Unavailable(_) => "unavailable",
+            ApiError::OutOfService(_) => "out_of_service",
             ApiError::Interrupted => "interrupted",
             ApiError::ShuttingDown => "shutting_down",
             ApiError::Timeout(_) => "timeout",
@@ -166,7 +174,10 @@ impl ApiError {
     pub fn retry_after(&self) -> Option<u64> {
         matches!(
             self,
-            ApiError::QueueFull | ApiError::Overloaded | ApiError::Interrupted
+            ApiError::QueueFull
+                | ApiError::Overloaded
+                | ApiError::OutOfService(_)
+                | ApiError::Interrupted
         )
         .then_some(1)
     }
@@ -231,6 +242,12 @@ mod tests {
             (ApiError::QueueFull, 429, "rate_limit_error", None),
             (ApiError::Overloaded, 503, "server_error", None),
             (
+                ApiError::OutOfService("x".into()),
+                503,
+                "server_error",
+                None,
+            ),
+            (
                 ApiError::Timeout(Duration::from_secs(3)),
                 504,
                 "server_error",
@@ -250,6 +267,9 @@ mod tests {
             assert!(!err.label().is_empty());
         }
         assert_eq!(ApiError::QueueFull.retry_after(), Some(1));
+        // Capable engines benched after a fault come back: retry.
+        assert_eq!(ApiError::OutOfService("x".into()).retry_after(), Some(1));
+        assert_eq!(ApiError::Unavailable("x".into()).retry_after(), None);
         assert_eq!(ApiError::invalid("x", "y").retry_after(), None);
     }
 

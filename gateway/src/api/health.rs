@@ -2,7 +2,8 @@
 //! reports healthy and the server is not draining; otherwise 503. The body
 //! lists every engine (with its fault, if any), plugins that were refused,
 //! the shared KV pool's figures, and memory: what MLX holds now and at its
-//! peak, and how a `memory:` budget was divided.
+//! peak, what the device has free now, and how a `memory:` budget was
+//! divided.
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -85,6 +86,7 @@ pub async fn health(State(state): State<SharedState>) -> Response {
         "memory": {
             "mlx": runtime::memory::mlx_memory(),
             "budget": registry.memory,
+            "device_free": runtime::memory::device_free(),
         },
     });
     let status = if all_ready {

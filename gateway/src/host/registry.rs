@@ -153,13 +153,22 @@ fn load_shared(config: &Config) -> anyhow::Result<(SharedModel, Option<MemoryPla
     let per_token = model.model.kv_bytes_per_token();
     let kv_cap = m.kv_cache_mb.map(|mb| (mb as u64) << 20);
     let plan = match &config.memory {
-        Some(budget) => Some(memory::plan(budget, &model, kv_cap)?),
+        Some(budget) => {
+            // The smallest useful pool holds one step's tokens.
+            let min_kv = (per_token * budget.step_tokens) as u64;
+            Some(memory::plan(budget, &model, kv_cap, min_kv)?)
+        }
         None => None,
     };
-    let kv_bytes = plan.map_or(
-        (m.kv_cache_mb.unwrap_or(DEFAULT_KV_CACHE_MB) as u64) << 20,
-        |p| p.kv_pool,
-    );
+    let kv_bytes = match plan {
+        Some(p) => p.kv_pool,
+        None => {
+            let kv_bytes = (m.kv_cache_mb.unwrap_or(DEFAULT_KV_CACHE_MB) as u64) << 20;
+            let weights = runtime::memory::mlx_memory().active;
+            memory::check_free(weights, kv_bytes, (per_token * m.kv_block_size) as u64)?;
+            kv_bytes
+        }
+    };
     let kv_pool = KvPool::with_budget(kv_bytes as usize, m.kv_block_size, per_token)
         .with_sequence_state(model.model.state_bytes_per_sequence())
         .with_step_tokens(config.memory.as_ref().map(|b| b.step_tokens));
