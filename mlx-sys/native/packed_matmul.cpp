@@ -19,7 +19,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <mutex>
 #include <sched.h>
 #include <string>
@@ -90,41 +89,47 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
 
 // One output column `o` for rows r0..r0+R. A independent accumulators per
 // row hide the FMA latency when R is small; a group (32/64/128 weights) is
-// 4, 8 or 16 vectors of 8, so A <= 4 divides it.
+// 4, 8 or 16 vectors of 8, so A <= 4 divides it. The loops over R and A are
+// unrolled so the accumulators stay in registers.
 template <int R, int BITS>
 __attribute__((target("avx2,fma"))) void block_avx2(const Problem& p, int o, int r0) {
   constexpr int A = R == 1 ? 4 : R < 4 ? 2 : 1;
-  const int words = p.k * BITS / 32, groups = p.k / p.group;
-  const uint32_t* wr = p.w + size_t(o) * words;
+  constexpr int WORDS = BITS / 4;  // packed words per vector of 8 weights
+  const int groups = p.k / p.group, steps = p.group / (8 * A);
+  const size_t ldx = size_t(p.k);
+  const uint32_t* wp = p.w + size_t(o) * (p.k * BITS / 32);
   const float* sr = p.s + size_t(o) * groups;
   const float* br = p.b + size_t(o) * groups;
-  const float* xr = p.x + size_t(r0) * p.k;
+  const float* xp = p.x + size_t(r0) * ldx;
   const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
   const __m256i mask = _mm256_set1_epi32(0xF);
   __m256 acc[R][A];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
     for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
   for (int g = 0; g < groups; ++g) {
     const __m256 sc = _mm256_set1_ps(sr[g]), bi = _mm256_set1_ps(br[g]);
-    const int end = (g + 1) * p.group;
-    for (int i = g * p.group; i < end; i += 8 * A) {
+    for (int st = 0; st < steps; ++st, wp += A * WORDS, xp += 8 * A) {
+#pragma GCC unroll 4
       for (int a = 0; a < A; ++a) {
-        const int at = i + 8 * a;
         __m256i q;
         if constexpr (BITS == 4) {
-          q = _mm256_and_si256(
-              _mm256_srlv_epi32(_mm256_set1_epi32(int(wr[at / 8])), shifts), mask);
+          q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(wp[a])), shifts), mask);
         } else {
-          q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + at / 4)));
+          q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wp + a * WORDS)));
         }
         const __m256 wv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), sc, bi);
+#pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
-          acc[r][a] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xr + size_t(r) * p.k + at), acc[r][a]);
+          acc[r][a] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp + r * ldx + 8 * a), acc[r][a]);
       }
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     __m256 t = acc[r][0];
+#pragma GCC unroll 4
     for (int a = 1; a < A; ++a) t = _mm256_add_ps(t, acc[r][a]);
     p.y[size_t(r0 + r) * p.n + o] = hsum256(t);
   }
@@ -137,41 +142,47 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void block_avx512(
     const Problem& p, int o, int r0) {
   // A group is 2, 4 or 8 vectors of 16.
   constexpr int A = R < 4 ? 2 : 1;
-  const int words = p.k * BITS / 32, groups = p.k / p.group;
-  const uint32_t* wr = p.w + size_t(o) * words;
+  constexpr int WORDS = BITS / 2;  // packed words per vector of 16 weights
+  const int groups = p.k / p.group, steps = p.group / (16 * A);
+  const size_t ldx = size_t(p.k);
+  const uint32_t* wp = p.w + size_t(o) * (p.k * BITS / 32);
   const float* sr = p.s + size_t(o) * groups;
   const float* br = p.b + size_t(o) * groups;
-  const float* xr = p.x + size_t(r0) * p.k;
+  const float* xp = p.x + size_t(r0) * ldx;
   const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   const __m512i shifts =
       _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
   const __m512i mask = _mm512_set1_epi32(0xF);
   __m512 acc[R][A];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
     for (int a = 0; a < A; ++a) acc[r][a] = _mm512_setzero_ps();
   for (int g = 0; g < groups; ++g) {
     const __m512 sc = _mm512_set1_ps(sr[g]), bi = _mm512_set1_ps(br[g]);
-    const int end = (g + 1) * p.group;
-    for (int i = g * p.group; i < end; i += 16 * A) {
+    for (int st = 0; st < steps; ++st, wp += A * WORDS, xp += 16 * A) {
+#pragma GCC unroll 2
       for (int a = 0; a < A; ++a) {
-        const int at = i + 16 * a;
         __m512i q;
         if constexpr (BITS == 4) {
-          const __m128i two = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + at / 8));
+          const __m128i two = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wp + a * WORDS));
           q = _mm512_and_si512(
               _mm512_srlv_epi32(_mm512_permutexvar_epi32(spread, _mm512_castsi128_si512(two)), shifts),
               mask);
         } else {
-          q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + at / 4)));
+          q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + a * WORDS)));
         }
         const __m512 wv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), sc, bi);
+#pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
-          acc[r][a] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xr + size_t(r) * p.k + at), acc[r][a]);
+          acc[r][a] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xp + r * ldx + 16 * a), acc[r][a]);
       }
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     __m512 t = acc[r][0];
+#pragma GCC unroll 2
     for (int a = 1; a < A; ++a) t = _mm512_add_ps(t, acc[r][a]);
     p.y[size_t(r0 + r) * p.n + o] = _mm512_reduce_add_ps(t);
   }
@@ -236,8 +247,15 @@ int chosen_kernel() {
 
 // ------------------------------------------------------------- thread pool
 
+using Span = void (*)(const Problem&, int, int);
+
 // Workers that spin briefly between calls (a decode step's products come
 // tens of microseconds apart) and then sleep; the calling thread works too.
+// Work is handed out in chunks of output columns through one atomic ticket
+// (generation | chunk count | next chunk), so the caller never waits for a
+// worker that has not started: on a loaded machine a descheduled worker
+// simply takes no chunk, and one that wakes after the call finds the
+// generation moved on without touching the finished call's state.
 class Pool {
  public:
   static Pool& get() {
@@ -245,26 +263,29 @@ class Pool {
     return *pool;
   }
 
-  // Runs `job` on every thread (the caller included) and returns when all
-  // are done.
-  void run(const std::function<void()>& job) {
-    if (workers_ == 0) {
-      job();
+  int threads() const { return workers_ + 1; }
+
+  // Runs `span` over the output columns of `p` in `chunk`-column pieces.
+  void run(const Problem& p, Span span, int chunk) {
+    const uint64_t chunks = (uint64_t(p.n) + chunk - 1) / chunk;
+    if (workers_ == 0 || chunks <= 1 || chunks >= (1u << 20)) {
+      span(p, 0, p.n);
       return;
     }
     std::lock_guard<std::mutex> serial(run_mutex_);
-    job_ = &job;
-    busy_.store(workers_, std::memory_order_seq_cst);
-    generation_.fetch_add(1, std::memory_order_seq_cst);
+    problem_ = &p;
+    span_ = span;
+    chunk_ = chunk;
+    done_.store(0, std::memory_order_relaxed);
+    const uint64_t gen = ((ticket_.load(std::memory_order_relaxed) >> 40) + 1) & 0xFFFFFF;
+    ticket_.store(gen << 40 | chunks << 20, std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0) {
       { std::lock_guard<std::mutex> lk(mutex_); }
       wake_.notify_all();
     }
-    job();
-    while (busy_.load(std::memory_order_acquire) != 0) pause();
+    work(gen);
+    while (done_.load(std::memory_order_acquire) != chunks) pause();
   }
-
-  int threads() const { return workers_ + 1; }
 
  private:
   explicit Pool(int threads) : workers_(threads - 1) {
@@ -289,53 +310,63 @@ class Pool {
 #endif
   }
 
+  // Claims and runs chunks of generation `gen` until none is left.
+  void work(uint64_t gen) {
+    uint64_t t = ticket_.load(std::memory_order_acquire);
+    for (;;) {
+      const uint64_t next = t & 0xFFFFF, chunks = (t >> 20) & 0xFFFFF;
+      if ((t >> 40) != gen || next >= chunks) return;
+      if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) continue;
+      // The call cannot finish before this chunk is done: its state holds.
+      const int o0 = int(next) * chunk_;
+      span_(*problem_, o0, std::min(problem_->n, o0 + chunk_));
+      done_.fetch_add(1, std::memory_order_acq_rel);
+      t = ticket_.load(std::memory_order_acquire);
+    }
+  }
+
   void loop() {
     uint64_t seen = 0;
+    auto generation = [&] { return ticket_.load(std::memory_order_seq_cst) >> 40; };
     for (;;) {
       auto start = std::chrono::steady_clock::now();
       int spins = 0;
-      while (generation_.load(std::memory_order_acquire) == seen) {
+      while (generation() == seen) {
         pause();
         if (++spins % 256 == 0 &&
             std::chrono::steady_clock::now() - start > std::chrono::microseconds(200)) {
           std::unique_lock<std::mutex> lk(mutex_);
           sleepers_.fetch_add(1, std::memory_order_seq_cst);
-          wake_.wait(lk, [&] { return generation_.load(std::memory_order_seq_cst) != seen; });
+          wake_.wait(lk, [&] { return generation() != seen; });
           sleepers_.fetch_sub(1, std::memory_order_seq_cst);
         }
       }
-      seen = generation_.load(std::memory_order_acquire);
-      (*job_)();
-      busy_.fetch_sub(1, std::memory_order_acq_rel);
+      seen = generation();
+      work(seen);
     }
   }
 
   const int workers_;
   std::mutex run_mutex_, mutex_;
   std::condition_variable wake_;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int> busy_{0}, sleepers_{0};
-  const std::function<void()>* job_ = nullptr;
+  std::atomic<uint64_t> ticket_{0};
+  std::atomic<uint64_t> done_{0};
+  std::atomic<int> sleepers_{0};
+  const Problem* problem_ = nullptr;
+  Span span_ = nullptr;
+  int chunk_ = 1;
 };
 
 void compute(const Problem& p, int kernel) {
-  void (*span)(const Problem&, int, int) = span_scalar;
+  Span span = span_scalar;
 #if defined(__x86_64__)
   if (kernel == AVX512) span = span_avx512;
   if (kernel == AVX2) span = span_avx2;
 #endif
   Pool& pool = Pool::get();
-  // Columns in chunks taken in turn, so a thread slowed by other work on
-  // its core takes fewer.
-  const int chunk = std::max(4, p.n / (pool.threads() * 8));
-  std::atomic<int> next{0};
-  pool.run([&] {
-    for (;;) {
-      int o0 = next.fetch_add(chunk, std::memory_order_relaxed);
-      if (o0 >= p.n) return;
-      span(p, o0, std::min(p.n, o0 + chunk));
-    }
-  });
+  // Chunks taken in turn, so a thread slowed by other work on its core
+  // takes fewer.
+  pool.run(p, span, std::max(4, p.n / (pool.threads() * 8)));
 }
 
 // ---------------------------------------------------------------- primitive
