@@ -27,6 +27,7 @@ fn main() {
     println!("cargo:rerun-if-changed=native");
 
     println!("cargo::rustc-check-cfg=cfg(mlx_openblas)");
+    println!("cargo::rustc-check-cfg=cfg(mlx_packed_matmul)");
     let mlx_c = mlx_c_source();
     let target_os = env::var("CARGO_CFG_TARGET_OS").unwrap();
     let target_arch = env::var("CARGO_CFG_TARGET_ARCH").unwrap();
@@ -147,6 +148,7 @@ mod linux {
         sources.sort();
         sources.push(native.join("half_accessors.cpp"));
         sources.push(native.join("mach_time.cpp"));
+        sources.push(native.join("packed_matmul.cpp"));
 
         cc::Build::new()
             .cpp(true)
@@ -161,6 +163,8 @@ mod linux {
             .files(&sources)
             .compile("mlxc");
 
+        // native/packed_matmul.cpp: packed-weight products for the CPU.
+        println!("cargo:rustc-cfg=mlx_packed_matmul");
         println!("cargo:rustc-link-search=native={}", lib.display());
         if let Some(openblas) = openblas_dir() {
             // A direct dependency of every binary that calls

@@ -42,3 +42,81 @@ pub fn blas_backend() -> String {
         String::from("bundled with libmlx")
     }
 }
+
+#[cfg(mlx_packed_matmul)]
+extern "C" {
+    fn mlx_sys_packed_kernel_best() -> std::os::raw::c_int;
+    fn mlx_sys_packed_kernel_chosen() -> std::os::raw::c_int;
+    fn mlx_sys_packed_matmul(
+        res: *mut mlx_array,
+        x: mlx_array,
+        w: mlx_array,
+        scales: mlx_array,
+        biases: mlx_array,
+        group_size: std::os::raw::c_int,
+        bits: std::os::raw::c_int,
+        kernel: std::os::raw::c_int,
+        stream: mlx_stream,
+        err: *mut std::os::raw::c_char,
+        err_len: usize,
+    ) -> std::os::raw::c_int;
+}
+
+/// The packed-weight product kernels of `native/packed_matmul.cpp` this CPU
+/// runs, as `(best, chosen)`: 0 scalar, 1 AVX2+FMA, 2 AVX-512; `chosen` is
+/// `best` capped by `GATEWAY_CPU_KERNEL`. `None` where they are not built
+/// (macOS, whose MLX has Metal and Accelerate).
+pub fn packed_kernels() -> Option<(i32, i32)> {
+    #[cfg(mlx_packed_matmul)]
+    return Some(unsafe { (mlx_sys_packed_kernel_best(), mlx_sys_packed_kernel_chosen()) });
+    #[cfg(not(mlx_packed_matmul))]
+    None
+}
+
+/// `x @ dequantize(w, scales, biases)^T` (MLX affine, 4 or 8 bits, groups of
+/// 32/64/128) as a lazy graph node computed by `native/packed_matmul.cpp`
+/// with `kernel` (see [`packed_kernels`]; -1: the chosen one). On success
+/// `res` holds the new array.
+///
+/// # Safety
+/// Every handle must be a live mlx-c object; `res` an initialised array.
+pub unsafe fn packed_matmul(
+    res: &mut mlx_array,
+    x: mlx_array,
+    w: mlx_array,
+    scales: mlx_array,
+    biases: mlx_array,
+    group_size: i32,
+    bits: i32,
+    kernel: i32,
+    stream: mlx_stream,
+) -> Result<(), String> {
+    #[cfg(mlx_packed_matmul)]
+    {
+        let mut err = [0 as std::os::raw::c_char; 256];
+        let rc = mlx_sys_packed_matmul(
+            res,
+            x,
+            w,
+            scales,
+            biases,
+            group_size,
+            bits,
+            kernel,
+            stream,
+            err.as_mut_ptr(),
+            err.len(),
+        );
+        if rc == 0 {
+            return Ok(());
+        }
+        Err(std::ffi::CStr::from_ptr(err.as_ptr())
+            .to_string_lossy()
+            .into_owned())
+    }
+    #[cfg(not(mlx_packed_matmul))]
+    {
+        let _ = (res, x, w, scales, biases, group_size, bits, kernel, stream);
+        Err("packed-weight kernels are not built on this platform".into())
+    }
+}

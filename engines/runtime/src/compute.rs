@@ -6,8 +6,10 @@
 //! the same weights. `auto` therefore upcasts half-precision tensors to
 //! fp32 at load on the CPU and keeps them elsewhere. Quantized weights'
 //! scales and biases take the compute dtype, which sets the dtype of the
-//! activations and of the KV cache; the packed weights themselves are
-//! expanded too where that fits ([`ComputeDtype::expands_packed`]).
+//! activations and of the KV cache. On the CPU the packed weights stay
+//! packed under `auto` (the project's kernel multiplies them) and are
+//! expanded to fp32 under `float32` where that fits
+//! ([`ComputeDtype::expands_packed`]).
 
 use mlx_rs::{Device, DeviceType, Dtype};
 use serde::Deserialize;
@@ -58,15 +60,23 @@ impl std::str::FromStr for ComputeDtype {
 
 impl ComputeDtype {
     /// Whether packed quantized weights that take `dense_bytes` once
-    /// expanded are expanded to the compute dtype at load: under `auto` on
-    /// the CPU, where they take at most a quarter of the memory. MLX's CPU
-    /// kernels for packed weights cost a pass over them per row, where
-    /// dense products run on BLAS: SmolLM2-135M's Q4_1 weights expanded to fp32
-    /// decode 1.5-3.6x faster, and a verify of 8 drafts costs 1.3-2.1
-    /// decode steps instead of 8-10 (docs/benchmarks.md). Larger models keep
-    /// their memory and stay packed.
-    pub fn expands_packed(self, dense_bytes: u64) -> bool {
-        self == ComputeDtype::Auto
+    /// expanded are expanded to fp32 at load: on the CPU, where they take
+    /// at most a quarter of the memory, under `float32`, and under `auto`
+    /// only where the project's packed kernel ([`crate::packed`]) cannot
+    /// take every packed layer (`kernel_takes_all` false: widths other than
+    /// 4 and 8 bits, expert stacks), since MLX's own CPU kernel for packed
+    /// weights costs a pass over them per row. The packed kernel reads a
+    /// quarter (4-bit) of the bytes the fp32 product does and decodes the
+    /// default model faster (docs/benchmarks.md, "Packed weights through
+    /// the project's kernel"). Larger models keep their memory and stay
+    /// packed.
+    pub fn expands_packed(self, dense_bytes: u64, kernel_takes_all: bool) -> bool {
+        let wanted = match self {
+            ComputeDtype::Float32 => true,
+            ComputeDtype::Auto => !kernel_takes_all,
+            ComputeDtype::Bfloat16 | ComputeDtype::Float16 => false,
+        };
+        wanted
             && dense_bytes > 0
             && on_cpu()
             && crate::memory::device_total().is_some_and(|total| dense_bytes <= total / 4)

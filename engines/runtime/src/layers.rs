@@ -30,15 +30,21 @@ pub enum Linear {
 }
 
 /// From this many rows on (a batched step, a verify, a prefill chunk), a
-/// product with packed weights multiplies densely. On the CPU (weights too
-/// large to expand at load, [`crate::ComputeDtype::expands_packed`]) it
-/// unpacks them first: MLX's CPU kernel costs a pass over the packed
-/// weights per row, where unpacking once costs about three rows' worth
-/// (docs/benchmarks.md, "plain round"). On a GPU it uses the layer's
-/// expanded copy where it keeps one: MLX CUDA's 4-bit kernels take
+/// product with packed weights multiplies densely where no faster kernel
+/// takes it. On the CPU, past [`PACKED_ROWS`] or for widths the project's
+/// kernel lacks, it unpacks them first: MLX's CPU kernel costs a pass over
+/// the packed weights per row, where unpacking once costs about three
+/// rows' worth (docs/benchmarks.md, "plain round"). On a GPU it uses the
+/// layer's expanded copy where it keeps one: MLX CUDA's 4-bit kernels take
 /// 1.2-4.6x cuBLAS's time for 4-32 rows (docs/benchmarks.md, "Gemma 4 on
 /// the GPU").
 const DEQUANTIZE_ROWS: i32 = 4;
+
+/// Up to this many rows, a product with packed weights on the CPU runs the
+/// project's kernel ([`crate::packed`]), which reads the packed weights once
+/// for all the rows; more rows (a long prefill chunk) are dequantized and
+/// multiplied by BLAS.
+const PACKED_ROWS: i32 = 64;
 
 /// Rows of `x`: every axis but the last.
 fn rows(x: &Array) -> i32 {
@@ -141,9 +147,16 @@ impl Linear {
                 bits,
                 expanded,
             } => {
-                let many = rows(x) >= DEQUANTIZE_ROWS;
+                let rows = rows(x);
+                let many = rows >= DEQUANTIZE_ROWS;
                 let y = match expanded {
                     Some(dense) if many => x.matmul(dense.t())?,
+                    _ if rows <= PACKED_ROWS
+                        && crate::packed::supports(*bits, *group_size)
+                        && crate::compute::on_cpu() =>
+                    {
+                        crate::packed::matmul(x, weight, scales, biases, *group_size, *bits)?
+                    }
                     _ if many && crate::compute::on_cpu() => {
                         let w = ops::dequantize(weight, scales, biases, *group_size, *bits)?;
                         x.matmul(w.t())?

@@ -29,6 +29,7 @@ pub mod loader;
 
 pub mod mask;
 pub mod model;
+pub mod packed;
 pub mod paged;
 pub mod ragged;
 

@@ -329,7 +329,10 @@ fn build(path: &Path, compute: ComputeDtype) -> anyhow::Result<Built> {
     if let Some(dtype) = compute.resolve() {
         weights.cast_floats(dtype)?;
     }
-    if compute.expands_packed(weights.expanded_bytes(&config)) {
+    if compute.expands_packed(
+        weights.expanded_bytes(&config),
+        weights.packed_kernel_takes_all(&config),
+    ) {
         weights.expand_packed(&config)?;
     }
     if compute.keeps_dense_copies(weights.dense_copy_bytes(&config), weights.total_bytes()) {

@@ -174,6 +174,15 @@ impl Weights {
             .collect()
     }
 
+    /// Whether the project's packed kernel ([`crate::packed`]) multiplies
+    /// every packed quantized layer: 2-D weights of a width it takes.
+    pub fn packed_kernel_takes_all(&self, config: &ModelConfig) -> bool {
+        self.packed(config).iter().all(|(p, q)| {
+            self.tensors[&format!("{p}.weight")].ndim() == 2
+                && crate::packed::supports(q.bits, q.group_size)
+        })
+    }
+
     /// Bytes the packed quantized layers would take expanded to their
     /// scales' dtype.
     pub fn expanded_bytes(&self, config: &ModelConfig) -> u64 {

@@ -36,9 +36,10 @@ fn smollm2_gguf_matches_mlx_lm_and_transformers() {
         "gguf_reference.py",
         &serde_json::json!({"gguf": gguf, "out": out.path(), "texts": texts, "chats": chats}),
     );
-    // `auto` computes in fp32 on the CPU; the reference is cast to match.
-    // `float32` keeps the packed weights (`auto` expands them, below).
-    let model = LoadedModel::load_as(&gguf, None, ComputeDtype::Float32).unwrap();
+    // `auto` computes in fp32 on the CPU, its packed weights through the
+    // project's kernel; the reference is cast to match. `float32` expands
+    // them to fp32 at load (below).
+    let model = LoadedModel::load_as(&gguf, None, ComputeDtype::Auto).unwrap();
     assert_eq!(model.name, "SmolLM2-135M-Instruct.Q4_1");
     assert_eq!(model.model.config.num_layers, 30);
 
@@ -74,9 +75,9 @@ fn smollm2_gguf_matches_mlx_lm_and_transformers() {
         "mlx_lm_oracle.py",
         &serde_json::json!({"model": out.path(), "prompts": [prompts[0]], "max_tokens": LOGIT_STEPS, "dtype": COMPUTE}),
     );
-    // The weights as they load under `float32` (packed) and under `auto`
+    // The weights as they load under `auto` (packed) and under `float32`
     // on the CPU (expanded to fp32) against the same packed reference.
-    let expanded = LoadedModel::load_as(&gguf, None, ComputeDtype::Auto).unwrap();
+    let expanded = LoadedModel::load_as(&gguf, None, ComputeDtype::Float32).unwrap();
     for (label, m) in [("packed", &model.model), ("expanded", &expanded.model)] {
         for (prompt, r) in prompts.iter().zip(oracle["results"].as_array().unwrap()) {
             let run = generate::greedy(m, prompt, STEPS, &[], |_| true).unwrap();

@@ -55,7 +55,8 @@ fn reference(
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Packed {
     Kept,
-    /// Expanded to the compute dtype, as `auto` does on the CPU where they fit.
+    /// Expanded to the compute dtype, as `float32` does on the CPU where
+    /// they fit (and `auto` where the packed kernel cannot take them).
     Expanded,
     /// Kept, the decoder layers' linears also expanded for products of
     /// several rows, as `auto` does on a GPU for a mixture of experts.
@@ -71,7 +72,10 @@ fn load(dir: &Path, compute: Option<Dtype>, packed: Packed) -> Model {
     match packed {
         Packed::Kept => {}
         Packed::Expanded => {
-            assert!(ComputeDtype::Auto.expands_packed(weights.expanded_bytes(&config)));
+            assert!(ComputeDtype::Float32.expands_packed(
+                weights.expanded_bytes(&config),
+                weights.packed_kernel_takes_all(&config)
+            ));
             weights.expand_packed(&config).unwrap();
             assert_eq!(weights.expanded_bytes(&config), 0, "nothing left packed");
         }
@@ -270,8 +274,32 @@ fn checkpoints_upcast_to_fp32_match_mlx_lm_in_fp32() {
 }
 
 /// `model.compute_dtype: auto` on the CPU with a small packed checkpoint:
-/// its 4- and 8-bit weights expanded to fp32 at load match mlx-lm running
-/// the packed weights in fp32, tokens and logits.
+/// its 4- and 8-bit weights stay packed and go through the project's
+/// kernel (`runtime::packed`), every row count from one decode row to the
+/// padded batch and the prefill chunks, and match mlx-lm running the
+/// packed weights in fp32: tokens, and logits within 1e-3 (the kernel sums
+/// in fp32 in another order than MLX, a few ulps of each product; a
+/// wrong group, scale or bit order moves them by whole units).
+#[test]
+fn packed_weights_through_the_kernel_match_mlx_lm_in_fp32() {
+    for bits in [4, 8] {
+        let spec = TinySpec {
+            quant_bits: Some(bits),
+            ..TinySpec::tiny(Family::Qwen3)
+        };
+        let dir = tempfile::tempdir().unwrap();
+        write_model(dir.path(), &spec).unwrap();
+        let config = ModelConfig::from_dir(dir.path()).unwrap();
+        let weights = Weights::from_dir(dir.path()).unwrap();
+        assert!(weights.packed_kernel_takes_all(&config), "{bits} bits");
+        assert!(!ComputeDtype::Auto.expands_packed(weights.expanded_bytes(&config), true));
+        check(spec, Some(1e-3), Some(Dtype::Float32), None, Packed::Kept);
+    }
+}
+
+/// `model.compute_dtype: float32` on the CPU with a small packed
+/// checkpoint: its 4- and 8-bit weights expanded to fp32 at load match
+/// mlx-lm running the packed weights in fp32, tokens and logits.
 #[test]
 fn packed_weights_expanded_at_load_match_mlx_lm_in_fp32() {
     for bits in [4, 8] {

@@ -1,0 +1,104 @@
+//! Products with packed weights (MLX affine 4- and 8-bit) on the CPU,
+//! through the project's own kernel (`mlx-sys/native/packed_matmul.cpp`): a
+//! node of the MLX graph that reads each packed weight row once per call
+//! for every row of the input, on every core, with AVX2 or AVX-512 where the
+//! CPU has them. MLX's own CPU `quantized_matmul` costs a pass over the
+//! weights per row, on one thread.
+
+use mlx_rs::error::Exception;
+use mlx_rs::{Array, Stream};
+
+/// The instruction-set paths of the kernel, slowest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum CpuKernel {
+    Scalar = 0,
+    Avx2 = 1,
+    Avx512 = 2,
+}
+
+impl CpuKernel {
+    const ALL: [CpuKernel; 3] = [CpuKernel::Scalar, CpuKernel::Avx2, CpuKernel::Avx512];
+
+    fn from_code(code: i32) -> CpuKernel {
+        Self::ALL[code.clamp(0, 2) as usize]
+    }
+
+    /// The setting's name (`GATEWAY_CPU_KERNEL`).
+    pub fn name(self) -> &'static str {
+        match self {
+            CpuKernel::Scalar => "scalar",
+            CpuKernel::Avx2 => "avx2",
+            CpuKernel::Avx512 => "avx512",
+        }
+    }
+
+    /// Every path this CPU runs; empty where the kernel is not built.
+    pub fn runnable() -> Vec<CpuKernel> {
+        match mlx_sys::packed_kernels() {
+            Some((best, _)) => Self::ALL
+                .into_iter()
+                .filter(|k| *k as i32 <= best)
+                .collect(),
+            None => Vec::new(),
+        }
+    }
+
+    /// The path products take: the best this CPU runs, capped by
+    /// `GATEWAY_CPU_KERNEL` (`scalar`, `avx2`, `avx512`).
+    pub fn chosen() -> Option<CpuKernel> {
+        mlx_sys::packed_kernels().map(|(_, chosen)| Self::from_code(chosen))
+    }
+}
+
+/// Whether the kernel takes weights of `bits` in groups of `group_size`.
+pub fn supports(bits: i32, group_size: i32) -> bool {
+    mlx_sys::packed_kernels().is_some()
+        && matches!(bits, 4 | 8)
+        && matches!(group_size, 32 | 64 | 128)
+}
+
+/// `x @ dequantize(w, scales, biases)^T`, like MLX's
+/// `quantized_matmul(.., transpose = true, ..)`, with the chosen path.
+pub fn matmul(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    group_size: i32,
+    bits: i32,
+) -> Result<Array, Exception> {
+    matmul_with(None, x, w, scales, biases, group_size, bits)
+}
+
+/// [`matmul`] with the path named (`None`: the chosen one).
+pub fn matmul_with(
+    kernel: Option<CpuKernel>,
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    group_size: i32,
+    bits: i32,
+) -> Result<Array, Exception> {
+    let stream = Stream::thread_local_or_default();
+    unsafe {
+        let mut res = mlx_sys::mlx_array_new();
+        match mlx_sys::packed_matmul(
+            &mut res,
+            x.as_ptr(),
+            w.as_ptr(),
+            scales.as_ptr(),
+            biases.as_ptr(),
+            group_size,
+            bits,
+            kernel.map_or(-1, |k| k as i32),
+            stream.as_ptr(),
+        ) {
+            Ok(()) => Ok(Array::from_ptr(res)),
+            Err(e) => {
+                mlx_sys::mlx_array_free(res);
+                Err(Exception::custom(format!("packed matmul: {e}")))
+            }
+        }
+    }
+}

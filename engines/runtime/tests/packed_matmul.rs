@@ -1,0 +1,207 @@
+//! The packed-weight product kernel (`mlx-sys/native/packed_matmul.cpp`)
+//! on every instruction-set path this CPU runs, against a reference that
+//! unpacks MLX's layout itself and sums in f64, and against MLX's own
+//! `quantized_matmul`: odd sizes, every group size, 4 and 8 bits, 1 to 64
+//! rows.
+
+use mlx_rs::{ops, Array, Dtype};
+use runtime::packed::{self, CpuKernel};
+
+/// Deterministic values in [-1, 1).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+struct Packed {
+    w: Array,
+    scales: Array,
+    biases: Array,
+}
+
+fn quantize(out: i32, inp: i32, group: i32, bits: i32, seed: u64) -> Packed {
+    let dense = Array::from_slice(&values((out * inp) as usize, seed), &[out, inp]);
+    let (w, scales, biases) = ops::quantize(&dense, group, bits).unwrap();
+    Packed { w, scales, biases }
+}
+
+/// `x @ dequantize(w)^T` from the packed bits: element `i` of a row sits in
+/// word `i * bits / 32` at bit `(i * bits) % 32`, and is `scale * q + bias`
+/// of its group. Returns the product and, per element, the sum of the
+/// terms' magnitudes (the scale of fp32 rounding).
+fn reference(x: &[f32], m: usize, p: &Packed, group: usize, bits: usize) -> (Vec<f64>, Vec<f64>) {
+    let n = p.w.dim(0) as usize;
+    let words = p.w.dim(1) as usize;
+    let k = words * 32 / bits;
+    let w = p.w.as_slice::<u32>();
+    let s = p.scales.as_slice::<f32>();
+    let b = p.biases.as_slice::<f32>();
+    let groups = k / group;
+    let (mut y, mut mag) = (vec![0f64; m * n], vec![0f64; m * n]);
+    for o in 0..n {
+        let row: Vec<f64> = (0..k)
+            .map(|i| {
+                let bit = i * bits;
+                let q = (w[o * words + bit / 32] >> (bit % 32)) & ((1u32 << bits) - 1);
+                let g = o * groups + i / group;
+                s[g] as f64 * q as f64 + b[g] as f64
+            })
+            .collect();
+        for r in 0..m {
+            for (i, wv) in row.iter().enumerate() {
+                let t = wv * x[r * k + i] as f64;
+                y[r * n + o] += t;
+                mag[r * n + o] += t.abs();
+            }
+        }
+    }
+    (y, mag)
+}
+
+fn assert_matches(got: &Array, want: &[f64], mag: &[f64], what: &str) {
+    let got = got.as_slice::<f32>();
+    assert_eq!(got.len(), want.len(), "{what}: size");
+    for (i, ((g, w), m)) in got.iter().zip(want).zip(mag).enumerate() {
+        // fp32 sums of k terms in any order: a few ulps of the magnitudes.
+        let tol = 1e-5 * m + 1e-6;
+        assert!(
+            (*g as f64 - w).abs() <= tol,
+            "{what}: element {i} is {g}, the reference {w} (tolerance {tol})"
+        );
+    }
+}
+
+fn kernels() -> Vec<CpuKernel> {
+    let runnable = CpuKernel::runnable();
+    assert!(
+        runnable.contains(&CpuKernel::Scalar),
+        "the packed kernel is not built (mlx-sys on Linux builds it)"
+    );
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            assert!(
+                runnable.contains(&CpuKernel::Avx2),
+                "AVX2 not offered on an AVX2 CPU"
+            );
+        }
+        if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") {
+            assert!(
+                runnable.contains(&CpuKernel::Avx512),
+                "AVX-512 not offered on an AVX-512 CPU"
+            );
+        }
+    }
+    runnable
+}
+
+#[test]
+fn every_path_equals_the_reference_and_mlx_over_many_shapes() {
+    let kernels = kernels();
+    let mut cases = 0;
+    for bits in [4, 8] {
+        for group in [32, 64, 128] {
+            // Odd output counts; inputs of 1, 3 and 5 groups.
+            for (out, groups_in) in [(1, 1), (7, 3), (33, 5), (97, 1)] {
+                let inp = group * groups_in;
+                let seed = (bits * 1000 + group * 10 + out) as u64;
+                let p = quantize(out, inp, group, bits, seed);
+                for m in [1, 2, 3, 5, 8, 9, 17, 64] {
+                    let xs = values((m * inp) as usize, seed + m as u64);
+                    let x = Array::from_slice(&xs, &[m, inp]);
+                    let (want, mag) = reference(&xs, m as usize, &p, group as usize, bits as usize);
+                    let mlx =
+                        ops::quantized_matmul(&x, &p.w, &p.scales, &p.biases, true, group, bits)
+                            .unwrap();
+                    let what = format!("bits {bits}, group {group}, {m}x{inp} @ {out}x{inp}^T");
+                    assert_matches(&mlx, &want, &mag, &format!("{what}, MLX"));
+                    for &kernel in &kernels {
+                        let y = packed::matmul_with(
+                            Some(kernel),
+                            &x,
+                            &p.w,
+                            &p.scales,
+                            &p.biases,
+                            group,
+                            bits,
+                        )
+                        .unwrap();
+                        assert_eq!(y.shape(), &[m, out]);
+                        assert_matches(&y, &want, &mag, &format!("{what}, {}", kernel.name()));
+                        cases += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(cases >= 2 * 3 * 4 * 8, "{cases} cases run");
+}
+
+#[test]
+fn batched_strided_and_half_precision_inputs() {
+    let (group, bits, out, inp) = (64, 4, 19, 192);
+    let p = quantize(out, inp, group, bits, 7);
+    let xs = values((2 * 3 * inp) as usize, 8);
+    let (want, mag) = reference(&xs, 6, &p, group as usize, bits as usize);
+    let x = Array::from_slice(&xs, &[2, 3, inp]);
+    for kernel in kernels() {
+        // Leading axes are rows.
+        let y =
+            packed::matmul_with(Some(kernel), &x, &p.w, &p.scales, &p.biases, group, bits).unwrap();
+        assert_eq!(y.shape(), &[2, 3, out]);
+        assert_matches(&y, &want, &mag, &format!("batched, {}", kernel.name()));
+        // A transposed view is read through its strides.
+        let view = x.transpose_axes(&[1, 0, 2]).unwrap();
+        let y = packed::matmul_with(Some(kernel), &view, &p.w, &p.scales, &p.biases, group, bits)
+            .unwrap()
+            .transpose_axes(&[1, 0, 2])
+            .unwrap();
+        let y = y.contiguous().unwrap();
+        assert_matches(&y, &want, &mag, &format!("strided, {}", kernel.name()));
+    }
+    // bf16 activations and scales: computed in fp32, returned in bf16 (MLX's
+    // own bf16 product sums in lower precision, so the reference is ours on
+    // the bf16-rounded inputs).
+    let bf16 = |a: &Array| a.as_dtype(Dtype::Bfloat16).unwrap();
+    let widened = |a: &Array| a.as_dtype(Dtype::Float32).unwrap();
+    let (hx, hs, hb) = (bf16(&x), bf16(&p.scales), bf16(&p.biases));
+    let y = packed::matmul(&hx, &p.w, &hs, &hb, group, bits).unwrap();
+    assert_eq!(y.dtype(), Dtype::Bfloat16);
+    let rounded = Packed {
+        w: p.w.clone(),
+        scales: widened(&hs),
+        biases: widened(&hb),
+    };
+    let hxs = widened(&hx).as_slice::<f32>().to_vec();
+    let (want, mag) = reference(&hxs, 6, &rounded, group as usize, bits as usize);
+    let got = widened(&y);
+    for (i, (g, w)) in got.as_slice::<f32>().iter().zip(&want).enumerate() {
+        // bf16 keeps 8 significant bits: half an ulp of the result.
+        let tol = w.abs() / 256.0 + 1e-5 * mag[i] + 1e-6;
+        assert!(
+            (*g as f64 - w).abs() <= tol,
+            "bf16: element {i} is {g}, the reference {w}"
+        );
+    }
+}
+
+#[test]
+fn unsupported_layouts_are_errors_not_crashes() {
+    let p = quantize(8, 64, 32, 4, 3);
+    let x = Array::from_slice(&values(64, 4), &[1, 64]);
+    let three_bit = packed::matmul(&x, &p.w, &p.scales, &p.biases, 32, 3).unwrap_err();
+    assert!(three_bit.what().contains("bits"), "{}", three_bit.what());
+    let narrow = Array::from_slice(&values(32, 4), &[1, 32]);
+    let mismatch = packed::matmul(&narrow, &p.w, &p.scales, &p.biases, 32, 4).unwrap_err();
+    assert!(mismatch.what().contains("features"), "{}", mismatch.what());
+    let groups = packed::matmul(&x, &p.w, &p.scales, &p.biases, 64, 4).unwrap_err();
+    assert!(groups.what().contains("scales"), "{}", groups.what());
+    assert!(packed::supports(4, 64) && packed::supports(8, 128) && !packed::supports(3, 64));
+}

@@ -1,0 +1,505 @@
+// y = x @ dequantize(w)^T over MLX affine 4- and 8-bit weights, as a node of
+// the MLX graph (a `Primitive` with its own `eval_cpu`).
+//
+// MLX's CPU `quantized_matmul` makes one pass over the packed weights per
+// row of x, on one thread. This kernel reads each packed weight row once per
+// call whatever the number of rows (up to 8 rows share one unpacking; more
+// rows re-read the row from L1), splits the output columns over every core,
+// and has AVX2+FMA and AVX-512 paths chosen by CPUID, plus a scalar one.
+// Activations, scales and biases are fp32 (others are cast around the node);
+// each weight is dequantized as `scale * q + bias`, as MLX's `dequantize`
+// does, and the sums run in fp32.
+//
+// Kernels: 0 scalar, 1 AVX2+FMA, 2 AVX-512. `GATEWAY_CPU_KERNEL` (scalar,
+// avx2, avx512) caps the automatic choice; `GATEWAY_CPU_THREADS` sets the
+// worker count (default: the CPUs this process may run on).
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <sched.h>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/c/array.h"
+#include "mlx/c/private/array.h"
+#include "mlx/c/private/stream.h"
+#include "mlx/c/stream.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace {
+using namespace mlx::core;
+
+enum Kernel { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+
+struct Problem {
+  const float* x;     // m x k, row-major
+  const uint32_t* w;  // n x k * bits / 32
+  const float* s;     // n x k / group
+  const float* b;     // n x k / group
+  float* y;           // m x n
+  int m, n, k, group, bits;
+};
+
+// ---------------------------------------------------------------- scalar
+
+void span_scalar(const Problem& p, int o0, int o1) {
+  const int per_word = 32 / p.bits;
+  const uint32_t mask = (1u << p.bits) - 1;
+  const int words = p.k / per_word, groups = p.k / p.group;
+  for (int o = o0; o < o1; ++o) {
+    const uint32_t* wr = p.w + size_t(o) * words;
+    const float* sr = p.s + size_t(o) * groups;
+    const float* br = p.b + size_t(o) * groups;
+    for (int r = 0; r < p.m; ++r) {
+      const float* xr = p.x + size_t(r) * p.k;
+      float acc = 0.0f;
+      for (int g = 0; g < groups; ++g) {
+        for (int i = g * p.group; i < (g + 1) * p.group; ++i) {
+          uint32_t q = (wr[i / per_word] >> ((i % per_word) * p.bits)) & mask;
+          acc += (sr[g] * float(q) + br[g]) * xr[i];
+        }
+      }
+      p.y[size_t(r) * p.n + o] = acc;
+    }
+  }
+}
+
+#if defined(__x86_64__)
+// ------------------------------------------------------------------ AVX2
+
+__attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// One output column `o` for rows r0..r0+R. A independent accumulators per
+// row hide the FMA latency when R is small; a group (32/64/128 weights) is
+// 4, 8 or 16 vectors of 8, so A <= 4 divides it. The loops over R and A are
+// unrolled so the accumulators stay in registers.
+template <int R, int BITS>
+__attribute__((target("avx2,fma"))) void block_avx2(const Problem& p, int o, int r0) {
+  constexpr int A = R == 1 ? 4 : R < 4 ? 2 : 1;
+  constexpr int WORDS = BITS / 4;  // packed words per vector of 8 weights
+  const int groups = p.k / p.group, steps = p.group / (8 * A);
+  const size_t ldx = size_t(p.k);
+  const uint32_t* wp = p.w + size_t(o) * (p.k * BITS / 32);
+  const float* sr = p.s + size_t(o) * groups;
+  const float* br = p.b + size_t(o) * groups;
+  const float* xp = p.x + size_t(r0) * ldx;
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const __m256i mask = _mm256_set1_epi32(0xF);
+  __m256 acc[R][A];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
+  for (int g = 0; g < groups; ++g) {
+    const __m256 sc = _mm256_set1_ps(sr[g]), bi = _mm256_set1_ps(br[g]);
+    for (int st = 0; st < steps; ++st, wp += A * WORDS, xp += 8 * A) {
+#pragma GCC unroll 4
+      for (int a = 0; a < A; ++a) {
+        __m256i q;
+        if constexpr (BITS == 4) {
+          q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(wp[a])), shifts), mask);
+        } else {
+          q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wp + a * WORDS)));
+        }
+        const __m256 wv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), sc, bi);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+          acc[r][a] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp + r * ldx + 8 * a), acc[r][a]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    __m256 t = acc[r][0];
+#pragma GCC unroll 4
+    for (int a = 1; a < A; ++a) t = _mm256_add_ps(t, acc[r][a]);
+    p.y[size_t(r0 + r) * p.n + o] = hsum256(t);
+  }
+}
+
+// ---------------------------------------------------------------- AVX-512
+
+template <int R, int BITS>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void block_avx512(
+    const Problem& p, int o, int r0) {
+  // A group is 2, 4 or 8 vectors of 16.
+  constexpr int A = R < 4 ? 2 : 1;
+  constexpr int WORDS = BITS / 2;  // packed words per vector of 16 weights
+  const int groups = p.k / p.group, steps = p.group / (16 * A);
+  const size_t ldx = size_t(p.k);
+  const uint32_t* wp = p.w + size_t(o) * (p.k * BITS / 32);
+  const float* sr = p.s + size_t(o) * groups;
+  const float* br = p.b + size_t(o) * groups;
+  const float* xp = p.x + size_t(r0) * ldx;
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i shifts =
+      _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+  const __m512i mask = _mm512_set1_epi32(0xF);
+  __m512 acc[R][A];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int a = 0; a < A; ++a) acc[r][a] = _mm512_setzero_ps();
+  for (int g = 0; g < groups; ++g) {
+    const __m512 sc = _mm512_set1_ps(sr[g]), bi = _mm512_set1_ps(br[g]);
+    for (int st = 0; st < steps; ++st, wp += A * WORDS, xp += 16 * A) {
+#pragma GCC unroll 2
+      for (int a = 0; a < A; ++a) {
+        __m512i q;
+        if constexpr (BITS == 4) {
+          const __m128i two = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wp + a * WORDS));
+          q = _mm512_and_si512(
+              _mm512_srlv_epi32(_mm512_permutexvar_epi32(spread, _mm512_castsi128_si512(two)), shifts),
+              mask);
+        } else {
+          q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + a * WORDS)));
+        }
+        const __m512 wv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), sc, bi);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+          acc[r][a] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xp + r * ldx + 16 * a), acc[r][a]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    __m512 t = acc[r][0];
+#pragma GCC unroll 2
+    for (int a = 1; a < A; ++a) t = _mm512_add_ps(t, acc[r][a]);
+    p.y[size_t(r0 + r) * p.n + o] = _mm512_reduce_add_ps(t);
+  }
+}
+
+constexpr int ROW_BLOCK = 8;
+
+// Output columns o0..o1 for every row, rows in blocks of ROW_BLOCK: the
+// packed row of `o` is read from memory once and stays in L1 for the next
+// block.
+#define DEFINE_SPAN(NAME, BLOCK)                                            \
+  template <int BITS>                                                       \
+  void NAME##_bits(const Problem& p, int o0, int o1) {                      \
+    for (int o = o0; o < o1; ++o) {                                         \
+      for (int r0 = 0; r0 < p.m; r0 += ROW_BLOCK) {                         \
+        switch (std::min(ROW_BLOCK, p.m - r0)) {                            \
+          case 1: BLOCK<1, BITS>(p, o, r0); break;                          \
+          case 2: BLOCK<2, BITS>(p, o, r0); break;                          \
+          case 3: BLOCK<3, BITS>(p, o, r0); break;                          \
+          case 4: BLOCK<4, BITS>(p, o, r0); break;                          \
+          case 5: BLOCK<5, BITS>(p, o, r0); break;                          \
+          case 6: BLOCK<6, BITS>(p, o, r0); break;                          \
+          case 7: BLOCK<7, BITS>(p, o, r0); break;                          \
+          default: BLOCK<8, BITS>(p, o, r0); break;                         \
+        }                                                                   \
+      }                                                                     \
+    }                                                                       \
+  }                                                                         \
+  void NAME(const Problem& p, int o0, int o1) {                             \
+    if (p.bits == 4) NAME##_bits<4>(p, o0, o1);                             \
+    else NAME##_bits<8>(p, o0, o1);                                         \
+  }
+
+DEFINE_SPAN(span_avx2, block_avx2)
+DEFINE_SPAN(span_avx512, block_avx512)
+#undef DEFINE_SPAN
+#endif  // __x86_64__
+
+int best_kernel() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl"))
+    return AVX512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AVX2;
+#endif
+  return SCALAR;
+}
+
+// The best kernel the CPU runs, capped by GATEWAY_CPU_KERNEL.
+int chosen_kernel() {
+  static const int chosen = [] {
+    int best = best_kernel();
+    const char* want = std::getenv("GATEWAY_CPU_KERNEL");
+    if (!want || !*want) return best;
+    std::string w(want);
+    int cap = w == "scalar" ? SCALAR : w == "avx2" ? AVX2 : AVX512;
+    return std::min(best, cap);
+  }();
+  return chosen;
+}
+
+// ------------------------------------------------------------- thread pool
+
+using Span = void (*)(const Problem&, int, int);
+
+// Workers that spin briefly between calls (a decode step's products come
+// tens of microseconds apart) and then sleep; the calling thread works too.
+// Work is handed out in chunks of output columns through one atomic ticket
+// (generation | chunk count | next chunk), so the caller never waits for a
+// worker that has not started: on a loaded machine a descheduled worker
+// simply takes no chunk, and one that wakes after the call finds the
+// generation moved on without touching the finished call's state.
+class Pool {
+ public:
+  static Pool& get() {
+    static Pool* pool = new Pool(threads_wanted());  // never destroyed: workers outlive exit
+    return *pool;
+  }
+
+  int threads() const { return workers_ + 1; }
+
+  // Runs `span` over the output columns of `p` in `chunk`-column pieces.
+  void run(const Problem& p, Span span, int chunk) {
+    const uint64_t chunks = (uint64_t(p.n) + chunk - 1) / chunk;
+    if (workers_ == 0 || chunks <= 1 || chunks >= (1u << 20)) {
+      span(p, 0, p.n);
+      return;
+    }
+    std::lock_guard<std::mutex> serial(run_mutex_);
+    problem_ = &p;
+    span_ = span;
+    chunk_ = chunk;
+    done_.store(0, std::memory_order_relaxed);
+    const uint64_t gen = ((ticket_.load(std::memory_order_relaxed) >> 40) + 1) & 0xFFFFFF;
+    ticket_.store(gen << 40 | chunks << 20, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+      { std::lock_guard<std::mutex> lk(mutex_); }
+      wake_.notify_all();
+    }
+    work(gen);
+    while (done_.load(std::memory_order_acquire) != chunks) pause();
+  }
+
+ private:
+  explicit Pool(int threads) : workers_(threads - 1) {
+    for (int i = 0; i < workers_; ++i) std::thread([this] { loop(); }).detach();
+  }
+
+  static int threads_wanted() {
+    if (const char* s = std::getenv("GATEWAY_CPU_THREADS")) {
+      int n = std::atoi(s);
+      if (n > 0) return n;
+    }
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+    return std::max(1u, std::thread::hardware_concurrency());
+  }
+
+  static void pause() {
+#if defined(__x86_64__)
+    _mm_pause();
+#else
+    std::this_thread::yield();
+#endif
+  }
+
+  // Claims and runs chunks of generation `gen` until none is left.
+  void work(uint64_t gen) {
+    uint64_t t = ticket_.load(std::memory_order_acquire);
+    for (;;) {
+      const uint64_t next = t & 0xFFFFF, chunks = (t >> 20) & 0xFFFFF;
+      if ((t >> 40) != gen || next >= chunks) return;
+      if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) continue;
+      // The call cannot finish before this chunk is done: its state holds.
+      const int o0 = int(next) * chunk_;
+      span_(*problem_, o0, std::min(problem_->n, o0 + chunk_));
+      done_.fetch_add(1, std::memory_order_acq_rel);
+      t = ticket_.load(std::memory_order_acquire);
+    }
+  }
+
+  void loop() {
+    uint64_t seen = 0;
+    auto generation = [&] { return ticket_.load(std::memory_order_seq_cst) >> 40; };
+    for (;;) {
+      auto start = std::chrono::steady_clock::now();
+      int spins = 0;
+      while (generation() == seen) {
+        pause();
+        if (++spins % 256 == 0 &&
+            std::chrono::steady_clock::now() - start > std::chrono::microseconds(200)) {
+          std::unique_lock<std::mutex> lk(mutex_);
+          sleepers_.fetch_add(1, std::memory_order_seq_cst);
+          wake_.wait(lk, [&] { return generation() != seen; });
+          sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+        }
+      }
+      seen = generation();
+      work(seen);
+    }
+  }
+
+  const int workers_;
+  std::mutex run_mutex_, mutex_;
+  std::condition_variable wake_;
+  std::atomic<uint64_t> ticket_{0};
+  std::atomic<uint64_t> done_{0};
+  std::atomic<int> sleepers_{0};
+  const Problem* problem_ = nullptr;
+  Span span_ = nullptr;
+  int chunk_ = 1;
+};
+
+void compute(const Problem& p, int kernel) {
+  Span span = span_scalar;
+#if defined(__x86_64__)
+  if (kernel == AVX512) span = span_avx512;
+  if (kernel == AVX2) span = span_avx2;
+#endif
+  Pool& pool = Pool::get();
+  // Chunks taken in turn, so a thread slowed by other work on its core
+  // takes fewer.
+  pool.run(p, span, std::max(4, p.n / (pool.threads() * 8)));
+}
+
+// ---------------------------------------------------------------- primitive
+
+class PackedMatmul : public UnaryPrimitive {
+ public:
+  PackedMatmul(Stream s, int group, int bits, int kernel)
+      : UnaryPrimitive(s), group_(group), bits_(bits), kernel_(kernel) {}
+
+  void eval_cpu(const std::vector<array>& inputs, array& out) override {
+    const array& x = inputs[0];
+    const array& w = inputs[1];
+    const array& s = inputs[2];
+    const array& b = inputs[3];
+    for (const array* a : {&w, &s, &b}) {
+      if (!a->flags().row_contiguous)
+        throw std::runtime_error("[packed_matmul] weights, scales and biases must be row-contiguous");
+    }
+    out.set_data(allocator::malloc(out.nbytes()));
+    auto& encoder = cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(w);
+    encoder.set_input_array(s);
+    encoder.set_input_array(b);
+    encoder.set_output_array(out);
+    const int k = x.shape(-1);
+    Problem p{nullptr,
+              w.data<uint32_t>(),
+              s.data<float>(),
+              b.data<float>(),
+              out.data<float>(),
+              int(x.size() / k),
+              int(w.shape(0)),
+              k,
+              group_,
+              bits_};
+    encoder.dispatch([p, x = array::unsafe_weak_copy(x), kernel = kernel_]() mutable {
+      std::vector<float> gathered;
+      if (x.flags().row_contiguous) {
+        p.x = x.data<float>();
+      } else {
+        // A strided view (rare: linears see fresh activations): copy it.
+        gathered.resize(x.size());
+        const float* base = x.data<float>();
+        const int nd = x.ndim();
+        std::vector<int> at(nd, 0);
+        for (size_t i = 0; i < x.size(); ++i) {
+          int64_t off = 0;
+          for (int d = 0; d < nd; ++d) off += int64_t(at[d]) * x.strides()[d];
+          gathered[i] = base[off];
+          for (int d = nd - 1; d >= 0; --d) {
+            if (++at[d] < x.shape(d)) break;
+            at[d] = 0;
+          }
+        }
+        p.x = gathered.data();
+      }
+      compute(p, kernel);
+    });
+  }
+
+  void eval_gpu(const std::vector<array>&, array&) override {
+    throw std::runtime_error("[packed_matmul] has no GPU kernel");
+  }
+
+  const char* name() const override { return "PackedMatmul"; }
+
+  bool is_equivalent(const Primitive& other) const override {
+    auto& o = static_cast<const PackedMatmul&>(other);
+    return group_ == o.group_ && bits_ == o.bits_ && kernel_ == o.kernel_;
+  }
+
+  std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
+    Shape shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
+  }
+
+ private:
+  int group_, bits_, kernel_;
+};
+
+array packed_matmul(array x, array w, array scales, array biases, int group, int bits, int kernel,
+                    Stream s) {
+  if (bits != 4 && bits != 8) throw std::invalid_argument("bits must be 4 or 8");
+  if (group != 32 && group != 64 && group != 128)
+    throw std::invalid_argument("group size must be 32, 64 or 128");
+  if (kernel < 0) kernel = chosen_kernel();
+  if (kernel > best_kernel()) throw std::invalid_argument("this CPU cannot run that kernel");
+  if (w.ndim() != 2 || w.dtype() != uint32) throw std::invalid_argument("w must be 2-D uint32");
+  if (x.ndim() < 1) throw std::invalid_argument("x must have at least one axis");
+  const int n = w.shape(0), k = w.shape(1) * 32 / bits;
+  if (x.shape(-1) != k)
+    throw std::invalid_argument("x has " + std::to_string(x.shape(-1)) + " features, w has " +
+                                std::to_string(k));
+  const Shape groups{n, k / group};
+  if (scales.shape() != groups || biases.shape() != groups)
+    throw std::invalid_argument("scales and biases must be [out, in / group_size]");
+  const Dtype dtype = x.dtype();
+  if (!issubdtype(dtype, floating)) throw std::invalid_argument("x must be floating point");
+  auto f32 = [&](const array& a) { return a.dtype() == float32 ? a : astype(a, float32, s); };
+  Shape shape = x.shape();
+  shape.back() = n;
+  array y(std::move(shape), float32, std::make_shared<PackedMatmul>(s, group, bits, kernel),
+          {f32(x), w, f32(scales), f32(biases)});
+  return dtype == float32 ? y : astype(y, dtype, s);
+}
+}  // namespace
+
+extern "C" {
+
+// The best kernel this CPU runs (0 scalar, 1 AVX2+FMA, 2 AVX-512).
+int mlx_sys_packed_kernel_best(void) { return best_kernel(); }
+
+// The kernel used when none is named: the best, capped by GATEWAY_CPU_KERNEL.
+int mlx_sys_packed_kernel_chosen(void) { return chosen_kernel(); }
+
+// res = x @ dequantize(w, scales, biases)^T with `kernel` (-1: the chosen
+// one). Returns 0, or 1 with the reason in `err`.
+int mlx_sys_packed_matmul(mlx_array* res, const mlx_array x, const mlx_array w,
+                          const mlx_array scales, const mlx_array biases, int group_size, int bits,
+                          int kernel, const mlx_stream s, char* err, size_t err_len) {
+  try {
+    mlx_array_set_(*res, packed_matmul(mlx_array_get_(x), mlx_array_get_(w),
+                                       mlx_array_get_(scales), mlx_array_get_(biases),
+                                       group_size, bits, kernel, mlx_stream_get_(s)));
+    return 0;
+  } catch (std::exception& e) {
+    if (err && err_len) {
+      std::strncpy(err, e.what(), err_len - 1);
+      err[err_len - 1] = '\0';
+    }
+    return 1;
+  }
+}
+}
