@@ -1,8 +1,8 @@
-//! The `Engine` face of a speculative engine: admission (plain greedy only,
-//! a concurrency cap, KV reserved for target and drafter together) and one
-//! worker thread that runs a draft-and-verify round of all its sequences
-//! per turn, verified together in one forward, under the shared device
-//! lock.
+//! The `Engine` face of a speculative engine: admission (greedy or sampled,
+//! no logprobs; a concurrency cap, KV reserved for target and drafter
+//! together) and one worker thread that runs a draft-and-verify round of
+//! all its sequences per turn, verified together in one forward, under the
+//! shared device lock.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -180,7 +180,7 @@ impl Engine for SpecEngine {
 
     fn capabilities(&self) -> Capabilities {
         Capabilities {
-            greedy_only: true,
+            greedy_only: false,
             tools: true,
             // The drafters read text positions only.
             images: false,
@@ -190,9 +190,9 @@ impl Engine for SpecEngine {
     }
 
     fn submit_to(&self, request: GenerateRequest, events: EventSender) -> Result<(), EngineError> {
-        // Lossless only for argmax decoding; anything else goes elsewhere.
-        if !request.is_plain_greedy() {
-            return Err(Refusal::NotPlainGreedy.into());
+        // Committed tokens are streamed without their log-probabilities.
+        if request.sampling.logprobs {
+            return Err(Refusal::Other("this engine does not report logprobs".into()).into());
         }
         if !request.images.is_empty() {
             return Err(Refusal::Other("this engine does not take images".into()).into());
