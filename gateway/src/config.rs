@@ -123,6 +123,20 @@ pub struct ModelConfig {
     /// prefix cache). docs/batching.md says what each costs.
     #[serde(default)]
     pub kv_layout: runtime::paged::KvLayout,
+    /// Where sampling knobs a request leaves out come from.
+    #[serde(default)]
+    pub generation_config: GenerationConfig,
+}
+
+/// `auto`: the checkpoint's `generation_config.json` (or a GGUF file's
+/// `general.sampling.*`), as vLLM does; `none`: greedy decoding, no
+/// truncation, whatever the checkpoint recommends.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GenerationConfig {
+    #[default]
+    Auto,
+    None,
 }
 
 #[derive(Debug, Clone, Deserialize)]

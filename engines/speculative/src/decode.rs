@@ -29,15 +29,16 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use engine_core::event::EventSender;
-use engine_core::{FinishReason, GenerateRequest, SpecStats, StreamError};
+use engine_core::{Event, FinishReason, GenerateRequest, SpecStats, StreamError};
 use grammar::{Allowed, Constraint};
 use mlx_rs::transforms::eval;
 use mlx_rs::{ops, Array, Dtype};
 use runtime::emit::Emitter;
 use runtime::generate::tokens_array;
+use runtime::handover::{Handover, HandoverSink};
 use runtime::model::{Logits, Tapped, Taps};
 use runtime::sampling::{self, Sampler};
-use runtime::{KvCache, Model, SharedModel};
+use runtime::{KvCache, Model, Reservation, SharedModel};
 
 use crate::adaptive::{DraftSizer, RoundCost};
 use crate::draft::{DraftSource, DraftState, Proposal};
@@ -53,9 +54,12 @@ pub struct Sequence {
     pub out: Emitter,
     /// Where the prefix cache is: read at prefill, written at the end.
     shared: Arc<SharedModel>,
-    /// Held until the sequence ends (KV blocks, the engine slot) and
-    /// released before the final event, so the next request finds them.
+    /// Held until the sequence ends (the engine slot) and released before
+    /// the final event, so the next request finds it.
     held: Option<Box<dyn Send>>,
+    /// Its KV blocks: released with `held`, or handed over with the
+    /// sequence.
+    reservation: Option<Reservation>,
     cache: KvCache,
     /// Prompt, then every committed token.
     history: Vec<u32>,
@@ -80,6 +84,7 @@ impl Sequence {
         request: GenerateRequest,
         events: EventSender,
         held: Box<dyn Send>,
+        reservation: Reservation,
         shared: Arc<SharedModel>,
         source: Option<&dyn DraftSource>,
         adaptive: bool,
@@ -90,6 +95,7 @@ impl Sequence {
             out: Emitter::new(request, events),
             shared,
             held: Some(held),
+            reservation: Some(reservation),
             cache,
             history,
             draft: source.map(|s| s.start()),
@@ -422,8 +428,34 @@ impl Sequence {
     /// Gives back the KV blocks and the engine slot, and drops the caches.
     fn release(&mut self) {
         self.held.take();
+        self.reservation.take();
         self.cache = KvCache::new(0, 1);
         self.draft = None;
+    }
+
+    /// Gives the running sequence to `sink` with its row of the cache
+    /// (every committed token but the newest) and its KV blocks; the
+    /// client's stream goes on there. Its drafting statistics so far are
+    /// not in the final usage.
+    fn hand_over(mut self, cache: KvCache, sink: &dyn HandoverSink) {
+        let last_token = *self.history.last().expect("prefilled");
+        let reservation = self.reservation.take().expect("running");
+        self.held.take();
+        let (request, events, generated, cached_tokens) = self.out.into_parts();
+        let handover = Handover {
+            request,
+            cache,
+            last_token,
+            generated,
+            cached_tokens,
+            reservation,
+            events,
+        };
+        if let Err(h) = sink.adopt(handover) {
+            let _ = h.events.send(Event::Error(StreamError::Internal(
+                "generation could not continue".into(),
+            )));
+        }
     }
 
     /// Cancelled from outside (client gone, shutdown) between rounds.
@@ -547,6 +579,48 @@ impl Batch {
         }
         self.seqs.retain(|s| !s.is_finished());
         Ok(())
+    }
+
+    /// Hands every running row that `sink` can continue (not a grammar's:
+    /// its state stays here) over to it, each with its own row of the
+    /// cache, evaluated; returns how many moved.
+    pub fn hand_over(&mut self, sink: &dyn HandoverSink) -> anyhow::Result<usize> {
+        let Some(cache) = &mut self.cache else {
+            return Ok(0);
+        };
+        let moving: Vec<bool> = self
+            .seqs
+            .iter()
+            .map(|s| !s.is_finished() && s.constraint.is_none())
+            .collect();
+        let mut rows = Vec::new();
+        for b in (0..moving.len()).filter(|&b| moving[b]) {
+            let mut row = cache.extract_row(b)?;
+            row.keep_steps(false);
+            rows.push(row);
+        }
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        // Lazy arrays would be computed on this thread's stream, which the
+        // adopting engine's thread lacks.
+        let state: Vec<Array> = rows.iter().flat_map(KvCache::state).collect();
+        eval(&state)?;
+        let keep: Vec<usize> = (0..moving.len()).filter(|&b| !moving[b]).collect();
+        if keep.is_empty() {
+            self.cache = None;
+        } else {
+            cache.select_rows(&keep)?;
+        }
+        let moved = rows.len();
+        let mut rows = rows.into_iter();
+        for (seq, moves) in std::mem::take(&mut self.seqs).into_iter().zip(moving) {
+            match moves {
+                true => seq.hand_over(rows.next().expect("a row each"), sink),
+                false => self.seqs.push(seq),
+            }
+        }
+        Ok(moved)
     }
 
     /// Fails every sequence (a failed round: their context is lost).
