@@ -150,7 +150,7 @@ fn handover_between_plugins_never_stalls() {
     let mut stream = SseStream::open(
         gw.addr,
         "/v1/chat/completions",
-        &chat(json!({"max_tokens": 400, "stream": true})),
+        &chat(json!({"max_tokens": 2000, "stream": true, "ignore_eos": true})),
     );
     assert_eq!(stream.status, 200);
     let engine = stream

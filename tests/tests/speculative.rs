@@ -295,14 +295,14 @@ policy: { default: batched }
 "#;
 
 /// A prompt that quotes itself (prompt lookup's case), and a bias that
-/// keeps the tiny model off token 255 (where it puts almost all its
-/// mass) and off its stop tokens, so sampled texts differ by seed.
+/// keeps the tiny model off tokens 255 and 5 (where it puts almost all
+/// its mass) and off its stop tokens, so sampled texts differ by seed.
 fn quoting(extra: Value) -> Value {
     let prompt: Vec<u32> = [100, 3, 47, 300, 2, 8, 77, 12, 9, 41, 5].repeat(3);
     let mut bias = serde_json::Map::new();
     for id in models::stop_token_ids(models::tiny_qwen3())
         .into_iter()
-        .chain([255])
+        .chain([255, 5])
     {
         bias.insert(id.to_string(), json!(-100));
     }
@@ -326,7 +326,7 @@ fn answer(gw: &Gateway, body: &Value) -> (String, String, Value) {
 fn the_default_config_speculates_alone_and_answers_like_the_batched_engine() {
     let gw = Gateway::start(&e2e_tests::default_config_on_tiny_model());
     let oracle = Gateway::start(BATCHED_ONLY);
-    let sampled = quoting(json!({"temperature": 0.8, "top_p": 0.95, "seed": 7}));
+    let sampled = quoting(json!({"temperature": 1.5, "top_p": 0.95, "seed": 7}));
     // Nothing drafted yet: the acceptance rate is unknown, so it speculates.
     let (engine, rule, body) = answer(&gw, &sampled);
     assert_eq!(
@@ -340,7 +340,7 @@ fn the_default_config_speculates_alone_and_answers_like_the_batched_engine() {
     );
     assert!(body["usage"]["speculative"]["target_forwards"].as_u64().unwrap() >= 1);
     // Another seed, another text; the same seed, the same text.
-    let other = answer(&gw, &quoting(json!({"temperature": 0.8, "seed": 8}))).2;
+    let other = answer(&gw, &quoting(json!({"temperature": 1.5, "seed": 8}))).2;
     assert_ne!(
         other["choices"][0]["token_ids"],
         want["choices"][0]["token_ids"]
@@ -375,7 +375,7 @@ fn the_default_config_speculates_alone_and_answers_like_the_batched_engine() {
 fn the_default_configs_lookup_hands_a_sampled_stream_to_the_batched_engine() {
     let gw = Gateway::start(&e2e_tests::default_config_on_tiny_model());
     let oracle = Gateway::start(BATCHED_ONLY);
-    let body = quoting(json!({"temperature": 0.9, "seed": 3, "max_tokens": 400,
+    let body = quoting(json!({"temperature": 1.5, "seed": 3, "max_tokens": 400,
         "frequency_penalty": 0.3}));
     let want = answer(&oracle, &body).2["choices"][0]["text"]
         .as_str()
