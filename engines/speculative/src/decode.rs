@@ -29,7 +29,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use engine_core::event::EventSender;
-use engine_core::{Event, FinishReason, GenerateRequest, SpecStats, StreamError};
+use engine_core::{FinishReason, GenerateRequest, SpecStats, StreamError};
 use grammar::{Allowed, Constraint};
 use mlx_rs::transforms::eval;
 use mlx_rs::{ops, Array, Dtype};
@@ -441,21 +441,7 @@ impl Sequence {
         let last_token = *self.history.last().expect("prefilled");
         let reservation = self.reservation.take().expect("running");
         self.held.take();
-        let (request, events, generated, cached_tokens) = self.out.into_parts();
-        let handover = Handover {
-            request,
-            cache,
-            last_token,
-            generated,
-            cached_tokens,
-            reservation,
-            events,
-        };
-        if let Err(h) = sink.adopt(handover) {
-            let _ = h.events.send(Event::Error(StreamError::Internal(
-                "generation could not continue".into(),
-            )));
-        }
+        Handover::of(self.out, cache, last_token, reservation).give_to(sink);
     }
 
     /// Cancelled from outside (client gone, shutdown) between rounds.
