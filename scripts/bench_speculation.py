@@ -6,8 +6,10 @@ shipped; every request to `batched`; every request to `lookup`, allowed
 prompt set and temperature, servers in a rotating order and the whole
 grid `--reps` times, so a noisy neighbour hits each alike. Prints one
 markdown table: per prompt set, temperature and concurrency, the batched
-engine's output tok/s (median of the reps) and each other server's median
-ratio to it, measured in the same rep.
+engine's output tok/s (all output tokens over the wall time, prefill
+included; median of the reps) and each other server's median ratio to
+it, measured in the same rep, then the same for decode tok/s (1000 / TPOT
+p50: the rate after the first token).
 
     .mlx/venv/bin/python scripts/bench_speculation.py [--bin-dir target/debug --reps 2 \\
         --levels 1,4,16 --temperatures 0,0.7 --prompts bench/prompts/quoting.jsonl,mixed --output-len 96]
@@ -88,9 +90,9 @@ def run(a, url, label, prompts, temperature, level, out):
            "--concurrency", str(level), "--prompts", prompts, "--no-tools", "--rounds", "1",
            "--min-requests", "4", "--output-len", str(a.output_len), "--temperature", str(temperature),
            "--warmup", "1"]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     level = json.loads(out.read_text())["levels"][0]
-    return level["output_tok_s"], level.get("engines", {})
+    return (level["output_tok_s"], 1000.0 / level["tpot_ms"]["p50"]), level.get("engines", {})
 
 
 def main():
@@ -110,17 +112,21 @@ def main():
                     out = a.out / f"{name}-t{t}-c{c}-{server}-{rep}.json"
                     rate, engines = run(a, servers[server][1], server, prompts, t, c, out)
                     rates.setdefault((name, t, c, server), []).append(rate)
-                    print(f"rep {rep} {name} t={t} c={c} {server}: {rate:.1f} tok/s {engines}", flush=True)
+                    print(f"rep {rep} {name} t={t} c={c} {server}: {rate[0]:.1f} tok/s, decode {rate[1]:.1f} {engines}",
+                          flush=True)
     finally:
         for proc, _ in servers.values():
             proc.terminate()
-    print("\n| prompts | temperature | c | batched tok/s | lookup / batched | default / batched |")
-    print("|---|---|---|---|---|---|")
-    for (name, t, c, server), got in sorted(rates.items()):
-        if server != "batched":
-            continue
-        ratio = lambda s: statistics.median(x / y for x, y in zip(rates[(name, t, c, s)], got))
-        print(f"| {name} | {t} | {c} | {statistics.median(got):.1f} | {ratio('lookup'):.2f}x | {ratio('default'):.2f}x |")
+    for metric, title in [(0, "output tok/s"), (1, "decode tok/s")]:
+        print(f"\n| prompts | temperature | c | batched {title} | lookup / batched | default / batched |")
+        print("|---|---|---|---|---|---|")
+        for (name, t, c, server), got in sorted(rates.items()):
+            if server != "batched":
+                continue
+            base = [g[metric] for g in got]
+            ratio = lambda s: statistics.median(x[metric] / y for x, y in zip(rates[(name, t, c, s)], base))
+            print(f"| {name} | {t} | {c} | {statistics.median(base):.1f} | {ratio('lookup'):.2f}x "
+                  f"| {ratio('default'):.2f}x |")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 //! The sampling a checkpoint ships, which requests that leave a knob out
 //! get (as vLLM's `--generation-config auto`): `generation_config.json`
 //! (in a model directory, or next to a GGUF file) and a GGUF file's
-//! `general.sampling.*` metadata, the JSON file winning key by key.
+//! `general.sampling.*` metadata, the JSON file winning key by key. A
+//! `do_sample: false` file recommends greedy decoding (Transformers'
+//! reading): only its repetition penalty is taken.
 
 use std::path::Path;
 
@@ -31,13 +33,22 @@ pub fn from_dir(dir: &Path) -> anyhow::Result<SamplingDefaults> {
             }),
         }
     };
+    let repetition_penalty = number("repetition_penalty")?.map(|v| v as f32);
+    // `do_sample: false`: Transformers decodes greedily whatever the
+    // temperature says, and so does a request that leaves it out here.
+    if json.get("do_sample") == Some(&Value::Bool(false)) {
+        return Ok(SamplingDefaults {
+            repetition_penalty,
+            ..SamplingDefaults::default()
+        });
+    }
     Ok(SamplingDefaults {
         temperature: number("temperature")?.map(|v| v as f32),
         top_p: number("top_p")?.map(|v| v as f32),
         // HF's top_k 0 (or vLLM's -1): no truncation.
         top_k: number("top_k")?.map(|v| v.max(0.0) as u32),
         min_p: number("min_p")?.map(|v| v as f32),
-        repetition_penalty: number("repetition_penalty")?.map(|v| v as f32),
+        repetition_penalty,
     })
 }
 
@@ -100,6 +111,18 @@ mod tests {
         };
         let both = merged(gguf, d);
         assert_eq!((both.temperature, both.min_p), (Some(0.6), Some(0.05)));
+        std::fs::write(
+            dir.path().join("generation_config.json"),
+            r#"{"do_sample": false, "temperature": 0.6, "repetition_penalty": 1.1}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            from_dir(dir.path()).unwrap(),
+            SamplingDefaults {
+                repetition_penalty: Some(1.1),
+                ..Default::default()
+            }
+        );
         std::fs::write(
             dir.path().join("generation_config.json"),
             r#"{"temperature": "warm"}"#,
