@@ -499,8 +499,10 @@ mod tests {
         };
         // Alone: prompt lookup while its drafts are accepted (unknown counts
         // as accepted); then greedy on the fast path, sampled on lookup.
-        let rate = |r: f64| move |s: &mut policies::Signals| {
-            s.engine_accept_rate.insert("lookup".into(), r);
+        let rate = |r: f64| {
+            move |s: &mut policies::Signals| {
+                s.engine_accept_rate.insert("lookup".into(), r);
+            }
         };
         for greedy in [true, false] {
             let alone = |f: &dyn Fn(&mut policies::Signals)| {

@@ -79,7 +79,10 @@ fn warm_and_cold(
     for (turn, ((answer, cached, served), (cold_answer, cold_cached, _))) in
         warm.iter().zip(&cold).enumerate()
     {
-        assert!(engines(turn).contains(&served.as_str()), "turn {turn}: {served}");
+        assert!(
+            engines(turn).contains(&served.as_str()),
+            "turn {turn}: {served}"
+        );
         assert_eq!(answer, cold_answer, "turn {turn}: reused KV, same answer");
         assert_eq!(*cold_cached, 0, "turn {turn}: the cache is off");
         if turn > 0 {

@@ -258,7 +258,10 @@ policy:
     assert_eq!(rule, "default", "sampled, as the checkpoint says");
     let explicit = json!({"seed": 4, "logit_bias": bias, "temperature": 2.0, "top_k": 40});
     assert_eq!(ask(&gw, explicit).1, defaulted);
-    let (_, greedy) = ask(&gw, json!({"seed": 4, "logit_bias": bias, "temperature": 0}));
+    let (_, greedy) = ask(
+        &gw,
+        json!({"seed": 4, "logit_bias": bias, "temperature": 0}),
+    );
     assert_ne!(greedy, defaulted);
     let (rule, _) = ask(&gw, json!({"temperature": 0}));
     assert_eq!(rule, "greedy", "the request's own temperature wins");

@@ -338,7 +338,12 @@ fn the_default_config_speculates_alone_and_answers_like_the_batched_engine() {
         body["choices"][0]["token_ids"],
         want["choices"][0]["token_ids"]
     );
-    assert!(body["usage"]["speculative"]["target_forwards"].as_u64().unwrap() >= 1);
+    assert!(
+        body["usage"]["speculative"]["target_forwards"]
+            .as_u64()
+            .unwrap()
+            >= 1
+    );
     // Another seed, another text; the same seed, the same text.
     let other = answer(&gw, &quoting(json!({"temperature": 1.5, "seed": 8}))).2;
     assert_ne!(
@@ -418,8 +423,9 @@ fn the_default_configs_lookup_hands_a_sampled_stream_to_the_batched_engine() {
         gw.logged("handed its sequences to the batched engine"),
         "a handover happened"
     );
-    assert!(gw.wait_for(Duration::from_secs(10), |gw| gw.health()["kv_pool"]
-        ["allocated_blocks"]
-        == 0));
+    assert!(
+        gw.wait_for(Duration::from_secs(10), |gw| gw.health()["kv_pool"]
+            ["allocated_blocks"]
+            == 0)
+    );
 }
-

@@ -28,9 +28,10 @@ pub fn from_dir(dir: &Path) -> anyhow::Result<SamplingDefaults> {
     let number = |key: &str| -> anyhow::Result<Option<f64>> {
         match json.get(key) {
             None | Some(Value::Null) => Ok(None),
-            Some(v) => v.as_f64().map(Some).with_context(|| {
-                format!("{}: `{key}` must be a number, got {v}", path.display())
-            }),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .with_context(|| format!("{}: `{key}` must be a number, got {v}", path.display())),
         }
     };
     let repetition_penalty = number("repetition_penalty")?.map(|v| v as f32);

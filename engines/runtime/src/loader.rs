@@ -299,46 +299,46 @@ fn build(path: &Path, compute: ComputeDtype) -> anyhow::Result<Built> {
     let checkpoint = Checkpoint::find(path)?;
     let (config, mut weights, tokenizer_source, template, metadata_stops, metadata_sampling) =
         match &checkpoint {
-        Checkpoint::Dir(dir) => (
-            ModelConfig::from_dir(dir)?,
-            Weights::from_dir(dir)?,
-            TokenizerSource::Dir(dir.clone()),
-            text::ChatTemplate::from_dir(dir)?,
-            None,
-            Default::default(),
-        ),
-        Checkpoint::Gguf { file, dir } => {
-            let gguf = crate::gguf::load(file)?;
-            let config = gguf.vocab.tokenizer_config();
-            // A tokenizer.json (and template) next to the file wins over
-            // the one rebuilt from the metadata.
-            let tokenizer_source = if dir.join("tokenizer.json").exists() {
-                TokenizerSource::Dir(dir.clone())
-            } else {
-                let json = gguf
-                    .vocab
-                    .tokenizer_json()
-                    .with_context(|| format!("the tokenizer of {}", file.display()))?;
-                TokenizerSource::Json {
-                    json,
-                    config: config.clone(),
-                    origin: file.clone(),
-                }
-            };
-            let template = match text::ChatTemplate::from_dir_or(dir, &config)? {
-                Some(t) => Some(t),
-                None => text::ChatTemplate::from_tokenizer_config(&config, file)?,
-            };
-            (
-                gguf.config,
-                gguf.weights,
-                tokenizer_source,
-                template,
-                Some(gguf.vocab.eos_token_ids()),
-                gguf.sampling,
-            )
-        }
-    };
+            Checkpoint::Dir(dir) => (
+                ModelConfig::from_dir(dir)?,
+                Weights::from_dir(dir)?,
+                TokenizerSource::Dir(dir.clone()),
+                text::ChatTemplate::from_dir(dir)?,
+                None,
+                Default::default(),
+            ),
+            Checkpoint::Gguf { file, dir } => {
+                let gguf = crate::gguf::load(file)?;
+                let config = gguf.vocab.tokenizer_config();
+                // A tokenizer.json (and template) next to the file wins over
+                // the one rebuilt from the metadata.
+                let tokenizer_source = if dir.join("tokenizer.json").exists() {
+                    TokenizerSource::Dir(dir.clone())
+                } else {
+                    let json = gguf
+                        .vocab
+                        .tokenizer_json()
+                        .with_context(|| format!("the tokenizer of {}", file.display()))?;
+                    TokenizerSource::Json {
+                        json,
+                        config: config.clone(),
+                        origin: file.clone(),
+                    }
+                };
+                let template = match text::ChatTemplate::from_dir_or(dir, &config)? {
+                    Some(t) => Some(t),
+                    None => text::ChatTemplate::from_tokenizer_config(&config, file)?,
+                };
+                (
+                    gguf.config,
+                    gguf.weights,
+                    tokenizer_source,
+                    template,
+                    Some(gguf.vocab.eos_token_ids()),
+                    gguf.sampling,
+                )
+            }
+        };
     if let Some(dtype) = compute.resolve() {
         weights.cast_floats(dtype)?;
     }

@@ -190,7 +190,10 @@ impl Sampler {
         let mut picks = Vec::with_capacity(positions as usize);
         for i in 0..positions as usize {
             let before = &ahead[..i.min(ahead.len())];
-            let l = self.within(&self.adjust_after(&row(&logits, i)?, before)?, allowed.get(i))?;
+            let l = self.within(
+                &self.adjust_after(&row(&logits, i)?, before)?,
+                allowed.get(i),
+            )?;
             let pick = match key.take() {
                 None => ops::indexing::argmax_axis(&l, -1, None)?,
                 Some(k) => {

@@ -367,7 +367,9 @@ impl Worker {
         };
         match result {
             Ok(0) => {}
-            Ok(n) => tracing::info!(engine = %self.name, sequences = n, "handed its sequences to the batched engine"),
+            Ok(n) => {
+                tracing::info!(engine = %self.name, sequences = n, "handed its sequences to the batched engine")
+            }
             Err(e) => {
                 tracing::error!(engine = %self.name, error = %e, "handing over failed");
                 batch.fail(memory::failed_step(&e));
@@ -413,7 +415,8 @@ impl Worker {
                 self.adaptive,
             ),
             Err(msg) => {
-                let mut seq = Sequence::new(request, events, held, reservation, shared, None, false);
+                let mut seq =
+                    Sequence::new(request, events, held, reservation, shared, None, false);
                 seq.fail(StreamError::Internal(format!(
                     "the drafter could not be loaded: {msg}"
                 )));

@@ -575,7 +575,11 @@ fn sampled_request(prompt: &[u32], max_tokens: u32, params: SamplingParams) -> G
 }
 
 /// Runs `requests` on `engine`, `wave` at a time (they share its rounds).
-fn run_waves(engine: &dyn Engine, requests: Vec<GenerateRequest>, wave: usize) -> Vec<(Vec<u32>, Finish)> {
+fn run_waves(
+    engine: &dyn Engine,
+    requests: Vec<GenerateRequest>,
+    wave: usize,
+) -> Vec<(Vec<u32>, Finish)> {
     let mut done = Vec::with_capacity(requests.len());
     let mut requests = requests.into_iter().peekable();
     while requests.peek().is_some() {
@@ -608,7 +612,11 @@ fn drafting(done: &[(Vec<u32>, Finish)]) -> SpecStats {
 /// A prompt that repeats itself, so prompt lookup has drafts to offer.
 fn repeating_prompt() -> Vec<u32> {
     let base = random_prompt(7, 12, 500);
-    base.iter().chain(&base).chain(&base[..6]).copied().collect()
+    base.iter()
+        .chain(&base)
+        .chain(&base[..6])
+        .copied()
+        .collect()
 }
 
 /// Each draft source (every full block verified, so rejections happen),
@@ -625,7 +633,11 @@ fn seeded_sampling_equals_plain_sampling_for_every_draft_source() {
         let mut out = Vec::new();
         for (i, p) in prompts.iter().enumerate() {
             for seed in 0..2u64 {
-                out.push(sampled_request(p, max_tokens, sampling(10 * i as u64 + seed, temperature)));
+                out.push(sampled_request(
+                    p,
+                    max_tokens,
+                    sampling(10 * i as u64 + seed, temperature),
+                ));
             }
         }
         out
@@ -634,11 +646,30 @@ fn seeded_sampling_equals_plain_sampling_for_every_draft_source() {
     let plain_hot = run_waves(&batched, requests(1.5), 10);
     let plain_cool = run_waves(&batched, requests(0.5), 10);
     let texts: std::collections::HashSet<_> = plain_hot.iter().map(|(t, _)| t).collect();
-    assert!(texts.len() > plain_hot.len() / 2, "seeds draw different texts");
+    assert!(
+        texts.len() > plain_hot.len() / 2,
+        "seeds draw different texts"
+    );
     let sources = [
-        ("dflash", format!("{{ drafter: {}, adaptive: false, max_concurrent: 8 }}", t.drafter("dflash").display())),
-        ("mtp", format!("{{ drafter: {}, adaptive: false, max_batch: 8, max_concurrent: 8 }}", t.drafter("mtp").display())),
-        ("dflash", "{ draft: ngram, adaptive: false, max_concurrent: 8, ngram: { draft_tokens: 6 } }".into()),
+        (
+            "dflash",
+            format!(
+                "{{ drafter: {}, adaptive: false, max_concurrent: 8 }}",
+                t.drafter("dflash").display()
+            ),
+        ),
+        (
+            "mtp",
+            format!(
+                "{{ drafter: {}, adaptive: false, max_batch: 8, max_concurrent: 8 }}",
+                t.drafter("mtp").display()
+            ),
+        ),
+        (
+            "dflash",
+            "{ draft: ngram, adaptive: false, max_concurrent: 8, ngram: { draft_tokens: 6 } }"
+                .into(),
+        ),
     ];
     for (kind, yaml) in sources {
         let e = t.engine(kind, &yaml).unwrap();
@@ -648,7 +679,10 @@ fn seeded_sampling_equals_plain_sampling_for_every_draft_source() {
             assert_eq!(f.completion_tokens, max_tokens);
         }
         let stats = drafting(&done);
-        assert!(stats.drafted > stats.accepted, "{kind} {yaml}: rejections {stats:?}");
+        assert!(
+            stats.drafted > stats.accepted,
+            "{kind} {yaml}: rejections {stats:?}"
+        );
     }
     // A drafter proposing the greedy continuation: at a low temperature
     // most drafts are kept, the rest rejected.
@@ -662,7 +696,10 @@ fn seeded_sampling_equals_plain_sampling_for_every_draft_source() {
         assert_eq!(tokens, want, "oracle drafter");
     }
     let stats = drafting(&done);
-    assert!(stats.accepted > 0 && stats.drafted > stats.accepted, "{stats:?}");
+    assert!(
+        stats.accepted > 0 && stats.drafted > stats.accepted,
+        "{stats:?}"
+    );
     assert_eq!(t.shared.kv_pool.allocated(), 0);
 }
 
@@ -675,10 +712,19 @@ fn a_seeded_request_gives_the_same_text_twice() {
         .engine("dflash", "{ draft: ngram, ngram: { draft_tokens: 6 } }")
         .unwrap();
     let p = repeating_prompt();
-    let first = run(e.submit(sampled_request(&p, 48, sampling(42, 1.5))).unwrap()).0;
-    let second = run(e.submit(sampled_request(&p, 48, sampling(42, 1.5))).unwrap()).0;
+    let first = run(e
+        .submit(sampled_request(&p, 48, sampling(42, 1.5)))
+        .unwrap())
+    .0;
+    let second = run(e
+        .submit(sampled_request(&p, 48, sampling(42, 1.5)))
+        .unwrap())
+    .0;
     assert_eq!(first, second);
-    let other = run(e.submit(sampled_request(&p, 48, sampling(43, 1.5))).unwrap()).0;
+    let other = run(e
+        .submit(sampled_request(&p, 48, sampling(43, 1.5)))
+        .unwrap())
+    .0;
     assert_ne!(first, other, "the seed is what fixes the text");
 }
 
@@ -699,7 +745,10 @@ fn chi_square(a: &HashMap<Vec<u32>, u64>, b: &HashMap<Vec<u32>, u64>) -> (f64, u
     let mut pooled = (0.0, 0.0);
     let keys: std::collections::BTreeSet<&Vec<u32>> = a.keys().chain(b.keys()).collect();
     for k in keys {
-        let (x, y) = (*a.get(k).unwrap_or(&0) as f64, *b.get(k).unwrap_or(&0) as f64);
+        let (x, y) = (
+            *a.get(k).unwrap_or(&0) as f64,
+            *b.get(k).unwrap_or(&0) as f64,
+        );
         if x + y < 10.0 {
             pooled = (pooled.0 + x, pooled.1 + y);
         } else {
@@ -754,7 +803,10 @@ fn sampled_tokens_follow_plain_sampling_in_distribution() {
     let plain = histogram(&run_waves(&batched, requests(draws..2 * draws, 3.0), 64), n);
     let cooler = histogram(&run_waves(&batched, requests(0..draws, 2.0), 64), n);
     let (stat, df) = chi_square(&cooler, &plain);
-    assert!(stat > chi_square_bound(df), "the test tells 2 from 3: {stat:.1} (df {df})");
+    assert!(
+        stat > chi_square_bound(df),
+        "the test tells 2 from 3: {stat:.1} (df {df})"
+    );
     let greedy = t.greedy(&p, 256, &[]);
     let sources: Vec<(&str, SpecEngine)> = vec![
         ("prompt lookup", t.engine("dflash", "{ draft: ngram, adaptive: false, max_concurrent: 64, ngram: { draft_tokens: 4 } }").unwrap()),
@@ -768,12 +820,17 @@ fn sampled_tokens_follow_plain_sampling_in_distribution() {
         let seeds = (i as u64 + 2) * draws..(i as u64 + 3) * draws;
         let done = run_waves(&e, requests(seeds, 3.0), 64);
         let stats = drafting(&done);
-        assert!(stats.drafted > stats.accepted, "{name}: rejections {stats:?}");
+        assert!(
+            stats.drafted > stats.accepted,
+            "{name}: rejections {stats:?}"
+        );
         let (stat, df) = chi_square(&histogram(&done, n), &plain);
         let bound = chi_square_bound(df);
-        assert!(stat <= bound, "{name}: chi-square {stat:.1} > {bound:.1} (df {df}), {stats:?}");
+        assert!(
+            stat <= bound,
+            "{name}: chi-square {stat:.1} > {bound:.1} (df {df}), {stats:?}"
+        );
         eprintln!("{name}: chi-square {stat:.1} <= {bound:.1} (df {df}), {stats:?}");
     }
     assert_eq!(t.shared.kv_pool.allocated(), 0);
 }
-

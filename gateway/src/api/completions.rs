@@ -150,7 +150,9 @@ pub async fn create(
     RawJson(body): RawJson,
 ) -> Result<Response, ApiError> {
     let mut request = CompletionRequest::parse(&body, state.model.vocab)?;
-    state.model.fill_sampling(&body, &mut request.options.sampling);
+    state
+        .model
+        .fill_sampling(&body, &mut request.options.sampling);
     let n = request.options.n;
     check_choices(n, request.prompts.len(), state.config.server.max_n)?;
     let scope = scope.map(|Extension(s)| s.0);

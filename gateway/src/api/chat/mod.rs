@@ -35,7 +35,9 @@ pub async fn create(
     RawJson(body): RawJson,
 ) -> Result<Response, ApiError> {
     let mut request = ChatRequest::parse(&body, state.model.vocab)?;
-    state.model.fill_sampling(&body, &mut request.options.sampling);
+    state
+        .model
+        .fill_sampling(&body, &mut request.options.sampling);
     let max_param = if body.get("max_completion_tokens").is_some() {
         "max_completion_tokens"
     } else {
