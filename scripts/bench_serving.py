@@ -14,7 +14,8 @@ reads YAML with PyYAML, an mlx-lm dependency):
 
 `--bin-dir` holds `gateway`, its engine plugins (`libengine_*.so`) and
 `bench`, as `cargo build --release -p gateway -p engine-batched
--p engine-fastpath -p bench` leaves them in target/release.
+-p engine-fastpath -p engine-dflash -p bench` leaves them in target/release
+(config.yaml's prompt lookup engine is of kind `dflash`).
 """
 
 import argparse
@@ -94,7 +95,7 @@ def binaries(args):
         bin_dir = args.bin_dir.resolve()
     else:
         run(["cargo", "build", "--release", "--locked", "-p", "gateway", "-p", "engine-batched",
-             "-p", "engine-fastpath", "-p", "bench"], cwd=ROOT)
+             "-p", "engine-fastpath", "-p", "engine-dflash", "-p", "bench"], cwd=ROOT)
         bin_dir = ROOT / "target" / "release"
     gateway, bench = bin_dir / "gateway", bin_dir / "bench"
     for f in (gateway, bench, bin_dir / "libengine_batched.so", bin_dir / "libengine_fastpath.so"):

@@ -124,6 +124,20 @@ pub struct ModelConfig {
     /// prefix cache). docs/batching.md says what each costs.
     #[serde(default)]
     pub kv_layout: runtime::paged::KvLayout,
+    /// Where sampling knobs a request leaves out come from.
+    #[serde(default)]
+    pub generation_config: GenerationConfig,
+}
+
+/// `auto`: the checkpoint's `generation_config.json` (or a GGUF file's
+/// `general.sampling.*`), as vLLM does; `none`: greedy decoding, no
+/// truncation, whatever the checkpoint recommends.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GenerationConfig {
+    #[default]
+    Auto,
+    None,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -459,8 +473,17 @@ mod tests {
             .iter()
             .map(|e| (e.name.as_str(), e.kind.as_str()))
             .collect();
-        assert_eq!(kinds, [("batched", "batched"), ("fastpath", "fastpath")]);
-        let policy = policies::Policy::from_config_yaml(text, &["batched", "fastpath"]).unwrap();
+        assert_eq!(
+            kinds,
+            [
+                ("batched", "batched"),
+                ("fastpath", "fastpath"),
+                ("lookup", "dflash")
+            ]
+        );
+        assert_eq!(c.model.generation_config, GenerationConfig::Auto);
+        let policy =
+            policies::Policy::from_config_yaml(text, &["batched", "fastpath", "lookup"]).unwrap();
         let signals = |f: &dyn Fn(&mut policies::Signals)| {
             let mut s = policies::Signals {
                 prompt_tokens: 20,
@@ -475,11 +498,40 @@ mod tests {
             let d = policy.decide(&s);
             (d.engine.to_owned(), d.rule.to_owned())
         };
+        // Alone: prompt lookup while its drafts are accepted (unknown counts
+        // as accepted); then greedy on the fast path, sampled on lookup.
+        let rate = |r: f64| {
+            move |s: &mut policies::Signals| {
+                s.engine_accept_rate.insert("lookup".into(), r);
+            }
+        };
+        for greedy in [true, false] {
+            let alone = |f: &dyn Fn(&mut policies::Signals)| {
+                route(signals(&|s| {
+                    s.greedy = greedy;
+                    f(s)
+                }))
+            };
+            assert_eq!(
+                alone(&|_| {}),
+                ("lookup".into(), "speculate-while-it-pays".into())
+            );
+            assert_eq!(
+                alone(&rate(0.6)),
+                ("lookup".into(), "speculate-while-it-pays".into())
+            );
+        }
         assert_eq!(
-            route(signals(&|_| {})),
+            route(signals(&rate(0.1))),
             ("fastpath".into(), "alone-and-greedy".into())
         );
-        assert_eq!(route(signals(&|s| s.greedy = false)).0, "batched");
+        assert_eq!(
+            route(signals(&|s| {
+                rate(0.1)(s);
+                s.greedy = false
+            })),
+            ("lookup".into(), "alone-and-sampled".into())
+        );
         assert_eq!(route(signals(&|s| s.has_tools = true)).0, "batched");
         assert_eq!(route(signals(&|s| s.prompt_tokens = 9000)).0, "batched");
         assert_eq!(route(signals(&|s| s.kv_pressure = 0.9)).0, "batched");

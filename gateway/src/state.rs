@@ -6,9 +6,11 @@ use std::sync::Arc;
 
 use metrics_exporter_prometheus::PrometheusHandle;
 
-use crate::api::validate::Limits;
+use engine_core::{SamplingDefaults, SamplingParams};
+
+use crate::api::validate::{Limits, RawBody};
 use crate::api::ApiError;
-use crate::config::Config;
+use crate::config::{Config, GenerationConfig};
 use crate::host::Registry;
 use crate::router::Router;
 use crate::vision::Vision;
@@ -19,6 +21,18 @@ pub struct ModelInfo {
     pub vocab: usize,
     /// Unix time the gateway started serving it (`created` in /v1/models).
     pub created: u64,
+    /// What a request that leaves a sampling knob out gets: the
+    /// checkpoint's recommendation (`model.generation_config: auto`), or
+    /// nothing (`none`: greedy, no truncation).
+    pub sampling_defaults: SamplingDefaults,
+}
+
+impl ModelInfo {
+    /// Fills in the sampling knobs the request `body` leaves out.
+    pub fn fill_sampling(&self, body: &RawBody, sampling: &mut SamplingParams) {
+        let given = |key: &str| body.get(key).is_some_and(|v| !v.is_null());
+        self.sampling_defaults.apply(sampling, given);
+    }
 }
 
 pub struct AppState {
@@ -46,7 +60,14 @@ impl AppState {
             context_window: loaded.context_window(),
             vocab: loaded.vocab_size().max(loaded.tokenizer.vocab_size()),
             created: crate::api::unix_now(),
+            sampling_defaults: match config.model.generation_config {
+                GenerationConfig::Auto => loaded.sampling_defaults,
+                GenerationConfig::None => SamplingDefaults::default(),
+            },
         };
+        if model.sampling_defaults != SamplingDefaults::default() {
+            tracing::info!(defaults = ?model.sampling_defaults, "sampling defaults from the checkpoint (model.generation_config: auto)");
+        }
         let vision = Vision::new(registry.shared.clone(), config.vision.clone())?;
         Ok(Self {
             config,

@@ -1,8 +1,8 @@
 //! The repository's config.yaml with the real engines (`batched`,
-//! `fastpath`, loaded from the build's plugin directory): as shipped, it
-//! serves the trained default model, which answers a real question; on the
-//! tiny model, requests route as the measurements suggest, and a disconnect
-//! returns the batched engine's KV blocks to the pool.
+//! `fastpath`, `lookup`, loaded from the build's plugin directory): as
+//! shipped, it serves the trained default model, which answers a real
+//! question; on the tiny model, requests route as the measurements suggest,
+//! and a disconnect returns the engine's KV blocks to the pool.
 
 use std::time::Duration;
 
@@ -49,13 +49,17 @@ fn default_policy_routes_with_the_real_engines() {
     let gw = start();
     let h = gw.get("/health");
     assert_eq!(h.status, 200, "{}", h.text());
+    // Alone, before anything was drafted: prompt lookup, greedy or sampled.
     assert_eq!(
         route(&gw, &chat(json!({}))),
-        ("fastpath".into(), "alone-and-greedy".into())
+        ("lookup".into(), "speculate-while-it-pays".into())
     );
+    let (engine, rule) = route(&gw, &chat(json!({"temperature": 0.8})));
+    assert_eq!(engine, "lookup", "{rule}");
+    // Logprobs: prompt lookup does not report them, the batched engine does.
     assert_eq!(
-        route(&gw, &chat(json!({"temperature": 0.8}))),
-        ("batched".into(), "sampled".into())
+        route(&gw, &chat(json!({"temperature": 0.8, "logprobs": true}))).0,
+        "batched"
     );
     let tools =
         json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
@@ -74,14 +78,17 @@ fn default_policy_routes_with_the_real_engines() {
     );
     stream.disconnect();
 
-    // Streaming through the fast path has the same wire shape.
+    // Streaming through prompt lookup has the same wire shape.
     assert!(
         gw.wait_for(Duration::from_secs(10), |gw| gw.health()["kv_pool"]
             ["allocated_blocks"]
             == 0)
     );
-    let r = gw.post("/v1/chat/completions", &chat(json!({"stream": true})));
-    assert_eq!(r.header("x-engine"), Some("fastpath"));
+    let r = gw.post(
+        "/v1/chat/completions",
+        &chat(json!({"stream": true, "temperature": 0.5})),
+    );
+    assert_eq!(r.header("x-engine"), Some("lookup"));
     let events = r.sse_data();
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
     let first: Value = serde_json::from_str(&events[0]).unwrap();
@@ -89,13 +96,19 @@ fn default_policy_routes_with_the_real_engines() {
 }
 
 #[test]
-fn disconnect_returns_the_batched_engines_kv_blocks() {
+fn disconnect_returns_the_engines_kv_blocks() {
     let gw = start();
-    let mut stream = SseStream::open(
-        gw.addr,
-        "/v1/chat/completions",
-        &long_stream(json!({"temperature": 0.7})),
-    );
+    // Alone: prompt lookup; with logprobs (which it does not report): batched.
+    for (extra, engine) in [
+        (json!({"temperature": 0.7}), "lookup"),
+        (json!({"temperature": 0.7, "logprobs": true}), "batched"),
+    ] {
+        disconnect_returns_kv(&gw, extra, engine);
+    }
+}
+
+fn disconnect_returns_kv(gw: &Gateway, extra: Value, engine: &str) {
+    let mut stream = SseStream::open(gw.addr, "/v1/chat/completions", &long_stream(extra));
     assert_eq!(stream.status, 200);
     assert_eq!(
         stream
@@ -103,7 +116,7 @@ fn disconnect_returns_the_batched_engines_kv_blocks() {
             .iter()
             .find(|(k, _)| k == "x-engine")
             .map(|(_, v)| v.as_str()),
-        Some("batched")
+        Some(engine)
     );
     for _ in 0..3 {
         assert!(stream.next_event().is_some());
@@ -126,15 +139,18 @@ fn disconnect_returns_the_batched_engines_kv_blocks() {
 /// requests arrive, and everything completes: the engines are separate
 /// plugins sharing the device lock (a regression test for a lock whose
 /// waiters lived in one plugin's copy of a global table and were never
-/// woken by the other plugin's unlock).
+/// woken by the other plugin's unlock). The default config with the fast
+/// path in prompt lookup's place (tests/tests/speculative.rs hands over
+/// from prompt lookup).
 #[test]
 fn handover_between_plugins_never_stalls() {
-    let gw = start();
+    let config = e2e_tests::default_config_on_tiny_model();
+    let gw = Gateway::start(&config.replace("route: lookup", "route: fastpath"));
     // Plain greedy (no logit_bias), so the fast path takes it.
     let mut stream = SseStream::open(
         gw.addr,
         "/v1/chat/completions",
-        &chat(json!({"max_tokens": 400, "stream": true})),
+        &chat(json!({"max_tokens": 2000, "stream": true, "ignore_eos": true})),
     );
     assert_eq!(stream.status, 200);
     let engine = stream

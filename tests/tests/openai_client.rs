@@ -145,5 +145,5 @@ fn official_openai_python_client_with_the_reference_engine() {
 #[test]
 fn official_openai_python_client_with_the_default_config() {
     let gw = Gateway::start(&e2e_tests::default_config_on_tiny_model());
-    run_client(&gw, "batched,fastpath");
+    run_client(&gw, "batched,fastpath,lookup");
 }

@@ -238,3 +238,77 @@ fn full_queue_answers_429_with_retry_after() {
         .status
         == 200));
 }
+
+/// A checkpoint's `generation_config.json` sets what a request leaves out
+/// (`model.generation_config: auto`, the default): a request without
+/// sampling knobs samples as the file says (the same text as one that
+/// gives those knobs itself, with the same seed) and routes as sampled; the
+/// request's own `temperature: 0` wins (plain greedy again), and
+/// `generation_config: none` ignores the file.
+#[test]
+fn a_checkpoints_generation_config_fills_in_the_sampling_a_request_leaves_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join(MODEL);
+    let status = std::process::Command::new("cp")
+        .arg("-r")
+        .arg(models::tiny_qwen3())
+        .arg(&model)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let file = model.join("generation_config.json");
+    let mut config: Value = std::fs::read_to_string(&file)
+        .ok()
+        .map(|t| serde_json::from_str(&t).unwrap())
+        .unwrap_or(json!({}));
+    // Hot: the tiny random model is peaked, so only a high temperature
+    // spreads its draws.
+    config["temperature"] = json!(2.0);
+    config["top_k"] = json!(40);
+    std::fs::write(&file, config.to_string()).unwrap();
+    let gateway = |setting: &str| {
+        Gateway::start(&format!(
+            r#"model: {{ path: "{}", kv_cache_mb: 64, generation_config: {setting} }}
+engines:
+  batched: {{ kind: batched }}
+policy:
+  default: batched
+  rules:
+    - {{ name: greedy, when: {{ greedy: true }}, route: batched }}
+"#,
+            model.display()
+        ))
+    };
+    let body = |extra: Value| {
+        let mut b = json!({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 16,
+            "ignore_eos": true, "return_token_ids": true});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b
+    };
+    let ask = |gw: &Gateway, extra: Value| {
+        let r = gw.post("/v1/completions", &body(extra));
+        assert_eq!(r.status, 200, "{}", r.text());
+        let rule = r.header("x-route-rule").unwrap().to_owned();
+        (rule, r.json()["choices"][0]["token_ids"].clone())
+    };
+    // The tiny random model puts almost all its mass on two tokens; the
+    // bias takes them away, so draws differ from greedy picks.
+    let bias = json!({"255": -100, "7": -100});
+    let gw = gateway("auto");
+    let (rule, defaulted) = ask(&gw, json!({"seed": 4, "logit_bias": bias}));
+    assert_eq!(rule, "default", "sampled, as the checkpoint says");
+    let explicit = json!({"seed": 4, "logit_bias": bias, "temperature": 2.0, "top_k": 40});
+    assert_eq!(ask(&gw, explicit).1, defaulted);
+    let (_, greedy) = ask(
+        &gw,
+        json!({"seed": 4, "logit_bias": bias, "temperature": 0}),
+    );
+    assert_ne!(greedy, defaulted);
+    let (rule, _) = ask(&gw, json!({"temperature": 0}));
+    assert_eq!(rule, "greedy", "the request's own temperature wins");
+    let off = gateway("none");
+    assert_eq!(ask(&off, json!({})).0, "greedy");
+    assert_eq!(ask(&off, json!({"seed": 4, "logit_bias": bias})).1, greedy);
+}

@@ -3,9 +3,15 @@
 //! client, and four at once), the
 //! usage and metrics carry the draft accounting, the acceptance rate routes
 //! work away from a drafter that does not pay, and a drafter that cannot
-//! load leaves the gateway serving with the other engines.
+//! load leaves the gateway serving with the other engines. The repository's
+//! config.yaml sends a request alone to prompt lookup, greedy or sampled,
+//! which answers as a batched-only gateway does (a seed gives the same
+//! text), and hands its sequence to the batched engine when others come.
 
-use e2e_tests::{Gateway, MODEL};
+use std::time::Duration;
+
+use e2e_tests::http::SseStream;
+use e2e_tests::{models, Gateway, MODEL};
 use serde_json::{json, Value};
 
 /// `max_tokens` picks the engine, so one gateway serves every engine and
@@ -279,4 +285,147 @@ policy:
     );
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.header("x-engine"), Some("batched"));
+}
+
+/// The oracle for the default config: every request to the batched engine.
+const BATCHED_ONLY: &str = r#"model: { path: "{model}", kv_cache_mb: 64 }
+engines:
+  batched: { kind: batched }
+policy: { default: batched }
+"#;
+
+/// A prompt that quotes itself (prompt lookup's case), and a bias that
+/// keeps the tiny model off tokens 255 and 5 (where it puts almost all
+/// its mass) and off its stop tokens, so sampled texts differ by seed.
+fn quoting(extra: Value) -> Value {
+    let prompt: Vec<u32> = [100, 3, 47, 300, 2, 8, 77, 12, 9, 41, 5].repeat(3);
+    let mut bias = serde_json::Map::new();
+    for id in models::stop_token_ids(models::tiny_qwen3())
+        .into_iter()
+        .chain([255, 5])
+    {
+        bias.insert(id.to_string(), json!(-100));
+    }
+    let mut body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 24,
+        "return_token_ids": true, "logit_bias": bias});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    body
+}
+
+fn answer(gw: &Gateway, body: &Value) -> (String, String, Value) {
+    let r = gw.post("/v1/completions", body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let engine = r.header("x-engine").unwrap().to_owned();
+    let rule = r.header("x-route-rule").unwrap().to_owned();
+    (engine, rule, r.json())
+}
+
+#[test]
+fn the_default_config_speculates_alone_and_answers_like_the_batched_engine() {
+    let gw = Gateway::start(&e2e_tests::default_config_on_tiny_model());
+    let oracle = Gateway::start(BATCHED_ONLY);
+    let sampled = quoting(json!({"temperature": 1.5, "top_p": 0.95, "seed": 7}));
+    // Nothing drafted yet: the acceptance rate is unknown, so it speculates.
+    let (engine, rule, body) = answer(&gw, &sampled);
+    assert_eq!(
+        (engine.as_str(), rule.as_str()),
+        ("lookup", "speculate-while-it-pays")
+    );
+    let want = answer(&oracle, &sampled).2;
+    assert_eq!(
+        body["choices"][0]["token_ids"],
+        want["choices"][0]["token_ids"]
+    );
+    assert!(
+        body["usage"]["speculative"]["target_forwards"]
+            .as_u64()
+            .unwrap()
+            >= 1
+    );
+    // Another seed, another text; the same seed, the same text.
+    let other = answer(&gw, &quoting(json!({"temperature": 1.5, "seed": 8}))).2;
+    assert_ne!(
+        other["choices"][0]["token_ids"],
+        want["choices"][0]["token_ids"]
+    );
+    let (engine, _, again) = answer(&gw, &sampled);
+    assert_eq!(engine, "lookup", "a sampled request alone");
+    assert_eq!(
+        again["choices"][0]["token_ids"],
+        want["choices"][0]["token_ids"]
+    );
+    // Greedy: prompt lookup while its drafts are accepted, else the fast
+    // path; the same answer either way.
+    let greedy = quoting(json!({"temperature": 0}));
+    let (engine, _, body) = answer(&gw, &greedy);
+    assert!(engine == "lookup" || engine == "fastpath", "{engine}");
+    assert_eq!(
+        body["choices"][0]["token_ids"],
+        answer(&oracle, &greedy).2["choices"][0]["token_ids"]
+    );
+    let drafted = gw
+        .metric("gateway_spec_drafted_tokens_total", &[("engine", "lookup")])
+        .unwrap();
+    assert!(drafted > 0.0, "prompt lookup drafted");
+}
+
+/// A seeded sampled stream alone on prompt lookup moves to the batched
+/// engine when other requests arrive (the batched engine then has work of
+/// its own) and its whole text is still the batched engine's for that
+/// seed: the batched engine goes on with the keys and penalty counts of
+/// the tokens already drawn.
+#[test]
+fn the_default_configs_lookup_hands_a_sampled_stream_to_the_batched_engine() {
+    let gw = Gateway::start(&e2e_tests::default_config_on_tiny_model());
+    let oracle = Gateway::start(BATCHED_ONLY);
+    let body = quoting(json!({"temperature": 1.5, "seed": 3, "max_tokens": 400,
+        "frequency_penalty": 0.3}));
+    let want = answer(&oracle, &body).2["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let mut stream = SseStream::open(gw.addr, "/v1/completions", &streamed);
+    assert_eq!(stream.status, 200);
+    let engine = stream.headers.iter().find(|(k, _)| k == "x-engine");
+    assert_eq!(engine.map(|(_, v)| v.as_str()), Some("lookup"));
+    let mut text = String::new();
+    let mut take = |data: String| {
+        let chunk: Value = serde_json::from_str(&data).unwrap();
+        text.push_str(chunk["choices"][0]["text"].as_str().unwrap_or_default());
+    };
+    take(stream.next_event().unwrap());
+    let addr = gw.addr;
+    let others = std::thread::spawn(move || {
+        (0..2)
+            .map(|_| {
+                let body = json!({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 64,
+                    "ignore_eos": true});
+                let r = e2e_tests::http::post_json(addr, "/v1/completions", &body);
+                (r.status, r.header("x-engine").map(str::to_owned))
+            })
+            .collect::<Vec<_>>()
+    });
+    while let Some(data) = stream.next_event() {
+        if data == "[DONE]" {
+            break;
+        }
+        take(data);
+    }
+    for (status, engine) in others.join().unwrap() {
+        assert_eq!((status, engine.as_deref()), (200, Some("batched")));
+    }
+    assert_eq!(text, want, "the seed's text across the handover");
+    assert!(
+        gw.logged("handed its sequences to the batched engine"),
+        "a handover happened"
+    );
+    assert!(
+        gw.wait_for(Duration::from_secs(10), |gw| gw.health()["kv_pool"]
+            ["allocated_blocks"]
+            == 0)
+    );
 }

@@ -250,9 +250,14 @@ impl Scheduler {
 
     fn adopt(&mut self, h: Handover) {
         let active = Active::take(&self.stats);
+        let generated = h.generated.clone();
         let mut out = Emitter::resume(h.request, h.events, h.generated, h.cached_tokens);
         let vocab = self.shared.model.vocab_size() as i32;
-        let sampler = match Sampler::new(&out.request.sampling, vocab, &out.request.prompt) {
+        // Past the tokens drawn so far: penalties count them, and a seeded
+        // request goes on with the keys plain sampling would use.
+        let sampler = Sampler::new(&out.request.sampling, vocab, &out.request.prompt)
+            .and_then(|mut s| s.advance(&generated).map(|()| s));
+        let sampler = match sampler {
             Ok(s) => s,
             Err(e) => {
                 return out.fail(StreamError::Internal(format!(

@@ -13,4 +13,6 @@ pub use event::{
     Event, EventSender, EventStream, Finish, FinishReason, SpecStats, StreamError, TokenEvent,
 };
 pub use plugin::EngineContext;
-pub use request::{CancelToken, GenerateRequest, Grammar, ImageInput, RequestId, SamplingParams};
+pub use request::{
+    CancelToken, GenerateRequest, Grammar, ImageInput, RequestId, SamplingDefaults, SamplingParams,
+};

@@ -111,6 +111,45 @@ impl Default for SamplingParams {
     }
 }
 
+/// The sampling a checkpoint ships (`generation_config.json`, a GGUF's
+/// `general.sampling.*`): what a request that leaves a knob out gets, as
+/// vLLM does. `None`: the knob is not set there.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct SamplingDefaults {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<u32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+}
+
+impl SamplingDefaults {
+    /// Fills in what the request did not `give` (by parameter name). The
+    /// truncations (top-p, top-k, min-p) only where it samples: they never
+    /// change a greedy pick, and a greedy request stays plain greedy.
+    pub fn apply(&self, s: &mut SamplingParams, given: impl Fn(&str) -> bool) {
+        let fill = |name: &str, default: Option<f32>, slot: &mut f32| {
+            if let Some(v) = default.filter(|_| !given(name)) {
+                *slot = v;
+            }
+        };
+        fill("temperature", self.temperature, &mut s.temperature);
+        fill(
+            "repetition_penalty",
+            self.repetition_penalty,
+            &mut s.repetition_penalty,
+        );
+        if s.is_greedy() {
+            return;
+        }
+        fill("top_p", self.top_p, &mut s.top_p);
+        fill("min_p", self.min_p, &mut s.min_p);
+        if let Some(k) = self.top_k.filter(|_| !given("top_k")) {
+            s.top_k = k;
+        }
+    }
+}
+
 impl SamplingParams {
     pub fn greedy() -> Self {
         Self::default()

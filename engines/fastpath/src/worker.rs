@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use engine_core::event::EventSender;
-use engine_core::{Event, FinishReason, GenerateRequest, SamplingParams, StreamError};
+use engine_core::{FinishReason, GenerateRequest, SamplingParams, StreamError};
 use runtime::emit::Emitter;
 use runtime::generate::{self, GreedyStream};
 use runtime::handover::{Handover, HandoverSink};
@@ -71,24 +71,9 @@ pub fn run(shared: &Arc<SharedModel>, job: Job, slot: &AtomicBool) -> Outcome {
             last_token,
         }) => {
             slot.store(false, Ordering::Release);
-            let (request, events, generated, cached_tokens) = out.into_parts();
-            let handover = Handover {
-                request,
-                cache,
-                last_token,
-                generated,
-                cached_tokens,
-                reservation,
-                events,
-            };
-            match sink.adopt(handover) {
-                Ok(()) => Outcome::HandedOver,
-                Err(h) => {
-                    let _ = h.events.send(Event::Error(StreamError::Internal(
-                        "generation could not continue".into(),
-                    )));
-                    Outcome::Failed
-                }
+            match Handover::of(out, cache, last_token, reservation).give_to(&*sink) {
+                true => Outcome::HandedOver,
+                false => Outcome::Failed,
             }
         }
         Err(e) => {

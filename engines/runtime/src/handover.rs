@@ -5,9 +5,10 @@
 //! `abi::RawHandover` (the KV arrays as mlx-c handles).
 
 use engine_core::event::EventSender;
-use engine_core::GenerateRequest;
+use engine_core::{Event, GenerateRequest, StreamError};
 
 use crate::cache::KvCache;
+use crate::emit::Emitter;
 use crate::kv_pool::Reservation;
 
 pub struct Handover {
@@ -22,6 +23,37 @@ pub struct Handover {
     pub cached_tokens: u32,
     pub reservation: Reservation,
     pub events: EventSender,
+}
+
+impl Handover {
+    /// The sequence `out` streams, its KV (`cache`: every position before
+    /// `last_token`) and its blocks.
+    pub fn of(out: Emitter, cache: KvCache, last_token: u32, reservation: Reservation) -> Self {
+        let (request, events, generated, cached_tokens) = out.into_parts();
+        Self {
+            request,
+            cache,
+            last_token,
+            generated,
+            cached_tokens,
+            reservation,
+            events,
+        }
+    }
+
+    /// Gives the sequence to `sink`; one it cannot take ends the client's
+    /// stream with an error. Returns whether it was taken.
+    pub fn give_to(self, sink: &dyn HandoverSink) -> bool {
+        match sink.adopt(self) {
+            Ok(()) => true,
+            Err(h) => {
+                let _ = h.events.send(Event::Error(StreamError::Internal(
+                    "generation could not continue".into(),
+                )));
+                false
+            }
+        }
+    }
 }
 
 /// An engine that can adopt running sequences.

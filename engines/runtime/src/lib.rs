@@ -13,6 +13,7 @@ pub mod cuda_env;
 pub mod cuda_kernel;
 pub mod emit;
 pub mod generate;
+pub mod generation_config;
 pub mod gguf;
 pub mod handover;
 pub mod inject;

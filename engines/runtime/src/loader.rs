@@ -36,6 +36,8 @@ pub struct LoadedModel {
     /// Every token that ends a generation (config, generation config,
     /// tokenizer config, end-of-turn tokens), the same for every engine.
     pub stop_tokens: Vec<u32>,
+    /// The sampling the checkpoint recommends ([`crate::generation_config`]).
+    pub sampling_defaults: engine_core::SamplingDefaults,
     /// Serialises device work across engines: MLX streams are not safe to
     /// evaluate from several threads at once. The host owns the lock;
     /// plugins take it through C calls.
@@ -134,6 +136,7 @@ impl LoadedModel {
             tokenizer_source,
             template,
             metadata_stops,
+            metadata_sampling,
         } = built;
         let tokenizer = Arc::new(tokenizer_source.load()?);
         // Files next to a GGUF (a tokenizer_config.json) add their stops.
@@ -141,6 +144,10 @@ impl LoadedModel {
         if let Some(ids) = metadata_stops {
             stop_tokens = text::eos::stop_set(ids.into_iter().chain(stop_tokens), &tokenizer);
         }
+        let sampling_defaults = crate::generation_config::merged(
+            metadata_sampling,
+            crate::generation_config::from_dir(checkpoint.dir())?,
+        );
         let name = name
             .map(str::to_string)
             .unwrap_or_else(|| checkpoint.default_name());
@@ -155,6 +162,7 @@ impl LoadedModel {
             tokenizer_source,
             template,
             stop_tokens,
+            sampling_defaults,
             device,
         })
     }
@@ -283,49 +291,54 @@ struct Built {
     template: Option<text::ChatTemplate>,
     /// The end-of-generation tokens a GGUF file's metadata names.
     metadata_stops: Option<Vec<u32>>,
+    /// The sampling a GGUF file's metadata recommends.
+    metadata_sampling: engine_core::SamplingDefaults,
 }
 
 fn build(path: &Path, compute: ComputeDtype) -> anyhow::Result<Built> {
     let checkpoint = Checkpoint::find(path)?;
-    let (config, mut weights, tokenizer_source, template, metadata_stops) = match &checkpoint {
-        Checkpoint::Dir(dir) => (
-            ModelConfig::from_dir(dir)?,
-            Weights::from_dir(dir)?,
-            TokenizerSource::Dir(dir.clone()),
-            text::ChatTemplate::from_dir(dir)?,
-            None,
-        ),
-        Checkpoint::Gguf { file, dir } => {
-            let gguf = crate::gguf::load(file)?;
-            let config = gguf.vocab.tokenizer_config();
-            // A tokenizer.json (and template) next to the file wins over
-            // the one rebuilt from the metadata.
-            let tokenizer_source = if dir.join("tokenizer.json").exists() {
-                TokenizerSource::Dir(dir.clone())
-            } else {
-                let json = gguf
-                    .vocab
-                    .tokenizer_json()
-                    .with_context(|| format!("the tokenizer of {}", file.display()))?;
-                TokenizerSource::Json {
-                    json,
-                    config: config.clone(),
-                    origin: file.clone(),
-                }
-            };
-            let template = match text::ChatTemplate::from_dir_or(dir, &config)? {
-                Some(t) => Some(t),
-                None => text::ChatTemplate::from_tokenizer_config(&config, file)?,
-            };
-            (
-                gguf.config,
-                gguf.weights,
-                tokenizer_source,
-                template,
-                Some(gguf.vocab.eos_token_ids()),
-            )
-        }
-    };
+    let (config, mut weights, tokenizer_source, template, metadata_stops, metadata_sampling) =
+        match &checkpoint {
+            Checkpoint::Dir(dir) => (
+                ModelConfig::from_dir(dir)?,
+                Weights::from_dir(dir)?,
+                TokenizerSource::Dir(dir.clone()),
+                text::ChatTemplate::from_dir(dir)?,
+                None,
+                Default::default(),
+            ),
+            Checkpoint::Gguf { file, dir } => {
+                let gguf = crate::gguf::load(file)?;
+                let config = gguf.vocab.tokenizer_config();
+                // A tokenizer.json (and template) next to the file wins over
+                // the one rebuilt from the metadata.
+                let tokenizer_source = if dir.join("tokenizer.json").exists() {
+                    TokenizerSource::Dir(dir.clone())
+                } else {
+                    let json = gguf
+                        .vocab
+                        .tokenizer_json()
+                        .with_context(|| format!("the tokenizer of {}", file.display()))?;
+                    TokenizerSource::Json {
+                        json,
+                        config: config.clone(),
+                        origin: file.clone(),
+                    }
+                };
+                let template = match text::ChatTemplate::from_dir_or(dir, &config)? {
+                    Some(t) => Some(t),
+                    None => text::ChatTemplate::from_tokenizer_config(&config, file)?,
+                };
+                (
+                    gguf.config,
+                    gguf.weights,
+                    tokenizer_source,
+                    template,
+                    Some(gguf.vocab.eos_token_ids()),
+                    gguf.sampling,
+                )
+            }
+        };
     if let Some(dtype) = compute.resolve() {
         weights.cast_floats(dtype)?;
     }
@@ -357,6 +370,7 @@ fn build(path: &Path, compute: ComputeDtype) -> anyhow::Result<Built> {
         tokenizer_source,
         template,
         metadata_stops,
+        metadata_sampling,
     })
 }
 

@@ -81,11 +81,21 @@ impl Sampler {
     /// Logits after bias and penalties, before temperature: what logprobs
     /// are reported from.
     pub fn adjust(&self, logits: &Array) -> R<Array> {
+        self.adjust_after(logits, &[])
+    }
+
+    /// [`Sampler::adjust`] as it will be once `ahead` (tokens not yet
+    /// [`Sampler::observe`]d, e.g. drafts under verification) are chosen.
+    fn adjust_after(&self, logits: &Array, ahead: &[u32]) -> R<Array> {
         let mut l = logits.clone();
         if let Some(b) = &self.bias {
             l = l.add(b)?;
         }
         if let Some(seen) = &self.seen {
+            let mut seen = seen.clone();
+            for &t in ahead {
+                seen = ops::maximum(&seen, self.one_hot(t)?)?;
+            }
             // HF/vLLM rule: shrink positive logits, grow negative ones.
             let p = Array::from_f32(self.params.repetition_penalty);
             let penalised = ops::select(
@@ -96,6 +106,10 @@ impl Sampler {
             l = ops::select(&seen.gt(Array::from_f32(0.0))?, &penalised, &l)?;
         }
         if let Some(counts) = &self.counts {
+            let mut counts = counts.clone();
+            for &t in ahead {
+                counts = counts.add(self.one_hot(t)?)?;
+            }
             let presence = counts.gt(Array::from_f32(0.0))?.as_dtype(Dtype::Float32)?;
             let penalty = presence
                 .multiply(Array::from_f32(self.params.presence_penalty))?
@@ -123,6 +137,15 @@ impl Sampler {
         if self.params.is_greedy() {
             return ops::indexing::argmax_axis(&l, -1, None);
         }
+        let key = self.key.take().expect("sampled rows have a key");
+        let (next_key, draw_key) = random::split(&key, 2)?;
+        self.key = Some(next_key);
+        random::categorical(&self.truncate(l)?, -1, None, &draw_key)
+    }
+
+    /// Temperature, then top-k, min-p and top-p: the logits a sampled
+    /// token is drawn from.
+    fn truncate(&self, l: Array) -> R<Array> {
         let mut l = l.multiply(Array::from_f32(1.0 / self.params.temperature))?;
         if self.params.top_k > 0 && (self.params.top_k as i32) < self.vocab {
             l = top_k(&l, self.params.top_k as i32)?;
@@ -133,10 +156,77 @@ impl Sampler {
         if self.params.top_p < 1.0 {
             l = top_p(&l, self.params.top_p)?;
         }
-        let key = self.key.take().expect("sampled rows have a key");
-        let (next_key, draw_key) = random::split(&key, 2)?;
-        self.key = Some(next_key);
-        random::categorical(&l, -1, None, &draw_key)
+        Ok(l)
+    }
+
+    /// The picks [`Sampler::sample`] (or [`Sampler::sample_within`] where
+    /// `allowed` gives a row's set) would make at the next `L` positions
+    /// of `[1, L, V]` logits, position `i` as if `ahead[..i]` had been
+    /// chosen before it: each row draws with the key its turn would have,
+    /// so a token kept from here equals the one plain sampling draws with
+    /// the same seed. Nothing is consumed; [`Sampler::advance`] then moves
+    /// past the tokens kept. Returns lazy `[L]` int32 picks.
+    pub fn picks_along(
+        &self,
+        logits: &Array,
+        ahead: &[u32],
+        allowed: &[Option<Array>],
+    ) -> R<Array> {
+        let positions = logits.dim(1);
+        let logits = logits.reshape(&[positions, self.vocab])?;
+        if self.params.is_greedy() && !self.reads_history() && self.bias.is_none() {
+            let l = match allowed.iter().any(Option::is_some) {
+                false => logits,
+                true => {
+                    let rows = (0..positions as usize)
+                        .map(|i| self.within(&row(&logits, i)?, allowed.get(i)))
+                        .collect::<R<Vec<_>>>()?;
+                    ops::concatenate(&rows, 0)?
+                }
+            };
+            return ops::indexing::argmax_axis(&l, -1, None)?.as_dtype(Dtype::Int32);
+        }
+        let mut key = self.key.clone();
+        let mut picks = Vec::with_capacity(positions as usize);
+        for i in 0..positions as usize {
+            let before = &ahead[..i.min(ahead.len())];
+            let l = self.within(
+                &self.adjust_after(&row(&logits, i)?, before)?,
+                allowed.get(i),
+            )?;
+            let pick = match key.take() {
+                None => ops::indexing::argmax_axis(&l, -1, None)?,
+                Some(k) => {
+                    let (next_key, draw_key) = random::split(&k, 2)?;
+                    key = Some(next_key);
+                    random::categorical(&self.truncate(l)?, -1, None, &draw_key)?
+                }
+            };
+            picks.push(pick.as_dtype(Dtype::Int32)?);
+        }
+        ops::concatenate(&picks, 0)
+    }
+
+    /// `l` with the tokens outside `allowed` (when given) at no probability.
+    fn within(&self, l: &Array, allowed: Option<&Option<Array>>) -> R<Array> {
+        match allowed {
+            Some(Some(allowed)) => ops::select(allowed, l, neg_inf()),
+            _ => Ok(l.clone()),
+        }
+    }
+
+    /// Moves past `tokens` chosen from [`Sampler::picks_along`]: each is
+    /// observed and takes its position's key, as [`Sampler::sample`]'s
+    /// picks do.
+    pub fn advance(&mut self, tokens: &[u32]) -> R<()> {
+        for &t in tokens {
+            if let Some(key) = self.key.take() {
+                let (next_key, _) = random::split(&key, 2)?;
+                self.key = Some(next_key);
+            }
+            self.observe(t)?;
+        }
+        Ok(())
     }
 
     /// Records the chosen token for the penalties.
@@ -147,9 +237,7 @@ impl Sampler {
         if self.counts.is_none() && self.seen.is_none() {
             return Ok(());
         }
-        let one_hot = Array::arange::<_, i32>(0, self.vocab, 1)?
-            .eq(Array::from_int(token as i32))?
-            .as_dtype(Dtype::Float32)?;
+        let one_hot = self.one_hot(token)?;
         if let Some(c) = &self.counts {
             self.counts = Some(c.add(&one_hot)?);
         }
@@ -158,6 +246,18 @@ impl Sampler {
         }
         Ok(())
     }
+
+    /// `[V]` float32: 1.0 at `token`.
+    fn one_hot(&self, token: u32) -> R<Array> {
+        Array::arange::<_, i32>(0, self.vocab, 1)?
+            .eq(Array::from_int(token as i32))?
+            .as_dtype(Dtype::Float32)
+    }
+}
+
+/// Row `i` of `[L, V]` logits, as `[1, V]`.
+fn row(logits: &Array, i: usize) -> R<Array> {
+    logits.take_axis(Array::from_slice(&[i as i32], &[1]), 0)
 }
 
 /// A grammar's allowed set as a `[V]` bool array for

@@ -97,6 +97,11 @@ pub struct SpecSettings {
     /// ([`crate::adaptive`]); `false` verifies every full block.
     #[serde(default = "yes")]
     pub adaptive: bool,
+    /// Hand running sequences over to the batched engine when it has work
+    /// of its own, as the fast path does: one sequence speculating beside
+    /// a batch would take turns with it on the device.
+    #[serde(default)]
+    pub hand_over: bool,
 }
 
 fn yes() -> bool {
@@ -169,6 +174,7 @@ impl SpecSettings {
             max_batch,
             draft_tokens: None,
             adaptive: true,
+            hand_over: false,
         }
     }
 

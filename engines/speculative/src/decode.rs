@@ -4,9 +4,20 @@
 //! Invariant between rounds: every committed token has been streamed, and
 //! all but the newest (`history.last()`) are in the sequence's row of the
 //! target's KV cache. A round feeds each row `[newest, d1..dk]` (the
-//! rows' blocks in one forward), keeps `d1..da` where the target's greedy
-//! choice agreed, adds the target's own token after them, and drops the
-//! KV of the `k - a` rejected positions of that row.
+//! rows' blocks in one forward), keeps `d1..da` where the target's own
+//! pick agreed, adds the target's own pick after them, and drops the KV of
+//! the `k - a` rejected positions of that row.
+//!
+//! The target's pick at each position is what plain decoding would choose
+//! there: its argmax for greedy requests; for sampled ones the request's
+//! sampler (bias, penalties, temperature, top-k, min-p, top-p) drawing
+//! with the key plain sampling would use at that position of the output
+//! ([`Sampler::picks_along`]). A draft is thus kept with probability
+//! p(draft), and on a rejection the committed token is distributed as p
+//! without the draft, renormalised: speculative sampling with a point-mass
+//! proposal, lossless in distribution, and with a seed the output equals
+//! plain sampling's with that seed token for token, however many drafts
+//! each round verified.
 //!
 //! A constrained request (a grammar) verifies under the grammar's masks:
 //! drafts are cut at the first token the grammar rejects, the target's
@@ -24,8 +35,10 @@ use mlx_rs::transforms::eval;
 use mlx_rs::{ops, Array, Dtype};
 use runtime::emit::Emitter;
 use runtime::generate::tokens_array;
+use runtime::handover::{Handover, HandoverSink};
 use runtime::model::{Logits, Tapped, Taps};
-use runtime::{KvCache, Model, SharedModel};
+use runtime::sampling::{self, Sampler};
+use runtime::{KvCache, Model, Reservation, SharedModel};
 
 use crate::adaptive::{DraftSizer, RoundCost};
 use crate::draft::{DraftSource, DraftState, Proposal};
@@ -41,15 +54,20 @@ pub struct Sequence {
     pub out: Emitter,
     /// Where the prefix cache is: read at prefill, written at the end.
     shared: Arc<SharedModel>,
-    /// Held until the sequence ends (KV blocks, the engine slot) and
-    /// released before the final event, so the next request finds them.
+    /// Held until the sequence ends (the engine slot) and released before
+    /// the final event, so the next request finds it.
     held: Option<Box<dyn Send>>,
+    /// Its KV blocks: released with `held`, or handed over with the
+    /// sequence.
+    reservation: Option<Reservation>,
     cache: KvCache,
     /// Prompt, then every committed token.
     history: Vec<u32>,
     draft: Option<Box<dyn DraftState>>,
     /// The request's grammar state, if it has one.
     constraint: Option<Constraint>,
+    /// The request's sampling (greedy included), made at prefill.
+    sampler: Option<Sampler>,
     taps: Taps,
     /// Most tokens the draft source proposes per round.
     max_draft: usize,
@@ -66,6 +84,7 @@ impl Sequence {
         request: GenerateRequest,
         events: EventSender,
         held: Box<dyn Send>,
+        reservation: Reservation,
         shared: Arc<SharedModel>,
         source: Option<&dyn DraftSource>,
         adaptive: bool,
@@ -76,10 +95,12 @@ impl Sequence {
             out: Emitter::new(request, events),
             shared,
             held: Some(held),
+            reservation: Some(reservation),
             cache,
             history,
             draft: source.map(|s| s.start()),
             constraint: None,
+            sampler: None,
             taps: source.map(|s| s.taps()).unwrap_or_default(),
             max_draft: source.map_or(0, |s| s.max_draft()),
             sizer: DraftSizer::new(
@@ -127,6 +148,8 @@ impl Sequence {
     /// context it does not see (fewer accepted drafts, the same output).
     pub fn prefill(&mut self, model: &Model) -> anyhow::Result<()> {
         let prompt = self.out.request.prompt.clone();
+        let vocab = model.config.vocab_size as i32;
+        self.sampler = Some(Sampler::new(&self.out.request.sampling, vocab, &prompt)?);
         let scope = self.out.request.cache_scope.clone();
         let mut done = 0;
         if let Some(hit) = self
@@ -177,10 +200,10 @@ impl Sequence {
             .prefix
             .insert(scope.as_deref(), &prompt, &self.cache);
         let sets = self.allowed_along(&[]);
-        let token = choose(&logits, &sets)?;
+        let token = self.picks(&logits, &[], &sets)?;
         eval([&token])?;
         self.stats.target_forwards += 1;
-        self.commit(&[token.as_slice::<i32>()[0] as u32], &sets);
+        self.commit(&[token.as_slice::<i32>()[0] as u32], &sets)?;
         if self.is_ending() {
             let cache = self.take_cache();
             self.conclude(cache);
@@ -218,6 +241,8 @@ impl Sequence {
         let newest_arr = Array::from_slice(&[newest as i32], &[1, 1]);
         // Drafts on the device (lazy) or already on the host, cut to the
         // size worth verifying for their kind of evidence.
+        // A grammar's masks and the penalties need the drafts on the host.
+        let host_drafts = self.constraint.is_some() || self.sampler().reads_history();
         let (input, lazy, mut proposed, kind) = match proposal {
             Proposal::Tokens { mut tokens, kind } => {
                 tokens.truncate(self.sizer.size(cost, kind, tokens.len().min(limit)));
@@ -227,8 +252,7 @@ impl Sequence {
             }
             Proposal::Lazy(d) => match self.sizer.size(cost, 0, (d.dim(1) as usize).min(limit)) {
                 0 => (newest_arr, None, Vec::new(), 0),
-                // A grammar's masks need the drafts on the host.
-                k if self.constraint.is_some() => {
+                k if host_drafts => {
                     let d = runtime::cache::slice(&d, &[0, 0], &[1, k as i32])?
                         .as_dtype(Dtype::Int32)?;
                     eval([&d])?;
@@ -287,7 +311,7 @@ impl Sequence {
         self.stats.accepted += accepted as u64;
         let mut committed = plan.proposed[..accepted].to_vec();
         committed.push(verdict.target[accepted]);
-        self.commit(&committed, &plan.sets);
+        self.commit(&committed, &plan.sets)?;
         Ok(RoundStats {
             drafted: k as u32,
             accepted: accepted as u32,
@@ -298,24 +322,58 @@ impl Sequence {
     /// token limit or cancellation; tokens after the end are dropped. Under
     /// a grammar (`sets` from [`Sequence::allowed_along`]) it also ends
     /// where the grammar is complete or chose an end-of-sequence token.
-    fn commit(&mut self, tokens: &[u32], sets: &[Option<Allowed>]) {
+    fn commit(&mut self, tokens: &[u32], sets: &[Option<Allowed>]) -> anyhow::Result<()> {
         for (i, &token) in tokens.iter().enumerate() {
             if let Some(c) = &self.constraint {
                 if sets[i].is_none() || c.is_end(token) {
-                    return self.end(FinishReason::Stop);
+                    self.end(FinishReason::Stop);
+                    return Ok(());
                 }
             }
+            self.sampler
+                .as_mut()
+                .expect("prefilled")
+                .advance(&[token])?;
             if let Some(reason) = self.out.plain(token) {
-                return self.end(reason);
+                self.end(reason);
+                return Ok(());
             }
             self.history.push(token);
             if let Some(c) = &mut self.constraint {
                 if !c.commit(token) {
-                    return self.end(FinishReason::Stop);
+                    self.end(FinishReason::Stop);
+                    return Ok(());
                 }
             }
         }
         self.check_cancelled();
+        Ok(())
+    }
+
+    fn sampler(&self) -> &Sampler {
+        self.sampler.as_ref().expect("prefilled")
+    }
+
+    /// The target's picks `[L]` (int32, lazy) from `[1, L, V]` logits: at
+    /// each position what plain decoding would choose after the drafts
+    /// before it, among the tokens its grammar set allows where `sets` has
+    /// one (a `None` set, the output complete, limits nothing: that
+    /// position's token is not committed).
+    fn picks(
+        &self,
+        logits: &Array,
+        drafts: &[u32],
+        sets: &[Option<Allowed>],
+    ) -> anyhow::Result<Array> {
+        let vocab = logits.dim(-1) as usize;
+        let allowed: Vec<Option<Array>> = sets
+            .iter()
+            .map(|set| {
+                set.as_ref()
+                    .map(|a| sampling::allowed_mask(&a.to_bools(vocab)))
+            })
+            .collect();
+        Ok(self.sampler().picks_along(logits, drafts, &allowed)?)
     }
 
     /// The grammar's allowed sets along `drafts` (see
@@ -370,8 +428,20 @@ impl Sequence {
     /// Gives back the KV blocks and the engine slot, and drops the caches.
     fn release(&mut self) {
         self.held.take();
+        self.reservation.take();
         self.cache = KvCache::new(0, 1);
         self.draft = None;
+    }
+
+    /// Gives the running sequence to `sink` with its row of the cache
+    /// (every committed token but the newest) and its KV blocks; the
+    /// client's stream goes on there. Its drafting statistics so far are
+    /// not in the final usage.
+    fn hand_over(mut self, cache: KvCache, sink: &dyn HandoverSink) {
+        let last_token = *self.history.last().expect("prefilled");
+        let reservation = self.reservation.take().expect("running");
+        self.held.take();
+        Handover::of(self.out, cache, last_token, reservation).give_to(sink);
     }
 
     /// Cancelled from outside (client gone, shutdown) between rounds.
@@ -396,8 +466,8 @@ struct Plan {
     sets: Vec<Option<Allowed>>,
 }
 
-/// The target's greedy tokens along a verified block, and how many drafts
-/// they agree with.
+/// The target's picks along a verified block, and how many drafts they
+/// agree with.
 struct Verdict {
     target: Vec<u32>,
     accepted: usize,
@@ -408,13 +478,13 @@ impl Plan {
         self.input.dim(1) - 1
     }
 
-    /// Reads the target's choices `greedy` (`[1 + k]`, from [`choose`])
+    /// Reads the target's picks (`[1 + k]`, from [`Sequence::picks`])
     /// and the lazy drafts, both evaluated, and compares them.
-    fn judge(&mut self, greedy: &Array) -> Verdict {
+    fn judge(&mut self, picks: &Array) -> Verdict {
         if let Some(d) = self.lazy.take() {
             self.proposed = d.as_slice::<i32>().iter().map(|&t| t as u32).collect();
         }
-        let target: Vec<u32> = greedy.as_slice::<i32>().iter().map(|&t| t as u32).collect();
+        let target: Vec<u32> = picks.as_slice::<i32>().iter().map(|&t| t as u32).collect();
         let accepted = self
             .proposed
             .iter()
@@ -497,6 +567,48 @@ impl Batch {
         Ok(())
     }
 
+    /// Hands every running row that `sink` can continue (not a grammar's:
+    /// its state stays here) over to it, each with its own row of the
+    /// cache, evaluated; returns how many moved.
+    pub fn hand_over(&mut self, sink: &dyn HandoverSink) -> anyhow::Result<usize> {
+        let Some(cache) = &mut self.cache else {
+            return Ok(0);
+        };
+        let moving: Vec<bool> = self
+            .seqs
+            .iter()
+            .map(|s| !s.is_finished() && s.constraint.is_none())
+            .collect();
+        let mut rows = Vec::new();
+        for b in (0..moving.len()).filter(|&b| moving[b]) {
+            let mut row = cache.extract_row(b)?;
+            row.keep_steps(false);
+            rows.push(row);
+        }
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        // Lazy arrays would be computed on this thread's stream, which the
+        // adopting engine's thread lacks.
+        let state: Vec<Array> = rows.iter().flat_map(KvCache::state).collect();
+        eval(&state)?;
+        let keep: Vec<usize> = (0..moving.len()).filter(|&b| !moving[b]).collect();
+        if keep.is_empty() {
+            self.cache = None;
+        } else {
+            cache.select_rows(&keep)?;
+        }
+        let moved = rows.len();
+        let mut rows = rows.into_iter();
+        for (seq, moves) in std::mem::take(&mut self.seqs).into_iter().zip(moving) {
+            match moves {
+                true => seq.hand_over(rows.next().expect("a row each"), sink),
+                false => self.seqs.push(seq),
+            }
+        }
+        Ok(moved)
+    }
+
     /// Fails every sequence (a failed round: their context is lost).
     pub fn fail(&mut self, error: StreamError) {
         for seq in &mut self.seqs {
@@ -554,8 +666,8 @@ impl Batch {
             rows.push(match plan {
                 Some(plan) => {
                     let out = row_of(&out, b as i32, plan.input.dim(1))?;
-                    let greedy = choose(&out.logits, &plan.sets)?;
-                    Some((out, greedy))
+                    let picks = self.seqs[b].picks(&out.logits, &plan.proposed, &plan.sets)?;
+                    Some((out, picks))
                 }
                 None => None,
             });
@@ -571,7 +683,7 @@ impl Batch {
             .iter_mut()
             .zip(&rows)
             .map(|(plan, row)| match (plan, row) {
-                (Some(plan), Some((_, greedy))) => Some(plan.judge(greedy)),
+                (Some(plan), Some((_, picks))) => Some(plan.judge(picks)),
                 _ => None,
             })
             .collect();
@@ -628,29 +740,4 @@ fn row_of(out: &Tapped, b: i32, n: i32) -> anyhow::Result<Tapped> {
 /// token and the accepted drafts.
 fn rows(accepted: usize) -> Range<i32> {
     0..accepted as i32 + 1
-}
-
-/// Greedy tokens `[L]` (int32) from `[1, L, V]` logits: the argmax at
-/// each position, among the tokens its grammar set allows where `sets`
-/// has one (a `None` set, the output complete, limits nothing: that
-/// position's token is not committed).
-fn choose(logits: &Array, sets: &[Option<Allowed>]) -> anyhow::Result<Array> {
-    let l = logits.dim(1);
-    let logits = if sets.is_empty() {
-        logits.clone()
-    } else {
-        let vocab = logits.dim(-1) as usize;
-        let mut mask = vec![true; l as usize * vocab];
-        for (row, set) in mask.chunks_mut(vocab).zip(sets) {
-            if let Some(allowed) = set {
-                row.fill(false);
-                allowed.write_bools(row);
-            }
-        }
-        let mask = Array::from_slice(&mask, &[1, l, vocab as i32]);
-        ops::select(&mask, logits, Array::from_f32(f32::NEG_INFINITY))?
-    };
-    Ok(ops::indexing::argmax_axis(&logits, -1, None)?
-        .reshape(&[l])?
-        .as_dtype(Dtype::Int32)?)
 }

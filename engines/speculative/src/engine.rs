@@ -1,8 +1,8 @@
-//! The `Engine` face of a speculative engine: admission (plain greedy only,
-//! a concurrency cap, KV reserved for target and drafter together) and one
-//! worker thread that runs a draft-and-verify round of all its sequences
-//! per turn, verified together in one forward, under the shared device
-//! lock.
+//! The `Engine` face of a speculative engine: admission (greedy or sampled,
+//! no logprobs; a concurrency cap, KV reserved for target and drafter
+//! together) and one worker thread that runs a draft-and-verify round of
+//! all its sequences per turn, verified together in one forward, under the
+//! shared device lock.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -66,15 +66,16 @@ pub fn from_context(
 struct Job {
     request: GenerateRequest,
     ticket: Ticket,
+    reservation: Reservation,
     events: EventSender,
 }
 
-/// A request's admission: its KV blocks and its place under the
-/// concurrency cap, both given back when dropped.
+/// A request's admission: its place under the concurrency cap and in the
+/// engine's KV count, given back when dropped (its KV blocks travel apart,
+/// as they may be handed over).
 struct Ticket {
     state: Arc<Shared>,
     id: RequestId,
-    _reservation: Reservation,
     blocks: usize,
 }
 
@@ -151,6 +152,7 @@ impl SpecEngine {
             state: state.clone(),
             max_batch: settings.max_batch,
             adaptive: settings.adaptive,
+            hand_over: settings.hand_over,
             costs: HashMap::new(),
             source,
             name: name.clone(),
@@ -180,7 +182,7 @@ impl Engine for SpecEngine {
 
     fn capabilities(&self) -> Capabilities {
         Capabilities {
-            greedy_only: true,
+            greedy_only: false,
             tools: true,
             // The drafters read text positions only.
             images: false,
@@ -190,9 +192,9 @@ impl Engine for SpecEngine {
     }
 
     fn submit_to(&self, request: GenerateRequest, events: EventSender) -> Result<(), EngineError> {
-        // Lossless only for argmax decoding; anything else goes elsewhere.
-        if !request.is_plain_greedy() {
-            return Err(Refusal::NotPlainGreedy.into());
+        // Committed tokens are streamed without their log-probabilities.
+        if request.sampling.logprobs {
+            return Err(Refusal::Other("this engine does not report logprobs".into()).into());
         }
         if !request.images.is_empty() {
             return Err(Refusal::Other("this engine does not take images".into()).into());
@@ -220,13 +222,13 @@ impl Engine for SpecEngine {
         let ticket = Ticket {
             state: self.state.clone(),
             id: request.id,
-            _reservation: reservation,
             blocks,
         };
         // A send to a stopped worker hands the job (and its ticket) back.
         tx.send(Job {
             request,
             ticket,
+            reservation,
             events,
         })
         .map_err(|_| EngineError::ShuttingDown)?;
@@ -277,6 +279,7 @@ struct Worker {
     state: Arc<Shared>,
     max_batch: Option<usize>,
     adaptive: bool,
+    hand_over: bool,
     /// What rounds cost on this engine, by tokens drafted, per number of
     /// sequences verified together (a wider batch costs more per round).
     costs: HashMap<usize, RoundCost>,
@@ -312,6 +315,7 @@ impl Worker {
                 .iter_mut()
                 .for_each(Sequence::check_cancelled);
             self.retire(&mut batch);
+            self.hand_over(&mut batch);
             if !batch.is_empty() {
                 self.round(&mut batch);
                 self.retire(&mut batch);
@@ -348,6 +352,31 @@ impl Worker {
         }
     }
 
+    /// With `hand_over`, moves the running sequences to the batched engine
+    /// once it has work of its own.
+    fn hand_over(&self, batch: &mut Batch) {
+        if !self.hand_over || batch.is_empty() {
+            return;
+        }
+        let Some(sink) = self.shared.handover_sink().filter(|s| s.busy()) else {
+            return;
+        };
+        let result = {
+            let _device = self.shared.lock_device();
+            batch.hand_over(&*sink)
+        };
+        match result {
+            Ok(0) => {}
+            Ok(n) => {
+                tracing::info!(engine = %self.name, sequences = n, "handed its sequences to the batched engine")
+            }
+            Err(e) => {
+                tracing::error!(engine = %self.name, error = %e, "handing over failed");
+                batch.fail(memory::failed_step(&e));
+            }
+        }
+    }
+
     /// Ends the batch's finished sequences (publishing their prefixes);
     /// the device lock is taken only when one has finished.
     fn retire(&self, batch: &mut Batch) {
@@ -371,17 +400,23 @@ impl Worker {
         let Job {
             request,
             ticket,
+            reservation,
             events,
         } = job;
-        let held = Box::new(ticket);
+        let (held, shared) = (Box::new(ticket), self.shared.clone());
         let mut seq = match source {
-            Ok(source) => {
-                let shared = self.shared.clone();
-                Sequence::new(request, events, held, shared, Some(&*source), self.adaptive)
-            }
+            Ok(source) => Sequence::new(
+                request,
+                events,
+                held,
+                reservation,
+                shared,
+                Some(&*source),
+                self.adaptive,
+            ),
             Err(msg) => {
-                let shared = self.shared.clone();
-                let mut seq = Sequence::new(request, events, held, shared, None, false);
+                let mut seq =
+                    Sequence::new(request, events, held, reservation, shared, None, false);
                 seq.fail(StreamError::Internal(format!(
                     "the drafter could not be loaded: {msg}"
                 )));

@@ -3,8 +3,10 @@
 //! A [`DraftSource`] proposes the next few tokens of a sequence; the target
 //! model checks them all in one forward pass and the [`decode`] loop keeps
 //! the longest prefix the target agrees with plus the target's own next
-//! token, rolling the KV cache back over the rest. For greedy requests the
-//! output is exactly the target's greedy output, whatever the drafter
+//! token, rolling the KV cache back over the rest. The target's choice at
+//! each position is plain decoding's (its argmax, or the request's sampler
+//! with plain sampling's key there), so the output is exactly what plain
+//! decoding gives, greedy or sampled with a seed, whatever the drafter
 //! proposes: a bad drafter costs speed, never correctness.
 //!
 //! The [`engine`] runs its sequences on one worker thread, verifying all

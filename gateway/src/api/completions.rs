@@ -149,7 +149,10 @@ pub async fn create(
     scope: Option<Extension<CacheScope>>,
     RawJson(body): RawJson,
 ) -> Result<Response, ApiError> {
-    let request = CompletionRequest::parse(&body, state.model.vocab)?;
+    let mut request = CompletionRequest::parse(&body, state.model.vocab)?;
+    state
+        .model
+        .fill_sampling(&body, &mut request.options.sampling);
     let n = request.options.n;
     check_choices(n, request.prompts.len(), state.config.server.max_n)?;
     let scope = scope.map(|Extension(s)| s.0);

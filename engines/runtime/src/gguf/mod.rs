@@ -24,6 +24,8 @@ pub struct GgufCheckpoint {
     pub config: ModelConfig,
     pub weights: Weights,
     pub vocab: text::gguf::GgufVocab,
+    /// The sampling its metadata recommends (`general.sampling.*`).
+    pub sampling: engine_core::SamplingDefaults,
 }
 
 /// The architectures served (`general.architecture`).
@@ -37,6 +39,7 @@ pub fn load(path: &Path) -> anyhow::Result<GgufCheckpoint> {
         .with_context(|| format!("loading the tensors of {}", path.display()))?;
     Ok(GgufCheckpoint {
         vocab: vocab(&file),
+        sampling: crate::generation_config::from_gguf(&file),
         config,
         weights,
     })

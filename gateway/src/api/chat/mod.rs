@@ -34,7 +34,10 @@ pub async fn create(
     scope: Option<Extension<CacheScope>>,
     RawJson(body): RawJson,
 ) -> Result<Response, ApiError> {
-    let request = ChatRequest::parse(&body, state.model.vocab)?;
+    let mut request = ChatRequest::parse(&body, state.model.vocab)?;
+    state
+        .model
+        .fill_sampling(&body, &mut request.options.sampling);
     let max_param = if body.get("max_completion_tokens").is_some() {
         "max_completion_tokens"
     } else {

@@ -44,7 +44,10 @@ pub async fn create(
     scope: Option<Extension<CacheScope>>,
     RawJson(body): RawJson,
 ) -> Result<Response, ApiError> {
-    let request = ResponsesRequest::parse(&body, state.model.vocab)?;
+    let mut request = ResponsesRequest::parse(&body, state.model.vocab)?;
+    state
+        .model
+        .fill_sampling(&body, &mut request.chat.options.sampling);
     let prepared = prepare::chat(
         &state,
         &request.chat,

@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Prompt lookup against the batched engine and the default policy, over
+HTTP on the default model: three gateways on config.yaml (its policy as
+shipped; every request to `batched`; every request to `lookup`, allowed
+16 at once and never handing over), the `bench` sweep against each per
+prompt set and temperature, servers in a rotating order and the whole
+grid `--reps` times, so a noisy neighbour hits each alike. Prints one
+markdown table: per prompt set, temperature and concurrency, the batched
+engine's output tok/s (all output tokens over the wall time, prefill
+included; median of the reps) and each other server's median ratio to
+it, measured in the same rep, then the same for decode tok/s (1000 / TPOT
+p50: the rate after the first token).
+
+    .mlx/venv/bin/python scripts/bench_speculation.py [--bin-dir target/debug --reps 2 \\
+        --levels 1,4,16 --temperatures 0,0.7 --prompts bench/prompts/quoting.jsonl,mixed --output-len 96]
+
+`--bin-dir` holds `gateway`, its engine plugins and `bench` (cargo build
+-p gateway -p engine-batched -p engine-fastpath -p engine-dflash -p bench).
+"""
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVERS = ["batched", "lookup", "default"]
+
+
+def args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bin-dir", type=Path, default=ROOT / "target" / "debug")
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--levels", default="1,4,16")
+    p.add_argument("--temperatures", default="0,0.7")
+    p.add_argument("--prompts", default=str(ROOT / "bench/prompts/quoting.jsonl") + ",mixed")
+    p.add_argument("--output-len", type=int, default=96)
+    p.add_argument("--out", type=Path, default=ROOT / "target" / "bench-speculation")
+    return p.parse_args()
+
+
+def config(server):
+    """config.yaml with its model path made absolute and, but for the
+    default server, one engine taking every request."""
+    cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
+    cfg["model"]["path"] = str(ROOT / cfg["model"]["path"])
+    if server == "batched":
+        cfg["policy"] = {"default": "batched"}
+    elif server == "lookup":
+        cfg["engines"]["lookup"].update({"max_concurrent": 16, "hand_over": False})
+        cfg["policy"] = {"default": "lookup", "fallback": ["batched"]}
+    return cfg
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(a, server, work):
+    port = free_port()
+    cfg = config(server)
+    cfg["server"]["port"] = port
+    path = work / f"{server}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    log = open(work / f"{server}.log", "w")
+    proc = subprocess.Popen([str(a.bin_dir / "gateway"), "serve", "--config", str(path)], stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(1)
+    sys.exit(f"{server} did not come up: see {work / (server + '.log')}")
+
+
+def run(a, url, label, prompts, temperature, level, out):
+    cmd = [str(a.bin_dir / "bench"), "run", "--url", url, "--label", label, "--out", str(out),
+           "--concurrency", str(level), "--prompts", prompts, "--no-tools", "--rounds", "1",
+           "--min-requests", "4", "--output-len", str(a.output_len), "--temperature", str(temperature),
+           "--warmup", "1"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    level = json.loads(out.read_text())["levels"][0]
+    return (level["output_tok_s"], 1000.0 / level["tpot_ms"]["p50"]), level.get("engines", {})
+
+
+def main():
+    a = args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-speculation-"))
+    servers = {s: start(a, s, work) for s in SERVERS}
+    rates = {}  # (prompts, temperature, level, server) -> [tok/s per rep]
+    try:
+        cells = [(p, float(t), int(c)) for p in a.prompts.split(",") for t in a.temperatures.split(",")
+                 for c in a.levels.split(",")]
+        for rep in range(a.reps):
+            for i, (prompts, t, c) in enumerate(cells):
+                k = (rep + i) % len(SERVERS)
+                for server in SERVERS[k:] + SERVERS[:k]:
+                    name = Path(prompts).stem
+                    out = a.out / f"{name}-t{t}-c{c}-{server}-{rep}.json"
+                    rate, engines = run(a, servers[server][1], server, prompts, t, c, out)
+                    rates.setdefault((name, t, c, server), []).append(rate)
+                    print(f"rep {rep} {name} t={t} c={c} {server}: {rate[0]:.1f} tok/s, decode {rate[1]:.1f} {engines}",
+                          flush=True)
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+    for metric, title in [(0, "output tok/s"), (1, "decode tok/s")]:
+        print(f"\n| prompts | temperature | c | batched {title} | lookup / batched | default / batched |")
+        print("|---|---|---|---|---|---|")
+        for (name, t, c, server), got in sorted(rates.items()):
+            if server != "batched":
+                continue
+            base = [g[metric] for g in got]
+            ratio = lambda s: statistics.median(x[metric] / y for x, y in zip(rates[(name, t, c, s)], base))
+            print(f"| {name} | {t} | {c} | {statistics.median(base):.1f} | {ratio('lookup'):.2f}x "
+                  f"| {ratio('default'):.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
