@@ -101,8 +101,8 @@
 //! $ gateway policy test --config config.yaml --cases policies/examples/config-cases.yaml
 //! ok    a request with tools is batched: batched (rule `tools-need-batched`)
 //! ...
-//! ok    one greedy request alone takes the fast path: fastpath (rule `alone-and-greedy`)
-//! 7 cases, 0 failed
+//! ok    drafts rejected lately, one sampled request alone takes plain lookup rounds: lookup (rule `alone-and-sampled`)
+//! 10 cases, 0 failed
 //! ```
 //!
 //! `gateway policy explain --config config.yaml --request REQUEST.json`
@@ -130,9 +130,10 @@
 //! rules (the first that holds decides):
 //!   tools-need-batched   -      route batched
 //!   ...
-//!   busy                 -      route batched
-//!   alone-and-greedy     holds  route fastpath  <- decides
-//! engine: fastpath (rule `alone-and-greedy`, then batched)
+//!   busy                     -      route batched
+//!   speculate-while-it-pays  holds  route lookup  <- decides
+//!   ...
+//! engine: lookup (rule `speculate-while-it-pays`, then batched)
 //! ```
 //!
 //! A running gateway shows its policy at `GET /v1/policy` (behind the API

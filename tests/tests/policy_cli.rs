@@ -38,13 +38,13 @@ fn the_example_cases_pass_and_mismatches_fail_the_run() {
         "policies/examples/config-cases.yaml",
     ]);
     assert!(ok.status.success(), "{}", text(&ok));
-    assert!(text(&ok).contains("7 cases, 0 failed"), "{}", text(&ok));
+    assert!(text(&ok).contains("10 cases, 0 failed"), "{}", text(&ok));
 
     let dir = tempfile::tempdir().unwrap();
     let wrong = dir.path().join("wrong.yaml");
     std::fs::write(
         &wrong,
-        "cases:\n  - name: tools\n    signals: { has_tools: true }\n    engine: fastpath\n  - name: alone\n    signals: { greedy: true }\n    engine: fastpath\n",
+        "cases:\n  - name: tools\n    signals: { has_tools: true }\n    engine: fastpath\n  - name: alone\n    signals: { greedy: true, engine_accept_rate.lookup: 0.1 }\n    engine: fastpath\n",
     )
     .unwrap();
     let out = policy(&["test", "--cases", wrong.to_str().unwrap()]);
@@ -84,8 +84,8 @@ fn explain_reports_what_the_server_does_with_the_request() {
     let report = text(&out);
     assert!(out.status.success(), "{report}");
     assert!(
-        report.contains("  alone-and-greedy     holds  route fastpath  <- decides")
-            && report.contains("  sampled              -      route batched"),
+        report.contains("  speculate-while-it-pays  holds  route lookup  <- decides")
+            && report.contains("  tools-need-batched       -      route batched"),
         "{report}"
     );
     let prompt_tokens: u64 = report
