@@ -51,7 +51,7 @@ def parse_args():
     p.add_argument("--input-len", type=int, default=64, help="random prompt length in words")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--ttft-words", type=int, default=700,
-                   help="words of the long prompt (the default model's tokenizer makes ~1,000 tokens of 700)")
+                   help="words of the long prompt (the default model's tokenizer makes ~740 tokens of 700)")
     p.add_argument("--ttft-requests", type=int, default=4)
     p.add_argument("--repeats", type=int, default=1, help="sweeps, alternating the servers' order")
     p.add_argument("--out", type=Path, help="result folder (default: target/bench-llamacpp/NAME)")
