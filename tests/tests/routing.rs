@@ -263,6 +263,7 @@ fn a_checkpoints_generation_config_fills_in_the_sampling_a_request_leaves_out() 
         .unwrap_or(json!({}));
     // Hot: the tiny random model is peaked, so only a high temperature
     // spreads its draws.
+    config["do_sample"] = json!(true);
     config["temperature"] = json!(2.0);
     config["top_k"] = json!(40);
     std::fs::write(&file, config.to_string()).unwrap();
