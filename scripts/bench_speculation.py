@@ -11,11 +11,11 @@ included; median of the reps) and each other server's median ratio to
 it, measured in the same rep, then the same for decode tok/s (1000 / TPOT
 p50: the rate after the first token).
 
-    .mlx/venv/bin/python scripts/bench_speculation.py [--bin-dir target/debug --reps 2 \\
+    .mlx/venv/bin/python scripts/bench_speculation.py [--bin-dir target/release --reps 2 \\
         --levels 1,4,16 --temperatures 0,0.7 --prompts bench/prompts/quoting.jsonl,mixed --output-len 96]
 
 `--bin-dir` holds `gateway`, its engine plugins and `bench` (cargo build
--p gateway -p engine-batched -p engine-fastpath -p engine-dflash -p bench).
+--release -p gateway -p engine-batched -p engine-fastpath -p engine-dflash -p bench).
 """
 
 import argparse
@@ -37,7 +37,7 @@ SERVERS = ["batched", "lookup", "default"]
 
 def args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bin-dir", type=Path, default=ROOT / "target" / "debug")
+    p.add_argument("--bin-dir", type=Path, default=ROOT / "target" / "release")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--levels", default="1,4,16")
     p.add_argument("--temperatures", default="0,0.7")
