@@ -140,6 +140,19 @@ pub enum GenerationConfig {
     None,
 }
 
+impl GenerationConfig {
+    /// The defaults requests get, from the checkpoint's `recommended`.
+    pub fn defaults(
+        self,
+        recommended: engine_core::SamplingDefaults,
+    ) -> engine_core::SamplingDefaults {
+        match self {
+            Self::Auto => recommended,
+            Self::None => engine_core::SamplingDefaults::default(),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServerConfig {

@@ -81,7 +81,8 @@ pub fn explain(config: &Path, request: &Path) -> anyhow::Result<()> {
 /// The request's own signals, as the gateway reads them: `model`,
 /// `greedy`, `has_tools`, `has_images`, `max_tokens`, and `prompt_tokens`
 /// counted with the model's tokenizer and chat template (loaded only when
-/// `given` has no `prompt_tokens`).
+/// `given` has no `prompt_tokens`; with it, the checkpoint's sampling
+/// defaults are not read and `greedy` is the body's own).
 fn request_signals(
     config: &Config,
     body: &RawBody,
@@ -90,7 +91,7 @@ fn request_signals(
     let vocab = u32::MAX as usize;
     let refused =
         |e: crate::api::ApiError| anyhow::anyhow!("the gateway would refuse this request: {e}");
-    let (kind, model, options, chat) = if body.get("messages").is_some() {
+    let (kind, model, mut options, chat) = if body.get("messages").is_some() {
         let chat = ChatRequest::parse(body, vocab).map_err(refused)?;
         (
             "chat completion",
@@ -125,7 +126,6 @@ fn request_signals(
     let has_images = chat.as_ref().is_some_and(|c| !c.images.is_empty());
     let mut signals = Map::new();
     signals.insert("model".into(), json!(model));
-    signals.insert("greedy".into(), json!(greedy(&options)));
     signals.insert("has_tools".into(), json!(has_tools));
     signals.insert("has_images".into(), json!(has_images));
     let max_tokens = match given.get("prompt_tokens") {
@@ -145,6 +145,11 @@ fn request_signals(
             .context(
                 "loading the model to count the prompt's tokens (or give `signals.prompt_tokens`)",
             )?;
+            let defaults = config
+                .model
+                .generation_config
+                .defaults(loaded.sampling_defaults);
+            body.fill_sampling(&defaults, &mut options.sampling);
             let prompt = match &chat {
                 Some(chat) => {
                     let text = prepare::chat_text(
@@ -175,6 +180,7 @@ fn request_signals(
         }
     };
     signals.insert("max_tokens".into(), json!(max_tokens));
+    signals.insert("greedy".into(), json!(greedy(&options)));
     Ok((kind, signals))
 }
 

@@ -10,7 +10,7 @@ use engine_core::{SamplingDefaults, SamplingParams};
 
 use crate::api::validate::{Limits, RawBody};
 use crate::api::ApiError;
-use crate::config::{Config, GenerationConfig};
+use crate::config::Config;
 use crate::host::Registry;
 use crate::router::Router;
 use crate::vision::Vision;
@@ -30,8 +30,7 @@ pub struct ModelInfo {
 impl ModelInfo {
     /// Fills in the sampling knobs the request `body` leaves out.
     pub fn fill_sampling(&self, body: &RawBody, sampling: &mut SamplingParams) {
-        let given = |key: &str| body.get(key).is_some_and(|v| !v.is_null());
-        self.sampling_defaults.apply(sampling, given);
+        body.fill_sampling(&self.sampling_defaults, sampling);
     }
 }
 
@@ -60,10 +59,10 @@ impl AppState {
             context_window: loaded.context_window(),
             vocab: loaded.vocab_size().max(loaded.tokenizer.vocab_size()),
             created: crate::api::unix_now(),
-            sampling_defaults: match config.model.generation_config {
-                GenerationConfig::Auto => loaded.sampling_defaults,
-                GenerationConfig::None => SamplingDefaults::default(),
-            },
+            sampling_defaults: config
+                .model
+                .generation_config
+                .defaults(loaded.sampling_defaults),
         };
         if model.sampling_defaults != SamplingDefaults::default() {
             tracing::info!(defaults = ?model.sampling_defaults, "sampling defaults from the checkpoint (model.generation_config: auto)");

@@ -110,12 +110,13 @@
 //! the signals the gateway reads from it, every rule's verdict
 //! ([`Policy::verdicts`]) and the engine chosen. `model`, `greedy`,
 //! `has_tools`, `has_images` and `max_tokens` come from the body as the
-//! gateway parses it; `prompt_tokens` from the model's tokenizer and chat
-//! template (the model loads for it, a few seconds; images need a given
-//! count). An optional `"signals"` object in the file sets live load and
+//! gateway parses it (`greedy` after the checkpoint's sampling defaults,
+//! `model.generation_config`); `prompt_tokens` from the model's tokenizer
+//! and chat template (the model loads for it, a few seconds; images need a
+//! given count). An optional `"signals"` object in the file sets live load and
 //! overrides any of them (`prompt_tokens` there spares loading the model;
 //! `max_tokens` then defaults to `default_max_tokens` unbounded by the
-//! context); unset live load is an idle server.
+//! context, and `greedy` is the body's own, the checkpoint unread); unset live load is an idle server.
 //! `policies/examples/explain-request.json`:
 //!
 //! ```text

@@ -61,6 +61,15 @@ impl RawBody {
         self.map.get(key).filter(|v| !v.is_null())
     }
 
+    /// Fills in the sampling knobs this body leaves out from `defaults`.
+    pub fn fill_sampling(
+        &self,
+        defaults: &engine_core::SamplingDefaults,
+        sampling: &mut engine_core::SamplingParams,
+    ) {
+        defaults.apply(sampling, |key| self.get(key).is_some());
+    }
+
     pub fn string(&self, key: &str) -> Result<Option<&str>, ApiError> {
         match self.get(key) {
             None => Ok(None),
