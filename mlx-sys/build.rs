@@ -149,6 +149,7 @@ mod linux {
         sources.push(native.join("half_accessors.cpp"));
         sources.push(native.join("mach_time.cpp"));
         sources.push(native.join("packed_matmul.cpp"));
+        sources.push(native.join("graph_nodes.cpp"));
 
         cc::Build::new()
             .cpp(true)

@@ -127,6 +127,32 @@ pub struct ModelConfig {
     /// Where sampling knobs a request leaves out come from.
     #[serde(default)]
     pub generation_config: GenerationConfig,
+    /// Whether start-up builds the forward shapes serving will meet.
+    #[serde(default)]
+    pub warm_up: WarmUp,
+}
+
+/// Start-up warm-up (the model's forward shapes, then bursts of requests
+/// through every local engine): `auto` on a GPU only (MLX builds kernels
+/// per shape there; the CPU builds nothing), `on` on the CPU too, `off`
+/// never (a faster start; the first burst pays).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WarmUp {
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+impl WarmUp {
+    pub fn runs(self) -> bool {
+        match self {
+            Self::Auto => !runtime::compute::on_cpu(),
+            Self::On => true,
+            Self::Off => false,
+        }
+    }
 }
 
 /// `auto`: the checkpoint's `generation_config.json` (or a GGUF file's

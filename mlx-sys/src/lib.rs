@@ -45,6 +45,42 @@ pub fn blas_backend() -> String {
 
 #[cfg(mlx_packed_matmul)]
 extern "C" {
+    fn mlx_sys_graph_nodes(
+        outs: *const mlx_array,
+        n: usize,
+        histogram: *mut std::os::raw::c_char,
+        len: usize,
+    ) -> usize;
+}
+
+/// The operations evaluating `outputs` would run (`native/graph_nodes.cpp`):
+/// their count and, per primitive name, how many, most frequent first.
+/// `None` where the native helpers are not built.
+///
+/// # Safety
+/// Every handle must be a live mlx-c array.
+pub unsafe fn graph_nodes(outputs: &[mlx_array]) -> Option<(usize, Vec<(String, usize)>)> {
+    #[cfg(mlx_packed_matmul)]
+    {
+        let mut text = vec![0 as std::os::raw::c_char; 8192];
+        let nodes = mlx_sys_graph_nodes(outputs.as_ptr(), outputs.len(), text.as_mut_ptr(), text.len());
+        let text = std::ffi::CStr::from_ptr(text.as_ptr()).to_string_lossy();
+        let by_name = text
+            .lines()
+            .filter_map(|l| l.rsplit_once(' '))
+            .filter_map(|(name, n)| Some((name.to_string(), n.parse().ok()?)))
+            .collect();
+        Some((nodes, by_name))
+    }
+    #[cfg(not(mlx_packed_matmul))]
+    {
+        let _ = outputs;
+        None
+    }
+}
+
+#[cfg(mlx_packed_matmul)]
+extern "C" {
     fn mlx_sys_packed_kernel_best() -> std::os::raw::c_int;
     fn mlx_sys_packed_kernel_chosen() -> std::os::raw::c_int;
     fn mlx_sys_packed_matmul(

@@ -6,6 +6,7 @@ pub mod memory;
 pub mod plugins;
 pub mod probe;
 pub mod registry;
+pub mod warm;
 
 pub use entry::{EngineEntry, FaultKind};
 pub use registry::Registry;

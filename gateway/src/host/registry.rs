@@ -103,6 +103,10 @@ impl Registry {
                 .collect::<Vec<_>>()
                 .join("; ")
         );
+        if config.model.warm_up.runs() {
+            let took = super::warm::warm_engines(&engines, shared.model.vocab_size() as u32);
+            tracing::info!(seconds = took.as_secs_f64(), "engines warmed (bursts of requests)");
+        }
         Ok(Registry {
             shared,
             engines,
@@ -198,6 +202,9 @@ fn load_shared(config: &Config) -> anyhow::Result<(SharedModel, Option<MemoryPla
             mib = pages.nbytes() >> 20,
             "paged KV pool allocated"
         );
+    }
+    if !config.model.warm_up.runs() {
+        return Ok((shared, plan));
     }
     let warm = runtime::generate::warm_up(&shared.model.model, shared.prefill_chunk(), || {
         shared.new_cache(vec![0])
