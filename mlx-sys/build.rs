@@ -150,6 +150,7 @@ mod linux {
         sources.push(native.join("mach_time.cpp"));
         sources.push(native.join("packed_matmul.cpp"));
         sources.push(native.join("graph_nodes.cpp"));
+        sources.push(native.join("cpu_fused.cpp"));
 
         cc::Build::new()
             .cpp(true)

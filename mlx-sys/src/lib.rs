@@ -45,6 +45,98 @@ pub fn blas_backend() -> String {
 
 #[cfg(mlx_packed_matmul)]
 extern "C" {
+    fn mlx_sys_cpu_rope(
+        res: *mut mlx_array,
+        x: mlx_array,
+        offset: mlx_array,
+        inv_freqs: mlx_array,
+        dims: std::os::raw::c_int,
+        scale: f32,
+        stream: mlx_stream,
+        err: *mut std::os::raw::c_char,
+        err_len: usize,
+    ) -> std::os::raw::c_int;
+    fn mlx_sys_cpu_rms_norm(
+        res: *mut mlx_array,
+        x: mlx_array,
+        weight: mlx_array,
+        has_weight: std::os::raw::c_int,
+        eps: f32,
+        stream: mlx_stream,
+        err: *mut std::os::raw::c_char,
+        err_len: usize,
+    ) -> std::os::raw::c_int;
+}
+
+/// Whether `native/cpu_fused.cpp`'s CPU nodes are built (not on macOS).
+pub fn cpu_fused_built() -> bool {
+    cfg!(mlx_packed_matmul)
+}
+
+/// Runs a native constructor that reports failure in a message buffer.
+#[cfg(mlx_packed_matmul)]
+unsafe fn native(
+    call: impl FnOnce(*mut std::os::raw::c_char, usize) -> std::os::raw::c_int,
+) -> Result<(), String> {
+    let mut err = [0 as std::os::raw::c_char; 256];
+    match call(err.as_mut_ptr(), err.len()) {
+        0 => Ok(()),
+        _ => Err(std::ffi::CStr::from_ptr(err.as_ptr()).to_string_lossy().into_owned()),
+    }
+}
+
+/// RoPE of `x` ([B, N, T, D] float32) as one CPU node
+/// (`native/cpu_fused.cpp`), non-traditional: pair i of position p turns by
+/// `p * scale * inv_freqs[i]`, p the row's `offset` plus the token's index.
+/// On success `res` holds the array.
+///
+/// # Safety
+/// Every handle must be a live mlx-c object; `res` an initialised array.
+pub unsafe fn cpu_rope(
+    res: &mut mlx_array,
+    x: mlx_array,
+    offset: mlx_array,
+    inv_freqs: mlx_array,
+    dims: i32,
+    scale: f32,
+    stream: mlx_stream,
+) -> Result<(), String> {
+    #[cfg(mlx_packed_matmul)]
+    return native(|err, len| {
+        mlx_sys_cpu_rope(res, x, offset, inv_freqs, dims, scale, stream, err, len)
+    });
+    #[cfg(not(mlx_packed_matmul))]
+    {
+        let _ = (res, x, offset, inv_freqs, dims, scale, stream);
+        Err("the CPU nodes are not built here".into())
+    }
+}
+
+/// `x * rsqrt(mean(x^2, -1) + eps)`, times `weight` when given, as one CPU
+/// node (`native/cpu_fused.cpp`), float32.
+///
+/// # Safety
+/// Every handle must be a live mlx-c object; `res` an initialised array.
+pub unsafe fn cpu_rms_norm(
+    res: &mut mlx_array,
+    x: mlx_array,
+    weight: Option<mlx_array>,
+    eps: f32,
+    stream: mlx_stream,
+) -> Result<(), String> {
+    #[cfg(mlx_packed_matmul)]
+    return native(|err, len| {
+        mlx_sys_cpu_rms_norm(res, x, weight.unwrap_or(x), weight.is_some() as _, eps, stream, err, len)
+    });
+    #[cfg(not(mlx_packed_matmul))]
+    {
+        let _ = (res, x, weight, eps, stream);
+        Err("the CPU nodes are not built here".into())
+    }
+}
+
+#[cfg(mlx_packed_matmul)]
+extern "C" {
     fn mlx_sys_graph_nodes(
         outs: *const mlx_array,
         n: usize,

@@ -473,7 +473,7 @@ impl RmsNorm {
     }
 
     pub fn forward(&self, x: &Array) -> R<Array> {
-        fast::rms_norm(x, Some(&self.weight), self.eps)
+        crate::cpu_fused::rms_norm(x, Some(&self.weight), self.eps)
     }
 }
 
@@ -483,6 +483,8 @@ pub struct Rope {
     base: Option<f32>,
     scale: f32,
     freqs: Option<Array>,
+    /// The inverse frequencies of the CPU's one-node RoPE, made on first use.
+    cpu_inv_freqs: std::sync::OnceLock<Array>,
 }
 
 impl Rope {
@@ -494,12 +496,14 @@ impl Rope {
                 base: Some(base),
                 scale: 1.0,
                 freqs: None,
+                cpu_inv_freqs: Default::default(),
             },
             RopeScaling::Linear { factor } => Self {
                 dims,
                 base: Some(base),
                 scale: 1.0 / factor,
                 freqs: None,
+                cpu_inv_freqs: Default::default(),
             },
             RopeScaling::Proportional {
                 rotated_fraction,
@@ -521,6 +525,7 @@ impl Rope {
                     base: None,
                     scale: 1.0,
                     freqs: Some(Array::from_slice(&freqs, &[dims / 2])),
+                    cpu_inv_freqs: Default::default(),
                 }
             }
             RopeScaling::Llama3 {
@@ -555,6 +560,7 @@ impl Rope {
                     base: None,
                     scale: 1.0,
                     freqs: Some(Array::from_slice(&freqs, &[dims / 2])),
+                    cpu_inv_freqs: Default::default(),
                 }
             }
         }
@@ -567,6 +573,7 @@ impl Rope {
             base: Some(base),
             scale: 1.0,
             freqs: None,
+            cpu_inv_freqs: Default::default(),
         }
     }
 
@@ -574,6 +581,24 @@ impl Rope {
     /// tokens, one per row (rows of a padded batch start at different
     /// positions).
     pub fn forward(&self, x: &Array, offset: &Offsets) -> R<Array> {
+        if crate::cpu_fused::takes_rope(x) {
+            let inv = match self.cpu_inv_freqs.get() {
+                Some(inv) => inv,
+                None => {
+                    let inv = crate::cpu_fused::inverse_frequencies(
+                        self.dims,
+                        self.base,
+                        self.freqs.as_ref(),
+                    )?;
+                    self.cpu_inv_freqs.get_or_init(|| inv)
+                }
+            };
+            let offset = match offset {
+                Offsets::Scalar(o) => Array::from_int(*o),
+                Offsets::PerRow(o) => o.clone(),
+            };
+            return crate::cpu_fused::rope(x, self.dims, self.scale, &offset, inv);
+        }
         match offset {
             Offsets::Scalar(o) => fast::rope(
                 x,

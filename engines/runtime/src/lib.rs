@@ -9,6 +9,7 @@ pub mod admission;
 pub mod cache;
 pub mod compute;
 pub mod config;
+pub mod cpu_fused;
 pub mod cuda_env;
 pub mod cuda_kernel;
 pub mod emit;

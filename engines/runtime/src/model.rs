@@ -761,7 +761,7 @@ impl Attention {
                 let k = heads(k_raw, self.kv_heads, &self.k_norm)?;
                 let mut v = heads(v_raw, self.kv_heads, &None)?;
                 if let Some(eps) = self.v_norm {
-                    v = fast::rms_norm(&v, None, eps)?;
+                    v = crate::cpu_fused::rms_norm(&v, None, eps)?;
                 }
                 let k = self.rope.forward(&k, offsets)?;
                 cache.update(idx, k, v)?

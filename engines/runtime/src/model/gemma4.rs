@@ -2,7 +2,7 @@
 //! mixture-of-experts block beside the dense MLP (26B-A4B) and the
 //! per-layer input embeddings (E2B/E4B).
 
-use mlx_rs::{fast, ops, Array};
+use mlx_rs::{ops, Array};
 
 use super::experts::{top_k, SwitchGlu};
 use crate::config::{ModelConfig, MoeConfig};
@@ -102,7 +102,7 @@ impl Moe {
 impl Router {
     /// Expert indices `[B, L, k]` (int) and their weights `[B, L, k]`.
     fn forward(&self, h: &Array) -> R<(Array, Array)> {
-        let x = fast::rms_norm(h, Some(&self.norm_weight), self.eps)?;
+        let x = crate::cpu_fused::rms_norm(h, Some(&self.norm_weight), self.eps)?;
         let scores = self.proj.forward(&x)?;
         let indices = top_k(&scores, self.top_k)?;
         let weights = scores.take_along_axis(&indices, -1)?;

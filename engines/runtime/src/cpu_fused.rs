@@ -1,0 +1,90 @@
+//! RoPE and RMSNorm as one graph node each on the CPU
+//! (`mlx-sys/native/cpu_fused.cpp`). MLX runs `fast::rope` and
+//! `fast::rms_norm` there as their composed fallbacks, about 28 and 10
+//! nodes a call (a RoPE rebuilds its frequencies every time), so the
+//! default model's decode step was ~3,500 nodes and the host's time per
+//! node a large part of it. Same float32 math; elsewhere (a GPU, other
+//! dtypes, `GATEWAY_CPU_FUSED=off`) MLX's own ops run.
+
+use std::sync::OnceLock;
+
+use mlx_rs::error::Exception;
+use mlx_rs::{fast, Array, Dtype, Stream};
+
+/// Whether products of this process take the fused nodes: on the CPU,
+/// where they are built, unless `GATEWAY_CPU_FUSED=off`.
+pub fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        mlx_sys::cpu_fused_built()
+            && crate::compute::on_cpu()
+            && std::env::var("GATEWAY_CPU_FUSED").map_or(true, |v| v != "off")
+    })
+}
+
+fn takes(arrays: &[Option<&Array>]) -> bool {
+    enabled() && arrays.iter().flatten().all(|a| a.dtype() == Dtype::Float32)
+}
+
+/// `fast::rms_norm`, one node on the CPU.
+pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array, Exception> {
+    if !takes(&[Some(x), weight]) {
+        return fast::rms_norm(x, weight, eps);
+    }
+    native(|res, stream| unsafe {
+        mlx_sys::cpu_rms_norm(res, x.as_ptr(), weight.map(|w| w.as_ptr()), eps, stream)
+    })
+}
+
+/// Whether [`rope`] takes `x`: float32 [B, N, T, D] on the CPU.
+pub fn takes_rope(x: &Array) -> bool {
+    takes(&[Some(x)]) && x.ndim() == 4
+}
+
+/// The inverse frequencies `fast::rope`'s fallback computes, with MLX's
+/// own ops (so the angles are the same to the bit): `exp(-i * (ln(base) /
+/// half))`, or the reciprocals of given `freqs`. Evaluated here, once per
+/// rotary layer.
+pub fn inverse_frequencies(dims: i32, base: Option<f32>, freqs: Option<&Array>) -> Result<Array, Exception> {
+    let half = dims / 2;
+    let inv = match (freqs, base) {
+        (Some(freqs), _) => freqs.reciprocal()?,
+        (None, Some(base)) => Array::arange::<_, f32>(0, -half, -1)?
+            .multiply(Array::from_f32(base.ln() / half as f32))?
+            .exp()?,
+        (None, None) => return Err(Exception::custom("rope needs a base or frequencies")),
+    };
+    inv.eval()?;
+    Ok(inv)
+}
+
+/// `fast::rope` (non-traditional) of `x` ([B, N, T, D]) at `offset` (one
+/// position, or one per row, int) with [`inverse_frequencies`], one node;
+/// only where [`takes_rope`].
+pub fn rope(
+    x: &Array,
+    dims: i32,
+    scale: f32,
+    offset: &Array,
+    inv_freqs: &Array,
+) -> Result<Array, Exception> {
+    native(|res, stream| unsafe {
+        mlx_sys::cpu_rope(res, x.as_ptr(), offset.as_ptr(), inv_freqs.as_ptr(), dims, scale, stream)
+    })
+}
+
+fn native(
+    build: impl FnOnce(&mut mlx_sys::mlx_array, mlx_sys::mlx_stream) -> Result<(), String>,
+) -> Result<Array, Exception> {
+    let stream = Stream::thread_local_or_default();
+    unsafe {
+        let mut res = mlx_sys::mlx_array_new();
+        match build(&mut res, stream.as_ptr()) {
+            Ok(()) => Ok(Array::from_ptr(res)),
+            Err(e) => {
+                mlx_sys::mlx_array_free(res);
+                Err(Exception::custom(format!("cpu node: {e}")))
+            }
+        }
+    }
+}
