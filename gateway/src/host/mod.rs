@@ -7,5 +7,5 @@ pub mod plugins;
 pub mod probe;
 pub mod registry;
 
-pub use entry::{EngineEntry, FaultKind};
+pub use entry::{takes, EngineEntry, FaultKind};
 pub use registry::Registry;
