@@ -73,7 +73,8 @@ pub fn explain(config: &Path, request: &Path) -> anyhow::Result<()> {
         Some(_) => bail!("`signals` in {} must be an object", request.display()),
     };
     let body = RawBody::from_map(body);
-    let (kind, mut signals, options) = request_signals(&config, &body, &given)?;
+    let (kind, mut signals, options) =
+        request_signals(&config, &registry.shared.model, &body, &given)?;
     signals.extend(given);
     let signals: Signals = serde_json::from_value(Value::Object(signals))
         .with_context(|| format!("the signals of {}", request.display()))?;
@@ -91,7 +92,9 @@ pub fn explain(config: &Path, request: &Path) -> anyhow::Result<()> {
     let engines = registry.engines();
     let takes = |name: &str| host::takes(engines, name, &needs);
     let decision = policy.decide_where(&signals, takes);
-    println!("rules (the first that holds, routing to an engine that accepts the request, decides):");
+    println!(
+        "rules (the first that holds, routing to an engine that accepts the request, decides):"
+    );
     let width = policy.routes().map(|(r, _)| r.len()).max().unwrap_or(0);
     for v in policy.verdicts(&signals) {
         let verdict = if v.holds { "holds" } else { "-" };
@@ -143,11 +146,12 @@ fn refusal(registry: &Registry, engine: &str, needs: &Needs) -> String {
 /// The request's own signals, as the gateway reads them, and its options:
 /// `model`,
 /// `greedy`, `has_tools`, `has_images`, `max_tokens`, and `prompt_tokens`
-/// counted with the model's tokenizer and chat template (loaded only when
-/// `given` has no `prompt_tokens`; with it, the checkpoint's sampling
-/// defaults are not read and `greedy` is the body's own).
+/// counted with the model's tokenizer and chat template (unless `given`
+/// has `prompt_tokens`; then the checkpoint's sampling defaults are not
+/// read and `greedy` is the body's own).
 fn request_signals(
     config: &Config,
+    loaded: &runtime::LoadedModel,
     body: &RawBody,
     given: &Map<String, Value>,
 ) -> anyhow::Result<(&'static str, Map<String, Value>, GenOptions)> {
@@ -200,14 +204,6 @@ fn request_signals(
             if has_images {
                 bail!("give `signals.prompt_tokens` for a request with images: their tokens are counted by the vision tower at serving time");
             }
-            let loaded = runtime::LoadedModel::load_as(
-                &config.model.path,
-                config.model.name.as_deref(),
-                config.model.compute_dtype,
-            )
-            .context(
-                "loading the model to count the prompt's tokens (or give `signals.prompt_tokens`)",
-            )?;
             let defaults = config
                 .model
                 .generation_config
@@ -216,7 +212,7 @@ fn request_signals(
             let prompt = match &chat {
                 Some(chat) => {
                     let text = prepare::chat_text(
-                        &loaded,
+                        loaded,
                         &chat.template_messages(),
                         &prepare::render_options(chat),
                     )

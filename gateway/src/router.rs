@@ -348,7 +348,11 @@ mod tests {
             capabilities,
             open: Mutex::new(Vec::new()),
         };
-        Arc::new(EngineEntry::new(name.into(), name.into(), Box::new(recorder)))
+        Arc::new(EngineEntry::new(
+            name.into(),
+            name.into(),
+            Box::new(recorder),
+        ))
     }
 
     /// `fast`: plain greedy, alone (the fast path); `spec`: tools and
@@ -465,7 +469,12 @@ mod tests {
             threads.into_iter().map(|t| t.join().unwrap()).collect()
         });
         let on_fast = routed.iter().filter(|(e, _, _)| e == "fast").count();
-        assert_eq!(on_fast, 1, "{:?}", routed.iter().map(|(e, _, _)| e).collect::<Vec<_>>());
+        assert_eq!(
+            on_fast,
+            1,
+            "{:?}",
+            routed.iter().map(|(e, _, _)| e).collect::<Vec<_>>()
+        );
         // The others passed the fast path over and went down the rules.
         assert!(routed
             .iter()
@@ -494,6 +503,9 @@ mod tests {
         // its turn (busy), rather than being told it cannot be served.
         let r = router("policy:\n  default: fast\n");
         let _running = placed(&r, greedy());
-        assert_eq!(r.route(greedy(), "m", false).err(), Some(RouteError::Overloaded));
+        assert_eq!(
+            r.route(greedy(), "m", false).err(),
+            Some(RouteError::Overloaded)
+        );
     }
 }

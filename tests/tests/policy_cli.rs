@@ -133,7 +133,8 @@ fn explain_reports_what_the_server_does_with_the_request() {
     // Tools, drafts rejected lately: the fast path would take a greedy
     // request alone but serves no tools, so the server batches it.
     let mut tools = body.clone();
-    tools["tools"] = json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
+    tools["tools"] =
+        json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
     let mut explained = tools.clone();
     explained["signals"] = json!({"engine_accept_rate.lookup": 0.1});
     std::fs::write(&request, explained.to_string()).unwrap();
@@ -148,9 +149,16 @@ fn explain_reports_what_the_server_does_with_the_request() {
     assert_eq!(r.status, 200, "{}", r.text());
     // Prompt lookup while its drafts pay (the first request measured them),
     // else the fast path is passed over as explain shows.
-    let route = (r.header("x-engine").unwrap(), r.header("x-route-rule").unwrap());
+    let route = (
+        r.header("x-engine").unwrap(),
+        r.header("x-route-rule").unwrap(),
+    );
     assert!(
-        [("lookup", "speculate-while-it-pays"), ("batched", "default")].contains(&route),
+        [
+            ("lookup", "speculate-while-it-pays"),
+            ("batched", "default")
+        ]
+        .contains(&route),
         "{route:?}"
     );
 }

@@ -71,7 +71,10 @@ impl Capabilities {
     /// policy explain` and `policy test` show it the same way.
     pub fn accepts(&self, needs: &Needs) -> Result<(), Unsupported> {
         let lacks = [
-            (self.greedy_only && !needs.plain_greedy, Unsupported::NotPlainGreedy),
+            (
+                self.greedy_only && !needs.plain_greedy,
+                Unsupported::NotPlainGreedy,
+            ),
             (needs.tools && !self.tools, Unsupported::Tools),
             (needs.images && !self.images, Unsupported::Images),
             (needs.grammar && !self.grammar, Unsupported::Grammar),
@@ -158,7 +161,7 @@ pub trait Engine: Send + Sync {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::request::{Grammar, GenerateRequest, ImageInput};
+    use crate::request::{GenerateRequest, Grammar, ImageInput};
 
     /// Each capability refuses exactly the requests that need it, by name.
     #[test]

@@ -129,7 +129,10 @@ fn declares_what_it_cannot_serve_and_refuses_what_is_invalid() {
     let mut penalised = GenerateRequest::new(vec![1, 2, 3], 4);
     penalised.sampling.presence_penalty = 0.5;
     for req in [&sampled, &seeded, &penalised] {
-        assert_eq!(caps.accepts(&req.needs(0)), Err(Unsupported::NotPlainGreedy));
+        assert_eq!(
+            caps.accepts(&req.needs(0)),
+            Err(Unsupported::NotPlainGreedy)
+        );
     }
     let mut tools = GenerateRequest::new(vec![1, 2, 3], 4);
     tools.has_tools = true;

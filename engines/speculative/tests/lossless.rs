@@ -14,8 +14,8 @@ use std::sync::Arc;
 use batched::{BatchedConfig, BatchedEngine};
 
 use engine_core::{
-    Engine, EngineError, Event, EventStream, Finish, FinishReason, GenerateRequest, Refusal, Unsupported,
-    SamplingParams, SpecStats,
+    Engine, EngineError, Event, EventStream, Finish, FinishReason, GenerateRequest, Refusal,
+    SamplingParams, SpecStats, Unsupported,
 };
 use fixtures::model::{random_prompt, write_model, TinySpec};
 use fixtures::qwen::QwenShape;

@@ -248,7 +248,9 @@ mod tests {
 
         // A refusal comes back typed, for the router's fallback.
         assert_eq!(
-            engine.submit(GenerateRequest::new(vec![1; 9], 1)).unwrap_err(),
+            engine
+                .submit(GenerateRequest::new(vec![1; 9], 1))
+                .unwrap_err(),
             EngineError::Refused(Refusal::Busy)
         );
         // A panic stays in the plugin: the request fails, the engine is
