@@ -219,10 +219,6 @@ impl Router {
                 self.count_fallback(name);
                 continue;
             };
-            let mut submitted = req.clone();
-            if grammar_optional && !entry.capabilities.grammar {
-                submitted.grammar = None;
-            }
             match entry.capabilities.accepts(&needs) {
                 Ok(()) => {}
                 // Busy for now, not unable.
@@ -242,6 +238,10 @@ impl Router {
                 benched = true;
                 self.count_fallback(name);
                 continue;
+            }
+            let mut submitted = req.clone();
+            if grammar_optional && !entry.capabilities.grammar {
+                submitted.grammar = None;
             }
             let token = req.cancel.clone();
             let id = req.id;
