@@ -27,22 +27,29 @@ use crate::config::{Config, Overrides};
 use crate::host::{self, Registry};
 use crate::prepare;
 
-/// The config's policy, validated against its engines, and the engines.
-fn load(config: &Path) -> anyhow::Result<(Config, Policy, Registry)> {
+/// The config's policy, validated against its engines.
+fn load(config: &Path) -> anyhow::Result<(Config, Policy)> {
     let parsed = Config::load(config, &Overrides::default())?;
     let names: Vec<&str> = parsed.engines.iter().map(|e| e.name.as_str()).collect();
     let text =
         std::fs::read_to_string(config).with_context(|| format!("reading {}", config.display()))?;
     let policy = Policy::from_config_yaml(&text, &names)
         .with_context(|| format!("the policy in {}", config.display()))?;
-    let registry = Registry::load(&parsed).context("building the config's engines")?;
+    Ok((parsed, policy))
+}
+
+/// The model and the config's engines, built as the server builds them
+/// (seconds: each plugin opens), for their declared capabilities. Called
+/// once the inputs have been read, so a bad file fails at once.
+fn build_engines(config: &Config) -> anyhow::Result<Registry> {
+    let registry = Registry::load(config).context("building the config's engines")?;
     for failed in &registry.failed {
         eprintln!(
             "warning: engine `{}` did not load ({}); the server would route around it",
             failed.name, failed.error
         );
     }
-    Ok((parsed, policy, registry))
+    Ok(registry)
 }
 
 /// What a request with `signals` needs of an engine; in flight beside it,
@@ -62,7 +69,7 @@ fn needs(signals: &Signals, grammar: bool, logprobs: bool) -> Needs {
 /// chat, completions or responses, with an optional `signals` object whose
 /// values win), each rule's verdict, and the engine chosen.
 pub fn explain(config: &Path, request: &Path) -> anyhow::Result<()> {
-    let (config, policy, registry) = load(config)?;
+    let (config, policy) = load(config)?;
     let text = std::fs::read_to_string(request)
         .with_context(|| format!("reading {}", request.display()))?;
     let mut body: Map<String, Value> = serde_json::from_str(&text)
@@ -73,6 +80,7 @@ pub fn explain(config: &Path, request: &Path) -> anyhow::Result<()> {
         Some(_) => bail!("`signals` in {} must be an object", request.display()),
     };
     let body = RawBody::from_map(body);
+    let registry = build_engines(&config)?;
     let (kind, mut signals, options) =
         request_signals(&config, &registry.shared.model, &body, &given)?;
     signals.extend(given);
@@ -253,11 +261,12 @@ fn greedy(options: &GenOptions) -> bool {
 /// Checks every case in `cases` against the policy, printing each; false
 /// when any routes elsewhere than it expects.
 pub fn test(config: &Path, cases: &Path) -> anyhow::Result<bool> {
-    let (_, policy, registry) = load(config)?;
-    let names = registry.configured_names();
+    let (config, policy) = load(config)?;
+    let names: Vec<&str> = config.engines.iter().map(|e| e.name.as_str()).collect();
     let text =
         std::fs::read_to_string(cases).with_context(|| format!("reading {}", cases.display()))?;
     let cases_read = parse_cases(&text, &names).with_context(|| format!("{}", cases.display()))?;
+    let registry = build_engines(&config)?;
     let mut failed = 0;
     for case in &cases_read {
         let needs = needs(&case.signals, false, false);
