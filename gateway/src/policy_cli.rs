@@ -42,7 +42,13 @@ fn load(config: &Path) -> anyhow::Result<(Config, Policy)> {
 /// (seconds: each plugin opens), for their declared capabilities. Called
 /// once the inputs have been read, so a bad file fails at once.
 fn build_engines(config: &Config) -> anyhow::Result<Registry> {
-    let registry = Registry::load(config).context("building the config's engines")?;
+    // Nothing is served: a small KV pool, not the server's, so the tools
+    // also run beside a server that holds the memory.
+    let mut config = config.clone();
+    config.memory = None;
+    config.model.kv_cache_mb = Some(64);
+    config.model.kv_layout = runtime::paged::KvLayout::Contiguous;
+    let registry = Registry::load(&config).context("building the config's engines")?;
     for failed in &registry.failed {
         eprintln!(
             "warning: engine `{}` did not load ({}); the server would route around it",
