@@ -20,7 +20,8 @@ pub struct Cli {
 pub enum Command {
     /// Load the model and engines named in the config and serve the API.
     Serve(ServeArgs),
-    /// Try a routing policy before it ships (no engines load).
+    /// Try a routing policy before it ships (the engines load for their
+    /// capabilities; nothing is served).
     #[command(subcommand)]
     Policy(PolicyCommand),
     /// Write a small random-weight model in the Hugging Face layout.

@@ -571,7 +571,6 @@ mod tests {
             })),
             ("lookup".into(), "alone-and-sampled".into())
         );
-        assert_eq!(route(signals(&|s| s.has_tools = true)).0, "batched");
         assert_eq!(route(signals(&|s| s.prompt_tokens = 9000)).0, "batched");
         assert_eq!(route(signals(&|s| s.kv_pressure = 0.9)).0, "batched");
         assert_eq!(

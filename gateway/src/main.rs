@@ -12,7 +12,10 @@ use gateway::{make_tiny, policy_cli, server, telemetry};
 fn main() -> ExitCode {
     runtime::cuda_env::apply_defaults();
     let cli = Cli::parse();
-    telemetry::init_tracing();
+    // The policy tools build the engines for their capabilities; their
+    // startup lines would bury the report.
+    let quiet = matches!(cli.command, Command::Policy(_));
+    telemetry::init_tracing(if quiet { "warn" } else { "info" });
     let result = match cli.command {
         Command::Policy(PolicyCommand::Explain { config, request }) => {
             policy_cli::explain(&config, &request)

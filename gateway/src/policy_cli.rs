@@ -1,6 +1,12 @@
 //! `gateway policy explain` and `gateway policy test`: a routing policy
-//! tried before it ships. Both read the config's `engines:` and `policy:`
-//! and route with the policies crate's own evaluation; nothing is served.
+//! tried before it ships. Both read the config's `engines:` and `policy:`,
+//! build the engines as the server does (the model loads) for their
+//! declared capabilities, and route with the policies crate's own
+//! evaluation among the engines that accept the request, as the router
+//! does; nothing is served. A request's needs are read from its signals
+//! (`greedy`, `has_tools`, `has_images`; an exclusive engine takes it only
+//! while `total_active` and `total_queued` are 0), and in `explain` also
+//! from the body (`response_format`'s grammar, `logprobs`).
 //!
 //! Signals of live load (`total_active`, `total_queued`, `kv_pressure`,
 //! `engine_active.NAME`, `engine_queued.NAME`, `engine_accept_rate.NAME`,
@@ -9,6 +15,7 @@
 use std::path::Path;
 
 use anyhow::{bail, Context};
+use engine_core::Needs;
 use policies::{parse_cases, Policy, Signals};
 use serde_json::{json, Map, Value};
 
@@ -17,25 +24,58 @@ use crate::api::completions::{CompletionRequest, Prompt};
 use crate::api::responses::ResponsesRequest;
 use crate::api::validate::{resolve_max_tokens, GenOptions, Limits, RawBody};
 use crate::config::{Config, Overrides};
+use crate::host::{self, Registry};
 use crate::prepare;
 
 /// The config's policy, validated against its engines.
-fn load(config: &Path) -> anyhow::Result<(Config, Policy, Vec<String>)> {
+fn load(config: &Path) -> anyhow::Result<(Config, Policy)> {
     let parsed = Config::load(config, &Overrides::default())?;
-    let engines: Vec<String> = parsed.engines.iter().map(|e| e.name.clone()).collect();
-    let names: Vec<&str> = engines.iter().map(String::as_str).collect();
+    let names: Vec<&str> = parsed.engines.iter().map(|e| e.name.as_str()).collect();
     let text =
         std::fs::read_to_string(config).with_context(|| format!("reading {}", config.display()))?;
     let policy = Policy::from_config_yaml(&text, &names)
         .with_context(|| format!("the policy in {}", config.display()))?;
-    Ok((parsed, policy, engines))
+    Ok((parsed, policy))
+}
+
+/// The model and the config's engines, built as the server builds them
+/// (seconds: each plugin opens), for their declared capabilities. Called
+/// once the inputs have been read, so a bad file fails at once.
+fn build_engines(config: &Config) -> anyhow::Result<Registry> {
+    // Nothing is served: a small KV pool, not the server's, so the tools
+    // also run beside a server that holds the memory.
+    let mut config = config.clone();
+    config.memory = None;
+    config.model.kv_cache_mb = Some(64);
+    config.model.kv_layout = runtime::paged::KvLayout::Contiguous;
+    let registry = Registry::load(&config).context("building the config's engines")?;
+    for failed in &registry.failed {
+        eprintln!(
+            "warning: engine `{}` did not load ({}); the server would route around it",
+            failed.name, failed.error
+        );
+    }
+    Ok(registry)
+}
+
+/// What a request with `signals` needs of an engine; in flight beside it,
+/// what runs or waits anywhere.
+fn needs(signals: &Signals, grammar: bool, logprobs: bool) -> Needs {
+    Needs {
+        plain_greedy: signals.greedy,
+        tools: signals.has_tools,
+        images: signals.has_images,
+        grammar,
+        logprobs,
+        in_flight: (signals.total_active + signals.total_queued) as usize,
+    }
 }
 
 /// Prints the signals of the request in `request` (an API request body,
 /// chat, completions or responses, with an optional `signals` object whose
 /// values win), each rule's verdict, and the engine chosen.
 pub fn explain(config: &Path, request: &Path) -> anyhow::Result<()> {
-    let (config, policy, _) = load(config)?;
+    let (config, policy) = load(config)?;
     let text = std::fs::read_to_string(request)
         .with_context(|| format!("reading {}", request.display()))?;
     let mut body: Map<String, Value> = serde_json::from_str(&text)
@@ -45,7 +85,10 @@ pub fn explain(config: &Path, request: &Path) -> anyhow::Result<()> {
         Some(Value::Object(given)) => given,
         Some(_) => bail!("`signals` in {} must be an object", request.display()),
     };
-    let (kind, mut signals) = request_signals(&config, &RawBody::from_map(body), &given)?;
+    let body = RawBody::from_map(body);
+    let registry = build_engines(&config)?;
+    let (kind, mut signals, options) =
+        request_signals(&config, &registry.shared.model, &body, &given)?;
     signals.extend(given);
     let signals: Signals = serde_json::from_value(Value::Object(signals))
         .with_context(|| format!("the signals of {}", request.display()))?;
@@ -55,39 +98,77 @@ pub fn explain(config: &Path, request: &Path) -> anyhow::Result<()> {
     for (name, value) in signals.named() {
         println!("  {name}: {value}");
     }
-    let decision = policy.decide(&signals);
-    println!("rules (the first that holds decides):");
+    let needs = needs(
+        &signals,
+        options.structured.is_some(),
+        options.sampling.logprobs,
+    );
+    let engines = registry.engines();
+    let takes = |name: &str| host::takes(engines, name, &needs);
+    let decision = policy.decide_where(&signals, takes);
+    println!(
+        "rules (the first that holds, routing to an engine that accepts the request, decides):"
+    );
     let width = policy.routes().map(|(r, _)| r.len()).max().unwrap_or(0);
     for v in policy.verdicts(&signals) {
         let verdict = if v.holds { "holds" } else { "-" };
         let mark = if v.rule == decision.rule {
-            "  <- decides"
+            "  <- decides".to_owned()
+        } else if v.holds {
+            format!("  <- passed over: {}", refusal(&registry, v.route, &needs))
         } else {
-            ""
+            String::new()
         };
         println!("  {:width$}  {verdict:5}  route {}{mark}", v.rule, v.route);
     }
-    let fallback = match decision.fallback {
+    let Some(engine) = decision.first_where(takes) else {
+        let why: Vec<String> = decision
+            .chain()
+            .iter()
+            .map(|e| refusal(&registry, e, &needs))
+            .collect();
+        println!(
+            "engine: none (rule `{}`: {})",
+            decision.rule,
+            why.join("; ")
+        );
+        return Ok(());
+    };
+    let then: Vec<&str> = decision
+        .chain()
+        .iter()
+        .map(String::as_str)
+        .filter(|&e| e != engine && takes(e))
+        .collect();
+    let fallback = match then.as_slice() {
         [] => String::new(),
         f => format!(", then {}", f.join(", ")),
     };
-    println!(
-        "engine: {} (rule `{}`{fallback})",
-        decision.engine, decision.rule
-    );
+    println!("engine: {engine} (rule `{}`{fallback})", decision.rule);
     Ok(())
 }
 
-/// The request's own signals, as the gateway reads them: `model`,
+/// Why `engine` cannot take a request with `needs`, by its capabilities.
+fn refusal(registry: &Registry, engine: &str, needs: &Needs) -> String {
+    match registry.get(engine).map(|e| e.capabilities.accepts(needs)) {
+        None => format!("{engine}: not loaded"),
+        Some(Err(why)) => format!("{engine}: {why}"),
+        Some(Ok(())) => format!("{engine}: accepts it"),
+    }
+}
+
+/// The request's own signals, as the gateway reads them, and its options:
+/// `model`,
 /// `greedy`, `has_tools`, `has_images`, `max_tokens`, and `prompt_tokens`
-/// counted with the model's tokenizer and chat template (loaded only when
-/// `given` has no `prompt_tokens`; with it, the checkpoint's sampling
-/// defaults are not read and `greedy` is the body's own).
+/// counted with the model's tokenizer and chat template (unless `given`
+/// has `prompt_tokens`; then the checkpoint's sampling defaults are not
+/// read and `greedy` is the body's own).
 fn request_signals(
     config: &Config,
+    loaded: &runtime::LoadedModel,
     body: &RawBody,
     given: &Map<String, Value>,
-) -> anyhow::Result<(&'static str, Map<String, Value>)> {
+) -> anyhow::Result<(&'static str, Map<String, Value>, GenOptions)> {
     let vocab = u32::MAX as usize;
     let refused =
         |e: crate::api::ApiError| anyhow::anyhow!("the gateway would refuse this request: {e}");
@@ -137,14 +218,6 @@ fn request_signals(
             if has_images {
                 bail!("give `signals.prompt_tokens` for a request with images: their tokens are counted by the vision tower at serving time");
             }
-            let loaded = runtime::LoadedModel::load_as(
-                &config.model.path,
-                config.model.name.as_deref(),
-                config.model.compute_dtype,
-            )
-            .context(
-                "loading the model to count the prompt's tokens (or give `signals.prompt_tokens`)",
-            )?;
             let defaults = config
                 .model
                 .generation_config
@@ -153,7 +226,7 @@ fn request_signals(
             let prompt = match &chat {
                 Some(chat) => {
                     let text = prepare::chat_text(
-                        &loaded,
+                        loaded,
                         &chat.template_messages(),
                         &prepare::render_options(chat),
                     )
@@ -181,7 +254,7 @@ fn request_signals(
     };
     signals.insert("max_tokens".into(), json!(max_tokens));
     signals.insert("greedy".into(), json!(greedy(&options)));
-    Ok((kind, signals))
+    Ok((kind, signals, options))
 }
 
 /// Plain greedy decoding, by the engines' own definition.
@@ -194,14 +267,18 @@ fn greedy(options: &GenOptions) -> bool {
 /// Checks every case in `cases` against the policy, printing each; false
 /// when any routes elsewhere than it expects.
 pub fn test(config: &Path, cases: &Path) -> anyhow::Result<bool> {
-    let (_, policy, engines) = load(config)?;
-    let names: Vec<&str> = engines.iter().map(String::as_str).collect();
+    let (config, policy) = load(config)?;
+    let names: Vec<&str> = config.engines.iter().map(|e| e.name.as_str()).collect();
     let text =
         std::fs::read_to_string(cases).with_context(|| format!("reading {}", cases.display()))?;
     let cases_read = parse_cases(&text, &names).with_context(|| format!("{}", cases.display()))?;
+    let registry = build_engines(&config)?;
     let mut failed = 0;
     for case in &cases_read {
-        let got = case.check(&policy);
+        let needs = needs(&case.signals, false, false);
+        let got = case.check(&policy, |name| {
+            host::takes(registry.engines(), name, &needs)
+        });
         if got.pass {
             println!("ok    {}: {} (rule `{}`)", case.name, got.engine, got.rule);
         } else {

@@ -45,10 +45,11 @@ pub mod metric {
 }
 
 /// Logs go to stderr (stdout carries only the "listening" line), filtered
-/// by `RUST_LOG` (default `info`). Plugins forward their records here
-/// (`engine_core::plugin`'s log callback, target `plugin`).
-pub fn init_tracing() {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+/// by `RUST_LOG`, else at `default` (`info` when serving). Plugins forward
+/// their records here (`engine_core::plugin`'s log callback, target
+/// `plugin`).
+pub fn init_tracing(default: &str) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
     let subscriber = tracing_subscriber::registry().with(filter).with(
         tracing_subscriber::fmt::layer()
             .with_writer(std::io::stderr)

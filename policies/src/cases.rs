@@ -117,13 +117,14 @@ fn at_key_line(e: serde_yaml::Error, text: &str) -> CaseError {
 }
 
 impl Case {
-    /// Routes the case's signals with `policy` (the same decision a request
-    /// gets) and compares.
-    pub fn check<'a>(&self, policy: &'a Policy) -> Outcome<'a> {
-        let d = policy.decide(&self.signals);
-        let pass = d.engine == self.engine && self.rule.as_deref().is_none_or(|r| r == d.rule);
+    /// Routes the case's signals with `policy` among the engines that
+    /// `takes` the request (the same decision a request gets) and compares.
+    pub fn check<'a>(&self, policy: &'a Policy, takes: impl Fn(&str) -> bool) -> Outcome<'a> {
+        let d = policy.decide_where(&self.signals, &takes);
+        let engine = d.first_where(takes).unwrap_or(d.engine);
+        let pass = engine == self.engine && self.rule.as_deref().is_none_or(|r| r == d.rule);
         Outcome {
-            engine: d.engine,
+            engine,
             rule: d.rule,
             pass,
         }
@@ -145,7 +146,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            cases[0].check(&policy),
+            cases[0].check(&policy, |_| true),
             Outcome {
                 engine: "fastpath",
                 rule: "alone",
@@ -153,7 +154,7 @@ mod tests {
             }
         );
         assert_eq!(
-            cases[1].check(&policy),
+            cases[1].check(&policy, |_| true),
             Outcome {
                 engine: "batched",
                 rule: "default",

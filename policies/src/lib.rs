@@ -6,15 +6,12 @@
 //! ```yaml
 //! policy:
 //!   default: batched            # engine used when no rule matches (required)
-//!   fallback: [batched]         # tried in order when the chosen engine refuses
+//!   fallback: [batched]         # tried in order when the chosen engine is full
 //!   rules:                      # evaluated top to bottom; the first match wins
-//!     - name: tools-need-batched
-//!       when: { has_tools: true }
-//!       route: batched
-//!       fallback: [batched]     # replaces the policy-level fallback for this rule
 //!     - name: long-context
 //!       when: { prompt_tokens: { gte: 8192 } }
 //!       route: batched
+//!       fallback: []            # replaces the policy-level fallback for this rule
 //!     - name: alone-and-greedy
 //!       when: { greedy: true, total_active: { eq: 0 } }
 //!       route: fastpath
@@ -33,6 +30,15 @@
 //! A rule without its own `fallback` uses the policy's; `fallback: []` on a
 //! rule means none. The chain a decision offers is the route then the
 //! fallbacks, each engine once.
+//!
+//! Rules need not say what engines can serve: the host knows each engine's
+//! declared capabilities (`engine_core::Capabilities`: plain greedy only,
+//! tools, images, grammars, logprobs, exclusive) and routes with
+//! [`Policy::decide_where`], which passes over a rule whose engine cannot
+//! take the request as if its condition did not hold; the next rule that
+//! holds decides, else the default. In the chain, engines that cannot take
+//! it are skipped ([`Decision::first_where`]); the fallbacks are for
+//! engines that can but are full or out of service.
 //!
 //! ## Conditions
 //!
@@ -72,16 +78,17 @@
 //!
 //! `gateway policy test --config config.yaml --cases CASES.yaml` routes
 //! each case's signals with this crate's evaluation ([`Case::check`], the
-//! same [`Policy::decide`] requests get) and exits non-zero when any case
+//! same [`Policy::decide_where`] requests get, over the config's engines
+//! built for their capabilities) and exits non-zero when any case
 //! lands elsewhere than it expects, so a policy change can be checked in
 //! CI. A case file ([`parse_cases`]):
 //!
 //! ```yaml
 //! cases:
-//!   - name: a request with tools is batched
-//!     signals: { has_tools: true, greedy: true }
+//!   - name: a request with images is batched
+//!     signals: { has_images: true, greedy: true }
 //!     engine: batched
-//!     rule: tools-need-batched   # optional: the rule that must decide
+//!     rule: default              # optional: the rule that must decide
 //!   - name: one greedy request alone takes the fast path
 //!     signals: { greedy: true, prompt_tokens: 40, max_tokens: 200 }
 //!     engine: fastpath
@@ -99,10 +106,10 @@
 //!
 //! ```text
 //! $ gateway policy test --config config.yaml --cases policies/examples/config-cases.yaml
-//! ok    a request with tools is batched: batched (rule `tools-need-batched`)
+//! ok    a request with tools alone is speculated by prompt lookup: lookup (rule `speculate-while-it-pays`)
 //! ...
 //! ok    drafts rejected lately, one sampled request alone takes plain lookup rounds: lookup (rule `alone-and-sampled`)
-//! 10 cases, 0 failed
+//! 11 cases, 0 failed
 //! ```
 //!
 //! `gateway policy explain --config config.yaml --request REQUEST.json`
@@ -112,9 +119,10 @@
 //! `has_tools`, `has_images` and `max_tokens` come from the body as the
 //! gateway parses it (`greedy` after the checkpoint's sampling defaults,
 //! `model.generation_config`); `prompt_tokens` from the model's tokenizer
-//! and chat template (the model loads for it, a few seconds; images need a
-//! given count). An optional `"signals"` object in the file sets live load and
-//! overrides any of them (`prompt_tokens` there spares loading the model;
+//! and chat template (the model and the engines load, a few seconds: the
+//! engines for their capabilities; images need a given count). An optional
+//! `"signals"` object in the file sets live load and overrides any of them
+//! (`prompt_tokens` there spares counting;
 //! `max_tokens` then defaults to `default_max_tokens` unbounded by the
 //! context, and `greedy` is the body's own, the checkpoint unread); unset live load is an idle server.
 //! `policies/examples/explain-request.json`:
@@ -128,14 +136,17 @@
 //!   max_tokens: 64
 //!   greedy: true
 //!   ...
-//! rules (the first that holds decides):
-//!   tools-need-batched   -      route batched
+//! rules (the first that holds, routing to an engine that accepts the request, decides):
+//!   long-context             -      route batched
 //!   ...
 //!   busy                     -      route batched
 //!   speculate-while-it-pays  holds  route lookup  <- decides
 //!   ...
 //! engine: lookup (rule `speculate-while-it-pays`, then batched)
 //! ```
+//!
+//! A rule that holds but whose engine cannot take the request is marked
+//! `<- passed over: fastpath: it does not serve requests with tools`.
 //!
 //! A running gateway shows its policy at `GET /v1/policy` (behind the API
 //! keys when they are set): the `policy:` section in force, a hash of it,
@@ -146,10 +157,10 @@
 //! # Use
 //!
 //! Build with [`Policy::from_config_yaml`] (or a sibling constructor) at
-//! start, where an error is fatal; call [`Policy::decide`] per request; wrap
+//! start, where an error is fatal; call [`Policy::decide_where`] per request; wrap
 //! it in a [`PolicyHandle`] and [`PolicyHandle::spawn_watcher`] to pick up
 //! edits, where a bad edit is logged and the old policy stays; route
-//! through [`ActivePolicy::decide`] to count hits per rule.
+//! through [`ActivePolicy::decide_where`] to count hits per rule.
 
 mod cases;
 mod compile;

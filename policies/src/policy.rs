@@ -57,6 +57,12 @@ impl<'a> Decision<'a> {
     pub fn chain(&self) -> &'a [String] {
         self.chain
     }
+
+    /// The first engine of the chain that `takes` the request: where it
+    /// goes while every engine has room. `None` when none can.
+    pub fn first_where(&self, takes: impl Fn(&str) -> bool) -> Option<&'a str> {
+        self.chain.iter().map(String::as_str).find(|e| takes(e))
+    }
 }
 
 /// The whole gateway config, of which only `policy:` is read here.
@@ -114,10 +120,24 @@ impl Policy {
         compile(raw, loaded_engines)
     }
 
-    /// Routes one request. Pure and allocation-free: the first rule whose
-    /// condition holds wins, otherwise the default.
+    /// Routes one request that every engine can take. Pure and
+    /// allocation-free: the first rule whose condition holds wins,
+    /// otherwise the default.
     pub fn decide(&self, signals: &Signals) -> Decision<'_> {
-        let index = self.rules.iter().position(|r| r.when.matches(signals));
+        self.decide_where(signals, |_| true)
+    }
+
+    /// Routes one request among the engines that `takes` it (the host asks
+    /// each engine's declared capabilities): the first rule whose condition
+    /// holds and whose route takes the request wins; a rule routing to an
+    /// engine that cannot is passed over as if its condition did not hold.
+    /// Otherwise the default. The decision's chain may still name engines
+    /// that cannot take it (fallbacks, the default): callers skip those.
+    pub fn decide_where(&self, signals: &Signals, takes: impl Fn(&str) -> bool) -> Decision<'_> {
+        let index = self
+            .rules
+            .iter()
+            .position(|r| r.when.matches(signals) && takes(&r.chain[0]));
         let (rule, chain) = index.map_or((DEFAULT_RULE, &*self.default_chain), |i| {
             (self.rules[i].name.as_str(), &*self.rules[i].chain)
         });

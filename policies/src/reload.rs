@@ -66,7 +66,12 @@ impl ActivePolicy {
 
     /// [`Policy::decide`], counted as a hit of the deciding rule.
     pub fn decide(&self, signals: &Signals) -> Decision<'_> {
-        let d = self.policy.decide(signals);
+        self.decide_where(signals, |_| true)
+    }
+
+    /// [`Policy::decide_where`], counted as a hit of the deciding rule.
+    pub fn decide_where(&self, signals: &Signals, takes: impl Fn(&str) -> bool) -> Decision<'_> {
+        let d = self.policy.decide_where(signals, takes);
         let slot = d.index.unwrap_or(self.hits.len() - 1);
         self.hits[slot].fetch_add(1, Ordering::Relaxed);
         d

@@ -146,6 +146,34 @@ fn first_match_wins_even_when_later_rules_match() {
     assert_eq!(policy.decide(&s).rule, "tools-need-batched");
 }
 
+/// A rule routing to an engine that cannot take the request is passed
+/// over as if it did not hold: the next rule that holds decides, else the
+/// default; the chain's engines that cannot take it are skipped by
+/// `first_where`.
+#[test]
+fn rules_whose_engine_cannot_take_the_request_are_passed_over() {
+    let policy = design();
+    let s = Signals {
+        greedy: true,
+        ..Signals::default()
+    };
+    assert_eq!(policy.decide(&s).rule, "alone-and-greedy");
+    let no_fastpath = |e: &str| e != "fastpath";
+    let d = policy.decide_where(&s, no_fastpath);
+    assert_eq!((d.rule, d.engine), ("speculate-when-quiet", "dflash"));
+    let only_batched = |e: &str| e == "batched";
+    let d = policy.decide_where(&s, only_batched);
+    assert_eq!((d.rule, d.engine), ("default", "batched"));
+    // The default decides even when its engine cannot take the request;
+    // the chain names what can.
+    let only_mtp = |e: &str| e == "mtp";
+    let d = policy.decide_where(&s, only_mtp);
+    assert_eq!(d.rule, "default");
+    assert_eq!(d.first_where(only_mtp), None);
+    let d = policy.decide(&s);
+    assert_eq!(d.first_where(|e| e != "fastpath"), Some("dflash"));
+}
+
 #[test]
 fn unknown_accept_rate_fails_comparisons_and_not_inverts() {
     let yaml = r#"

@@ -3,7 +3,8 @@
 //! show them) pass, a wrong expectation fails the run, an unknown signal is
 //! refused at its line, and explain's signals and engine for a request are
 //! the ones a started gateway reports for it (prompt tokens in `usage`, the
-//! engine in `x-engine`).
+//! engine in `x-engine`), a rule whose engine cannot take the request is
+//! shown passed over, as the server passes it over.
 
 use std::process::{Command, Output};
 
@@ -38,7 +39,7 @@ fn the_example_cases_pass_and_mismatches_fail_the_run() {
         "policies/examples/config-cases.yaml",
     ]);
     assert!(ok.status.success(), "{}", text(&ok));
-    assert!(text(&ok).contains("10 cases, 0 failed"), "{}", text(&ok));
+    assert!(text(&ok).contains("11 cases, 0 failed"), "{}", text(&ok));
 
     let dir = tempfile::tempdir().unwrap();
     let wrong = dir.path().join("wrong.yaml");
@@ -52,7 +53,7 @@ fn the_example_cases_pass_and_mismatches_fail_the_run() {
     let report = text(&out);
     assert!(
         report.contains(
-            "FAIL  tools: routed to batched (rule `tools-need-batched`), expected fastpath"
+            "FAIL  tools: routed to lookup (rule `speculate-while-it-pays`), expected fastpath"
         ) && report.contains("ok    alone: fastpath")
             && report.contains("2 cases, 1 failed"),
         "{report}"
@@ -85,7 +86,7 @@ fn explain_reports_what_the_server_does_with_the_request() {
     assert!(out.status.success(), "{report}");
     assert!(
         report.contains("  speculate-while-it-pays  holds  route lookup  <- decides")
-            && report.contains("  tools-need-batched       -      route batched"),
+            && report.contains("  long-context             -      route batched"),
         "{report}"
     );
     let prompt_tokens: u64 = report
@@ -127,5 +128,37 @@ fn explain_reports_what_the_server_does_with_the_request() {
         text(&out).contains("engine: batched (rule `busy`"),
         "{}",
         text(&out)
+    );
+
+    // Tools, drafts rejected lately: the fast path would take a greedy
+    // request alone but serves no tools, so the server batches it.
+    let mut tools = body.clone();
+    tools["tools"] =
+        json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
+    let mut explained = tools.clone();
+    explained["signals"] = json!({"engine_accept_rate.lookup": 0.1});
+    std::fs::write(&request, explained.to_string()).unwrap();
+    let out = policy(&["explain", "--request", request.to_str().unwrap()]);
+    let report = text(&out);
+    assert!(
+        report.contains("  alone-and-greedy         holds  route fastpath  <- passed over: fastpath: it does not serve requests with tools")
+            && report.contains("engine: batched (rule `default`"),
+        "{report}"
+    );
+    let r = gw.post("/v1/chat/completions", &tools);
+    assert_eq!(r.status, 200, "{}", r.text());
+    // Prompt lookup while its drafts pay (the first request measured them),
+    // else the fast path is passed over as explain shows.
+    let route = (
+        r.header("x-engine").unwrap(),
+        r.header("x-route-rule").unwrap(),
+    );
+    assert!(
+        [
+            ("lookup", "speculate-while-it-pays"),
+            ("batched", "default")
+        ]
+        .contains(&route),
+        "{route:?}"
     );
 }

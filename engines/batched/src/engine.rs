@@ -92,6 +92,8 @@ impl Engine for BatchedEngine {
             tools: true,
             images: true,
             grammar: true,
+            logprobs: true,
+            exclusive: false,
         }
     }
 

@@ -5,9 +5,13 @@ use serde::{Deserialize, Serialize};
 use crate::event::{event_channel, EventSender, EventStream};
 use crate::request::{GenerateRequest, RequestId};
 
+/// What an engine can serve, declared once at load. The host decides from
+/// it alone which engines may take a request ([`Capabilities::accepts`]);
+/// engines do not check it again.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Capabilities {
-    /// Serves only plain greedy requests (no sampling, penalties, seed).
+    /// Serves only plain greedy requests (no sampling, penalties, seed,
+    /// logprobs: [`GenerateRequest::is_plain_greedy`]).
     pub greedy_only: bool,
     /// Can serve requests that carry tool definitions.
     pub tools: bool,
@@ -16,6 +20,72 @@ pub struct Capabilities {
     /// Applies a request's grammar as token masks (structured outputs).
     #[serde(default)]
     pub grammar: bool,
+    /// Reports each token's log-probability (and alternatives) when asked.
+    #[serde(default)]
+    pub logprobs: bool,
+    /// Serves one request alone: the router gives it a request only while
+    /// no other is in flight on any engine, and none to anyone else before
+    /// that one is placed. Others that arrive while it runs go elsewhere;
+    /// the engine may hand its sequence to one of them (`runtime::handover`).
+    #[serde(default)]
+    pub exclusive: bool,
+}
+
+/// What a request needs of an engine ([`GenerateRequest::needs`]), and how
+/// many other requests are in flight beside it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Needs {
+    pub plain_greedy: bool,
+    pub tools: bool,
+    pub images: bool,
+    pub grammar: bool,
+    pub logprobs: bool,
+    /// Requests in flight on any engine (queued ones and sequences being
+    /// handed over included).
+    pub in_flight: usize,
+}
+
+/// Why an engine may not take a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Unsupported {
+    #[error("it serves plain greedy requests only")]
+    NotPlainGreedy,
+    #[error("it does not serve requests with tools")]
+    Tools,
+    #[error("it does not serve requests with images")]
+    Images,
+    #[error("it does not apply structured-output grammars")]
+    Grammar,
+    #[error("it does not report logprobs")]
+    Logprobs,
+    /// Not about the request: the engine serves one alone and another is
+    /// in flight.
+    #[error("it serves one request alone and others are in flight")]
+    NotAlone,
+}
+
+impl Capabilities {
+    /// The one rule of which engine may take which request: the first
+    /// thing `needs` asks that this engine lacks. The router applies it
+    /// before a rule may route to an engine and before submitting; `gateway
+    /// policy explain` and `policy test` show it the same way.
+    pub fn accepts(&self, needs: &Needs) -> Result<(), Unsupported> {
+        let lacks = [
+            (
+                self.greedy_only && !needs.plain_greedy,
+                Unsupported::NotPlainGreedy,
+            ),
+            (needs.tools && !self.tools, Unsupported::Tools),
+            (needs.images && !self.images, Unsupported::Images),
+            (needs.grammar && !self.grammar, Unsupported::Grammar),
+            (needs.logprobs && !self.logprobs, Unsupported::Logprobs),
+            (self.exclusive && needs.in_flight > 0, Unsupported::NotAlone),
+        ];
+        lacks
+            .into_iter()
+            .find_map(|(lacking, why)| lacking.then_some(why))
+            .map_or(Ok(()), Err)
+    }
 }
 
 /// A snapshot of an engine's load, read by the router per request.
@@ -33,14 +103,11 @@ pub struct EngineLoad {
     pub expected_speedup: Option<f32>,
 }
 
-/// Why an engine declined a request it could otherwise serve; the router
-/// falls back to the next engine in the chain.
+/// Why an engine declined a request its capabilities accept (its own
+/// state: full, not ready); the router falls back to the next engine in
+/// the chain.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum Refusal {
-    #[error("engine serves only plain greedy requests")]
-    NotPlainGreedy,
-    #[error("engine does not serve requests with tools")]
-    Tools,
     #[error("engine is at its concurrency limit")]
     Busy,
     #[error("engine is not ready")]
@@ -89,4 +156,87 @@ pub trait Engine: Send + Sync {
     fn load(&self) -> EngineLoad;
     /// Fence: cancels in-flight work and returns once it has stopped.
     fn shutdown(&self);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::{GenerateRequest, Grammar, ImageInput};
+
+    /// Each capability refuses exactly the requests that need it, by name.
+    #[test]
+    fn accepts_names_what_the_engine_lacks() {
+        let plain = GenerateRequest::new(vec![1], 1);
+        let mut sampled = plain.clone();
+        sampled.sampling.temperature = 0.7;
+        let mut tools = plain.clone();
+        tools.has_tools = true;
+        let mut images = plain.clone();
+        images.images.push(ImageInput {
+            start: 0,
+            tokens: 1,
+            width: 1,
+            embeddings: Default::default(),
+            bidirectional: false,
+        });
+        let mut grammar = plain.clone();
+        grammar.grammar = Some(Grammar::Regex("a".into()));
+        let mut logprobs = sampled.clone();
+        logprobs.sampling.logprobs = true;
+
+        let none = Capabilities::default();
+        assert_eq!(none.accepts(&plain.needs(0)), Ok(()));
+        assert_eq!(none.accepts(&sampled.needs(3)), Ok(()));
+        assert_eq!(none.accepts(&tools.needs(0)), Err(Unsupported::Tools));
+        assert_eq!(none.accepts(&images.needs(0)), Err(Unsupported::Images));
+        assert_eq!(none.accepts(&grammar.needs(0)), Err(Unsupported::Grammar));
+        assert_eq!(none.accepts(&logprobs.needs(0)), Err(Unsupported::Logprobs));
+        assert!(Unsupported::Logprobs.to_string().contains("logprobs"));
+
+        let all = Capabilities {
+            tools: true,
+            images: true,
+            grammar: true,
+            logprobs: true,
+            ..Capabilities::default()
+        };
+        for req in [&plain, &sampled, &tools, &images, &grammar, &logprobs] {
+            assert_eq!(all.accepts(&req.needs(5)), Ok(()), "{req:?}");
+        }
+
+        let greedy_only = Capabilities {
+            greedy_only: true,
+            ..all.clone()
+        };
+        assert_eq!(greedy_only.accepts(&plain.needs(0)), Ok(()));
+        assert_eq!(
+            greedy_only.accepts(&sampled.needs(0)),
+            Err(Unsupported::NotPlainGreedy)
+        );
+        // Logprobs are not plain greedy, even at temperature 0.
+        let mut greedy_logprobs = plain.clone();
+        greedy_logprobs.sampling.logprobs = true;
+        assert_eq!(
+            greedy_only.accepts(&greedy_logprobs.needs(0)),
+            Err(Unsupported::NotPlainGreedy)
+        );
+
+        let exclusive = Capabilities {
+            exclusive: true,
+            ..all
+        };
+        assert_eq!(exclusive.accepts(&plain.needs(0)), Ok(()));
+        assert_eq!(
+            exclusive.accepts(&plain.needs(1)),
+            Err(Unsupported::NotAlone)
+        );
+    }
+
+    /// A plugin built before a capability existed declares it absent.
+    #[test]
+    fn capabilities_missing_from_json_are_absent() {
+        let old: Capabilities =
+            serde_json::from_str(r#"{"greedy_only":false,"tools":true,"images":false}"#).unwrap();
+        assert!(old.tools && !old.grammar && !old.logprobs && !old.exclusive);
+    }
 }

@@ -8,7 +8,7 @@ pub mod panic_barrier;
 pub mod plugin;
 pub mod request;
 
-pub use engine::{Capabilities, Engine, EngineError, EngineLoad, Refusal};
+pub use engine::{Capabilities, Engine, EngineError, EngineLoad, Needs, Refusal, Unsupported};
 pub use event::{
     Event, EventSender, EventStream, Finish, FinishReason, SpecStats, StreamError, TokenEvent,
 };

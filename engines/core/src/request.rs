@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
+use crate::engine::Needs;
 use crate::plugin::handles::ForeignCancel;
 
 /// Process-unique request id.
@@ -259,6 +260,19 @@ impl GenerateRequest {
             && s.seed.is_none()
             && !s.has_penalties()
             && !s.logprobs
+    }
+
+    /// What this request needs of an engine, with `in_flight` other
+    /// requests beside it ([`crate::Capabilities::accepts`]).
+    pub fn needs(&self, in_flight: usize) -> Needs {
+        Needs {
+            plain_greedy: self.is_plain_greedy(),
+            tools: self.has_tools,
+            images: !self.images.is_empty(),
+            grammar: self.grammar.is_some(),
+            logprobs: self.sampling.logprobs,
+            in_flight,
+        }
     }
 
     pub fn new(prompt: Vec<u32>, max_tokens: u32) -> Self {

@@ -12,7 +12,6 @@ use engine_core::{
 use parking_lot::Mutex;
 use runtime::SharedModel;
 
-use crate::eligibility;
 use crate::worker::{self, Job, Outcome};
 
 pub struct FastpathEngine {
@@ -86,12 +85,20 @@ impl Engine for FastpathEngine {
             tools: false,
             images: false,
             grammar: true,
+            logprobs: false,
+            // It runs one request at the speed of the raw loop, holding the
+            // device, and hands it to the batched engine when others arrive.
+            exclusive: true,
         }
     }
 
     fn submit_to(&self, request: GenerateRequest, events: EventSender) -> Result<(), EngineError> {
-        eligibility::check(&request, &self.shared)?;
+        runtime::admission::check_request(&request, &self.shared.model)?;
         let tx = self.tx.lock().clone().ok_or(EngineError::ShuttingDown)?;
+        // The one slot. The router keeps others away while it is taken;
+        // this stops what reaches the engine past the router (the host's
+        // probe, a request whose client stopped it while its last step
+        // runs) from queueing behind it.
         if self
             .busy
             .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)

@@ -6,9 +6,7 @@
 //! work arrives it hands the running sequence, KV and all, to the batched
 //! engine and the stream goes on.
 
-mod eligibility;
 mod engine;
 mod worker;
 
-pub use eligibility::check as check_eligibility;
 pub use engine::FastpathEngine;

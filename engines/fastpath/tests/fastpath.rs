@@ -1,4 +1,4 @@
-//! The fast path: eligibility, plain greedy output, handover to the batched
+//! The fast path: what it declares it serves, plain greedy output, handover to the batched
 //! engine mid-stream (token for token, also between engines that reach the
 //! shared model only through the plugin boundary's C tables), cancellation
 //! and the shutdown fence.
@@ -9,7 +9,7 @@ use batched::{BatchedConfig, BatchedEngine};
 use engine_core::plugin::SharedHandle;
 use engine_core::{
     Engine, EngineContext, EngineError, Event, EventStream, Finish, FinishReason, GenerateRequest,
-    Refusal, SamplingParams,
+    Refusal, SamplingParams, Unsupported,
 };
 use fastpath::FastpathEngine;
 use fixtures::model::{random_prompt, write_model, TinySpec};
@@ -114,35 +114,33 @@ fn serves_plain_greedy_like_the_raw_loop() {
 }
 
 #[test]
-fn refuses_what_it_cannot_serve() {
+fn declares_what_it_cannot_serve_and_refuses_what_is_invalid() {
     let s = setup();
+    // What it cannot serve is declared, for the router to apply
+    // (engine_core::Capabilities::accepts); the engine does not re-check.
+    let caps = s.fast.capabilities();
     let mut sampled = GenerateRequest::new(vec![1, 2, 3], 4);
     sampled.sampling = SamplingParams {
         temperature: 0.7,
         ..Default::default()
     };
-    assert_eq!(
-        refusal(s.fast.submit(sampled)),
-        EngineError::Refused(Refusal::NotPlainGreedy)
-    );
     let mut seeded = GenerateRequest::new(vec![1, 2, 3], 4);
     seeded.sampling.seed = Some(1);
-    assert_eq!(
-        refusal(s.fast.submit(seeded)),
-        EngineError::Refused(Refusal::NotPlainGreedy)
-    );
     let mut penalised = GenerateRequest::new(vec![1, 2, 3], 4);
     penalised.sampling.presence_penalty = 0.5;
-    assert_eq!(
-        refusal(s.fast.submit(penalised)),
-        EngineError::Refused(Refusal::NotPlainGreedy)
-    );
+    for req in [&sampled, &seeded, &penalised] {
+        assert_eq!(
+            caps.accepts(&req.needs(0)),
+            Err(Unsupported::NotPlainGreedy)
+        );
+    }
     let mut tools = GenerateRequest::new(vec![1, 2, 3], 4);
     tools.has_tools = true;
-    assert_eq!(
-        refusal(s.fast.submit(tools)),
-        EngineError::Refused(Refusal::Tools)
-    );
+    assert_eq!(caps.accepts(&tools.needs(0)), Err(Unsupported::Tools));
+    let plain = GenerateRequest::new(vec![1, 2, 3], 4);
+    assert_eq!(caps.accepts(&plain.needs(0)), Ok(()));
+    assert_eq!(caps.accepts(&plain.needs(1)), Err(Unsupported::NotAlone));
+
     assert!(matches!(
         refusal(s.fast.submit(GenerateRequest::new(vec![], 4))),
         EngineError::Invalid(_)
@@ -157,8 +155,8 @@ fn refuses_what_it_cannot_serve() {
         EngineError::Invalid(_)
     ));
 
-    // Exclusive: a second request while one runs is refused as busy, and so
-    // is one while the batched engine has work.
+    // Its one slot: a second request that reaches it past the router while
+    // one runs is refused as busy.
     let mut a = s
         .fast
         .submit(GenerateRequest::new(prompt(2, 8), 2000))

@@ -164,6 +164,9 @@ impl Engine for RemoteEngine {
             images: false,
             // Upstreams differ in what structured outputs they take.
             grammar: false,
+            // The chosen tokens' (token-protocol upstreams: `wire::unsupported`).
+            logprobs: true,
+            exclusive: false,
         }
     }
 

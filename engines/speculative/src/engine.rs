@@ -1,5 +1,4 @@
-//! The `Engine` face of a speculative engine: admission (greedy or sampled,
-//! no logprobs; a concurrency cap, KV reserved for target and drafter
+//! The `Engine` face of a speculative engine: admission (a concurrency cap, KV reserved for target and drafter
 //! together) and one worker thread that runs a draft-and-verify round of
 //! all its sequences per turn, verified together in one forward, under the
 //! shared device lock.
@@ -188,17 +187,13 @@ impl Engine for SpecEngine {
             images: false,
             // Drafts are verified under the grammar's masks.
             grammar: true,
+            // Committed tokens are streamed without their log-probabilities.
+            logprobs: false,
+            exclusive: false,
         }
     }
 
     fn submit_to(&self, request: GenerateRequest, events: EventSender) -> Result<(), EngineError> {
-        // Committed tokens are streamed without their log-probabilities.
-        if request.sampling.logprobs {
-            return Err(Refusal::Other("this engine does not report logprobs".into()).into());
-        }
-        if !request.images.is_empty() {
-            return Err(Refusal::Other("this engine does not take images".into()).into());
-        }
         runtime::admission::check_request(&request, &self.shared.model)?;
         if lock(&self.state.failed).is_some() {
             return Err(Refusal::NotReady.into());

@@ -15,7 +15,7 @@ use batched::{BatchedConfig, BatchedEngine};
 
 use engine_core::{
     Engine, EngineError, Event, EventStream, Finish, FinishReason, GenerateRequest, Refusal,
-    SamplingParams, SpecStats,
+    SamplingParams, SpecStats, Unsupported,
 };
 use fixtures::model::{random_prompt, write_model, TinySpec};
 use fixtures::qwen::QwenShape;
@@ -354,25 +354,27 @@ fn cancellation_mid_block_stops_and_returns_the_kv() {
 }
 
 #[test]
-fn refuses_what_it_cannot_serve_losslessly_and_caps_concurrency() {
+fn declares_what_it_cannot_serve_and_caps_concurrency() {
     let t = target(Family::Qwen3);
     let e = t
         .engine("dflash", "{ draft: ngram, max_concurrent: 1 }")
         .unwrap();
+    // Declared for the router (engine_core::Capabilities::accepts):
+    // committed tokens stream without their log-probabilities, and the
+    // drafters read text positions only.
+    let caps = e.capabilities();
     let mut logprobs = GenerateRequest::new(vec![1, 2, 3], 8);
     logprobs.sampling = SamplingParams {
         temperature: 0.7,
         logprobs: true,
         ..SamplingParams::default()
     };
+    assert_eq!(caps.accepts(&logprobs.needs(0)), Err(Unsupported::Logprobs));
+    assert!(!caps.greedy_only && !caps.images && caps.tools && caps.grammar);
+    assert!(!caps.exclusive);
     let refusal = |r: Result<EventStream, EngineError>| r.map(|_| ()).unwrap_err();
-    assert_eq!(
-        refusal(e.submit(logprobs)),
-        EngineError::Refused(Refusal::Other(
-            "this engine does not report logprobs".into()
-        ))
-    );
     let first = e.submit(GenerateRequest::new(vec![1, 2, 3], 64)).unwrap();
+    // The concurrency cap is the engine's own state, enforced, not declared.
     assert_eq!(
         refusal(e.submit(GenerateRequest::new(vec![4, 5], 8))),
         EngineError::Refused(Refusal::Busy)
@@ -382,9 +384,6 @@ fn refuses_what_it_cannot_serve_losslessly_and_caps_concurrency() {
         refusal(e.submit(GenerateRequest::new(vec![9_999], 8))),
         EngineError::Invalid(_)
     ));
-    // The concurrency cap is enforced (Busy above), not advertised.
-    let caps = e.capabilities();
-    assert!(!caps.greedy_only && !caps.images);
 }
 
 fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {

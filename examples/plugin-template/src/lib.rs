@@ -16,7 +16,7 @@ use std::sync::{mpsc, Arc, Mutex};
 
 use engine_core::{
     CancelToken, Capabilities, Engine, EngineContext, EngineError, EngineLoad, Event, EventSender,
-    Finish, FinishReason, GenerateRequest, Refusal, RequestId, StreamError, TokenEvent,
+    Finish, FinishReason, GenerateRequest, RequestId, StreamError, TokenEvent,
 };
 use runtime::SharedModel;
 
@@ -124,6 +124,7 @@ impl Engine for Template {
     }
 
     fn capabilities(&self) -> Capabilities {
+        // Plain greedy text; no tools, images, grammars or logprobs.
         Capabilities {
             greedy_only: true,
             ..Capabilities::default()
@@ -131,12 +132,8 @@ impl Engine for Template {
     }
 
     fn submit_to(&self, req: GenerateRequest, events: EventSender) -> Result<(), EngineError> {
-        if !req.is_plain_greedy() {
-            return Err(Refusal::NotPlainGreedy.into());
-        }
-        if req.has_tools || !req.images.is_empty() {
-            return Err(Refusal::Other("the template engine takes plain text only".into()).into());
-        }
+        // What `capabilities` leaves out never arrives: the gateway applies
+        // it. This checks only what the engine itself must hold true.
         runtime::admission::check_request(&req, &self.shared.model)?;
         let jobs = self.jobs.lock().unwrap();
         let jobs = jobs.as_ref().ok_or(EngineError::ShuttingDown)?;

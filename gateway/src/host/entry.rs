@@ -9,11 +9,12 @@
 //! fails only its request (an upstream that died mid-stream, a step out of
 //! memory, are not the engine's fault) and is counted.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use engine_core::{
-    Capabilities, Engine, EngineError, EngineLoad, Event, EventStream, GenerateRequest, RequestId,
+    Capabilities, Engine, EngineError, EngineLoad, Event, EventStream, GenerateRequest, Needs,
+    RequestId,
 };
 
 use crate::telemetry::metric;
@@ -61,6 +62,17 @@ impl Fault {
     fn is_active(&self) -> bool {
         self.kind.is_permanent() || self.at.elapsed() < ERROR_COOLDOWN
     }
+}
+
+/// Whether the engine `name` among `engines` may take a request with
+/// `needs`, by its declared capabilities: what the router and `gateway
+/// policy` ask before a rule may route there. One that is not loaded is
+/// left to the route's chain, which reports it out of service.
+pub fn takes(engines: &[Arc<EngineEntry>], name: &str, needs: &Needs) -> bool {
+    engines
+        .iter()
+        .find(|e| e.name == name)
+        .is_none_or(|e| e.capabilities.accepts(needs).is_ok())
 }
 
 /// A loaded engine and what the router needs to know about it.

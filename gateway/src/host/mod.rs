@@ -8,5 +8,5 @@ pub mod probe;
 pub mod registry;
 pub mod warm;
 
-pub use entry::{EngineEntry, FaultKind};
+pub use entry::{takes, EngineEntry, FaultKind};
 pub use registry::Registry;

@@ -134,8 +134,8 @@ mod tests {
     use crate::plugin::{export, EngineContext};
     use crate::request::CancelToken;
 
-    /// Echoes the prompt back; refuses sampled requests; remembers the last
-    /// cancel token it was given.
+    /// Echoes the prompt back; refuses prompts of more than 8 tokens (its
+    /// queue is full); remembers the last cancel token it was given.
     struct Echo(String, Mutex<Option<CancelToken>>);
 
     impl Engine for Echo {
@@ -147,12 +147,12 @@ mod tests {
                 greedy_only: true,
                 tools: false,
                 images: true,
-                grammar: false,
+                ..Capabilities::default()
             }
         }
         fn submit_to(&self, req: GenerateRequest, events: EventSender) -> Result<(), EngineError> {
-            if !req.is_plain_greedy() {
-                return Err(Refusal::NotPlainGreedy.into());
+            if req.prompt.len() > 8 {
+                return Err(Refusal::Busy.into());
             }
             if req.prompt.is_empty() {
                 panic!("an empty prompt");
@@ -247,11 +247,11 @@ mod tests {
         assert!(token.is_cancelled());
 
         // A refusal comes back typed, for the router's fallback.
-        let mut sampled = GenerateRequest::new(vec![1], 1);
-        sampled.sampling.temperature = 0.7;
         assert_eq!(
-            engine.submit(sampled).unwrap_err(),
-            EngineError::Refused(Refusal::NotPlainGreedy)
+            engine
+                .submit(GenerateRequest::new(vec![1; 9], 1))
+                .unwrap_err(),
+            EngineError::Refused(Refusal::Busy)
         );
         // A panic stays in the plugin: the request fails, the engine is
         // out of service.

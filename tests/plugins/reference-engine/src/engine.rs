@@ -74,12 +74,6 @@ impl ReferenceEngine {
         if !self.state.worker_alive.load(Ordering::Acquire) {
             return Err(Refusal::NotReady.into());
         }
-        if self.options.greedy_only && !req.is_plain_greedy() {
-            return Err(Refusal::NotPlainGreedy.into());
-        }
-        if req.has_tools && !self.options.tools {
-            return Err(Refusal::Tools.into());
-        }
         if req.prompt.is_empty() {
             return Err(EngineError::Invalid("the prompt is empty".into()));
         }
@@ -113,6 +107,8 @@ impl Engine for ReferenceEngine {
             tools: self.options.tools,
             images: false,
             grammar: false,
+            logprobs: true,
+            exclusive: false,
         }
     }
 

@@ -14,8 +14,8 @@
 //!   ref:
 //!     kind: reference
 //!     max_queue: 64        # waiting requests before submit answers Overloaded
-//!     greedy_only: false   # advertise and enforce plain-greedy-only
-//!     tools: true          # accept requests that carry tools
+//!     greedy_only: false   # declare plain greedy only (the gateway enforces it)
+//!     tools: true          # declare requests with tools served
 //!     fault: panic_in_worker  # inject a fault: panic_on_submit | panic_in_worker |
 //!                          #   error_on_submit | error_in_stream |
 //!                          #   overload_in_stream | invalid_in_stream
