@@ -2,9 +2,9 @@
 //! error), never a panic.
 #![no_main]
 
-use gateway::api::chat::ChatRequest;
-use gateway::api::completions::CompletionRequest;
-use gateway::api::validate::RawBody;
+use gateway::protocol::chat::ChatRequest;
+use gateway::protocol::completions::CompletionRequest;
+use gateway::protocol::options::RawBody;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -15,6 +15,7 @@ pub mod make_tiny;
 pub mod pipeline;
 pub mod policy_cli;
 pub mod prepare;
+pub mod protocol;
 pub mod router;
 pub mod server;
 pub mod state;

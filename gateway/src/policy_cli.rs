@@ -12,12 +12,12 @@ use anyhow::{bail, Context};
 use policies::{parse_cases, Policy, Signals};
 use serde_json::{json, Map, Value};
 
-use crate::api::chat::ChatRequest;
-use crate::api::completions::{CompletionRequest, Prompt};
-use crate::api::responses::ResponsesRequest;
-use crate::api::validate::{resolve_max_tokens, GenOptions, Limits, RawBody};
 use crate::config::{Config, Overrides};
 use crate::prepare;
+use crate::protocol::chat::ChatRequest;
+use crate::protocol::completions::{CompletionRequest, Prompt};
+use crate::protocol::options::{resolve_max_tokens, GenOptions, Limits, RawBody};
+use crate::protocol::responses::ResponsesRequest;
 
 /// The config's policy, validated against its engines.
 fn load(config: &Path) -> anyhow::Result<(Config, Policy, Vec<String>)> {
@@ -89,8 +89,9 @@ fn request_signals(
     given: &Map<String, Value>,
 ) -> anyhow::Result<(&'static str, Map<String, Value>)> {
     let vocab = u32::MAX as usize;
-    let refused =
-        |e: crate::api::ApiError| anyhow::anyhow!("the gateway would refuse this request: {e}");
+    let refused = |e: crate::protocol::ApiError| {
+        anyhow::anyhow!("the gateway would refuse this request: {e}")
+    };
     let (kind, model, mut options, chat) = if body.get("messages").is_some() {
         let chat = ChatRequest::parse(body, vocab).map_err(refused)?;
         (

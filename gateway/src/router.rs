@@ -9,8 +9,8 @@ use std::sync::Arc;
 use engine_core::{CancelToken, EngineError, EventStream, GenerateRequest, Refusal, RequestId};
 use policies::{PolicyHandle, Signals};
 
-use crate::api::ApiError;
 use crate::host::{EngineEntry, FaultKind, Registry};
+use crate::protocol::ApiError;
 use crate::telemetry::metric;
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -8,10 +8,10 @@ use metrics_exporter_prometheus::PrometheusHandle;
 
 use engine_core::{SamplingDefaults, SamplingParams};
 
-use crate::api::validate::{Limits, RawBody};
-use crate::api::ApiError;
 use crate::config::Config;
 use crate::host::Registry;
+use crate::protocol::options::{Limits, RawBody};
+use crate::protocol::ApiError;
 use crate::router::Router;
 use crate::vision::Vision;
 
@@ -58,7 +58,7 @@ impl AppState {
             name: loaded.name.clone(),
             context_window: loaded.context_window(),
             vocab: loaded.vocab_size().max(loaded.tokenizer.vocab_size()),
-            created: crate::api::unix_now(),
+            created: crate::protocol::unix_now(),
             sampling_defaults: config
                 .model
                 .generation_config

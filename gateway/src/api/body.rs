@@ -2,8 +2,8 @@
 
 use axum::extract::{FromRequest, Request};
 
-use super::validate::RawBody;
-use super::ApiError;
+use crate::protocol::options::RawBody;
+use crate::protocol::ApiError;
 use crate::state::SharedState;
 
 /// Extracts and parses the body; too large is 413, anything but a JSON

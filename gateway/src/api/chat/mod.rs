@@ -1,6 +1,5 @@
 //! `POST /v1/chat/completions`.
 
-mod request;
 mod response;
 
 use axum::extract::State;
@@ -8,14 +7,13 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 
-pub use request::{CallSchema, ChatRequest, ToolChoice};
-
 use super::body::{CacheScope, RawJson};
 use super::choices::Choices;
-use super::validate::check_choices;
 use super::{json_response, random_id, sse, unix_now, with_route, ApiError};
 use crate::generation::Generation;
 use crate::prepare;
+use crate::protocol::chat::ChatRequest;
+use crate::protocol::options::check_choices;
 use crate::state::SharedState;
 
 /// Chat completion, streamed as server-sent events when `stream` is true.

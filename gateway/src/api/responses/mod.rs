@@ -9,8 +9,6 @@
 //! `response.output_item.done`, then `response.completed` (or
 //! `response.incomplete` at `max_output_tokens`) with the whole response.
 
-mod request;
-
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -18,14 +16,13 @@ use axum::Extension;
 use serde_json::{json, Map, Value};
 use text::tools::ToolCall;
 
-pub use request::ResponsesRequest;
-
 use super::body::{CacheScope, RawJson};
 use super::sse::ChunkFormat;
 use super::{json_response, random_id, sse, unix_now, with_route, ApiError};
 use crate::generation::{Batch, FinishReason, Generation, Summary, Usage};
 use crate::pipeline::Delta;
 use crate::prepare;
+use crate::protocol::responses::ResponsesRequest;
 use crate::state::SharedState;
 
 /// Create a response, streamed as server-sent events when `stream` is true.

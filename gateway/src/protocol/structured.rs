@@ -12,7 +12,7 @@
 use engine_core::Grammar;
 use serde_json::{Map, Value};
 
-use super::validate::{wrong_type, RawBody};
+use super::options::{wrong_type, RawBody};
 use super::ApiError;
 
 /// A grammar and the request field it came from (named in errors).

@@ -17,7 +17,7 @@
 //!   `strict: true` tool and for any forced call, as written otherwise.
 //!   `parallel_tool_calls: false` allows at most one call.
 //! * Structured outputs (`response_format` json_schema / json_object, vLLM's
-//!   `structured_outputs` and `guided_*`): see [`crate::api::structured`].
+//!   `structured_outputs` and `guided_*`): see [`crate::protocol::structured`].
 //!   `json_object` also adds a system instruction asking for one JSON
 //!   object, as trained models answer better when told. A constraint with a
 //!   forced tool call is a conflict (400).
@@ -31,8 +31,8 @@
 
 use serde_json::{json, Map, Value};
 
-use crate::api::validate::{gen_options, wrong_type, GenOptions, RawBody};
-use crate::api::ApiError;
+use crate::protocol::options::{gen_options, wrong_type, GenOptions, RawBody};
+use crate::protocol::ApiError;
 use crate::vision::ImagePart;
 
 #[derive(Debug, Clone, PartialEq)]

@@ -12,10 +12,10 @@
 
 use serde_json::{json, Map, Value};
 
-use crate::api::chat::{ChatRequest, ToolChoice};
-use crate::api::structured;
-use crate::api::validate::{wrong_type, RawBody};
-use crate::api::ApiError;
+use crate::protocol::chat::{ChatRequest, ToolChoice};
+use crate::protocol::options::{wrong_type, RawBody};
+use crate::protocol::structured;
+use crate::protocol::ApiError;
 
 /// A parsed Responses request.
 pub struct ResponsesRequest {
