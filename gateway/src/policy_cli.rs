@@ -16,7 +16,7 @@ use crate::config::{Config, Overrides};
 use crate::prepare;
 use crate::protocol::chat::ChatRequest;
 use crate::protocol::completions::{CompletionRequest, Prompt};
-use crate::protocol::options::{resolve_max_tokens, GenOptions, Limits, RawBody};
+use crate::protocol::options::{resolve_max_tokens, GenOptions, Limits};
 use crate::protocol::responses::ResponsesRequest;
 
 /// The config's policy, validated against its engines.
@@ -45,7 +45,7 @@ pub fn explain(config: &Path, request: &Path) -> anyhow::Result<()> {
         Some(Value::Object(given)) => given,
         Some(_) => bail!("`signals` in {} must be an object", request.display()),
     };
-    let (kind, mut signals) = request_signals(&config, &RawBody::from_map(body), &given)?;
+    let (kind, mut signals) = request_signals(&config, &Value::Object(body), &given)?;
     signals.extend(given);
     let signals: Signals = serde_json::from_value(Value::Object(signals))
         .with_context(|| format!("the signals of {}", request.display()))?;
@@ -85,7 +85,7 @@ pub fn explain(config: &Path, request: &Path) -> anyhow::Result<()> {
 /// defaults are not read and `greedy` is the body's own).
 fn request_signals(
     config: &Config,
-    body: &RawBody,
+    body: &Value,
     given: &Map<String, Value>,
 ) -> anyhow::Result<(&'static str, Map<String, Value>)> {
     let vocab = u32::MAX as usize;
@@ -150,7 +150,7 @@ fn request_signals(
                 .model
                 .generation_config
                 .defaults(loaded.sampling_defaults);
-            body.fill_sampling(&defaults, &mut options.sampling);
+            options.fill_sampling(&defaults);
             let prompt = match &chat {
                 Some(chat) => {
                     let text = prepare::chat_text(

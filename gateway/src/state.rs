@@ -6,11 +6,11 @@ use std::sync::Arc;
 
 use metrics_exporter_prometheus::PrometheusHandle;
 
-use engine_core::{SamplingDefaults, SamplingParams};
+use engine_core::SamplingDefaults;
 
 use crate::config::Config;
 use crate::host::Registry;
-use crate::protocol::options::{Limits, RawBody};
+use crate::protocol::options::{GenOptions, Limits};
 use crate::protocol::ApiError;
 use crate::router::Router;
 use crate::vision::Vision;
@@ -28,9 +28,9 @@ pub struct ModelInfo {
 }
 
 impl ModelInfo {
-    /// Fills in the sampling knobs the request `body` leaves out.
-    pub fn fill_sampling(&self, body: &RawBody, sampling: &mut SamplingParams) {
-        body.fill_sampling(&self.sampling_defaults, sampling);
+    /// Fills in the sampling knobs the request leaves out.
+    pub fn fill_sampling(&self, options: &mut GenOptions) {
+        options.fill_sampling(&self.sampling_defaults);
     }
 }
 

@@ -27,7 +27,7 @@ use crate::state::SharedState;
 #[utoipa::path(
     post,
     path = "/v1/completions",
-    request_body = crate::api::openapi::CompletionRequest,
+    request_body = crate::protocol::completions::CompletionBody,
     responses(
         (status = 200, description = "The completion (JSON), or `text/event-stream` chunks", body = crate::api::openapi::Completion),
         crate::api::openapi::GenerationErrors,
@@ -40,9 +40,7 @@ pub async fn create(
     RawJson(body): RawJson,
 ) -> Result<Response, ApiError> {
     let mut request = CompletionRequest::parse(&body, state.model.vocab)?;
-    state
-        .model
-        .fill_sampling(&body, &mut request.options.sampling);
+    state.model.fill_sampling(&mut request.options);
     let n = request.options.n;
     check_choices(n, request.prompts.len(), state.config.server.max_n)?;
     let scope = scope.map(|Extension(s)| s.0);

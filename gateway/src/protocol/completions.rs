@@ -1,9 +1,13 @@
 //! The completions request: a raw prompt (text or token ids), or a list
 //! of them, and the generation options.
 
+use serde::Deserialize;
 use serde_json::Value;
+use utoipa::ToSchema;
 
-use super::options::{as_int, gen_options, wrong_type, GenOptions, RawBody};
+use super::body::{as_int, whole, wrong_type};
+use super::chat::ModelName;
+use super::options::{gen_options, GenOptions, GenerationOptions};
 use super::ApiError;
 
 /// A prompt as text or as token ids.
@@ -12,6 +16,49 @@ pub enum Prompt {
     Text(String),
     Tokens(Vec<u32>),
 }
+
+/// `POST /v1/completions`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[schema(as = CompletionRequest)]
+pub struct CompletionBody {
+    #[schema(value_type = ModelName, required = true)]
+    pub model: Option<ModelName>,
+    #[schema(value_type = PromptInput, required = true)]
+    pub prompt: Option<PromptInput>,
+    #[serde(flatten)]
+    pub options: GenerationOptions,
+    pub echo: Option<bool>,
+    /// Up to 5 alternatives per token.
+    #[schema(minimum = 0, maximum = 5)]
+    #[serde(default, deserialize_with = "whole")]
+    pub logprobs: Option<i64>,
+    /// Each chunk carries its token ids in `choices[].token_ids` (vLLM's
+    /// extension).
+    pub return_token_ids: Option<bool>,
+    /// Not supported: only empty.
+    #[schema(max_length = 0)]
+    pub suffix: Option<String>,
+}
+
+/// `prompt`: the text, a list of token ids, or a list of either (one
+/// choice per prompt, times `n`, indexed prompt by prompt). Read as JSON
+/// and sorted out by [`prompts`], which names the failing prompt.
+#[derive(Debug, Deserialize)]
+#[serde(transparent)]
+pub struct PromptInput(Value);
+
+impl utoipa::PartialSchema for PromptInput {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        utoipa::openapi::schema::OneOfBuilder::new()
+            .item(String::schema())
+            .item(Vec::<u32>::schema())
+            .item(Vec::<String>::schema())
+            .item(Vec::<Vec<u32>>::schema())
+            .into()
+    }
+}
+
+impl ToSchema for PromptInput {}
 
 #[derive(Debug, Clone)]
 pub struct CompletionRequest {
@@ -24,16 +71,15 @@ pub struct CompletionRequest {
 }
 
 impl CompletionRequest {
-    pub fn parse(body: &RawBody, vocab: usize) -> Result<Self, ApiError> {
-        let model = body.string("model")?.map(str::to_owned);
-        let prompts = prompts(body, vocab)?;
-        let echo = body.bool("echo")?.unwrap_or(false);
-        let return_token_ids = body.bool("return_token_ids")?.unwrap_or(false);
-        if body.string("suffix")?.is_some_and(|s| !s.is_empty()) {
+    /// The request in `body` (a JSON object).
+    pub fn parse(body: &Value, vocab: usize) -> Result<Self, ApiError> {
+        let wire: CompletionBody = GenerationOptions::read_into(body)?;
+        let prompts = prompts(wire.prompt.as_ref().map(|p| &p.0), vocab)?;
+        if wire.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             return Err(ApiError::invalid("`suffix` is not supported", "suffix"));
         }
-        let mut options = gen_options(body, vocab)?;
-        if let Some(n) = body.int("logprobs")? {
+        let mut options = gen_options(&wire.options, vocab)?;
+        if let Some(n) = wire.logprobs {
             if !(0..=5).contains(&n) {
                 return Err(ApiError::invalid(
                     format!("`logprobs` must be between 0 and 5, got {n}"),
@@ -44,17 +90,17 @@ impl CompletionRequest {
             options.sampling.top_logprobs = n as u32;
         }
         Ok(CompletionRequest {
-            model,
+            model: wire.model.map(|m| m.0),
             prompts,
-            echo,
-            return_token_ids,
+            echo: wire.echo.unwrap_or(false),
+            return_token_ids: wire.return_token_ids.unwrap_or(false),
             options,
         })
     }
 }
 
 /// `prompt`: a string, token ids, or a list of either.
-fn prompts(body: &RawBody, vocab: usize) -> Result<Vec<Prompt>, ApiError> {
+fn prompts(prompt: Option<&Value>, vocab: usize) -> Result<Vec<Prompt>, ApiError> {
     let ids = |items: &[Value], param: &str| -> Result<Vec<u32>, ApiError> {
         items
             .iter()
@@ -71,7 +117,7 @@ fn prompts(body: &RawBody, vocab: usize) -> Result<Vec<Prompt>, ApiError> {
             })
             .collect()
     };
-    let prompts = match body.get("prompt") {
+    let prompts = match prompt.filter(|p| !p.is_null()) {
         None => return Err(ApiError::invalid("`prompt` is required", "prompt")),
         Some(Value::String(s)) => vec![Prompt::Text(s.clone())],
         Some(Value::Array(items)) => match items.first() {
@@ -123,7 +169,7 @@ mod tests {
     use serde_json::json;
 
     fn parse(v: Value) -> Result<CompletionRequest, ApiError> {
-        CompletionRequest::parse(&RawBody::parse(v.to_string().as_bytes()).unwrap(), 512)
+        CompletionRequest::parse(&v, 512)
     }
 
     #[test]

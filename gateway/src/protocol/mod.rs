@@ -3,6 +3,7 @@
 //! preparation, the generation and the shared state import these, never a
 //! handler module.
 
+pub mod body;
 pub mod chat;
 pub mod completions;
 pub mod error;

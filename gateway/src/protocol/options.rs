@@ -1,160 +1,157 @@
-//! Parse, don't validate: the raw JSON body is read field by field into
-//! typed values, each failure naming its field in `error.param`. Unknown
-//! fields are ignored, as OpenAI does; `null` counts as absent.
+//! The generation options chat and completions share: their wire type
+//! (parsed and documented), and the rules that make them the typed
+//! [`GenOptions`] an engine request is built from, each rule naming its
+//! field in errors.
+
+use std::collections::BTreeMap;
 
 use engine_core::SamplingParams;
-use serde_json::{Map, Value};
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::Value;
+use utoipa::ToSchema;
 
-use super::structured::StructuredOutput;
+use super::body::{read, whole, StringOr};
+use super::structured::{self, ResponseFormat, StructuredOutput, StructuredOutputs};
 use super::ApiError;
 
-/// A request body known to be a JSON object.
-pub struct RawBody {
-    map: Map<String, Value>,
+/// The options chat and completions share.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+pub struct GenerationOptions {
+    #[schema(minimum = 1)]
+    #[serde(default, deserialize_with = "whole")]
+    pub max_tokens: Option<i64>,
+    #[schema(minimum = 1)]
+    #[serde(default, deserialize_with = "whole")]
+    pub max_completion_tokens: Option<i64>,
+    #[schema(minimum = 0.0, maximum = 2.0)]
+    pub temperature: Option<f64>,
+    #[schema(exclusive_minimum = 0.0, maximum = 1.0)]
+    pub top_p: Option<f64>,
+    /// -1 or 0 turn it off.
+    #[schema(minimum = -1)]
+    #[serde(default, deserialize_with = "whole")]
+    pub top_k: Option<i64>,
+    #[schema(minimum = 0.0, maximum = 1.0)]
+    pub min_p: Option<f64>,
+    #[schema(minimum = -2.0, maximum = 2.0)]
+    pub presence_penalty: Option<f64>,
+    #[schema(minimum = -2.0, maximum = 2.0)]
+    pub frequency_penalty: Option<f64>,
+    #[schema(exclusive_minimum = 0.0, maximum = 2.0)]
+    pub repetition_penalty: Option<f64>,
+    #[serde(default, deserialize_with = "whole")]
+    pub seed: Option<i64>,
+    /// Token id (as a string) to a bias in [-100, 100].
+    pub logit_bias: Option<BTreeMap<String, f64>>,
+    /// Up to 16 strings (a single string is accepted too).
+    pub stop: Option<Stop>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    /// Choices to generate (at most `server.max_n`, on completions counting
+    /// every prompt's); they share the prompt's prefill through the prefix
+    /// cache. Streamed choices interleave, each chunk naming its `index`.
+    #[schema(minimum = 1)]
+    #[serde(default, deserialize_with = "whole")]
+    pub n: Option<i64>,
+    /// Only 1 is accepted; use `n`.
+    #[schema(minimum = 1, maximum = 1)]
+    #[serde(default, deserialize_with = "whole")]
+    pub best_of: Option<i64>,
+    /// Chat with a model that thinks: reasoning tokens allowed before the
+    /// think block is closed for the model (a newline and the closing tag),
+    /// after which the answer follows (mlx-vlm's server's field).
+    #[schema(minimum = 0)]
+    #[serde(default, deserialize_with = "whole")]
+    pub thinking_budget: Option<i64>,
+    /// Generate through end-of-sequence tokens (vLLM's extension).
+    pub ignore_eos: Option<bool>,
+    /// Decoding is constrained to the format (`json_object`, `json_schema`,
+    /// strict or not). At most one of it, `structured_outputs` and the
+    /// `guided_*` fields per request.
+    pub response_format: Option<ResponseFormat>,
+    /// Constrained decoding (vLLM's extension).
+    pub structured_outputs: Option<StructuredOutputs>,
+    /// A JSON Schema the output must match (vLLM's older spelling; an
+    /// object or its JSON text).
+    #[schema(value_type = Option<Object>)]
+    pub guided_json: Option<Value>,
+    /// A regular expression the whole output must match.
+    pub guided_regex: Option<String>,
+    /// The output is exactly one of these strings.
+    #[schema(min_items = 1)]
+    pub guided_choice: Option<Vec<String>>,
+    /// A grammar in llguidance's Lark dialect.
+    pub guided_grammar: Option<String>,
 }
 
-fn type_name(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
+#[derive(Debug, Default, Deserialize, ToSchema)]
+pub struct StreamOptions {
+    pub include_usage: Option<bool>,
 }
 
-pub fn wrong_type(param: &str, expected: &str, got: &Value) -> ApiError {
-    ApiError::invalid(
-        format!("`{param}` must be {expected}, got {}", type_name(got)),
-        param,
-    )
+/// `stop`: one string or a list of up to [`MAX_STOP`].
+#[derive(Debug)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
 }
 
-impl RawBody {
-    pub fn parse(bytes: &[u8]) -> Result<Self, ApiError> {
-        if bytes.iter().all(u8::is_ascii_whitespace) {
-            return Err(ApiError::invalid_no_param(
-                "The request body is empty; expected a JSON object",
-            ));
-        }
-        let value: Value = serde_json::from_slice(bytes).map_err(|e| {
-            ApiError::invalid_no_param(format!("The request body is not valid JSON: {e}"))
-        })?;
-        match value {
-            Value::Object(map) => Ok(Self { map }),
-            other => Err(ApiError::invalid_no_param(format!(
-                "The request body must be a JSON object, got {}",
-                type_name(&other)
-            ))),
-        }
-    }
-
-    /// A body built by the gateway itself (another endpoint's request in
-    /// this one's terms).
-    pub fn from_map(map: Map<String, Value>) -> Self {
-        Self { map }
-    }
-
-    /// The field, unless absent or null.
-    pub fn get(&self, key: &str) -> Option<&Value> {
-        self.map.get(key).filter(|v| !v.is_null())
-    }
-
-    /// Fills in the sampling knobs this body leaves out from `defaults`.
-    pub fn fill_sampling(
-        &self,
-        defaults: &engine_core::SamplingDefaults,
-        sampling: &mut engine_core::SamplingParams,
-    ) {
-        defaults.apply(sampling, |key| self.get(key).is_some());
-    }
-
-    pub fn string(&self, key: &str) -> Result<Option<&str>, ApiError> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(Value::String(s)) => Ok(Some(s)),
-            Some(v) => Err(wrong_type(key, "a string", v)),
-        }
-    }
-
-    pub fn bool(&self, key: &str) -> Result<Option<bool>, ApiError> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(Value::Bool(b)) => Ok(Some(*b)),
-            Some(v) => Err(wrong_type(key, "a boolean", v)),
-        }
-    }
-
-    pub fn int(&self, key: &str) -> Result<Option<i64>, ApiError> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(v) => as_int(v)
-                .map(Some)
-                .ok_or_else(|| wrong_type(key, "an integer", v)),
-        }
-    }
-
-    pub fn number(&self, key: &str) -> Result<Option<f64>, ApiError> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(Value::Number(n)) => Ok(n.as_f64()),
-            Some(v) => Err(wrong_type(key, "a number", v)),
-        }
-    }
-
-    /// A number within `lo..=hi` (`lo_open`: `lo` itself excluded).
-    pub fn number_in(
-        &self,
-        key: &str,
-        lo: f64,
-        hi: f64,
-        lo_open: bool,
-    ) -> Result<Option<f32>, ApiError> {
-        let Some(x) = self.number(key)? else {
-            return Ok(None);
-        };
-        let low_ok = if lo_open { x > lo } else { x >= lo };
-        if !(low_ok && x <= hi) {
-            let low = if lo_open {
-                format!("greater than {lo}")
-            } else {
-                format!("at least {lo}")
-            };
-            return Err(ApiError::invalid(
-                format!("`{key}` must be {low} and at most {hi}, got {x}"),
-                key,
-            ));
-        }
-        Ok(Some(x as f32))
-    }
-
-    pub fn object(&self, key: &str) -> Result<Option<&Map<String, Value>>, ApiError> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(Value::Object(m)) => Ok(Some(m)),
-            Some(v) => Err(wrong_type(key, "an object", v)),
-        }
-    }
-
-    pub fn array(&self, key: &str) -> Result<Option<&Vec<Value>>, ApiError> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(Value::Array(a)) => Ok(Some(a)),
-            Some(v) => Err(wrong_type(key, "an array", v)),
-        }
+impl utoipa::PartialSchema for Stop {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{ArrayBuilder, OneOfBuilder};
+        OneOfBuilder::new()
+            .item(String::schema())
+            .item(
+                ArrayBuilder::new()
+                    .items(String::schema())
+                    .max_items(Some(MAX_STOP)),
+            )
+            .into()
     }
 }
 
-/// Integers only: `1.5` is not a token count (but `2.0` is accepted).
-pub fn as_int(v: &Value) -> Option<i64> {
-    match v {
-        Value::Number(n) => n.as_i64().or_else(|| {
-            n.as_f64()
-                .filter(|f| f.fract() == 0.0 && f.abs() < 9.0e15)
-                .map(|f| f as i64)
-        }),
-        _ => None,
+impl ToSchema for Stop {}
+
+impl<'de> Deserialize<'de> for Stop {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(
+            match StringOr::read(d, "a string or an array of strings")? {
+                StringOr::String(s) => Stop::One(s),
+                StringOr::Other(list) => Stop::Many(list),
+            },
+        )
+    }
+}
+
+/// The sampling knobs a checkpoint's defaults may fill when a request
+/// leaves them out.
+const DEFAULTABLE: [&str; 5] = [
+    "temperature",
+    "top_p",
+    "min_p",
+    "top_k",
+    "repetition_penalty",
+];
+
+impl GenerationOptions {
+    /// A request `T` that flattens these options into its own fields.
+    /// serde loses the path inside a flattened struct, so the options are
+    /// read on their own first: their errors keep their names.
+    pub fn read_into<T: DeserializeOwned>(body: &Value) -> Result<T, ApiError> {
+        read::<Self>(body)?;
+        read(body)
+    }
+
+    fn given(&self, key: &str) -> bool {
+        match key {
+            "temperature" => self.temperature.is_some(),
+            "top_p" => self.top_p.is_some(),
+            "min_p" => self.min_p.is_some(),
+            "top_k" => self.top_k.is_some(),
+            "repetition_penalty" => self.repetition_penalty.is_some(),
+            _ => false,
+        }
     }
 }
 
@@ -169,6 +166,9 @@ pub struct GenOptions {
     /// `None`: fill the rest of the context (capped by the config).
     pub max_tokens: Option<u32>,
     pub sampling: SamplingParams,
+    /// The sampling knobs the request set itself (the checkpoint's
+    /// defaults fill the others).
+    pub sampling_given: Vec<&'static str>,
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
@@ -177,6 +177,196 @@ pub struct GenOptions {
     pub ignore_eos: bool,
     /// The output's grammar (structured outputs), see [`super::structured`].
     pub structured: Option<StructuredOutput>,
+}
+
+impl GenOptions {
+    /// Fills in the sampling knobs the request left out from `defaults`.
+    pub fn fill_sampling(&mut self, defaults: &engine_core::SamplingDefaults) {
+        let given = &self.sampling_given;
+        defaults.apply(&mut self.sampling, |key| given.contains(&key));
+    }
+}
+
+/// Most stop strings per request (OpenAI allows 4; a few more is harmless).
+const MAX_STOP: usize = 16;
+
+pub fn gen_options(o: &GenerationOptions, vocab: usize) -> Result<GenOptions, ApiError> {
+    let n = match o.n {
+        None => 1,
+        Some(n) => at_least(n, 1, "n")?,
+    };
+    if o.best_of.is_some_and(|b| b != 1) {
+        return Err(ApiError::invalid(
+            "`best_of` other than 1 is not supported; use `n` for several choices",
+            "best_of",
+        ));
+    }
+    let max_tokens = match (o.max_completion_tokens, o.max_tokens) {
+        (Some(n), _) => Some(at_least(n, 1, "max_completion_tokens")?),
+        (None, Some(n)) => Some(at_least(n, 1, "max_tokens")?),
+        (None, None) => None,
+    };
+    let mut s = SamplingParams::default();
+    if let Some(t) = within(o.temperature, "temperature", 0.0, 2.0, false)? {
+        s.temperature = t;
+    }
+    if let Some(p) = within(o.top_p, "top_p", 0.0, 1.0, true)? {
+        s.top_p = p;
+    }
+    if let Some(k) = o.top_k {
+        // -1 is vLLM's spelling of "disabled".
+        s.top_k = match k {
+            -1 | 0 => 0,
+            k if k > 0 => u32::try_from(k).unwrap_or(u32::MAX),
+            _ => {
+                return Err(ApiError::invalid(
+                    format!("`top_k` must be -1, 0 or positive, got {k}"),
+                    "top_k",
+                ))
+            }
+        };
+    }
+    if let Some(p) = within(o.min_p, "min_p", 0.0, 1.0, false)? {
+        s.min_p = p;
+    }
+    if let Some(p) = within(o.presence_penalty, "presence_penalty", -2.0, 2.0, false)? {
+        s.presence_penalty = p;
+    }
+    if let Some(p) = within(o.frequency_penalty, "frequency_penalty", -2.0, 2.0, false)? {
+        s.frequency_penalty = p;
+    }
+    if let Some(p) = within(o.repetition_penalty, "repetition_penalty", 0.0, 2.0, true)? {
+        s.repetition_penalty = p;
+    }
+    // Negative seeds are valid in OpenAI's API; keep their bits.
+    s.seed = o.seed.map(|seed| seed as u64);
+    if let Some(bias) = &o.logit_bias {
+        s.logit_bias = logit_bias(bias, vocab)?;
+    }
+    let thinking_budget = o
+        .thinking_budget
+        .map(|b| at_least(b, 0, "thinking_budget"))
+        .transpose()?;
+    Ok(GenOptions {
+        n,
+        thinking_budget,
+        max_tokens,
+        sampling: s,
+        sampling_given: DEFAULTABLE.into_iter().filter(|k| o.given(k)).collect(),
+        stop: stop_strings(o.stop.as_ref())?,
+        stream: o.stream.unwrap_or(false),
+        include_usage: o
+            .stream_options
+            .as_ref()
+            .and_then(|so| so.include_usage)
+            .unwrap_or(false),
+        ignore_eos: o.ignore_eos.unwrap_or(false),
+        structured: structured_output(o)?,
+    })
+}
+
+/// A count of at least `min`.
+fn at_least(n: i64, min: i64, param: &str) -> Result<u32, ApiError> {
+    if n < min {
+        return Err(ApiError::invalid(
+            format!("`{param}` must be at least {min}, got {n}"),
+            param,
+        ));
+    }
+    Ok(u32::try_from(n).unwrap_or(u32::MAX))
+}
+
+/// A number within `lo..=hi` (`lo_open`: `lo` itself excluded).
+fn within(
+    x: Option<f64>,
+    param: &str,
+    lo: f64,
+    hi: f64,
+    lo_open: bool,
+) -> Result<Option<f32>, ApiError> {
+    let Some(x) = x else {
+        return Ok(None);
+    };
+    let low_ok = if lo_open { x > lo } else { x >= lo };
+    if !(low_ok && x <= hi) {
+        let low = if lo_open {
+            format!("greater than {lo}")
+        } else {
+            format!("at least {lo}")
+        };
+        return Err(ApiError::invalid(
+            format!("`{param}` must be {low} and at most {hi}, got {x}"),
+            param,
+        ));
+    }
+    Ok(Some(x as f32))
+}
+
+/// Keys are token ids written as strings (`{"50256": -100}`).
+fn logit_bias(map: &BTreeMap<String, f64>, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    let mut out = Vec::with_capacity(map.len());
+    for (key, &bias) in map {
+        let id: u32 = key
+            .parse()
+            .ok()
+            .filter(|&id: &u32| (id as usize) < vocab)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    format!("`logit_bias` keys must be token ids below {vocab} written as strings, got {key:?}"),
+                    "logit_bias",
+                )
+            })?;
+        if !(-100.0..=100.0).contains(&bias) {
+            let param = format!("logit_bias.{key}");
+            return Err(ApiError::invalid(
+                format!("`{param}` must be between -100 and 100, got {bias}"),
+                param,
+            ));
+        }
+        out.push((id, bias as f32));
+    }
+    Ok(out)
+}
+
+fn stop_strings(stop: Option<&Stop>) -> Result<Vec<String>, ApiError> {
+    let stops = match stop {
+        None => Vec::new(),
+        Some(Stop::One(s)) => vec![s.clone()],
+        Some(Stop::Many(list)) => list.clone(),
+    };
+    if stops.len() > MAX_STOP {
+        return Err(ApiError::invalid(
+            format!("`stop` may hold at most {MAX_STOP} strings"),
+            "stop",
+        ));
+    }
+    Ok(stops.into_iter().filter(|s| !s.is_empty()).collect())
+}
+
+/// The request's structured-output constraint, if any: at most one of
+/// `response_format` (of type `text` or absent, it constrains nothing),
+/// `structured_outputs` and the `guided_*` fields.
+fn structured_output(o: &GenerationOptions) -> Result<Option<StructuredOutput>, ApiError> {
+    let mut found: Vec<StructuredOutput> = Vec::new();
+    if let Some(format) = &o.response_format {
+        found.extend(format.constraint("response_format")?);
+    }
+    if let Some(so) = &o.structured_outputs {
+        found.extend(so.constraints()?);
+    }
+    if let Some(v) = &o.guided_json {
+        found.push(StructuredOutput::json_schema(v, "guided_json")?);
+    }
+    if let Some(rx) = &o.guided_regex {
+        found.push(StructuredOutput::regex(rx, "guided_regex"));
+    }
+    if let Some(list) = &o.guided_choice {
+        found.push(StructuredOutput::choice(list, "guided_choice")?);
+    }
+    if let Some(lark) = &o.guided_grammar {
+        found.push(StructuredOutput::lark(lark, "guided_grammar"));
+    }
+    structured::one_of(found)
 }
 
 /// `n` choices for each of `prompts` prompts within `server.max_n`; the
@@ -195,172 +385,6 @@ pub fn check_choices(n: u32, prompts: usize, max_n: u32) -> Result<(), ApiError>
         ));
     }
     Ok(())
-}
-
-/// Most stop strings per request (OpenAI allows 4; a few more is harmless).
-const MAX_STOP: usize = 16;
-
-pub fn gen_options(body: &RawBody, vocab: usize) -> Result<GenOptions, ApiError> {
-    let n = match body.int("n")? {
-        None => 1,
-        Some(n) if n < 1 => {
-            return Err(ApiError::invalid(
-                format!("`n` must be at least 1, got {n}"),
-                "n",
-            ))
-        }
-        Some(n) => u32::try_from(n).unwrap_or(u32::MAX),
-    };
-    match body.int("best_of")? {
-        None | Some(1) => {}
-        Some(_) => {
-            return Err(ApiError::invalid(
-                "`best_of` other than 1 is not supported; use `n` for several choices",
-                "best_of",
-            ))
-        }
-    }
-    let max_tokens = match body.int("max_completion_tokens")? {
-        Some(n) => Some(positive_tokens(n, "max_completion_tokens")?),
-        None => body
-            .int("max_tokens")?
-            .map(|n| positive_tokens(n, "max_tokens"))
-            .transpose()?,
-    };
-    let mut s = SamplingParams::default();
-    if let Some(t) = body.number_in("temperature", 0.0, 2.0, false)? {
-        s.temperature = t;
-    }
-    if let Some(p) = body.number_in("top_p", 0.0, 1.0, true)? {
-        s.top_p = p;
-    }
-    if let Some(k) = body.int("top_k")? {
-        // -1 is vLLM's spelling of "disabled".
-        s.top_k = match k {
-            -1 | 0 => 0,
-            k if k > 0 => u32::try_from(k).unwrap_or(u32::MAX),
-            _ => {
-                return Err(ApiError::invalid(
-                    format!("`top_k` must be -1, 0 or positive, got {k}"),
-                    "top_k",
-                ))
-            }
-        };
-    }
-    if let Some(p) = body.number_in("min_p", 0.0, 1.0, false)? {
-        s.min_p = p;
-    }
-    if let Some(p) = body.number_in("presence_penalty", -2.0, 2.0, false)? {
-        s.presence_penalty = p;
-    }
-    if let Some(p) = body.number_in("frequency_penalty", -2.0, 2.0, false)? {
-        s.frequency_penalty = p;
-    }
-    if let Some(p) = body.number_in("repetition_penalty", 0.0, 2.0, true)? {
-        s.repetition_penalty = p;
-    }
-    if let Some(seed) = body.int("seed")? {
-        // Negative seeds are valid in OpenAI's API; keep their bits.
-        s.seed = Some(seed as u64);
-    }
-    if let Some(bias) = body.object("logit_bias")? {
-        s.logit_bias = logit_bias(bias, vocab)?;
-    }
-    let stop = stop_strings(body)?;
-    let stream = body.bool("stream")?.unwrap_or(false);
-    let include_usage = match body.object("stream_options")? {
-        Some(opts) => match opts.get("include_usage") {
-            None | Some(Value::Null) => false,
-            Some(Value::Bool(b)) => *b,
-            Some(v) => return Err(wrong_type("stream_options.include_usage", "a boolean", v)),
-        },
-        None => false,
-    };
-    let ignore_eos = body.bool("ignore_eos")?.unwrap_or(false);
-    let thinking_budget = match body.int("thinking_budget")? {
-        None => None,
-        Some(b) if b < 0 => {
-            return Err(ApiError::invalid(
-                format!("`thinking_budget` must be 0 or more, got {b}"),
-                "thinking_budget",
-            ))
-        }
-        Some(b) => Some(u32::try_from(b).unwrap_or(u32::MAX)),
-    };
-    let structured = super::structured::parse(body)?;
-    Ok(GenOptions {
-        n,
-        thinking_budget,
-        max_tokens,
-        sampling: s,
-        stop,
-        stream,
-        include_usage,
-        ignore_eos,
-        structured,
-    })
-}
-
-fn positive_tokens(n: i64, param: &str) -> Result<u32, ApiError> {
-    if n < 1 {
-        return Err(ApiError::invalid(
-            format!("`{param}` must be at least 1, got {n}"),
-            param,
-        ));
-    }
-    Ok(u32::try_from(n).unwrap_or(u32::MAX))
-}
-
-/// Keys are token ids written as strings (`{"50256": -100}`).
-fn logit_bias(map: &Map<String, Value>, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
-    let mut out = Vec::with_capacity(map.len());
-    for (key, value) in map {
-        let param = format!("logit_bias.{key}");
-        let id: u32 = key
-            .parse()
-            .ok()
-            .filter(|&id: &u32| (id as usize) < vocab)
-            .ok_or_else(|| {
-                ApiError::invalid(
-                    format!("`logit_bias` keys must be token ids below {vocab} written as strings, got {key:?}"),
-                    "logit_bias",
-                )
-            })?;
-        let bias = value
-            .as_f64()
-            .ok_or_else(|| wrong_type(&param, "a number", value))?;
-        if !(-100.0..=100.0).contains(&bias) {
-            return Err(ApiError::invalid(
-                format!("`{param}` must be between -100 and 100, got {bias}"),
-                param,
-            ));
-        }
-        out.push((id, bias as f32));
-    }
-    Ok(out)
-}
-
-fn stop_strings(body: &RawBody) -> Result<Vec<String>, ApiError> {
-    let stops = match body.get("stop") {
-        None => Vec::new(),
-        Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(items)) => items
-            .iter()
-            .enumerate()
-            .map(|(i, v)| match v {
-                Value::String(s) => Ok(s.clone()),
-                other => Err(wrong_type(&format!("stop[{i}]"), "a string", other)),
-            })
-            .collect::<Result<_, _>>()?,
-        Some(v) => return Err(wrong_type("stop", "a string or an array of strings", v)),
-    };
-    if stops.len() > MAX_STOP {
-        return Err(ApiError::invalid(
-            format!("`stop` may hold at most {MAX_STOP} strings"),
-            "stop",
-        ));
-    }
-    Ok(stops.into_iter().filter(|s| !s.is_empty()).collect())
 }
 
 /// What bounds a request's length.
@@ -411,30 +435,17 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn body(v: Value) -> RawBody {
-        RawBody::parse(v.to_string().as_bytes()).unwrap()
+    fn options(v: Value) -> Result<GenOptions, ApiError> {
+        gen_options(&read(&v)?, 512)
     }
 
     fn err(v: Value) -> ApiError {
-        gen_options(&body(v), 512).unwrap_err()
-    }
-
-    #[test]
-    fn parse_rejects_non_objects() {
-        for raw in ["", "  ", "{", "[1]", "3", "\"x\""] {
-            let e = RawBody::parse(raw.as_bytes()).err().unwrap();
-            assert_eq!(e.status().as_u16(), 400, "{raw}");
-            assert_eq!(e.param(), None);
-        }
+        options(v).unwrap_err()
     }
 
     #[test]
     fn defaults_and_unknown_fields() {
-        let o = gen_options(
-            &body(json!({"whatever": [1, 2], "user": "u", "temperature": null})),
-            512,
-        )
-        .unwrap();
+        let o = options(json!({"whatever": [1, 2], "user": "u", "temperature": null})).unwrap();
         assert_eq!(o.max_tokens, None);
         assert_eq!(o.sampling, SamplingParams::default());
         assert!(o.stop.is_empty() && !o.stream && !o.include_usage && !o.ignore_eos);
@@ -442,16 +453,13 @@ mod tests {
 
     #[test]
     fn typed_fields() {
-        let o = gen_options(
-            &body(json!({
+        let o = options(json!({
                 "max_tokens": 5, "max_completion_tokens": 7, "temperature": 0.7, "top_p": 0.9,
                 "top_k": -1, "min_p": 0.05, "seed": -3, "presence_penalty": 0.5,
                 "frequency_penalty": -0.5, "repetition_penalty": 1.1, "logit_bias": {"7": -100, "9": 2.5},
                 "stop": "END", "stream": true, "stream_options": {"include_usage": true}, "n": 1,
                 "ignore_eos": true
-            })),
-            512,
-        )
+        }))
         .unwrap();
         assert_eq!(o.max_tokens, Some(7));
         assert_eq!(o.sampling.temperature, 0.7);
@@ -502,7 +510,7 @@ mod tests {
             assert_eq!(e.kind(), "invalid_request_error");
             assert_eq!(e.param(), Some(param), "{input}: {e}");
         }
-        assert_eq!(gen_options(&body(json!({"n": 3})), 512).unwrap().n, 3);
+        assert_eq!(options(json!({"n": 3, "max_tokens": 2.0})).unwrap().n, 3);
     }
 
     #[test]

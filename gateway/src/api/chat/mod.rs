@@ -20,7 +20,7 @@ use crate::state::SharedState;
 #[utoipa::path(
     post,
     path = "/v1/chat/completions",
-    request_body = crate::api::openapi::ChatCompletionRequest,
+    request_body = crate::protocol::chat::ChatBody,
     responses(
         (status = 200, description = "The completion (JSON), or `text/event-stream` chunks", body = crate::api::openapi::Completion),
         crate::api::openapi::GenerationErrors,
@@ -33,9 +33,7 @@ pub async fn create(
     RawJson(body): RawJson,
 ) -> Result<Response, ApiError> {
     let mut request = ChatRequest::parse(&body, state.model.vocab)?;
-    state
-        .model
-        .fill_sampling(&body, &mut request.options.sampling);
+    state.model.fill_sampling(&mut request.options);
     let max_param = if body.get("max_completion_tokens").is_some() {
         "max_completion_tokens"
     } else {

@@ -29,7 +29,7 @@ use crate::state::SharedState;
 #[utoipa::path(
     post,
     path = "/v1/responses",
-    request_body = crate::api::openapi::ResponsesRequest,
+    request_body = crate::protocol::responses::ResponsesBody,
     responses(
         (status = 200, description = "The response object (JSON), or `text/event-stream` events", body = crate::api::openapi::ResponseObject),
         crate::api::openapi::GenerationErrors,
@@ -42,9 +42,7 @@ pub async fn create(
     RawJson(body): RawJson,
 ) -> Result<Response, ApiError> {
     let mut request = ResponsesRequest::parse(&body, state.model.vocab)?;
-    state
-        .model
-        .fill_sampling(&body, &mut request.chat.options.sampling);
+    state.model.fill_sampling(&mut request.chat.options);
     let prepared = prepare::chat(
         &state,
         &request.chat,
