@@ -29,8 +29,8 @@ use crate::state::SharedState;
     path = "/v1/completions",
     request_body = crate::protocol::completions::CompletionBody,
     responses(
-        (status = 200, description = "The completion (JSON), or `text/event-stream` chunks", body = crate::api::openapi::Completion),
-        crate::api::openapi::GenerationErrors,
+        (status = 200, description = "The completion (JSON), or `text/event-stream` chunks", body = crate::protocol::Completion),
+        crate::protocol::error::GenerationErrors,
     ),
     security((), ("api_key" = []))
 )]

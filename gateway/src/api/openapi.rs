@@ -8,14 +8,17 @@
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::Response;
-use serde::Serialize;
 use serde_json::Value;
-use utoipa::{OpenApi, ToSchema};
+use utoipa::OpenApi;
 
 use super::json_response;
+use super::models::{Model, ModelList};
+use super::policy::{PolicyRejection, PolicyRule, PolicyStatus};
 use crate::protocol::chat::ChatBody;
 use crate::protocol::completions::CompletionBody;
+use crate::protocol::error::{ErrorBody, ErrorDetail};
 use crate::protocol::responses::ResponsesBody;
+use crate::protocol::{Completion, ResponseObject};
 use crate::state::SharedState;
 
 #[derive(OpenApi)]
@@ -87,121 +90,6 @@ fn served_document(model: &str, context_window: usize, max_n: u32) -> Value {
     schemas["ResponsesRequest"]["properties"]["max_output_tokens"]["maximum"] =
         context_window.into();
     doc
-}
-
-/// A response: `output` items (`reasoning`, `message`, `function_call`);
-/// streamed, `response.*` events ending with `response.completed`.
-#[derive(Serialize, ToSchema)]
-pub struct ResponseObject {
-    pub id: String,
-    /// "response"
-    pub object: String,
-    pub created_at: u64,
-    /// "completed" or "incomplete".
-    pub status: String,
-    pub model: String,
-    #[schema(value_type = Vec<Object>)]
-    pub output: Value,
-    #[schema(value_type = Object)]
-    pub usage: Value,
-}
-
-/// A completion: chat (`object` "chat.completion", streamed as
-/// "chat.completion.chunk" events) or text ("text_completion").
-#[derive(Serialize, ToSchema)]
-pub struct Completion {
-    pub id: String,
-    pub object: String,
-    pub created: u64,
-    pub model: String,
-    #[schema(value_type = Vec<Object>)]
-    pub choices: Value,
-    #[schema(value_type = Object)]
-    pub usage: Value,
-}
-
-#[derive(Serialize, ToSchema)]
-pub struct ModelList {
-    /// "list"
-    pub object: String,
-    pub data: Vec<Model>,
-}
-
-#[derive(Serialize, ToSchema)]
-pub struct Model {
-    pub id: String,
-    /// "model"
-    pub object: String,
-    pub created: u64,
-    pub owned_by: String,
-}
-
-/// `GET /v1/policy`: the routing policy in force.
-#[derive(Serialize, ToSchema)]
-pub struct PolicyStatus {
-    /// The config's `policy:` section as loaded.
-    #[schema(value_type = Object)]
-    pub policy: Value,
-    /// 16 hex digits; the same for the same section.
-    pub hash: String,
-    /// When it was loaded (Unix seconds).
-    pub loaded_at: u64,
-    /// Each rule in order, then `default`, with its decisions since then.
-    pub rules: Vec<PolicyRule>,
-    /// The last reload refused since then (the policy stayed), or null.
-    pub last_rejected: Option<PolicyRejection>,
-}
-
-#[derive(Serialize, ToSchema)]
-pub struct PolicyRule {
-    pub name: String,
-    pub route: String,
-    pub hits: u64,
-}
-
-#[derive(Serialize, ToSchema)]
-pub struct PolicyRejection {
-    /// Unix seconds.
-    pub at: u64,
-    pub error: String,
-}
-
-/// The errors a generation request can get.
-// Only described in the document; errors are built by `ApiError`.
-#[allow(dead_code)]
-#[derive(utoipa::IntoResponses)]
-pub enum GenerationErrors {
-    #[response(status = 400, description = "Invalid request")]
-    Invalid(ErrorBody),
-    #[response(status = 401, description = "Missing or wrong API key")]
-    Unauthorized(ErrorBody),
-    #[response(status = 404, description = "Unknown model")]
-    UnknownModel(ErrorBody),
-    #[response(status = 413, description = "Body over the size limit")]
-    TooLarge(ErrorBody),
-    #[response(status = 429, description = "Too many pending requests")]
-    QueueFull(ErrorBody),
-    #[response(status = 503, description = "At capacity or shutting down")]
-    Unavailable(ErrorBody),
-    #[response(status = 504, description = "No response within the request timeout")]
-    Timeout(ErrorBody),
-}
-
-/// Every error: `{"error": {...}}`.
-#[derive(Serialize, ToSchema)]
-pub struct ErrorBody {
-    pub error: ErrorDetail,
-}
-
-#[derive(Serialize, ToSchema)]
-pub struct ErrorDetail {
-    pub message: String,
-    /// "invalid_request_error", "authentication_error", "rate_limit_error"
-    /// or "server_error".
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub param: Option<String>,
-    pub code: Option<String>,
 }
 
 #[cfg(test)]

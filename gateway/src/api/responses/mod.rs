@@ -31,8 +31,8 @@ use crate::state::SharedState;
     path = "/v1/responses",
     request_body = crate::protocol::responses::ResponsesBody,
     responses(
-        (status = 200, description = "The response object (JSON), or `text/event-stream` events", body = crate::api::openapi::ResponseObject),
-        crate::api::openapi::GenerationErrors,
+        (status = 200, description = "The response object (JSON), or `text/event-stream` events", body = crate::protocol::ResponseObject),
+        crate::protocol::error::GenerationErrors,
     ),
     security((), ("api_key" = []))
 )]
