@@ -95,7 +95,7 @@ def binaries(args):
         bin_dir = args.bin_dir.resolve()
     else:
         run(["cargo", "build", "--release", "--locked", "-p", "gateway", "-p", "engine-batched",
-             "-p", "engine-fastpath", "-p", "engine-dflash", "-p", "bench"], cwd=ROOT)
+             "-p", "engine-fastpath", "-p", "engine-dflash", "-p", "bench", "-p", "fixtures"], cwd=ROOT)
         bin_dir = ROOT / "target" / "release"
     gateway, bench = bin_dir / "gateway", bin_dir / "bench"
     for f in (gateway, bench, bin_dir / "libengine_batched.so", bin_dir / "libengine_fastpath.so"):
@@ -104,12 +104,12 @@ def binaries(args):
     return gateway, bench
 
 
-def model_dir(args, gateway):
+def model_dir(args, bin_dir):
     if args.model_dir:
         return args.model_dir.resolve()
     out = ROOT / "target" / "bench-models" / f"qwen3-{args.preset}"
     if not (out / "model.safetensors").exists() and not (out / "model.safetensors.index.json").exists():
-        run([gateway, "make-tiny-model", "--family", "qwen3", "--preset", args.preset, "--out", out])
+        run([bin_dir / "fixtures", "make-tiny-model", "--family", "qwen3", "--preset", args.preset, "--out", out])
     return out
 
 
@@ -468,7 +468,7 @@ def main():
     t0 = time.time()
     gateway, bench = binaries(args)
     python = python_for_peer(args)
-    model = model_dir(args, gateway)
+    model = model_dir(args, gateway.parent)
     out = (args.out or ROOT / "target" / "bench-serving" / args.section).resolve()
     out.mkdir(parents=True, exist_ok=True)
     names = servers(args)

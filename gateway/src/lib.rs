@@ -11,7 +11,6 @@ pub mod config;
 pub mod generation;
 pub mod host;
 pub mod layers;
-pub mod make_tiny;
 pub mod pipeline;
 pub mod policy_cli;
 pub mod prepare;
