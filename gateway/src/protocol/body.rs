@@ -54,8 +54,9 @@ fn path_of(path: &serde_path_to_error::Path) -> String {
 }
 
 /// serde's message in the API's words: `invalid type: string "x",
-/// expected f64` becomes "`temperature` must be a number, got a string";
-/// a missing field is named itself.
+/// expected f64` becomes "`temperature` must be a number, got a string",
+/// an unknown variant "`role` must be one of ..., got `wizard`"; a missing
+/// field is named itself.
 fn invalid(path: &str, message: &str) -> ApiError {
     let join = |field: &str| match path {
         "" => field.to_owned(),
@@ -72,6 +73,21 @@ fn invalid(path: &str, message: &str) -> ApiError {
     {
         return ApiError::invalid(
             format!("`{param}` must be {}, got {}", plain(expected), plain(got)),
+            param,
+        );
+    }
+    if let Some((got, expected)) = message
+        .strip_prefix("unknown variant ")
+        .and_then(|m| m.split_once(", expected "))
+    {
+        return ApiError::invalid(format!("`{param}` must be {expected}, got {got}"), param);
+    }
+    if let Some((_, expected)) = message
+        .strip_prefix("unknown field ")
+        .and_then(|m| m.split_once(", expected "))
+    {
+        return ApiError::invalid(
+            format!("`{param}` is not supported (expected {expected})"),
             param,
         );
     }
@@ -215,9 +231,17 @@ mod tests {
             name: String,
         }
         #[derive(Debug, serde::Deserialize)]
+        #[serde(rename_all = "lowercase")]
+        enum Kind {
+            Red,
+            Green,
+            Blue,
+        }
+        #[derive(Debug, serde::Deserialize)]
         #[allow(dead_code)]
         struct Outer {
             items: Vec<Inner>,
+            kind: Option<Kind>,
             #[serde(default, deserialize_with = "whole")]
             count: Option<i64>,
         }
@@ -235,6 +259,11 @@ mod tests {
         let e = read::<Outer>(&json!({"items": [], "count": 1.5})).unwrap_err();
         assert_eq!(e.param(), Some("count"));
         assert_eq!(e.to_string(), "`count` must be an integer, got a number");
+        let e = read::<Outer>(&json!({"items": [], "kind": "pink"})).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "`kind` must be one of `red`, `green`, `blue`, got `pink`"
+        );
         let ok = read::<Outer>(&json!({"items": [], "count": 2.0, "other": null})).unwrap();
         assert_eq!(ok.count, Some(2));
     }
