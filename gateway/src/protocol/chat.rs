@@ -337,7 +337,7 @@ impl ChatRequest {
         Self::from_wire(GenerationOptions::read_into(body)?, vocab)
     }
 
-    pub fn from_wire(wire: ChatBody, vocab: usize) -> Result<Self, ApiError> {
+    fn from_wire(wire: ChatBody, vocab: usize) -> Result<Self, ApiError> {
         let mut images = Vec::new();
         let messages = messages(&wire.messages, &mut images)?;
         let tools = wire.tools.as_deref().unwrap_or_default();
