@@ -12,10 +12,11 @@ reads YAML with PyYAML, an mlx-lm dependency):
     python3 scripts/bench_serving.py --bin-dir DIR --section gpu \\
         --preset qwen3-4b --output-len 128                              # prebuilt binaries, no cargo
 
-`--bin-dir` holds `gateway`, its engine plugins (`libengine_*.so`) and
-`bench`, as `cargo build --release -p gateway -p engine-batched
--p engine-fastpath -p engine-dflash -p bench` leaves them in target/release
-(config.yaml's prompt lookup engine is of kind `dflash`).
+`--bin-dir` holds `gateway`, its engine plugins (`libengine_*.so`),
+`bench` and `fixtures` (which writes the generated model), as `cargo build
+--release -p gateway -p engine-batched -p engine-fastpath -p engine-dflash
+-p bench -p fixtures` leaves them in target/release (config.yaml's prompt
+lookup engine is of kind `dflash`).
 """
 
 import argparse
