@@ -12,10 +12,11 @@ reads YAML with PyYAML, an mlx-lm dependency):
     python3 scripts/bench_serving.py --bin-dir DIR --section gpu \\
         --preset qwen3-4b --output-len 128                              # prebuilt binaries, no cargo
 
-`--bin-dir` holds `gateway`, its engine plugins (`libengine_*.so`) and
-`bench`, as `cargo build --release -p gateway -p engine-batched
--p engine-fastpath -p engine-dflash -p bench` leaves them in target/release
-(config.yaml's prompt lookup engine is of kind `dflash`).
+`--bin-dir` holds `gateway`, its engine plugins (`libengine_*.so`),
+`bench` and `fixtures` (which writes the generated model), as `cargo build
+--release -p gateway -p engine-batched -p engine-fastpath -p engine-dflash
+-p bench -p fixtures` leaves them in target/release (config.yaml's prompt
+lookup engine is of kind `dflash`).
 """
 
 import argparse
@@ -95,7 +96,7 @@ def binaries(args):
         bin_dir = args.bin_dir.resolve()
     else:
         run(["cargo", "build", "--release", "--locked", "-p", "gateway", "-p", "engine-batched",
-             "-p", "engine-fastpath", "-p", "engine-dflash", "-p", "bench"], cwd=ROOT)
+             "-p", "engine-fastpath", "-p", "engine-dflash", "-p", "bench", "-p", "fixtures"], cwd=ROOT)
         bin_dir = ROOT / "target" / "release"
     gateway, bench = bin_dir / "gateway", bin_dir / "bench"
     for f in (gateway, bench, bin_dir / "libengine_batched.so", bin_dir / "libengine_fastpath.so"):
@@ -104,12 +105,12 @@ def binaries(args):
     return gateway, bench
 
 
-def model_dir(args, gateway):
+def model_dir(args, bin_dir):
     if args.model_dir:
         return args.model_dir.resolve()
     out = ROOT / "target" / "bench-models" / f"qwen3-{args.preset}"
     if not (out / "model.safetensors").exists() and not (out / "model.safetensors.index.json").exists():
-        run([gateway, "make-tiny-model", "--family", "qwen3", "--preset", args.preset, "--out", out])
+        run([bin_dir / "fixtures", "make-tiny-model", "--family", "qwen3", "--preset", args.preset, "--out", out])
     return out
 
 
@@ -468,7 +469,7 @@ def main():
     t0 = time.time()
     gateway, bench = binaries(args)
     python = python_for_peer(args)
-    model = model_dir(args, gateway)
+    model = model_dir(args, gateway.parent)
     out = (args.out or ROOT / "target" / "bench-serving" / args.section).resolve()
     out.mkdir(parents=True, exist_ok=True)
     names = servers(args)

@@ -2,14 +2,16 @@
 //! error), never a panic.
 #![no_main]
 
-use gateway::api::chat::ChatRequest;
-use gateway::api::completions::CompletionRequest;
-use gateway::api::validate::RawBody;
+use gateway::protocol::body;
+use gateway::protocol::chat::ChatRequest;
+use gateway::protocol::completions::CompletionRequest;
+use gateway::protocol::responses::ResponsesRequest;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    if let Ok(body) = RawBody::parse(data) {
+    if let Ok(body) = body::object(data) {
         let _ = ChatRequest::parse(&body, 512);
         let _ = CompletionRequest::parse(&body, 512);
+        let _ = ResponsesRequest::parse(&body, 512);
     }
 });

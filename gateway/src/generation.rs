@@ -11,10 +11,10 @@ use engine_core::{
 };
 use serde_json::{json, Value};
 
-use crate::api::ApiError;
 use crate::host::FaultKind;
 use crate::pipeline::{push_delta, Delta, Pipeline};
 use crate::prepare::Prepared;
+use crate::protocol::ApiError;
 use crate::router::CancelGuard;
 use crate::state::SharedState;
 use crate::telemetry::metric;

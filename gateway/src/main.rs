@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use clap::Parser;
 
 use gateway::cli::{Cli, Command, PolicyCommand};
-use gateway::{make_tiny, policy_cli, server, telemetry};
+use gateway::{policy_cli, server, telemetry};
 
 fn main() -> ExitCode {
     runtime::cuda_env::apply_defaults();
@@ -27,8 +27,6 @@ fn main() -> ExitCode {
                 Err(e) => Err(e),
             }
         }
-        Command::MakeTinyModel(args) => make_tiny::run(&args),
-        Command::MakeTinyDrafter(args) => make_tiny::run_drafter(&args),
         Command::Serve(args) => tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .build()

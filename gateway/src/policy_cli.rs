@@ -19,13 +19,13 @@ use engine_core::Needs;
 use policies::{parse_cases, Policy, Signals};
 use serde_json::{json, Map, Value};
 
-use crate::api::chat::ChatRequest;
-use crate::api::completions::{CompletionRequest, Prompt};
-use crate::api::responses::ResponsesRequest;
-use crate::api::validate::{resolve_max_tokens, GenOptions, Limits, RawBody};
 use crate::config::{Config, Overrides};
 use crate::host::{self, Registry};
 use crate::prepare;
+use crate::protocol::chat::ChatRequest;
+use crate::protocol::completions::{CompletionRequest, Prompt};
+use crate::protocol::options::{resolve_max_tokens, GenOptions, Limits};
+use crate::protocol::responses::ResponsesRequest;
 
 /// The config's policy, validated against its engines.
 fn load(config: &Path) -> anyhow::Result<(Config, Policy)> {
@@ -85,10 +85,9 @@ pub fn explain(config: &Path, request: &Path) -> anyhow::Result<()> {
         Some(Value::Object(given)) => given,
         Some(_) => bail!("`signals` in {} must be an object", request.display()),
     };
-    let body = RawBody::from_map(body);
     let registry = build_engines(&config)?;
     let (kind, mut signals, options) =
-        request_signals(&config, &registry.shared.model, &body, &given)?;
+        request_signals(&config, &registry.shared.model, &Value::Object(body), &given)?;
     signals.extend(given);
     let signals: Signals = serde_json::from_value(Value::Object(signals))
         .with_context(|| format!("the signals of {}", request.display()))?;
@@ -166,12 +165,13 @@ fn refusal(registry: &Registry, engine: &str, needs: &Needs) -> String {
 fn request_signals(
     config: &Config,
     loaded: &runtime::LoadedModel,
-    body: &RawBody,
+    body: &Value,
     given: &Map<String, Value>,
 ) -> anyhow::Result<(&'static str, Map<String, Value>, GenOptions)> {
     let vocab = u32::MAX as usize;
-    let refused =
-        |e: crate::api::ApiError| anyhow::anyhow!("the gateway would refuse this request: {e}");
+    let refused = |e: crate::protocol::ApiError| {
+        anyhow::anyhow!("the gateway would refuse this request: {e}")
+    };
     let (kind, model, mut options, chat) = if body.get("messages").is_some() {
         let chat = ChatRequest::parse(body, vocab).map_err(refused)?;
         (
@@ -222,7 +222,7 @@ fn request_signals(
                 .model
                 .generation_config
                 .defaults(loaded.sampling_defaults);
-            body.fill_sampling(&defaults, &mut options.sampling);
+            options.fill_sampling(&defaults);
             let prompt = match &chat {
                 Some(chat) => {
                     let text = prepare::chat_text(

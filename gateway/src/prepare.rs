@@ -16,12 +16,12 @@ use text::template::TemplateError;
 use text::tools::{ToolFormat, ToolParser, ToolSchemas};
 use text::RenderOptions;
 
-use crate::api::chat::{CallSchema, ChatRequest, ToolChoice};
-use crate::api::completions::{CompletionRequest, Prompt};
-use crate::api::structured::StructuredOutput;
-use crate::api::validate::{resolve_max_tokens, GenOptions};
-use crate::api::ApiError;
 use crate::pipeline::PipelineOptions;
+use crate::protocol::chat::{CallSchema, ChatRequest, ToolChoice};
+use crate::protocol::completions::{CompletionRequest, Prompt};
+use crate::protocol::options::{resolve_max_tokens, GenOptions};
+use crate::protocol::structured::StructuredOutput;
+use crate::protocol::ApiError;
 use crate::state::{AppState, SharedState};
 
 /// A request ready to route.

@@ -18,8 +18,8 @@ use engine_core::{CancelToken, EngineError, EventStream, GenerateRequest, Reques
 use policies::{PolicyHandle, Signals};
 use runtime::KvPool;
 
-use crate::api::ApiError;
 use crate::host::{self, EngineEntry, FaultKind, Registry};
+use crate::protocol::ApiError;
 use crate::telemetry::metric;
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -6,12 +6,12 @@ use std::sync::Arc;
 
 use metrics_exporter_prometheus::PrometheusHandle;
 
-use engine_core::{SamplingDefaults, SamplingParams};
+use engine_core::SamplingDefaults;
 
-use crate::api::validate::{Limits, RawBody};
-use crate::api::ApiError;
 use crate::config::Config;
 use crate::host::Registry;
+use crate::protocol::options::{GenOptions, Limits};
+use crate::protocol::ApiError;
 use crate::router::Router;
 use crate::vision::Vision;
 
@@ -28,9 +28,9 @@ pub struct ModelInfo {
 }
 
 impl ModelInfo {
-    /// Fills in the sampling knobs the request `body` leaves out.
-    pub fn fill_sampling(&self, body: &RawBody, sampling: &mut SamplingParams) {
-        body.fill_sampling(&self.sampling_defaults, sampling);
+    /// Fills in the sampling knobs the request leaves out.
+    pub fn fill_sampling(&self, options: &mut GenOptions) {
+        options.fill_sampling(&self.sampling_defaults);
     }
 }
 
@@ -58,7 +58,7 @@ impl AppState {
             name: loaded.name.clone(),
             context_window: loaded.context_window(),
             vocab: loaded.vocab_size().max(loaded.tokenizer.vocab_size()),
-            created: crate::api::unix_now(),
+            created: crate::protocol::unix_now(),
             sampling_defaults: config
                 .model
                 .generation_config

@@ -11,10 +11,11 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 /// Packages built for the tests: the gateway, the real engines it loads
-/// from its own directory by default, the test plugins loaded by path, and
-/// the serving benchmark.
+/// from its own directory by default, the test plugins loaded by path, the
+/// serving benchmark and the model writers (`fixtures`).
 pub const PACKAGES: &[&str] = &[
     "gateway",
+    "fixtures",
     "bench",
     "engine-batched",
     "engine-fastpath",
@@ -33,6 +34,8 @@ pub struct Binaries {
     pub reference_plugin: PathBuf,
     pub mismatch_plugin: PathBuf,
     pub bench: PathBuf,
+    /// `fixtures make-tiny-model` / `make-tiny-drafter`.
+    pub fixtures: PathBuf,
 }
 
 pub fn workspace_root() -> PathBuf {
@@ -80,6 +83,7 @@ pub fn binaries() -> &'static Binaries {
             reference_plugin: dir.join(plugin_file("engine_reference")),
             mismatch_plugin: dir.join(plugin_file("engine_mismatch")),
             bench: dir.join(format!("bench{}", std::env::consts::EXE_SUFFIX)),
+            fixtures: dir.join(format!("fixtures{}", std::env::consts::EXE_SUFFIX)),
             dir,
         }
     })

@@ -107,7 +107,7 @@ pub fn stop_token_ids(dir: &Path) -> Vec<u32> {
 }
 
 /// A random-weight drafter of `kind` (`dflash` or `mtp`) for the tiny Qwen3
-/// model, written by `gateway make-tiny-drafter` (the CLI under test).
+/// model, written by `fixtures make-tiny-drafter` (the CLI under test).
 pub fn tiny_qwen3_drafter(kind: &str) -> &'static Path {
     static DFLASH: OnceLock<ModelDir> = OnceLock::new();
     static MTP: OnceLock<ModelDir> = OnceLock::new();
@@ -120,14 +120,14 @@ pub fn tiny_qwen3_drafter(kind: &str) -> &'static Path {
 }
 
 /// A random-weight drafter of `kind` (`dflash` or `mtp`) for the model in
-/// `target`, written by `gateway make-tiny-drafter` (the CLI under test).
+/// `target`, written by `fixtures make-tiny-drafter` (the CLI under test).
 pub fn drafter(kind: &str, target: &Path) -> ModelDir {
     let dir = tempfile::tempdir().expect("tempdir");
     let name = target.file_name().expect("a named model directory");
     let path = dir
         .path()
         .join(format!("{}-{kind}", name.to_string_lossy()));
-    let status = std::process::Command::new(&crate::build::binaries().gateway)
+    let status = std::process::Command::new(&crate::build::binaries().fixtures)
         .args(["make-tiny-drafter", "--kind", kind, "--target"])
         .arg(target)
         .arg("--out")

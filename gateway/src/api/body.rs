@@ -2,13 +2,15 @@
 
 use axum::extract::{FromRequest, Request};
 
-use super::validate::RawBody;
-use super::ApiError;
+use serde_json::Value;
+
+use crate::protocol::body;
+use crate::protocol::ApiError;
 use crate::state::SharedState;
 
-/// Extracts and parses the body; too large is 413, anything but a JSON
-/// object is 400.
-pub struct RawJson(pub RawBody);
+/// Extracts the body; too large is 413, anything but a JSON object is 400.
+/// The endpoint's request type reads it.
+pub struct RawJson(pub Value);
 
 impl FromRequest<SharedState> for RawJson {
     type Rejection = ApiError;
@@ -20,7 +22,7 @@ impl FromRequest<SharedState> for RawJson {
         let bytes = axum::body::to_bytes(req.into_body(), limit)
             .await
             .map_err(|_| ApiError::PayloadTooLarge { limit })?;
-        RawBody::parse(&bytes).map(RawJson)
+        body::object(&bytes).map(RawJson)
     }
 }
 

@@ -1,11 +1,11 @@
 //! The OpenAI-compatible API: one module per endpoint, each holding its own
-//! request and response types, plus the pieces they share.
+//! response types, plus the pieces they share; the requests they read are
+//! [`crate::protocol`]'s.
 
 pub mod body;
 pub mod chat;
 pub mod choices;
 pub mod completions;
-pub mod error;
 pub mod health;
 pub mod logprobs;
 pub mod metrics;
@@ -14,32 +14,11 @@ pub mod openapi;
 pub mod policy;
 pub mod responses;
 pub mod sse;
-pub mod structured;
-pub mod validate;
 
-use axum::body::Body;
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::HeaderValue;
 use axum::response::Response;
 
-pub use error::ApiError;
-
-pub fn json_response(status: StatusCode, body: &serde_json::Value) -> Response {
-    let mut response = Response::new(Body::from(body.to_string()));
-    *response.status_mut() = status;
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    response
-}
-
-/// Seconds since the Unix epoch, for `created` fields.
-pub fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
+pub use crate::protocol::{json_response, unix_now, ApiError};
 
 /// A random id with the given prefix (`chatcmpl-`, `cmpl-`).
 pub fn random_id(prefix: &str) -> String {

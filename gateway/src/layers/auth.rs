@@ -11,7 +11,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
 use crate::api::body::CacheScope;
-use crate::api::ApiError;
+use crate::protocol::ApiError;
 
 #[derive(Debug, Default)]
 pub struct ApiKeys {

@@ -15,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use http_body::{Frame, SizeHint};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::api::ApiError;
+use crate::protocol::ApiError;
 
 pub struct Limiter {
     slots: Arc<Semaphore>,

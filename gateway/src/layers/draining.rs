@@ -5,7 +5,7 @@ use axum::extract::{Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
-use crate::api::ApiError;
+use crate::protocol::ApiError;
 use crate::state::SharedState;
 
 pub async fn refuse_new_work(

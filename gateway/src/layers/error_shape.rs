@@ -7,7 +7,7 @@ use axum::http::{header, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
-use crate::api::ApiError;
+use crate::protocol::ApiError;
 
 pub async fn openai_errors(State(body_limit): State<usize>, req: Request, next: Next) -> Response {
     let path = req.uri().path().to_owned();

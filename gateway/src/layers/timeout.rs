@@ -8,7 +8,7 @@ use axum::extract::{Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
-use crate::api::ApiError;
+use crate::protocol::ApiError;
 
 pub async fn limit(State(deadline): State<Duration>, req: Request, next: Next) -> Response {
     match tokio::time::timeout(deadline, next.run(req)).await {

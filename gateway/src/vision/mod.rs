@@ -16,7 +16,7 @@ use mlx_rs::transforms::eval;
 use mlx_rs::Array;
 use runtime::SharedModel;
 
-use crate::api::ApiError;
+use crate::protocol::ApiError;
 pub use cache::FeatureCache;
 pub use prompt::ImageTokens;
 pub use settings::VisionSettings;

@@ -1,6 +1,5 @@
 //! `POST /v1/chat/completions`.
 
-mod request;
 mod response;
 
 use axum::extract::State;
@@ -8,24 +7,23 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 
-pub use request::{CallSchema, ChatRequest, ToolChoice};
-
 use super::body::{CacheScope, RawJson};
 use super::choices::Choices;
-use super::validate::check_choices;
 use super::{json_response, random_id, sse, unix_now, with_route, ApiError};
 use crate::generation::Generation;
 use crate::prepare;
+use crate::protocol::chat::ChatRequest;
+use crate::protocol::options::check_choices;
 use crate::state::SharedState;
 
 /// Chat completion, streamed as server-sent events when `stream` is true.
 #[utoipa::path(
     post,
     path = "/v1/chat/completions",
-    request_body = crate::api::openapi::ChatCompletionRequest,
+    request_body = crate::protocol::chat::ChatBody,
     responses(
-        (status = 200, description = "The completion (JSON), or `text/event-stream` chunks", body = crate::api::openapi::Completion),
-        crate::api::openapi::GenerationErrors,
+        (status = 200, description = "The completion (JSON), or `text/event-stream` chunks", body = crate::protocol::Completion),
+        crate::protocol::error::GenerationErrors,
     ),
     security((), ("api_key" = []))
 )]
@@ -35,9 +33,7 @@ pub async fn create(
     RawJson(body): RawJson,
 ) -> Result<Response, ApiError> {
     let mut request = ChatRequest::parse(&body, state.model.vocab)?;
-    state
-        .model
-        .fill_sampling(&body, &mut request.options.sampling);
+    state.model.fill_sampling(&mut request.options);
     let max_param = if body.get("max_completion_tokens").is_some() {
         "max_completion_tokens"
     } else {

@@ -9,8 +9,6 @@
 //! `response.output_item.done`, then `response.completed` (or
 //! `response.incomplete` at `max_output_tokens`) with the whole response.
 
-mod request;
-
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -18,24 +16,23 @@ use axum::Extension;
 use serde_json::{json, Map, Value};
 use text::tools::ToolCall;
 
-pub use request::ResponsesRequest;
-
 use super::body::{CacheScope, RawJson};
 use super::sse::ChunkFormat;
 use super::{json_response, random_id, sse, unix_now, with_route, ApiError};
 use crate::generation::{Batch, FinishReason, Generation, Summary, Usage};
 use crate::pipeline::Delta;
 use crate::prepare;
+use crate::protocol::responses::ResponsesRequest;
 use crate::state::SharedState;
 
 /// Create a response, streamed as server-sent events when `stream` is true.
 #[utoipa::path(
     post,
     path = "/v1/responses",
-    request_body = crate::api::openapi::ResponsesRequest,
+    request_body = crate::protocol::responses::ResponsesBody,
     responses(
-        (status = 200, description = "The response object (JSON), or `text/event-stream` events", body = crate::api::openapi::ResponseObject),
-        crate::api::openapi::GenerationErrors,
+        (status = 200, description = "The response object (JSON), or `text/event-stream` events", body = crate::protocol::ResponseObject),
+        crate::protocol::error::GenerationErrors,
     ),
     security((), ("api_key" = []))
 )]
@@ -45,9 +42,7 @@ pub async fn create(
     RawJson(body): RawJson,
 ) -> Result<Response, ApiError> {
     let mut request = ResponsesRequest::parse(&body, state.model.vocab)?;
-    state
-        .model
-        .fill_sampling(&body, &mut request.chat.options.sampling);
+    state.model.fill_sampling(&mut request.chat.options);
     let prepared = prepare::chat(
         &state,
         &request.chat,

@@ -1,4 +1,5 @@
-//! The chat completion request: raw JSON in, a typed request out.
+//! The chat completion request: its wire type (parsed and documented),
+//! and the typed request the rules below make of it.
 //!
 //! Choices made here (documented for clients):
 //! * `n` > 1 generates that many choices (up to `server.max_n`), each a
@@ -17,7 +18,7 @@
 //!   `strict: true` tool and for any forced call, as written otherwise.
 //!   `parallel_tool_calls: false` allows at most one call.
 //! * Structured outputs (`response_format` json_schema / json_object, vLLM's
-//!   `structured_outputs` and `guided_*`): see [`crate::api::structured`].
+//!   `structured_outputs` and `guided_*`): see [`crate::protocol::structured`].
 //!   `json_object` also adds a system instruction asking for one JSON
 //!   object, as trained models answer better when told. A constraint with a
 //!   forced tool call is a conflict (400).
@@ -29,18 +30,269 @@
 //!   themselves are listed in `ChatRequest::images`, and whether the model
 //!   reads images is the handler's check. Other part types are rejected.
 
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
+use utoipa::ToSchema;
 
-use crate::api::validate::{gen_options, wrong_type, GenOptions, RawBody};
-use crate::api::ApiError;
+use super::body::{whole, StringOr};
+use super::options::{gen_options, GenOptions, GenerationOptions};
+use super::ApiError;
 use crate::vision::ImagePart;
 
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[schema(as = ChatCompletionRequest)]
+pub struct ChatBody {
+    #[schema(value_type = ModelName, required = true)]
+    pub model: Option<ModelName>,
+    #[schema(min_items = 1)]
+    pub messages: Vec<ChatMessage>,
+    #[serde(flatten)]
+    pub options: GenerationOptions,
+    pub logprobs: Option<bool>,
+    #[schema(minimum = 0, maximum = 20)]
+    #[serde(default, deserialize_with = "whole")]
+    pub top_logprobs: Option<i64>,
+    pub tools: Option<Vec<Tool>>,
+    pub tool_choice: Option<ToolChoice>,
+    /// false: at most one call.
+    pub parallel_tool_calls: Option<bool>,
+    /// Passed to the chat template.
+    pub enable_thinking: Option<bool>,
+    /// Extra variables for the chat template (they win over
+    /// `enable_thinking`).
+    #[schema(value_type = Option<Object>)]
+    pub chat_template_kwargs: Option<Map<String, Value>>,
+}
+
+/// The served model's name (see `/v1/models`).
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct ModelName(pub String);
+
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct ChatMessage {
+    pub role: Role,
+    /// A string or a list of parts; null for an assistant message that
+    /// only calls tools.
+    pub content: Option<MessageContent>,
+    pub name: Option<String>,
+    /// An assistant's earlier reasoning, for templates that show it.
+    pub reasoning_content: Option<String>,
+    /// An assistant's calls.
+    pub tool_calls: Option<Vec<ToolCall>>,
+    /// Required on tool messages: the call this answers.
+    pub tool_call_id: Option<String>,
+}
+
+/// `developer` is OpenAI's newer name for `system`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    System,
+    Developer,
+    User,
+    Assistant,
+    Tool,
+}
+
+#[derive(Debug, ToSchema)]
+#[serde(untagged)]
+pub enum MessageContent {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+impl<'de> Deserialize<'de> for MessageContent {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(
+            match StringOr::read(d, "a string or an array of content parts")? {
+                StringOr::String(s) => Self::Text(s),
+                StringOr::Other(parts) => Self::Parts(parts),
+            },
+        )
+    }
+}
+
+/// `{"type": "text", "text": ...}`, or, in user messages to a vision
+/// model, `{"type": "image_url", "image_url": {"url": ...}}`.
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: PartKind,
+    pub text: Option<String>,
+    pub image_url: Option<ImageUrl>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PartKind {
+    Text,
+    ImageUrl,
+}
+
+/// `{"url": ...}` (a bare URL string is accepted too, as some clients send
+/// it): `data:` URLs, `http(s)://` or a local path where the config allows.
+#[derive(Debug, ToSchema)]
+#[serde(untagged)]
+pub enum ImageUrl {
+    Url(String),
+    Object { url: String },
+}
+
+impl<'de> Deserialize<'de> for ImageUrl {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        struct Object {
+            url: String,
+        }
+        Ok(
+            match StringOr::<Object>::read(d, "a string or an object")? {
+                StringOr::String(url) => Self::Url(url),
+                StringOr::Other(o) => Self::Object { url: o.url },
+            },
+        )
+    }
+}
+
+impl ImageUrl {
+    fn url(&self) -> &str {
+        match self {
+            Self::Url(url) | Self::Object { url } => url,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct ToolCall {
+    pub id: Option<String>,
+    pub function: CalledFunction,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct CalledFunction {
+    pub name: String,
+    /// A JSON object encoded as a string (or the object itself).
+    pub arguments: Option<Arguments>,
+}
+
+#[derive(Debug, ToSchema)]
+#[serde(untagged)]
+pub enum Arguments {
+    Text(String),
+    #[schema(value_type = Object)]
+    Object(Map<String, Value>),
+}
+
+impl<'de> Deserialize<'de> for Arguments {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(match StringOr::read(d, "a string")? {
+            StringOr::String(s) => Self::Text(s),
+            StringOr::Other(o) => Self::Object(o),
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ToolType {
+    Function,
+}
+
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
+pub struct Tool {
+    #[serde(rename = "type")]
+    pub kind: ToolType,
+    pub function: FunctionDefinition,
+}
+
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
+pub struct FunctionDefinition {
+    #[schema(min_length = 1)]
+    pub name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// A JSON Schema (checked against the meta-schema); calls' arguments
+    /// are held to it.
+    #[schema(value_type = Option<Object>)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parameters: Option<Map<String, Value>>,
+    /// Closes every object schema that leaves `additionalProperties` unset
+    /// (forced calls always are).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub strict: Option<bool>,
+}
+
+/// "none", "auto" or "required", or `{"type": "function", "function":
+/// {"name": ...}}` to force one tool.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ToolChoice {
     None,
     Auto,
     Required,
     Named(String),
+}
+
+#[derive(Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+enum ToolChoiceMode {
+    None,
+    Auto,
+    Required,
+}
+
+#[derive(Deserialize, ToSchema)]
+struct NamedToolChoice {
+    #[serde(rename = "type")]
+    #[allow(dead_code)]
+    kind: Option<ToolType>,
+    function: NamedFunction,
+}
+
+#[derive(Deserialize, ToSchema)]
+struct NamedFunction {
+    #[schema(min_length = 1)]
+    name: String,
+}
+
+impl<'de> Deserialize<'de> for ToolChoice {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::{value::StrDeserializer, Error};
+        Ok(
+            match StringOr::<NamedToolChoice>::read(d, "a string or an object")? {
+                StringOr::String(mode) => {
+                    match ToolChoiceMode::deserialize(StrDeserializer::<D::Error>::new(&mode))? {
+                        ToolChoiceMode::None => Self::None,
+                        ToolChoiceMode::Auto => Self::Auto,
+                        ToolChoiceMode::Required => Self::Required,
+                    }
+                }
+                StringOr::Other(named) if named.function.name.is_empty() => {
+                    return Err(D::Error::custom("`function.name` must not be empty"))
+                }
+                StringOr::Other(named) => Self::Named(named.function.name),
+            },
+        )
+    }
+}
+
+impl utoipa::PartialSchema for ToolChoice {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        utoipa::openapi::schema::OneOfBuilder::new()
+            .item(ToolChoiceMode::schema())
+            .item(NamedToolChoice::schema())
+            .into()
+    }
+}
+
+impl ToSchema for ToolChoice {
+    fn schemas(
+        schemas: &mut Vec<(
+            String,
+            utoipa::openapi::RefOr<utoipa::openapi::schema::Schema>,
+        )>,
+    ) {
+        <NamedToolChoice as ToSchema>::schemas(schemas);
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,7 +319,7 @@ pub struct ChatRequest {
     pub model: Option<String>,
     /// Messages shaped for the chat template.
     pub messages: Vec<Value>,
-    /// Tool definitions as the client sent them (validated).
+    /// Tool definitions (validated), as the template renders them.
     pub tools: Vec<Value>,
     pub tool_choice: ToolChoice,
     /// One or more calls (true, the default) or at most one.
@@ -80,58 +332,45 @@ pub struct ChatRequest {
 }
 
 impl ChatRequest {
-    pub fn parse(body: &RawBody, vocab: usize) -> Result<Self, ApiError> {
-        let model = body.string("model")?.map(str::to_owned);
-        let mut images = Vec::new();
-        let messages = messages(body, &mut images)?;
-        let tools = tools(body)?;
-        let tool_choice = tool_choice(body, &tools)?;
-        let parallel_tool_calls = body.bool("parallel_tool_calls")?.unwrap_or(true);
+    /// The request in `body` (a JSON object).
+    pub fn parse(body: &Value, vocab: usize) -> Result<Self, ApiError> {
+        Self::from_wire(GenerationOptions::read_into(body)?, vocab)
+    }
 
+    fn from_wire(wire: ChatBody, vocab: usize) -> Result<Self, ApiError> {
+        let mut images = Vec::new();
+        let messages = messages(&wire.messages, &mut images)?;
+        let tools = wire.tools.as_deref().unwrap_or_default();
+        check_tools(tools)?;
+        let tool_choice = tool_choice(wire.tool_choice.clone(), tools)?;
         let mut template_kwargs = Map::new();
-        if let Some(on) = body.bool("enable_thinking")? {
+        if let Some(on) = wire.enable_thinking {
             template_kwargs.insert("enable_thinking".into(), Value::Bool(on));
         }
-        if let Some(kwargs) = body.object("chat_template_kwargs")? {
-            template_kwargs.extend(kwargs.clone());
-        }
-        let mut options = gen_options(body, vocab)?;
+        template_kwargs.extend(wire.chat_template_kwargs.clone().unwrap_or_default());
+        let mut options = gen_options(&wire.options, vocab)?;
         let response_format = match &options.structured {
             Some(s) if s.param == "response_format" => ResponseFormat::JsonObject,
             _ => ResponseFormat::Text,
         };
-        let forced_call = matches!(tool_choice, ToolChoice::Required | ToolChoice::Named(_));
-        if forced_call && options.structured.is_some() {
+        if forces_call(&tool_choice) && options.structured.is_some() {
             return Err(ApiError::invalid(
                 "`tool_choice` forces a tool call, which conflicts with a structured-output constraint",
                 "tool_choice",
             ));
         }
-        let logprobs = body.bool("logprobs")?.unwrap_or(false);
-        let top_logprobs = match body.int("top_logprobs")? {
-            None => 0,
-            Some(n @ 0..=20) if logprobs || n == 0 => n as u32,
-            Some(0..=20) => {
-                return Err(ApiError::invalid(
-                    "`top_logprobs` requires `logprobs: true`",
-                    "top_logprobs",
-                ))
-            }
-            Some(n) => {
-                return Err(ApiError::invalid(
-                    format!("`top_logprobs` must be between 0 and 20, got {n}"),
-                    "top_logprobs",
-                ))
-            }
-        };
+        let logprobs = wire.logprobs.unwrap_or(false);
         options.sampling.logprobs = logprobs;
-        options.sampling.top_logprobs = top_logprobs;
+        options.sampling.top_logprobs = top_logprobs(wire.top_logprobs, logprobs)?;
         Ok(ChatRequest {
-            model,
+            model: wire.model.map(|m| m.0),
             messages,
-            tools,
+            tools: tools
+                .iter()
+                .map(|t| serde_json::to_value(t).unwrap_or_default())
+                .collect(),
             tool_choice,
-            parallel_tool_calls,
+            parallel_tool_calls: wire.parallel_tool_calls.unwrap_or(true),
             response_format,
             template_kwargs,
             options,
@@ -210,10 +449,27 @@ impl ChatRequest {
     }
 }
 
-fn messages(body: &RawBody, images: &mut Vec<ImagePart>) -> Result<Vec<Value>, ApiError> {
-    let list = body
-        .array("messages")?
-        .ok_or_else(|| ApiError::invalid("`messages` is required", "messages"))?;
+/// `required` and a named function force a call.
+pub fn forces_call(choice: &ToolChoice) -> bool {
+    matches!(choice, ToolChoice::Required | ToolChoice::Named(_))
+}
+
+fn top_logprobs(n: Option<i64>, logprobs: bool) -> Result<u32, ApiError> {
+    match n {
+        None => Ok(0),
+        Some(n @ 0..=20) if logprobs || n == 0 => Ok(n as u32),
+        Some(0..=20) => Err(ApiError::invalid(
+            "`top_logprobs` requires `logprobs: true`",
+            "top_logprobs",
+        )),
+        Some(n) => Err(ApiError::invalid(
+            format!("`top_logprobs` must be between 0 and 20, got {n}"),
+            "top_logprobs",
+        )),
+    }
+}
+
+fn messages(list: &[ChatMessage], images: &mut Vec<ImagePart>) -> Result<Vec<Value>, ApiError> {
     if list.is_empty() {
         return Err(ApiError::invalid(
             "`messages` must hold at least one message",
@@ -222,49 +478,34 @@ fn messages(body: &RawBody, images: &mut Vec<ImagePart>) -> Result<Vec<Value>, A
     }
     list.iter()
         .enumerate()
-        .map(|(i, m)| message(i, m, images))
+        .map(|(i, m)| message(&format!("messages[{i}]"), m, images))
         .collect()
 }
 
-fn message(i: usize, raw: &Value, images: &mut Vec<ImagePart>) -> Result<Value, ApiError> {
-    let at = format!("messages[{i}]");
-    let obj = raw
-        .as_object()
-        .ok_or_else(|| wrong_type(&at, "an object", raw))?;
-    let field = |k: &str| obj.get(k).filter(|v| !v.is_null());
-    let role = match field("role") {
-        Some(Value::String(r)) => r.as_str(),
-        Some(v) => return Err(wrong_type(&format!("{at}.role"), "a string", v)),
-        None => {
-            return Err(ApiError::invalid(
-                format!("`{at}.role` is required"),
-                format!("{at}.role"),
-            ))
-        }
-    };
-    // `developer` is OpenAI's newer name for the system role.
-    let role = match role {
-        "developer" => "system",
-        "system" | "user" | "assistant" | "tool" => role,
-        other => {
-            return Err(ApiError::invalid(
-                format!("`{at}.role` must be one of system, developer, user, assistant, tool; got {other:?}"),
-                format!("{at}.role"),
-            ))
-        }
+/// One message shaped for the chat template.
+fn message(at: &str, m: &ChatMessage, images: &mut Vec<ImagePart>) -> Result<Value, ApiError> {
+    let role = match m.role {
+        Role::System | Role::Developer => "system",
+        Role::User => "user",
+        Role::Assistant => "assistant",
+        Role::Tool => "tool",
     };
     let mut out = Map::new();
     out.insert("role".into(), json!(role));
     let before = images.len();
-    let content = content(&at, field("content"), images)?;
-    if images.len() > before && role != "user" {
+    let content = m
+        .content
+        .as_ref()
+        .map(|c| content(&format!("{at}.content"), c, images))
+        .transpose()?;
+    if images.len() > before && m.role != Role::User {
         return Err(ApiError::invalid(
             format!("image parts are only allowed in user messages, not in {role} messages"),
             format!("{at}.content"),
         ));
     }
-    let tool_calls = match (role, field("tool_calls")) {
-        ("assistant", Some(calls)) => Some(tool_calls(&at, calls)?),
+    let tool_calls = match (m.role, &m.tool_calls) {
+        (Role::Assistant, Some(calls)) => Some(tool_calls(&format!("{at}.tool_calls"), calls)?),
         (_, Some(_)) => {
             return Err(ApiError::invalid(
                 format!("`{at}.tool_calls` is only allowed on assistant messages"),
@@ -273,9 +514,9 @@ fn message(i: usize, raw: &Value, images: &mut Vec<ImagePart>) -> Result<Value, 
         }
         (_, None) => None,
     };
-    match (&content, role, &tool_calls) {
-        (Some(_), _, _) | (None, "assistant", Some(_)) => {}
-        (None, "assistant", None) => {
+    match (&content, m.role, &tool_calls) {
+        (Some(_), _, _) | (None, Role::Assistant, Some(_)) => {}
+        (None, Role::Assistant, None) => {
             return Err(ApiError::invalid(
                 format!("`{at}` needs `content` or `tool_calls`"),
                 format!("{at}.content"),
@@ -292,27 +533,24 @@ fn message(i: usize, raw: &Value, images: &mut Vec<ImagePart>) -> Result<Value, 
     if let Some(calls) = tool_calls {
         out.insert("tool_calls".into(), Value::Array(calls));
     }
-    if role == "tool" {
-        match field("tool_call_id") {
-            Some(Value::String(id)) => {
-                out.insert("tool_call_id".into(), json!(id));
-            }
-            Some(v) => return Err(wrong_type(&format!("{at}.tool_call_id"), "a string", v)),
-            None => {
-                return Err(ApiError::invalid(
-                    format!("`{at}.tool_call_id` is required on tool messages"),
-                    format!("{at}.tool_call_id"),
-                ))
-            }
+    match (&m.tool_call_id, m.role) {
+        (Some(id), Role::Tool) => {
+            out.insert("tool_call_id".into(), json!(id));
         }
+        (None, Role::Tool) => {
+            return Err(ApiError::invalid(
+                format!("`{at}.tool_call_id` is required on tool messages"),
+                format!("{at}.tool_call_id"),
+            ))
+        }
+        _ => {}
     }
-    for key in ["name", "reasoning_content"] {
-        match field(key) {
-            Some(Value::String(s)) => {
-                out.insert(key.into(), json!(s));
-            }
-            Some(v) => return Err(wrong_type(&format!("{at}.{key}"), "a string", v)),
-            None => {}
+    for (key, value) in [
+        ("name", &m.name),
+        ("reasoning_content", &m.reasoning_content),
+    ] {
+        if let Some(s) = value {
+            out.insert(key.into(), json!(s));
         }
     }
     Ok(Value::Object(out))
@@ -322,256 +560,133 @@ fn message(i: usize, raw: &Value, images: &mut Vec<ImagePart>) -> Result<Value, 
 /// text and image parts for the template.
 fn content(
     at: &str,
-    raw: Option<&Value>,
+    content: &MessageContent,
     images: &mut Vec<ImagePart>,
-) -> Result<Option<Value>, ApiError> {
-    let param = format!("{at}.content");
-    match raw {
-        None => Ok(None),
-        Some(Value::String(s)) => Ok(Some(Value::String(s.clone()))),
-        Some(Value::Array(parts)) => {
-            let mut texts = Vec::with_capacity(parts.len());
-            let mut listed = Vec::with_capacity(parts.len());
-            let before = images.len();
-            for (j, part) in parts.iter().enumerate() {
-                let p = format!("{param}[{j}]");
-                let kind = part.get("type").and_then(Value::as_str);
-                match (kind, part.get("text")) {
-                    (Some("text"), Some(Value::String(t))) => {
-                        texts.push(t.as_str());
-                        listed.push(json!({ "type": "text", "text": t }));
-                    }
-                    (Some("image_url"), _) => {
-                        images.push(image_part(&p, part)?);
-                        listed.push(json!({ "type": "image" }));
-                    }
-                    (Some("text"), other) => {
-                        return Err(wrong_type(&format!("{p}.text"), "a string", other.unwrap_or(&Value::Null)))
-                    }
-                    (Some(other), _) => {
-                        return Err(ApiError::invalid(
-                            format!("content parts of type {other:?} are not supported (only text and image_url)"),
-                            format!("{p}.type"),
-                        ))
-                    }
-                    (None, _) => {
-                        return Err(ApiError::invalid(format!("`{p}.type` is required"), format!("{p}.type")))
-                    }
-                }
+) -> Result<Value, ApiError> {
+    let parts = match content {
+        MessageContent::Text(s) => return Ok(Value::String(s.clone())),
+        MessageContent::Parts(parts) => parts,
+    };
+    let mut texts = Vec::with_capacity(parts.len());
+    let mut listed = Vec::with_capacity(parts.len());
+    let before = images.len();
+    for (j, part) in parts.iter().enumerate() {
+        let p = format!("{at}[{j}]");
+        match (part.kind, &part.text, &part.image_url) {
+            (PartKind::Text, Some(t), _) => {
+                texts.push(t.as_str());
+                listed.push(json!({ "type": "text", "text": t }));
             }
-            if images.len() > before {
-                Ok(Some(Value::Array(listed)))
-            } else {
-                Ok(Some(Value::String(texts.join("\n"))))
-            }
-        }
-        Some(v) => Err(wrong_type(
-            &param,
-            "a string or an array of content parts",
-            v,
-        )),
-    }
-}
-
-/// `{"type": "image_url", "image_url": {"url": ...}}` (a bare string URL is
-/// accepted too, as some clients send it).
-fn image_part(p: &str, part: &Value) -> Result<ImagePart, ApiError> {
-    let url = match part.get("image_url") {
-        Some(Value::Object(obj)) => match obj.get("url") {
-            Some(Value::String(u)) => u.clone(),
-            Some(v) => return Err(wrong_type(&format!("{p}.image_url.url"), "a string", v)),
-            None => {
+            (PartKind::Text, None, _) => {
                 return Err(ApiError::invalid(
-                    format!("`{p}.image_url.url` is required"),
-                    format!("{p}.image_url.url"),
+                    format!("`{p}.text` is required"),
+                    format!("{p}.text"),
                 ))
             }
-        },
-        Some(Value::String(u)) => u.clone(),
-        Some(v) => return Err(wrong_type(&format!("{p}.image_url"), "an object", v)),
-        None => {
-            return Err(ApiError::invalid(
-                format!("`{p}.image_url` is required"),
-                format!("{p}.image_url"),
-            ))
+            (PartKind::ImageUrl, _, Some(image)) => {
+                images.push(ImagePart {
+                    url: image.url().to_owned(),
+                    param: format!("{p}.image_url.url"),
+                });
+                listed.push(json!({ "type": "image" }));
+            }
+            (PartKind::ImageUrl, _, None) => {
+                return Err(ApiError::invalid(
+                    format!("`{p}.image_url` is required"),
+                    format!("{p}.image_url"),
+                ))
+            }
         }
-    };
-    Ok(ImagePart {
-        url,
-        param: format!("{p}.image_url.url"),
-    })
+    }
+    if images.len() > before {
+        Ok(Value::Array(listed))
+    } else {
+        Ok(Value::String(texts.join("\n")))
+    }
 }
 
-/// `{p}.function` of a tool or tool call: an object with a non-empty name.
-fn named_function<'a>(
-    obj: &'a Map<String, Value>,
-    p: &str,
-) -> Result<(&'a Map<String, Value>, &'a str), ApiError> {
-    let function = obj
-        .get("function")
-        .and_then(Value::as_object)
-        .ok_or_else(|| {
-            ApiError::invalid(
-                format!("`{p}.function` must be an object"),
-                format!("{p}.function"),
-            )
-        })?;
-    match function.get("name") {
-        Some(Value::String(n)) if !n.is_empty() => Ok((function, n)),
-        _ => Err(ApiError::invalid(
-            format!("`{p}.function.name` must be a non-empty string"),
-            format!("{p}.function.name"),
-        )),
+/// A function's name may not be empty.
+fn named(name: &str, at: &str) -> Result<(), ApiError> {
+    if name.is_empty() {
+        return Err(ApiError::invalid(
+            format!("`{at}.function.name` must be a non-empty string"),
+            format!("{at}.function.name"),
+        ));
     }
+    Ok(())
 }
 
 /// Assistant tool calls, with `arguments` decoded from its JSON string so
 /// templates that iterate over the arguments (Llama 3.1) can.
-fn tool_calls(at: &str, raw: &Value) -> Result<Vec<Value>, ApiError> {
-    let param = format!("{at}.tool_calls");
-    let list = raw
-        .as_array()
-        .ok_or_else(|| wrong_type(&param, "an array", raw))?;
-    let mut out = Vec::with_capacity(list.len());
-    for (k, call) in list.iter().enumerate() {
-        let p = format!("{param}[{k}]");
-        let obj = call
-            .as_object()
-            .ok_or_else(|| wrong_type(&p, "an object", call))?;
-        let (function, name) = named_function(obj, &p)?;
-        let name = name.to_string();
-        let arguments = match function.get("arguments") {
-            None | Some(Value::Null) => json!({}),
-            Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
-                Ok(v @ Value::Object(_)) => v,
-                _ => {
-                    return Err(ApiError::invalid(
-                        format!(
-                            "`{p}.function.arguments` must be a JSON object encoded as a string"
-                        ),
-                        format!("{p}.function.arguments"),
-                    ))
-                }
-            },
-            Some(v @ Value::Object(_)) => v.clone(),
-            Some(v) => {
-                return Err(wrong_type(
-                    &format!("{p}.function.arguments"),
-                    "a string",
-                    v,
-                ))
-            }
-        };
-        let id = match obj.get("id") {
-            Some(Value::String(id)) => Value::String(id.clone()),
-            None | Some(Value::Null) => Value::Null,
-            Some(v) => return Err(wrong_type(&format!("{p}.id"), "a string", v)),
-        };
-        out.push(json!({
-            "id": id,
-            "type": "function",
-            "function": { "name": name, "arguments": arguments },
-        }));
-    }
-    Ok(out)
+fn tool_calls(at: &str, calls: &[ToolCall]) -> Result<Vec<Value>, ApiError> {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(k, call)| {
+            let p = format!("{at}[{k}]");
+            named(&call.function.name, &p)?;
+            let arguments = match &call.function.arguments {
+                None => json!({}),
+                Some(Arguments::Object(o)) => Value::Object(o.clone()),
+                Some(Arguments::Text(s)) => match serde_json::from_str::<Value>(s) {
+                    Ok(v @ Value::Object(_)) => v,
+                    _ => {
+                        return Err(ApiError::invalid(
+                            format!(
+                                "`{p}.function.arguments` must be a JSON object encoded as a string"
+                            ),
+                            format!("{p}.function.arguments"),
+                        ))
+                    }
+                },
+            };
+            Ok(json!({
+                "id": call.id,
+                "type": "function",
+                "function": { "name": call.function.name, "arguments": arguments },
+            }))
+        })
+        .collect()
 }
 
-fn tools(body: &RawBody) -> Result<Vec<Value>, ApiError> {
-    let Some(list) = body.array("tools")? else {
-        return Ok(Vec::new());
-    };
+/// Names are non-empty and distinct; `parameters` is a JSON Schema.
+fn check_tools(tools: &[Tool]) -> Result<(), ApiError> {
     let mut names = std::collections::HashSet::new();
-    for (i, tool) in list.iter().enumerate() {
+    for (i, tool) in tools.iter().enumerate() {
         let p = format!("tools[{i}]");
-        let obj = tool
-            .as_object()
-            .ok_or_else(|| wrong_type(&p, "an object", tool))?;
-        match obj.get("type").and_then(Value::as_str) {
-            Some("function") => {}
-            _ => {
-                return Err(ApiError::invalid(
-                    format!("`{p}.type` must be \"function\""),
-                    format!("{p}.type"),
-                ))
-            }
-        }
-        let (function, name) = named_function(obj, &p)?;
-        if !names.insert(name.to_string()) {
+        let name = &tool.function.name;
+        named(name, &p)?;
+        if !names.insert(name) {
             return Err(ApiError::invalid(
                 format!("tool {name:?} is defined twice"),
                 format!("{p}.function.name"),
             ));
         }
-        match function.get("parameters") {
-            None | Some(Value::Null) => {}
-            Some(schema @ Value::Object(_)) => {
-                if let Err(e) = jsonschema::meta::validate(schema) {
-                    return Err(ApiError::invalid(
-                        format!("`{p}.function.parameters` is not a valid JSON Schema: {e}"),
-                        format!("{p}.function.parameters"),
-                    ));
-                }
+        if let Some(schema) = &tool.function.parameters {
+            if let Err(e) = jsonschema::meta::validate(&Value::Object(schema.clone())) {
+                return Err(ApiError::invalid(
+                    format!("`{p}.function.parameters` is not a valid JSON Schema: {e}"),
+                    format!("{p}.function.parameters"),
+                ));
             }
-            Some(v) => {
-                return Err(wrong_type(
-                    &format!("{p}.function.parameters"),
-                    "an object",
-                    v,
-                ))
-            }
-        }
-        match function.get("description") {
-            None | Some(Value::Null) | Some(Value::String(_)) => {}
-            Some(v) => {
-                return Err(wrong_type(
-                    &format!("{p}.function.description"),
-                    "a string",
-                    v,
-                ))
-            }
-        }
-        match function.get("strict") {
-            None | Some(Value::Null) | Some(Value::Bool(_)) => {}
-            Some(v) => return Err(wrong_type(&format!("{p}.function.strict"), "a boolean", v)),
         }
     }
-    Ok(list.clone())
+    Ok(())
 }
 
-fn tool_choice(body: &RawBody, tools: &[Value]) -> Result<ToolChoice, ApiError> {
-    let choice = match body.get("tool_choice") {
-        None => ToolChoice::Auto,
-        Some(Value::String(s)) => match s.as_str() {
-            "none" => ToolChoice::None,
-            "auto" => ToolChoice::Auto,
-            "required" => ToolChoice::Required,
-            other => {
-                return Err(ApiError::invalid(
-                    format!("`tool_choice` must be \"none\", \"auto\", \"required\" or a function, got {other:?}"),
-                    "tool_choice",
-                ))
-            }
-        },
-        Some(Value::Object(o)) => {
-            let name = o
-                .get("function")
-                .and_then(|f| f.get("name"))
-                .and_then(Value::as_str)
-                .filter(|n| !n.is_empty())
-                .ok_or_else(|| {
-                    ApiError::invalid(
-                        "`tool_choice` must look like {\"type\": \"function\", \"function\": {\"name\": ...}}",
-                        "tool_choice",
-                    )
-                })?;
-            if !tools.iter().any(|t| t["function"]["name"] == name) {
-                return Err(ApiError::invalid(format!("`tool_choice` names {name:?}, which is not in `tools`"), "tool_choice"));
-            }
-            ToolChoice::Named(name.to_owned())
+/// `auto` unless given; a forced call needs tools, a named one a tool of
+/// that name.
+fn tool_choice(choice: Option<ToolChoice>, tools: &[Tool]) -> Result<ToolChoice, ApiError> {
+    let choice = choice.unwrap_or(ToolChoice::Auto);
+    if let ToolChoice::Named(name) = &choice {
+        if !tools.iter().any(|t| &t.function.name == name) {
+            return Err(ApiError::invalid(
+                format!("`tool_choice` names {name:?}, which is not in `tools`"),
+                "tool_choice",
+            ));
         }
-        Some(v) => return Err(wrong_type("tool_choice", "a string or an object", v)),
-    };
-    if tools.is_empty() && matches!(choice, ToolChoice::Required | ToolChoice::Named(_)) {
+    }
+    if tools.is_empty() && forces_call(&choice) {
         return Err(ApiError::invalid(
             "`tool_choice` requires `tools`",
             "tool_choice",
@@ -585,7 +700,7 @@ mod tests {
     use super::*;
 
     fn parse(v: Value) -> Result<ChatRequest, ApiError> {
-        ChatRequest::parse(&RawBody::parse(v.to_string().as_bytes()).unwrap(), 512)
+        ChatRequest::parse(&v, 512)
     }
 
     fn param_of(v: Value) -> String {

@@ -10,12 +10,83 @@
 //! accepted and ignored), background mode, built-in tools (web search,
 //! file search, ...).
 
+use serde::Deserialize;
 use serde_json::{json, Map, Value};
+use utoipa::ToSchema;
 
-use crate::api::chat::{ChatRequest, ToolChoice};
-use crate::api::structured;
-use crate::api::validate::{wrong_type, RawBody};
-use crate::api::ApiError;
+use super::body::{read, whole, wrong_type};
+use super::chat::{forces_call, ChatRequest, FunctionDefinition, ModelName, Tool, ToolType};
+use super::structured::{format_constraint, FormatType};
+use super::ApiError;
+
+/// `POST /v1/responses`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[schema(as = ResponsesRequest)]
+pub struct ResponsesBody {
+    #[schema(value_type = ModelName, required = true)]
+    pub model: Option<ModelName>,
+    /// A string (one user message) or a list of items: messages
+    /// (`{"role", "content"}` with `input_text` / `input_image` parts),
+    /// `function_call` and `function_call_output` items.
+    #[schema(required = true)]
+    pub input: Option<Value>,
+    /// The system message.
+    pub instructions: Option<String>,
+    #[schema(minimum = 1)]
+    #[serde(default, deserialize_with = "whole")]
+    pub max_output_tokens: Option<i64>,
+    #[schema(minimum = 0.0, maximum = 2.0)]
+    pub temperature: Option<f64>,
+    #[schema(exclusive_minimum = 0.0, maximum = 1.0)]
+    pub top_p: Option<f64>,
+    pub stream: Option<bool>,
+    pub tools: Option<Vec<ResponseTool>>,
+    /// "none", "auto", "required" or `{"type": "function", "name": ...}`.
+    pub tool_choice: Option<Value>,
+    /// false: at most one call.
+    pub parallel_tool_calls: Option<bool>,
+    pub text: Option<TextOptions>,
+    /// Not supported (responses are not stored): always a 400.
+    pub previous_response_id: Option<String>,
+    /// Not supported: true is a 400.
+    pub background: Option<bool>,
+    /// Accepted; responses are never stored.
+    pub store: Option<bool>,
+    /// Echoed in the response.
+    #[schema(value_type = Option<Object>)]
+    pub metadata: Option<Map<String, Value>>,
+}
+
+/// A function tool (built-in tools are not supported).
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct ResponseTool {
+    #[serde(rename = "type")]
+    pub kind: ToolType,
+    #[schema(min_length = 1)]
+    pub name: String,
+    pub description: Option<String>,
+    /// A JSON Schema (checked against the meta-schema).
+    #[schema(value_type = Option<Object>)]
+    pub parameters: Option<Map<String, Value>>,
+    pub strict: Option<bool>,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct TextOptions {
+    pub format: Option<TextFormat>,
+}
+
+/// "text", "json_object", or "json_schema" with `schema` beside it.
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct TextFormat {
+    #[serde(rename = "type")]
+    pub kind: FormatType,
+    pub name: Option<String>,
+    pub description: Option<String>,
+    #[schema(value_type = Option<Object>)]
+    pub schema: Option<Value>,
+    pub strict: Option<bool>,
+}
 
 /// A parsed Responses request.
 pub struct ResponsesRequest {
@@ -27,26 +98,29 @@ pub struct ResponsesRequest {
 }
 
 impl ResponsesRequest {
-    pub fn parse(body: &RawBody, vocab: usize) -> Result<Self, ApiError> {
-        if body.get("previous_response_id").is_some() {
+    /// The request in `body` (a JSON object).
+    pub fn parse(body: &Value, vocab: usize) -> Result<Self, ApiError> {
+        let wire: ResponsesBody = read(body)?;
+        if wire.previous_response_id.is_some() {
             return Err(ApiError::invalid(
                 "`previous_response_id` is not supported: responses are not stored; send the whole conversation in `input`",
                 "previous_response_id",
             ));
         }
-        if body.bool("background")? == Some(true) {
+        if wire.background == Some(true) {
             return Err(ApiError::invalid(
                 "`background` responses are not supported",
                 "background",
             ));
         }
-        let instructions = body.string("instructions")?;
-        let offset = usize::from(instructions.is_some());
-        let mut messages: Vec<Value> = instructions
+        let field = |key: &str| body.get(key).filter(|v| !v.is_null());
+        let offset = usize::from(wire.instructions.is_some());
+        let mut messages: Vec<Value> = wire
+            .instructions
+            .iter()
             .map(|text| json!({"role": "system", "content": text}))
-            .into_iter()
             .collect();
-        messages.extend(input(body)?);
+        messages.extend(input(wire.input.as_ref().filter(|v| !v.is_null()))?);
         let mut chat = Map::new();
         chat.insert("messages".into(), Value::Array(messages));
         for key in [
@@ -56,36 +130,32 @@ impl ResponsesRequest {
             "stream",
             "parallel_tool_calls",
         ] {
-            if let Some(v) = body.get(key) {
+            if let Some(v) = field(key) {
                 chat.insert(key.into(), v.clone());
             }
         }
-        if let Some(v) = body.get("max_output_tokens") {
-            chat.insert("max_completion_tokens".into(), v.clone());
+        if let Some(n) = wire.max_output_tokens {
+            chat.insert("max_completion_tokens".into(), json!(n));
         }
-        if let Some(tools) = body.array("tools")? {
-            chat.insert("tools".into(), Value::Array(self::tools(tools)?));
+        if let Some(tools) = wire.tools {
+            chat.insert("tools".into(), self::tools(tools));
         }
-        if let Some(choice) = body.get("tool_choice") {
+        if let Some(choice) = field("tool_choice") {
             chat.insert("tool_choice".into(), tool_choice(choice));
         }
-        let chat_body = RawBody::from_map(chat);
-        let mut parsed = ChatRequest::parse(&chat_body, vocab).map_err(|e| renamed(e, offset))?;
+        let mut parsed =
+            ChatRequest::parse(&Value::Object(chat), vocab).map_err(|e| renamed(e, offset))?;
         // `text.format` is the structured output, named as the client sent it.
-        let format = match body.object("text")? {
-            Some(text) => match text.get("format") {
-                None | Some(Value::Null) => None,
-                Some(Value::Object(format)) => structured::response_format(format, "text.format")?,
-                Some(v) => return Err(wrong_type("text.format", "an object", v)),
-            },
+        let format = match wire.text.and_then(|t| t.format) {
+            Some(f) => format_constraint(
+                f.kind,
+                Some((f.schema.as_ref(), f.strict)),
+                "text.format",
+                "text.format",
+            )?,
             None => None,
         };
-        if format.is_some()
-            && matches!(
-                &parsed.tool_choice,
-                ToolChoice::Required | ToolChoice::Named(_)
-            )
-        {
+        if format.is_some() && forces_call(&parsed.tool_choice) {
             return Err(ApiError::invalid(
                 "`tool_choice` forces a tool call, which conflicts with `text.format`",
                 "tool_choice",
@@ -101,15 +171,12 @@ impl ResponsesRequest {
             "metadata",
             "text",
         ] {
-            echo.insert(key.into(), body.get(key).cloned().unwrap_or(Value::Null));
+            echo.insert(key.into(), field(key).cloned().unwrap_or(Value::Null));
         }
-        echo.insert(
-            "tools".into(),
-            body.get("tools").cloned().unwrap_or(json!([])),
-        );
+        echo.insert("tools".into(), field("tools").cloned().unwrap_or(json!([])));
         echo.insert(
             "tool_choice".into(),
-            body.get("tool_choice").cloned().unwrap_or(json!("auto")),
+            field("tool_choice").cloned().unwrap_or(json!("auto")),
         );
         echo.insert(
             "parallel_tool_calls".into(),
@@ -130,8 +197,8 @@ impl ResponsesRequest {
 }
 
 /// `input`: a string (one user message) or a list of items.
-fn input(body: &RawBody) -> Result<Vec<Value>, ApiError> {
-    match body.get("input") {
+fn input(input: Option<&Value>) -> Result<Vec<Value>, ApiError> {
+    match input {
         None => Err(ApiError::invalid("`input` is required", "input")),
         Some(Value::String(text)) => Ok(vec![json!({"role": "user", "content": text})]),
         Some(Value::Array(items)) if items.is_empty() => Err(ApiError::invalid(
@@ -242,27 +309,22 @@ fn message(at: &str, obj: &Map<String, Value>) -> Result<Value, ApiError> {
     Ok(Value::Object(out))
 }
 
-/// Function tools, from `{type, name, description, parameters, strict}` to
-/// chat's `{type, function: {name, description, parameters, strict}}`.
-fn tools(list: &[Value]) -> Result<Vec<Value>, ApiError> {
-    list.iter()
-        .enumerate()
-        .map(|(i, tool)| {
-            let at = format!("tools[{i}]");
-            let obj = tool
-                .as_object()
-                .ok_or_else(|| wrong_type(&at, "an object", tool))?;
-            if obj.get("type").and_then(Value::as_str) != Some("function") {
-                return Err(ApiError::invalid(
-                    format!("`{at}.type` must be \"function\" (built-in tools are not supported)"),
-                    format!("{at}.type"),
-                ));
-            }
-            let mut function = obj.clone();
-            function.remove("type");
-            Ok(json!({"type": "function", "function": function}))
+/// Function tools in chat's spelling, `{type, function: {name,
+/// description, parameters, strict}}`.
+fn tools(list: Vec<ResponseTool>) -> Value {
+    let tools: Vec<Tool> = list
+        .into_iter()
+        .map(|t| Tool {
+            kind: t.kind,
+            function: FunctionDefinition {
+                name: t.name,
+                description: t.description,
+                parameters: t.parameters,
+                strict: t.strict,
+            },
         })
-        .collect()
+        .collect();
+    serde_json::to_value(tools).unwrap_or_default()
 }
 
 /// `{"type": "function", "name": ...}` becomes chat's nested form.
@@ -314,9 +376,10 @@ fn renamed(e: ApiError, offset: usize) -> ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::chat::ToolChoice;
 
     fn parse(v: Value) -> Result<ResponsesRequest, ApiError> {
-        ResponsesRequest::parse(&RawBody::parse(v.to_string().as_bytes()).unwrap(), 512)
+        ResponsesRequest::parse(&v, 512)
     }
 
     #[test]

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use serde_json::json;
+use serde::Serialize;
+use utoipa::ToSchema;
 
 use crate::telemetry::metric;
 
@@ -184,15 +185,54 @@ impl ApiError {
 
     /// The OpenAI error object (`{"error": {...}}`).
     pub fn body(&self) -> serde_json::Value {
-        json!({
-            "error": {
-                "message": self.to_string(),
-                "type": self.kind(),
-                "param": self.param(),
-                "code": self.code(),
-            }
-        })
+        let body = ErrorBody {
+            error: ErrorDetail {
+                message: self.to_string(),
+                kind: self.kind(),
+                param: self.param().map(str::to_owned),
+                code: self.code(),
+            },
+        };
+        serde_json::to_value(body).unwrap_or_default()
     }
+}
+
+/// The errors a generation request can get.
+// Only described in the document; errors are built by `ApiError`.
+#[allow(dead_code)]
+#[derive(utoipa::IntoResponses)]
+pub enum GenerationErrors {
+    #[response(status = 400, description = "Invalid request")]
+    Invalid(ErrorBody),
+    #[response(status = 401, description = "Missing or wrong API key")]
+    Unauthorized(ErrorBody),
+    #[response(status = 404, description = "Unknown model")]
+    UnknownModel(ErrorBody),
+    #[response(status = 413, description = "Body over the size limit")]
+    TooLarge(ErrorBody),
+    #[response(status = 429, description = "Too many pending requests")]
+    QueueFull(ErrorBody),
+    #[response(status = 503, description = "At capacity or shutting down")]
+    Unavailable(ErrorBody),
+    #[response(status = 504, description = "No response within the request timeout")]
+    Timeout(ErrorBody),
+}
+
+/// Every error: `{"error": {...}}`.
+#[derive(Serialize, ToSchema)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct ErrorDetail {
+    pub message: String,
+    /// "invalid_request_error", "authentication_error", "rate_limit_error"
+    /// or "server_error".
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
 }
 
 impl IntoResponse for ApiError {

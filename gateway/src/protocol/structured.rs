@@ -2,17 +2,21 @@
 //! grammar, read into one [`StructuredOutput`]. OpenAI's
 //! `response_format: {"type": "json_schema" | "json_object"}` (enforced
 //! either way; `strict: true` also closes every object schema that leaves
-//! `additionalProperties` unset, as OpenAI's strict mode does), and vLLM's `structured_outputs` ({`json`, `regex`,
-//! `choice`, `grammar`, `json_object`}) and older `guided_json`,
-//! `guided_regex`, `guided_choice`, `guided_grammar`. A request gives at
-//! most one of them. Schemas are checked against the JSON Schema
-//! meta-schema here; whether the grammar compiles is checked in the
-//! prepare stage, against the model's tokenizer.
+//! `additionalProperties` unset, as OpenAI's strict mode does), and vLLM's
+//! `structured_outputs` ({`json`, `regex`, `choice`, `grammar`,
+//! `json_object`}) and older `guided_json`, `guided_regex`,
+//! `guided_choice`, `guided_grammar` (fields of
+//! [`super::options::GenerationOptions`]). A request gives at most one of
+//! them. Schemas are checked against the JSON Schema meta-schema here;
+//! whether the grammar compiles is checked in the prepare stage, against
+//! the model's tokenizer.
 
 use engine_core::Grammar;
-use serde_json::{Map, Value};
+use serde::Deserialize;
+use serde_json::Value;
+use utoipa::ToSchema;
 
-use super::validate::{wrong_type, RawBody};
+use super::body::wrong_type;
 use super::ApiError;
 
 /// A grammar and the request field it came from (named in errors).
@@ -33,6 +37,25 @@ impl StructuredOutput {
     /// `json_object`: any JSON object.
     pub fn json_object(param: &str) -> Self {
         Self::new(Grammar::JsonSchema(r#"{"type":"object"}"#.into()), param)
+    }
+
+    pub fn regex(regex: &str, param: &str) -> Self {
+        Self::new(Grammar::Regex(regex.into()), param)
+    }
+
+    pub fn lark(grammar: &str, param: &str) -> Self {
+        Self::new(Grammar::Lark(grammar.into()), param)
+    }
+
+    /// Exactly one of `choices`, which may not be empty.
+    pub fn choice(choices: &[String], param: &str) -> Result<Self, ApiError> {
+        if choices.is_empty() {
+            return Err(ApiError::invalid(
+                format!("`{param}` must list at least one choice"),
+                param,
+            ));
+        }
+        Ok(Self::new(Grammar::Choice(choices.to_vec()), param))
     }
 
     /// A JSON Schema given as an object (or a boolean), or as its JSON text.
@@ -67,40 +90,6 @@ impl StructuredOutput {
     }
 }
 
-/// The request's structured-output constraint, if any. `response_format`
-/// of type `text` (or absent) constrains nothing.
-pub fn parse(body: &RawBody) -> Result<Option<StructuredOutput>, ApiError> {
-    let mut found: Vec<StructuredOutput> = Vec::new();
-    if let Some(format) = body.object("response_format")? {
-        found.extend(response_format(format, "response_format")?);
-    }
-    if let Some(so) = body.object("structured_outputs")? {
-        found.extend(structured_outputs(so)?);
-    }
-    if let Some(v) = body.get("guided_json") {
-        found.push(StructuredOutput::json_schema(v, "guided_json")?);
-    }
-    if let Some(rx) = body.string("guided_regex")? {
-        found.push(StructuredOutput::new(
-            Grammar::Regex(rx.into()),
-            "guided_regex",
-        ));
-    }
-    if let Some(v) = body.get("guided_choice") {
-        found.push(StructuredOutput::new(
-            Grammar::Choice(choices(v, "guided_choice")?),
-            "guided_choice",
-        ));
-    }
-    if let Some(lark) = body.string("guided_grammar")? {
-        found.push(StructuredOutput::new(
-            Grammar::Lark(lark.into()),
-            "guided_grammar",
-        ));
-    }
-    one_of(found)
-}
-
 /// At most one constraint per request.
 pub fn one_of(mut found: Vec<StructuredOutput>) -> Result<Option<StructuredOutput>, ApiError> {
     if found.len() > 1 {
@@ -113,38 +102,67 @@ pub fn one_of(mut found: Vec<StructuredOutput>) -> Result<Option<StructuredOutpu
     Ok(found.pop())
 }
 
-/// OpenAI's `response_format` (chat) or `text.format` (responses, where
-/// the schema's fields sit beside `type` instead of under `json_schema`).
-pub fn response_format(
-    format: &Map<String, Value>,
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum FormatType {
+    Text,
+    JsonObject,
+    JsonSchema,
+}
+
+/// OpenAI's `response_format`. Decoding is constrained to the format.
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct ResponseFormat {
+    #[serde(rename = "type")]
+    pub kind: FormatType,
+    /// Required for "json_schema".
+    pub json_schema: Option<JsonSchemaFormat>,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct JsonSchemaFormat {
+    pub name: Option<String>,
+    pub description: Option<String>,
+    /// The JSON Schema (checked against the meta-schema, then compiled).
+    #[schema(value_type = Object, required = true)]
+    pub schema: Option<Value>,
+    pub strict: Option<bool>,
+}
+
+impl ResponseFormat {
+    /// The constraint, `at` naming this field in errors.
+    pub fn constraint(&self, at: &str) -> Result<Option<StructuredOutput>, ApiError> {
+        let spec_at = format!("{at}.json_schema");
+        let spec = match (&self.json_schema, self.kind) {
+            (Some(spec), _) => Some((spec.schema.as_ref(), spec.strict)),
+            (None, FormatType::JsonSchema) => {
+                return Err(ApiError::invalid(
+                    format!("`{spec_at}` is required for type \"json_schema\""),
+                    spec_at,
+                ))
+            }
+            (None, _) => None,
+        };
+        format_constraint(self.kind, spec, at, &spec_at)
+    }
+}
+
+/// A format's constraint: `json_schema`'s schema (`schema` and `strict` as
+/// given, at `spec_at`) or any JSON object; `text` constrains nothing.
+pub fn format_constraint(
+    kind: FormatType,
+    spec: Option<(Option<&Value>, Option<bool>)>,
     at: &str,
+    spec_at: &str,
 ) -> Result<Option<StructuredOutput>, ApiError> {
-    let type_param = format!("{at}.type");
-    match format.get("type") {
-        Some(Value::String(t)) if t == "text" => Ok(None),
-        Some(Value::String(t)) if t == "json_object" => Ok(Some(StructuredOutput::json_object(at))),
-        Some(Value::String(t)) if t == "json_schema" => {
-            // Chat nests the schema under `json_schema`; responses do not.
-            let (spec, spec_at) = match format.get("json_schema") {
-                Some(Value::Object(spec)) => (spec, format!("{at}.json_schema")),
-                Some(v) => return Err(wrong_type(&format!("{at}.json_schema"), "an object", v)),
-                None if at == "response_format" => {
-                    return Err(ApiError::invalid(
-                        format!("`{at}.json_schema` is required for type \"json_schema\""),
-                        format!("{at}.json_schema"),
-                    ))
-                }
-                None => (format, at.to_owned()),
-            };
-            let strict = match spec.get("strict") {
-                None | Some(Value::Null) => false,
-                Some(Value::Bool(b)) => *b,
-                Some(v) => return Err(wrong_type(&format!("{spec_at}.strict"), "a boolean", v)),
-            };
+    match kind {
+        FormatType::Text => Ok(None),
+        FormatType::JsonObject => Ok(Some(StructuredOutput::json_object(at))),
+        FormatType::JsonSchema => {
             let schema_at = format!("{spec_at}.schema");
-            match spec.get("schema") {
-                Some(schema) if !schema.is_null() => {
-                    StructuredOutput::schema(schema, &schema_at, strict).map(Some)
+            match spec {
+                Some((Some(schema), strict)) => {
+                    StructuredOutput::schema(schema, &schema_at, strict.unwrap_or(false)).map(Some)
                 }
                 _ => Err(ApiError::invalid(
                     format!("`{schema_at}` is required for type \"json_schema\""),
@@ -152,65 +170,45 @@ pub fn response_format(
                 )),
             }
         }
-        _ => Err(ApiError::invalid(
-            format!("`{type_param}` must be \"text\", \"json_object\" or \"json_schema\""),
-            type_param,
-        )),
     }
 }
 
-/// vLLM's `structured_outputs`: exactly one of its constraint keys.
-fn structured_outputs(so: &Map<String, Value>) -> Result<Vec<StructuredOutput>, ApiError> {
-    let mut found = Vec::new();
-    for (key, v) in so.iter().filter(|(_, v)| !v.is_null()) {
-        let param = format!("structured_outputs.{key}");
-        let string = |v: &Value| match v {
-            Value::String(s) => Ok(s.clone()),
-            other => Err(wrong_type(&param, "a string", other)),
-        };
-        match key.as_str() {
-            "json" => found.push(StructuredOutput::json_schema(v, &param)?),
-            "regex" => found.push(StructuredOutput::new(Grammar::Regex(string(v)?), &param)),
-            "grammar" => found.push(StructuredOutput::new(Grammar::Lark(string(v)?), &param)),
-            "choice" => found.push(StructuredOutput::new(
-                Grammar::Choice(choices(v, &param)?),
-                &param,
-            )),
-            "json_object" => match v {
-                Value::Bool(true) => found.push(StructuredOutput::json_object(&param)),
-                Value::Bool(false) => {}
-                other => return Err(wrong_type(&param, "a boolean", other)),
-            },
-            _ => {
-                return Err(ApiError::invalid(
-                    format!(
-                        "`{param}` is not supported (json, regex, choice, grammar, json_object)"
-                    ),
-                    param,
-                ))
-            }
+/// vLLM's `structured_outputs`: one of its fields.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StructuredOutputs {
+    /// A JSON Schema (object, or its JSON text).
+    #[schema(value_type = Option<Object>)]
+    pub json: Option<Value>,
+    pub regex: Option<String>,
+    #[schema(min_items = 1)]
+    pub choice: Option<Vec<String>>,
+    /// Lark grammar (llguidance's dialect).
+    pub grammar: Option<String>,
+    pub json_object: Option<bool>,
+}
+
+impl StructuredOutputs {
+    pub fn constraints(&self) -> Result<Vec<StructuredOutput>, ApiError> {
+        let at = |key: &str| format!("structured_outputs.{key}");
+        let mut found = Vec::new();
+        if let Some(v) = &self.json {
+            found.push(StructuredOutput::json_schema(v, &at("json"))?);
         }
+        if let Some(rx) = &self.regex {
+            found.push(StructuredOutput::regex(rx, &at("regex")));
+        }
+        if let Some(list) = &self.choice {
+            found.push(StructuredOutput::choice(list, &at("choice"))?);
+        }
+        if let Some(lark) = &self.grammar {
+            found.push(StructuredOutput::lark(lark, &at("grammar")));
+        }
+        if self.json_object == Some(true) {
+            found.push(StructuredOutput::json_object(&at("json_object")));
+        }
+        Ok(found)
     }
-    Ok(found)
-}
-
-fn choices(v: &Value, param: &str) -> Result<Vec<String>, ApiError> {
-    let list = v
-        .as_array()
-        .ok_or_else(|| wrong_type(param, "an array of strings", v))?;
-    if list.is_empty() {
-        return Err(ApiError::invalid(
-            format!("`{param}` must list at least one choice"),
-            param,
-        ));
-    }
-    list.iter()
-        .map(|c| {
-            c.as_str()
-                .map(str::to_owned)
-                .ok_or_else(|| wrong_type(param, "an array of strings", v))
-        })
-        .collect()
 }
 
 #[cfg(test)]
@@ -219,7 +217,8 @@ mod tests {
     use serde_json::json;
 
     fn parse_json(v: Value) -> Result<Option<StructuredOutput>, ApiError> {
-        parse(&RawBody::parse(v.to_string().as_bytes()).unwrap())
+        crate::protocol::options::gen_options(&crate::protocol::body::read(&v)?, 512)
+            .map(|o| o.structured)
     }
 
     #[test]
