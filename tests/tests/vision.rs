@@ -420,10 +420,10 @@ fn images_are_routed_only_to_capable_engines(vlm: &Vlm) {
     };
     let text = json!({"model": vlm.name, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]});
     assert_eq!(route(&text), ("fastpath".into(), "greedy-fast".into()));
-    // Greedy, so the policy picks the fast path, which takes no images:
-    // the request falls back to the batched engine.
+    // Greedy, so `greedy-fast` holds, but its engine takes no images: the
+    // rule is passed over and the default decides.
     let mut image = json!({"model": vlm.name, "max_tokens": 3, "messages": [{"role": "user", "content": [img]}]});
-    assert_eq!(route(&image), ("batched".into(), "greedy-fast".into()));
+    assert_eq!(route(&image), ("batched".into(), "default".into()));
     // `has_images` reaches the policy.
     image["temperature"] = json!(0.7);
     image["seed"] = json!(1);
