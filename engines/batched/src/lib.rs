@@ -6,6 +6,7 @@
 mod admit;
 mod config;
 mod engine;
+mod plan;
 mod queue;
 mod row;
 mod scheduler;

@@ -1,8 +1,10 @@
-//! The scheduler thread. Each iteration: take in new work, drop cancelled
-//! rows, admit waiting requests that have KV blocks, then run at most one
-//! prefill chunk and one decode step for the whole batch. The prefill chunk
-//! budget bounds the inter-token latency of running rows while a long
-//! prompt arrives.
+//! The scheduler thread: the executor of [`plan`]'s steps. Each iteration:
+//! take in new work, drop cancelled rows, plan the step under one token
+//! budget ([`plan::plan`]), start what it admits (waiting requests that
+//! have KV blocks, or a preempted row), then run it: a padded group's
+//! forward or the prompt chunks of the sequences catching up, then one
+//! decode step for the whole batch. The budget bounds the inter-token
+//! latency of running rows while long prompts arrive.
 //!
 //! Decode is pipelined (as mlx-lm's `BatchGenerator`): step n+1 is built on
 //! step n's tokens still on the device and queued before the host reads
@@ -33,8 +35,9 @@ use runtime::prefix_cache::Hit;
 use runtime::sampling::{self, Sampler};
 use runtime::{generate, memory, vision, KvCache, SharedModel};
 
-use crate::admit::{self, Candidate, Start};
+use crate::admit::Candidate;
 use crate::config::StepLimits;
+use crate::plan::{self, Admit, CatchUp, RowCap, StepPlan};
 use crate::queue::{WaitQueue, Waiting};
 use crate::row::{Active, Row};
 
@@ -84,7 +87,8 @@ pub struct Scheduler {
     rx: Receiver<Msg>,
     stats: Arc<Stats>,
     waiting: WaitQueue,
-    prefill: Option<Prefilling>,
+    /// Sequences being prefilled chunk by chunk, oldest first.
+    catching_up: Vec<Prefilling>,
     /// Short prompts admitted together, prefilled in one padded forward.
     group: Vec<Row>,
     rows: Vec<Row>,
@@ -122,7 +126,7 @@ impl Scheduler {
             pipeline,
             rx,
             stats,
-            prefill: None,
+            catching_up: Vec::new(),
             group: Vec::new(),
             rows: Vec::new(),
             batch: None,
@@ -170,16 +174,17 @@ impl Scheduler {
                 break;
             }
             self.drop_cancelled();
-            self.admit();
+            let plan = self.plan();
+            let chunks = self.admit(plan);
             // Published before stepping: an exclusive engine holding the
             // device must see this work to hand over and let it run.
             self.publish();
             let started = Instant::now();
             let period = self.last_step.replace(started).map(|t| started - t);
             let (rows, group, prefill) =
-                (self.rows.len(), self.group.len(), self.prefill.is_some());
+                (self.rows.len(), self.group.len(), self.catching_up.len());
             self.times = StepTimes::default();
-            let result = self.step();
+            let result = self.step(&chunks);
             // Per step, for finding where a slow batch spends its time
             // (`RUST_LOG=batched=debug`; through the gateway `plugin=debug`).
             tracing::debug!(
@@ -210,7 +215,7 @@ impl Scheduler {
 
     fn idle(&self) -> bool {
         self.rows.is_empty()
-            && self.prefill.is_none()
+            && self.catching_up.is_empty()
             && self.group.is_empty()
             && self.preempted.is_empty()
             && self.waiting.is_empty()
@@ -339,8 +344,12 @@ impl Scheduler {
             self.stats.dequeued();
             w.cancel();
         }
-        if self.prefill.as_ref().is_some_and(|p| p.row.is_cancelled()) {
-            let p = self.prefill.take().unwrap();
+        let (gone, kept): (Vec<Prefilling>, Vec<Prefilling>) = self
+            .catching_up
+            .drain(..)
+            .partition(|p| p.row.is_cancelled());
+        self.catching_up = kept;
+        for p in gone {
             p.row.finish(FinishReason::Cancelled);
         }
         let (gone, kept): (Vec<Row>, Vec<Row>) =
@@ -378,12 +387,10 @@ impl Scheduler {
             Some(step) => step.keep(&keep),
             None => Ok(None),
         };
-        if let Some(cap) = &mut self.row_cap {
-            cap.rows_finished(gone.len());
-            if cap.limit() >= self.limits.max_batch {
-                self.row_cap = None;
-            }
-        }
+        self.row_cap = self
+            .row_cap
+            .take()
+            .and_then(|cap| cap.rows_finished(gone.len(), self.limits.max_batch, Instant::now()));
         if self.rows.is_empty() {
             self.batch = None;
             return;
@@ -398,75 +405,86 @@ impl Scheduler {
         }
     }
 
-    /// Starts what the front of the queue allows (see [`admit::plan`]):
-    /// one request chunk by chunk, or a group of short ones together.
-    fn admit(&mut self) {
-        if self.prefill.is_some() || !self.group.is_empty() {
-            return;
-        }
-        let cap = self.row_cap.as_ref().map_or(self.limits.max_batch, |c| {
+    /// This step's plan (see [`plan::plan`]).
+    fn plan(&self) -> StepPlan {
+        let row_limit = self.row_cap.as_ref().map_or(self.limits.max_batch, |c| {
             c.limit().min(self.limits.max_batch)
         });
-        if self.rows.len() >= cap {
-            return;
-        }
-        if let Some(row) = self.preempted.pop_front() {
-            let tokens = row.context();
-            let layers = self.shared.model.model.num_layers();
-            let (cache, done) = match self.shared.prefix.lookup(
-                row.request().cache_scope.as_deref(),
-                &tokens,
-                layers,
-            ) {
-                Some(h) => (h.cache, h.tokens),
-                None => (self.shared.new_cache(vec![0]), 0),
-            };
-            self.prefill = Some(Prefilling {
-                row,
-                cache,
-                tokens,
-                done,
-            });
-            return;
-        }
+        let catching_up: Vec<CatchUp> = self
+            .catching_up
+            .iter()
+            .map(|p| CatchUp {
+                computed: p.done,
+                target: p.tokens.len(),
+            })
+            .collect();
+        let preempted: Vec<usize> = self.preempted.iter().map(Row::context_len).collect();
         let pool = &self.shared.kv_pool;
         let prefix = &self.shared.prefix;
-        let candidates = self.waiting.iter().map(|w| Candidate {
+        let waiting = self.waiting.iter().map(|w| Candidate {
             prompt_len: w.request.prompt.len(),
             blocks: w.blocks,
             images: !w.request.images.is_empty(),
             prefix_hit: prefix.has_hit(w.request.cache_scope.as_deref(), &w.request.prompt),
         });
-        let room = cap - self.rows.len();
-        let free = pool.total().saturating_sub(pool.allocated());
-        match admit::plan(candidates, room, free, self.limits.prefill) {
-            None => {}
-            Some(Start::Chunked) => {
-                if let Some((row, hit)) = self.take_next() {
-                    let (cache, done) = match hit {
-                        Some(h) => (h.cache, h.tokens),
-                        None => (self.shared.new_cache(vec![0]), 0),
-                    };
-                    let tokens = row.request().prompt.clone();
-                    self.prefill = Some(Prefilling {
-                        row,
-                        cache,
-                        tokens,
-                        done,
-                    });
-                }
+        let state = plan::State {
+            decoding: self.rows.len(),
+            catching_up: &catching_up,
+            preempted: &preempted,
+            waiting,
+            free_blocks: pool.total().saturating_sub(pool.allocated()),
+            row_limit,
+        };
+        plan::plan(state, self.limits.prefill)
+    }
+
+    /// Starts what the plan admits; returns the prompt tokens each
+    /// sequence catching up computes this step (the plan's chunks, and the
+    /// new one's).
+    fn admit(&mut self, plan: StepPlan) -> Vec<usize> {
+        let mut chunks = plan.chunks;
+        let started = match plan.admit {
+            None => return chunks,
+            Some(Admit::Rejoin { tokens }) => {
+                let row = self.preempted.pop_front().expect("a preempted row");
+                let tokens_ = row.context();
+                let hit = self.shared.prefix.lookup(
+                    row.request().cache_scope.as_deref(),
+                    &tokens_,
+                    self.shared.model.model.num_layers(),
+                );
+                Some((row, hit, tokens_, tokens))
             }
+            Some(Admit::Chunked { tokens }) => self.take_next().map(|(row, hit)| {
+                let prompt = row.request().prompt.clone();
+                (row, hit, prompt, tokens)
+            }),
             // Another engine may take blocks meanwhile: the group is what
             // could be reserved.
-            Some(Start::Group(n)) => {
+            Some(Admit::Group(n)) => {
                 while self.group.len() < n {
                     let Some((row, _)) = self.take_next() else {
                         break;
                     };
                     self.group.push(row);
                 }
+                None
             }
+        };
+        if let Some((row, hit, tokens, chunk)) = started {
+            let (cache, done) = match hit {
+                Some(h) => (h.cache, h.tokens),
+                None => (self.shared.new_cache(vec![0]), 0),
+            };
+            self.catching_up.push(Prefilling {
+                row,
+                cache,
+                tokens,
+                done,
+            });
+            chunks.push(chunk);
         }
+        chunks
     }
 
     /// The next waiting request as a row with its KV reserved, and its
@@ -523,12 +541,14 @@ impl Scheduler {
         }
     }
 
-    fn step(&mut self) -> anyhow::Result<()> {
+    /// Runs a planned step: the group's forward, `chunks[i]` prompt
+    /// tokens of the `i`th sequence catching up, and a decode step.
+    fn step(&mut self, chunks: &[usize]) -> anyhow::Result<()> {
         let shared = self.shared.clone();
         let _device = shared.lock_device();
         let done = self
             .prefill_group()
-            .and_then(|()| self.prefill_chunk())
+            .and_then(|()| self.prefill_chunks(chunks))
             .and_then(|()| self.decode());
         if done.is_err() {
             // A step queued before the failure computed its tokens before
@@ -585,12 +605,24 @@ impl Scheduler {
         self.join_batch(rows.into_iter().flatten().collect(), cache)
     }
 
-    fn prefill_chunk(&mut self) -> anyhow::Result<()> {
-        let Some(p) = self.prefill.as_mut() else {
-            return Ok(());
-        };
+    fn prefill_chunks(&mut self, chunks: &[usize]) -> anyhow::Result<()> {
+        // A sequence that completes leaves `catching_up`: the next one
+        // moves to its index.
+        let mut i = 0;
+        for &tokens in chunks {
+            if tokens == 0 || !self.prefill_chunk(i, tokens)? {
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Computes up to `tokens` more of sequence `i`'s prompt; returns
+    /// whether it completed (joined the batch or finished).
+    fn prefill_chunk(&mut self, i: usize, tokens: usize) -> anyhow::Result<bool> {
+        let p = &mut self.catching_up[i];
         let model = &self.shared.model.model;
-        let mut end = (p.done + self.limits.prefill.chunk).min(p.tokens.len());
+        let mut end = (p.done + tokens).min(p.tokens.len());
         // A hybrid model's prefix snapshot needs a chunk to end there.
         let snapshot = self.shared.prefix.snapshot_at(p.row.request().prompt.len());
         if let Some(at) = snapshot.filter(|&at| p.done < at && at < end) {
@@ -615,17 +647,17 @@ impl Scheduler {
                     .insert(scope, &p.row.request().prompt[..end], &p.cache);
             }
             if end < p.tokens.len() {
-                return Ok(());
+                return Ok(false);
             }
-            let p = self.prefill.take().unwrap();
-            return self.join_batch(vec![p.row], p.cache);
+            let p = self.catching_up.remove(i);
+            return self.join_batch(vec![p.row], p.cache).map(|()| true);
         }
-        let mut p = self.prefill.take().unwrap();
+        let mut p = self.catching_up.remove(i);
         let finished = match advance_rows(std::slice::from_mut(&mut p.row), &logits) {
             Ok(finished) => finished,
             Err(e) => {
                 // Back in place for the caller's recovery.
-                self.prefill = Some(p);
+                self.catching_up.insert(i, p);
                 return Err(e);
             }
         };
@@ -637,9 +669,9 @@ impl Scheduler {
         match finished.first() {
             Some(&(_, reason)) => {
                 p.row.finish(reason);
-                Ok(())
+                Ok(true)
             }
-            None => self.join_batch(vec![p.row], p.cache),
+            None => self.join_batch(vec![p.row], p.cache).map(|()| true),
         }
     }
 
@@ -734,7 +766,7 @@ impl Scheduler {
         self.rows
             .iter()
             .chain(&self.group)
-            .chain(self.prefill.as_ref().map(|p| &p.row))
+            .chain(self.catching_up.iter().map(|p| &p.row))
             .chain(&self.preempted)
     }
 
@@ -744,7 +776,7 @@ impl Scheduler {
         self.batch = None;
         self.pending = None;
         let mut rows: Vec<Row> = self.rows.drain(..).collect();
-        rows.extend(self.prefill.take().map(|p| p.row));
+        rows.extend(self.catching_up.drain(..).map(|p| p.row));
         rows.append(&mut self.group);
         rows.extend(self.preempted.drain(..));
         rows
@@ -763,7 +795,7 @@ impl Scheduler {
     /// (keeping its reservation and its stream) to be recomputed from its
     /// tokens, oldest first, with half the rows at once (see [`RowCap`];
     /// halved again by each failure in a row), after a pause that doubles
-    /// with each failure in a row. Past [`OOM_RETRIES`] failures in a row
+    /// with each failure in a row. Past [`plan::OOM_RETRIES`] failures in a row
     /// memory is not coming back: each further failure ends the newest
     /// half of the rows (rounded down, at least one) with 503, so the
     /// oldest go on and the run ends.
@@ -772,11 +804,13 @@ impl Scheduler {
         self.oom_streak += 1;
         let mut rows = self.take_started();
         rows.sort_by_key(|r| r.request().id);
-        let shed = if self.oom_streak > OOM_RETRIES {
-            (rows.len() / 2).max(1)
-        } else {
-            0
-        };
+        let admitted = rows.len();
+        let (shed, cap) = plan::after_oom(
+            admitted,
+            self.oom_streak,
+            self.row_cap.take(),
+            Instant::now(),
+        );
         tracing::warn!(
             error = %error,
             rows = rows.len(),
@@ -787,13 +821,7 @@ impl Scheduler {
         for row in rows.drain(rows.len() - shed..) {
             row.fail(memory::failed_step(error));
         }
-        // A first failure halves what was admitted; each further one in a
-        // row halves the cap again, even while rows are still rejoining.
-        let admitted = rows.len() + shed;
-        self.row_cap = Some(match self.row_cap.take() {
-            Some(cap) if self.oom_streak > 1 => cap.halved(),
-            _ => RowCap::after_failure(admitted),
-        });
+        self.row_cap = Some(cap);
         self.preempted = rows.into();
         std::thread::sleep(oom_backoff(self.oom_streak));
     }
@@ -851,62 +879,10 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-/// How long the row count that ran out of memory stays out of reach.
-const ROW_CEILING_LIFTS_AFTER: Duration = Duration::from_secs(60);
-
-/// Steps in a row that may run out of memory before rows are ended.
-const OOM_RETRIES: u32 = 3;
-
 /// The pause after the `streak`-th failure in a row: 10 ms doubling, at
 /// most a second (time for the memory's holder to let go).
 fn oom_backoff(streak: u32) -> Duration {
     Duration::from_millis(10 << streak.saturating_sub(1).min(6)).min(Duration::from_secs(1))
-}
-
-/// The row limit after a step ran out of memory with `n` rows: half of
-/// them at first, one more per row that finishes, but below `n` until a
-/// minute passes without another failure (else the batch would grow back
-/// into the same failure again and again, recomputing its rows each time).
-struct RowCap {
-    rows: usize,
-    ceiling: usize,
-    since: Instant,
-}
-
-impl RowCap {
-    fn after_failure(n: usize) -> Self {
-        Self {
-            rows: (n / 2).max(1),
-            ceiling: n.saturating_sub(1).max(1),
-            since: Instant::now(),
-        }
-    }
-
-    /// After another failure in a row: half the rows, under the ceiling
-    /// the first failure set.
-    fn halved(self) -> Self {
-        Self {
-            rows: (self.rows / 2).max(1),
-            since: Instant::now(),
-            ..self
-        }
-    }
-
-    fn ceiling(&self) -> usize {
-        if self.since.elapsed() < ROW_CEILING_LIFTS_AFTER {
-            self.ceiling
-        } else {
-            usize::MAX
-        }
-    }
-
-    fn rows_finished(&mut self, n: usize) {
-        self.rows = (self.rows + n).min(self.ceiling());
-    }
-
-    fn limit(&self) -> usize {
-        self.rows
-    }
 }
 
 /// Samples every row's next token from `[B, 1, V]` logits, records it
