@@ -5,6 +5,7 @@
 
 mod admit;
 mod config;
+mod device;
 mod engine;
 mod plan;
 mod queue;

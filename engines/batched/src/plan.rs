@@ -208,9 +208,6 @@ impl RowCap {
 }
 
 #[cfg(test)]
-mod sim;
-
-#[cfg(test)]
 mod tests {
     use super::*;
 
