@@ -210,15 +210,7 @@ impl RowCap {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn short(prompt_len: usize) -> Candidate {
-        Candidate {
-            prompt_len,
-            blocks: 1,
-            images: false,
-            prefix_hit: false,
-        }
-    }
+    use crate::admit::tests::short;
 
     fn state<'a>(
         decoding: usize,
