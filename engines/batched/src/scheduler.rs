@@ -441,7 +441,9 @@ impl<D: Device> Scheduler<D> {
             Some(Admit::Rejoin { tokens }) => {
                 let row = self.preempted.pop_front().expect("a preempted row");
                 let context = row.context();
-                let hit = (self.device).lookup(row.request().cache_scope.as_deref(), &context);
+                let hit = self
+                    .device
+                    .lookup(row.request().cache_scope.as_deref(), &context);
                 Some((row, hit, context, tokens))
             }
             Some(Admit::Chunked { tokens }) => self.take_next().map(|(row, hit)| {
@@ -505,7 +507,9 @@ impl<D: Device> Scheduler<D> {
                     continue;
                 }
             };
-            let hit = (self.device).lookup(out.request.cache_scope.as_deref(), &out.request.prompt);
+            let hit = self
+                .device
+                .lookup(out.request.cache_scope.as_deref(), &out.request.prompt);
             out.set_cached_tokens(hit.as_ref().map_or(0, |(_, n)| *n as u32));
             let row = Row {
                 out,
@@ -550,7 +554,10 @@ impl<D: Device> Scheduler<D> {
         // The rows stay in the group until their first token is out: a
         // step that fails leaves them to the caller's recovery.
         let longest = self.group.iter().map(|r| r.request().prompt.len()).max();
-        let width = (self.limits.prefill).width(longest.unwrap_or(0), self.group.len());
+        let width = self
+            .limits
+            .prefill
+            .width(longest.unwrap_or(0), self.group.len());
         let (mut cache, picks) = self.device.prefill_group(&mut self.group, width)?;
         let picks = self.device.read(&self.group, picks)?;
         let finished = land(&mut self.group, picks)?;
@@ -606,7 +613,9 @@ impl<D: Device> Scheduler<D> {
         // A preempted row's next input is its newest token: no pick.
         let pick = end == p.tokens.len() && p.row.out.generated() == 0;
         let chunk = &p.tokens[p.done..end];
-        let picks = (self.device).prefill(&mut p.row, &mut p.cache, chunk, p.done, pick)?;
+        let picks = self
+            .device
+            .prefill(&mut p.row, &mut p.cache, chunk, p.done, pick)?;
         let Some(picks) = picks else {
             p.done = end;
             if snapshot == Some(end) {
