@@ -57,7 +57,8 @@ pub struct State<'a, Q> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StepPlan {
     /// Rows of the batch decoded (all of them: each row is one token
-    /// behind after every step).
+    /// behind after every step). A sequence whose prompt completes in
+    /// the step joins the batch and decodes with them.
     pub decode: usize,
     /// Prompt tokens each sequence catching up computes, in the order of
     /// [`State::catching_up`]; 0: none this step.
@@ -104,7 +105,9 @@ pub fn plan<Q: IntoIterator<Item = Candidate>>(
     let admit = match (left, state.preempted.first()) {
         (0, _) => None,
         _ if rows >= state.row_limit => None,
-        (tokens, Some(_)) => Some(Admit::Rejoin { tokens }),
+        (tokens, Some(&context)) => Some(Admit::Rejoin {
+            tokens: tokens.min(context),
+        }),
         (tokens, None) => {
             let room = state.row_limit - rows;
             match admit::plan(state.waiting, room, state.free_blocks, budget) {
@@ -296,8 +299,10 @@ mod tests {
 
     #[test]
     fn preempted_rows_rejoin_before_anything_waiting_starts() {
-        let p = plan(state(2, &[], &[40, 30], &[short(8)]), BUDGET);
+        let p = plan(state(2, &[], &[400, 30], &[short(8)]), BUDGET);
         assert_eq!(p.admit, Some(Admit::Rejoin { tokens: 254 }));
+        let p = plan(state(2, &[], &[40, 30], &[short(8)]), BUDGET);
+        assert_eq!(p.admit, Some(Admit::Rejoin { tokens: 40 }));
     }
 
     #[test]
