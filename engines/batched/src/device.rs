@@ -16,6 +16,9 @@ use runtime::{generate, memory, vision, KvCache, KvPool, SharedModel};
 
 use crate::row::Row;
 
+/// A kept prefix of a sequence: its KV and how many tokens it holds.
+pub type Prefix<Kv> = (Kv, usize);
+
 /// One row's pick of a step, read on the host.
 pub struct Pick {
     pub token: u32,
@@ -66,7 +69,7 @@ pub trait Device: Clone {
 
     /// The prefix cache: the KV and length of the longest kept prefix of
     /// `tokens` in `scope`.
-    fn lookup(&self, scope: Option<&str>, tokens: &[u32]) -> Option<(Self::Kv, usize)>;
+    fn lookup(&self, scope: Option<&str>, tokens: &[u32]) -> Option<Prefix<Self::Kv>>;
     fn has_hit(&self, scope: Option<&str>, tokens: &[u32]) -> bool;
     /// Whether a sequence of `tokens` would be kept.
     fn wants(&self, tokens: usize) -> bool;
@@ -164,7 +167,7 @@ impl Device for Mlx {
         kv.select_rows(keep)
     }
 
-    fn lookup(&self, scope: Option<&str>, tokens: &[u32]) -> Option<(KvCache, usize)> {
+    fn lookup(&self, scope: Option<&str>, tokens: &[u32]) -> Option<Prefix<KvCache>> {
         let layers = self.0.model.model.num_layers();
         let hit = self.0.prefix.lookup(scope, tokens, layers)?;
         Some((hit.cache, hit.tokens))

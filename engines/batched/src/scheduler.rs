@@ -35,7 +35,7 @@ use runtime::{memory, vision};
 
 use crate::admit::Candidate;
 use crate::config::StepLimits;
-use crate::device::{Device, Pick, Picks};
+use crate::device::{Device, Pick, Picks, Prefix};
 use crate::plan::{self, Admit, CatchUp, RowCap, StepPlan};
 use crate::queue::{WaitQueue, Waiting};
 use crate::row::{Active, Row};
@@ -477,7 +477,7 @@ impl<D: Device> Scheduler<D> {
 
     /// The next waiting request as a row with its KV reserved, and its
     /// prefix-cache hit; `None` when nothing waits or the pool is full.
-    fn take_next(&mut self) -> Option<(Row, Option<(D::Kv, usize)>)> {
+    fn take_next(&mut self) -> Option<(Row, Option<Prefix<D::Kv>>)> {
         loop {
             let front = self.waiting.front()?;
             // When the pool is full, wait for running rows to return blocks.

@@ -15,7 +15,7 @@ use runtime::{KvCache, KvPool};
 
 use super::*;
 use crate::admit::PrefillBudget;
-use crate::device::{Device, Pick, Picks};
+use crate::device::{Device, Pick, Picks, Prefix};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Forward {
@@ -128,7 +128,7 @@ impl Device for Fake {
         Ok(())
     }
 
-    fn lookup(&self, _: Option<&str>, _: &[u32]) -> Option<(Vec<usize>, usize)> {
+    fn lookup(&self, _: Option<&str>, _: &[u32]) -> Option<Prefix<Vec<usize>>> {
         None
     }
 
