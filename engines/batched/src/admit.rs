@@ -102,10 +102,11 @@ pub fn plan(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn short(prompt_len: usize) -> Candidate {
+    /// A text prompt of `prompt_len` tokens that needs one KV block.
+    pub(crate) fn short(prompt_len: usize) -> Candidate {
         Candidate {
             prompt_len,
             blocks: 1,

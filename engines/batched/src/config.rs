@@ -15,8 +15,9 @@ pub struct BatchedConfig {
     /// Requests waiting for a batch slot or KV blocks; beyond this, new
     /// requests are refused as overloaded.
     pub max_queue: usize,
-    /// Prompt tokens prefilled per scheduler step: bounds how long a long
-    /// prompt can stall the decode of running rows.
+    /// Tokens per scheduler step: the decode rows' first, prompt chunks
+    /// the rest (at least half; `plan::prompt_tokens`). Bounds how long
+    /// long prompts can stall the decode of running rows.
     pub prefill_chunk: usize,
     /// Padded prompt tokens of short prompts prefilled together in one
     /// forward (like vLLM's `max_num_batched_tokens`). Default: 2048 on

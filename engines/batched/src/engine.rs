@@ -14,6 +14,7 @@ use runtime::handover::{Handover, HandoverSink};
 use runtime::SharedModel;
 
 use crate::config::BatchedConfig;
+use crate::device::Mlx;
 use crate::queue::Waiting;
 use crate::scheduler::{Msg, Scheduler, Stats};
 use crate::validate;
@@ -65,7 +66,7 @@ impl BatchedEngine {
             .name(format!("{name}-scheduler"))
             .spawn({
                 let (shared, stats) = (shared.clone(), stats.clone());
-                move || Scheduler::supervise(shared, limits, pipeline, rx, stats)
+                move || Scheduler::supervise(Mlx(shared), limits, pipeline, rx, stats)
             })
             .expect("spawn the scheduler thread");
         shared.set_handover_sink(Arc::new(Sink(tx.clone(), stats.clone())));

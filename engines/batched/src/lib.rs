@@ -5,7 +5,9 @@
 
 mod admit;
 mod config;
+mod device;
 mod engine;
+mod plan;
 mod queue;
 mod row;
 mod scheduler;

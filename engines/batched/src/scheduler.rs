@@ -1,8 +1,12 @@
-//! The scheduler thread. Each iteration: take in new work, drop cancelled
-//! rows, admit waiting requests that have KV blocks, then run at most one
-//! prefill chunk and one decode step for the whole batch. The prefill chunk
-//! budget bounds the inter-token latency of running rows while a long
-//! prompt arrives.
+//! The scheduler thread: the executor of [`plan`]'s steps. Each iteration:
+//! take in new work, drop cancelled rows, plan the step under one token
+//! budget ([`plan::plan`]), start what it admits (waiting requests that
+//! have KV blocks, or a preempted row), then run it: a padded group's
+//! forward or the prompt chunks of the sequences catching up, then one
+//! decode step for the whole batch. The budget bounds the inter-token
+//! latency of running rows while long prompts arrive. The forwards are a
+//! [`Device`]'s: the model's on MLX ([`crate::device::Mlx`]), or a fake
+//! one that drives this whole loop in the tests.
 //!
 //! Decode is pipelined (as mlx-lm's `BatchGenerator`): step n+1 is built on
 //! step n's tokens still on the device and queued before the host reads
@@ -24,17 +28,15 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, TryRecvError};
 use engine_core::{FinishReason, RequestId, StreamError, TokenEvent};
-use mlx_rs::transforms::{async_eval, eval};
-use mlx_rs::{ops, Array, Dtype};
 use runtime::emit::Emitter;
 use runtime::handover::Handover;
-use runtime::model::Logits;
-use runtime::prefix_cache::Hit;
-use runtime::sampling::{self, Sampler};
-use runtime::{generate, memory, vision, KvCache, SharedModel};
+use runtime::sampling::Sampler;
+use runtime::{memory, vision};
 
-use crate::admit::{self, Candidate, Start};
+use crate::admit::Candidate;
 use crate::config::StepLimits;
+use crate::device::{Device, Pick, Picks, Prefix};
+use crate::plan::{self, Admit, CatchUp, RowCap, StepPlan};
 use crate::queue::{WaitQueue, Waiting};
 use crate::row::{Active, Row};
 
@@ -67,31 +69,32 @@ impl Stats {
     }
 }
 
-struct Prefilling {
+struct Prefilling<Kv> {
     row: Row,
-    cache: KvCache,
+    cache: Kv,
     /// What the prefill computes: the prompt, or for a preempted row its
     /// whole context (see [`Row::context`]).
     tokens: Vec<u32>,
     done: usize,
 }
 
-pub struct Scheduler {
-    shared: Arc<SharedModel>,
+pub struct Scheduler<D: Device> {
+    device: D,
     limits: StepLimits,
     /// Pipelined decode (`pipeline` in the engine's config).
     pipeline: bool,
     rx: Receiver<Msg>,
     stats: Arc<Stats>,
     waiting: WaitQueue,
-    prefill: Option<Prefilling>,
+    /// Sequences being prefilled chunk by chunk, oldest first.
+    catching_up: Vec<Prefilling<D::Kv>>,
     /// Short prompts admitted together, prefilled in one padded forward.
     group: Vec<Row>,
     rows: Vec<Row>,
-    batch: Option<KvCache>,
+    batch: Option<D::Kv>,
     /// The decode step queued and not yet read (pipelined decode): the
     /// next tokens of the first `pending.rows` rows.
-    pending: Option<Step>,
+    pending: Option<D::Picks>,
     /// Rows that gave up their KV when a step ran out of memory, oldest
     /// first; they rejoin before anything new is admitted.
     preempted: VecDeque<Row>,
@@ -107,9 +110,9 @@ pub struct Scheduler {
     shutting_down: bool,
 }
 
-impl Scheduler {
+impl<D: Device> Scheduler<D> {
     pub fn new(
-        shared: Arc<SharedModel>,
+        device: D,
         limits: StepLimits,
         pipeline: bool,
         rx: Receiver<Msg>,
@@ -117,12 +120,12 @@ impl Scheduler {
     ) -> Self {
         Self {
             waiting: WaitQueue::default(),
-            shared,
+            device,
             limits,
             pipeline,
             rx,
             stats,
-            prefill: None,
+            catching_up: Vec::new(),
             group: Vec::new(),
             rows: Vec::new(),
             batch: None,
@@ -141,7 +144,7 @@ impl Scheduler {
     /// final event, which benches the engine until the host's probe finds
     /// it serving again) and a fresh one takes over the same channel.
     pub fn supervise(
-        shared: Arc<SharedModel>,
+        device: D,
         limits: StepLimits,
         pipeline: bool,
         rx: Receiver<Msg>,
@@ -149,7 +152,7 @@ impl Scheduler {
     ) {
         loop {
             let scheduler =
-                Scheduler::new(shared.clone(), limits, pipeline, rx.clone(), stats.clone());
+                Scheduler::new(device.clone(), limits, pipeline, rx.clone(), stats.clone());
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| scheduler.run())) {
                 Ok(()) => return,
                 Err(_) => {
@@ -169,48 +172,54 @@ impl Scheduler {
             if !self.intake() {
                 break;
             }
-            self.drop_cancelled();
-            self.admit();
-            // Published before stepping: an exclusive engine holding the
-            // device must see this work to hand over and let it run.
-            self.publish();
-            let started = Instant::now();
-            let period = self.last_step.replace(started).map(|t| started - t);
-            let (rows, group, prefill) =
-                (self.rows.len(), self.group.len(), self.prefill.is_some());
-            self.times = StepTimes::default();
-            let result = self.step();
-            // Per step, for finding where a slow batch spends its time
-            // (`RUST_LOG=batched=debug`; through the gateway `plugin=debug`).
-            tracing::debug!(
-                rows,
-                group,
-                prefill,
-                columns = self.batch.as_ref().map_or(0, |b| b.len()),
-                ms = ms(started.elapsed()),
-                built_ms = ms(self.times.built),
-                launched_ms = ms(self.times.launched),
-                waited_ms = ms(self.times.waited),
-                period_ms = period.map_or(0.0, ms),
-                "step"
-            );
-            match result {
-                Ok(()) => self.oom_streak = 0,
-                Err(e) if memory::is_out_of_memory(&e) => self.recover_from_oom(&e),
-                Err(e) => {
-                    tracing::error!(error = %e, "batched step failed; failing its requests");
-                    self.fail_all(&format!("engine step failed: {e}"));
-                }
-            }
-            self.publish();
+            self.iteration();
         }
         self.cancel_everything();
         self.publish();
     }
 
+    /// One step, after the intake: drop cancelled rows, plan, start what
+    /// the plan admits, run it.
+    fn iteration(&mut self) {
+        self.drop_cancelled();
+        let plan = self.plan();
+        let chunks = self.admit(plan);
+        // Published before stepping: an exclusive engine holding the
+        // device must see this work to hand over and let it run.
+        self.publish();
+        let started = Instant::now();
+        let period = self.last_step.replace(started).map(|t| started - t);
+        let (rows, group, prefill) = (self.rows.len(), self.group.len(), self.catching_up.len());
+        self.times = StepTimes::default();
+        let result = self.step(&chunks);
+        // Per step, for finding where a slow batch spends its time
+        // (`RUST_LOG=batched=debug`; through the gateway `plugin=debug`).
+        tracing::debug!(
+            rows,
+            group,
+            prefill,
+            columns = self.batch.as_ref().map_or(0, |b| self.device.columns(b)),
+            ms = ms(started.elapsed()),
+            built_ms = ms(self.times.built),
+            launched_ms = ms(self.times.launched),
+            waited_ms = ms(self.times.waited),
+            period_ms = period.map_or(0.0, ms),
+            "step"
+        );
+        match result {
+            Ok(()) => self.oom_streak = 0,
+            Err(e) if memory::is_out_of_memory(&e) => self.recover_from_oom(&e),
+            Err(e) => {
+                tracing::error!(error = %e, "batched step failed; failing its requests");
+                self.fail_all(&format!("engine step failed: {e}"));
+            }
+        }
+        self.publish();
+    }
+
     fn idle(&self) -> bool {
         self.rows.is_empty()
-            && self.prefill.is_none()
+            && self.catching_up.is_empty()
             && self.group.is_empty()
             && self.preempted.is_empty()
             && self.waiting.is_empty()
@@ -252,7 +261,7 @@ impl Scheduler {
         let active = Active::take(&self.stats);
         let generated = h.generated.clone();
         let mut out = Emitter::resume(h.request, h.events, h.generated, h.cached_tokens);
-        let vocab = self.shared.model.vocab_size() as i32;
+        let vocab = self.device.vocab();
         // Past the tokens drawn so far: penalties count them, and a seeded
         // request goes on with the keys plain sampling would use.
         let sampler = Sampler::new(&out.request.sampling, vocab, &out.request.prompt)
@@ -279,16 +288,17 @@ impl Scheduler {
             last_token: h.last_token,
             constraint: None,
         };
-        if let Err(e) = self.join_batch(vec![row], h.cache) {
+        let joined = self
+            .device
+            .adopted(h.cache)
+            .and_then(|cache| self.join_batch(vec![row], cache));
+        if let Err(e) = joined {
             tracing::error!(error = %e, "adopting a handed-over sequence failed");
         }
     }
 
-    fn join_batch(&mut self, rows: Vec<Row>, cache: KvCache) -> anyhow::Result<()> {
-        let merged = self
-            .paged(cache)
-            .and_then(|cache| KvCache::join(self.batch.take(), cache));
-        match merged {
+    fn join_batch(&mut self, rows: Vec<Row>, cache: D::Kv) -> anyhow::Result<()> {
+        match self.device.join(self.batch.take(), cache) {
             Ok(b) => {
                 self.batch = Some(b);
                 self.rows.extend(rows);
@@ -306,15 +316,6 @@ impl Scheduler {
         }
     }
 
-    /// `cache` in the server's layout: a cache that arrives contiguous (a
-    /// sequence a contiguous-cache build handed over) moves into the pool.
-    fn paged(&self, cache: KvCache) -> anyhow::Result<KvCache> {
-        match self.shared.pages() {
-            Some(pool) => cache.into_paged(pool),
-            None => Ok(cache),
-        }
-    }
-
     /// Keeps row `i`'s prompt and answer in the prefix cache, before its
     /// final event (the chat's next turn, sent the moment it arrives,
     /// starts from it). Runs under the device lock (decode steps).
@@ -322,15 +323,9 @@ impl Scheduler {
         let (Some(batch), row) = (self.batch.as_ref(), &self.rows[i]) else {
             return;
         };
-        if !self.shared.prefix.wants(row.context_len()) {
-            return;
-        }
-        match batch.extract_row(i) {
-            Ok(cache) => {
-                let scope = row.request().cache_scope.as_deref();
-                self.shared.prefix.insert(scope, &row.context(), &cache);
-            }
-            Err(e) => tracing::warn!(error = %e, "keeping a finished row's prefix failed"),
+        if self.device.wants(row.context_len()) {
+            let scope = row.request().cache_scope.as_deref();
+            self.device.keep(scope, &row.context(), batch, Some(i));
         }
     }
 
@@ -339,8 +334,12 @@ impl Scheduler {
             self.stats.dequeued();
             w.cancel();
         }
-        if self.prefill.as_ref().is_some_and(|p| p.row.is_cancelled()) {
-            let p = self.prefill.take().unwrap();
+        let (gone, kept): (Vec<_>, Vec<_>) = self
+            .catching_up
+            .drain(..)
+            .partition(|p| p.row.is_cancelled());
+        self.catching_up = kept;
+        for p in gone {
             p.row.finish(FinishReason::Cancelled);
         }
         let (gone, kept): (Vec<Row>, Vec<Row>) =
@@ -378,19 +377,20 @@ impl Scheduler {
             Some(step) => step.keep(&keep),
             None => Ok(None),
         };
-        if let Some(cap) = &mut self.row_cap {
-            cap.rows_finished(gone.len());
-            if cap.limit() >= self.limits.max_batch {
-                self.row_cap = None;
-            }
-        }
+        self.row_cap = self
+            .row_cap
+            .take()
+            .and_then(|cap| cap.rows_finished(gone.len(), self.limits.max_batch, Instant::now()));
         if self.rows.is_empty() {
             self.batch = None;
             return;
         }
         let selected = pending.and_then(|step| {
             self.pending = step;
-            self.batch.as_mut().map_or(Ok(()), |b| b.select_rows(&keep))
+            let device = &self.device;
+            self.batch
+                .as_mut()
+                .map_or(Ok(()), |b| device.select_rows(b, &keep))
         });
         if let Err(e) = selected {
             tracing::error!(error = %e, "dropping rows from the batch failed");
@@ -398,89 +398,95 @@ impl Scheduler {
         }
     }
 
-    /// Starts what the front of the queue allows (see [`admit::plan`]):
-    /// one request chunk by chunk, or a group of short ones together.
-    fn admit(&mut self) {
-        if self.prefill.is_some() || !self.group.is_empty() {
-            return;
-        }
-        let cap = self.row_cap.as_ref().map_or(self.limits.max_batch, |c| {
+    /// This step's plan (see [`plan::plan`]).
+    fn plan(&self) -> StepPlan {
+        let row_limit = self.row_cap.as_ref().map_or(self.limits.max_batch, |c| {
             c.limit().min(self.limits.max_batch)
         });
-        if self.rows.len() >= cap {
-            return;
-        }
-        if let Some(row) = self.preempted.pop_front() {
-            let tokens = row.context();
-            let layers = self.shared.model.model.num_layers();
-            let (cache, done) = match self.shared.prefix.lookup(
-                row.request().cache_scope.as_deref(),
-                &tokens,
-                layers,
-            ) {
-                Some(h) => (h.cache, h.tokens),
-                None => (self.shared.new_cache(vec![0]), 0),
-            };
-            self.prefill = Some(Prefilling {
-                row,
-                cache,
-                tokens,
-                done,
-            });
-            return;
-        }
-        let pool = &self.shared.kv_pool;
-        let prefix = &self.shared.prefix;
-        let candidates = self.waiting.iter().map(|w| Candidate {
+        let catching_up: Vec<CatchUp> = self
+            .catching_up
+            .iter()
+            .map(|p| CatchUp {
+                computed: p.done,
+                target: p.tokens.len(),
+            })
+            .collect();
+        let preempted: Vec<usize> = self.preempted.iter().map(Row::context_len).collect();
+        let device = &self.device;
+        let pool = device.pool();
+        let waiting = self.waiting.iter().map(|w| Candidate {
             prompt_len: w.request.prompt.len(),
             blocks: w.blocks,
             images: !w.request.images.is_empty(),
-            prefix_hit: prefix.has_hit(w.request.cache_scope.as_deref(), &w.request.prompt),
+            prefix_hit: device.has_hit(w.request.cache_scope.as_deref(), &w.request.prompt),
         });
-        let room = cap - self.rows.len();
-        let free = pool.total().saturating_sub(pool.allocated());
-        match admit::plan(candidates, room, free, self.limits.prefill) {
-            None => {}
-            Some(Start::Chunked) => {
-                if let Some((row, hit)) = self.take_next() {
-                    let (cache, done) = match hit {
-                        Some(h) => (h.cache, h.tokens),
-                        None => (self.shared.new_cache(vec![0]), 0),
-                    };
-                    let tokens = row.request().prompt.clone();
-                    self.prefill = Some(Prefilling {
-                        row,
-                        cache,
-                        tokens,
-                        done,
-                    });
-                }
+        let state = plan::State {
+            decoding: self.rows.len(),
+            catching_up: &catching_up,
+            preempted: &preempted,
+            waiting,
+            free_blocks: pool.total().saturating_sub(pool.allocated()),
+            row_limit,
+        };
+        plan::plan(state, self.limits.prefill)
+    }
+
+    /// Starts what the plan admits; returns the prompt tokens each
+    /// sequence catching up computes this step (the plan's chunks, and the
+    /// new one's).
+    fn admit(&mut self, plan: StepPlan) -> Vec<usize> {
+        let mut chunks = plan.chunks;
+        let started = match plan.admit {
+            None => return chunks,
+            Some(Admit::Rejoin { tokens }) => {
+                let row = self.preempted.pop_front().expect("a preempted row");
+                let context = row.context();
+                let hit = self
+                    .device
+                    .lookup(row.request().cache_scope.as_deref(), &context);
+                Some((row, hit, context, tokens))
             }
+            Some(Admit::Chunked { tokens }) => self.take_next().map(|(row, hit)| {
+                let prompt = row.request().prompt.clone();
+                (row, hit, prompt, tokens)
+            }),
             // Another engine may take blocks meanwhile: the group is what
             // could be reserved.
-            Some(Start::Group(n)) => {
+            Some(Admit::Group(n)) => {
                 while self.group.len() < n {
                     let Some((row, _)) = self.take_next() else {
                         break;
                     };
                     self.group.push(row);
                 }
+                None
             }
+        };
+        if let Some((row, hit, tokens, chunk)) = started {
+            let (cache, done) = hit.unwrap_or_else(|| (self.device.new_kv(), 0));
+            self.catching_up.push(Prefilling {
+                row,
+                cache,
+                tokens,
+                done,
+            });
+            chunks.push(chunk);
         }
+        chunks
     }
 
     /// The next waiting request as a row with its KV reserved, and its
     /// prefix-cache hit; `None` when nothing waits or the pool is full.
-    fn take_next(&mut self) -> Option<(Row, Option<Hit>)> {
+    fn take_next(&mut self) -> Option<(Row, Option<Prefix<D::Kv>>)> {
         loop {
             let front = self.waiting.front()?;
             // When the pool is full, wait for running rows to return blocks.
-            let reservation = self.shared.kv_pool.try_reserve(front.blocks).ok()?;
+            let reservation = self.device.pool().try_reserve(front.blocks).ok()?;
             let w = self.waiting.pop()?;
             // Counted active before it leaves the queue: never idle between.
             let active = Active::take(&self.stats);
             self.stats.dequeued();
-            let vocab = self.shared.model.vocab_size() as i32;
+            let vocab = self.device.vocab();
             let mut out = Emitter::new(w.request, w.events);
             let sampler = match Sampler::new(&out.request.sampling, vocab, &out.request.prompt) {
                 Ok(s) => s,
@@ -492,11 +498,7 @@ impl Scheduler {
                     continue;
                 }
             };
-            let constraint = match out.request.grammar.as_ref().map(|g| {
-                self.shared
-                    .grammars()
-                    .and_then(|c| c.compile(g).map_err(|e| e.0))
-            }) {
+            let constraint = match out.request.grammar.as_ref().map(|g| self.device.grammar(g)) {
                 None => None,
                 Some(Ok(c)) => Some(c),
                 Some(Err(e)) => {
@@ -505,12 +507,10 @@ impl Scheduler {
                     continue;
                 }
             };
-            let hit = self.shared.prefix.lookup(
-                out.request.cache_scope.as_deref(),
-                &out.request.prompt,
-                self.shared.model.model.num_layers(),
-            );
-            out.set_cached_tokens(hit.as_ref().map_or(0, |h| h.tokens as u32));
+            let hit = self
+                .device
+                .lookup(out.request.cache_scope.as_deref(), &out.request.prompt);
+            out.set_cached_tokens(hit.as_ref().map_or(0, |(_, n)| *n as u32));
             let row = Row {
                 out,
                 sampler,
@@ -523,12 +523,15 @@ impl Scheduler {
         }
     }
 
-    fn step(&mut self) -> anyhow::Result<()> {
-        let shared = self.shared.clone();
-        let _device = shared.lock_device();
+    /// Runs a planned step: the group's forward, `chunks[i]` prompt
+    /// tokens of the `i`th sequence catching up, and a decode step.
+    fn step(&mut self, chunks: &[usize]) -> anyhow::Result<()> {
+        // A handle of its own: the turn lasts while the step changes `self`.
+        let device = self.device.clone();
+        let _turn = device.turn();
         let done = self
             .prefill_group()
-            .and_then(|()| self.prefill_chunk())
+            .and_then(|()| self.prefill_chunks(chunks))
             .and_then(|()| self.decode());
         if done.is_err() {
             // A step queued before the failure computed its tokens before
@@ -550,23 +553,21 @@ impl Scheduler {
         }
         // The rows stay in the group until their first token is out: a
         // step that fails leaves them to the caller's recovery.
-        let model = &self.shared.model.model;
-        let prompts = self.group.iter().map(|r| r.request().prompt.as_slice());
-        let longest = prompts.clone().map(<[u32]>::len).max().unwrap_or(0);
-        let width = self.limits.prefill.width(longest, self.group.len());
-        let (ids, pads) = generate::left_padded(prompts, width);
-        let mut cache = self.shared.new_cache(pads);
-        let logits = model.forward(&ids, &mut cache, Logits::Last)?;
-        let finished = advance_rows(&mut self.group, &logits)?;
+        let longest = self.group.iter().map(|r| r.request().prompt.len()).max();
+        let width = self
+            .limits
+            .prefill
+            .width(longest.unwrap_or(0), self.group.len());
+        let (mut cache, picks) = self.device.prefill_group(&mut self.group, width)?;
+        let picks = self.device.read(&self.group, picks)?;
+        let finished = land(&mut self.group, picks)?;
         let rows = std::mem::take(&mut self.group);
         // Cached only now that the forward evaluated.
         for (i, row) in rows.iter().enumerate() {
-            if self.shared.prefix.wants(row.request().prompt.len()) {
-                self.shared.prefix.insert(
-                    row.request().cache_scope.as_deref(),
-                    &row.request().prompt,
-                    &cache.extract_row(i)?,
-                );
+            let prompt = &row.request().prompt;
+            if self.device.wants(prompt.len()) {
+                let scope = row.request().cache_scope.as_deref();
+                self.device.keep(scope, prompt, &cache, Some(i));
             }
         }
         let keep: Vec<usize> = (0..rows.len())
@@ -580,66 +581,77 @@ impl Scheduler {
             return Ok(());
         }
         if !finished.is_empty() {
-            cache.select_rows(&keep)?;
+            self.device.select_rows(&mut cache, &keep)?;
         }
         self.join_batch(rows.into_iter().flatten().collect(), cache)
     }
 
-    fn prefill_chunk(&mut self) -> anyhow::Result<()> {
-        let Some(p) = self.prefill.as_mut() else {
-            return Ok(());
-        };
-        let model = &self.shared.model.model;
-        let mut end = (p.done + self.limits.prefill.chunk).min(p.tokens.len());
+    fn prefill_chunks(&mut self, chunks: &[usize]) -> anyhow::Result<()> {
+        // A sequence that completes leaves `catching_up`: the next one
+        // moves to its index.
+        let mut i = 0;
+        for &tokens in chunks {
+            if tokens == 0 || !self.prefill_chunk(i, tokens)? {
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Computes up to `tokens` more of sequence `i`'s prompt; returns
+    /// whether it completed (joined the batch or finished).
+    fn prefill_chunk(&mut self, i: usize, tokens: usize) -> anyhow::Result<bool> {
+        let p = &mut self.catching_up[i];
+        let mut end = (p.done + tokens).min(p.tokens.len());
         // A hybrid model's prefix snapshot needs a chunk to end there.
-        let snapshot = self.shared.prefix.snapshot_at(p.row.request().prompt.len());
+        let snapshot = self.device.snapshot_at(p.row.request().prompt.len());
         if let Some(at) = snapshot.filter(|&at| p.done < at && at < end) {
             end = at;
         }
         // An image whose tokens attend both ways is prefilled in one chunk.
         let end = vision::chunk_end(&p.row.request().images, p.done, end);
-        let ids = generate::tokens_array(&p.tokens[p.done..end]);
-        let logits = match vision::replacement(&p.row.request().images, p.done, end - p.done) {
-            Some(images) => model.forward_replacing(&ids, &images, &mut p.cache, Logits::Last)?,
-            None => model.forward(&ids, &mut p.cache, Logits::Last)?,
-        };
-        let resumed = p.row.out.generated() > 0;
-        if end < p.tokens.len() || resumed {
-            // A preempted row's next input is its newest token: no sample.
-            eval(&p.cache.state())?;
+        // A preempted row's next input is its newest token: no pick.
+        let pick = end == p.tokens.len() && p.row.out.generated() == 0;
+        let chunk = &p.tokens[p.done..end];
+        let picks = self
+            .device
+            .prefill(&mut p.row, &mut p.cache, chunk, p.done, pick)?;
+        let Some(picks) = picks else {
             p.done = end;
             if snapshot == Some(end) {
                 let scope = p.row.request().cache_scope.as_deref();
-                self.shared
-                    .prefix
-                    .insert(scope, &p.row.request().prompt[..end], &p.cache);
+                let prompt = &p.row.request().prompt[..end];
+                self.device.keep(scope, prompt, &p.cache, None);
             }
             if end < p.tokens.len() {
-                return Ok(());
+                return Ok(false);
             }
-            let p = self.prefill.take().unwrap();
-            return self.join_batch(vec![p.row], p.cache);
-        }
-        let mut p = self.prefill.take().unwrap();
-        let finished = match advance_rows(std::slice::from_mut(&mut p.row), &logits) {
+            let p = self.catching_up.remove(i);
+            return self.join_batch(vec![p.row], p.cache).map(|()| true);
+        };
+        let mut p = self.catching_up.remove(i);
+        let row = std::slice::from_mut(&mut p.row);
+        let finished = match self
+            .device
+            .read(row, picks)
+            .and_then(|picks| land(row, picks))
+        {
             Ok(finished) => finished,
             Err(e) => {
                 // Back in place for the caller's recovery.
-                self.prefill = Some(p);
+                self.catching_up.insert(i, p);
                 return Err(e);
             }
         };
-        self.shared.prefix.insert(
-            p.row.request().cache_scope.as_deref(),
-            &p.row.request().prompt,
-            &p.cache,
-        );
+        let scope = p.row.request().cache_scope.as_deref();
+        self.device
+            .keep(scope, &p.row.request().prompt, &p.cache, None);
         match finished.first() {
             Some(&(_, reason)) => {
                 p.row.finish(reason);
-                Ok(())
+                Ok(true)
             }
-            None => self.join_batch(vec![p.row], p.cache),
+            None => self.join_batch(vec![p.row], p.cache).map(|()| true),
         }
     }
 
@@ -658,7 +670,7 @@ impl Scheduler {
         let rows = &self.rows;
         if let Some(step) = self
             .pending
-            .take_if(|s| !pipelined || !continues_after(rows, s))
+            .take_if(|s| !pipelined || !continues_after(rows, s.rows()))
         {
             self.land(step)?;
             if self.batch.is_none() {
@@ -667,7 +679,8 @@ impl Scheduler {
         }
         let prev = self.pending.take();
         let building = Instant::now();
-        let built = self.queue_step(prev.as_ref());
+        let batch = self.batch.as_mut().expect("a batch to step");
+        let built = self.device.decode(batch, &mut self.rows, prev.as_ref());
         self.times.built += building.elapsed();
         let next = match built {
             Ok(next) => next,
@@ -681,7 +694,7 @@ impl Scheduler {
             return self.land(next);
         }
         let launching = Instant::now();
-        async_eval(next.arrays())?;
+        self.device.launch(&next)?;
         self.times.launched += launching.elapsed();
         self.pending = Some(next);
         match prev {
@@ -690,39 +703,14 @@ impl Scheduler {
         }
     }
 
-    /// Builds the batch's next decode step (forward and picks, lazily).
-    /// Its inputs: `prev`'s tokens, on the device, for the rows it covers;
-    /// the newest token, from the host, for the rows that joined since.
-    fn queue_step(&mut self, prev: Option<&Step>) -> anyhow::Result<Step> {
-        let cache = self.batch.as_mut().expect("a batch to step");
-        let b = self.rows.len();
-        let on_device = prev.map_or(0, |s| s.rows);
-        let host: Vec<i32> = self.rows[on_device..]
-            .iter()
-            .map(|r| r.last_token as i32)
-            .collect();
-        let host = Array::from_slice(&host, &[host.len() as i32]);
-        let inputs = match prev {
-            None => host,
-            Some(s) if on_device == b => s.tokens.as_dtype(Dtype::Int32)?,
-            Some(s) => ops::concatenate(&[s.tokens.as_dtype(Dtype::Int32)?, host], 0)?,
-        };
-        let logits = self.shared.model.model.forward(
-            &inputs.reshape(&[b as i32, 1])?,
-            cache,
-            Logits::Last,
-        )?;
-        sample_step(&mut self.rows, &logits)
-    }
-
     /// Reads a step's tokens and hands them to its rows; the rows that end
     /// leave the batch.
-    fn land(&mut self, step: Step) -> anyhow::Result<()> {
-        let n = step.rows;
+    fn land(&mut self, step: D::Picks) -> anyhow::Result<()> {
+        let n = step.rows();
         let waiting = Instant::now();
-        eval(step.arrays())?;
+        let picks = self.device.read(&self.rows[..n], step)?;
         self.times.waited += waiting.elapsed();
-        let finished = land_step(&mut self.rows[..n], step)?;
+        let finished = land(&mut self.rows[..n], picks)?;
         if !finished.is_empty() {
             self.remove_rows(&finished);
         }
@@ -734,7 +722,7 @@ impl Scheduler {
         self.rows
             .iter()
             .chain(&self.group)
-            .chain(self.prefill.as_ref().map(|p| &p.row))
+            .chain(self.catching_up.iter().map(|p| &p.row))
             .chain(&self.preempted)
     }
 
@@ -744,7 +732,7 @@ impl Scheduler {
         self.batch = None;
         self.pending = None;
         let mut rows: Vec<Row> = self.rows.drain(..).collect();
-        rows.extend(self.prefill.take().map(|p| p.row));
+        rows.extend(self.catching_up.drain(..).map(|p| p.row));
         rows.append(&mut self.group);
         rows.extend(self.preempted.drain(..));
         rows
@@ -763,20 +751,22 @@ impl Scheduler {
     /// (keeping its reservation and its stream) to be recomputed from its
     /// tokens, oldest first, with half the rows at once (see [`RowCap`];
     /// halved again by each failure in a row), after a pause that doubles
-    /// with each failure in a row. Past [`OOM_RETRIES`] failures in a row
+    /// with each failure in a row. Past [`plan::OOM_RETRIES`] failures in a row
     /// memory is not coming back: each further failure ends the newest
     /// half of the rows (rounded down, at least one) with 503, so the
     /// oldest go on and the run ends.
     fn recover_from_oom(&mut self, error: &anyhow::Error) {
-        memory::release_cache();
+        self.device.release_memory();
         self.oom_streak += 1;
         let mut rows = self.take_started();
         rows.sort_by_key(|r| r.request().id);
-        let shed = if self.oom_streak > OOM_RETRIES {
-            (rows.len() / 2).max(1)
-        } else {
-            0
-        };
+        let admitted = rows.len();
+        let (shed, cap) = plan::after_oom(
+            admitted,
+            self.oom_streak,
+            self.row_cap.take(),
+            Instant::now(),
+        );
         tracing::warn!(
             error = %error,
             rows = rows.len(),
@@ -787,13 +777,7 @@ impl Scheduler {
         for row in rows.drain(rows.len() - shed..) {
             row.fail(memory::failed_step(error));
         }
-        // A first failure halves what was admitted; each further one in a
-        // row halves the cap again, even while rows are still rejoining.
-        let admitted = rows.len() + shed;
-        self.row_cap = Some(match self.row_cap.take() {
-            Some(cap) if self.oom_streak > 1 => cap.halved(),
-            _ => RowCap::after_failure(admitted),
-        });
+        self.row_cap = Some(cap);
         self.preempted = rows.into();
         std::thread::sleep(oom_backoff(self.oom_streak));
     }
@@ -851,165 +835,36 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-/// How long the row count that ran out of memory stays out of reach.
-const ROW_CEILING_LIFTS_AFTER: Duration = Duration::from_secs(60);
-
-/// Steps in a row that may run out of memory before rows are ended.
-const OOM_RETRIES: u32 = 3;
-
 /// The pause after the `streak`-th failure in a row: 10 ms doubling, at
 /// most a second (time for the memory's holder to let go).
 fn oom_backoff(streak: u32) -> Duration {
     Duration::from_millis(10 << streak.saturating_sub(1).min(6)).min(Duration::from_secs(1))
 }
 
-/// The row limit after a step ran out of memory with `n` rows: half of
-/// them at first, one more per row that finishes, but below `n` until a
-/// minute passes without another failure (else the batch would grow back
-/// into the same failure again and again, recomputing its rows each time).
-struct RowCap {
-    rows: usize,
-    ceiling: usize,
-    since: Instant,
+/// Whether a row goes on after a step of the batch's first `picked` rows
+/// is read, as far as the host knows before reading it: a row the step
+/// does not cover, or one with more than one token left.
+fn continues_after(rows: &[Row], picked: usize) -> bool {
+    rows.len() > picked || rows[..picked].iter().any(|r| r.tokens_left() > 1)
 }
 
-impl RowCap {
-    fn after_failure(n: usize) -> Self {
-        Self {
-            rows: (n / 2).max(1),
-            ceiling: n.saturating_sub(1).max(1),
-            since: Instant::now(),
-        }
-    }
-
-    /// After another failure in a row: half the rows, under the ceiling
-    /// the first failure set.
-    fn halved(self) -> Self {
-        Self {
-            rows: (self.rows / 2).max(1),
-            since: Instant::now(),
-            ..self
-        }
-    }
-
-    fn ceiling(&self) -> usize {
-        if self.since.elapsed() < ROW_CEILING_LIFTS_AFTER {
-            self.ceiling
-        } else {
-            usize::MAX
-        }
-    }
-
-    fn rows_finished(&mut self, n: usize) {
-        self.rows = (self.rows + n).min(self.ceiling());
-    }
-
-    fn limit(&self) -> usize {
-        self.rows
-    }
-}
-
-/// Samples every row's next token from `[B, 1, V]` logits, records it
-/// (penalty counts, stream, counts, grammar) and returns the rows that
-/// finished. A constrained row ends with `Stop` where its grammar is
-/// complete or allows nothing more, keeping the output so far.
-fn advance_rows(rows: &mut [Row], logits: &Array) -> anyhow::Result<Vec<(usize, FinishReason)>> {
-    let step = sample_step(rows, logits)?;
-    eval(step.arrays())?;
-    land_step(rows, step)
-}
-
-/// The picks of one step of `rows`, built and not read: on the device
-/// until [`land_step`] reads them.
-struct Step {
-    /// `[rows]` uint32.
-    tokens: Array,
-    /// Log-probability vectors of the rows that asked.
-    logprobs: Vec<(usize, Array)>,
-    masks: Vec<Mask>,
-    /// The rows it was built for: the batch's first `rows`.
-    rows: usize,
-}
-
-impl Step {
-    /// What evaluates it.
-    fn arrays(&self) -> impl Iterator<Item = &Array> {
-        std::iter::once(&self.tokens).chain(self.logprobs.iter().map(|(_, a)| a))
-    }
-
-    /// The step for the rows at `keep` (ascending indices of the batch
-    /// before rows left), or `None` when none of its rows is kept.
-    fn keep(self, keep: &[usize]) -> anyhow::Result<Option<Step>> {
-        let kept: Vec<usize> = keep.iter().copied().filter(|&i| i < self.rows).collect();
-        if kept.is_empty() {
-            return Ok(None);
-        }
-        if kept.len() == self.rows {
-            return Ok(Some(self));
-        }
-        let idx: Vec<i32> = kept.iter().map(|&i| i as i32).collect();
-        let tokens = self
-            .tokens
-            .take_axis(Array::from_slice(&idx, &[idx.len() as i32]), 0)?;
-        let logprobs = self
-            .logprobs
-            .into_iter()
-            .filter_map(|(i, a)| kept.iter().position(|&k| k == i).map(|j| (j, a)))
-            .collect();
-        let mut masks: Vec<Option<Mask>> = self.masks.into_iter().map(Some).collect();
-        let masks = kept.iter().map(|&i| masks[i].take().unwrap()).collect();
-        Ok(Some(Step {
-            tokens,
-            logprobs,
-            masks,
-            rows: kept.len(),
-        }))
-    }
-}
-
-/// Whether a row goes on after `step` is read, as far as the host knows
-/// before reading it: a row it does not cover, or one with more than one
-/// token left.
-fn continues_after(rows: &[Row], step: &Step) -> bool {
-    rows.len() > step.rows || rows[..step.rows].iter().any(|r| r.tokens_left() > 1)
-}
-
-/// Builds the picks of every row from `[B, 1, V]` logits (with grammar
-/// masks from the rows' current states), without reading them.
-fn sample_step(rows: &mut [Row], logits: &Array) -> anyhow::Result<Step> {
-    let logits = logits.reshape(&[rows.len() as i32, -1])?;
-    let masks = grammar_masks(rows, logits.dim(-1) as usize);
-    let (tokens, logprobs) = sample_rows(rows, &logits, &masks)?;
-    Ok(Step {
-        tokens,
-        logprobs,
-        masks,
-        rows: rows.len(),
-    })
-}
-
-/// Reads a step's picks (evaluated by the caller, which times the wait)
-/// and records each row's token (penalty counts, stream, counts,
-/// grammar); returns the rows that finished.
-fn land_step(rows: &mut [Row], step: Step) -> anyhow::Result<Vec<(usize, FinishReason)>> {
-    let tokens = step.tokens.as_slice::<u32>();
-    let (masks, lps) = (&step.masks, &step.logprobs);
+/// Records each row's pick (penalty counts, stream, counts, grammar);
+/// returns the rows that finished. A constrained row ends with `Stop`
+/// where its grammar is complete or allows nothing more, keeping the
+/// output so far.
+fn land(rows: &mut [Row], picks: Vec<Pick>) -> anyhow::Result<Vec<(usize, FinishReason)>> {
     let mut finished = Vec::new();
-    for (i, row) in rows.iter_mut().enumerate() {
-        let t = tokens[i];
-        let grammar_over =
-            matches!(masks[i], Mask::Over) || row.constraint.as_ref().is_some_and(|c| c.is_end(t));
-        if grammar_over {
+    for (i, (row, pick)) in rows.iter_mut().zip(picks).enumerate() {
+        let t = pick.token;
+        if pick.grammar_over || row.constraint.as_ref().is_some_and(|c| c.is_end(t)) {
             finished.push((i, FinishReason::Stop));
             continue;
         }
         row.sampler.observe(t)?;
-        let lp = lps.iter().find(|(j, _)| *j == i).map(|(_, a)| a);
-        let (logprob, top_logprobs) = read_logprobs(lp, t, row.request().sampling.top_logprobs);
         let token = TokenEvent {
             id: t,
-            logprob,
-            top_logprobs,
+            logprob: pick.logprob,
+            top_logprobs: pick.top_logprobs,
         };
         if let Some(reason) = row.accept(token) {
             finished.push((i, reason));
@@ -1020,94 +875,5 @@ fn land_step(rows: &mut [Row], step: Step) -> anyhow::Result<Vec<(usize, FinishR
     Ok(finished)
 }
 
-/// A row's grammar at this step.
-enum Mask {
-    Free,
-    Allowed(Array),
-    /// Complete, or a dead end: the row ends without another token.
-    Over,
-}
-
-fn grammar_masks(rows: &mut [Row], vocab: usize) -> Vec<Mask> {
-    rows.iter_mut()
-        .map(|row| match row.constraint.as_mut() {
-            None => Mask::Free,
-            Some(c) => match c.allowed() {
-                Some(allowed) => Mask::Allowed(sampling::allowed_mask(&allowed.to_bools(vocab))),
-                None => Mask::Over,
-            },
-        })
-        .collect()
-}
-
-/// Next token of every row from `[B, V]` logits, lazily: one argmax shared
-/// by the plain greedy rows, each other row through its own sampler.
-/// Returns the `[B]` uint32 tokens and, for rows that asked, their
-/// log-probability vectors.
-fn sample_rows(
-    rows: &mut [Row],
-    logits: &Array,
-    masks: &[Mask],
-) -> anyhow::Result<(Array, Vec<(usize, Array)>)> {
-    let greedy = rows
-        .iter()
-        .any(|r| r.plain_greedy())
-        .then(|| ops::indexing::argmax_axis(logits, -1, None))
-        .transpose()?;
-    if rows.iter().all(Row::plain_greedy) {
-        // One op for the whole batch instead of a gather per row.
-        return Ok((greedy.unwrap().as_dtype(Dtype::Uint32)?, Vec::new()));
-    }
-    let mut picks = Vec::with_capacity(rows.len());
-    let mut lps = Vec::new();
-    for (i, row) in rows.iter_mut().enumerate() {
-        let idx = Array::from_slice(&[i as i32], &[1]);
-        if row.plain_greedy() {
-            picks.push(
-                greedy
-                    .as_ref()
-                    .unwrap()
-                    .take_axis(&idx, 0)?
-                    .as_dtype(Dtype::Uint32)?,
-            );
-        } else {
-            let l = logits.take_axis(&idx, 0)?;
-            let pick = match &masks[i] {
-                Mask::Allowed(allowed) => row.sampler.sample_within(&l, allowed)?,
-                // An ended row's pick is never read.
-                Mask::Free | Mask::Over => row.sampler.sample(&l)?,
-            };
-            picks.push(pick.as_dtype(Dtype::Uint32)?);
-            if row.wants_logprobs() {
-                lps.push((i, logprob_source(row, &l)?));
-            }
-        }
-    }
-    Ok((ops::concatenate(&picks, 0)?, lps))
-}
-
-/// Log-probabilities the row's logprobs are reported from (after bias and
-/// penalties, before temperature and truncation).
-fn logprob_source(row: &Row, logits: &Array) -> anyhow::Result<Array> {
-    Ok(sampling::log_softmax(&row.sampler.adjust(logits)?)?.reshape(&[-1])?)
-}
-
-fn read_logprobs(lp: Option<&Array>, token: u32, top: u32) -> (Option<f32>, Vec<(u32, f32)>) {
-    let Some(lp) = lp else {
-        return (None, Vec::new());
-    };
-    let values = lp.as_slice::<f32>();
-    let chosen = values.get(token as usize).copied();
-    let mut top_list = Vec::new();
-    if top > 0 {
-        let mut idx: Vec<usize> = (0..values.len()).collect();
-        let k = (top as usize).min(idx.len());
-        idx.select_nth_unstable_by(k.saturating_sub(1), |&a, &b| {
-            values[b].total_cmp(&values[a])
-        });
-        idx.truncate(k);
-        idx.sort_by(|&a, &b| values[b].total_cmp(&values[a]));
-        top_list = idx.into_iter().map(|i| (i as u32, values[i])).collect();
-    }
-    (chosen, top_list)
-}
+#[cfg(test)]
+mod tests;

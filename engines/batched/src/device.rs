@@ -1,0 +1,439 @@
+//! What the scheduler asks of the model and its device, as a trait, so the
+//! whole loop also runs on a fake forward (the scheduler's tests): KV of a
+//! sequence or of the batch, the prefix cache, the forwards (a padded
+//! group, a prefill chunk, a decode step) and their picks. [`Mlx`] is the
+//! real one: the model's forwards on MLX arrays, rows sampling with their
+//! own parameters.
+
+use std::sync::Arc;
+
+use mlx_rs::transforms::{async_eval, eval};
+use mlx_rs::{ops, Array, Dtype};
+use runtime::model::Logits;
+use runtime::sampling;
+use runtime::shared::DeviceTurn;
+use runtime::{generate, memory, vision, KvCache, KvPool, SharedModel};
+
+use crate::row::Row;
+
+/// A kept prefix of a sequence: its KV and how many tokens it holds.
+pub type Prefix<Kv> = (Kv, usize);
+
+/// One row's pick of a step, read on the host.
+pub struct Pick {
+    pub token: u32,
+    /// The row's grammar is complete or allows nothing more: it ends
+    /// without this token.
+    pub grammar_over: bool,
+    pub logprob: Option<f32>,
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// The picks of a step built and not yet read (pipelined decode keeps one
+/// queued on the device).
+pub trait Picks: Sized {
+    /// The rows it was built for: the batch's first `rows()`.
+    fn rows(&self) -> usize;
+
+    /// The picks of the rows at `keep` (ascending indices of the batch
+    /// before rows left), or `None` when none of its rows is kept.
+    fn keep(self, keep: &[usize]) -> anyhow::Result<Option<Self>>;
+}
+
+pub trait Device: Clone {
+    /// KV of one sequence, or of the batch (one row per sequence).
+    type Kv;
+    type Picks: Picks;
+    /// Held while the step uses the device.
+    type Turn<'a>
+    where
+        Self: 'a;
+
+    fn turn(&self) -> Self::Turn<'_>;
+    fn pool(&self) -> &KvPool;
+    fn vocab(&self) -> i32;
+    fn grammar(&self, grammar: &engine_core::Grammar) -> Result<grammar::Constraint, String>;
+    /// Gives cached device memory back after running out of it.
+    fn release_memory(&self);
+
+    /// KV of an empty sequence.
+    fn new_kv(&self) -> Self::Kv;
+    /// Columns of the batch's KV (for the step log).
+    fn columns(&self, kv: &Self::Kv) -> usize;
+    /// A handed-over sequence's cache in this device's form.
+    fn adopted(&self, cache: KvCache) -> anyhow::Result<Self::Kv>;
+    /// `part`'s rows appended to `batch`'s.
+    fn join(&self, batch: Option<Self::Kv>, part: Self::Kv) -> anyhow::Result<Self::Kv>;
+    /// Keeps the rows at `keep` (ascending).
+    fn select_rows(&self, kv: &mut Self::Kv, keep: &[usize]) -> anyhow::Result<()>;
+
+    /// The prefix cache: the KV and length of the longest kept prefix of
+    /// `tokens` in `scope`.
+    fn lookup(&self, scope: Option<&str>, tokens: &[u32]) -> Option<Prefix<Self::Kv>>;
+    fn has_hit(&self, scope: Option<&str>, tokens: &[u32]) -> bool;
+    /// Whether a sequence of `tokens` would be kept.
+    fn wants(&self, tokens: usize) -> bool;
+    /// Where a prefill of a prompt of `prompt_len` tokens ends a chunk so
+    /// its KV can be kept (a hybrid model's recurrent state).
+    fn snapshot_at(&self, prompt_len: usize) -> Option<usize>;
+    /// Keeps `tokens`, whose KV is row `row` of `kv` (or all of it).
+    fn keep(&self, scope: Option<&str>, tokens: &[u32], kv: &Self::Kv, row: Option<usize>);
+
+    /// The prompts of `rows`, left-padded to `width`, in one forward; their
+    /// first picks.
+    fn prefill_group(
+        &self,
+        rows: &mut [Row],
+        width: usize,
+    ) -> anyhow::Result<(Self::Kv, Self::Picks)>;
+    /// `tokens` (positions `start..`) of `row` into `kv`: with its pick
+    /// when `pick`, else evaluated.
+    fn prefill(
+        &self,
+        row: &mut Row,
+        kv: &mut Self::Kv,
+        tokens: &[u32],
+        start: usize,
+        pick: bool,
+    ) -> anyhow::Result<Option<Self::Picks>>;
+    /// One decode step of the batch, built and not read. Its inputs:
+    /// `prev`'s picks, on the device, for the rows it covers; each other
+    /// row's newest token.
+    fn decode(
+        &self,
+        batch: &mut Self::Kv,
+        rows: &mut [Row],
+        prev: Option<&Self::Picks>,
+    ) -> anyhow::Result<Self::Picks>;
+    /// Queues `picks` on the device without waiting.
+    fn launch(&self, picks: &Self::Picks) -> anyhow::Result<()>;
+    /// Waits for `picks` and reads them, one per row of `rows`.
+    fn read(&self, rows: &[Row], picks: Self::Picks) -> anyhow::Result<Vec<Pick>>;
+}
+
+/// The model's forwards on MLX.
+#[derive(Clone)]
+pub struct Mlx(pub Arc<SharedModel>);
+
+impl Device for Mlx {
+    type Kv = KvCache;
+    type Picks = Step;
+    type Turn<'a> = DeviceTurn<'a>;
+
+    fn turn(&self) -> DeviceTurn<'_> {
+        self.0.lock_device()
+    }
+
+    fn pool(&self) -> &KvPool {
+        &self.0.kv_pool
+    }
+
+    fn vocab(&self) -> i32 {
+        self.0.model.vocab_size() as i32
+    }
+
+    fn grammar(&self, grammar: &engine_core::Grammar) -> Result<grammar::Constraint, String> {
+        self.0
+            .grammars()
+            .and_then(|c| c.compile(grammar).map_err(|e| e.0))
+    }
+
+    fn release_memory(&self) {
+        memory::release_cache();
+    }
+
+    fn new_kv(&self) -> KvCache {
+        self.0.new_cache(vec![0])
+    }
+
+    fn columns(&self, kv: &KvCache) -> usize {
+        kv.len() as usize
+    }
+
+    /// A cache that arrives contiguous (a sequence a contiguous-cache
+    /// build handed over) moves into the server's paged pool.
+    fn adopted(&self, cache: KvCache) -> anyhow::Result<KvCache> {
+        match self.0.pages() {
+            Some(pool) => cache.into_paged(pool),
+            None => Ok(cache),
+        }
+    }
+
+    fn join(&self, batch: Option<KvCache>, part: KvCache) -> anyhow::Result<KvCache> {
+        KvCache::join(batch, self.adopted(part)?)
+    }
+
+    fn select_rows(&self, kv: &mut KvCache, keep: &[usize]) -> anyhow::Result<()> {
+        kv.select_rows(keep)
+    }
+
+    fn lookup(&self, scope: Option<&str>, tokens: &[u32]) -> Option<Prefix<KvCache>> {
+        let layers = self.0.model.model.num_layers();
+        let hit = self.0.prefix.lookup(scope, tokens, layers)?;
+        Some((hit.cache, hit.tokens))
+    }
+
+    fn has_hit(&self, scope: Option<&str>, tokens: &[u32]) -> bool {
+        self.0.prefix.has_hit(scope, tokens)
+    }
+
+    fn wants(&self, tokens: usize) -> bool {
+        self.0.prefix.wants(tokens)
+    }
+
+    fn snapshot_at(&self, prompt_len: usize) -> Option<usize> {
+        self.0.prefix.snapshot_at(prompt_len)
+    }
+
+    fn keep(&self, scope: Option<&str>, tokens: &[u32], kv: &KvCache, row: Option<usize>) {
+        let row = match row.map(|i| kv.extract_row(i)).transpose() {
+            Ok(row) => row,
+            Err(e) => return tracing::warn!(error = %e, "keeping a row's prefix failed"),
+        };
+        self.0
+            .prefix
+            .insert(scope, tokens, row.as_ref().unwrap_or(kv));
+    }
+
+    fn prefill_group(&self, rows: &mut [Row], width: usize) -> anyhow::Result<(KvCache, Step)> {
+        let prompts = rows.iter().map(|r| r.request().prompt.as_slice());
+        let (ids, pads) = generate::left_padded(prompts, width);
+        let mut cache = self.0.new_cache(pads);
+        let logits = self.0.model.model.forward(&ids, &mut cache, Logits::Last)?;
+        let picks = sample_step(rows, &logits)?;
+        eval(picks.arrays())?;
+        Ok((cache, picks))
+    }
+
+    fn prefill(
+        &self,
+        row: &mut Row,
+        kv: &mut KvCache,
+        tokens: &[u32],
+        start: usize,
+        pick: bool,
+    ) -> anyhow::Result<Option<Step>> {
+        let model = &self.0.model.model;
+        let ids = generate::tokens_array(tokens);
+        let logits = match vision::replacement(&row.request().images, start, tokens.len()) {
+            Some(images) => model.forward_replacing(&ids, &images, kv, Logits::Last)?,
+            None => model.forward(&ids, kv, Logits::Last)?,
+        };
+        if !pick {
+            eval(&kv.state())?;
+            return Ok(None);
+        }
+        let picks = sample_step(std::slice::from_mut(row), &logits)?;
+        eval(picks.arrays())?;
+        Ok(Some(picks))
+    }
+
+    fn decode(
+        &self,
+        batch: &mut KvCache,
+        rows: &mut [Row],
+        prev: Option<&Step>,
+    ) -> anyhow::Result<Step> {
+        let b = rows.len();
+        let on_device = prev.map_or(0, |s| s.rows);
+        let host: Vec<i32> = rows[on_device..]
+            .iter()
+            .map(|r| r.last_token as i32)
+            .collect();
+        let host = Array::from_slice(&host, &[host.len() as i32]);
+        let inputs = match prev {
+            None => host,
+            Some(s) if on_device == b => s.tokens.as_dtype(Dtype::Int32)?,
+            Some(s) => ops::concatenate(&[s.tokens.as_dtype(Dtype::Int32)?, host], 0)?,
+        };
+        let logits =
+            self.0
+                .model
+                .model
+                .forward(&inputs.reshape(&[b as i32, 1])?, batch, Logits::Last)?;
+        sample_step(rows, &logits)
+    }
+
+    fn launch(&self, picks: &Step) -> anyhow::Result<()> {
+        Ok(async_eval(picks.arrays())?)
+    }
+
+    fn read(&self, rows: &[Row], step: Step) -> anyhow::Result<Vec<Pick>> {
+        eval(step.arrays())?;
+        let tokens = step.tokens.as_slice::<u32>();
+        let picks = rows[..step.rows]
+            .iter()
+            .enumerate()
+            .map(|(i, row)| {
+                let token = tokens[i];
+                let lp = step.logprobs.iter().find(|(j, _)| *j == i).map(|(_, a)| a);
+                let (logprob, top_logprobs) =
+                    read_logprobs(lp, token, row.request().sampling.top_logprobs);
+                Pick {
+                    token,
+                    grammar_over: matches!(step.masks[i], Mask::Over),
+                    logprob,
+                    top_logprobs,
+                }
+            })
+            .collect();
+        Ok(picks)
+    }
+}
+
+/// The picks of one step of the batch's first `rows` rows, built and not
+/// read: on the device until [`Mlx::read`] reads them.
+pub struct Step {
+    /// `[rows]` uint32.
+    tokens: Array,
+    /// Log-probability vectors of the rows that asked.
+    logprobs: Vec<(usize, Array)>,
+    masks: Vec<Mask>,
+    rows: usize,
+}
+
+impl Step {
+    /// What evaluates it.
+    fn arrays(&self) -> impl Iterator<Item = &Array> {
+        std::iter::once(&self.tokens).chain(self.logprobs.iter().map(|(_, a)| a))
+    }
+}
+
+impl Picks for Step {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+
+    fn keep(self, keep: &[usize]) -> anyhow::Result<Option<Step>> {
+        let kept: Vec<usize> = keep.iter().copied().filter(|&i| i < self.rows).collect();
+        if kept.is_empty() {
+            return Ok(None);
+        }
+        if kept.len() == self.rows {
+            return Ok(Some(self));
+        }
+        let idx: Vec<i32> = kept.iter().map(|&i| i as i32).collect();
+        let tokens = self
+            .tokens
+            .take_axis(Array::from_slice(&idx, &[idx.len() as i32]), 0)?;
+        let logprobs = self
+            .logprobs
+            .into_iter()
+            .filter_map(|(i, a)| kept.iter().position(|&k| k == i).map(|j| (j, a)))
+            .collect();
+        let mut masks: Vec<Option<Mask>> = self.masks.into_iter().map(Some).collect();
+        let masks = kept.iter().map(|&i| masks[i].take().unwrap()).collect();
+        Ok(Some(Step {
+            tokens,
+            logprobs,
+            masks,
+            rows: kept.len(),
+        }))
+    }
+}
+
+/// Builds the picks of every row from `[B, 1, V]` logits (with grammar
+/// masks from the rows' current states), without reading them.
+fn sample_step(rows: &mut [Row], logits: &Array) -> anyhow::Result<Step> {
+    let logits = logits.reshape(&[rows.len() as i32, -1])?;
+    let masks = grammar_masks(rows, logits.dim(-1) as usize);
+    let (tokens, logprobs) = sample_rows(rows, &logits, &masks)?;
+    Ok(Step {
+        tokens,
+        logprobs,
+        masks,
+        rows: rows.len(),
+    })
+}
+
+/// A row's grammar at this step.
+enum Mask {
+    Free,
+    Allowed(Array),
+    /// Complete, or a dead end: the row ends without another token.
+    Over,
+}
+
+fn grammar_masks(rows: &mut [Row], vocab: usize) -> Vec<Mask> {
+    rows.iter_mut()
+        .map(|row| match row.constraint.as_mut() {
+            None => Mask::Free,
+            Some(c) => match c.allowed() {
+                Some(allowed) => Mask::Allowed(sampling::allowed_mask(&allowed.to_bools(vocab))),
+                None => Mask::Over,
+            },
+        })
+        .collect()
+}
+
+/// Next token of every row from `[B, V]` logits, lazily: one argmax shared
+/// by the plain greedy rows, each other row through its own sampler.
+/// Returns the `[B]` uint32 tokens and, for rows that asked, their
+/// log-probability vectors.
+fn sample_rows(
+    rows: &mut [Row],
+    logits: &Array,
+    masks: &[Mask],
+) -> anyhow::Result<(Array, Vec<(usize, Array)>)> {
+    let greedy = rows
+        .iter()
+        .any(|r| r.plain_greedy())
+        .then(|| ops::indexing::argmax_axis(logits, -1, None))
+        .transpose()?;
+    if rows.iter().all(Row::plain_greedy) {
+        // One op for the whole batch instead of a gather per row.
+        return Ok((greedy.unwrap().as_dtype(Dtype::Uint32)?, Vec::new()));
+    }
+    let mut picks = Vec::with_capacity(rows.len());
+    let mut lps = Vec::new();
+    for (i, row) in rows.iter_mut().enumerate() {
+        let idx = Array::from_slice(&[i as i32], &[1]);
+        if row.plain_greedy() {
+            picks.push(
+                greedy
+                    .as_ref()
+                    .unwrap()
+                    .take_axis(&idx, 0)?
+                    .as_dtype(Dtype::Uint32)?,
+            );
+        } else {
+            let l = logits.take_axis(&idx, 0)?;
+            let pick = match &masks[i] {
+                Mask::Allowed(allowed) => row.sampler.sample_within(&l, allowed)?,
+                // An ended row's pick is never read.
+                Mask::Free | Mask::Over => row.sampler.sample(&l)?,
+            };
+            picks.push(pick.as_dtype(Dtype::Uint32)?);
+            if row.wants_logprobs() {
+                lps.push((i, logprob_source(row, &l)?));
+            }
+        }
+    }
+    Ok((ops::concatenate(&picks, 0)?, lps))
+}
+
+/// Log-probabilities the row's logprobs are reported from (after bias and
+/// penalties, before temperature and truncation).
+fn logprob_source(row: &Row, logits: &Array) -> anyhow::Result<Array> {
+    Ok(sampling::log_softmax(&row.sampler.adjust(logits)?)?.reshape(&[-1])?)
+}
+
+fn read_logprobs(lp: Option<&Array>, token: u32, top: u32) -> (Option<f32>, Vec<(u32, f32)>) {
+    let Some(lp) = lp else {
+        return (None, Vec::new());
+    };
+    let values = lp.as_slice::<f32>();
+    let chosen = values.get(token as usize).copied();
+    let mut top_list = Vec::new();
+    if top > 0 {
+        let mut idx: Vec<usize> = (0..values.len()).collect();
+        let k = (top as usize).min(idx.len());
+        idx.select_nth_unstable_by(k.saturating_sub(1), |&a, &b| {
+            values[b].total_cmp(&values[a])
+        });
+        idx.truncate(k);
+        idx.sort_by(|&a, &b| values[b].total_cmp(&values[a]));
+        top_list = idx.into_iter().map(|i| (i as u32, values[i])).collect();
+    }
+    (chosen, top_list)
+}
