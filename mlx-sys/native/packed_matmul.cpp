@@ -150,6 +150,44 @@ void quantize_rows(const float* x, int m, int k, int group, int bits, int8_t* xq
 }
 
 #if defined(__x86_64__)
+// `quantize_rows` with AVX-512: the same values (round to nearest even, as
+// nearbyint in the default rounding mode), group sums in fp32.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void quantize_rows_avx512(
+    const float* x, int m, int k, int group, int bits, int8_t* xq, float* xd, float* xs) {
+  const int blocks = k / QBLOCK, per_group = group / QBLOCK;
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const __m512 lim = _mm512_set1_ps(127.0f);
+  for (int r = 0; r < m; ++r) {
+    __m512 gsum = _mm512_setzero_ps();
+    for (int j = 0; j < blocks; ++j) {
+      const float* xb = x + size_t(r) * k + j * QBLOCK;
+      const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+      const __m512 vid = _mm512_set1_ps(id);
+      __m512 lo = _mm512_mul_ps(a, vid), hi = _mm512_mul_ps(b, vid);
+      if (bits == 4) {
+        const __m512 e = _mm512_permutex2var_ps(lo, even, hi), o = _mm512_permutex2var_ps(lo, odd, hi);
+        lo = e;
+        hi = o;
+      }
+      lo = _mm512_min_ps(_mm512_max_ps(lo, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+      hi = _mm512_min_ps(_mm512_max_ps(hi, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+      int8_t* qb = xq + size_t(r) * k + j * QBLOCK;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(lo)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16),
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(hi)));
+      _mm256_storeu_ps(xd + (size_t(r) * blocks + j) * 8, _mm256_set1_ps(d));
+      gsum = _mm512_add_ps(gsum, _mm512_add_ps(a, b));
+      if ((j + 1) % per_group == 0) {
+        xs[size_t(r) * (k / group) + j / per_group] = _mm512_reduce_add_ps(gsum);
+        gsum = _mm512_setzero_ps();
+      }
+    }
+  }
+}
+
 // ------------------------------------------------------------------ AVX2
 
 __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
@@ -269,6 +307,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void block_avx512(
 template <int R, int BITS>
 __attribute__((target("avx2,fma"))) void block_avx2_int8(const Problem& p, int o, int r0) {
   const int groups = p.k / p.group, blocks = p.k / QBLOCK;
+  const int gshift = __builtin_ctz(p.group / QBLOCK);  // block j is in group j >> gshift
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(p.w + size_t(o) * (p.k * BITS / 32));
   const float* sr = p.s + size_t(o) * groups;
   const float* br = p.b + size_t(o) * groups;
@@ -278,7 +317,7 @@ __attribute__((target("avx2,fma"))) void block_avx2_int8(const Problem& p, int o
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int j = 0; j < blocks; ++j, wp += QBLOCK * BITS / 8) {
-    const float s = sr[j * QBLOCK / p.group];
+    const float s = sr[j >> gshift];
     __m256i q0, q1;
     if constexpr (BITS == 4) {
       const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp));
@@ -326,6 +365,7 @@ template <int R, int BITS>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"))) void block_avx512_int8(
     const Problem& p, int o, int r0) {
   const int groups = p.k / p.group, blocks = p.k / QBLOCK;
+  const int gshift = __builtin_ctz(p.group / QBLOCK);  // block j is in group j >> gshift
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(p.w + size_t(o) * (p.k * BITS / 32));
   const float* sr = p.s + size_t(o) * groups;
   const float* br = p.b + size_t(o) * groups;
@@ -337,8 +377,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"))) void bl
   int j = 0;
   for (; j + 2 <= blocks; j += 2, wp += 2 * QBLOCK * BITS / 8) {
     const __m512 sv = _mm512_castpd_ps(
-        _mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(sr[j * QBLOCK / p.group])),
-                           _mm256_castps_pd(_mm256_set1_ps(sr[(j + 1) * QBLOCK / p.group])), 1));
+        _mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(sr[j >> gshift])),
+                           _mm256_castps_pd(_mm256_set1_ps(sr[(j + 1) >> gshift])), 1));
     __m512i q;
     if constexpr (BITS == 4) {
       const __m512i two = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp)));
@@ -357,7 +397,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"))) void bl
     }
   }
   if (j < blocks) {  // an odd number of blocks: the last one alone
-    const float s = sr[j * QBLOCK / p.group];
+    const float s = sr[j >> gshift];
     __m256i q;
     if constexpr (BITS == 4) {
       const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp));
@@ -648,7 +688,12 @@ class PackedMatmul : public UnaryPrimitive {
         xq.resize(size_t(p.m) * p.k);
         xd.resize(size_t(p.m) * (p.k / QBLOCK) * 8);
         xs.resize(size_t(p.m) * (p.k / p.group));
-        quantize_rows(p.x, p.m, p.k, p.group, p.bits, xq.data(), xd.data(), xs.data());
+#if defined(__x86_64__)
+        if (kernel == AVX512)
+          quantize_rows_avx512(p.x, p.m, p.k, p.group, p.bits, xq.data(), xd.data(), xs.data());
+        else
+#endif
+          quantize_rows(p.x, p.m, p.k, p.group, p.bits, xq.data(), xd.data(), xs.data());
         p.xq = xq.data();
         p.xd = xd.data();
         p.xs = xs.data();
