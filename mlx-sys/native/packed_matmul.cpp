@@ -300,6 +300,27 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void block_avx512(
 
 // ------------------------------------------------------- int8 activations
 
+// The bias term of int8 products, sum_g b_g * sum(x_g), per row: plain
+// loads in four independent sums (masked vector loads of a row's few
+// biases cost more than the row's whole product on Zen 4).
+template <int R>
+inline void bias_term(const Problem& p, const float* br, int r0, int groups, float* out) {
+  float sum[R][4] = {};
+  int g = 0;
+  for (; g + 4 <= groups; g += 4)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float* xs = p.xs + size_t(r0 + r) * groups + g;
+#pragma GCC unroll 4
+      for (int l = 0; l < 4; ++l) sum[r][l] += br[g + l] * xs[l];
+    }
+  for (; g < groups; ++g)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) sum[r][0] += br[g] * p.xs[size_t(r0 + r) * groups + g];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) out[r] = (sum[r][0] + sum[r][1]) + (sum[r][2] + sum[r][3]);
+}
+
 // One output column `o`, rows r0..r0+R, over int8 activations: per block of
 // 32, unsigned weights times signed activations summed in int16 pairs
 // (vpmaddubsw, at most 2 * 15 * 127 for 4 bits) or int16 products (8 bits,
@@ -316,6 +337,8 @@ __attribute__((target("avx2,fma"))) void block_avx2_int8(const Problem& p, int o
   __m256 acc[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  float tail[R];
+  bias_term<R>(p, br, r0, groups, tail);
   for (int j = 0; j < blocks; ++j, wp += QBLOCK * BITS / 8) {
     const float s = sr[j >> gshift];
     __m256i q0, q1;
@@ -344,17 +367,8 @@ __attribute__((target("avx2,fma"))) void block_avx2_int8(const Problem& p, int o
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s * d), acc[r]);
     }
   }
-  // The bias term: sum_g b_g * sum(x_g), 8 groups at a time.
-  for (int g = 0; g < groups; g += 8) {
-    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(groups - g),
-                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256 bv = _mm256_maskload_ps(br + g, m);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm256_fmadd_ps(bv, _mm256_maskload_ps(p.xs + size_t(r0 + r) * groups + g, m), acc[r]);
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) p.y[size_t(r0 + r) * p.n + o] = hsum256(acc[r]);
+  for (int r = 0; r < R; ++r) p.y[size_t(r0 + r) * p.n + o] = hsum256(acc[r]) + tail[r];
 }
 
 // The same with AVX-512 VNNI: two blocks (64 weights) per vpdpbusd. A 4-bit
@@ -374,6 +388,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"))) void bl
   __m512 acc[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  float tail[R];
+  bias_term<R>(p, br, r0, groups, tail);
   int j = 0;
   for (; j + 2 <= blocks; j += 2, wp += 2 * QBLOCK * BITS / 8) {
     const __m512 sv = _mm512_castpd_ps(
@@ -415,15 +431,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"))) void bl
       acc[r] = _mm512_add_ps(acc[r], _mm512_zextps256_ps512(t));
     }
   }
-  for (int g = 0; g < groups; g += 16) {
-    const __mmask16 m = groups - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (groups - g)) - 1);
-    const __m512 bv = _mm512_maskz_loadu_ps(m, br + g);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_fmadd_ps(bv, _mm512_maskz_loadu_ps(m, p.xs + size_t(r0 + r) * groups + g), acc[r]);
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) p.y[size_t(r0 + r) * p.n + o] = _mm512_reduce_add_ps(acc[r]);
+  for (int r = 0; r < R; ++r) p.y[size_t(r0 + r) * p.n + o] = _mm512_reduce_add_ps(acc[r]) + tail[r];
 }
 
 constexpr int ROW_BLOCK = 8;
@@ -573,8 +582,11 @@ class Pool {
       int spins = 0;
       while (generation() == seen) {
         pause();
-        if (++spins % 256 == 0 &&
-            std::chrono::steady_clock::now() - start > std::chrono::microseconds(200)) {
+        if (++spins % 64 != 0) continue;
+        // Hand the core to any other runnable thread (on 2 cores the
+        // graph-building caller and MLX's stream thread need both).
+        std::this_thread::yield();
+        if (std::chrono::steady_clock::now() - start > std::chrono::microseconds(200)) {
           std::unique_lock<std::mutex> lk(mutex_);
           sleepers_.fetch_add(1, std::memory_order_seq_cst);
           wake_.wait(lk, [&] { return generation() != seen; });
