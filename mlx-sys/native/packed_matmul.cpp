@@ -8,7 +8,12 @@
 // and has AVX2+FMA and AVX-512 paths chosen by CPUID, plus a scalar one.
 // Activations, scales and biases are fp32 (others are cast around the node);
 // each weight is dequantized as `scale * q + bias`, as MLX's `dequantize`
-// does, and the sums run in fp32.
+// does, and the sums run in fp32. With int8 activations instead (the
+// caller's choice), each row is rounded per block of 32 and multiplied by
+// integer dot products, `b * sum(x)` taken from the exact sums: as
+// llama.cpp's Q4_1 x Q8_1, a quarter of the instructions, but on a
+// machine where the step waits on the weights' memory stream no faster,
+// so fp32 stays the default (docs/benchmarks.md, issue 41).
 //
 // Kernels: 0 scalar, 1 AVX2+FMA, 2 AVX-512. `GATEWAY_CPU_KERNEL` (scalar,
 // avx2, avx512) caps the automatic choice; `GATEWAY_CPU_THREADS` sets the
