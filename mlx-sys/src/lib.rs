@@ -120,7 +120,18 @@ pub unsafe fn packed_matmul(
     }
     #[cfg(not(mlx_packed_matmul))]
     {
-        let _ = (res, x, w, scales, biases, group_size, bits, kernel, activation_bits, stream);
+        let _ = (
+            res,
+            x,
+            w,
+            scales,
+            biases,
+            group_size,
+            bits,
+            kernel,
+            activation_bits,
+            stream,
+        );
         Err("packed-weight kernels are not built on this platform".into())
     }
 }

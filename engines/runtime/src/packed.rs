@@ -83,10 +83,12 @@ impl Activations {
     /// read once; [`Activations::Float32`] when unset.
     pub fn chosen() -> Activations {
         static CHOSEN: std::sync::OnceLock<Activations> = std::sync::OnceLock::new();
-        *CHOSEN.get_or_init(|| match std::env::var("GATEWAY_CPU_ACTIVATIONS").as_deref() {
-            Ok("int8") => Activations::Int8,
-            _ => Activations::Float32,
-        })
+        *CHOSEN.get_or_init(
+            || match std::env::var("GATEWAY_CPU_ACTIVATIONS").as_deref() {
+                Ok("int8") => Activations::Int8,
+                _ => Activations::Float32,
+            },
+        )
     }
 }
 
@@ -108,7 +110,16 @@ pub fn matmul(
     group_size: i32,
     bits: i32,
 ) -> Result<Array, Exception> {
-    matmul_with(None, Activations::chosen(), x, w, scales, biases, group_size, bits)
+    matmul_with(
+        None,
+        Activations::chosen(),
+        x,
+        w,
+        scales,
+        biases,
+        group_size,
+        bits,
+    )
 }
 
 /// [`matmul`] with the path (`None`: the chosen one) and activations named.

@@ -192,7 +192,8 @@ fn int8_activations_stay_within_their_rounding_on_every_path() {
                     let x = Array::from_slice(&xs, &[m, inp]);
                     let (want, mag) = reference(&xs, m as usize, &p, group as usize, bits as usize);
                     let bound = int8_bound(&xs, m as usize, &p, group as usize, bits as usize);
-                    let what = format!("int8, bits {bits}, group {group}, {m}x{inp} @ {out}x{inp}^T");
+                    let what =
+                        format!("int8, bits {bits}, group {group}, {m}x{inp} @ {out}x{inp}^T");
                     let run = |kernel, acts| {
                         packed::matmul_with(
                             Some(kernel),
@@ -275,8 +276,8 @@ fn batched_strided_and_half_precision_inputs() {
             bits,
         )
         .unwrap()
-            .transpose_axes(&[1, 0, 2])
-            .unwrap();
+        .transpose_axes(&[1, 0, 2])
+        .unwrap();
         let y = y.contiguous().unwrap();
         assert_matches(&y, &want, &mag, &format!("strided, {}", kernel.name()));
     }

@@ -67,9 +67,13 @@ fn one_row_and_one_column_products_go_to_sgemv_and_equal_the_reference() {
     let (big_k, big_n) = (128, 640);
     let big = values(&[big_n, big_k], 7.0);
     let row = values(&[1, big_k], 8.0);
-    let got = ops::matmul(&row, &big.t()).unwrap();
+    let got = ops::matmul(&row, big.t()).unwrap();
     got.eval().unwrap();
-    assert_close(&got, &reference(&row, &big.t()), "large row times transposed weight");
+    assert_close(
+        &got,
+        &reference(&row, &big.t()),
+        "large row times transposed weight",
+    );
     let forwarded = forwarded + 1;
     assert_eq!(mlx_sys::sgemv_forwarded().unwrap() - before, forwarded);
 
