@@ -8,12 +8,19 @@
 // and has AVX2+FMA and AVX-512 paths chosen by CPUID, plus a scalar one.
 // Activations, scales and biases are fp32 (others are cast around the node);
 // each weight is dequantized as `scale * q + bias`, as MLX's `dequantize`
-// does, and the sums run in fp32.
+// does, and the sums run in fp32. With int8 activations instead (the
+// caller's choice), each row is rounded per block of 32 and multiplied by
+// integer dot products, `b * sum(x)` taken from the exact sums: as
+// llama.cpp's Q4_1 x Q8_1, a quarter of the instructions, but on a
+// machine where the step waits on the weights' memory stream no faster,
+// so fp32 stays the default (docs/benchmarks.md, issue 41).
 //
 // Kernels: 0 scalar, 1 AVX2+FMA, 2 AVX-512. `GATEWAY_CPU_KERNEL` (scalar,
 // avx2, avx512) caps the automatic choice; `GATEWAY_CPU_THREADS` sets the
 // worker count (default: the CPUs this process may run on).
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -51,7 +58,19 @@ struct Problem {
   const float* b;     // n x k / group
   float* y;           // m x n
   int m, n, k, group, bits;
+  // Int8 activations (null for fp32 ones), from `quantize_rows`: each row
+  // in blocks of 32 as round(x / d) with d = max|x| / 127 per block, the
+  // 4-bit layout's blocks reordered even elements first (its nibble order).
+  const int8_t* xq = nullptr;  // m x k
+  const float* xd = nullptr;   // m x (k / 32) x 8: each block's d, 8 times
+  const float* xs = nullptr;   // m x (k / group): each group's sum of x
 };
+
+constexpr int QBLOCK = 32;  // activations per int8 scale
+
+// Where element `i` of a block sits in its int8 copy.
+inline int qpos(int i, int bits) { return bits == 4 ? (i & 1) * 16 + (i >> 1) : i; }
+
 
 // ---------------------------------------------------------------- scalar
 
@@ -77,7 +96,103 @@ void span_scalar(const Problem& p, int o0, int o1) {
   }
 }
 
+// Int8 activations: y = sum_g s_g * sum_{blocks j of g} d_j * dot(q_j, xq_j)
+// + b_g * sum(x_g). The bias term uses the exact sums, so the only error
+// is the activations' rounding to d_j / 2 each (and fp32 sums).
+void span_scalar_int8(const Problem& p, int o0, int o1) {
+  const int per_word = 32 / p.bits;
+  const uint32_t mask = (1u << p.bits) - 1;
+  const int words = p.k / per_word, groups = p.k / p.group, blocks = p.k / QBLOCK;
+  for (int o = o0; o < o1; ++o) {
+    const uint32_t* wr = p.w + size_t(o) * words;
+    const float* sr = p.s + size_t(o) * groups;
+    const float* br = p.b + size_t(o) * groups;
+    for (int r = 0; r < p.m; ++r) {
+      const int8_t* xr = p.xq + size_t(r) * p.k;
+      const float* dr = p.xd + size_t(r) * blocks * 8;
+      const float* sum = p.xs + size_t(r) * groups;
+      float acc = 0.0f;
+      for (int j = 0; j < blocks; ++j) {
+        int32_t dot = 0;
+        for (int i = 0; i < QBLOCK; ++i) {
+          const int e = j * QBLOCK + i;
+          const int32_t q = (wr[e / per_word] >> ((e % per_word) * p.bits)) & mask;
+          dot += q * xr[j * QBLOCK + qpos(i, p.bits)];
+        }
+        acc += sr[j * QBLOCK / p.group] * dr[j * 8] * float(dot);
+      }
+      for (int g = 0; g < groups; ++g) acc += br[g] * sum[g];
+      p.y[size_t(r) * p.n + o] = acc;
+    }
+  }
+}
+
+// Rows of x to int8 (see Problem); `xd` repeats each scale 8 times so a
+// vector of 16 lanes covering two blocks loads both.
+void quantize_rows(const float* x, int m, int k, int group, int bits, int8_t* xq, float* xd,
+                   float* xs) {
+  const int blocks = k / QBLOCK, groups = k / group;
+  for (int r = 0; r < m; ++r) {
+    const float* xr = x + size_t(r) * k;
+    for (int j = 0; j < blocks; ++j) {
+      const float* xb = xr + j * QBLOCK;
+      float amax = 0.0f;
+      for (int i = 0; i < QBLOCK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int8_t* qb = xq + size_t(r) * k + j * QBLOCK;
+      for (int i = 0; i < QBLOCK; ++i) {
+        const float v = std::nearbyint(xb[i] * id);
+        qb[qpos(i, bits)] = int8_t(std::max(-127.0f, std::min(127.0f, v)));
+      }
+      for (int l = 0; l < 8; ++l) xd[(size_t(r) * blocks + j) * 8 + l] = d;
+    }
+    for (int g = 0; g < groups; ++g) {
+      double sum = 0.0;
+      for (int i = g * group; i < (g + 1) * group; ++i) sum += xr[i];
+      xs[size_t(r) * groups + g] = float(sum);
+    }
+  }
+}
+
 #if defined(__x86_64__)
+// `quantize_rows` with AVX-512: the same values (round to nearest even, as
+// nearbyint in the default rounding mode), group sums in fp32.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void quantize_rows_avx512(
+    const float* x, int m, int k, int group, int bits, int8_t* xq, float* xd, float* xs) {
+  const int blocks = k / QBLOCK, per_group = group / QBLOCK;
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const __m512 lim = _mm512_set1_ps(127.0f);
+  for (int r = 0; r < m; ++r) {
+    __m512 gsum = _mm512_setzero_ps();
+    for (int j = 0; j < blocks; ++j) {
+      const float* xb = x + size_t(r) * k + j * QBLOCK;
+      const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+      const __m512 vid = _mm512_set1_ps(id);
+      __m512 lo = _mm512_mul_ps(a, vid), hi = _mm512_mul_ps(b, vid);
+      if (bits == 4) {
+        const __m512 e = _mm512_permutex2var_ps(lo, even, hi), o = _mm512_permutex2var_ps(lo, odd, hi);
+        lo = e;
+        hi = o;
+      }
+      lo = _mm512_min_ps(_mm512_max_ps(lo, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+      hi = _mm512_min_ps(_mm512_max_ps(hi, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+      int8_t* qb = xq + size_t(r) * k + j * QBLOCK;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(lo)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16),
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(hi)));
+      _mm256_storeu_ps(xd + (size_t(r) * blocks + j) * 8, _mm256_set1_ps(d));
+      gsum = _mm512_add_ps(gsum, _mm512_add_ps(a, b));
+      if ((j + 1) % per_group == 0) {
+        xs[size_t(r) * (k / group) + j / per_group] = _mm512_reduce_add_ps(gsum);
+        gsum = _mm512_setzero_ps();
+      }
+    }
+  }
+}
+
 // ------------------------------------------------------------------ AVX2
 
 __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
@@ -188,6 +303,143 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void block_avx512(
   }
 }
 
+// ------------------------------------------------------- int8 activations
+
+// The bias term of int8 products, sum_g b_g * sum(x_g), per row: plain
+// loads in four independent sums (masked vector loads of a row's few
+// biases cost more than the row's whole product on Zen 4).
+template <int R>
+inline void bias_term(const Problem& p, const float* br, int r0, int groups, float* out) {
+  float sum[R][4] = {};
+  int g = 0;
+  for (; g + 4 <= groups; g += 4)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float* xs = p.xs + size_t(r0 + r) * groups + g;
+#pragma GCC unroll 4
+      for (int l = 0; l < 4; ++l) sum[r][l] += br[g + l] * xs[l];
+    }
+  for (; g < groups; ++g)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) sum[r][0] += br[g] * p.xs[size_t(r0 + r) * groups + g];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) out[r] = (sum[r][0] + sum[r][1]) + (sum[r][2] + sum[r][3]);
+}
+
+// One output column `o`, rows r0..r0+R, over int8 activations: per block of
+// 32, unsigned weights times signed activations summed in int16 pairs
+// (vpmaddubsw, at most 2 * 15 * 127 for 4 bits) or int16 products (8 bits,
+// vpmaddwd), then scaled by s_g * d_j into fp32 lanes.
+template <int R, int BITS>
+__attribute__((target("avx2,fma"))) void block_avx2_int8(const Problem& p, int o, int r0) {
+  const int groups = p.k / p.group, blocks = p.k / QBLOCK;
+  const int gshift = __builtin_ctz(p.group / QBLOCK);  // block j is in group j >> gshift
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(p.w + size_t(o) * (p.k * BITS / 32));
+  const float* sr = p.s + size_t(o) * groups;
+  const float* br = p.b + size_t(o) * groups;
+  const __m256i low = _mm256_set1_epi8(0xF);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  float tail[R];
+  bias_term<R>(p, br, r0, groups, tail);
+  for (int j = 0; j < blocks; ++j, wp += QBLOCK * BITS / 8) {
+    const float s = sr[j >> gshift];
+    __m256i q0, q1;
+    if constexpr (BITS == 4) {
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp));
+      q0 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
+    } else {
+      q0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
+      q1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + 16)));
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const size_t row = size_t(r0 + r);
+      const int8_t* xb = p.xq + row * p.k + j * QBLOCK;
+      __m256i dot;
+      if constexpr (BITS == 4) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
+        dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q0, xv), ones);
+      } else {
+        const __m256i x0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb)));
+        const __m256i x1 =
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + 16)));
+        dot = _mm256_add_epi32(_mm256_madd_epi16(q0, x0), _mm256_madd_epi16(q1, x1));
+      }
+      const float d = p.xd[(row * blocks + j) * 8];
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s * d), acc[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) p.y[size_t(r0 + r) * p.n + o] = hsum256(acc[r]) + tail[r];
+}
+
+// The same with AVX-512 VNNI: two blocks (64 weights) per vpdpbusd. A 4-bit
+// pair of blocks is 32 bytes [P0, P1]; lanes [P0, P0, P1, P1], the odd
+// lanes shifted by a nibble and all masked to 4 bits, are block 0's even
+// and odd elements then block 1's: the order of the int8 copy.
+template <int R, int BITS>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"))) void block_avx512_int8(
+    const Problem& p, int o, int r0) {
+  const int groups = p.k / p.group, blocks = p.k / QBLOCK;
+  const int gshift = __builtin_ctz(p.group / QBLOCK);  // block j is in group j >> gshift
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(p.w + size_t(o) * (p.k * BITS / 32));
+  const float* sr = p.s + size_t(o) * groups;
+  const float* br = p.b + size_t(o) * groups;
+  const __m512i low = _mm512_set1_epi8(0xF);
+  const __m512i nibble = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
+  __m512 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  float tail[R];
+  bias_term<R>(p, br, r0, groups, tail);
+  int j = 0;
+  for (; j + 2 <= blocks; j += 2, wp += 2 * QBLOCK * BITS / 8) {
+    const __m512 sv = _mm512_castpd_ps(
+        _mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(sr[j >> gshift])),
+                           _mm256_castps_pd(_mm256_set1_ps(sr[(j + 1) >> gshift])), 1));
+    __m512i q;
+    if constexpr (BITS == 4) {
+      const __m512i two = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp)));
+      q = _mm512_and_si512(
+          _mm512_srlv_epi64(_mm512_shuffle_i64x2(two, two, _MM_SHUFFLE(1, 1, 0, 0)), nibble), low);
+    } else {
+      q = _mm512_loadu_si512(wp);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const size_t row = size_t(r0 + r);
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q,
+                                              _mm512_loadu_si512(p.xq + row * p.k + j * QBLOCK));
+      const __m512 dv = _mm512_loadu_ps(p.xd + (row * blocks + j) * 8);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sv, dv), acc[r]);
+    }
+  }
+  if (j < blocks) {  // an odd number of blocks: the last one alone
+    const float s = sr[j >> gshift];
+    __m256i q;
+    if constexpr (BITS == 4) {
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp));
+      q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0xF));
+    } else {
+      q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const size_t row = size_t(r0 + r);
+      const __m256i dot = _mm256_dpbusd_epi32(
+          _mm256_setzero_si256(), q,
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.xq + row * p.k + j * QBLOCK)));
+      const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s * p.xd[(row * blocks + j) * 8]));
+      acc[r] = _mm512_add_ps(acc[r], _mm512_zextps256_ps512(t));
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) p.y[size_t(r0 + r) * p.n + o] = _mm512_reduce_add_ps(acc[r]) + tail[r];
+}
+
 constexpr int ROW_BLOCK = 8;
 
 // Output columns o0..o1 for every row, rows in blocks of ROW_BLOCK: the
@@ -218,6 +470,8 @@ constexpr int ROW_BLOCK = 8;
 
 DEFINE_SPAN(span_avx2, block_avx2)
 DEFINE_SPAN(span_avx512, block_avx512)
+DEFINE_SPAN(span_avx2_int8, block_avx2_int8)
+DEFINE_SPAN(span_avx512_int8, block_avx512_int8)
 #undef DEFINE_SPAN
 #endif  // __x86_64__
 
@@ -333,8 +587,11 @@ class Pool {
       int spins = 0;
       while (generation() == seen) {
         pause();
-        if (++spins % 256 == 0 &&
-            std::chrono::steady_clock::now() - start > std::chrono::microseconds(200)) {
+        if (++spins % 64 != 0) continue;
+        // Hand the core to any other runnable thread (on 2 cores the
+        // graph-building caller and MLX's stream thread need both).
+        std::this_thread::yield();
+        if (std::chrono::steady_clock::now() - start > std::chrono::microseconds(200)) {
           std::unique_lock<std::mutex> lk(mutex_);
           sleepers_.fetch_add(1, std::memory_order_seq_cst);
           wake_.wait(lk, [&] { return generation() != seen; });
@@ -357,11 +614,28 @@ class Pool {
   int chunk_ = 1;
 };
 
-void compute(const Problem& p, int kernel) {
-  Span span = span_scalar;
+// Whether the AVX-512 path can take int8 activations (vpdpbusd); without
+// it they take the AVX2 one.
+bool has_vnni() {
 #if defined(__x86_64__)
-  if (kernel == AVX512) span = span_avx512;
-  if (kernel == AVX2) span = span_avx2;
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+void compute(const Problem& p, int kernel) {
+  Span span = p.xq ? span_scalar_int8 : span_scalar;
+#if defined(__x86_64__)
+  static const bool vnni = has_vnni();
+  if (p.xq) {
+    if (kernel == AVX512 && vnni) span = span_avx512_int8;
+    else if (kernel >= AVX2) span = span_avx2_int8;
+  } else {
+    if (kernel == AVX512) span = span_avx512;
+    if (kernel == AVX2) span = span_avx2;
+  }
 #endif
   Pool& pool = Pool::get();
   // Chunks taken in turn, so a thread slowed by other work on its core
@@ -373,8 +647,8 @@ void compute(const Problem& p, int kernel) {
 
 class PackedMatmul : public UnaryPrimitive {
  public:
-  PackedMatmul(Stream s, int group, int bits, int kernel)
-      : UnaryPrimitive(s), group_(group), bits_(bits), kernel_(kernel) {}
+  PackedMatmul(Stream s, int group, int bits, int kernel, bool int8)
+      : UnaryPrimitive(s), group_(group), bits_(bits), kernel_(kernel), int8_(int8) {}
 
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
     const array& x = inputs[0];
@@ -403,7 +677,7 @@ class PackedMatmul : public UnaryPrimitive {
               k,
               group_,
               bits_};
-    encoder.dispatch([p, x = array::unsafe_weak_copy(x), kernel = kernel_]() mutable {
+    encoder.dispatch([p, x = array::unsafe_weak_copy(x), kernel = kernel_, int8 = int8_]() mutable {
       std::vector<float> gathered;
       if (x.flags().row_contiguous) {
         p.x = x.data<float>();
@@ -424,6 +698,23 @@ class PackedMatmul : public UnaryPrimitive {
         }
         p.x = gathered.data();
       }
+      if (int8) {
+        // Scratch of the stream's thread, reused by every call on it.
+        thread_local std::vector<int8_t> xq;
+        thread_local std::vector<float> xd, xs;
+        xq.resize(size_t(p.m) * p.k);
+        xd.resize(size_t(p.m) * (p.k / QBLOCK) * 8);
+        xs.resize(size_t(p.m) * (p.k / p.group));
+#if defined(__x86_64__)
+        if (kernel == AVX512)
+          quantize_rows_avx512(p.x, p.m, p.k, p.group, p.bits, xq.data(), xd.data(), xs.data());
+        else
+#endif
+          quantize_rows(p.x, p.m, p.k, p.group, p.bits, xq.data(), xd.data(), xs.data());
+        p.xq = xq.data();
+        p.xd = xd.data();
+        p.xs = xs.data();
+      }
       compute(p, kernel);
     });
   }
@@ -436,7 +727,7 @@ class PackedMatmul : public UnaryPrimitive {
 
   bool is_equivalent(const Primitive& other) const override {
     auto& o = static_cast<const PackedMatmul&>(other);
-    return group_ == o.group_ && bits_ == o.bits_ && kernel_ == o.kernel_;
+    return group_ == o.group_ && bits_ == o.bits_ && kernel_ == o.kernel_ && int8_ == o.int8_;
   }
 
   std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
@@ -447,11 +738,14 @@ class PackedMatmul : public UnaryPrimitive {
 
  private:
   int group_, bits_, kernel_;
+  bool int8_;
 };
 
 array packed_matmul(array x, array w, array scales, array biases, int group, int bits, int kernel,
-                    Stream s) {
+                    int activation_bits, Stream s) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("bits must be 4 or 8");
+  if (activation_bits != 32 && activation_bits != 8)
+    throw std::invalid_argument("activations must be 32-bit floats or int8");
   if (group != 32 && group != 64 && group != 128)
     throw std::invalid_argument("group size must be 32, 64 or 128");
   if (kernel < 0) kernel = chosen_kernel();
@@ -470,7 +764,7 @@ array packed_matmul(array x, array w, array scales, array biases, int group, int
   auto f32 = [&](const array& a) { return a.dtype() == float32 ? a : astype(a, float32, s); };
   Shape shape = x.shape();
   shape.back() = n;
-  array y(std::move(shape), float32, std::make_shared<PackedMatmul>(s, group, bits, kernel),
+  array y(std::move(shape), float32, std::make_shared<PackedMatmul>(s, group, bits, kernel, activation_bits == 8),
           {f32(x), w, f32(scales), f32(biases)});
   return dtype == float32 ? y : astype(y, dtype, s);
 }
@@ -485,14 +779,17 @@ int mlx_sys_packed_kernel_best(void) { return best_kernel(); }
 int mlx_sys_packed_kernel_chosen(void) { return chosen_kernel(); }
 
 // res = x @ dequantize(w, scales, biases)^T with `kernel` (-1: the chosen
-// one). Returns 0, or 1 with the reason in `err`.
+// one), the activations as fp32 (`activation_bits` 32) or rounded to int8
+// per block of 32 (8). Returns 0, or 1 with the reason in `err`.
 int mlx_sys_packed_matmul(mlx_array* res, const mlx_array x, const mlx_array w,
                           const mlx_array scales, const mlx_array biases, int group_size, int bits,
-                          int kernel, const mlx_stream s, char* err, size_t err_len) {
+                          int kernel, int activation_bits, const mlx_stream s, char* err,
+                          size_t err_len) {
   try {
     mlx_array_set_(*res, packed_matmul(mlx_array_get_(x), mlx_array_get_(w),
                                        mlx_array_get_(scales), mlx_array_get_(biases),
-                                       group_size, bits, kernel, mlx_stream_get_(s)));
+                                       group_size, bits, kernel, activation_bits,
+                                       mlx_stream_get_(s)));
     return 0;
   } catch (std::exception& e) {
     if (err && err_len) {

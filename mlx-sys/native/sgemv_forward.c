@@ -21,6 +21,60 @@ void sgemm_(const char *transa, const char *transb, const int *m, const int *n, 
 
 static atomic_ulong forwarded;
 
+// Products of fewer elements than this run on the calling thread.
+// OpenBLAS's sgemv splits anything past 9,216 over its threads: a decode
+// step's attention (q @ K^T and p @ V per head, 64 x context each) then
+// pays a wake-up and a join per product, ~500 a step, and leaves the
+// worker spinning on sched_yield.
+enum { SMALL = 1 << 16 };
+
+// Four lanes: the x86-64 baseline (SSE) and NEON, no target flags needed.
+typedef float v4 __attribute__((vector_size(16)));
+
+static inline v4 load4(const float *p) {
+  v4 v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline void store4(float *p, v4 v) { __builtin_memcpy(p, &v, sizeof v); }
+
+// y = alpha * op(M) v + y (y already scaled by beta), as `gemv` below.
+static void small_gemv(int trans, int rows, int cols, float alpha, const float *m, int ldm,
+                       const float *v, int incv, float *y, int incy) {
+  if (trans == NO_TRANS) {
+    // y_i += alpha * dot(M[i, :], v)
+    for (int i = 0; i < rows; i++) {
+      const float *r = m + (size_t)i * ldm;
+      float s = 0.0f;
+      int j = 0;
+      if (incv == 1) {
+        v4 a0 = {0}, a1 = {0};
+        for (; j + 8 <= cols; j += 8) {
+          a0 += load4(r + j) * load4(v + j);
+          a1 += load4(r + j + 4) * load4(v + j + 4);
+        }
+        a0 += a1;
+        s = (a0[0] + a0[1]) + (a0[2] + a0[3]);
+      }
+      for (; j < cols; j++) s += r[j] * v[(size_t)j * incv];
+      y[(size_t)i * incy] += alpha * s;
+    }
+  } else {
+    // M is cols x rows: y += alpha * sum_j v_j M[j, :]
+    for (int j = 0; j < cols; j++) {
+      const float *r = m + (size_t)j * ldm;
+      const float a = alpha * v[(size_t)j * incv];
+      int i = 0;
+      if (incy == 1) {
+        const v4 av = {a, a, a, a};
+        for (; i + 4 <= rows; i += 4) store4(y + i, load4(y + i) + av * load4(r + i));
+      }
+      for (; i < rows; i++) y[(size_t)i * incy] += a * r[i];
+    }
+  }
+}
+
 // How many products went to sgemv (tests read it).
 unsigned long mlx_sys_sgemv_forwarded(void) {
   return atomic_load_explicit(&forwarded, memory_order_relaxed);
@@ -36,7 +90,11 @@ static void gemv(int trans, int rows, int cols, float alpha, const float *m, int
   }
   // Row-major storage: op(M) = M when trans is NoTrans (M is rows x cols),
   // else M is cols x rows.
-  if (trans == NO_TRANS)
+  if ((long)rows * cols < SMALL) {
+    if (beta != 0.0f && beta != 1.0f)
+      for (int i = 0; i < rows; i++) y[(size_t)i * incy] *= beta;
+    small_gemv(trans, rows, cols, alpha, m, ldm, v, incv, y, incy);
+  } else if (trans == NO_TRANS)
     cblas_sgemv(ROW_MAJOR, NO_TRANS, rows, cols, alpha, m, ldm, v, incv, beta, y, incy);
   else
     cblas_sgemv(ROW_MAJOR, trans, cols, rows, alpha, m, ldm, v, incv, beta, y, incy);

@@ -184,6 +184,7 @@ extern "C" {
         group_size: std::os::raw::c_int,
         bits: std::os::raw::c_int,
         kernel: std::os::raw::c_int,
+        activation_bits: std::os::raw::c_int,
         stream: mlx_stream,
         err: *mut std::os::raw::c_char,
         err_len: usize,
@@ -203,8 +204,9 @@ pub fn packed_kernels() -> Option<(i32, i32)> {
 
 /// `x @ dequantize(w, scales, biases)^T` (MLX affine, 4 or 8 bits, groups of
 /// 32/64/128) as a lazy graph node computed by `native/packed_matmul.cpp`
-/// with `kernel` (see [`packed_kernels`]; -1: the chosen one). On success
-/// `res` holds the new array.
+/// with `kernel` (see [`packed_kernels`]; -1: the chosen one), the
+/// activations as fp32 (`activation_bits` 32) or rounded to int8 per block
+/// of 32 (8). On success `res` holds the new array.
 ///
 /// # Safety
 /// Every handle must be a live mlx-c object; `res` an initialised array.
@@ -217,6 +219,7 @@ pub unsafe fn packed_matmul(
     group_size: i32,
     bits: i32,
     kernel: i32,
+    activation_bits: i32,
     stream: mlx_stream,
 ) -> Result<(), String> {
     #[cfg(mlx_packed_matmul)]
@@ -231,6 +234,7 @@ pub unsafe fn packed_matmul(
             group_size,
             bits,
             kernel,
+            activation_bits,
             stream,
             err.as_mut_ptr(),
             err.len(),
@@ -244,7 +248,18 @@ pub unsafe fn packed_matmul(
     }
     #[cfg(not(mlx_packed_matmul))]
     {
-        let _ = (res, x, w, scales, biases, group_size, bits, kernel, stream);
+        let _ = (
+            res,
+            x,
+            w,
+            scales,
+            biases,
+            group_size,
+            bits,
+            kernel,
+            activation_bits,
+            stream,
+        );
         Err("packed-weight kernels are not built on this platform".into())
     }
 }

@@ -50,6 +50,48 @@ impl CpuKernel {
     }
 }
 
+/// How the kernel reads the activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activations {
+    /// As fp32: each weight is `scale * q + bias` in fp32, as MLX's
+    /// `dequantize` makes it, so products match MLX's to fp32 rounding.
+    Float32,
+    /// Rounded to int8 per block of 32 (`d = max|x| / 127`), integer dot
+    /// products with the packed weights (AVX-512 VNNI `vpdpbusd`, AVX2
+    /// `vpmaddubsw`), the bias term from the exact fp32 sums: each product
+    /// is off by at most `sum |scale * q| * d / 2` over its inputs.
+    Int8,
+}
+
+impl Activations {
+    fn bits(self) -> i32 {
+        match self {
+            Activations::Float32 => 32,
+            Activations::Int8 => 8,
+        }
+    }
+
+    /// The setting's name (`GATEWAY_CPU_ACTIVATIONS`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Activations::Float32 => "float32",
+            Activations::Int8 => "int8",
+        }
+    }
+
+    /// What [`matmul`] uses: `GATEWAY_CPU_ACTIVATIONS` (`float32`, `int8`),
+    /// read once; [`Activations::Float32`] when unset.
+    pub fn chosen() -> Activations {
+        static CHOSEN: std::sync::OnceLock<Activations> = std::sync::OnceLock::new();
+        *CHOSEN.get_or_init(
+            || match std::env::var("GATEWAY_CPU_ACTIVATIONS").as_deref() {
+                Ok("int8") => Activations::Int8,
+                _ => Activations::Float32,
+            },
+        )
+    }
+}
+
 /// Whether the kernel takes weights of `bits` in groups of `group_size`.
 pub fn supports(bits: i32, group_size: i32) -> bool {
     mlx_sys::packed_kernels().is_some()
@@ -58,7 +100,8 @@ pub fn supports(bits: i32, group_size: i32) -> bool {
 }
 
 /// `x @ dequantize(w, scales, biases)^T`, like MLX's
-/// `quantized_matmul(.., transpose = true, ..)`, with the chosen path.
+/// `quantized_matmul(.., transpose = true, ..)`, with the chosen path and
+/// activations ([`Activations::chosen`]).
 pub fn matmul(
     x: &Array,
     w: &Array,
@@ -67,12 +110,23 @@ pub fn matmul(
     group_size: i32,
     bits: i32,
 ) -> Result<Array, Exception> {
-    matmul_with(None, x, w, scales, biases, group_size, bits)
+    matmul_with(
+        None,
+        Activations::chosen(),
+        x,
+        w,
+        scales,
+        biases,
+        group_size,
+        bits,
+    )
 }
 
-/// [`matmul`] with the path named (`None`: the chosen one).
+/// [`matmul`] with the path (`None`: the chosen one) and activations named.
+#[allow(clippy::too_many_arguments)]
 pub fn matmul_with(
     kernel: Option<CpuKernel>,
+    activations: Activations,
     x: &Array,
     w: &Array,
     scales: &Array,
@@ -92,6 +146,7 @@ pub fn matmul_with(
             group_size,
             bits,
             kernel.map_or(-1, |k| k as i32),
+            activations.bits(),
             stream.as_ptr(),
         ) {
             Ok(()) => Ok(Array::from_ptr(res)),

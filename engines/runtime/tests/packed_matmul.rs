@@ -5,7 +5,7 @@
 //! rows.
 
 use mlx_rs::{ops, Array, Dtype};
-use runtime::packed::{self, CpuKernel};
+use runtime::packed::{self, Activations, CpuKernel};
 
 /// Deterministic values in [-1, 1).
 fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -125,6 +125,7 @@ fn every_path_equals_the_reference_and_mlx_over_many_shapes() {
                     for &kernel in &kernels {
                         let y = packed::matmul_with(
                             Some(kernel),
+                            Activations::Float32,
                             &x,
                             &p.w,
                             &p.scales,
@@ -144,6 +145,102 @@ fn every_path_equals_the_reference_and_mlx_over_many_shapes() {
     assert!(cases >= 2 * 3 * 4 * 8, "{cases} cases run");
 }
 
+/// How far the int8 path may be from the exact product: each activation is
+/// rounded to a multiple of its block's `d = max|x| / 127` (blocks of 32),
+/// so it moves by at most `d / 2` (plus `d * 1e-4` for computing `x * 127 /
+/// max|x|` in fp32), and its weight's `scale * q` part multiplies that
+/// error (the `bias` part meets the exact sum of its group). Per element:
+/// `sum_i |scale_i * q_i| * d_i * (1/2 + 1e-4)`.
+fn int8_bound(x: &[f32], m: usize, p: &Packed, group: usize, bits: usize) -> Vec<f64> {
+    let n = p.w.dim(0) as usize;
+    let words = p.w.dim(1) as usize;
+    let k = words * 32 / bits;
+    let w = p.w.as_slice::<u32>();
+    let s = p.scales.as_slice::<f32>();
+    let d: Vec<f64> = x
+        .chunks(32)
+        .map(|b| b.iter().fold(0f32, |a, v| a.max(v.abs())) as f64 / 127.0)
+        .collect();
+    let mut bound = vec![0f64; m * n];
+    for o in 0..n {
+        for r in 0..m {
+            bound[r * n + o] = (0..k)
+                .map(|i| {
+                    let bit = i * bits;
+                    let q = (w[o * words + bit / 32] >> (bit % 32)) & ((1u32 << bits) - 1);
+                    let sq = (s[o * (k / group) + i / group] as f64 * q as f64).abs();
+                    sq * d[(r * k + i) / 32] * (0.5 + 1e-4)
+                })
+                .sum();
+        }
+    }
+    bound
+}
+
+#[test]
+fn int8_activations_stay_within_their_rounding_on_every_path() {
+    let kernels = kernels();
+    let mut cases = 0;
+    for bits in [4, 8] {
+        for group in [32, 64, 128] {
+            for (out, groups_in) in [(1, 1), (7, 3), (33, 5), (97, 1)] {
+                let inp = group * groups_in;
+                let seed = (bits * 1000 + group * 10 + out) as u64;
+                let p = quantize(out, inp, group, bits, seed);
+                for m in [1, 2, 3, 5, 8, 9, 17, 64] {
+                    let xs = values((m * inp) as usize, seed + m as u64);
+                    let x = Array::from_slice(&xs, &[m, inp]);
+                    let (want, mag) = reference(&xs, m as usize, &p, group as usize, bits as usize);
+                    let bound = int8_bound(&xs, m as usize, &p, group as usize, bits as usize);
+                    let what =
+                        format!("int8, bits {bits}, group {group}, {m}x{inp} @ {out}x{inp}^T");
+                    let run = |kernel, acts| {
+                        packed::matmul_with(
+                            Some(kernel),
+                            acts,
+                            &x,
+                            &p.w,
+                            &p.scales,
+                            &p.biases,
+                            group,
+                            bits,
+                        )
+                        .unwrap()
+                    };
+                    let scalar = run(CpuKernel::Scalar, Activations::Int8);
+                    // The rounding shows: the int8 path is not the fp32 one.
+                    let fp32 = run(CpuKernel::Scalar, Activations::Float32);
+                    assert_ne!(scalar.as_slice::<f32>(), fp32.as_slice::<f32>(), "{what}");
+                    for &kernel in &kernels {
+                        let y = run(kernel, Activations::Int8);
+                        assert_eq!(y.shape(), &[m, out]);
+                        let got = y.as_slice::<f32>();
+                        for (i, g) in got.iter().enumerate() {
+                            let tol = bound[i] + 1e-5 * mag[i] + 1e-6;
+                            assert!(
+                                (*g as f64 - want[i]).abs() <= tol,
+                                "{what}, {}: element {i} is {g}, the reference {} (bound {tol})",
+                                kernel.name(),
+                                want[i]
+                            );
+                            // Integer sums are exact: every path agrees with
+                            // the scalar one to fp32 rounding.
+                            let s = scalar.as_slice::<f32>()[i] as f64;
+                            assert!(
+                                (*g as f64 - s).abs() <= 1e-5 * mag[i] + 1e-6,
+                                "{what}, {}: element {i} is {g}, the scalar path's {s}",
+                                kernel.name()
+                            );
+                        }
+                        cases += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(cases >= 2 * 3 * 4 * 8, "{cases} cases run");
+}
+
 #[test]
 fn batched_strided_and_half_precision_inputs() {
     let (group, bits, out, inp) = (64, 4, 19, 192);
@@ -153,16 +250,34 @@ fn batched_strided_and_half_precision_inputs() {
     let x = Array::from_slice(&xs, &[2, 3, inp]);
     for kernel in kernels() {
         // Leading axes are rows.
-        let y =
-            packed::matmul_with(Some(kernel), &x, &p.w, &p.scales, &p.biases, group, bits).unwrap();
+        let y = packed::matmul_with(
+            Some(kernel),
+            Activations::Float32,
+            &x,
+            &p.w,
+            &p.scales,
+            &p.biases,
+            group,
+            bits,
+        )
+        .unwrap();
         assert_eq!(y.shape(), &[2, 3, out]);
         assert_matches(&y, &want, &mag, &format!("batched, {}", kernel.name()));
         // A transposed view is read through its strides.
         let view = x.transpose_axes(&[1, 0, 2]).unwrap();
-        let y = packed::matmul_with(Some(kernel), &view, &p.w, &p.scales, &p.biases, group, bits)
-            .unwrap()
-            .transpose_axes(&[1, 0, 2])
-            .unwrap();
+        let y = packed::matmul_with(
+            Some(kernel),
+            Activations::Float32,
+            &view,
+            &p.w,
+            &p.scales,
+            &p.biases,
+            group,
+            bits,
+        )
+        .unwrap()
+        .transpose_axes(&[1, 0, 2])
+        .unwrap();
         let y = y.contiguous().unwrap();
         assert_matches(&y, &want, &mag, &format!("strided, {}", kernel.name()));
     }

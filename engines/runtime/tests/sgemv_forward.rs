@@ -1,5 +1,6 @@
-//! MLX's float32 products with one row or one column go to OpenBLAS's sgemv
-//! (`mlx-sys/native/sgemv_forward.c`), every other product to sgemm: each
+//! MLX's float32 products with one row or one column go to a small gemv of
+//! our own or to OpenBLAS's sgemv (`mlx-sys/native/sgemv_forward.c`), every
+//! other product to sgemm: each
 //! layout MLX can hand over gives the product a BLAS-free reference gives.
 
 use mlx_rs::{ops, Array};
@@ -60,6 +61,21 @@ fn one_row_and_one_column_products_go_to_sgemv_and_equal_the_reference() {
     }
     let forwarded = mlx_sys::sgemv_forwarded().unwrap() - before;
     assert_eq!(forwarded, cases.len() as u64, "products sent to sgemv");
+
+    // Past 65,536 elements the product is OpenBLAS's sgemv (smaller ones,
+    // above, run on the calling thread).
+    let (big_k, big_n) = (128, 640);
+    let big = values(&[big_n, big_k], 7.0);
+    let row = values(&[1, big_k], 8.0);
+    let got = ops::matmul(&row, big.t()).unwrap();
+    got.eval().unwrap();
+    assert_close(
+        &got,
+        &reference(&row, &big.t()),
+        "large row times transposed weight",
+    );
+    let forwarded = forwarded + 1;
+    assert_eq!(mlx_sys::sgemv_forwarded().unwrap() - before, forwarded);
 
     // Three rows stay a matrix product, with the same result as before.
     let rows = values(&[3, k], 6.0);
