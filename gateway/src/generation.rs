@@ -223,7 +223,7 @@ impl Generation {
                     self.end("error");
                     let message = "the engine stopped without finishing the request";
                     self.guard.fault(FaultKind::LostStream, message);
-                    return Some(Err(ApiError::Interrupted));
+                    return Some(Err(ApiError::Interrupted(message.into())));
                 }
             }
             match self.events.try_recv() {
@@ -266,7 +266,7 @@ impl Generation {
             StreamError::Interrupted(message) => {
                 self.guard.disarm();
                 tracing::warn!(engine = %self.engine, reason = %message, "request interrupted in its engine");
-                ApiError::Interrupted
+                ApiError::Interrupted(message)
             }
             StreamError::Internal(message) => {
                 self.guard.fault(FaultKind::RequestError, &message);
@@ -357,7 +357,7 @@ impl Generation {
             EngineFinish::Length => FinishReason::Length,
             EngineFinish::Cancelled => {
                 self.end("cancelled");
-                return Err(ApiError::Interrupted);
+                return Err(ApiError::Interrupted("its engine cancelled it".into()));
             }
         };
         let completion = self.earlier_tokens + finish.completion_tokens;

@@ -275,7 +275,8 @@ fn killing_an_upstream_loses_and_duplicates_nothing() {
             } => {
                 assert!(
                     *after_tokens || message.contains("after the response started"),
-                    "{message}"
+                    "{message}\n{}",
+                    f.logs()
                 );
                 assert!(!message.contains("req-"), "{message}");
             }

@@ -46,9 +46,10 @@ pub enum ApiError {
     /// The server is draining before it stops; no new work is taken.
     #[error("The server is shutting down; retry on another instance")]
     ShuttingDown,
-    /// The engine stopped the request itself (the server is shutting down).
-    #[error("The server stopped this request before it finished; retry")]
-    Interrupted,
+    /// The engine stopped the request itself (the server is shutting down,
+    /// an upstream failed mid-stream): why, for the client.
+    #[error("The server stopped this request before it finished ({0}); retry")]
+    Interrupted(String),
     #[error("The request did not complete within {} seconds", .0.as_secs_f64())]
     Timeout(Duration),
     /// The engine failed while generating.
@@ -94,7 +95,7 @@ impl ApiError {
             ApiError::Overloaded
             | ApiError::Unavailable(_)
             | ApiError::OutOfService(_)
-            | ApiError::Interrupted
+            | ApiError::Interrupted(_)
             | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Engine(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -114,7 +115,7 @@ impl ApiError {
             ApiError::Overloaded
             | ApiError::Unavailable(_)
             | ApiError::OutOfService(_)
-            | ApiError::Interrupted
+            | ApiError::Interrupted(_)
             | ApiError::ShuttingDown
             | ApiError::Timeout(_) => "server_error",
             ApiError::Engine(_) | ApiError::Internal(_) => "server_error",
@@ -139,7 +140,7 @@ impl ApiError {
             ApiError::Overloaded => Some("server_overloaded"),
             ApiError::Unavailable(_) => Some("no_capable_engine"),
             ApiError::OutOfService(_) => Some("engine_unavailable"),
-            ApiError::Interrupted => Some("request_interrupted"),
+            ApiError::Interrupted(_) => Some("request_interrupted"),
             ApiError::ShuttingDown => Some("server_shutting_down"),
             ApiError::Timeout(_) => Some("timeout"),
             _ => None,
@@ -163,7 +164,7 @@ impl ApiError {
             ApiError::Overloaded => "overloaded",
             ApiError::Unavailable(_) => "unavailable",
             ApiError::OutOfService(_) => "out_of_service",
-            ApiError::Interrupted => "interrupted",
+            ApiError::Interrupted(_) => "interrupted",
             ApiError::ShuttingDown => "shutting_down",
             ApiError::Timeout(_) => "timeout",
             ApiError::Engine(_) => "engine",
@@ -178,7 +179,7 @@ impl ApiError {
             ApiError::QueueFull
                 | ApiError::Overloaded
                 | ApiError::OutOfService(_)
-                | ApiError::Interrupted
+                | ApiError::Interrupted(_)
         )
         .then_some(1)
     }
