@@ -81,7 +81,9 @@ unsafe fn native(
     let mut err = [0 as std::os::raw::c_char; 256];
     match call(err.as_mut_ptr(), err.len()) {
         0 => Ok(()),
-        _ => Err(std::ffi::CStr::from_ptr(err.as_ptr()).to_string_lossy().into_owned()),
+        _ => Err(std::ffi::CStr::from_ptr(err.as_ptr())
+            .to_string_lossy()
+            .into_owned()),
     }
 }
 
@@ -126,7 +128,16 @@ pub unsafe fn cpu_rms_norm(
 ) -> Result<(), String> {
     #[cfg(mlx_packed_matmul)]
     return native(|err, len| {
-        mlx_sys_cpu_rms_norm(res, x, weight.unwrap_or(x), weight.is_some() as _, eps, stream, err, len)
+        mlx_sys_cpu_rms_norm(
+            res,
+            x,
+            weight.unwrap_or(x),
+            weight.is_some() as _,
+            eps,
+            stream,
+            err,
+            len,
+        )
     });
     #[cfg(not(mlx_packed_matmul))]
     {
@@ -155,7 +166,12 @@ pub unsafe fn graph_nodes(outputs: &[mlx_array]) -> Option<(usize, Vec<(String, 
     #[cfg(mlx_packed_matmul)]
     {
         let mut text = vec![0 as std::os::raw::c_char; 8192];
-        let nodes = mlx_sys_graph_nodes(outputs.as_ptr(), outputs.len(), text.as_mut_ptr(), text.len());
+        let nodes = mlx_sys_graph_nodes(
+            outputs.as_ptr(),
+            outputs.len(),
+            text.as_mut_ptr(),
+            text.len(),
+        );
         let text = std::ffi::CStr::from_ptr(text.as_ptr()).to_string_lossy();
         let by_name = text
             .lines()
@@ -223,9 +239,8 @@ pub unsafe fn packed_matmul(
     stream: mlx_stream,
 ) -> Result<(), String> {
     #[cfg(mlx_packed_matmul)]
-    {
-        let mut err = [0 as std::os::raw::c_char; 256];
-        let rc = mlx_sys_packed_matmul(
+    return native(|err, len| {
+        mlx_sys_packed_matmul(
             res,
             x,
             w,
@@ -236,16 +251,10 @@ pub unsafe fn packed_matmul(
             kernel,
             activation_bits,
             stream,
-            err.as_mut_ptr(),
-            err.len(),
-        );
-        if rc == 0 {
-            return Ok(());
-        }
-        Err(std::ffi::CStr::from_ptr(err.as_ptr())
-            .to_string_lossy()
-            .into_owned())
-    }
+            err,
+            len,
+        )
+    });
     #[cfg(not(mlx_packed_matmul))]
     {
         let _ = (

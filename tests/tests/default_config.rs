@@ -50,7 +50,10 @@ fn start_up_bursts_warm_the_engines_and_leave_nothing_behind() {
     // of requests through the batched engine and the fast path (not the
     // speculative `lookup`, whose routing signal learns from its traffic).
     let shipped = e2e_tests::default_config_on_tiny_model();
-    assert!(shipped.contains("warm_up: auto "), "config.yaml's warm_up line moved");
+    assert!(
+        shipped.contains("warm_up: auto "),
+        "config.yaml's warm_up line moved"
+    );
     let config = shipped.replacen("warm_up: auto ", "warm_up: on ", 1);
     let gw = Gateway::start(&config);
     assert!(gw.logged("engines warmed"), "{}", gw.logs());
@@ -58,7 +61,10 @@ fn start_up_bursts_warm_the_engines_and_leave_nothing_behind() {
     // The bursts ran (their prompts and answers are in the prefix cache,
     // under a scope no client has) and every request gave its KV back.
     let health = gw.health();
-    assert!(health["kv_pool"]["prefix_cache_blocks"].as_u64() > Some(0), "{health}");
+    assert!(
+        health["kv_pool"]["prefix_cache_blocks"].as_u64() > Some(0),
+        "{health}"
+    );
     assert_eq!(health["kv_pool"]["allocated_blocks"], 0, "{health}");
     // Prompt lookup still counts as paying: nothing was drafted on it.
     assert_eq!(

@@ -133,7 +133,9 @@ fn filled(
     rows: usize,
     context: usize,
 ) -> anyhow::Result<KvCache> {
-    let prompt: Vec<u32> = (0..context as u32).map(|i| (i * 7919 + 13) % 1000).collect();
+    let prompt: Vec<u32> = (0..context as u32)
+        .map(|i| (i * 7919 + 13) % 1000)
+        .collect();
     let prompts = vec![prompt; rows];
     let (ids, pads) = generate::left_padded(prompts.iter().map(Vec::as_slice), 0);
     let mut cache = match pool {
@@ -149,7 +151,13 @@ fn main() -> anyhow::Result<()> {
     let loaded = LoadedModel::load_as(&a.model, None, ComputeDtype::Auto)?;
     let model = &loaded.model;
     let widest = a.rows.iter().copied().max().unwrap_or(1);
-    let longest = a.prefill.iter().chain(&a.verify).copied().max().unwrap_or(1);
+    let longest = a
+        .prefill
+        .iter()
+        .chain(&a.verify)
+        .copied()
+        .max()
+        .unwrap_or(1);
     let pool = a.paged.then(|| {
         let per_row = (a.context + a.steps + longest + 2).div_ceil(16) + 1;
         PagePool::new(model.num_layers(), widest * per_row + per_row, 16)
@@ -185,7 +193,13 @@ fn main() -> anyhow::Result<()> {
         let token = Array::from_slice(&vec![7i32; rows], &[rows as i32, 1]);
         let p = probe(
             a.steps,
-            || Ok(generate::argmax_tokens(&model.forward(&token, &mut cache, Logits::Last)?)?),
+            || {
+                Ok(generate::argmax_tokens(&model.forward(
+                    &token,
+                    &mut cache,
+                    Logits::Last,
+                )?)?)
+            },
             || Ok(()),
         )?;
         report(format!("decode, {rows} rows"), p);

@@ -45,7 +45,11 @@ pub fn takes_rope(x: &Array) -> bool {
 /// own ops (so the angles are the same to the bit): `exp(-i * (ln(base) /
 /// half))`, or the reciprocals of given `freqs`. Evaluated here, once per
 /// rotary layer.
-pub fn inverse_frequencies(dims: i32, base: Option<f32>, freqs: Option<&Array>) -> Result<Array, Exception> {
+pub fn inverse_frequencies(
+    dims: i32,
+    base: Option<f32>,
+    freqs: Option<&Array>,
+) -> Result<Array, Exception> {
     let half = dims / 2;
     let inv = match (freqs, base) {
         (Some(freqs), _) => freqs.reciprocal()?,
@@ -69,7 +73,15 @@ pub fn rope(
     inv_freqs: &Array,
 ) -> Result<Array, Exception> {
     native(|res, stream| unsafe {
-        mlx_sys::cpu_rope(res, x.as_ptr(), offset.as_ptr(), inv_freqs.as_ptr(), dims, scale, stream)
+        mlx_sys::cpu_rope(
+            res,
+            x.as_ptr(),
+            offset.as_ptr(),
+            inv_freqs.as_ptr(),
+            dims,
+            scale,
+            stream,
+        )
     })
 }
 

@@ -39,7 +39,10 @@ const NOT_WARMED: [&str; 3] = ["remote", "dflash", "mtp"];
 /// skipped; nothing here fails the start. Returns the time it took.
 pub fn warm_engines(engines: &[Arc<EngineEntry>], vocab: u32) -> Duration {
     let started = Instant::now();
-    for entry in engines.iter().filter(|e| !NOT_WARMED.contains(&e.kind.as_str())) {
+    for entry in engines
+        .iter()
+        .filter(|e| !NOT_WARMED.contains(&e.kind.as_str()))
+    {
         for (b, &size) in BURSTS.iter().enumerate() {
             let streams: Vec<_> = (0..size)
                 .filter_map(|i| entry.submit(request(b * 97 + i, vocab)).ok())
