@@ -86,8 +86,12 @@ pub fn explain(config: &Path, request: &Path) -> anyhow::Result<()> {
         Some(_) => bail!("`signals` in {} must be an object", request.display()),
     };
     let registry = build_engines(&config)?;
-    let (kind, mut signals, options) =
-        request_signals(&config, &registry.shared.model, &Value::Object(body), &given)?;
+    let (kind, mut signals, options) = request_signals(
+        &config,
+        &registry.shared.model,
+        &Value::Object(body),
+        &given,
+    )?;
     signals.extend(given);
     let signals: Signals = serde_json::from_value(Value::Object(signals))
         .with_context(|| format!("the signals of {}", request.display()))?;

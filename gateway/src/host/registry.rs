@@ -105,7 +105,10 @@ impl Registry {
         );
         if config.model.warm_up.runs() {
             let took = super::warm::warm_engines(&engines, shared.model.vocab_size() as u32);
-            tracing::info!(seconds = took.as_secs_f64(), "engines warmed (bursts of requests)");
+            tracing::info!(
+                seconds = took.as_secs_f64(),
+                "engines warmed (bursts of requests)"
+            );
         }
         Ok(Registry {
             shared,
