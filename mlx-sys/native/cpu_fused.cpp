@@ -46,19 +46,27 @@ inline int64_t row_offset(const array& a, int64_t r) {
   return off;
 }
 
+// Allocates `out`, registers the arrays with `s`'s CPU encoder (which keeps
+// them alive) and runs `body(inputs, out)` there on weak copies.
+template <class Body>
+void run_on_encoder(Stream s, const std::vector<array>& inputs, array& out, Body body) {
+  out.set_data(allocator::malloc(out.nbytes()));
+  auto& encoder = cpu::get_command_encoder(s);
+  for (auto& in : inputs) encoder.set_input_array(in);
+  encoder.set_output_array(out);
+  std::vector<array> weak;
+  for (auto& in : inputs) weak.push_back(array::unsafe_weak_copy(in));
+  encoder.dispatch([weak = std::move(weak), out = array::unsafe_weak_copy(out),
+                    body = std::move(body)]() mutable { body(weak, out); });
+}
+
 class CpuRope : public UnaryPrimitive {
  public:
   CpuRope(Stream s, int dims, float scale) : UnaryPrimitive(s), dims_(dims), scale_(scale) {}
 
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
-    out.set_data(allocator::malloc(out.nbytes()));
-    auto& encoder = cpu::get_command_encoder(stream());
-    for (auto& in : inputs) encoder.set_input_array(in);
-    encoder.set_output_array(out);
-    std::vector<array> weak;
-    for (auto& in : inputs) weak.push_back(array::unsafe_weak_copy(in));
-    encoder.dispatch([weak = std::move(weak), out = array::unsafe_weak_copy(out), dims = dims_,
-                      scale = scale_]() mutable {
+    run_on_encoder(stream(), inputs, out, [dims = dims_, scale = scale_](
+                                              const std::vector<array>& weak, array& out) {
       const array& x = weak[0];
       const array& offset = weak[1];
       const int B = x.shape(0), N = x.shape(1), T = x.shape(2), D = x.shape(3);
@@ -119,14 +127,8 @@ class CpuRmsNorm : public UnaryPrimitive {
       : UnaryPrimitive(s), eps_(eps), has_weight_(has_weight) {}
 
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
-    out.set_data(allocator::malloc(out.nbytes()));
-    auto& encoder = cpu::get_command_encoder(stream());
-    for (auto& in : inputs) encoder.set_input_array(in);
-    encoder.set_output_array(out);
-    std::vector<array> weak;
-    for (auto& in : inputs) weak.push_back(array::unsafe_weak_copy(in));
-    encoder.dispatch([weak = std::move(weak), out = array::unsafe_weak_copy(out), eps = eps_,
-                      has_weight = has_weight_]() mutable {
+    run_on_encoder(stream(), inputs, out, [eps = eps_, has_weight = has_weight_](
+                                              const std::vector<array>& weak, array& out) {
       const array& x = weak[0];
       const int D = x.shape(-1);
       const int64_t rows = x.size() / D;

@@ -31,7 +31,7 @@ pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array, Ex
     if !takes(&[Some(x), weight]) {
         return fast::rms_norm(x, weight, eps);
     }
-    native(|res, stream| unsafe {
+    native_node("cpu node", |res, stream| unsafe {
         mlx_sys::cpu_rms_norm(res, x.as_ptr(), weight.map(|w| w.as_ptr()), eps, stream)
     })
 }
@@ -72,7 +72,7 @@ pub fn rope(
     offset: &Array,
     inv_freqs: &Array,
 ) -> Result<Array, Exception> {
-    native(|res, stream| unsafe {
+    native_node("cpu node", |res, stream| unsafe {
         mlx_sys::cpu_rope(
             res,
             x.as_ptr(),
@@ -85,7 +85,11 @@ pub fn rope(
     })
 }
 
-fn native(
+/// An array made by one of `mlx-sys/native`'s constructors on this
+/// thread's stream (`build` gets the result slot and the stream); its
+/// failure becomes an `Exception` that starts with `what`.
+pub(crate) fn native_node(
+    what: &str,
     build: impl FnOnce(&mut mlx_sys::mlx_array, mlx_sys::mlx_stream) -> Result<(), String>,
 ) -> Result<Array, Exception> {
     let stream = Stream::thread_local_or_default();
@@ -95,7 +99,7 @@ fn native(
             Ok(()) => Ok(Array::from_ptr(res)),
             Err(e) => {
                 mlx_sys::mlx_array_free(res);
-                Err(Exception::custom(format!("cpu node: {e}")))
+                Err(Exception::custom(format!("{what}: {e}")))
             }
         }
     }

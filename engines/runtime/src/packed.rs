@@ -6,7 +6,7 @@
 //! weights per row, on one thread.
 
 use mlx_rs::error::Exception;
-use mlx_rs::{Array, Stream};
+use mlx_rs::Array;
 
 /// The instruction-set paths of the kernel, slowest first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -134,11 +134,9 @@ pub fn matmul_with(
     group_size: i32,
     bits: i32,
 ) -> Result<Array, Exception> {
-    let stream = Stream::thread_local_or_default();
-    unsafe {
-        let mut res = mlx_sys::mlx_array_new();
-        match mlx_sys::packed_matmul(
-            &mut res,
+    crate::cpu_fused::native_node("packed matmul", |res, stream| unsafe {
+        mlx_sys::packed_matmul(
+            res,
             x.as_ptr(),
             w.as_ptr(),
             scales.as_ptr(),
@@ -147,13 +145,7 @@ pub fn matmul_with(
             bits,
             kernel.map_or(-1, |k| k as i32),
             activations.bits(),
-            stream.as_ptr(),
-        ) {
-            Ok(()) => Ok(Array::from_ptr(res)),
-            Err(e) => {
-                mlx_sys::mlx_array_free(res);
-                Err(Exception::custom(format!("packed matmul: {e}")))
-            }
-        }
-    }
+            stream,
+        )
+    })
 }
