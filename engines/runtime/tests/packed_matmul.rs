@@ -102,13 +102,47 @@ fn kernels() -> Vec<CpuKernel> {
     runnable
 }
 
-#[test]
-fn every_path_equals_the_reference_and_mlx_over_many_shapes() {
-    let kernels = kernels();
-    let mut cases = 0;
+/// One product of the shape sweep, with its f64 reference.
+struct Case<'a> {
+    bits: i32,
+    group: i32,
+    m: i32,
+    inp: i32,
+    out: i32,
+    p: &'a Packed,
+    xs: Vec<f32>,
+    x: Array,
+    want: Vec<f64>,
+    mag: Vec<f64>,
+}
+
+impl Case<'_> {
+    fn what(&self) -> String {
+        let (bits, group, m, inp, out) = (self.bits, self.group, self.m, self.inp, self.out);
+        format!("bits {bits}, group {group}, {m}x{inp} @ {out}x{inp}^T")
+    }
+
+    fn run(&self, kernel: CpuKernel, activations: Activations) -> Array {
+        let (p, group, bits) = (self.p, self.group, self.bits);
+        packed::matmul_with(
+            Some(kernel),
+            activations,
+            &self.x,
+            &p.w,
+            &p.scales,
+            &p.biases,
+            group,
+            bits,
+        )
+        .unwrap()
+    }
+}
+
+/// Every width and group size, odd output counts, inputs of 1, 3 and 5
+/// groups, 1 to 64 rows.
+fn each_case(mut check: impl FnMut(&Case)) {
     for bits in [4, 8] {
         for group in [32, 64, 128] {
-            // Odd output counts; inputs of 1, 3 and 5 groups.
             for (out, groups_in) in [(1, 1), (7, 3), (33, 5), (97, 1)] {
                 let inp = group * groups_in;
                 let seed = (bits * 1000 + group * 10 + out) as u64;
@@ -117,31 +151,49 @@ fn every_path_equals_the_reference_and_mlx_over_many_shapes() {
                     let xs = values((m * inp) as usize, seed + m as u64);
                     let x = Array::from_slice(&xs, &[m, inp]);
                     let (want, mag) = reference(&xs, m as usize, &p, group as usize, bits as usize);
-                    let mlx =
-                        ops::quantized_matmul(&x, &p.w, &p.scales, &p.biases, true, group, bits)
-                            .unwrap();
-                    let what = format!("bits {bits}, group {group}, {m}x{inp} @ {out}x{inp}^T");
-                    assert_matches(&mlx, &want, &mag, &format!("{what}, MLX"));
-                    for &kernel in &kernels {
-                        let y = packed::matmul_with(
-                            Some(kernel),
-                            Activations::Float32,
-                            &x,
-                            &p.w,
-                            &p.scales,
-                            &p.biases,
-                            group,
-                            bits,
-                        )
-                        .unwrap();
-                        assert_eq!(y.shape(), &[m, out]);
-                        assert_matches(&y, &want, &mag, &format!("{what}, {}", kernel.name()));
-                        cases += 1;
-                    }
+                    let p = &p;
+                    check(&Case {
+                        bits,
+                        group,
+                        m,
+                        inp,
+                        out,
+                        p,
+                        xs,
+                        x,
+                        want,
+                        mag,
+                    });
                 }
             }
         }
     }
+}
+
+#[test]
+fn every_path_equals_the_reference_and_mlx_over_many_shapes() {
+    let kernels = kernels();
+    let mut cases = 0;
+    each_case(|c| {
+        let what = c.what();
+        let mlx = ops::quantized_matmul(
+            &c.x,
+            &c.p.w,
+            &c.p.scales,
+            &c.p.biases,
+            true,
+            c.group,
+            c.bits,
+        )
+        .unwrap();
+        assert_matches(&mlx, &c.want, &c.mag, &format!("{what}, MLX"));
+        for &kernel in &kernels {
+            let y = c.run(kernel, Activations::Float32);
+            assert_eq!(y.shape(), &[c.m, c.out]);
+            assert_matches(&y, &c.want, &c.mag, &format!("{what}, {}", kernel.name()));
+            cases += 1;
+        }
+    });
     assert!(cases >= 2 * 3 * 4 * 8, "{cases} cases run");
 }
 
@@ -181,63 +233,39 @@ fn int8_bound(x: &[f32], m: usize, p: &Packed, group: usize, bits: usize) -> Vec
 fn int8_activations_stay_within_their_rounding_on_every_path() {
     let kernels = kernels();
     let mut cases = 0;
-    for bits in [4, 8] {
-        for group in [32, 64, 128] {
-            for (out, groups_in) in [(1, 1), (7, 3), (33, 5), (97, 1)] {
-                let inp = group * groups_in;
-                let seed = (bits * 1000 + group * 10 + out) as u64;
-                let p = quantize(out, inp, group, bits, seed);
-                for m in [1, 2, 3, 5, 8, 9, 17, 64] {
-                    let xs = values((m * inp) as usize, seed + m as u64);
-                    let x = Array::from_slice(&xs, &[m, inp]);
-                    let (want, mag) = reference(&xs, m as usize, &p, group as usize, bits as usize);
-                    let bound = int8_bound(&xs, m as usize, &p, group as usize, bits as usize);
-                    let what =
-                        format!("int8, bits {bits}, group {group}, {m}x{inp} @ {out}x{inp}^T");
-                    let run = |kernel, acts| {
-                        packed::matmul_with(
-                            Some(kernel),
-                            acts,
-                            &x,
-                            &p.w,
-                            &p.scales,
-                            &p.biases,
-                            group,
-                            bits,
-                        )
-                        .unwrap()
-                    };
-                    let scalar = run(CpuKernel::Scalar, Activations::Int8);
-                    // The rounding shows: the int8 path is not the fp32 one.
-                    let fp32 = run(CpuKernel::Scalar, Activations::Float32);
-                    assert_ne!(scalar.as_slice::<f32>(), fp32.as_slice::<f32>(), "{what}");
-                    for &kernel in &kernels {
-                        let y = run(kernel, Activations::Int8);
-                        assert_eq!(y.shape(), &[m, out]);
-                        let got = y.as_slice::<f32>();
-                        for (i, g) in got.iter().enumerate() {
-                            let tol = bound[i] + 1e-5 * mag[i] + 1e-6;
-                            assert!(
-                                (*g as f64 - want[i]).abs() <= tol,
-                                "{what}, {}: element {i} is {g}, the reference {} (bound {tol})",
-                                kernel.name(),
-                                want[i]
-                            );
-                            // Integer sums are exact: every path agrees with
-                            // the scalar one to fp32 rounding.
-                            let s = scalar.as_slice::<f32>()[i] as f64;
-                            assert!(
-                                (*g as f64 - s).abs() <= 1e-5 * mag[i] + 1e-6,
-                                "{what}, {}: element {i} is {g}, the scalar path's {s}",
-                                kernel.name()
-                            );
-                        }
-                        cases += 1;
-                    }
-                }
+    each_case(|c| {
+        let (m, group, bits) = (c.m as usize, c.group as usize, c.bits as usize);
+        let bound = int8_bound(&c.xs, m, c.p, group, bits);
+        let what = format!("int8, {}", c.what());
+        let (want, mag) = (&c.want, &c.mag);
+        let scalar = c.run(CpuKernel::Scalar, Activations::Int8);
+        // The rounding shows: the int8 path is not the fp32 one.
+        let fp32 = c.run(CpuKernel::Scalar, Activations::Float32);
+        assert_ne!(scalar.as_slice::<f32>(), fp32.as_slice::<f32>(), "{what}");
+        for &kernel in &kernels {
+            let y = c.run(kernel, Activations::Int8);
+            assert_eq!(y.shape(), &[c.m, c.out]);
+            let got = y.as_slice::<f32>();
+            for (i, g) in got.iter().enumerate() {
+                let tol = bound[i] + 1e-5 * mag[i] + 1e-6;
+                assert!(
+                    (*g as f64 - want[i]).abs() <= tol,
+                    "{what}, {}: element {i} is {g}, the reference {} (bound {tol})",
+                    kernel.name(),
+                    want[i]
+                );
+                // Integer sums are exact: every path agrees with
+                // the scalar one to fp32 rounding.
+                let s = scalar.as_slice::<f32>()[i] as f64;
+                assert!(
+                    (*g as f64 - s).abs() <= 1e-5 * mag[i] + 1e-6,
+                    "{what}, {}: element {i} is {g}, the scalar path's {s}",
+                    kernel.name()
+                );
             }
+            cases += 1;
         }
-    }
+    });
     assert!(cases >= 2 * 3 * 4 * 8, "{cases} cases run");
 }
 
