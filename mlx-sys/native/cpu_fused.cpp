@@ -1,21 +1,33 @@
-// RoPE and RMSNorm as single nodes of the MLX graph on the CPU.
+// RoPE, RMSNorm and attention as single nodes of the MLX graph on the CPU.
 //
-// MLX's CPU backend has no kernels of its own for `fast::rope` and
-// `fast::rms_norm`: they run as their composed fallbacks, and a RoPE
-// rebuilds its frequencies on every call (arange, exp, cos, sin and about
-// 28 nodes each, twice a layer). On a small model a decode step is then
-// about 3,500 nodes (the default model: 30 layers), and the host's time
-// per node sets the step. These primitives compute the same float32 math
-// in one node each: RoPE over [B, N, T, D] (any strides, one offset or one
-// per row, the non-traditional layout) with the inverse frequencies the
-// caller made with MLX's own ops (so the angles are the fallback's to the
-// bit), RMSNorm over the last axis (optional weight). Only float32: the CPU computes in
-// float32 (`compute_dtype: auto`); the caller keeps MLX's ops for others.
+// MLX's CPU backend has no kernels of its own for `fast::rope`,
+// `fast::rms_norm` and `fast::scaled_dot_product_attention`: they run as
+// their composed fallbacks, and a RoPE rebuilds its frequencies on every
+// call (arange, exp, cos, sin and about 28 nodes each, twice a layer). On
+// a small model a decode step is then about 3,500 nodes (the default
+// model: 30 layers), and the host's time per node sets the step. These
+// primitives compute the same float32 math in one node each: RoPE over
+// [B, N, T, D] (any strides, one offset or one per row, the
+// non-traditional layout) with the inverse frequencies the caller made
+// with MLX's own ops (so the angles are the fallback's to the bit),
+// RMSNorm over the last axis (optional weight), attention over the cache
+// (below). Only float32: the CPU computes in float32 (`compute_dtype:
+// auto`); the caller keeps MLX's ops for others.
+#include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <sched.h>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "mlx/allocator.h"
 #include "mlx/array.h"
@@ -46,11 +58,21 @@ inline int64_t row_offset(const array& a, int64_t r) {
   return off;
 }
 
-// Allocates `out`, registers the arrays with `s`'s CPU encoder (which keeps
-// them alive) and runs `body(inputs, out)` there on weak copies.
+// Allocates `out` (row-major, or dense with `strides` when given),
+// registers the arrays with `s`'s CPU encoder (which keeps them alive) and
+// runs `body(inputs, out)` there on weak copies.
 template <class Body>
-void run_on_encoder(Stream s, const std::vector<array>& inputs, array& out, Body body) {
-  out.set_data(allocator::malloc(out.nbytes()));
+void run_on_encoder(Stream s, const std::vector<array>& inputs, array& out, Body body,
+                    Strides strides = {}) {
+  if (strides.empty()) {
+    out.set_data(allocator::malloc(out.nbytes()));
+  } else {
+    array::Flags flags;
+    flags.contiguous = true;
+    flags.row_contiguous = false;
+    flags.col_contiguous = false;
+    out.set_data(allocator::malloc(out.nbytes()), out.size(), std::move(strides), flags);
+  }
   auto& encoder = cpu::get_command_encoder(s);
   for (auto& in : inputs) encoder.set_input_array(in);
   encoder.set_output_array(out);
@@ -169,6 +191,244 @@ class CpuRmsNorm : public UnaryPrimitive {
   bool has_weight_;
 };
 
+// ------------------------------------------------------------- attention
+//
+// Scaled-dot-product attention as one node: MLX's CPU backend runs
+// `fast::scaled_dot_product_attention` as its composed fallback (the
+// scale's Multiply, a Matmul, the mask's Select, Softmax, another Matmul
+// and their broadcasts and views: about 12 nodes a layer, on one thread).
+// Each (row, head, block of queries) is one item: a query's scores over
+// its keys (lower-right causal and/or a boolean mask), their softmax in
+// float32, and the values' weighted sum. Items are spread over threads
+// when the work pays for starting them (a prefill chunk); a decode step's
+// few items run on the stream's thread.
+
+// The packed product kernel's path (0 scalar, 1 AVX2+FMA, 2 AVX-512),
+// which `GATEWAY_CPU_KERNEL` caps for both (native/packed_matmul.cpp).
+extern "C" int mlx_sys_packed_kernel_chosen(void);
+extern "C" int mlx_sys_packed_kernel_best(void);
+
+struct Attention {
+  const float *q, *k, *v;
+  const bool* mask;  // null: no mask
+  int64_t qs[4], ks[4], vs[4], ms[4];  // strides; the mask's 0 on broadcast axes
+  int B, H, KH, n, T, D, Dv;
+  float scale;
+  bool causal;  // query i sees keys up to T - n + i
+  float* out;   // [B, n, H, Dv] in memory
+};
+
+float dot_scalar(const float* a, const float* b, int64_t sb, int d) {
+  float s = 0.0f;
+  for (int i = 0; i < d; ++i) s += a[i] * b[i * sb];
+  return s;
+}
+
+void axpy_scalar(float* y, float p, const float* x, int64_t sx, int d) {
+  for (int i = 0; i < d; ++i) y[i] += p * x[i * sx];
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int d) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= d; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= d; i += 8)
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  __m256 acc = _mm256_add_ps(acc0, acc1);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+  float s = _mm_cvtss_f32(h);
+  for (; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+__attribute__((target("avx2,fma"))) void axpy_avx2(float* y, float p, const float* x, int d) {
+  const __m256 pv = _mm256_set1_ps(p);
+  int i = 0;
+  for (; i + 8 <= d; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < d; ++i) y[i] += p * x[i];
+}
+#endif
+
+// Queries [q0, q1) of head h of row b.
+void attend(const Attention& a, int b, int h, int q0, int q1, bool simd) {
+  thread_local std::vector<float> qrow, acc, scores;
+  qrow.resize(a.D);
+  acc.resize(a.Dv);
+  scores.resize(a.T);
+  const int kh = h / (a.H / a.KH);
+  const float* kb = a.k + b * a.ks[0] + kh * a.ks[1];
+  const float* vb = a.v + b * a.vs[0] + kh * a.vs[1];
+  const bool k_dense = a.ks[3] == 1, v_dense = a.vs[3] == 1;
+  constexpr float none = -std::numeric_limits<float>::infinity();
+  for (int i = q0; i < q1; ++i) {
+    const float* qp = a.q + b * a.qs[0] + h * a.qs[1] + i * a.qs[2];
+    for (int d = 0; d < a.D; ++d) qrow[d] = qp[d * a.qs[3]] * a.scale;
+    const int end = a.causal ? std::min(a.T, a.T - a.n + i + 1) : a.T;
+    const bool* mrow = a.mask ? a.mask + b * a.ms[0] + h * a.ms[1] + i * a.ms[2] : nullptr;
+    float top = none;
+    for (int j = 0; j < end; ++j) {
+      if (mrow && !mrow[j * a.ms[3]]) {
+        scores[j] = none;
+        continue;
+      }
+      const float* kr = kb + j * a.ks[2];
+#if defined(__x86_64__)
+      const float s = simd && k_dense ? dot_avx2(qrow.data(), kr, a.D)
+                                      : dot_scalar(qrow.data(), kr, a.ks[3], a.D);
+#else
+      const float s = dot_scalar(qrow.data(), kr, a.ks[3], a.D);
+#endif
+      scores[j] = s;
+      top = std::max(top, s);
+    }
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    float* y = a.out + ((int64_t(b) * a.n + i) * a.H + h) * a.Dv;
+    if (top == none) {  // every key masked: nothing to attend to
+      std::copy(acc.begin(), acc.end(), y);
+      continue;
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < end; ++j) {
+      if (scores[j] == none) continue;
+      const float p = std::exp(scores[j] - top);
+      sum += p;
+      const float* vr = vb + j * a.vs[2];
+#if defined(__x86_64__)
+      if (simd && v_dense) {
+        axpy_avx2(acc.data(), p, vr, a.Dv);
+        continue;
+      }
+#endif
+      axpy_scalar(acc.data(), p, vr, a.vs[3], a.Dv);
+    }
+    const float inv = 1.0f / sum;
+    for (int d = 0; d < a.Dv; ++d) y[d] = acc[d] * inv;
+  }
+}
+
+// Threads for the attention's large calls: `GATEWAY_CPU_THREADS`, else the
+// CPUs this process may run on (the packed product kernel's rule).
+int attention_threads() {
+  static const int threads = [] {
+    if (const char* s = std::getenv("GATEWAY_CPU_THREADS")) {
+      const int n = std::atoi(s);
+      if (n > 0) return n;
+    }
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+    return std::max(1, int(std::thread::hardware_concurrency()));
+  }();
+  return threads;
+}
+
+// Query-score products (times the head width) from which a call starts
+// threads: about a millisecond of work on one core, against tens of
+// microseconds to start one.
+constexpr int64_t THREADED_WORK = int64_t(1) << 22;
+
+// Queries per item, so a prefill chunk splits over threads finely enough.
+constexpr int QUERY_BLOCK = 16;
+
+void attention(const Attention& a, bool simd) {
+  const int blocks = (a.n + QUERY_BLOCK - 1) / QUERY_BLOCK;
+  const int64_t items = int64_t(a.B) * a.H * blocks;
+  auto run = [&](int64_t item) {
+    const int blk = int(item % blocks);
+    const int h = int(item / blocks % a.H), b = int(item / blocks / a.H);
+    attend(a, b, h, blk * QUERY_BLOCK, std::min(a.n, (blk + 1) * QUERY_BLOCK), simd);
+  };
+  const int64_t work = int64_t(a.B) * a.H * a.n * a.T * (a.D + a.Dv);
+  const int threads = int(std::min<int64_t>(attention_threads(), items));
+  if (threads <= 1 || work < THREADED_WORK) {
+    for (int64_t i = 0; i < items; ++i) run(i);
+    return;
+  }
+  // Items in reverse: the causal mask makes a block's work grow with its
+  // index, and taking the largest first evens the threads' shares.
+  std::atomic<int64_t> next{0};
+  auto worker = [&] {
+    for (int64_t i; (i = next.fetch_add(1)) < items;) run(items - 1 - i);
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
+  worker();
+  for (auto& t : pool) t.join();
+}
+
+class CpuAttention : public UnaryPrimitive {
+ public:
+  CpuAttention(Stream s, float scale, bool causal, bool has_mask, int kernel)
+      : UnaryPrimitive(s), scale_(scale), causal_(causal), has_mask_(has_mask), kernel_(kernel) {}
+
+  void eval_cpu(const std::vector<array>& inputs, array& out) override {
+    // Heads apart in memory, rows of heads together: `[B, n, H, Dv]`
+    // behind the `[B, H, n, Dv]` shape, so moving the heads back beside
+    // each other for the output projection is a view, not a copy.
+    const Shape& sh = out.shape();
+    const int64_t n = sh[2], H = sh[1], Dv = sh[3];
+    Strides strides{n * H * Dv, Dv, H * Dv, 1};
+    run_on_encoder(
+        stream(), inputs, out,
+        [scale = scale_, causal = causal_, has_mask = has_mask_, simd = kernel_ >= 1](
+            const std::vector<array>& weak, array& out) {
+          const array &q = weak[0], &k = weak[1], &v = weak[2];
+          Attention a{};
+          a.q = q.data<float>();
+          a.k = k.data<float>();
+          a.v = v.data<float>();
+          for (int d = 0; d < 4; ++d) {
+            a.qs[d] = q.strides()[d];
+            a.ks[d] = k.strides()[d];
+            a.vs[d] = v.strides()[d];
+          }
+          if (has_mask) {
+            const array& m = weak[3];
+            a.mask = m.data<bool>();
+            for (int d = 0; d < 4; ++d) a.ms[d] = m.shape(d) == 1 ? 0 : m.strides()[d];
+          }
+          a.B = q.shape(0);
+          a.H = q.shape(1);
+          a.n = q.shape(2);
+          a.D = q.shape(3);
+          a.KH = k.shape(1);
+          a.T = k.shape(2);
+          a.Dv = v.shape(3);
+          a.scale = scale;
+          a.causal = causal;
+          a.out = out.data<float>();
+          attention(a, simd);
+        },
+        std::move(strides));
+  }
+
+  void eval_gpu(const std::vector<array>&, array&) override {
+    throw std::runtime_error("[cpu_attention] has no GPU kernel");
+  }
+  const char* name() const override { return "CpuAttention"; }
+  bool is_equivalent(const Primitive& other) const override {
+    auto& o = static_cast<const CpuAttention&>(other);
+    return scale_ == o.scale_ && causal_ == o.causal_ && has_mask_ == o.has_mask_ &&
+           kernel_ == o.kernel_;
+  }
+  std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
+    Shape shape = inputs[0].shape();
+    shape.back() = inputs[2].shape(3);
+    return {shape};
+  }
+
+ private:
+  float scale_;
+  bool causal_, has_mask_;
+  int kernel_;
+};
+
 void need_float32(const array& a, const char* what) {
   if (a.dtype() != float32) throw std::invalid_argument(std::string(what) + " must be float32");
 }
@@ -232,6 +492,55 @@ int mlx_sys_cpu_rms_norm(mlx_array* res, const mlx_array x, const mlx_array weig
     }
     mlx_array_set_(*res, array(a.shape(), float32,
                                std::make_shared<CpuRmsNorm>(st, eps, has_weight != 0),
+                               std::move(inputs)));
+    return 0;
+  } catch (std::exception& e) {
+    return fail(e, err, err_len);
+  }
+}
+
+// res = softmax(q k^T * scale [masked]) v over q [B, H, n, D], k [B, KH,
+// T, D] and v [B, KH, T, Dv] (float32, H a multiple of KH): query i sees
+// keys up to T - n + i when `causal`, and where `mask` (bool, [B or 1, H
+// or 1, n, T]) is true when `has_mask`. `kernel`: the path (0 scalar, 1
+// and up SIMD; -1 the chosen one).
+int mlx_sys_cpu_attention(mlx_array* res, const mlx_array q, const mlx_array k,
+                          const mlx_array v, const mlx_array mask, int has_mask, int causal,
+                          float scale, int kernel, const mlx_stream s, char* err,
+                          size_t err_len) {
+  try {
+    Stream st = mlx_stream_get_(s);
+    array qa = mlx_array_get_(q), ka = mlx_array_get_(k), va = mlx_array_get_(v);
+    need_float32(qa, "q");
+    need_float32(ka, "k");
+    need_float32(va, "v");
+    if (qa.ndim() != 4 || ka.ndim() != 4 || va.ndim() != 4)
+      throw std::invalid_argument("q, k and v must be [B, heads, L, D]");
+    const int B = qa.shape(0), H = qa.shape(1), n = qa.shape(2), T = ka.shape(2);
+    if (ka.shape(0) != B || va.shape(0) != B || va.shape(1) != ka.shape(1) ||
+        va.shape(2) != T || ka.shape(3) != qa.shape(3))
+      throw std::invalid_argument("k and v must be [B, kv_heads, T, D] to q's [B, heads, n, D]");
+    if (ka.shape(1) < 1 || H % ka.shape(1))
+      throw std::invalid_argument("heads must be a multiple of kv heads");
+    if (causal && n > T) throw std::invalid_argument("causal attention needs n <= T");
+    if (kernel < 0) kernel = mlx_sys_packed_kernel_chosen();
+    if (kernel > mlx_sys_packed_kernel_best())
+      throw std::invalid_argument("this CPU cannot run that kernel");
+    std::vector<array> inputs{qa, ka, va};
+    if (has_mask) {
+      array m = mlx_array_get_(mask);
+      if (m.dtype() != bool_) throw std::invalid_argument("the mask must be boolean");
+      if (m.ndim() != 4) throw std::invalid_argument("the mask must be 4-D");
+      const int want[4] = {B, H, n, T};
+      for (int d = 0; d < 4; ++d)
+        if (m.shape(d) != 1 && m.shape(d) != want[d])
+          throw std::invalid_argument("the mask must broadcast to [B, heads, n, T]");
+      inputs.push_back(m);
+    }
+    Shape shape{B, H, n, va.shape(3)};
+    mlx_array_set_(*res, array(std::move(shape), float32,
+                               std::make_shared<CpuAttention>(st, scale, causal != 0,
+                                                              has_mask != 0, kernel),
                                std::move(inputs)));
     return 0;
   } catch (std::exception& e) {

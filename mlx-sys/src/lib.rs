@@ -66,6 +66,20 @@ extern "C" {
         err: *mut std::os::raw::c_char,
         err_len: usize,
     ) -> std::os::raw::c_int;
+    fn mlx_sys_cpu_attention(
+        res: *mut mlx_array,
+        q: mlx_array,
+        k: mlx_array,
+        v: mlx_array,
+        mask: mlx_array,
+        has_mask: std::os::raw::c_int,
+        causal: std::os::raw::c_int,
+        scale: f32,
+        kernel: std::os::raw::c_int,
+        stream: mlx_stream,
+        err: *mut std::os::raw::c_char,
+        err_len: usize,
+    ) -> std::os::raw::c_int;
 }
 
 /// Whether `native/cpu_fused.cpp`'s CPU nodes are built (not on macOS).
@@ -142,6 +156,50 @@ pub unsafe fn cpu_rms_norm(
     #[cfg(not(mlx_packed_matmul))]
     {
         let _ = (res, x, weight, eps, stream);
+        Err("the CPU nodes are not built here".into())
+    }
+}
+
+/// `softmax(q k^T * scale) v` as one CPU node (`native/cpu_fused.cpp`),
+/// float32: q `[B, H, n, D]`, k and v `[B, KH, T, D]` (H a multiple of KH);
+/// query i sees keys up to `T - n + i` when `causal`, and where `mask`
+/// (boolean, broadcastable to `[B, H, n, T]`) is true. `kernel`: 0 scalar,
+/// 1 and up SIMD, -1 the one `GATEWAY_CPU_KERNEL` leaves ([`packed_kernels`]).
+///
+/// # Safety
+/// Every handle must be a live mlx-c object; `res` an initialised array.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn cpu_attention(
+    res: &mut mlx_array,
+    q: mlx_array,
+    k: mlx_array,
+    v: mlx_array,
+    mask: Option<mlx_array>,
+    causal: bool,
+    scale: f32,
+    kernel: i32,
+    stream: mlx_stream,
+) -> Result<(), String> {
+    #[cfg(mlx_packed_matmul)]
+    return native(|err, len| {
+        mlx_sys_cpu_attention(
+            res,
+            q,
+            k,
+            v,
+            mask.unwrap_or(q),
+            mask.is_some() as _,
+            causal as _,
+            scale,
+            kernel,
+            stream,
+            err,
+            len,
+        )
+    });
+    #[cfg(not(mlx_packed_matmul))]
+    {
+        let _ = (res, q, k, v, mask, causal, scale, kernel, stream);
         Err("the CPU nodes are not built here".into())
     }
 }

@@ -1,15 +1,18 @@
-//! RoPE and RMSNorm as one graph node each on the CPU
-//! (`mlx-sys/native/cpu_fused.cpp`). MLX runs `fast::rope` and
-//! `fast::rms_norm` there as their composed fallbacks, about 28 and 10
-//! nodes a call (a RoPE rebuilds its frequencies every time), so the
-//! default model's decode step was ~3,500 nodes and the host's time per
-//! node a large part of it. Same float32 math; elsewhere (a GPU, other
-//! dtypes, `GATEWAY_CPU_FUSED=off`) MLX's own ops run.
+//! RoPE, RMSNorm and attention as one graph node each on the CPU
+//! (`mlx-sys/native/cpu_fused.cpp`). MLX runs `fast::rope`,
+//! `fast::rms_norm` and `fast::scaled_dot_product_attention` there as their
+//! composed fallbacks, about 28, 10 and 12 nodes a call (a RoPE rebuilds
+//! its frequencies every time), so the default model's decode step was
+//! ~3,500 nodes and the host's time per node a large part of it. Same
+//! float32 math; elsewhere (a GPU, other dtypes, `GATEWAY_CPU_FUSED=off`)
+//! MLX's own ops run.
 
 use std::sync::OnceLock;
 
 use mlx_rs::error::Exception;
 use mlx_rs::{fast, Array, Dtype, Stream};
+
+use crate::packed::CpuKernel;
 
 /// Whether products of this process take the fused nodes: on the CPU,
 /// where they are built, unless `GATEWAY_CPU_FUSED=off`.
@@ -80,6 +83,60 @@ pub fn rope(
             inv_freqs.as_ptr(),
             dims,
             scale,
+            stream,
+        )
+    })
+}
+
+/// Which keys each of attention's `n` queries sees of `T`.
+pub enum KeysSeen {
+    All,
+    /// Query i sees keys up to `T - n + i` (the last query sees all).
+    Causal,
+    /// Where the boolean mask (broadcastable to `[B, heads, n, T]`) is true.
+    Mask(Array),
+}
+
+/// Whether [`attention`] takes `q`, `k` and `v` (float32 `[B, heads, L, D]`
+/// on the CPU) with `seen` (a mask must be boolean).
+pub fn takes_attention(q: &Array, k: &Array, v: &Array, seen: &KeysSeen) -> bool {
+    let mask_fits = match seen {
+        KeysSeen::Mask(m) => m.dtype() == Dtype::Bool && m.ndim() <= 4,
+        _ => true,
+    };
+    takes(&[Some(q), Some(k), Some(v)]) && [q, k, v].iter().all(|a| a.ndim() == 4) && mask_fits
+}
+
+/// `fast::scaled_dot_product_attention(q, k, v, scale, mask)`, one node,
+/// threads over heads for a prefill chunk; `kernel` names the path (`None`:
+/// the one `GATEWAY_CPU_KERNEL` leaves). Only where [`takes_attention`].
+pub fn attention(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    seen: &KeysSeen,
+    kernel: Option<CpuKernel>,
+) -> Result<Array, Exception> {
+    let mask = match seen {
+        KeysSeen::Mask(m) if m.ndim() < 4 => {
+            let mut shape = vec![1; 4 - m.ndim()];
+            shape.extend_from_slice(m.shape());
+            Some(m.reshape(&shape)?)
+        }
+        KeysSeen::Mask(m) => Some(m.clone()),
+        _ => None,
+    };
+    native_node("cpu attention", |res, stream| unsafe {
+        mlx_sys::cpu_attention(
+            res,
+            q.as_ptr(),
+            k.as_ptr(),
+            v.as_ptr(),
+            mask.as_ref().map(|m| m.as_ptr()),
+            matches!(seen, KeysSeen::Causal),
+            scale,
+            kernel.map_or(-1, |k| k as i32),
             stream,
         )
     })

@@ -6,6 +6,7 @@ use std::cell::Cell;
 use mlx_rs::Array;
 
 use crate::cache::KvCache;
+use crate::cpu_fused::KeysSeen;
 
 pub enum AttnMask {
     /// Every query sees every key (single-token decode within the window).
@@ -40,6 +41,20 @@ impl AttnMask {
             AttnMask::Causal => Some(ragged_mask(&[0], n, total, None)),
             AttnMask::Array(m) => Some(m.clone()),
             AttnMask::Ragged(r) => Some(ragged_mask(&r.starts, n, total, r.window)),
+        })
+    }
+
+    /// The keys each of `n` queries over `total` columns sees, for the
+    /// CPU's attention node ([`crate::cpu_fused::attention`]); `None` for
+    /// the GPU kernel's masks and masks that are not boolean.
+    pub fn keys_seen(&self, n: i32, total: i32) -> Option<KeysSeen> {
+        Some(match self {
+            AttnMask::None => KeysSeen::All,
+            AttnMask::Causal => KeysSeen::Causal,
+            AttnMask::Array(m) if m.dtype() == mlx_rs::Dtype::Bool => KeysSeen::Mask(m.clone()),
+            AttnMask::Array(_) => return None,
+            AttnMask::Ragged(r) if r.kernel => return None,
+            AttnMask::Ragged(r) => KeysSeen::Mask(ragged_mask(&r.starts, n, total, r.window)),
         })
     }
 }

@@ -803,6 +803,14 @@ impl Attention {
                 return Ok((self.output(out, gate.as_ref(), b, l)?, kv));
             }
         };
+        // The CPU's one-node attention where it takes them, else MLX's.
+        if crate::cpu_fused::enabled() {
+            let seen = mask.keys_seen(l, k.dim(2));
+            if let Some(seen) = seen.filter(|s| crate::cpu_fused::takes_attention(&q, k, v, s)) {
+                let out = crate::cpu_fused::attention(&q, k, v, self.scale, &seen, None)?;
+                return Ok((self.output(out, gate.as_ref(), b, l)?, kv));
+            }
+        }
         let out = match mask {
             AttnMask::None => fast::scaled_dot_product_attention(&q, k, v, self.scale, None, None)?,
             AttnMask::Causal => fast::scaled_dot_product_attention(

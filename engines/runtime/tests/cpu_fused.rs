@@ -1,13 +1,26 @@
-//! The CPU's one-node RoPE and RMSNorm (`mlx-sys/native/cpu_fused.cpp`)
-//! against MLX's own `fast::rope` / `fast::rms_norm`, which on the CPU run
-//! as their composed fallbacks: every shape the models use (partial
-//! rotary dims, one offset or one per row, custom frequencies, a position
-//! scale, strided views as the stacked projections hand over).
+//! The CPU's one-node RoPE, RMSNorm and attention
+//! (`mlx-sys/native/cpu_fused.cpp`) against MLX's own `fast::rope` /
+//! `fast::rms_norm` / `fast::scaled_dot_product_attention`, which on the
+//! CPU run as their composed fallbacks: every shape the models use
+//! (partial rotary dims, one offset or one per row, custom frequencies, a
+//! position scale, strided views as the stacked projections and the cache
+//! hand over; decode, batched and prefill attention, GQA, masks).
 
+use mlx_rs::fast::ScaledDotProductAttentionMask;
+use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{fast, ops, random, Array};
-use runtime::cpu_fused;
+use runtime::cpu_fused::{self, KeysSeen};
+use runtime::packed::CpuKernel;
 
 fn close(got: &Array, want: &Array, what: &str) {
+    // The same float32 angles (the inverse frequencies come from MLX's own
+    // ops), cos and sin from two libraries, sums in another order: a few
+    // units in the last place of the largest value.
+    close_within(4.0, got, want, what)
+}
+
+/// Within `ulps` units in the last place of `want`'s largest value.
+fn close_within(ulps: f32, got: &Array, want: &Array, what: &str) {
     assert_eq!(got.shape(), want.shape(), "{what}");
     let diff = ops::abs(&got.subtract(want).unwrap())
         .unwrap()
@@ -15,11 +28,8 @@ fn close(got: &Array, want: &Array, what: &str) {
         .unwrap();
     let scale = ops::abs(want).unwrap().max(None).unwrap();
     let (diff, scale) = (diff.item::<f32>(), scale.item::<f32>());
-    // The same float32 angles (the inverse frequencies come from MLX's own
-    // ops), cos and sin from two libraries, sums in another order: a few
-    // units in the last place of the largest value.
     assert!(
-        diff <= 4.0 * f32::EPSILON * scale.max(1.0),
+        diff <= ulps * f32::EPSILON * scale.max(1.0),
         "{what}: max |diff| {diff} (scale {scale})"
     );
 }
@@ -129,4 +139,144 @@ fn other_dtypes_keep_mlx_ops() {
         .unwrap();
     let got = cpu_fused::rms_norm(&x, Some(&w), 1e-5).unwrap();
     assert_eq!(got.dtype(), mlx_rs::Dtype::Bfloat16);
+}
+
+/// Attention's inputs: q `[b, h, n, d]` as the projections hand it over
+/// (heads transposed out of `[b, n, h, d]`), k and v `[b, kvh, t, d]`
+/// views of a cache with room for more columns, as the cache hands them.
+fn attention_inputs(b: i32, h: i32, kvh: i32, n: i32, t: i32, d: i32) -> [Array; 3] {
+    let seed = (b * h * kvh * n * t * d) as u64;
+    let q = normal(&[b, n, h, d], seed)
+        .transpose_axes(&[0, 2, 1, 3])
+        .unwrap();
+    let cache = |s| {
+        normal(&[b, kvh, t + 5, d], s)
+            .try_index((.., .., ..t))
+            .unwrap()
+    };
+    [q, cache(seed + 1), cache(seed + 2)]
+}
+
+#[test]
+fn attention_matches_mlx_on_every_path() {
+    let kernels = CpuKernel::runnable();
+    assert!(kernels.contains(&CpuKernel::Scalar));
+    // (rows, heads, kv heads, queries, keys, head width): decode steps over
+    // short and long contexts, batched rows, a verify's block, prefill
+    // chunks with and without a cached prefix (long enough that threads
+    // take them), GQA ratios 1 to 8, head widths the families use and odd
+    // ones.
+    let shapes = [
+        (1, 9, 3, 1, 1, 64),
+        (1, 9, 3, 1, 300, 64),
+        (1, 9, 3, 1, 2000, 64),
+        (4, 8, 2, 1, 77, 128),
+        (16, 9, 3, 1, 40, 64),
+        (2, 4, 1, 8, 50, 256),
+        (1, 8, 8, 5, 5, 80),
+        (1, 16, 2, 13, 29, 96),
+        (1, 9, 3, 64, 64, 64),
+        (1, 9, 3, 64, 1000, 64),
+        (1, 4, 1, 300, 300, 256),
+        (2, 6, 2, 3, 17, 20),
+    ];
+    for (b, h, kvh, n, t, d) in shapes {
+        let [q, k, v] = attention_inputs(b, h, kvh, n, t, d);
+        let scale = 1.0 / (d as f32).sqrt();
+        // Left padding per row and a sliding window, as a padded batch
+        // and Gemma 3's sliding layers get them.
+        let starts: Vec<i32> = (0..b).map(|r| (r * 7) % t.max(1)).collect();
+        let ragged = runtime::mask::ragged_mask(&starts, n, t, None);
+        let windowed = runtime::mask::ragged_mask(&starts, n, t, Some(t.min(24).max(1)));
+        let cases: Vec<(&str, KeysSeen)> = vec![
+            ("all keys", KeysSeen::All),
+            ("causal", KeysSeen::Causal),
+            ("ragged mask", KeysSeen::Mask(ragged)),
+            ("windowed mask", KeysSeen::Mask(windowed)),
+        ];
+        for (what, seen) in &cases {
+            let want = match seen {
+                KeysSeen::All => fast::scaled_dot_product_attention(&q, &k, &v, scale, None, None),
+                KeysSeen::Causal => fast::scaled_dot_product_attention(
+                    &q,
+                    &k,
+                    &v,
+                    scale,
+                    ScaledDotProductAttentionMask::Causal,
+                    None,
+                ),
+                KeysSeen::Mask(m) => fast::scaled_dot_product_attention(&q, &k, &v, scale, m, None),
+            }
+            .unwrap();
+            assert!(cpu_fused::takes_attention(&q, &k, &v, seen));
+            for &kernel in &kernels {
+                let got = cpu_fused::attention(&q, &k, &v, scale, seen, Some(kernel)).unwrap();
+                // A weighted mean of the values: the same float32 scores
+                // summed in another order, exp from another library, and
+                // the division after the sum rather than before it. Up to
+                // 8 units in the last place of the largest value here
+                // (300 keys of width 256), whatever the number of keys.
+                close_within(
+                    16.0,
+                    &got,
+                    &want,
+                    &format!("{what}, {b}x{h}/{kvh} heads, {n} of {t} keys, width {d}, {kernel:?}"),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn attention_output_reads_as_heads_side_by_side() {
+    // The node lays heads out as `[B, n, H, D]` behind its `[B, H, n, D]`
+    // shape; the output projection's transpose and reshape must read it
+    // right, as must any op that reads it as it is.
+    let [q, k, v] = attention_inputs(2, 4, 2, 3, 9, 64);
+    let got = cpu_fused::attention(&q, &k, &v, 0.125, &KeysSeen::Causal, None).unwrap();
+    let want = fast::scaled_dot_product_attention(
+        &q,
+        &k,
+        &v,
+        0.125,
+        ScaledDotProductAttentionMask::Causal,
+        None,
+    )
+    .unwrap();
+    let flat = |a: &Array| {
+        a.transpose_axes(&[0, 2, 1, 3])
+            .unwrap()
+            .reshape(&[2, 3, 4 * 64])
+            .unwrap()
+    };
+    close_within(16.0, &flat(&got), &flat(&want), "as heads side by side");
+    close_within(
+        16.0,
+        &got.add(Array::from_f32(1.0)).unwrap(),
+        &want.add(Array::from_f32(1.0)).unwrap(),
+        "as it is",
+    );
+}
+
+#[test]
+fn attention_refuses_what_it_does_not_take() {
+    let [q, k, v] = attention_inputs(1, 4, 2, 2, 5, 64);
+    // Half precision and additive masks stay with MLX's ops.
+    let half = q.as_dtype(mlx_rs::Dtype::Bfloat16).unwrap();
+    assert!(!cpu_fused::takes_attention(&half, &k, &v, &KeysSeen::All));
+    let additive = Array::zeros::<f32>(&[1, 1, 2, 5]).unwrap();
+    assert!(!cpu_fused::takes_attention(
+        &q,
+        &k,
+        &v,
+        &KeysSeen::Mask(additive)
+    ));
+    // Shapes that do not fit are errors, not crashes.
+    let odd_heads = normal(&[1, 3, 5, 64], 1);
+    let err =
+        cpu_fused::attention(&q, &odd_heads, &odd_heads, 1.0, &KeysSeen::All, None).unwrap_err();
+    assert!(err.to_string().contains("multiple of kv heads"), "{err}");
+    let wide_mask = Array::ones::<bool>(&[1, 1, 2, 6]).unwrap();
+    let err = cpu_fused::attention(&q, &k, &v, 1.0, &KeysSeen::Mask(wide_mask), None).unwrap_err();
+    assert!(err.to_string().contains("broadcast"), "{err}");
 }
