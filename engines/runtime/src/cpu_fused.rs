@@ -98,13 +98,19 @@ pub enum KeysSeen {
 }
 
 /// Whether [`attention`] takes `q`, `k` and `v` (float32 `[B, heads, L, D]`
-/// on the CPU) with `seen` (a mask must be boolean).
+/// on the CPU) with `seen` (a mask must be boolean), unless
+/// `GATEWAY_CPU_ATTENTION=off` keeps MLX's attention (the other nodes
+/// stay; docs/benchmarks.md compares the two).
 pub fn takes_attention(q: &Array, k: &Array, v: &Array, seen: &KeysSeen) -> bool {
+    static OFF: OnceLock<bool> = OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("GATEWAY_CPU_ATTENTION").is_ok_and(|v| v == "off"));
     let mask_fits = match seen {
         KeysSeen::Mask(m) => m.dtype() == Dtype::Bool && m.ndim() <= 4,
         _ => true,
     };
-    takes(&[Some(q), Some(k), Some(v)]) && [q, k, v].iter().all(|a| a.ndim() == 4) && mask_fits
+    !off && takes(&[Some(q), Some(k), Some(v)])
+        && [q, k, v].iter().all(|a| a.ndim() == 4)
+        && mask_fits
 }
 
 /// `fast::scaled_dot_product_attention(q, k, v, scale, mask)`, one node,
