@@ -1,4 +1,4 @@
-// RoPE, RMSNorm and attention as single nodes of the MLX graph on the CPU.
+// RoPE, RMSNorm, gated activations and attention as single nodes of the MLX graph on the CPU.
 //
 // MLX's CPU backend has no kernels of its own for `fast::rope`,
 // `fast::rms_norm` and `fast::scaled_dot_product_attention`: they run as
@@ -10,8 +10,8 @@
 // [B, N, T, D] (any strides, one offset or one per row, the
 // non-traditional layout) with the inverse frequencies the caller made
 // with MLX's own ops (so the angles are the fallback's to the bit),
-// RMSNorm over the last axis (optional weight), attention over the cache
-// (below). Only float32: the CPU computes in float32 (`compute_dtype:
+// RMSNorm over the last axis (optional weight), the gated activation of
+// the stacked gate/up product, attention over the cache (below). Only float32: the CPU computes in float32 (`compute_dtype:
 // auto`); the caller keeps MLX's ops for others.
 #include <algorithm>
 #include <atomic>
@@ -189,6 +189,53 @@ class CpuRmsNorm : public UnaryPrimitive {
  private:
   float eps_;
   bool has_weight_;
+};
+
+// act(gate) * up over the stacked gate/up product's output ([..., 2I]:
+// gate first), SiLU or tanh-approximated GELU, as one node: MLX's ops are
+// two slices and the compiled activation.
+class CpuGated : public UnaryPrimitive {
+ public:
+  CpuGated(Stream s, bool gelu) : UnaryPrimitive(s), gelu_(gelu) {}
+
+  void eval_cpu(const std::vector<array>& inputs, array& out) override {
+    run_on_encoder(stream(), inputs, out, [gelu = gelu_](const std::vector<array>& weak,
+                                                          array& out) {
+      const array& x = weak[0];
+      const int64_t I = out.shape(-1);
+      const int64_t rows = out.size() / I;
+      const int64_t sd = x.strides().back();
+      const float* src = x.data<float>();
+      float* dst = out.data<float>();
+      const float k = std::sqrt(2.0f / float(M_PI));
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* row = src + row_offset(x, r);
+        float* y = dst + r * I;
+        for (int64_t i = 0; i < I; ++i) {
+          const float g = row[i * sd], u = row[(i + I) * sd];
+          const float act = gelu ? 0.5f * g * (1.0f + std::tanh(k * (g + 0.044715f * g * g * g)))
+                                 : g / (1.0f + std::exp(-g));
+          y[i] = act * u;
+        }
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<array>&, array&) override {
+    throw std::runtime_error("[cpu_gated] has no GPU kernel");
+  }
+  const char* name() const override { return "CpuGated"; }
+  bool is_equivalent(const Primitive& other) const override {
+    return gelu_ == static_cast<const CpuGated&>(other).gelu_;
+  }
+  std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
+    Shape shape = inputs[0].shape();
+    shape.back() /= 2;
+    return {shape};
+  }
+
+ private:
+  bool gelu_;
 };
 
 // ------------------------------------------------------------- attention
@@ -542,6 +589,25 @@ int mlx_sys_cpu_attention(mlx_array* res, const mlx_array q, const mlx_array k,
                                std::make_shared<CpuAttention>(st, scale, causal != 0,
                                                               has_mask != 0, kernel),
                                std::move(inputs)));
+    return 0;
+  } catch (std::exception& e) {
+    return fail(e, err, err_len);
+  }
+}
+
+// res = act(x[..., :I]) * x[..., I:] of x [..., 2I] (float32), act SiLU or
+// (when `gelu`) tanh-approximated GELU.
+int mlx_sys_cpu_gated(mlx_array* res, const mlx_array x, int gelu, const mlx_stream s, char* err,
+                      size_t err_len) {
+  try {
+    Stream st = mlx_stream_get_(s);
+    array a = mlx_array_get_(x);
+    need_float32(a, "x");
+    if (a.ndim() < 1 || a.shape(-1) % 2) throw std::invalid_argument("x must be [..., 2I]");
+    Shape shape = a.shape();
+    shape.back() /= 2;
+    mlx_array_set_(*res, array(std::move(shape), float32, std::make_shared<CpuGated>(st, gelu != 0),
+                               {a}));
     return 0;
   } catch (std::exception& e) {
     return fail(e, err, err_len);

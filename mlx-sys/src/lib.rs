@@ -66,6 +66,14 @@ extern "C" {
         err: *mut std::os::raw::c_char,
         err_len: usize,
     ) -> std::os::raw::c_int;
+    fn mlx_sys_cpu_gated(
+        res: *mut mlx_array,
+        x: mlx_array,
+        gelu: std::os::raw::c_int,
+        stream: mlx_stream,
+        err: *mut std::os::raw::c_char,
+        err_len: usize,
+    ) -> std::os::raw::c_int;
     fn mlx_sys_cpu_attention(
         res: *mut mlx_array,
         q: mlx_array,
@@ -156,6 +164,27 @@ pub unsafe fn cpu_rms_norm(
     #[cfg(not(mlx_packed_matmul))]
     {
         let _ = (res, x, weight, eps, stream);
+        Err("the CPU nodes are not built here".into())
+    }
+}
+
+/// `act(x[..., :I]) * x[..., I:]` of `x` `[..., 2I]` as one CPU node
+/// (`native/cpu_fused.cpp`), float32, act SiLU or (`gelu`)
+/// tanh-approximated GELU.
+///
+/// # Safety
+/// Every handle must be a live mlx-c object; `res` an initialised array.
+pub unsafe fn cpu_gated(
+    res: &mut mlx_array,
+    x: mlx_array,
+    gelu: bool,
+    stream: mlx_stream,
+) -> Result<(), String> {
+    #[cfg(mlx_packed_matmul)]
+    return native(|err, len| mlx_sys_cpu_gated(res, x, gelu as _, stream, err, len));
+    #[cfg(not(mlx_packed_matmul))]
+    {
+        let _ = (res, x, gelu, stream);
         Err("the CPU nodes are not built here".into())
     }
 }

@@ -1,4 +1,5 @@
-//! RoPE, RMSNorm and attention as one graph node each on the CPU
+//! RoPE, RMSNorm, gated activations and attention as one graph node each
+//! on the CPU
 //! (`mlx-sys/native/cpu_fused.cpp`). MLX runs `fast::rope`,
 //! `fast::rms_norm` and `fast::scaled_dot_product_attention` there as their
 //! composed fallbacks, about 28, 10 and 12 nodes a call (a RoPE rebuilds
@@ -10,6 +11,7 @@
 use std::sync::OnceLock;
 
 use mlx_rs::error::Exception;
+use mlx_rs::ops::indexing::{Ellipsis, TryIndexOp};
 use mlx_rs::{fast, Array, Dtype, Stream};
 
 use crate::packed::CpuKernel;
@@ -85,6 +87,22 @@ pub fn rope(
             scale,
             stream,
         )
+    })
+}
+
+/// `act(gate) * up` of a stacked gate/up product's output `gu` (`[..., 2I]`,
+/// gate first; SiLU, or tanh-approximated GELU when `gelu`): one node on
+/// the CPU for float32, where MLX's ops are two slices and the compiled
+/// activation ([`crate::activations::gated`], which runs elsewhere).
+pub fn gated_halves(gu: &Array, gelu: bool) -> Result<Array, Exception> {
+    if !takes(&[Some(gu)]) {
+        let half = gu.dim(-1) / 2;
+        let gate = gu.try_index((Ellipsis, ..half))?;
+        let up = gu.try_index((Ellipsis, half..))?;
+        return crate::activations::gated(&gate, &up, gelu);
+    }
+    native_node("cpu gated", |res, stream| unsafe {
+        mlx_sys::cpu_gated(res, gu.as_ptr(), gelu, stream)
     })
 }
 

@@ -326,6 +326,15 @@ impl Projections {
         }
     }
 
+    /// The stacked product's output, not yet sliced into the projections
+    /// (`None` when they are separate).
+    pub fn joined(&self, x: &Array) -> Option<R<Array>> {
+        match self {
+            Projections::Stacked { linear, .. } => Some(linear.forward(x)),
+            Projections::Separate(_) => None,
+        }
+    }
+
     pub fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
         match self {
             Projections::Stacked { linear, .. } => linear.collect(out),

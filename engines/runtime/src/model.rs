@@ -881,6 +881,14 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Array) -> R<Array> {
+        // On the CPU, one node from the stacked product to the activation.
+        if crate::cpu_fused::enabled() {
+            if let Some(gu) = self.gate_up.joined(x) {
+                return self
+                    .down
+                    .forward(&crate::cpu_fused::gated_halves(&gu?, self.gelu)?);
+            }
+        }
         let mut gu = self.gate_up.forward(x)?.into_iter();
         let (g, u) = (gu.next().unwrap(), gu.next().unwrap());
         self.down.forward(&activations::gated(&g, &u, self.gelu)?)

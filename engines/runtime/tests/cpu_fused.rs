@@ -7,7 +7,7 @@
 //! hand over; decode, batched and prefill attention, GQA, masks).
 
 use mlx_rs::fast::ScaledDotProductAttentionMask;
-use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::ops::indexing::{Ellipsis, TryIndexOp};
 use mlx_rs::{fast, ops, random, Array};
 use runtime::cpu_fused::{self, KeysSeen};
 use runtime::packed::CpuKernel;
@@ -279,4 +279,42 @@ fn attention_refuses_what_it_does_not_take() {
     let wide_mask = Array::ones::<bool>(&[1, 1, 2, 6]).unwrap();
     let err = cpu_fused::attention(&q, &k, &v, 1.0, &KeysSeen::Mask(wide_mask), None).unwrap_err();
     assert!(err.to_string().contains("broadcast"), "{err}");
+}
+
+#[test]
+fn gated_activation_matches_mlx() {
+    for (shape, inter) in [
+        (vec![1, 1], 1536),
+        (vec![3, 7], 64),
+        (vec![16], 96),
+        (vec![2, 5], 13),
+    ] {
+        let mut full = shape.clone();
+        full.push(2 * inter);
+        let gu = normal(&full, inter as u64)
+            .multiply(Array::from_f32(3.0))
+            .unwrap();
+        let gate = gu.try_index((Ellipsis, ..inter)).unwrap();
+        let up = gu.try_index((Ellipsis, inter..)).unwrap();
+        for gelu in [false, true] {
+            let want = runtime::activations::gated(&gate, &up, gelu).unwrap();
+            let got = cpu_fused::gated_halves(&gu, gelu).unwrap();
+            // exp or tanh from another library and the product in another
+            // order: a few units in the last place.
+            close(&got, &want, &format!("gated {full:?} gelu {gelu}"));
+        }
+    }
+    // A strided view (the features not the fastest axis).
+    let gu = normal(&[128, 3], 9).transpose_axes(&[1, 0]).unwrap();
+    let want = runtime::activations::gated(
+        &gu.try_index((Ellipsis, ..64)).unwrap(),
+        &gu.try_index((Ellipsis, 64..)).unwrap(),
+        false,
+    )
+    .unwrap();
+    close(
+        &cpu_fused::gated_halves(&gu, false).unwrap(),
+        &want,
+        "gated of a transposed view",
+    );
 }
