@@ -10,7 +10,8 @@
 // [B, N, T, D] (any strides, one offset or one per row, the
 // non-traditional layout) with the inverse frequencies the caller made
 // with MLX's own ops (so the angles are the fallback's to the bit),
-// RMSNorm over the last axis (optional weight), the gated activation of
+// RMSNorm over the last axis (optional weight; also after a residual
+// add, both outputs of one node), the gated activation of
 // the stacked gate/up product, attention over the cache (below). Only float32: the CPU computes in float32 (`compute_dtype:
 // auto`); the caller keeps MLX's ops for others.
 #include <algorithm>
@@ -476,6 +477,57 @@ class CpuAttention : public UnaryPrimitive {
   int kernel_;
 };
 
+// h = x + r and RMSNorm(h) * weight in one pass and one node (two
+// outputs): a layer's residual add and the norm that reads it.
+class CpuAddRmsNorm : public Primitive {
+ public:
+  CpuAddRmsNorm(Stream s, float eps) : Primitive(s), eps_(eps) {}
+
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
+    for (auto& o : outputs) o.set_data(allocator::malloc(o.nbytes()));
+    auto& encoder = cpu::get_command_encoder(stream());
+    for (auto& in : inputs) encoder.set_input_array(in);
+    for (auto& o : outputs) encoder.set_output_array(o);
+    encoder.dispatch([x = array::unsafe_weak_copy(inputs[0]), r = array::unsafe_weak_copy(inputs[1]),
+                      w = array::unsafe_weak_copy(inputs[2]),
+                      h = array::unsafe_weak_copy(outputs[0]),
+                      y = array::unsafe_weak_copy(outputs[1]), eps = eps_]() mutable {
+      const int D = x.shape(-1);
+      const int64_t rows = x.size() / D;
+      const int64_t xs = x.strides().back(), rs = r.strides().back(), ws = w.strides()[0];
+      const float *xp = x.data<float>(), *rp = r.data<float>(), *wp = w.data<float>();
+      float *hp = h.data<float>(), *yp = y.data<float>();
+      for (int64_t row = 0; row < rows; ++row) {
+        const float* xr = xp + row_offset(x, row);
+        const float* rr = rp + row_offset(r, row);
+        float* hr = hp + row * D;
+        float sum = 0.0f;
+        for (int i = 0; i < D; ++i) {
+          hr[i] = xr[i * xs] + rr[i * rs];
+          sum += hr[i] * hr[i];
+        }
+        const float norm = 1.0f / std::sqrt(sum / float(D) + eps);
+        float* yr = yp + row * D;
+        for (int i = 0; i < D; ++i) yr[i] = (hr[i] * norm) * wp[i * ws];
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("[cpu_add_rms_norm] has no GPU kernel");
+  }
+  const char* name() const override { return "CpuAddRmsNorm"; }
+  bool is_equivalent(const Primitive& other) const override {
+    return eps_ == static_cast<const CpuAddRmsNorm&>(other).eps_;
+  }
+  std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
+    return {inputs[0].shape(), inputs[0].shape()};
+  }
+
+ private:
+  float eps_;
+};
+
 void need_float32(const array& a, const char* what) {
   if (a.dtype() != float32) throw std::invalid_argument(std::string(what) + " must be float32");
 }
@@ -608,6 +660,29 @@ int mlx_sys_cpu_gated(mlx_array* res, const mlx_array x, int gelu, const mlx_str
     shape.back() /= 2;
     mlx_array_set_(*res, array(std::move(shape), float32, std::make_shared<CpuGated>(st, gelu != 0),
                                {a}));
+    return 0;
+  } catch (std::exception& e) {
+    return fail(e, err, err_len);
+  }
+}
+
+// h = x + r and y = h * rsqrt(mean(h^2, -1) + eps) * weight, float32, x
+// and r of one shape, weight [D].
+int mlx_sys_cpu_add_rms_norm(mlx_array* h, mlx_array* y, const mlx_array x, const mlx_array r,
+                             const mlx_array weight, float eps, const mlx_stream s, char* err,
+                             size_t err_len) {
+  try {
+    Stream st = mlx_stream_get_(s);
+    array a = mlx_array_get_(x), b = mlx_array_get_(r), w = mlx_array_get_(weight);
+    need_float32(a, "x");
+    need_float32(b, "r");
+    need_float32(w, "weight");
+    if (a.ndim() < 1 || a.shape() != b.shape()) throw std::invalid_argument("x and r must be one shape");
+    if (w.ndim() != 1 || w.shape(0) != a.shape(-1)) throw std::invalid_argument("weight must be [D]");
+    auto outs = array::make_arrays({a.shape(), a.shape()}, {float32, float32},
+                                   std::make_shared<CpuAddRmsNorm>(st, eps), {a, b, w});
+    mlx_array_set_(*h, outs[0]);
+    mlx_array_set_(*y, outs[1]);
     return 0;
   } catch (std::exception& e) {
     return fail(e, err, err_len);

@@ -66,6 +66,17 @@ extern "C" {
         err: *mut std::os::raw::c_char,
         err_len: usize,
     ) -> std::os::raw::c_int;
+    fn mlx_sys_cpu_add_rms_norm(
+        h: *mut mlx_array,
+        y: *mut mlx_array,
+        x: mlx_array,
+        r: mlx_array,
+        weight: mlx_array,
+        eps: f32,
+        stream: mlx_stream,
+        err: *mut std::os::raw::c_char,
+        err_len: usize,
+    ) -> std::os::raw::c_int;
     fn mlx_sys_cpu_gated(
         res: *mut mlx_array,
         x: mlx_array,
@@ -164,6 +175,30 @@ pub unsafe fn cpu_rms_norm(
     #[cfg(not(mlx_packed_matmul))]
     {
         let _ = (res, x, weight, eps, stream);
+        Err("the CPU nodes are not built here".into())
+    }
+}
+
+/// `h = x + r` and `y = h * rsqrt(mean(h^2, -1) + eps) * weight` as one
+/// CPU node with two outputs (`native/cpu_fused.cpp`), float32.
+///
+/// # Safety
+/// Every handle must be a live mlx-c object; `h` and `y` initialised arrays.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn cpu_add_rms_norm(
+    h: &mut mlx_array,
+    y: &mut mlx_array,
+    x: mlx_array,
+    r: mlx_array,
+    weight: mlx_array,
+    eps: f32,
+    stream: mlx_stream,
+) -> Result<(), String> {
+    #[cfg(mlx_packed_matmul)]
+    return native(|err, len| mlx_sys_cpu_add_rms_norm(h, y, x, r, weight, eps, stream, err, len));
+    #[cfg(not(mlx_packed_matmul))]
+    {
+        let _ = (h, y, x, r, weight, eps, stream);
         Err("the CPU nodes are not built here".into())
     }
 }

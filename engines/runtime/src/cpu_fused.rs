@@ -40,6 +40,25 @@ pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array, Ex
     })
 }
 
+/// `h = x + r` and `rms_norm(h, weight, eps)`: one node with both outputs
+/// on the CPU, an add and [`rms_norm`] elsewhere.
+pub fn add_rms_norm(
+    x: &Array,
+    r: &Array,
+    weight: &Array,
+    eps: f32,
+) -> Result<(Array, Array), Exception> {
+    if !takes(&[Some(x), Some(r), Some(weight)]) || x.shape() != r.shape() {
+        let h = x.add(r)?;
+        let y = rms_norm(&h, Some(weight), eps)?;
+        return Ok((h, y));
+    }
+    let [h, y] = native_nodes("cpu add + rms_norm", |[h, y], stream| unsafe {
+        mlx_sys::cpu_add_rms_norm(h, y, x.as_ptr(), r.as_ptr(), weight.as_ptr(), eps, stream)
+    })?;
+    Ok((h, y))
+}
+
 /// Whether [`rope`] takes `x`: float32 [B, N, T, D] on the CPU.
 pub fn takes_rope(x: &Array) -> bool {
     takes(&[Some(x)]) && x.ndim() == 4
@@ -172,13 +191,24 @@ pub(crate) fn native_node(
     what: &str,
     build: impl FnOnce(&mut mlx_sys::mlx_array, mlx_sys::mlx_stream) -> Result<(), String>,
 ) -> Result<Array, Exception> {
+    let [out] = native_nodes(what, |[res], stream| build(res, stream))?;
+    Ok(out)
+}
+
+/// [`native_node`] of a constructor with `N` outputs.
+fn native_nodes<const N: usize>(
+    what: &str,
+    build: impl FnOnce(&mut [mlx_sys::mlx_array; N], mlx_sys::mlx_stream) -> Result<(), String>,
+) -> Result<[Array; N], Exception> {
     let stream = Stream::thread_local_or_default();
     unsafe {
-        let mut res = mlx_sys::mlx_array_new();
+        let mut res = [(); N].map(|_| mlx_sys::mlx_array_new());
         match build(&mut res, stream.as_ptr()) {
-            Ok(()) => Ok(Array::from_ptr(res)),
+            Ok(()) => Ok(res.map(|r| Array::from_ptr(r))),
             Err(e) => {
-                mlx_sys::mlx_array_free(res);
+                res.into_iter().for_each(|r| {
+                    mlx_sys::mlx_array_free(r);
+                });
                 Err(Exception::custom(format!("{what}: {e}")))
             }
         }

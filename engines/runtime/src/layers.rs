@@ -484,6 +484,11 @@ impl RmsNorm {
     pub fn forward(&self, x: &Array) -> R<Array> {
         crate::cpu_fused::rms_norm(x, Some(&self.weight), self.eps)
     }
+
+    /// `x + r` and the norm of it.
+    pub fn forward_added(&self, x: &Array, r: &Array) -> R<(Array, Array)> {
+        crate::cpu_fused::add_rms_norm(x, r, &self.weight, self.eps)
+    }
 }
 
 /// Rotary position embedding with per-row offsets for padded batches.

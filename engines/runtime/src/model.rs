@@ -674,8 +674,8 @@ impl Layer {
             }
         };
         let (Some(pre), Some(post)) = (&self.pre_ff_norm, &self.post_ff_norm) else {
-            let h = x.add(&r)?;
-            let r = self.mlp.forward(&self.post_attn_norm.forward(&h)?)?;
+            let (h, normed) = self.post_attn_norm.forward_added(x, &r)?;
+            let r = self.mlp.forward(&normed)?;
             return Ok((h.add(&r)?, kv));
         };
         let h = add(x, &self.post_attn_norm.forward(&r)?)?;

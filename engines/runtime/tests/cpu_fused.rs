@@ -318,3 +318,32 @@ fn gated_activation_matches_mlx() {
         "gated of a transposed view",
     );
 }
+
+#[test]
+fn add_and_rms_norm_match_mlx() {
+    for shape in [
+        vec![1, 1, 576],
+        vec![3, 5, 576],
+        vec![16, 1, 64],
+        vec![4, 33],
+    ] {
+        let x = normal(&shape, 21);
+        let r = normal(&shape, 22);
+        let d = *shape.last().unwrap();
+        let w = normal(&[d], 23);
+        let (h, y) = cpu_fused::add_rms_norm(&x, &r, &w, 1e-5).unwrap();
+        let want_h = x.add(&r).unwrap();
+        close_within(0.0, &h, &want_h, &format!("add {shape:?}"));
+        let want = fast::rms_norm(&want_h, Some(&w), 1e-5).unwrap();
+        close(&y, &want, &format!("add + rms_norm {shape:?}"));
+    }
+    // A strided residual (the features not the fastest axis).
+    let x = normal(&[64, 6], 24).transpose_axes(&[1, 0]).unwrap();
+    let r = normal(&[6, 64], 25);
+    let w = normal(&[64], 26);
+    let (h, y) = cpu_fused::add_rms_norm(&x, &r, &w, 1e-6).unwrap();
+    let want_h = x.add(&r).unwrap();
+    close_within(0.0, &h, &want_h, "add of a transposed view");
+    let want = fast::rms_norm(&want_h, Some(&w), 1e-6).unwrap();
+    close(&y, &want, "add + rms_norm of a transposed view");
+}
