@@ -187,7 +187,7 @@ fn attention_matches_mlx_on_every_path() {
         // and Gemma 3's sliding layers get them.
         let starts: Vec<i32> = (0..b).map(|r| (r * 7) % t.max(1)).collect();
         let ragged = runtime::mask::ragged_mask(&starts, n, t, None);
-        let windowed = runtime::mask::ragged_mask(&starts, n, t, Some(t.min(24).max(1)));
+        let windowed = runtime::mask::ragged_mask(&starts, n, t, Some(t.clamp(1, 24)));
         let cases: Vec<(&str, KeysSeen)> = vec![
             ("all keys", KeysSeen::All),
             ("causal", KeysSeen::Causal),
