@@ -46,6 +46,21 @@ const DEQUANTIZE_ROWS: i32 = 4;
 /// multiplied by BLAS.
 const PACKED_ROWS: i32 = 64;
 
+/// `dequantize` into `dtype`, its scales and biases widened first: MLX
+/// computes `scale * q + bias` in the scales' dtype, and fp16 ones
+/// ([`Weights::keep_half_scales`]) would round each weight to fp16.
+fn dequantize_as(
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    group_size: i32,
+    bits: i32,
+    dtype: Dtype,
+) -> R<Array> {
+    let (s, b) = (scales.as_dtype(dtype)?, biases.as_dtype(dtype)?);
+    ops::dequantize(w, &s, &b, group_size, bits)
+}
+
 /// Rows of `x`: every axis but the last.
 fn rows(x: &Array) -> i32 {
     x.shape()[..x.ndim() - 1].iter().product()
@@ -158,7 +173,8 @@ impl Linear {
                         crate::packed::matmul(x, weight, scales, biases, *group_size, *bits)?
                     }
                     _ if many && crate::compute::on_cpu() => {
-                        let w = ops::dequantize(weight, scales, biases, *group_size, *bits)?;
+                        let w =
+                            dequantize_as(weight, scales, biases, *group_size, *bits, x.dtype())?;
                         x.matmul(w.t())?
                     }
                     _ => {
@@ -375,6 +391,8 @@ impl GatedMlp {
 /// Token embedding; also serves as the output head when weights are tied.
 pub struct Embedding {
     table: Linear,
+    /// The rows' dtype ([`Weights::layer_dtype`]).
+    dtype: Dtype,
 }
 
 impl Embedding {
@@ -383,8 +401,11 @@ impl Embedding {
         prefix: &str,
         quant: Option<Quantization>,
     ) -> anyhow::Result<Self> {
+        let dtype = w.layer_dtype(prefix);
+        let table = Linear::load(w, prefix, quant)?;
         Ok(Self {
-            table: Linear::load(w, prefix, quant)?,
+            dtype: dtype.ok_or_else(|| anyhow::anyhow!("no table at `{prefix}`"))?,
+            table,
         })
     }
 
@@ -396,8 +417,11 @@ impl Embedding {
         rows: i32,
         dims: i32,
     ) -> anyhow::Result<Self> {
+        let dtype = w.layer_dtype(prefix);
+        let table = Linear::load_checked(w, prefix, quant, rows, dims)?;
         Ok(Self {
-            table: Linear::load_checked(w, prefix, quant, rows, dims)?,
+            dtype: dtype.ok_or_else(|| anyhow::anyhow!("no table at `{prefix}`"))?,
+            table,
         })
     }
 
@@ -415,7 +439,7 @@ impl Embedding {
                 let w = weight.take_axis(ids, 0)?;
                 let s = scales.take_axis(ids, 0)?;
                 let b = biases.take_axis(ids, 0)?;
-                ops::dequantize(&w, &s, &b, *group_size, *bits)
+                dequantize_as(&w, &s, &b, *group_size, *bits, self.dtype)
             }
         }
     }
@@ -430,10 +454,7 @@ impl Embedding {
     }
 
     pub fn dtype(&self) -> Dtype {
-        match &self.table {
-            Linear::Dense { weight, .. } => weight.dtype(),
-            Linear::Quantized { scales, .. } => scales.dtype(),
-        }
+        self.dtype
     }
 }
 

@@ -340,6 +340,9 @@ fn build(path: &Path, compute: ComputeDtype) -> anyhow::Result<Built> {
             }
         };
     if let Some(dtype) = compute.resolve() {
+        if compute.keeps_half_scales(weights.packed_kernel_takes_all(&config)) {
+            weights.keep_half_scales(&config)?;
+        }
         weights.cast_floats(dtype)?;
     }
     if compute.expands_packed(
