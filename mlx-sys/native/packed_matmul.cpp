@@ -6,6 +6,9 @@
 // call whatever the number of rows (up to 8 rows share one unpacking; more
 // rows re-read the row from L1), splits the output columns over every core,
 // and has AVX2+FMA and AVX-512 paths chosen by CPUID, plus a scalar one.
+// From TILED_ROWS rows (a batched step, a prefill chunk) the AVX-512 path
+// instead dequantizes each chunk of columns once into an fp32 panel and
+// multiplies register tiles of rows x columns (`span_avx512_tiled`).
 // Activations are fp32 (others are cast around the node), scales and
 // biases fp16 or fp32: the loader keeps the fp16 of GGUF files and of
 // half-precision checkpoints, since a step streams them with the weights
@@ -282,6 +285,24 @@ __attribute__((target("avx2,fma,f16c"))) void block_avx2(const Problem& p, int o
 
 // ---------------------------------------------------------------- AVX-512
 
+// Unpacks 16 weights of a packed row (4 or 8 bits) to int32 lanes.
+template <int BITS>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) inline __m512i unpack16(
+    const uint32_t* wp) {
+  if constexpr (BITS == 4) {
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i shifts =
+        _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    const __m128i two = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wp));
+    return _mm512_and_si512(
+        _mm512_srlv_epi32(_mm512_permutexvar_epi32(spread, _mm512_castsi128_si512(two)), shifts),
+        _mm512_set1_epi32(0xF));
+  } else {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
+  }
+}
+
+
 template <int R, int BITS, typename S>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void block_avx512(
     const Problem& p, int o, int r0) {
@@ -294,10 +315,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void block_av
   const S* sr = static_cast<const S*>(p.s) + size_t(o) * groups;
   const S* br = static_cast<const S*>(p.b) + size_t(o) * groups;
   const float* xp = p.x + size_t(r0) * ldx;
-  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  const __m512i shifts =
-      _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
-  const __m512i mask = _mm512_set1_epi32(0xF);
   __m512 acc[R][A];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -308,16 +325,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void block_av
     for (int st = 0; st < steps; ++st, wp += A * WORDS, xp += 16 * A) {
 #pragma GCC unroll 2
       for (int a = 0; a < A; ++a) {
-        __m512i q;
-        if constexpr (BITS == 4) {
-          const __m128i two = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wp + a * WORDS));
-          q = _mm512_and_si512(
-              _mm512_srlv_epi32(_mm512_permutexvar_epi32(spread, _mm512_castsi128_si512(two)), shifts),
-              mask);
-        } else {
-          q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + a * WORDS)));
-        }
-        const __m512 wv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), sc, bi);
+        const __m512 wv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(unpack16<BITS>(wp + a * WORDS)), sc, bi);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
           acc[r][a] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xp + r * ldx + 16 * a), acc[r][a]);
@@ -527,23 +535,6 @@ int tiled_rows() {
 }
 constexpr int TILE_R = 6, TILE_C = 4;
 constexpr int PANEL = 16;  // columns per panel, a multiple of TILE_C
-
-// Unpacks 16 weights of a packed row (4 or 8 bits) to int32 lanes.
-template <int BITS>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) inline __m512i unpack16(
-    const uint32_t* wp) {
-  if constexpr (BITS == 4) {
-    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    const __m512i shifts =
-        _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
-    const __m128i two = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wp));
-    return _mm512_and_si512(
-        _mm512_srlv_epi32(_mm512_permutexvar_epi32(spread, _mm512_castsi128_si512(two)), shifts),
-        _mm512_set1_epi32(0xF));
-  } else {
-    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
-  }
-}
 
 // Columns o..o+cols of the weights as fp32 rows of `panel` (k each, as
 // MLX's `dequantize` makes them); rows cols..PANEL are zero.
