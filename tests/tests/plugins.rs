@@ -1,5 +1,5 @@
 //! The plugin host: plugins load by path and from the build's plugin
-//! directory, a plugin built against another boundary or MLX (or a garbage
+//! directory, a plugin built against another MLX (or a garbage
 //! file) is refused by name while the gateway serves with the rest, plugin
 //! log lines reach the host's log, the weights are in memory once however
 //! many engines share them, and a plugin built apart (its own cargo
@@ -75,14 +75,10 @@ policy:
             .unwrap_or_else(|| panic!("{file} not refused: {v}"));
         r["error"].as_str().unwrap().to_owned()
     };
-    // Both values of each mismatched fingerprint are named, with what to
+    // Both values of the mismatched fingerprint are named, with what to
     // rebuild.
     let mismatch = refusal("libengine_mismatch.so");
-    let host_boundary = engine_core::plugin::BOUNDARY.trim_end_matches('\0');
     for needle in [
-        "built against `engine-core 0.0.0-mismatch boundary 0000000000000000`",
-        &format!("gateway has `{host_boundary}`"),
-        "rebuild the plugin against this gateway's engine-core",
         "built against `mlx 0.0.0-mismatch",
         &format!("gateway has `{}`", runtime::abi::mlx_fingerprint()),
         "rebuild the plugin with this gateway's MLX",

@@ -12,6 +12,7 @@ pub mod config;
 pub mod cpu_fused;
 pub mod cuda_env;
 pub mod cuda_kernel;
+pub mod device;
 pub mod emit;
 pub mod generate;
 pub mod generation_config;
