@@ -201,3 +201,49 @@ pub struct PluginDescriptor {
 unsafe impl Sync for PluginDescriptor {}
 
 pub type EntryFn = unsafe extern "C" fn() -> *const PluginDescriptor;
+
+#[cfg(test)]
+mod tests {
+    use std::mem::offset_of;
+
+    use super::*;
+
+    /// Where major version 5's members stand. A member added at a table's
+    /// end leaves these as they are; one changed in size, moved or removed
+    /// moves them: that is a new major version (`PLUGIN_ABI_VERSION`) and
+    /// new numbers here.
+    #[test]
+    #[cfg(target_pointer_width = "64")]
+    fn the_tables_keep_their_major_versions_layout() {
+        assert_eq!(super::super::PLUGIN_ABI_VERSION, 5);
+        macro_rules! at {
+            ($t:ty: $($f:ident),*) => { [$(offset_of!($t, $f)),*] };
+        }
+        assert_eq!(
+            at!(PluginDescriptor: abi_version, mlx, kind, vtable),
+            [0, 8, 16, 24]
+        );
+        assert_eq!(
+            at!(PluginVTable: size, create, submit, cancel, capabilities, load, shutdown, destroy),
+            [0, 8, 16, 24, 32, 40, 48, 56]
+        );
+        assert_eq!(at!(HostServices: size, log, shared), [0, 8, 32]);
+        assert_eq!(at!(RawLog: ctx, log, max_level), [0, 8, 16]);
+        assert_eq!(
+            at!(RawEventSink: ctx, send_token, send, is_closed, release),
+            [0, 8, 16, 24, 32]
+        );
+        assert_eq!(
+            at!(RawCancel: ctx, is_cancelled, cancel, release),
+            [0, 8, 16, 24]
+        );
+        assert_eq!(
+            at!(RawToken: id, has_logprob, logprob, top_ids, top_logprobs, top_len),
+            [0, 4, 8, 16, 24, 32]
+        );
+        assert_eq!(at!(RawRequest: json, embeddings, images), [0, 16, 24]);
+        assert_eq!(at!(Floats: ptr, len), [0, 8]);
+        assert_eq!(at!(Bytes: ptr, len), [0, 8]);
+        assert_eq!(at!(ByteSink: ctx, write), [0, 8]);
+    }
+}

@@ -101,6 +101,16 @@ mod tests {
             !json.contains("3.25") && !json.contains("embeddings"),
             "{json}"
         );
+        // A field from a newer build is passed over (and one it lacks
+        // would read as its default): a compatible addition.
+        let mut newer: serde_json::Value = serde_json::from_slice(&lent.json).unwrap();
+        newer["added_later"] = serde_json::json!({"any": [1, 2]});
+        let json = serde_json::to_vec(&newer).unwrap();
+        let raw = RawRequest {
+            json: Bytes::new(&json),
+            ..lent.raw()
+        };
+        assert_eq!(unsafe { read_request(&raw) }.unwrap().prompt, req.prompt);
         // Embeddings that do not match the images are refused.
         let mut short = lent.raw();
         short.images = 1;

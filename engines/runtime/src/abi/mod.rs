@@ -298,3 +298,56 @@ macro_rules! export_engine {
         );
     };
 }
+
+#[cfg(test)]
+mod tests {
+    use std::mem::offset_of;
+
+    use super::*;
+
+    /// Where shared-state v1's members stand. An addition at
+    /// [`RawShared`]'s end leaves these as they are; any other change
+    /// moves them: that is a new shared-state version in
+    /// [`MLX_FINGERPRINT`] and new numbers here.
+    #[test]
+    #[cfg(target_pointer_width = "64")]
+    fn the_tables_keep_their_versions_layout() {
+        assert!(mlx_fingerprint().ends_with(", shared state v1"));
+        macro_rules! at {
+            ($t:ty: $($f:ident),*) => { [$(offset_of!($t, $f)),*] };
+        }
+        assert_eq!(
+            at!(RawShared: size, mlx, model_path, model_name, compute_dtype, kv_cache, arrays,
+                arrays_len, device, kv, handover, prefix, pages),
+            [0, 8, 16, 24, 32, 40, 48, 56, 64, 88, 160, 184, 240]
+        );
+        assert_eq!(
+            at!(RawPagePool: ctx, key, block, blocks, layers, allocate, retain, release, holders,
+                free_blocks, buffers, state, write, copy_block),
+            [0, 8, 16, 20, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96]
+        );
+        assert_eq!(at!(RawDeviceLock: ctx, lock, unlock), [0, 8, 16]);
+        assert_eq!(
+            at!(RawKvLedger: ctx, total, block_size, bytes_per_block, state_blocks, step_tokens,
+                try_reserve, release, allocated),
+            [0, 8, 16, 24, 32, 40, 48, 56, 64]
+        );
+        assert_eq!(at!(RawHandoverSlot: ctx, set, get), [0, 8, 16]);
+        assert_eq!(at!(RawHandoverSink: ctx, adopt, busy), [0, 8, 16]);
+        assert_eq!(
+            at!(RawHandover: request, cancel, events, cache, last_token, generated,
+                generated_len, cached_tokens, reserved_blocks),
+            [0, 32, 64, 104, 184, 192, 200, 208, 216]
+        );
+        assert_eq!(
+            at!(RawKv: formats, buffers, recurrent, layers, len, capacity, left_pad, batch,
+                blocks, blocks_len, blocks_cap),
+            [0, 8, 16, 24, 32, 36, 40, 48, 56, 64, 72]
+        );
+        assert_eq!(at!(RawKvFormat: bits, group_size), [0, 4]);
+        assert_eq!(
+            at!(RawPrefixCache: ctx, block, capacity, exact, lookup, has_hit, insert),
+            [0, 8, 16, 24, 32, 40, 48]
+        );
+    }
+}
