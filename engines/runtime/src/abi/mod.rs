@@ -41,6 +41,8 @@ pub(crate) unsafe fn ctx<'a, T>(ctx: *mut c_void) -> &'a T {
     &*(ctx as *const T)
 }
 
+/// `f`'s value, or `fallback` when it panics: no panic unwinds into the
+/// calling image.
 pub(crate) fn guard<T>(fallback: T, f: impl FnOnce() -> T) -> T {
     catch_unwind(AssertUnwindSafe(f)).unwrap_or(fallback)
 }
