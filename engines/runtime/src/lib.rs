@@ -23,6 +23,7 @@ pub mod kv_quant;
 pub mod memory;
 pub mod prefix_cache;
 pub mod sampling;
+pub mod sequence;
 pub mod shared;
 pub mod vision;
 
@@ -36,6 +37,7 @@ pub mod paged;
 pub mod ragged;
 
 pub mod weights;
+pub mod worker;
 
 pub use cache::KvCache;
 pub use compute::ComputeDtype;

@@ -15,6 +15,7 @@ use engine_core::{
     CancelToken, Capabilities, Engine, EngineContext, EngineError, EngineLoad, GenerateRequest,
     Refusal, RequestId, StreamError,
 };
+use runtime::sequence;
 use runtime::{memory, LoadedModel, Reservation, SharedModel};
 
 use crate::adaptive::RoundCost;
@@ -296,8 +297,8 @@ impl Worker {
             waiting.extend(rx.try_iter());
             // One prefill per turn, so running sequences keep streaming.
             if let Some(job) = waiting.pop_front() {
-                let seq = self.start(job);
-                if !seq.is_finished() {
+                let seq = self.start(job).filter(|s| !s.is_finished());
+                if let Some(seq) = seq {
                     let _device = self.shared.lock_device();
                     if let Err((mut seq, e)) = batch.join(seq) {
                         tracing::error!(engine = %self.name, error = %e, "joining the batch failed");
@@ -388,51 +389,40 @@ impl Worker {
         }
     }
 
-    /// Loads the drafter if still pending, then prefills.
-    fn start(&mut self, job: Job) -> Sequence {
+    /// Loads the drafter if still pending, starts the sequence, then
+    /// prefills; `None` when it ended before (its stream ended too).
+    fn start(&mut self, job: Job) -> Option<Sequence> {
         let source = self.source();
-        let model = &self.shared.model.model;
         let Job {
             request,
             ticket,
             reservation,
             events,
         } = job;
-        let (held, shared) = (Box::new(ticket), self.shared.clone());
-        let mut seq = match source {
-            Ok(source) => Sequence::new(
-                request,
-                events,
-                held,
-                reservation,
-                shared,
-                Some(&*source),
-                self.adaptive,
-            ),
+        let mut seq = sequence::Sequence::start_on(&self.shared, request, events, reservation)?;
+        seq.hold(ticket);
+        let source = match source {
+            Ok(source) => source,
             Err(msg) => {
-                let mut seq =
-                    Sequence::new(request, events, held, reservation, shared, None, false);
                 seq.fail(StreamError::Internal(format!(
                     "the drafter could not be loaded: {msg}"
                 )));
-                return seq;
+                return None;
             }
         };
-        if let Err(message) = seq.constrain() {
-            seq.fail(StreamError::Invalid(message));
-        }
+        let mut seq = Sequence::new(seq, self.shared.clone(), &*source, self.adaptive);
         seq.check_cancelled();
         if !seq.is_finished() {
             let result = {
                 let _device = self.shared.lock_device();
-                seq.prefill(model)
+                seq.prefill(&self.shared.model.model)
             };
             if let Err(e) = result {
-                tracing::error!(engine = %self.name, request = %seq.out.request.id, error = %e, "prefill failed");
+                tracing::error!(engine = %self.name, request = %seq.request().id, error = %e, "prefill failed");
                 seq.fail(memory::failed_step(&e));
             }
         }
-        seq
+        Some(seq)
     }
 
     fn source(&mut self) -> Result<Arc<dyn DraftSource>, String> {
