@@ -98,6 +98,7 @@ impl Sequence {
             .and_then(|mut s| s.advance(out.delivered()).map(|()| s));
         let error = match sampler {
             Err(e) => format!("cannot continue the request: {e}"),
+            // See `can_hand_over`.
             Ok(_) if out.request.grammar.is_some() => {
                 "a constrained sequence cannot be handed over".into()
             }
@@ -259,6 +260,12 @@ impl Sequence {
     fn release(&mut self) {
         self.reservation.take();
         self.held.clear();
+    }
+
+    /// Whether another engine can continue it: not under a grammar, whose
+    /// state stays with the engine that compiled it.
+    pub fn can_hand_over(&self) -> bool {
+        self.constraint.is_none()
     }
 
     /// Gives it to `sink` with its KV (`cache`: every position before

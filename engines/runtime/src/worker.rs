@@ -94,6 +94,12 @@ impl<J> Worker<J> {
         }
     }
 
+    /// The cancel handles, for what removes a request's handle when it
+    /// ends outside the worker's loop (a guard dropped with it).
+    pub fn cancels(&self) -> &Cancels {
+        &self.cancels
+    }
+
     /// Requests sent and not yet ended.
     pub fn in_flight(&self) -> usize {
         self.cancels.len()

@@ -503,7 +503,7 @@ impl Batch {
         let moving: Vec<bool> = self
             .seqs
             .iter()
-            .map(|s| !s.is_finished() && s.seq.constraint.is_none())
+            .map(|s| !s.is_finished() && s.seq.can_hand_over())
             .collect();
         let mut rows = Vec::new();
         for b in (0..moving.len()).filter(|&b| moving[b]) {
