@@ -362,6 +362,47 @@ mod tests {
         }
     }
 
+    fn handover(pool: &KvPool, grammar: Option<engine_core::Grammar>) -> (Handover, EventStream) {
+        let mut request = GenerateRequest::new(vec![1, 2, 3], 4);
+        request.grammar = grammar;
+        let (events, rx) = event_channel();
+        let h = Handover {
+            request,
+            cache: KvCache::new(0, 1),
+            last_token: 5,
+            generated: vec![4, 5],
+            cached_tokens: 0,
+            reservation: pool.try_reserve(1).unwrap(),
+            events,
+        };
+        (h, rx)
+    }
+
+    #[test]
+    fn a_handed_over_sequence_goes_on_from_its_newest_token() {
+        let pool = KvPool::new(4, 16, 1);
+        let (h, _rx) = handover(&pool, None);
+        let (seq, _cache, last) = Sequence::resume(h, 16).unwrap();
+        assert!(seq.can_hand_over());
+        assert_eq!(
+            (last, seq.context(), seq.blocks()),
+            (5, vec![1, 2, 3, 4], 1)
+        );
+        assert_eq!(seq.tokens_left(), 2);
+    }
+
+    #[test]
+    fn a_constrained_sequence_does_not_continue_elsewhere() {
+        let pool = KvPool::new(4, 16, 1);
+        let (h, mut rx) = handover(&pool, Some(engine_core::Grammar::Regex("a+".into())));
+        assert!(Sequence::resume(h, 16).is_none());
+        assert_eq!(pool.allocated(), 0, "its blocks went back");
+        assert!(matches!(
+            rx.try_recv(),
+            Ok(Event::Error(StreamError::Internal(_)))
+        ));
+    }
+
     #[test]
     fn the_context_is_every_position_fed() {
         let (mut seq, _rx, _pool) = started(4);
