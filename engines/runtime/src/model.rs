@@ -750,12 +750,21 @@ impl Attention {
         // The output rows take the input's shape.
         let mut out_shape = x.shape()[..x.ndim() - 1].to_vec();
         out_shape.push(self.heads * self.head_dim);
+        // `[B, n, L, head_dim]`. One position a row needs no Transpose:
+        // `[B, 1, n, D]` and `[B, n, 1, D]` lay the data out alike.
         let heads = |t: Array, n: i32, norm: &Option<RmsNorm>| -> R<Array> {
-            let mut t = t.reshape(&[b, l, n, self.head_dim])?;
+            let split = match l {
+                1 => [b, n, 1, self.head_dim],
+                _ => [b, l, n, self.head_dim],
+            };
+            let mut t = t.reshape(&split)?;
             if let Some(norm) = norm {
                 t = norm.forward(&t)?;
             }
-            t.transpose_axes(&[0, 2, 1, 3])
+            match l {
+                1 => Ok(t),
+                _ => t.transpose_axes(&[0, 2, 1, 3]),
+            }
         };
         let mut qkv = self.qkv.forward(x)?.into_iter();
         let q = qkv.next().unwrap();
@@ -852,7 +861,10 @@ impl Attention {
     /// as rows of `shape`, gated per head where the layer has a gate (Qwen
     /// 3.5).
     fn output(&self, heads: Array, gate: Option<&Array>, shape: &[i32]) -> R<Array> {
-        let mut out = heads.transpose_axes(&[0, 2, 1, 3])?.reshape(shape)?;
+        let mut out = match heads.dim(2) {
+            1 => heads.reshape(shape)?,
+            _ => heads.transpose_axes(&[0, 2, 1, 3])?.reshape(shape)?,
+        };
         if let Some(gate) = gate {
             out = out.multiply(ops::sigmoid(gate)?)?;
         }
