@@ -11,16 +11,19 @@ type R<T> = Result<T, mlx_rs::error::Exception>;
 
 /// A dense `[out, in]` weight and its transpose, taken once at load: a
 /// product reads the transposed view, so a step's graph holds no Transpose
-/// node per product (MLX detaches the view from its input once evaluated).
+/// node per product. The view is evaluated here, on the loading thread: a
+/// node left lazy would carry this thread's stream into the engine's
+/// thread, where MLX has no such stream.
 pub struct DenseWeight {
     weight: Array,
     t: Array,
 }
 
 impl DenseWeight {
-    pub fn new(weight: Array) -> Self {
+    pub fn new(weight: Array) -> R<Self> {
         let t = weight.t();
-        Self { weight, t }
+        t.eval()?;
+        Ok(Self { weight, t })
     }
 
     pub fn weight(&self) -> &Array {
@@ -91,7 +94,7 @@ impl Linear {
                     .keeps_dense_copy(prefix, &weight)
                     .then(|| {
                         ops::dequantize(&weight, &scales, &biases, q.group_size, q.bits)
-                            .map(DenseWeight::new)
+                            .and_then(DenseWeight::new)
                     })
                     .transpose()?;
                 Ok(Linear::Quantized {
@@ -105,7 +108,7 @@ impl Linear {
                 })
             }
             _ => Ok(Linear::Dense {
-                weight: DenseWeight::new(weight),
+                weight: DenseWeight::new(weight)?,
                 bias,
             }),
         }
@@ -250,7 +253,7 @@ impl Linear {
         if let Some(ws) = dense {
             return Some((|| {
                 Ok(Linear::Dense {
-                    weight: DenseWeight::new(cat(ws)?),
+                    weight: DenseWeight::new(cat(ws)?)?,
                     bias: bias.transpose()?,
                 })
             })());
@@ -290,7 +293,9 @@ impl Linear {
                 bias: bias.transpose()?,
                 group_size,
                 bits,
-                expanded: expanded.map(|e| e.map(DenseWeight::new)).transpose()?,
+                expanded: expanded
+                    .map(|e| e.and_then(DenseWeight::new))
+                    .transpose()?,
             })
         })())
     }
@@ -667,7 +672,7 @@ pub(crate) mod tests {
         let (weight, scales, biases) = ops::quantize(&w, 64, 4).unwrap();
         let dense = ops::dequantize(&weight, &scales, &biases, 64, 4).unwrap();
         Linear::Quantized {
-            expanded: Some(DenseWeight::new(expanded(&dense))),
+            expanded: Some(DenseWeight::new(expanded(&dense)).unwrap()),
             weight,
             scales,
             biases,
