@@ -9,9 +9,36 @@ use crate::weights::Weights;
 
 type R<T> = Result<T, mlx_rs::error::Exception>;
 
+/// A dense `[out, in]` weight and its transpose, taken once at load: a
+/// product reads the transposed view, so a step's graph holds no Transpose
+/// node per product. The view is evaluated here, on the loading thread: a
+/// node left lazy would carry this thread's stream into the engine's
+/// thread, where MLX has no such stream.
+pub struct DenseWeight {
+    weight: Array,
+    t: Array,
+}
+
+impl DenseWeight {
+    pub fn new(weight: Array) -> R<Self> {
+        let t = weight.t();
+        t.eval()?;
+        Ok(Self { weight, t })
+    }
+
+    pub fn weight(&self) -> &Array {
+        &self.weight
+    }
+
+    /// `x @ weight.T`.
+    fn product(&self, x: &Array) -> R<Array> {
+        x.matmul(&self.t)
+    }
+}
+
 pub enum Linear {
     Dense {
-        weight: Array,
+        weight: DenseWeight,
         bias: Option<Array>,
     },
     Quantized {
@@ -25,7 +52,7 @@ pub enum Linear {
         /// ones on a GPU where that is cheap
         /// ([`crate::ComputeDtype::keeps_dense_copies`]): products of
         /// [`DEQUANTIZE_ROWS`] rows or more use it.
-        expanded: Option<Array>,
+        expanded: Option<DenseWeight>,
     },
 }
 
@@ -65,7 +92,10 @@ impl Linear {
                 let biases = w.take(&format!("{prefix}.biases"))?;
                 let expanded = w
                     .keeps_dense_copy(prefix, &weight)
-                    .then(|| ops::dequantize(&weight, &scales, &biases, q.group_size, q.bits))
+                    .then(|| {
+                        ops::dequantize(&weight, &scales, &biases, q.group_size, q.bits)
+                            .and_then(DenseWeight::new)
+                    })
                     .transpose()?;
                 Ok(Linear::Quantized {
                     weight,
@@ -77,7 +107,10 @@ impl Linear {
                     expanded,
                 })
             }
-            _ => Ok(Linear::Dense { weight, bias }),
+            _ => Ok(Linear::Dense {
+                weight: DenseWeight::new(weight)?,
+                bias,
+            }),
         }
     }
 
@@ -103,7 +136,7 @@ impl Linear {
         let layer = Self::load(w, prefix, quant)?;
         match &layer {
             Linear::Dense { weight, bias } => {
-                w.check_shape(&name, weight, &[out_features, in_features])?;
+                w.check_shape(&name, weight.weight(), &[out_features, in_features])?;
                 if let Some(b) = bias {
                     w.check_shape(&format!("{prefix}.bias"), b, &[out_features])?;
                 }
@@ -133,11 +166,11 @@ impl Linear {
 
     pub fn forward(&self, x: &Array) -> R<Array> {
         match self {
-            Linear::Dense { weight, bias: None } => x.matmul(weight.t()),
+            Linear::Dense { weight, bias: None } => weight.product(x),
             Linear::Dense {
                 weight,
                 bias: Some(b),
-            } => ops::addmm(b, x, weight.t(), None, None),
+            } => ops::addmm(b, x, &weight.t, None, None),
             Linear::Quantized {
                 weight,
                 scales,
@@ -150,7 +183,7 @@ impl Linear {
                 let rows = rows(x);
                 let many = rows >= DEQUANTIZE_ROWS;
                 let y = match expanded {
-                    Some(dense) if many => x.matmul(dense.t())?,
+                    Some(dense) if many => dense.product(x)?,
                     _ if rows <= PACKED_ROWS
                         && crate::packed::supports(*bits, *group_size)
                         && crate::compute::on_cpu() =>
@@ -176,7 +209,7 @@ impl Linear {
     pub fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
         match self {
             Linear::Dense { weight, bias } => {
-                out.extend(std::iter::once(weight).chain(bias.as_ref()))
+                out.extend(std::iter::once(&weight.weight).chain(bias.as_ref()))
             }
             Linear::Quantized {
                 weight,
@@ -189,7 +222,7 @@ impl Linear {
                 [weight, scales, biases]
                     .into_iter()
                     .chain(bias.as_ref())
-                    .chain(expanded.as_ref()),
+                    .chain(expanded.as_ref().map(DenseWeight::weight)),
             ),
         }
     }
@@ -213,14 +246,14 @@ impl Linear {
         let dense: Option<Vec<&Array>> = parts
             .iter()
             .map(|p| match p {
-                Linear::Dense { weight, .. } => Some(weight),
+                Linear::Dense { weight, .. } => Some(weight.weight()),
                 Linear::Quantized { .. } => None,
             })
             .collect();
         if let Some(ws) = dense {
             return Some((|| {
                 Ok(Linear::Dense {
-                    weight: cat(ws)?,
+                    weight: DenseWeight::new(cat(ws)?)?,
                     bias: bias.transpose()?,
                 })
             })());
@@ -247,7 +280,7 @@ impl Linear {
             ws.push(weight);
             ss.push(scales);
             bs.push(biases);
-            es.push(expanded.as_ref());
+            es.push(expanded.as_ref().map(DenseWeight::weight));
         }
         let (group_size, bits) = spec?;
         // Copies stack where every part keeps one (they all do, or none).
@@ -260,14 +293,16 @@ impl Linear {
                 bias: bias.transpose()?,
                 group_size,
                 bits,
-                expanded: expanded.transpose()?,
+                expanded: expanded
+                    .map(|e| e.and_then(DenseWeight::new))
+                    .transpose()?,
             })
         })())
     }
 
     pub fn out_features(&self) -> i32 {
         match self {
-            Linear::Dense { weight, .. } => weight.dim(0),
+            Linear::Dense { weight, .. } => weight.weight.dim(0),
             Linear::Quantized { weight, .. } => weight.dim(0),
         }
     }
@@ -403,7 +438,7 @@ impl Embedding {
 
     pub fn forward(&self, ids: &Array) -> R<Array> {
         match &self.table {
-            Linear::Dense { weight, .. } => weight.take_axis(ids, 0),
+            Linear::Dense { weight, .. } => weight.weight.take_axis(ids, 0),
             Linear::Quantized {
                 weight,
                 scales,
@@ -431,7 +466,7 @@ impl Embedding {
 
     pub fn dtype(&self) -> Dtype {
         match &self.table {
-            Linear::Dense { weight, .. } => weight.dtype(),
+            Linear::Dense { weight, .. } => weight.weight.dtype(),
             Linear::Quantized { scales, .. } => scales.dtype(),
         }
     }
@@ -637,7 +672,7 @@ pub(crate) mod tests {
         let (weight, scales, biases) = ops::quantize(&w, 64, 4).unwrap();
         let dense = ops::dequantize(&weight, &scales, &biases, 64, 4).unwrap();
         Linear::Quantized {
-            expanded: Some(expanded(&dense)),
+            expanded: Some(DenseWeight::new(expanded(&dense)).unwrap()),
             weight,
             scales,
             biases,
@@ -693,7 +728,7 @@ pub(crate) mod tests {
         let Linear::Quantized { expanded, .. } = &linear else {
             panic!("stacked packed layers stay packed");
         };
-        assert_eq!(expanded.as_ref().unwrap().shape(), &[48, 64]);
+        assert_eq!(expanded.as_ref().unwrap().weight().shape(), &[48, 64]);
         let stacked = linear.forward(&x).unwrap();
         for (a, b) in values(&stacked.try_index((.., ..32)).unwrap())
             .iter()
