@@ -9,25 +9,27 @@ use crate::weights::Weights;
 
 type R<T> = Result<T, mlx_rs::error::Exception>;
 
-/// A dense `[out, in]` weight and its transpose, taken once at load: a
-/// product reads the transposed view, so a step's graph holds no Transpose
-/// node per product. The view is evaluated here, on the loading thread: a
-/// node left lazy would carry this thread's stream into the engine's
-/// thread, where MLX has no such stream.
+/// A dense `[out, in]` weight kept as its transposed view `[in, out]`, the
+/// operand a product reads, so a step's graph holds no Transpose node per
+/// product. It is a parameter like any other: evaluated at load with the
+/// rest, and in a plugin replaced by the host's array (a copy derived from
+/// the plugin's own lazy weight would load the checkpoint a second time).
 pub struct DenseWeight {
-    weight: Array,
     t: Array,
 }
 
 impl DenseWeight {
-    pub fn new(weight: Array) -> R<Self> {
-        let t = weight.t();
-        t.eval()?;
-        Ok(Self { weight, t })
+    pub fn new(weight: &Array) -> Self {
+        Self { t: weight.t() }
     }
 
-    pub fn weight(&self) -> &Array {
-        &self.weight
+    /// The `[out, in]` weight (a view).
+    pub fn weight(&self) -> Array {
+        self.t.t()
+    }
+
+    fn out_features(&self) -> i32 {
+        self.t.dim(1)
     }
 
     /// `x @ weight.T`.
@@ -94,7 +96,7 @@ impl Linear {
                     .keeps_dense_copy(prefix, &weight)
                     .then(|| {
                         ops::dequantize(&weight, &scales, &biases, q.group_size, q.bits)
-                            .and_then(DenseWeight::new)
+                            .map(|d| DenseWeight::new(&d))
                     })
                     .transpose()?;
                 Ok(Linear::Quantized {
@@ -108,7 +110,7 @@ impl Linear {
                 })
             }
             _ => Ok(Linear::Dense {
-                weight: DenseWeight::new(weight)?,
+                weight: DenseWeight::new(&weight),
                 bias,
             }),
         }
@@ -136,7 +138,7 @@ impl Linear {
         let layer = Self::load(w, prefix, quant)?;
         match &layer {
             Linear::Dense { weight, bias } => {
-                w.check_shape(&name, weight.weight(), &[out_features, in_features])?;
+                w.check_shape(&name, &weight.weight(), &[out_features, in_features])?;
                 if let Some(b) = bias {
                     w.check_shape(&format!("{prefix}.bias"), b, &[out_features])?;
                 }
@@ -209,7 +211,7 @@ impl Linear {
     pub fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
         match self {
             Linear::Dense { weight, bias } => {
-                out.extend(std::iter::once(&weight.weight).chain(bias.as_ref()))
+                out.extend(std::iter::once(&weight.t).chain(bias.as_ref()))
             }
             Linear::Quantized {
                 weight,
@@ -222,7 +224,7 @@ impl Linear {
                 [weight, scales, biases]
                     .into_iter()
                     .chain(bias.as_ref())
-                    .chain(expanded.as_ref().map(DenseWeight::weight)),
+                    .chain(expanded.as_ref().map(|e| &e.t)),
             ),
         }
     }
@@ -237,13 +239,17 @@ impl Linear {
     /// matmul replaces several. `None` when they differ in kind (dense vs
     /// quantized, bit width, bias or not).
     fn stack(parts: &[Linear]) -> Option<R<Linear>> {
-        let cat = |xs: Vec<&Array>| ops::concatenate(&xs, 0);
+        let cat = |xs: &[&Array]| ops::concatenate(xs, 0);
         let biases: Vec<&Array> = parts.iter().filter_map(Linear::bias).collect();
         if !biases.is_empty() && biases.len() != parts.len() {
             return None;
         }
-        let bias = (!biases.is_empty()).then(|| cat(biases));
-        let dense: Option<Vec<&Array>> = parts
+        let bias = (!biases.is_empty()).then(|| cat(&biases));
+        // The `[out, in]` weights of dense parts, stacked.
+        let stack_dense = |ws: Vec<Array>| -> R<DenseWeight> {
+            Ok(DenseWeight::new(&cat(&ws.iter().collect::<Vec<_>>())?))
+        };
+        let dense: Option<Vec<Array>> = parts
             .iter()
             .map(|p| match p {
                 Linear::Dense { weight, .. } => Some(weight.weight()),
@@ -253,7 +259,7 @@ impl Linear {
         if let Some(ws) = dense {
             return Some((|| {
                 Ok(Linear::Dense {
-                    weight: DenseWeight::new(cat(ws)?)?,
+                    weight: stack_dense(ws)?,
                     bias: bias.transpose()?,
                 })
             })());
@@ -284,25 +290,23 @@ impl Linear {
         }
         let (group_size, bits) = spec?;
         // Copies stack where every part keeps one (they all do, or none).
-        let expanded = es.into_iter().collect::<Option<Vec<_>>>().map(cat);
+        let expanded = es.into_iter().collect::<Option<Vec<_>>>().map(stack_dense);
         Some((|| {
             Ok(Linear::Quantized {
-                weight: cat(ws)?,
-                scales: cat(ss)?,
-                biases: cat(bs)?,
+                weight: cat(&ws)?,
+                scales: cat(&ss)?,
+                biases: cat(&bs)?,
                 bias: bias.transpose()?,
                 group_size,
                 bits,
-                expanded: expanded
-                    .map(|e| e.and_then(DenseWeight::new))
-                    .transpose()?,
+                expanded: expanded.transpose()?,
             })
         })())
     }
 
     pub fn out_features(&self) -> i32 {
         match self {
-            Linear::Dense { weight, .. } => weight.weight.dim(0),
+            Linear::Dense { weight, .. } => weight.out_features(),
             Linear::Quantized { weight, .. } => weight.dim(0),
         }
     }
@@ -438,7 +442,7 @@ impl Embedding {
 
     pub fn forward(&self, ids: &Array) -> R<Array> {
         match &self.table {
-            Linear::Dense { weight, .. } => weight.weight.take_axis(ids, 0),
+            Linear::Dense { weight, .. } => weight.weight().take_axis(ids, 0),
             Linear::Quantized {
                 weight,
                 scales,
@@ -466,7 +470,7 @@ impl Embedding {
 
     pub fn dtype(&self) -> Dtype {
         match &self.table {
-            Linear::Dense { weight, .. } => weight.weight.dtype(),
+            Linear::Dense { weight, .. } => weight.t.dtype(),
             Linear::Quantized { scales, .. } => scales.dtype(),
         }
     }
@@ -672,7 +676,7 @@ pub(crate) mod tests {
         let (weight, scales, biases) = ops::quantize(&w, 64, 4).unwrap();
         let dense = ops::dequantize(&weight, &scales, &biases, 64, 4).unwrap();
         Linear::Quantized {
-            expanded: Some(DenseWeight::new(expanded(&dense)).unwrap()),
+            expanded: Some(DenseWeight::new(&expanded(&dense))),
             weight,
             scales,
             biases,
