@@ -24,6 +24,7 @@ pub mod kv_quant;
 pub mod memory;
 pub mod prefix_cache;
 pub mod sampling;
+pub mod sequence;
 pub mod shared;
 pub mod vision;
 
@@ -37,6 +38,7 @@ pub mod paged;
 pub mod ragged;
 
 pub mod weights;
+pub mod worker;
 
 pub use cache::KvCache;
 pub use compute::ComputeDtype;
