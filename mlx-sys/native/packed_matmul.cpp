@@ -6,8 +6,14 @@
 // call whatever the number of rows (up to 8 rows share one unpacking; more
 // rows re-read the row from L1), splits the output columns over every core,
 // and has AVX2+FMA and AVX-512 paths chosen by CPUID, plus a scalar one.
-// Activations, scales and biases are fp32 (others are cast around the node);
-// each weight is dequantized as `scale * q + bias`, as MLX's `dequantize`
+// From TILED_ROWS rows (a batched step, a prefill chunk) the AVX-512 path
+// instead dequantizes each chunk of columns once into an fp32 panel and
+// multiplies register tiles of rows x columns (`span_avx512_tiled`).
+// Activations are fp32 (others are cast around the node), scales and
+// biases fp16 or fp32: the loader keeps the fp16 of GGUF files and of
+// half-precision checkpoints, since a step streams them with the weights
+// (in fp32 they are a third of its bytes at 4 bits, group 32). Each weight
+// is dequantized as `scale * q + bias` in fp32, as MLX's `dequantize`
 // does, and the sums run in fp32. With int8 activations instead (the
 // caller's choice), each row is rounded per block of 32 and multiplied by
 // integer dot products, `b * sum(x)` taken from the exact sums: as
@@ -54,8 +60,9 @@ enum Kernel { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
 struct Problem {
   const float* x;     // m x k, row-major
   const uint32_t* w;  // n x k * bits / 32
-  const float* s;     // n x k / group
-  const float* b;     // n x k / group
+  const void* s;      // n x k / group: fp16 bits (`half`) or fp32
+  const void* b;      // n x k / group, as `s`
+  bool half;
   float* y;           // m x n
   int m, n, k, group, bits;
   // Int8 activations (null for fp32 ones), from `quantize_rows`: each row
@@ -72,23 +79,44 @@ constexpr int QBLOCK = 32;  // activations per int8 scale
 inline int qpos(int i, int bits) { return bits == 4 ? (i & 1) * 16 + (i >> 1) : i; }
 
 
+// A scale or bias as fp32: fp16 bits (exact), or fp32 as it is. The x86
+// paths use F16C's `_cvtsh_ss` (`wide_f16c`).
+inline float wide(float v) { return v; }
+inline float wide(uint16_t h) {
+  float16_t v;
+  std::memcpy(&v, &h, sizeof h);
+  return float(v);
+}
+#if defined(__x86_64__)
+__attribute__((target("f16c"))) inline float wide_f16c(float v) { return v; }
+__attribute__((target("f16c"))) inline float wide_f16c(uint16_t h) { return _cvtsh_ss(h); }
+#endif
+
+// The same span for either type of scales and biases.
+#define BOTH_SCALES(NAME)                                   \
+  void NAME(const Problem& p, int o0, int o1) {             \
+    if (p.half) NAME##_as<uint16_t>(p, o0, o1);             \
+    else NAME##_as<float>(p, o0, o1);                       \
+  }
+
 // ---------------------------------------------------------------- scalar
 
-void span_scalar(const Problem& p, int o0, int o1) {
+template <typename S>
+void span_scalar_as(const Problem& p, int o0, int o1) {
   const int per_word = 32 / p.bits;
   const uint32_t mask = (1u << p.bits) - 1;
   const int words = p.k / per_word, groups = p.k / p.group;
   for (int o = o0; o < o1; ++o) {
     const uint32_t* wr = p.w + size_t(o) * words;
-    const float* sr = p.s + size_t(o) * groups;
-    const float* br = p.b + size_t(o) * groups;
+    const S* sr = static_cast<const S*>(p.s) + size_t(o) * groups;
+    const S* br = static_cast<const S*>(p.b) + size_t(o) * groups;
     for (int r = 0; r < p.m; ++r) {
       const float* xr = p.x + size_t(r) * p.k;
       float acc = 0.0f;
       for (int g = 0; g < groups; ++g) {
         for (int i = g * p.group; i < (g + 1) * p.group; ++i) {
           uint32_t q = (wr[i / per_word] >> ((i % per_word) * p.bits)) & mask;
-          acc += (sr[g] * float(q) + br[g]) * xr[i];
+          acc += (wide(sr[g]) * float(q) + wide(br[g])) * xr[i];
         }
       }
       p.y[size_t(r) * p.n + o] = acc;
@@ -99,14 +127,15 @@ void span_scalar(const Problem& p, int o0, int o1) {
 // Int8 activations: y = sum_g s_g * sum_{blocks j of g} d_j * dot(q_j, xq_j)
 // + b_g * sum(x_g). The bias term uses the exact sums, so the only error
 // is the activations' rounding to d_j / 2 each (and fp32 sums).
-void span_scalar_int8(const Problem& p, int o0, int o1) {
+template <typename S>
+void span_scalar_int8_as(const Problem& p, int o0, int o1) {
   const int per_word = 32 / p.bits;
   const uint32_t mask = (1u << p.bits) - 1;
   const int words = p.k / per_word, groups = p.k / p.group, blocks = p.k / QBLOCK;
   for (int o = o0; o < o1; ++o) {
     const uint32_t* wr = p.w + size_t(o) * words;
-    const float* sr = p.s + size_t(o) * groups;
-    const float* br = p.b + size_t(o) * groups;
+    const S* sr = static_cast<const S*>(p.s) + size_t(o) * groups;
+    const S* br = static_cast<const S*>(p.b) + size_t(o) * groups;
     for (int r = 0; r < p.m; ++r) {
       const int8_t* xr = p.xq + size_t(r) * p.k;
       const float* dr = p.xd + size_t(r) * blocks * 8;
@@ -119,13 +148,17 @@ void span_scalar_int8(const Problem& p, int o0, int o1) {
           const int32_t q = (wr[e / per_word] >> ((e % per_word) * p.bits)) & mask;
           dot += q * xr[j * QBLOCK + qpos(i, p.bits)];
         }
-        acc += sr[j * QBLOCK / p.group] * dr[j * 8] * float(dot);
+        acc += wide(sr[j * QBLOCK / p.group]) * dr[j * 8] * float(dot);
       }
-      for (int g = 0; g < groups; ++g) acc += br[g] * sum[g];
+      for (int g = 0; g < groups; ++g) acc += wide(br[g]) * sum[g];
       p.y[size_t(r) * p.n + o] = acc;
     }
   }
 }
+
+BOTH_SCALES(span_scalar)
+BOTH_SCALES(span_scalar_int8)
+#undef BOTH_SCALES
 
 // Rows of x to int8 (see Problem); `xd` repeats each scale 8 times so a
 // vector of 16 lanes covering two blocks loads both.
@@ -157,7 +190,7 @@ void quantize_rows(const float* x, int m, int k, int group, int bits, int8_t* xq
 #if defined(__x86_64__)
 // `quantize_rows` with AVX-512: the same values (round to nearest even, as
 // nearbyint in the default rounding mode), group sums in fp32.
-__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void quantize_rows_avx512(
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void quantize_rows_avx512(
     const float* x, int m, int k, int group, int bits, int8_t* xq, float* xd, float* xs) {
   const int blocks = k / QBLOCK, per_group = group / QBLOCK;
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -195,7 +228,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void quantize_rows
 
 // ------------------------------------------------------------------ AVX2
 
-__attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
+__attribute__((target("avx2,fma,f16c"))) inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -206,15 +239,15 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
 // row hide the FMA latency when R is small; a group (32/64/128 weights) is
 // 4, 8 or 16 vectors of 8, so A <= 4 divides it. The loops over R and A are
 // unrolled so the accumulators stay in registers.
-template <int R, int BITS>
-__attribute__((target("avx2,fma"))) void block_avx2(const Problem& p, int o, int r0) {
+template <int R, int BITS, typename S>
+__attribute__((target("avx2,fma,f16c"))) void block_avx2(const Problem& p, int o, int r0) {
   constexpr int A = R == 1 ? 4 : R < 4 ? 2 : 1;
   constexpr int WORDS = BITS / 4;  // packed words per vector of 8 weights
   const int groups = p.k / p.group, steps = p.group / (8 * A);
   const size_t ldx = size_t(p.k);
   const uint32_t* wp = p.w + size_t(o) * (p.k * BITS / 32);
-  const float* sr = p.s + size_t(o) * groups;
-  const float* br = p.b + size_t(o) * groups;
+  const S* sr = static_cast<const S*>(p.s) + size_t(o) * groups;
+  const S* br = static_cast<const S*>(p.b) + size_t(o) * groups;
   const float* xp = p.x + size_t(r0) * ldx;
   const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
   const __m256i mask = _mm256_set1_epi32(0xF);
@@ -224,7 +257,7 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Problem& p, int o, int
 #pragma GCC unroll 4
     for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
   for (int g = 0; g < groups; ++g) {
-    const __m256 sc = _mm256_set1_ps(sr[g]), bi = _mm256_set1_ps(br[g]);
+    const __m256 sc = _mm256_set1_ps(wide_f16c(sr[g])), bi = _mm256_set1_ps(wide_f16c(br[g]));
     for (int st = 0; st < steps; ++st, wp += A * WORDS, xp += 8 * A) {
 #pragma GCC unroll 4
       for (int a = 0; a < A; ++a) {
@@ -252,8 +285,26 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Problem& p, int o, int
 
 // ---------------------------------------------------------------- AVX-512
 
-template <int R, int BITS>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void block_avx512(
+// Unpacks 16 weights of a packed row (4 or 8 bits) to int32 lanes.
+template <int BITS>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) inline __m512i unpack16(
+    const uint32_t* wp) {
+  if constexpr (BITS == 4) {
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i shifts =
+        _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    const __m128i two = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wp));
+    return _mm512_and_si512(
+        _mm512_srlv_epi32(_mm512_permutexvar_epi32(spread, _mm512_castsi128_si512(two)), shifts),
+        _mm512_set1_epi32(0xF));
+  } else {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
+  }
+}
+
+
+template <int R, int BITS, typename S>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void block_avx512(
     const Problem& p, int o, int r0) {
   // A group is 2, 4 or 8 vectors of 16.
   constexpr int A = R < 4 ? 2 : 1;
@@ -261,33 +312,20 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void block_avx512(
   const int groups = p.k / p.group, steps = p.group / (16 * A);
   const size_t ldx = size_t(p.k);
   const uint32_t* wp = p.w + size_t(o) * (p.k * BITS / 32);
-  const float* sr = p.s + size_t(o) * groups;
-  const float* br = p.b + size_t(o) * groups;
+  const S* sr = static_cast<const S*>(p.s) + size_t(o) * groups;
+  const S* br = static_cast<const S*>(p.b) + size_t(o) * groups;
   const float* xp = p.x + size_t(r0) * ldx;
-  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  const __m512i shifts =
-      _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
-  const __m512i mask = _mm512_set1_epi32(0xF);
   __m512 acc[R][A];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
     for (int a = 0; a < A; ++a) acc[r][a] = _mm512_setzero_ps();
   for (int g = 0; g < groups; ++g) {
-    const __m512 sc = _mm512_set1_ps(sr[g]), bi = _mm512_set1_ps(br[g]);
+    const __m512 sc = _mm512_set1_ps(wide_f16c(sr[g])), bi = _mm512_set1_ps(wide_f16c(br[g]));
     for (int st = 0; st < steps; ++st, wp += A * WORDS, xp += 16 * A) {
 #pragma GCC unroll 2
       for (int a = 0; a < A; ++a) {
-        __m512i q;
-        if constexpr (BITS == 4) {
-          const __m128i two = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wp + a * WORDS));
-          q = _mm512_and_si512(
-              _mm512_srlv_epi32(_mm512_permutexvar_epi32(spread, _mm512_castsi128_si512(two)), shifts),
-              mask);
-        } else {
-          q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + a * WORDS)));
-        }
-        const __m512 wv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), sc, bi);
+        const __m512 wv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(unpack16<BITS>(wp + a * WORDS)), sc, bi);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
           acc[r][a] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xp + r * ldx + 16 * a), acc[r][a]);
@@ -308,8 +346,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void block_avx512(
 // The bias term of int8 products, sum_g b_g * sum(x_g), per row: plain
 // loads in four independent sums (masked vector loads of a row's few
 // biases cost more than the row's whole product on Zen 4).
-template <int R>
-inline void bias_term(const Problem& p, const float* br, int r0, int groups, float* out) {
+template <int R, typename S>
+__attribute__((target("avx2,fma,f16c"))) inline void bias_term(const Problem& p, const S* br, int r0, int groups, float* out) {
   float sum[R][4] = {};
   int g = 0;
   for (; g + 4 <= groups; g += 4)
@@ -317,11 +355,11 @@ inline void bias_term(const Problem& p, const float* br, int r0, int groups, flo
     for (int r = 0; r < R; ++r) {
       const float* xs = p.xs + size_t(r0 + r) * groups + g;
 #pragma GCC unroll 4
-      for (int l = 0; l < 4; ++l) sum[r][l] += br[g + l] * xs[l];
+      for (int l = 0; l < 4; ++l) sum[r][l] += wide_f16c(br[g + l]) * xs[l];
     }
   for (; g < groups; ++g)
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) sum[r][0] += br[g] * p.xs[size_t(r0 + r) * groups + g];
+    for (int r = 0; r < R; ++r) sum[r][0] += wide_f16c(br[g]) * p.xs[size_t(r0 + r) * groups + g];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) out[r] = (sum[r][0] + sum[r][1]) + (sum[r][2] + sum[r][3]);
 }
@@ -330,22 +368,22 @@ inline void bias_term(const Problem& p, const float* br, int r0, int groups, flo
 // 32, unsigned weights times signed activations summed in int16 pairs
 // (vpmaddubsw, at most 2 * 15 * 127 for 4 bits) or int16 products (8 bits,
 // vpmaddwd), then scaled by s_g * d_j into fp32 lanes.
-template <int R, int BITS>
-__attribute__((target("avx2,fma"))) void block_avx2_int8(const Problem& p, int o, int r0) {
+template <int R, int BITS, typename S>
+__attribute__((target("avx2,fma,f16c"))) void block_avx2_int8(const Problem& p, int o, int r0) {
   const int groups = p.k / p.group, blocks = p.k / QBLOCK;
   const int gshift = __builtin_ctz(p.group / QBLOCK);  // block j is in group j >> gshift
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(p.w + size_t(o) * (p.k * BITS / 32));
-  const float* sr = p.s + size_t(o) * groups;
-  const float* br = p.b + size_t(o) * groups;
+  const S* sr = static_cast<const S*>(p.s) + size_t(o) * groups;
+  const S* br = static_cast<const S*>(p.b) + size_t(o) * groups;
   const __m256i low = _mm256_set1_epi8(0xF);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   float tail[R];
-  bias_term<R>(p, br, r0, groups, tail);
+  bias_term<R, S>(p, br, r0, groups, tail);
   for (int j = 0; j < blocks; ++j, wp += QBLOCK * BITS / 8) {
-    const float s = sr[j >> gshift];
+    const float s = wide_f16c(sr[j >> gshift]);
     __m256i q0, q1;
     if constexpr (BITS == 4) {
       const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp));
@@ -380,26 +418,26 @@ __attribute__((target("avx2,fma"))) void block_avx2_int8(const Problem& p, int o
 // pair of blocks is 32 bytes [P0, P1]; lanes [P0, P0, P1, P1], the odd
 // lanes shifted by a nibble and all masked to 4 bits, are block 0's even
 // and odd elements then block 1's: the order of the int8 copy.
-template <int R, int BITS>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"))) void block_avx512_int8(
+template <int R, int BITS, typename S>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) void block_avx512_int8(
     const Problem& p, int o, int r0) {
   const int groups = p.k / p.group, blocks = p.k / QBLOCK;
   const int gshift = __builtin_ctz(p.group / QBLOCK);  // block j is in group j >> gshift
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(p.w + size_t(o) * (p.k * BITS / 32));
-  const float* sr = p.s + size_t(o) * groups;
-  const float* br = p.b + size_t(o) * groups;
+  const S* sr = static_cast<const S*>(p.s) + size_t(o) * groups;
+  const S* br = static_cast<const S*>(p.b) + size_t(o) * groups;
   const __m512i low = _mm512_set1_epi8(0xF);
   const __m512i nibble = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
   __m512 acc[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   float tail[R];
-  bias_term<R>(p, br, r0, groups, tail);
+  bias_term<R, S>(p, br, r0, groups, tail);
   int j = 0;
   for (; j + 2 <= blocks; j += 2, wp += 2 * QBLOCK * BITS / 8) {
     const __m512 sv = _mm512_castpd_ps(
-        _mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(sr[j >> gshift])),
-                           _mm256_castps_pd(_mm256_set1_ps(sr[(j + 1) >> gshift])), 1));
+        _mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(wide_f16c(sr[j >> gshift]))),
+                           _mm256_castps_pd(_mm256_set1_ps(wide_f16c(sr[(j + 1) >> gshift]))), 1));
     __m512i q;
     if constexpr (BITS == 4) {
       const __m512i two = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp)));
@@ -418,7 +456,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"))) void bl
     }
   }
   if (j < blocks) {  // an odd number of blocks: the last one alone
-    const float s = sr[j >> gshift];
+    const float s = wide_f16c(sr[j >> gshift]);
     __m256i q;
     if constexpr (BITS == 4) {
       const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp));
@@ -446,26 +484,31 @@ constexpr int ROW_BLOCK = 8;
 // packed row of `o` is read from memory once and stays in L1 for the next
 // block.
 #define DEFINE_SPAN(NAME, BLOCK)                                            \
-  template <int BITS>                                                       \
+  template <int BITS, typename S>                                           \
   void NAME##_bits(const Problem& p, int o0, int o1) {                      \
     for (int o = o0; o < o1; ++o) {                                         \
       for (int r0 = 0; r0 < p.m; r0 += ROW_BLOCK) {                         \
         switch (std::min(ROW_BLOCK, p.m - r0)) {                            \
-          case 1: BLOCK<1, BITS>(p, o, r0); break;                          \
-          case 2: BLOCK<2, BITS>(p, o, r0); break;                          \
-          case 3: BLOCK<3, BITS>(p, o, r0); break;                          \
-          case 4: BLOCK<4, BITS>(p, o, r0); break;                          \
-          case 5: BLOCK<5, BITS>(p, o, r0); break;                          \
-          case 6: BLOCK<6, BITS>(p, o, r0); break;                          \
-          case 7: BLOCK<7, BITS>(p, o, r0); break;                          \
-          default: BLOCK<8, BITS>(p, o, r0); break;                         \
+          case 1: BLOCK<1, BITS, S>(p, o, r0); break;                          \
+          case 2: BLOCK<2, BITS, S>(p, o, r0); break;                          \
+          case 3: BLOCK<3, BITS, S>(p, o, r0); break;                          \
+          case 4: BLOCK<4, BITS, S>(p, o, r0); break;                          \
+          case 5: BLOCK<5, BITS, S>(p, o, r0); break;                          \
+          case 6: BLOCK<6, BITS, S>(p, o, r0); break;                          \
+          case 7: BLOCK<7, BITS, S>(p, o, r0); break;                          \
+          default: BLOCK<8, BITS, S>(p, o, r0); break;                         \
         }                                                                   \
       }                                                                     \
     }                                                                       \
   }                                                                         \
   void NAME(const Problem& p, int o0, int o1) {                             \
-    if (p.bits == 4) NAME##_bits<4>(p, o0, o1);                             \
-    else NAME##_bits<8>(p, o0, o1);                                         \
+    if (p.half) {                                                           \
+      if (p.bits == 4) NAME##_bits<4, uint16_t>(p, o0, o1);                 \
+      else NAME##_bits<8, uint16_t>(p, o0, o1);                             \
+    } else {                                                                \
+      if (p.bits == 4) NAME##_bits<4, float>(p, o0, o1);                    \
+      else NAME##_bits<8, float>(p, o0, o1);                                \
+    }                                                                       \
   }
 
 DEFINE_SPAN(span_avx2, block_avx2)
@@ -473,11 +516,114 @@ DEFINE_SPAN(span_avx512, block_avx512)
 DEFINE_SPAN(span_avx2_int8, block_avx2_int8)
 DEFINE_SPAN(span_avx512_int8, block_avx512_int8)
 #undef DEFINE_SPAN
+
+// ------------------------------------------------- many rows: register tiles
+
+// From this many rows on, the AVX-512 path dequantizes each chunk of
+// output columns once into an fp32 panel (in L2) and multiplies it by tiles
+// of TILE_R rows x TILE_C columns: each panel vector loaded serves TILE_R
+// rows and each activation vector TILE_C columns, where the per-column
+// kernel above re-reads every row of x from L2 for each column.
+constexpr int TILED_ROWS = 16;
+// TILED_ROWS, or GATEWAY_CPU_TILED_ROWS (for benchmarks).
+int tiled_rows() {
+  static const int rows = [] {
+    const char* s = std::getenv("GATEWAY_CPU_TILED_ROWS");
+    return s && std::atoi(s) > 0 ? std::atoi(s) : TILED_ROWS;
+  }();
+  return rows;
+}
+constexpr int TILE_R = 6, TILE_C = 4;
+constexpr int PANEL = 16;  // columns per panel, a multiple of TILE_C
+
+// Columns o..o+cols of the weights as fp32 rows of `panel` (k each, as
+// MLX's `dequantize` makes them); rows cols..PANEL are zero.
+template <int BITS, typename S>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void dequantize_panel(
+    const Problem& p, int o, int cols, float* panel) {
+  const int groups = p.k / p.group, per_group = p.group / 16;
+  for (int c = 0; c < cols; ++c) {
+    const uint32_t* wp = p.w + size_t(o + c) * (p.k * BITS / 32);
+    const S* sr = static_cast<const S*>(p.s) + size_t(o + c) * groups;
+    const S* br = static_cast<const S*>(p.b) + size_t(o + c) * groups;
+    float* row = panel + size_t(c) * p.k;
+    for (int g = 0; g < groups; ++g) {
+      const __m512 sc = _mm512_set1_ps(wide_f16c(sr[g])), bi = _mm512_set1_ps(wide_f16c(br[g]));
+      for (int v = 0; v < per_group; ++v, wp += BITS / 2, row += 16)
+        _mm512_storeu_ps(row, _mm512_fmadd_ps(_mm512_cvtepi32_ps(unpack16<BITS>(wp)), sc, bi));
+    }
+  }
+  std::memset(panel + size_t(cols) * p.k, 0, sizeof(float) * size_t(PANEL - cols) * p.k);
+}
+
+// y[r][c] = x[r] . panel[c] for R rows and TILE_C panel rows, the first
+// `cols` of them stored.
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void tile_avx512(
+    const float* x, const float* panel, int k, float* y, size_t ldy, int cols) {
+  __m512 acc[R][TILE_C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < TILE_C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int i = 0; i < k; i += 16) {
+    __m512 wv[TILE_C];
+#pragma GCC unroll 4
+    for (int c = 0; c < TILE_C; ++c) wv[c] = _mm512_loadu_ps(panel + size_t(c) * k + i);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + size_t(r) * k + i);
+#pragma GCC unroll 4
+      for (int c = 0; c < TILE_C; ++c) acc[r][c] = _mm512_fmadd_ps(wv[c], xv, acc[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < cols; ++c) y[size_t(r) * ldy + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+template <int BITS, typename S>
+void span_avx512_tiled_as(const Problem& p, int o0, int o1) {
+  thread_local std::vector<float> panel;
+  panel.resize(size_t(PANEL) * p.k);
+  for (int o = o0; o < o1; o += PANEL) {
+    const int cols = std::min(PANEL, o1 - o);
+    dequantize_panel<BITS, S>(p, o, cols, panel.data());
+    for (int r0 = 0; r0 < p.m; r0 += TILE_R) {
+      const float* x = p.x + size_t(r0) * p.k;
+      for (int c0 = 0; c0 < cols; c0 += TILE_C) {
+        const float* pc = panel.data() + size_t(c0) * p.k;
+        float* y = p.y + size_t(r0) * p.n + o + c0;
+        const int nc = std::min(TILE_C, cols - c0);
+        switch (std::min(TILE_R, p.m - r0)) {
+          case 1: tile_avx512<1>(x, pc, p.k, y, p.n, nc); break;
+          case 2: tile_avx512<2>(x, pc, p.k, y, p.n, nc); break;
+          case 3: tile_avx512<3>(x, pc, p.k, y, p.n, nc); break;
+          case 4: tile_avx512<4>(x, pc, p.k, y, p.n, nc); break;
+          case 5: tile_avx512<5>(x, pc, p.k, y, p.n, nc); break;
+          default: tile_avx512<6>(x, pc, p.k, y, p.n, nc); break;
+        }
+      }
+    }
+  }
+}
+
+void span_avx512_tiled(const Problem& p, int o0, int o1) {
+  if (p.half) {
+    if (p.bits == 4) span_avx512_tiled_as<4, uint16_t>(p, o0, o1);
+    else span_avx512_tiled_as<8, uint16_t>(p, o0, o1);
+  } else {
+    if (p.bits == 4) span_avx512_tiled_as<4, float>(p, o0, o1);
+    else span_avx512_tiled_as<8, float>(p, o0, o1);
+  }
+}
 #endif  // __x86_64__
 
 int best_kernel() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
+  // F16C reads the fp16 scales and biases (every AVX2 CPU has it).
+  if (!__builtin_cpu_supports("f16c")) return SCALAR;
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl"))
     return AVX512;
@@ -633,14 +779,18 @@ void compute(const Problem& p, int kernel) {
     if (kernel == AVX512 && vnni) span = span_avx512_int8;
     else if (kernel >= AVX2) span = span_avx2_int8;
   } else {
-    if (kernel == AVX512) span = span_avx512;
+    if (kernel == AVX512) span = p.m >= tiled_rows() ? span_avx512_tiled : span_avx512;
     if (kernel == AVX2) span = span_avx2;
   }
 #endif
   Pool& pool = Pool::get();
   // Chunks taken in turn, so a thread slowed by other work on its core
-  // takes fewer.
-  pool.run(p, span, std::max(4, p.n / (pool.threads() * 8)));
+  // takes fewer; whole panels for the tiled span.
+  int chunk = std::max(4, p.n / (pool.threads() * 8));
+#if defined(__x86_64__)
+  if (span == span_avx512_tiled) chunk = (chunk + PANEL - 1) / PANEL * PANEL;
+#endif
+  pool.run(p, span, chunk);
 }
 
 // ---------------------------------------------------------------- primitive
@@ -669,8 +819,9 @@ class PackedMatmul : public UnaryPrimitive {
     const int k = x.shape(-1);
     Problem p{nullptr,
               w.data<uint32_t>(),
-              s.data<float>(),
-              b.data<float>(),
+              s.data<void>(),
+              b.data<void>(),
+              s.dtype() == float16,
               out.data<float>(),
               int(x.size() / k),
               int(w.shape(0)),
@@ -762,10 +913,13 @@ array packed_matmul(array x, array w, array scales, array biases, int group, int
   const Dtype dtype = x.dtype();
   if (!issubdtype(dtype, floating)) throw std::invalid_argument("x must be floating point");
   auto f32 = [&](const array& a) { return a.dtype() == float32 ? a : astype(a, float32, s); };
+  // Scales and biases are read as fp16 or fp32 (others are widened).
+  const Dtype sdtype = scales.dtype() == float16 ? float16 : float32;
+  auto as_scales = [&](const array& a) { return a.dtype() == sdtype ? a : astype(a, sdtype, s); };
   Shape shape = x.shape();
   shape.back() = n;
   array y(std::move(shape), float32, std::make_shared<PackedMatmul>(s, group, bits, kernel, activation_bits == 8),
-          {f32(x), w, f32(scales), f32(biases)});
+          {f32(x), w, as_scales(scales), as_scales(biases)});
   return dtype == float32 ? y : astype(y, dtype, s);
 }
 }  // namespace

@@ -356,7 +356,7 @@ enum Mask {
 
 fn grammar_masks(rows: &mut [Row], vocab: usize) -> Vec<Mask> {
     rows.iter_mut()
-        .map(|row| match row.constraint.as_mut() {
+        .map(|row| match row.seq.constraint.as_mut() {
             None => Mask::Free,
             Some(c) => match c.allowed() {
                 Some(allowed) => Mask::Allowed(sampling::allowed_mask(&allowed.to_bools(vocab))),
@@ -377,10 +377,10 @@ fn sample_rows(
 ) -> anyhow::Result<(Array, Vec<(usize, Array)>)> {
     let greedy = rows
         .iter()
-        .any(|r| r.plain_greedy())
+        .any(|r| r.seq.plain_greedy())
         .then(|| ops::indexing::argmax_axis(logits, -1, None))
         .transpose()?;
-    if rows.iter().all(Row::plain_greedy) {
+    if rows.iter().all(|r| r.seq.plain_greedy()) {
         // One op for the whole batch instead of a gather per row.
         return Ok((greedy.unwrap().as_dtype(Dtype::Uint32)?, Vec::new()));
     }
@@ -388,7 +388,7 @@ fn sample_rows(
     let mut lps = Vec::new();
     for (i, row) in rows.iter_mut().enumerate() {
         let idx = Array::from_slice(&[i as i32], &[1]);
-        if row.plain_greedy() {
+        if row.seq.plain_greedy() {
             picks.push(
                 greedy
                     .as_ref()
@@ -399,12 +399,12 @@ fn sample_rows(
         } else {
             let l = logits.take_axis(&idx, 0)?;
             let pick = match &masks[i] {
-                Mask::Allowed(allowed) => row.sampler.sample_within(&l, allowed)?,
+                Mask::Allowed(allowed) => row.seq.sampler.sample_within(&l, allowed)?,
                 // An ended row's pick is never read.
-                Mask::Free | Mask::Over => row.sampler.sample(&l)?,
+                Mask::Free | Mask::Over => row.seq.sampler.sample(&l)?,
             };
             picks.push(pick.as_dtype(Dtype::Uint32)?);
-            if row.wants_logprobs() {
+            if row.seq.wants_logprobs() {
                 lps.push((i, logprob_source(row, &l)?));
             }
         }
@@ -415,7 +415,7 @@ fn sample_rows(
 /// Log-probabilities the row's logprobs are reported from (after bias and
 /// penalties, before temperature and truncation).
 fn logprob_source(row: &Row, logits: &Array) -> anyhow::Result<Array> {
-    Ok(sampling::log_softmax(&row.sampler.adjust(logits)?)?.reshape(&[-1])?)
+    Ok(sampling::log_softmax(&row.seq.sampler.adjust(logits)?)?.reshape(&[-1])?)
 }
 
 fn read_logprobs(lp: Option<&Array>, token: u32, top: u32) -> (Option<f32>, Vec<(u32, f32)>) {

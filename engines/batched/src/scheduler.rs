@@ -28,10 +28,9 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, TryRecvError};
 use engine_core::{FinishReason, RequestId, StreamError, TokenEvent};
-use runtime::emit::Emitter;
 use runtime::handover::Handover;
-use runtime::sampling::Sampler;
-use runtime::{memory, vision};
+use runtime::memory;
+use runtime::sequence::{self, Sequence};
 
 use crate::admit::Candidate;
 use crate::config::StepLimits;
@@ -258,39 +257,13 @@ impl<D: Device> Scheduler<D> {
     }
 
     fn adopt(&mut self, h: Handover) {
-        let active = Active::take(&self.stats);
-        let generated = h.generated.clone();
-        let mut out = Emitter::resume(h.request, h.events, h.generated, h.cached_tokens);
-        let vocab = self.device.vocab();
-        // Past the tokens drawn so far: penalties count them, and a seeded
-        // request goes on with the keys plain sampling would use.
-        let sampler = Sampler::new(&out.request.sampling, vocab, &out.request.prompt)
-            .and_then(|mut s| s.advance(&generated).map(|()| s));
-        let sampler = match sampler {
-            Ok(s) => s,
-            Err(e) => {
-                return out.fail(StreamError::Internal(format!(
-                    "cannot continue the request: {e}"
-                )))
-            }
+        let Some((seq, cache, last_token)) = Sequence::resume(h, self.device.vocab()) else {
+            return;
         };
-        if out.request.grammar.is_some() {
-            // The grammar's state stays with the engine that started it.
-            return out.fail(StreamError::Internal(
-                "a constrained sequence cannot be handed over".into(),
-            ));
-        }
-        let row = Row {
-            out,
-            sampler,
-            reservation: h.reservation,
-            active,
-            last_token: h.last_token,
-            constraint: None,
-        };
+        let row = Row::new(seq, Active::take(&self.stats), last_token);
         let joined = self
             .device
-            .adopted(h.cache)
+            .adopted(cache)
             .and_then(|cache| self.join_batch(vec![row], cache));
         if let Err(e) = joined {
             tracing::error!(error = %e, "adopting a handed-over sequence failed");
@@ -323,9 +296,9 @@ impl<D: Device> Scheduler<D> {
         let (Some(batch), row) = (self.batch.as_ref(), &self.rows[i]) else {
             return;
         };
-        if self.device.wants(row.context_len()) {
+        if self.device.wants(row.seq.context_len()) {
             let scope = row.request().cache_scope.as_deref();
-            self.device.keep(scope, &row.context(), batch, Some(i));
+            self.device.keep(scope, &row.seq.context(), batch, Some(i));
         }
     }
 
@@ -411,7 +384,7 @@ impl<D: Device> Scheduler<D> {
                 target: p.tokens.len(),
             })
             .collect();
-        let preempted: Vec<usize> = self.preempted.iter().map(Row::context_len).collect();
+        let preempted: Vec<usize> = self.preempted.iter().map(|r| r.seq.context_len()).collect();
         let device = &self.device;
         let pool = device.pool();
         let waiting = self.waiting.iter().map(|w| Candidate {
@@ -440,7 +413,7 @@ impl<D: Device> Scheduler<D> {
             None => return chunks,
             Some(Admit::Rejoin { tokens }) => {
                 let row = self.preempted.pop_front().expect("a preempted row");
-                let context = row.context();
+                let context = row.seq.context();
                 let hit = self
                     .device
                     .lookup(row.request().cache_scope.as_deref(), &context);
@@ -486,39 +459,21 @@ impl<D: Device> Scheduler<D> {
             // Counted active before it leaves the queue: never idle between.
             let active = Active::take(&self.stats);
             self.stats.dequeued();
-            let vocab = self.device.vocab();
-            let mut out = Emitter::new(w.request, w.events);
-            let sampler = match Sampler::new(&out.request.sampling, vocab, &out.request.prompt) {
-                Ok(s) => s,
-                Err(e) => {
-                    let id = out.request.id;
-                    out.fail(StreamError::Invalid(format!(
-                        "{id}: invalid sampling parameters: {e}"
-                    )));
-                    continue;
-                }
-            };
-            let constraint = match out.request.grammar.as_ref().map(|g| self.device.grammar(g)) {
-                None => None,
-                Some(Ok(c)) => Some(c),
-                Some(Err(e)) => {
-                    let id = out.request.id;
-                    out.fail(StreamError::Invalid(format!("{id}: {e}")));
-                    continue;
-                }
+            let device = &self.device;
+            let Some(seq) =
+                Sequence::start(w.request, w.events, reservation, device.vocab(), |g| {
+                    device.grammar(g)
+                })
+            else {
+                continue;
             };
             let hit = self
                 .device
-                .lookup(out.request.cache_scope.as_deref(), &out.request.prompt);
-            out.set_cached_tokens(hit.as_ref().map_or(0, |(_, n)| *n as u32));
-            let row = Row {
-                out,
-                sampler,
-                reservation,
-                active,
-                last_token: 0,
-                constraint,
-            };
+                .lookup(seq.request().cache_scope.as_deref(), &seq.request().prompt);
+            let mut row = Row::new(seq, active, 0);
+            row.seq
+                .out
+                .set_cached_tokens(hit.as_ref().map_or(0, |(_, n)| *n as u32));
             return Some((row, hit));
         }
     }
@@ -602,16 +557,11 @@ impl<D: Device> Scheduler<D> {
     /// whether it completed (joined the batch or finished).
     fn prefill_chunk(&mut self, i: usize, tokens: usize) -> anyhow::Result<bool> {
         let p = &mut self.catching_up[i];
-        let mut end = (p.done + tokens).min(p.tokens.len());
-        // A hybrid model's prefix snapshot needs a chunk to end there.
         let snapshot = self.device.snapshot_at(p.row.request().prompt.len());
-        if let Some(at) = snapshot.filter(|&at| p.done < at && at < end) {
-            end = at;
-        }
-        // An image whose tokens attend both ways is prefilled in one chunk.
-        let end = vision::chunk_end(&p.row.request().images, p.done, end);
+        let end = (p.done + tokens).min(p.tokens.len());
+        let end = sequence::chunk_end(p.row.request(), p.done, end, snapshot);
         // A preempted row's next input is its newest token: no pick.
-        let pick = end == p.tokens.len() && p.row.out.generated() == 0;
+        let pick = end == p.tokens.len() && p.row.seq.out.generated() == 0;
         let chunk = &p.tokens[p.done..end];
         let picks = self
             .device
@@ -664,7 +614,7 @@ impl<D: Device> Scheduler<D> {
         if self.batch.is_none() {
             return Ok(());
         }
-        let pipelined = self.pipeline && self.rows.iter().all(Row::pipelines);
+        let pipelined = self.pipeline && self.rows.iter().all(|r| r.seq.pipelines());
         // Nothing is queued behind a step that ends every row by length,
         // or once pipelining stopped (a constrained row joined).
         let rows = &self.rows;
@@ -741,7 +691,7 @@ impl<D: Device> Scheduler<D> {
     /// The figures `load()` reports that the scheduler counts (rows count
     /// themselves active).
     fn publish(&self) {
-        let blocks: usize = self.started().map(|r| r.reservation.blocks()).sum();
+        let blocks: usize = self.started().map(|r| r.seq.blocks()).sum();
         self.stats.kv_blocks.store(blocks, Ordering::Release);
     }
 
@@ -800,17 +750,9 @@ impl<D: Device> Scheduler<D> {
                     w.cancel();
                 }
                 Msg::Adopt(h) => {
-                    let Handover {
-                        request,
-                        events,
-                        generated,
-                        cached_tokens,
-                        reservation,
-                        ..
-                    } = *h;
-                    drop(reservation);
-                    Emitter::resume(request, events, generated, cached_tokens)
-                        .finish(FinishReason::Cancelled, None);
+                    if let Some((mut seq, ..)) = Sequence::resume(*h, self.device.vocab()) {
+                        seq.finish(FinishReason::Cancelled, None);
+                    }
                 }
                 _ => {}
             }
@@ -845,31 +787,22 @@ fn oom_backoff(streak: u32) -> Duration {
 /// is read, as far as the host knows before reading it: a row the step
 /// does not cover, or one with more than one token left.
 fn continues_after(rows: &[Row], picked: usize) -> bool {
-    rows.len() > picked || rows[..picked].iter().any(|r| r.tokens_left() > 1)
+    rows.len() > picked || rows[..picked].iter().any(|r| r.seq.tokens_left() > 1)
 }
 
-/// Records each row's pick (penalty counts, stream, counts, grammar);
-/// returns the rows that finished. A constrained row ends with `Stop`
-/// where its grammar is complete or allows nothing more, keeping the
-/// output so far.
+/// Hands each row its pick (see [`Sequence::accept`]); returns the rows
+/// that finished.
 fn land(rows: &mut [Row], picks: Vec<Pick>) -> anyhow::Result<Vec<(usize, FinishReason)>> {
     let mut finished = Vec::new();
     for (i, (row, pick)) in rows.iter_mut().zip(picks).enumerate() {
-        let t = pick.token;
-        if pick.grammar_over || row.constraint.as_ref().is_some_and(|c| c.is_end(t)) {
-            finished.push((i, FinishReason::Stop));
-            continue;
-        }
-        row.sampler.observe(t)?;
         let token = TokenEvent {
-            id: t,
+            id: pick.token,
             logprob: pick.logprob,
             top_logprobs: pick.top_logprobs,
         };
-        if let Some(reason) = row.accept(token) {
+        row.last_token = pick.token;
+        if let Some(reason) = row.seq.accept(token, pick.grammar_over)? {
             finished.push((i, reason));
-        } else if row.constraint.as_mut().is_some_and(|c| !c.commit(t)) {
-            finished.push((i, FinishReason::Stop));
         }
     }
     Ok(finished)

@@ -45,6 +45,21 @@ pub struct Needs {
     pub in_flight: usize,
 }
 
+impl GenerateRequest {
+    /// What this request needs of an engine, with `in_flight` other
+    /// requests beside it ([`Capabilities::accepts`]).
+    pub fn needs(&self, in_flight: usize) -> Needs {
+        Needs {
+            plain_greedy: self.is_plain_greedy(),
+            tools: self.has_tools,
+            images: !self.images.is_empty(),
+            grammar: self.grammar.is_some(),
+            logprobs: self.sampling.logprobs,
+            in_flight,
+        }
+    }
+}
+
 /// Why an engine may not take a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum Unsupported {

@@ -10,9 +10,11 @@ pub mod request;
 
 pub use engine::{Capabilities, Engine, EngineError, EngineLoad, Needs, Refusal, Unsupported};
 pub use event::{
-    Event, EventSender, EventStream, Finish, FinishReason, SpecStats, StreamError, TokenEvent,
+    Event, EventSender, EventSink, EventStream, Finish, FinishReason, SpecStats, StreamError,
+    TokenEvent,
 };
-pub use plugin::EngineContext;
+pub use plugin::{EngineContext, ModelFacts, TokenizerSource};
 pub use request::{
-    CancelToken, GenerateRequest, Grammar, ImageInput, RequestId, SamplingDefaults, SamplingParams,
+    CancelFlag, CancelToken, GenerateRequest, Grammar, ImageInput, RequestId, SamplingDefaults,
+    SamplingParams,
 };

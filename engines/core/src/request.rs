@@ -7,9 +7,6 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::engine::Needs;
-use crate::plugin::handles::ForeignCancel;
-
 /// Process-unique request id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(transparent)]
@@ -29,20 +26,30 @@ impl std::fmt::Display for RequestId {
 }
 
 /// Set by whoever wants the request stopped (client disconnect, stop string,
-/// shutdown); engines check it between steps. A token that crossed the
-/// plugin boundary reads and sets the host's flag through C calls.
+/// shutdown); engines check it between steps.
 #[derive(Clone)]
-pub struct CancelToken(pub(crate) Flag);
+pub struct CancelToken(Arc<dyn CancelFlag>);
 
-#[derive(Clone)]
-pub(crate) enum Flag {
-    Local(Arc<AtomicBool>),
-    Foreign(Arc<ForeignCancel>),
+/// The flag behind a [`CancelToken`]: an atomic in this image, or the
+/// host's through C for an engine in a plugin (`plugin::handles`).
+pub trait CancelFlag: Send + Sync {
+    fn cancel(&self);
+    fn is_cancelled(&self) -> bool;
+}
+
+impl CancelFlag for AtomicBool {
+    fn cancel(&self) {
+        self.store(true, Ordering::Release)
+    }
+
+    fn is_cancelled(&self) -> bool {
+        self.load(Ordering::Acquire)
+    }
 }
 
 impl Default for CancelToken {
     fn default() -> Self {
-        CancelToken(Flag::Local(Arc::default()))
+        Self::with_flag(AtomicBool::new(false))
     }
 }
 
@@ -56,17 +63,17 @@ impl CancelToken {
     pub fn new() -> Self {
         Self::default()
     }
-    pub fn cancel(&self) {
-        match &self.0 {
-            Flag::Local(flag) => flag.store(true, Ordering::Release),
-            Flag::Foreign(flag) => flag.cancel(),
-        }
+
+    pub fn with_flag(flag: impl CancelFlag + 'static) -> Self {
+        CancelToken(Arc::new(flag))
     }
+
+    pub fn cancel(&self) {
+        self.0.cancel()
+    }
+
     pub fn is_cancelled(&self) -> bool {
-        match &self.0 {
-            Flag::Local(flag) => flag.load(Ordering::Acquire),
-            Flag::Foreign(flag) => flag.is_cancelled(),
-        }
+        self.0.is_cancelled()
     }
 }
 
@@ -168,8 +175,10 @@ impl SamplingParams {
     }
 }
 
-/// A validated generation request. It crosses the plugin boundary as JSON;
-/// its cancel token crosses beside it as a C handle.
+/// A validated generation request. It crosses the plugin boundary as JSON,
+/// its images' embeddings and its cancel token beside it in C form
+/// (`plugin::wire`). A field added later carries `#[serde(default)]`, so
+/// plugins built before it and after it still read each other's requests.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct GenerateRequest {
     pub id: RequestId,
@@ -225,12 +234,14 @@ pub enum Grammar {
 /// One image in the prompt: the prompt positions `[start, start + tokens)`
 /// hold its soft-token placeholders, whose input embeddings engines replace
 /// with `embeddings` (`tokens` rows of `width` floats, in the text model's
-/// embedding units). Plain data, so it crosses the plugin boundary as is.
+/// embedding units).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ImageInput {
     pub start: u32,
     pub tokens: u32,
     pub width: u32,
+    /// Crosses the plugin boundary as floats, not JSON (`plugin::wire`).
+    #[serde(skip)]
     pub embeddings: Arc<Vec<f32>>,
     /// The image's tokens attend to each other in both directions during
     /// prefill (Hugging Face's rule; the model decides on which layers:
@@ -260,19 +271,6 @@ impl GenerateRequest {
             && s.seed.is_none()
             && !s.has_penalties()
             && !s.logprobs
-    }
-
-    /// What this request needs of an engine, with `in_flight` other
-    /// requests beside it ([`crate::Capabilities::accepts`]).
-    pub fn needs(&self, in_flight: usize) -> Needs {
-        Needs {
-            plain_greedy: self.is_plain_greedy(),
-            tools: self.has_tools,
-            images: !self.images.is_empty(),
-            grammar: self.grammar.is_some(),
-            logprobs: self.sampling.logprobs,
-            in_flight,
-        }
     }
 
     pub fn new(prompt: Vec<u32>, max_tokens: u32) -> Self {

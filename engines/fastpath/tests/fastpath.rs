@@ -53,6 +53,7 @@ fn setup_apart() -> Setup {
         name: name.into(),
         config: serde_yaml::Value::Null,
         config_dir: dir.path().to_owned(),
+        model: Some(shared.facts()),
         // SAFETY: the tables live for the process.
         shared: unsafe { SharedHandle::from_ptr(tables) },
     };

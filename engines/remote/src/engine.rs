@@ -21,8 +21,8 @@ use crate::health::Checker;
 use crate::pool::{Pool, Upstream};
 use crate::wire;
 
-/// What the engine needs from the host's shared model.
-pub struct ModelFacts {
+/// The served model as the engine uses it: its name and its own tokenizer.
+pub struct ServedModel {
     /// The name this gateway serves the model under.
     pub name: String,
     pub tokenizer: Arc<text::Tokenizer>,
@@ -38,15 +38,29 @@ pub struct RemoteEngine {
 }
 
 impl RemoteEngine {
-    /// The plugin's constructor (logging is installed by `export_engine!`).
-    pub fn from_context(ctx: EngineContext, model: ModelFacts) -> Result<Self, String> {
+    /// The plugin's constructor (logging is installed by `export_engine!`):
+    /// the served model's name and tokenizer come in the context.
+    pub fn from_context(ctx: EngineContext) -> Result<Self, String> {
         let config = RemoteConfig::from_yaml(&ctx.config)?;
+        let facts = ctx
+            .model
+            .ok_or("remote engine: the gateway serves no model to name")?;
+        // Our own tokenizer, loaded from the same files: the host's encodes
+        // through its copy of the regex library (onig), whose encoding
+        // tables are per-copy globals that this plugin's copy does not
+        // recognise.
+        let tokenizer = text::Tokenizer::load(&facts.tokenizer)
+            .map_err(|e| format!("remote engine: cannot load the model's tokenizer: {e}"))?;
+        let model = ServedModel {
+            name: facts.name,
+            tokenizer: Arc::new(tokenizer),
+        };
         Self::new(ctx.name, config, model)
     }
 
     /// Builds the pool and checks every upstream once before returning, so
     /// the first request already knows which are up.
-    pub fn new(name: String, config: RemoteConfig, model: ModelFacts) -> Result<Self, String> {
+    pub fn new(name: String, config: RemoteConfig, model: ServedModel) -> Result<Self, String> {
         let upstreams = config
             .upstream_configs()
             .iter()

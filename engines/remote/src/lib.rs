@@ -19,4 +19,4 @@ pub mod pool;
 pub mod wire;
 
 pub use config::{Protocol, RemoteConfig};
-pub use engine::{ModelFacts, RemoteEngine};
+pub use engine::{RemoteEngine, ServedModel};

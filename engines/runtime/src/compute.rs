@@ -7,7 +7,8 @@
 //! fp32 at load on the CPU and keeps them elsewhere. Quantized weights'
 //! scales and biases take the compute dtype, which sets the dtype of the
 //! activations and of the KV cache. On the CPU the packed weights stay
-//! packed under `auto` (the project's kernel multiplies them) and are
+//! packed under `auto` (the project's kernel multiplies them, its scales
+//! and biases kept in fp16 where the checkpoint has half precision) and are
 //! expanded to fp32 under `float32` where that fits
 //! ([`ComputeDtype::expands_packed`]).
 
@@ -80,6 +81,14 @@ impl ComputeDtype {
             && dense_bytes > 0
             && on_cpu()
             && crate::memory::device_total().is_some_and(|total| dense_bytes <= total / 4)
+    }
+
+    /// Whether packed layers keep half-precision scales and biases in fp16
+    /// ([`crate::weights::Weights::keep_half_scales`]): under `auto` on the
+    /// CPU where the project's kernel takes every packed layer (so none is
+    /// expanded), as that kernel reads them.
+    pub fn keeps_half_scales(self, kernel_takes_all: bool) -> bool {
+        self == ComputeDtype::Auto && kernel_takes_all && on_cpu()
     }
 
     /// Whether, under `auto` on a GPU, the packed linears of the decoder

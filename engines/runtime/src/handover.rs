@@ -4,6 +4,8 @@
 //! stream continues uninterrupted. Across plugins the sequence travels as
 //! `abi::RawHandover` (the KV arrays as mlx-c handles).
 
+use std::sync::{Arc, RwLock};
+
 use engine_core::event::EventSender;
 use engine_core::{Event, GenerateRequest, StreamError};
 
@@ -63,9 +65,26 @@ pub trait HandoverSink: Send + Sync {
     /// Whether the sink has work of its own (running or waiting): the
     /// moment an exclusive engine should hand its sequence over.
     fn busy(&self) -> bool;
-    /// The C handle behind a sink that came through the plugin boundary.
-    #[doc(hidden)]
-    fn raw(&self) -> Option<crate::abi::RawHandoverSink> {
-        None
+}
+
+/// Where the engine that adopts handed-over sequences registers: the
+/// host's [`LocalSlot`], or the host's through C in a plugin
+/// (`abi::foreign`).
+pub trait HandoverSlot: Send + Sync {
+    fn set(&self, sink: Arc<dyn HandoverSink>);
+    fn get(&self) -> Option<Arc<dyn HandoverSink>>;
+}
+
+/// The host's slot.
+#[derive(Default)]
+pub struct LocalSlot(RwLock<Option<Arc<dyn HandoverSink>>>);
+
+impl HandoverSlot for LocalSlot {
+    fn set(&self, sink: Arc<dyn HandoverSink>) {
+        *self.0.write().unwrap_or_else(|e| e.into_inner()) = Some(sink);
+    }
+
+    fn get(&self) -> Option<Arc<dyn HandoverSink>> {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 }

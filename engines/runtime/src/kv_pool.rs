@@ -6,8 +6,8 @@
 //! engines with the sequence they cover (fast path to batched handover).
 //! Pressure is allocated / total blocks. A hybrid model's sequence also
 //! holds a recurrent state of constant size, counted as `state_blocks` more
-//! per sequence whatever its length. The host owns the count; plugins
-//! reach it through a C ledger ([`KvPool::export`] / [`KvPool::import`]).
+//! per sequence whatever its length. The host owns the count
+//! ([`LocalLedger`]); plugins reach it through C (`abi`).
 //!
 //! The prefix cache's entries hold blocks too, as *cached* reservations:
 //! they count against the total (the memory is real) but not as pressure
@@ -15,11 +15,8 @@
 //! has the cache give entries up (least recently used first), as vLLM
 //! evicts cached blocks.
 
-use std::ffi::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
-
-use crate::abi::RawKvLedger;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PoolError {
@@ -29,122 +26,96 @@ pub enum PoolError {
     Exhausted,
 }
 
-/// Who keeps the count of allocated blocks: this image (the host's pool),
-/// or the host through C calls (a plugin's view of the same pool).
-enum Ledger {
-    Local {
-        total: usize,
-        /// Every block held, cached ones included.
-        allocated: AtomicUsize,
-        /// Blocks the prefix cache holds (given up on demand).
-        cached: AtomicUsize,
-        /// Frees at least the given number of cached blocks if it can.
-        reclaim: OnceLock<Reclaim>,
-    },
-    Foreign(RawKvLedger),
-}
-
-type Reclaim = Box<dyn Fn(usize) + Send + Sync>;
-
-impl std::fmt::Debug for Ledger {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Ledger")
-            .field("total", &self.total())
-            .field("in_use", &self.allocated())
-            .finish()
-    }
-}
-
-// The host's ledger functions are thread-safe (atomics behind C calls).
-unsafe impl Send for Ledger {}
-unsafe impl Sync for Ledger {}
-
-impl Ledger {
-    fn total(&self) -> usize {
-        match self {
-            Ledger::Local { total, .. } => *total,
-            Ledger::Foreign(raw) => raw.total,
-        }
-    }
-
+/// Who keeps the count of allocated blocks: the host's pool
+/// ([`LocalLedger`]), or the host's through C in a plugin
+/// (`abi::foreign`).
+pub trait Ledger: Send + Sync {
+    fn total(&self) -> usize;
     /// Blocks held by sequences (cached ones excluded).
+    fn allocated(&self) -> usize;
+    /// Blocks the prefix cache holds (given up on demand).
+    fn cached(&self) -> usize;
+    /// Takes `blocks` if they are free, without reclaiming cached ones.
+    fn try_take(&self, blocks: usize) -> bool;
+    /// Takes `blocks`, having the prefix cache give up entries if the free
+    /// ones are too few.
+    fn try_add(&self, blocks: usize) -> bool;
+    fn release(&self, blocks: usize);
+    /// Counts `blocks` taken (`on`) or given back as the prefix cache's.
+    fn set_cached(&self, blocks: usize, on: bool);
+    /// Has `reclaim(blocks)` free at least that many cached blocks when a
+    /// reservation finds the pool full (set once).
+    fn set_reclaim(&self, reclaim: Reclaim);
+}
+
+pub type Reclaim = Box<dyn Fn(usize) + Send + Sync>;
+
+/// The host's count.
+#[derive(Default)]
+pub struct LocalLedger {
+    total: usize,
+    /// Every block held, cached ones included.
+    allocated: AtomicUsize,
+    cached: AtomicUsize,
+    reclaim: OnceLock<Reclaim>,
+}
+
+impl Ledger for LocalLedger {
+    fn total(&self) -> usize {
+        self.total
+    }
+
     fn allocated(&self) -> usize {
-        match self {
-            Ledger::Local {
-                allocated, cached, ..
-            } => allocated
-                .load(Ordering::Acquire)
-                .saturating_sub(cached.load(Ordering::Acquire)),
-            Ledger::Foreign(raw) => unsafe { (raw.allocated)(raw.ctx) },
-        }
+        self.allocated
+            .load(Ordering::Acquire)
+            .saturating_sub(self.cached.load(Ordering::Acquire))
     }
 
     fn cached(&self) -> usize {
-        match self {
-            Ledger::Local { cached, .. } => cached.load(Ordering::Acquire),
-            Ledger::Foreign(_) => 0,
-        }
+        self.cached.load(Ordering::Acquire)
     }
 
-    /// Takes `blocks` if they are free, without reclaiming cached ones.
     fn try_take(&self, blocks: usize) -> bool {
-        match self {
-            Ledger::Local {
-                total, allocated, ..
-            } => allocated
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |current| {
-                    (current + blocks <= *total).then_some(current + blocks)
-                })
-                .is_ok(),
-            Ledger::Foreign(raw) => unsafe { (raw.try_reserve)(raw.ctx, blocks) },
-        }
+        self.allocated
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |current| {
+                (current + blocks <= self.total).then_some(current + blocks)
+            })
+            .is_ok()
     }
 
-    /// Takes `blocks`, having the prefix cache give up entries if the free
-    /// ones are too few.
     fn try_add(&self, blocks: usize) -> bool {
         if self.try_take(blocks) {
             return true;
         }
-        let Ledger::Local {
-            total,
-            allocated,
-            reclaim,
-            ..
-        } = self
-        else {
+        let Some(reclaim) = self.reclaim.get() else {
             return false;
         };
-        let Some(reclaim) = reclaim.get() else {
-            return false;
-        };
-        let free = total.saturating_sub(allocated.load(Ordering::Acquire));
+        let free = self
+            .total
+            .saturating_sub(self.allocated.load(Ordering::Acquire));
         reclaim(blocks.saturating_sub(free));
         self.try_take(blocks)
     }
 
     fn release(&self, blocks: usize) {
-        match self {
-            Ledger::Local { allocated, .. } => {
-                allocated.fetch_sub(blocks, Ordering::AcqRel);
-            }
-            Ledger::Foreign(raw) => unsafe { (raw.release)(raw.ctx, blocks) },
-        }
+        self.allocated.fetch_sub(blocks, Ordering::AcqRel);
     }
 
     fn set_cached(&self, blocks: usize, on: bool) {
-        if let Ledger::Local { cached, .. } = self {
-            match on {
-                true => cached.fetch_add(blocks, Ordering::AcqRel),
-                false => cached.fetch_sub(blocks, Ordering::AcqRel),
-            };
-        }
+        match on {
+            true => self.cached.fetch_add(blocks, Ordering::AcqRel),
+            false => self.cached.fetch_sub(blocks, Ordering::AcqRel),
+        };
+    }
+
+    fn set_reclaim(&self, reclaim: Reclaim) {
+        let _ = self.reclaim.set(reclaim);
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct KvPool {
-    ledger: Arc<Ledger>,
+    ledger: Arc<dyn Ledger>,
     block_size: usize,
     bytes_per_block: usize,
     /// Blocks one sequence's recurrent state takes, on top of its tokens'.
@@ -154,20 +125,46 @@ pub struct KvPool {
     step_tokens: Option<usize>,
 }
 
+impl std::fmt::Debug for KvPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvPool")
+            .field("total", &self.total())
+            .field("in_use", &self.allocated())
+            .field("block_size", &self.block_size)
+            .finish()
+    }
+}
+
 impl KvPool {
     pub fn new(total_blocks: usize, block_size: usize, bytes_per_block: usize) -> Self {
+        let ledger = LocalLedger {
+            total: total_blocks,
+            ..LocalLedger::default()
+        };
+        Self::with_ledger(Arc::new(ledger), block_size, bytes_per_block)
+    }
+
+    /// A pool counted by `ledger` (a plugin's view of the host's).
+    pub fn with_ledger(ledger: Arc<dyn Ledger>, block_size: usize, bytes_per_block: usize) -> Self {
         Self {
-            ledger: Arc::new(Ledger::Local {
-                total: total_blocks,
-                allocated: AtomicUsize::new(0),
-                cached: AtomicUsize::new(0),
-                reclaim: OnceLock::new(),
-            }),
+            ledger,
             block_size: block_size.max(1),
             bytes_per_block,
             state_blocks: 0,
             step_tokens: None,
         }
+    }
+
+    /// Counts `blocks` of recurrent state per sequence (a view of the
+    /// host's pool takes the host's count).
+    pub fn with_state_blocks(mut self, blocks: usize) -> Self {
+        self.state_blocks = blocks;
+        self
+    }
+
+    /// The pool's count, for its C form (`abi`).
+    pub fn ledger(&self) -> &Arc<dyn Ledger> {
+        &self.ledger
     }
 
     /// Counts `bytes` of recurrent state per sequence (a hybrid model's
@@ -202,44 +199,6 @@ impl KvPool {
             block_size,
             bytes_per_block,
         )
-    }
-
-    /// This pool as a C ledger; it stays alive for the process.
-    pub fn export(&self) -> RawKvLedger {
-        unsafe extern "C" fn try_reserve(ctx: *mut c_void, blocks: usize) -> bool {
-            (*(ctx as *const Ledger)).try_add(blocks)
-        }
-        unsafe extern "C" fn release(ctx: *mut c_void, blocks: usize) {
-            (*(ctx as *const Ledger)).release(blocks)
-        }
-        unsafe extern "C" fn allocated(ctx: *mut c_void) -> usize {
-            (*(ctx as *const Ledger)).allocated()
-        }
-        RawKvLedger {
-            ctx: Arc::into_raw(self.ledger.clone()) as *mut c_void,
-            total: self.total(),
-            block_size: self.block_size,
-            bytes_per_block: self.bytes_per_block,
-            state_blocks: self.state_blocks,
-            step_tokens: self.step_tokens.unwrap_or(0),
-            try_reserve,
-            release,
-            allocated,
-        }
-    }
-
-    /// A view of the host's pool.
-    ///
-    /// # Safety
-    /// `raw` came from [`KvPool::export`] and lives for the process.
-    pub unsafe fn import(raw: &RawKvLedger) -> Self {
-        Self {
-            ledger: Arc::new(Ledger::Foreign(RawKvLedger { ..*raw })),
-            block_size: raw.block_size,
-            bytes_per_block: raw.bytes_per_block,
-            state_blocks: raw.state_blocks,
-            step_tokens: (raw.step_tokens > 0).then_some(raw.step_tokens),
-        }
     }
 
     pub fn block_size(&self) -> usize {
@@ -322,9 +281,7 @@ impl KvPool {
     /// Has `reclaim(blocks)` free at least that many cached blocks when a
     /// reservation finds the pool full (the host's pool; set once).
     pub fn set_reclaim(&self, reclaim: impl Fn(usize) + Send + Sync + 'static) {
-        if let Ledger::Local { reclaim: slot, .. } = &*self.ledger {
-            let _ = slot.set(Box::new(reclaim));
-        }
+        self.ledger.set_reclaim(Box::new(reclaim));
     }
 
     /// Takes over `blocks` that another engine reserved in this pool and
@@ -340,11 +297,19 @@ impl KvPool {
 
 /// Blocks held by one request (or prefix-cache entry); returned to the
 /// pool on drop.
-#[derive(Debug)]
 pub struct Reservation {
-    ledger: Arc<Ledger>,
+    ledger: Arc<dyn Ledger>,
     blocks: usize,
     cached: bool,
+}
+
+impl std::fmt::Debug for Reservation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reservation")
+            .field("blocks", &self.blocks)
+            .field("cached", &self.cached)
+            .finish()
+    }
 }
 
 impl Reservation {
@@ -382,9 +347,6 @@ mod tests {
         assert_eq!(pool.blocks_for(1), 4);
         assert_eq!(pool.blocks_for(17), 5);
         assert_eq!(pool.blocks_for_bytes(16, 64), 4);
-        // A plugin's view of the pool counts the same.
-        let view = unsafe { KvPool::import(&pool.export()) };
-        assert_eq!(view.blocks_for(17), 5);
     }
 
     #[test]
@@ -407,21 +369,5 @@ mod tests {
         ));
         drop(b);
         assert_eq!(pool.allocated(), 0);
-    }
-
-    #[test]
-    fn an_imported_pool_shares_the_hosts_count() {
-        let host = KvPool::new(10, 16, 1024);
-        let raw = host.export();
-        let view = unsafe { KvPool::import(&raw) };
-        assert_eq!((view.total(), view.block_size()), (10, 16));
-        let r = view.try_reserve(7).unwrap();
-        assert_eq!(host.allocated(), 7);
-        assert_eq!(host.try_reserve(4).unwrap_err(), PoolError::Exhausted);
-        // Handed from the view to the host, returned once.
-        let adopted = host.adopt(r.into_blocks());
-        assert_eq!(view.allocated(), 7);
-        drop(adopted);
-        assert_eq!(view.allocated(), 0);
     }
 }

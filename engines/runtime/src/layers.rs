@@ -9,9 +9,38 @@ use crate::weights::Weights;
 
 type R<T> = Result<T, mlx_rs::error::Exception>;
 
+/// A dense `[out, in]` weight kept as its transposed view `[in, out]`, the
+/// operand a product reads, so a step's graph holds no Transpose node per
+/// product. It is a parameter like any other: evaluated at load with the
+/// rest, and in a plugin replaced by the host's array (a copy derived from
+/// the plugin's own lazy weight would load the checkpoint a second time).
+pub struct DenseWeight {
+    t: Array,
+}
+
+impl DenseWeight {
+    pub fn new(weight: &Array) -> Self {
+        Self { t: weight.t() }
+    }
+
+    /// The `[out, in]` weight (a view).
+    pub fn weight(&self) -> Array {
+        self.t.t()
+    }
+
+    fn out_features(&self) -> i32 {
+        self.t.dim(1)
+    }
+
+    /// `x @ weight.T`.
+    fn product(&self, x: &Array) -> R<Array> {
+        x.matmul(&self.t)
+    }
+}
+
 pub enum Linear {
     Dense {
-        weight: Array,
+        weight: DenseWeight,
         bias: Option<Array>,
     },
     Quantized {
@@ -25,7 +54,7 @@ pub enum Linear {
         /// ones on a GPU where that is cheap
         /// ([`crate::ComputeDtype::keeps_dense_copies`]): products of
         /// [`DEQUANTIZE_ROWS`] rows or more use it.
-        expanded: Option<Array>,
+        expanded: Option<DenseWeight>,
     },
 }
 
@@ -42,9 +71,26 @@ const DEQUANTIZE_ROWS: i32 = 4;
 
 /// Up to this many rows, a product with packed weights on the CPU runs the
 /// project's kernel ([`crate::packed`]), which reads the packed weights once
-/// for all the rows; more rows (a long prefill chunk) are dequantized and
-/// multiplied by BLAS.
+/// for all the rows; more rows (a long prefill chunk) do too where its path
+/// tiles them ([`crate::packed::tiles_many_rows`], 1.4-2.2x faster than
+/// dequantizing and BLAS's `sgemm` at 256-512 rows), and are dequantized
+/// and multiplied by BLAS elsewhere.
 const PACKED_ROWS: i32 = 64;
+
+/// `dequantize` into `dtype`, its scales and biases widened first: MLX
+/// computes `scale * q + bias` in the scales' dtype, and fp16 ones
+/// ([`Weights::keep_half_scales`]) would round each weight to fp16.
+fn dequantize_as(
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    group_size: i32,
+    bits: i32,
+    dtype: Dtype,
+) -> R<Array> {
+    let (s, b) = (scales.as_dtype(dtype)?, biases.as_dtype(dtype)?);
+    ops::dequantize(w, &s, &b, group_size, bits)
+}
 
 /// Rows of `x`: every axis but the last.
 fn rows(x: &Array) -> i32 {
@@ -65,7 +111,10 @@ impl Linear {
                 let biases = w.take(&format!("{prefix}.biases"))?;
                 let expanded = w
                     .keeps_dense_copy(prefix, &weight)
-                    .then(|| ops::dequantize(&weight, &scales, &biases, q.group_size, q.bits))
+                    .then(|| {
+                        ops::dequantize(&weight, &scales, &biases, q.group_size, q.bits)
+                            .map(|d| DenseWeight::new(&d))
+                    })
                     .transpose()?;
                 Ok(Linear::Quantized {
                     weight,
@@ -77,7 +126,10 @@ impl Linear {
                     expanded,
                 })
             }
-            _ => Ok(Linear::Dense { weight, bias }),
+            _ => Ok(Linear::Dense {
+                weight: DenseWeight::new(&weight),
+                bias,
+            }),
         }
     }
 
@@ -103,7 +155,7 @@ impl Linear {
         let layer = Self::load(w, prefix, quant)?;
         match &layer {
             Linear::Dense { weight, bias } => {
-                w.check_shape(&name, weight, &[out_features, in_features])?;
+                w.check_shape(&name, &weight.weight(), &[out_features, in_features])?;
                 if let Some(b) = bias {
                     w.check_shape(&format!("{prefix}.bias"), b, &[out_features])?;
                 }
@@ -133,11 +185,11 @@ impl Linear {
 
     pub fn forward(&self, x: &Array) -> R<Array> {
         match self {
-            Linear::Dense { weight, bias: None } => x.matmul(weight.t()),
+            Linear::Dense { weight, bias: None } => weight.product(x),
             Linear::Dense {
                 weight,
                 bias: Some(b),
-            } => ops::addmm(b, x, weight.t(), None, None),
+            } => ops::addmm(b, x, &weight.t, None, None),
             Linear::Quantized {
                 weight,
                 scales,
@@ -150,15 +202,16 @@ impl Linear {
                 let rows = rows(x);
                 let many = rows >= DEQUANTIZE_ROWS;
                 let y = match expanded {
-                    Some(dense) if many => x.matmul(dense.t())?,
-                    _ if rows <= PACKED_ROWS
+                    Some(dense) if many => dense.product(x)?,
+                    _ if (rows <= PACKED_ROWS || crate::packed::tiles_many_rows())
                         && crate::packed::supports(*bits, *group_size)
                         && crate::compute::on_cpu() =>
                     {
                         crate::packed::matmul(x, weight, scales, biases, *group_size, *bits)?
                     }
                     _ if many && crate::compute::on_cpu() => {
-                        let w = ops::dequantize(weight, scales, biases, *group_size, *bits)?;
+                        let w =
+                            dequantize_as(weight, scales, biases, *group_size, *bits, x.dtype())?;
                         x.matmul(w.t())?
                     }
                     _ => {
@@ -176,7 +229,7 @@ impl Linear {
     pub fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
         match self {
             Linear::Dense { weight, bias } => {
-                out.extend(std::iter::once(weight).chain(bias.as_ref()))
+                out.extend(std::iter::once(&weight.t).chain(bias.as_ref()))
             }
             Linear::Quantized {
                 weight,
@@ -189,7 +242,7 @@ impl Linear {
                 [weight, scales, biases]
                     .into_iter()
                     .chain(bias.as_ref())
-                    .chain(expanded.as_ref()),
+                    .chain(expanded.as_ref().map(|e| &e.t)),
             ),
         }
     }
@@ -204,23 +257,27 @@ impl Linear {
     /// matmul replaces several. `None` when they differ in kind (dense vs
     /// quantized, bit width, bias or not).
     fn stack(parts: &[Linear]) -> Option<R<Linear>> {
-        let cat = |xs: Vec<&Array>| ops::concatenate(&xs, 0);
+        let cat = |xs: &[&Array]| ops::concatenate(xs, 0);
         let biases: Vec<&Array> = parts.iter().filter_map(Linear::bias).collect();
         if !biases.is_empty() && biases.len() != parts.len() {
             return None;
         }
-        let bias = (!biases.is_empty()).then(|| cat(biases));
-        let dense: Option<Vec<&Array>> = parts
+        let bias = (!biases.is_empty()).then(|| cat(&biases));
+        // The `[out, in]` weights of dense parts, stacked.
+        let stack_dense = |ws: Vec<Array>| -> R<DenseWeight> {
+            Ok(DenseWeight::new(&cat(&ws.iter().collect::<Vec<_>>())?))
+        };
+        let dense: Option<Vec<Array>> = parts
             .iter()
             .map(|p| match p {
-                Linear::Dense { weight, .. } => Some(weight),
+                Linear::Dense { weight, .. } => Some(weight.weight()),
                 Linear::Quantized { .. } => None,
             })
             .collect();
         if let Some(ws) = dense {
             return Some((|| {
                 Ok(Linear::Dense {
-                    weight: cat(ws)?,
+                    weight: stack_dense(ws)?,
                     bias: bias.transpose()?,
                 })
             })());
@@ -247,16 +304,16 @@ impl Linear {
             ws.push(weight);
             ss.push(scales);
             bs.push(biases);
-            es.push(expanded.as_ref());
+            es.push(expanded.as_ref().map(DenseWeight::weight));
         }
         let (group_size, bits) = spec?;
         // Copies stack where every part keeps one (they all do, or none).
-        let expanded = es.into_iter().collect::<Option<Vec<_>>>().map(cat);
+        let expanded = es.into_iter().collect::<Option<Vec<_>>>().map(stack_dense);
         Some((|| {
             Ok(Linear::Quantized {
-                weight: cat(ws)?,
-                scales: cat(ss)?,
-                biases: cat(bs)?,
+                weight: cat(&ws)?,
+                scales: cat(&ss)?,
+                biases: cat(&bs)?,
                 bias: bias.transpose()?,
                 group_size,
                 bits,
@@ -267,7 +324,7 @@ impl Linear {
 
     pub fn out_features(&self) -> i32 {
         match self {
-            Linear::Dense { weight, .. } => weight.dim(0),
+            Linear::Dense { weight, .. } => weight.out_features(),
             Linear::Quantized { weight, .. } => weight.dim(0),
         }
     }
@@ -384,6 +441,8 @@ impl GatedMlp {
 /// Token embedding; also serves as the output head when weights are tied.
 pub struct Embedding {
     table: Linear,
+    /// The rows' dtype ([`Weights::layer_dtype`]).
+    dtype: Dtype,
 }
 
 impl Embedding {
@@ -392,8 +451,11 @@ impl Embedding {
         prefix: &str,
         quant: Option<Quantization>,
     ) -> anyhow::Result<Self> {
+        let dtype = w.layer_dtype(prefix);
+        let table = Linear::load(w, prefix, quant)?;
         Ok(Self {
-            table: Linear::load(w, prefix, quant)?,
+            dtype: dtype.ok_or_else(|| anyhow::anyhow!("no table at `{prefix}`"))?,
+            table,
         })
     }
 
@@ -405,14 +467,17 @@ impl Embedding {
         rows: i32,
         dims: i32,
     ) -> anyhow::Result<Self> {
+        let dtype = w.layer_dtype(prefix);
+        let table = Linear::load_checked(w, prefix, quant, rows, dims)?;
         Ok(Self {
-            table: Linear::load_checked(w, prefix, quant, rows, dims)?,
+            dtype: dtype.ok_or_else(|| anyhow::anyhow!("no table at `{prefix}`"))?,
+            table,
         })
     }
 
     pub fn forward(&self, ids: &Array) -> R<Array> {
         match &self.table {
-            Linear::Dense { weight, .. } => weight.take_axis(ids, 0),
+            Linear::Dense { weight, .. } => weight.weight().take_axis(ids, 0),
             Linear::Quantized {
                 weight,
                 scales,
@@ -424,7 +489,7 @@ impl Embedding {
                 let w = weight.take_axis(ids, 0)?;
                 let s = scales.take_axis(ids, 0)?;
                 let b = biases.take_axis(ids, 0)?;
-                ops::dequantize(&w, &s, &b, *group_size, *bits)
+                dequantize_as(&w, &s, &b, *group_size, *bits, self.dtype)
             }
         }
     }
@@ -439,10 +504,7 @@ impl Embedding {
     }
 
     pub fn dtype(&self) -> Dtype {
-        match &self.table {
-            Linear::Dense { weight, .. } => weight.dtype(),
-            Linear::Quantized { scales, .. } => scales.dtype(),
-        }
+        self.dtype
     }
 }
 
@@ -651,7 +713,7 @@ pub(crate) mod tests {
         let (weight, scales, biases) = ops::quantize(&w, 64, 4).unwrap();
         let dense = ops::dequantize(&weight, &scales, &biases, 64, 4).unwrap();
         Linear::Quantized {
-            expanded: Some(expanded(&dense)),
+            expanded: Some(DenseWeight::new(&expanded(&dense))),
             weight,
             scales,
             biases,
@@ -707,7 +769,7 @@ pub(crate) mod tests {
         let Linear::Quantized { expanded, .. } = &linear else {
             panic!("stacked packed layers stay packed");
         };
-        assert_eq!(expanded.as_ref().unwrap().shape(), &[48, 64]);
+        assert_eq!(expanded.as_ref().unwrap().weight().shape(), &[48, 64]);
         let stacked = linear.forward(&x).unwrap();
         for (a, b) in values(&stacked.try_index((.., ..32)).unwrap())
             .iter()

@@ -12,6 +12,7 @@ pub mod config;
 pub mod cpu_fused;
 pub mod cuda_env;
 pub mod cuda_kernel;
+pub mod device;
 pub mod emit;
 pub mod generate;
 pub mod generation_config;
@@ -23,6 +24,7 @@ pub mod kv_quant;
 pub mod memory;
 pub mod prefix_cache;
 pub mod sampling;
+pub mod sequence;
 pub mod shared;
 pub mod vision;
 
@@ -36,6 +38,7 @@ pub mod paged;
 pub mod ragged;
 
 pub mod weights;
+pub mod worker;
 
 pub use cache::KvCache;
 pub use compute::ComputeDtype;

@@ -9,12 +9,13 @@ use std::time::Instant;
 use anyhow::Context;
 use mlx_rs::Array;
 
-use crate::abi::{DeviceGuard, DeviceLock};
 use crate::compute::ComputeDtype;
 use crate::config::ModelConfig;
+use crate::device::{DeviceGuard, DeviceLock, LocalDeviceLock};
 use crate::model::Model;
 use crate::vision::{VisionConfig, VisionTower};
 use crate::weights::Weights;
+use engine_core::TokenizerSource;
 
 pub struct LoadedModel {
     /// The model directory (for a GGUF file, the directory holding it).
@@ -38,10 +39,9 @@ pub struct LoadedModel {
     pub stop_tokens: Vec<u32>,
     /// The sampling the checkpoint recommends ([`crate::generation_config`]).
     pub sampling_defaults: engine_core::SamplingDefaults,
-    /// Serialises device work across engines: MLX streams are not safe to
-    /// evaluate from several threads at once. The host owns the lock;
-    /// plugins take it through C calls.
-    pub(crate) device: DeviceLock,
+    /// Serialises device work across engines (the host's lock, or the
+    /// host's through C in a plugin).
+    pub(crate) device: Arc<dyn DeviceLock>,
 }
 
 // MLX arrays are reference-counted handles to immutable buffers; the weights
@@ -64,7 +64,7 @@ impl LoadedModel {
         // Materialise the weights now, not on the first request.
         mlx_rs::transforms::eval(params.iter().copied())?;
         let weight_bytes: usize = params.iter().map(|a| a.nbytes()).sum();
-        let loaded = Self::assemble(built, name, compute, DeviceLock::new())?;
+        let loaded = Self::assemble(built, name, compute, Arc::new(LocalDeviceLock::default()))?;
         tracing::info!(
             model = %loaded.name,
             family = %loaded.model.config.family,
@@ -83,13 +83,14 @@ impl LoadedModel {
 
     /// A plugin's view of the host's model: the same structure built from
     /// the checkpoint (lazily for safetensors), each array then pointed at
-    /// the host's evaluated array, so the weights are in memory once.
+    /// the host's evaluated array (`host`, handles of the host's arrays),
+    /// so the weights are in memory once.
     pub(crate) fn view(
         path: &Path,
         name: &str,
         compute: ComputeDtype,
-        host: &[mlx_sys::mlx_array],
-        device: DeviceLock,
+        host: Vec<Array>,
+        device: Arc<dyn DeviceLock>,
     ) -> anyhow::Result<Self> {
         let built = build(path, compute)?;
         let mine = parameters(&built.model, built.vision.as_ref());
@@ -100,10 +101,8 @@ impl LoadedModel {
             path.display(),
             mine.len()
         );
-        // SAFETY: the host's handles are live for the process; ours are
-        // owned by the model, which nothing else sees yet.
+        // SAFETY: ours are owned by the model, which nothing else sees yet.
         unsafe {
-            let host: Vec<Array> = host.iter().map(|&h| crate::abi::retain(h)).collect();
             for (i, (m, h)) in mine.iter().zip(&host).enumerate() {
                 anyhow::ensure!(
                     m.shape() == h.shape() && m.dtype() == h.dtype(),
@@ -127,7 +126,7 @@ impl LoadedModel {
         built: Built,
         name: Option<&str>,
         compute: ComputeDtype,
-        device: DeviceLock,
+        device: Arc<dyn DeviceLock>,
     ) -> anyhow::Result<Self> {
         let Built {
             checkpoint,
@@ -138,7 +137,7 @@ impl LoadedModel {
             metadata_stops,
             metadata_sampling,
         } = built;
-        let tokenizer = Arc::new(tokenizer_source.load()?);
+        let tokenizer = Arc::new(text::Tokenizer::load(&tokenizer_source)?);
         // Files next to a GGUF (a tokenizer_config.json) add their stops.
         let mut stop_tokens = text::eos::eos_token_ids(checkpoint.dir(), &tokenizer)?;
         if let Some(ids) = metadata_stops {
@@ -177,7 +176,7 @@ impl LoadedModel {
     /// `SharedModel::lock_device`. A panicked holder left nothing
     /// half-written that matters here.
     pub(crate) fn lock_device(&self) -> DeviceGuard<'_> {
-        self.device.lock()
+        crate::device::lock(&*self.device)
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -257,31 +256,6 @@ impl Checkpoint {
     }
 }
 
-/// Where the tokenizer is read from: a directory's tokenizer.json (and
-/// tokenizer_config.json), or one rebuilt from GGUF metadata.
-#[derive(Debug, Clone)]
-pub enum TokenizerSource {
-    Dir(PathBuf),
-    Json {
-        json: String,
-        config: serde_json::Value,
-        origin: PathBuf,
-    },
-}
-
-impl TokenizerSource {
-    pub fn load(&self) -> Result<text::Tokenizer, text::tokenizer::TokenizerError> {
-        match self {
-            Self::Dir(dir) => text::Tokenizer::from_dir(dir),
-            Self::Json {
-                json,
-                config,
-                origin,
-            } => text::Tokenizer::from_json(json, Some(config), origin),
-        }
-    }
-}
-
 /// A checkpoint's model and text pipeline files, its weights unevaluated.
 struct Built {
     checkpoint: Checkpoint,
@@ -340,6 +314,9 @@ fn build(path: &Path, compute: ComputeDtype) -> anyhow::Result<Built> {
             }
         };
     if let Some(dtype) = compute.resolve() {
+        if compute.keeps_half_scales(weights.packed_kernel_takes_all(&config)) {
+            weights.keep_half_scales(&config)?;
+        }
         weights.cast_floats(dtype)?;
     }
     if compute.expands_packed(

@@ -347,18 +347,27 @@ impl Model {
     fn run_layers(
         &self,
         tokens: &Array,
-        mut h: Array,
+        h: Array,
         (global_mask, window_mask): (&AttnMask, Option<&AttnMask>),
         cache: &mut KvCache,
         which: Logits,
         taps: &Taps,
     ) -> anyhow::Result<Tapped> {
         self.forwards.fetch_add(1, Ordering::Relaxed);
-        let n = tokens.dim(1);
+        let (b, n) = (tokens.dim(0), tokens.dim(1));
+        let hidden = h.dim(-1);
+        // The layers carry the residual stream as `[B * L, hidden]` rows:
+        // a product of a 2-D input needs none of the Flatten and Unflatten
+        // nodes MLX adds around a 3-D one (four products a layer).
+        let rows = [b * n, hidden];
         let per_layer = match &self.per_layer_inputs {
-            Some(p) => Some(p.forward(tokens, &h)?),
+            Some(p) => {
+                let p = p.forward(tokens, &h)?;
+                Some(p.reshape(&[b * n, p.dim(2), p.dim(3)])?)
+            }
             None => None,
         };
+        let mut h = h.reshape(&rows)?;
         let offsets = cache.offsets();
         let ssm_mask = padding_mask(cache, n);
         let mut tapped = Vec::with_capacity(taps.layers.len());
@@ -374,11 +383,20 @@ impl Model {
                 Mixer::Linear(_) => None,
             };
             let input = match &per_layer {
-                Some(p) => Some(p.take_axis(Array::from_int(i as i32), 2)?),
+                Some(p) => Some(p.take_axis(Array::from_int(i as i32), 1)?),
                 None => None,
             };
             let masks = (mask, ssm_mask.as_ref());
-            let (out, kv) = layer.forward(&h, masks, &offsets, cache, i, shared, input.as_ref())?;
+            let (out, kv) = layer.forward(
+                &h,
+                (b, n),
+                masks,
+                &offsets,
+                cache,
+                i,
+                shared,
+                input.as_ref(),
+            )?;
             h = out;
             kvs[i] = kv;
             if taps.layers.contains(&i) {
@@ -386,8 +404,8 @@ impl Model {
             }
         }
         cache.advance(n);
-        crate::inject::at_forward(h.dim(0) as usize)?;
-        let normed = self.norm.forward(&h)?;
+        crate::inject::at_forward(b as usize)?;
+        let normed = self.norm.forward(&h.reshape(&[b, n, hidden])?)?;
         let logits = match which {
             Logits::Last if n > 1 => self.logits(&position(&normed, n - 1)?)?,
             Logits::At(i) => self.logits(&position(&normed, i)?)?,
@@ -396,7 +414,7 @@ impl Model {
         let layers = if tapped.is_empty() {
             None
         } else {
-            Some(ops::concatenate(&tapped, -1)?)
+            Some(ops::concatenate(&tapped, -1)?.reshape(&[b, n, -1])?)
         };
         Ok(Tapped {
             logits,
@@ -645,12 +663,14 @@ impl Layer {
     }
 
     /// The layer's output and the keys and values it attended to (none
-    /// for a linear-attention layer). `masks`: the attention mask and the
-    /// linear layers' padding mask.
+    /// for a linear-attention layer). `x`: `rows` = (B, L) positions, as
+    /// `[B * L, hidden]` or `[B, L, hidden]` (the output keeps its shape).
+    /// `masks`: the attention mask and the linear layers' padding mask.
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         x: &Array,
+        rows: (i32, i32),
         (mask, padding): (&AttnMask, Option<&Array>),
         offsets: &Offsets,
         cache: &mut KvCache,
@@ -661,10 +681,10 @@ impl Layer {
         let normed = self.input_norm.forward(x)?;
         let (r, kv) = match &self.mixer {
             Mixer::Attention(a) => {
-                let (r, kv) = a.forward(&normed, mask, offsets, cache, idx, shared_kv)?;
+                let (r, kv) = a.forward(&normed, rows, mask, offsets, cache, idx, shared_kv)?;
                 (r, Some(kv))
             }
-            Mixer::Linear(l) => (l.forward(&normed, padding, cache, idx)?, None),
+            Mixer::Linear(l) => (l.forward(&normed, rows, padding, cache, idx)?, None),
         };
         let add = |a: &Array, b: &Array| -> R<Array> {
             if self.clip_f16 {
@@ -716,22 +736,35 @@ fn residual(x: &Array, y: &Array) -> R<Array> {
 }
 
 impl Attention {
+    #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         x: &Array,
+        (b, l): (i32, i32),
         mask: &AttnMask,
         offsets: &Offsets,
         cache: &mut KvCache,
         idx: usize,
         shared_kv: Option<LayerView>,
     ) -> anyhow::Result<(Array, LayerView)> {
-        let (b, l) = (x.dim(0), x.dim(1));
+        // The output rows take the input's shape.
+        let mut out_shape = x.shape()[..x.ndim() - 1].to_vec();
+        out_shape.push(self.heads * self.head_dim);
+        // `[B, n, L, head_dim]`. One position a row needs no Transpose:
+        // `[B, 1, n, D]` and `[B, n, 1, D]` lay the data out alike.
         let heads = |t: Array, n: i32, norm: &Option<RmsNorm>| -> R<Array> {
-            let mut t = t.reshape(&[b, l, n, self.head_dim])?;
+            let split = match l {
+                1 => [b, n, 1, self.head_dim],
+                _ => [b, l, n, self.head_dim],
+            };
+            let mut t = t.reshape(&split)?;
             if let Some(norm) = norm {
                 t = norm.forward(&t)?;
             }
-            t.transpose_axes(&[0, 2, 1, 3])
+            match l {
+                1 => Ok(t),
+                _ => t.transpose_axes(&[0, 2, 1, 3]),
+            }
         };
         let mut qkv = self.qkv.forward(x)?.into_iter();
         let q = qkv.next().unwrap();
@@ -739,11 +772,8 @@ impl Attention {
             true => {
                 let halves =
                     ops::split_equal(&q.reshape(&[b, l, self.heads, 2 * self.head_dim])?, 2, -1)?;
-                let gate = halves[1].reshape(&[b, l, self.heads * self.head_dim])?;
-                (
-                    halves[0].reshape(&[b, l, self.heads * self.head_dim])?,
-                    Some(gate),
-                )
+                let gate = halves[1].reshape(&out_shape)?;
+                (halves[0].reshape(&out_shape)?, Some(gate))
             }
             false => (q, None),
         };
@@ -779,7 +809,7 @@ impl Attention {
                     let out = crate::ragged::paged_attention(
                         &q, keys, values, self.scale, &r.meta, read,
                     )?;
-                    return Ok((self.output(out, gate.as_ref(), b, l)?, kv));
+                    return Ok((self.output(out, gate.as_ref(), &out_shape)?, kv));
                 }
                 _ => {
                     dequantized = kv.dense()?;
@@ -800,7 +830,7 @@ impl Attention {
             } => {
                 let mask = mask.as_array(l, keys[0].dim(2))?;
                 let out = quant.attention(&q, keys, values, self.scale, mask.as_ref())?;
-                return Ok((self.output(out, gate.as_ref(), b, l)?, kv));
+                return Ok((self.output(out, gate.as_ref(), &out_shape)?, kv));
             }
         };
         // The CPU's one-node attention where it takes them, else MLX's.
@@ -832,16 +862,17 @@ impl Attention {
                 fast::scaled_dot_product_attention(&q, k, v, self.scale, &m, None)?
             }
         };
-        Ok((self.output(out, gate.as_ref(), b, l)?, kv))
+        Ok((self.output(out, gate.as_ref(), &out_shape)?, kv))
     }
 
     /// The output projection of the heads' `[B, heads, L, head_dim]`,
-    /// gated per head where the layer has a gate (Qwen 3.5).
-    fn output(&self, heads: Array, gate: Option<&Array>, b: i32, l: i32) -> R<Array> {
-        let mut out =
-            heads
-                .transpose_axes(&[0, 2, 1, 3])?
-                .reshape(&[b, l, self.heads * self.head_dim])?;
+    /// as rows of `shape`, gated per head where the layer has a gate (Qwen
+    /// 3.5).
+    fn output(&self, heads: Array, gate: Option<&Array>, shape: &[i32]) -> R<Array> {
+        let mut out = match heads.dim(2) {
+            1 => heads.reshape(shape)?,
+            _ => heads.transpose_axes(&[0, 2, 1, 3])?.reshape(shape)?,
+        };
         if let Some(gate) = gate {
             out = out.multiply(ops::sigmoid(gate)?)?;
         }

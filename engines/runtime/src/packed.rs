@@ -2,8 +2,10 @@
 //! through the project's own kernel (`mlx-sys/native/packed_matmul.cpp`): a
 //! node of the MLX graph that reads each packed weight row once per call
 //! for every row of the input, on every core, with AVX2 or AVX-512 where the
-//! CPU has them. MLX's own CPU `quantized_matmul` costs a pass over the
-//! weights per row, on one thread.
+//! CPU has them, and from 16 rows on (AVX-512) tiles of rows and columns
+//! over the weights dequantized once per call into a panel per thread.
+//! MLX's own CPU `quantized_matmul` costs a pass over the weights per row,
+//! on one thread.
 
 use mlx_rs::error::Exception;
 use mlx_rs::Array;
@@ -90,6 +92,16 @@ impl Activations {
             },
         )
     }
+}
+
+/// Whether the chosen path multiplies many rows (a prefill chunk) at
+/// compute speed: AVX-512 with fp32 activations, whose register-tiled span
+/// (`TILED_ROWS` in the kernel) beats dequantizing and BLAS's `sgemm`
+/// (`examples/packed_rows.rs`). The AVX2, scalar and int8 paths re-read
+/// the activations per output column, which is slower than BLAS from about
+/// a hundred rows.
+pub fn tiles_many_rows() -> bool {
+    CpuKernel::chosen() == Some(CpuKernel::Avx512) && Activations::chosen() == Activations::Float32
 }
 
 /// Whether the kernel takes weights of `bits` in groups of `group_size`.

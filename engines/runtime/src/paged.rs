@@ -19,23 +19,18 @@
 //! created, zeroed and evaluated on the layer's first write, and never grow.
 
 //! One pool serves the whole server: the host makes it (`model.kv_layout:
-//! paged`) and exports it through a C table ([`PagePool::export`]), so the
+//! paged`) and exports it through a C table (`abi`), so the
 //! batch of every engine and the prefix cache's entries hold blocks of the
 //! same buffers, and a prefix hit or a handed-over sequence shares its
 //! blocks instead of copying them. A block's holders are counted by the
 //! host per block id ([`Block`]s of every image together), so a block one
 //! image shares with another is copied on write too.
 
-use std::ffi::c_void;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use anyhow::anyhow;
 use mlx_rs::{ops, transforms::eval, Array};
-use mlx_sys::mlx_array;
 use serde::Deserialize;
-
-use crate::abi::{null_array, retain, RawPagePool, KV_BUFFERS};
 
 /// Where a server's keys and values live (`model.kv_layout`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -48,25 +43,39 @@ pub enum KvLayout {
     Paged,
 }
 
-/// The pool of KV blocks: the host's, or the host's through C.
+/// The pool of KV blocks.
 #[derive(Clone)]
 pub struct PagePool {
-    backend: Backend,
+    store: Arc<dyn PageStore>,
     block: i32,
     blocks: u32,
 }
 
-#[derive(Clone)]
-enum Backend {
-    Local(Arc<Inner>),
-    Foreign(RawPagePool),
+/// What holds a pool's blocks and buffers: the host's [`LocalPages`], or
+/// the host's through C in a plugin (`abi::foreign`).
+pub trait PageStore: Send + Sync {
+    /// The pool's identity: the host's pool's, whichever image asks.
+    fn key(&self) -> usize;
+    /// A free block's id, counted once; `None` when none is free.
+    fn allocate(&self) -> Option<u32>;
+    fn retain(&self, id: u32);
+    fn release(&self, id: u32);
+    /// Holders of block `id` across images.
+    fn holders(&self, id: u32) -> u32;
+    fn free_blocks(&self) -> usize;
+    /// Layers the pool has buffers for.
+    fn layers(&self) -> usize;
+    /// Layer `layer`'s buffers, `None` before its first write.
+    fn buffers(&self, layer: usize) -> Option<Vec<Array>>;
+    /// Every written layer's buffers.
+    fn state(&self) -> Vec<Array>;
+    /// See [`PagePool::write`].
+    fn write(&self, layer: usize, parts: &[Array], slots: &[i32]) -> anyhow::Result<Vec<Array>>;
+    fn copy_block(&self, from: u32, to: u32) -> anyhow::Result<()>;
 }
 
-// The host's table functions are thread-safe (mutexes behind C calls).
-unsafe impl Send for Backend {}
-unsafe impl Sync for Backend {}
-
-struct Inner {
+/// The host's pool.
+pub struct LocalPages {
     block: i32,
     blocks: u32,
     counts: Mutex<Counts>,
@@ -126,7 +135,17 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-impl Inner {
+impl LocalPages {
+    fn slots(&self) -> i32 {
+        self.blocks as i32 * self.block
+    }
+}
+
+impl PageStore for LocalPages {
+    fn key(&self) -> usize {
+        self as *const Self as usize
+    }
+
     fn allocate(&self) -> Option<u32> {
         let mut c = lock(&self.counts);
         let id = c.free.pop()?;
@@ -146,6 +165,10 @@ impl Inner {
         lock(&self.counts).free.len()
     }
 
+    fn layers(&self) -> usize {
+        lock(&self.layers).len()
+    }
+
     fn release(&self, id: u32) {
         let mut c = lock(&self.counts);
         let h = &mut c.holders[id as usize];
@@ -157,10 +180,6 @@ impl Inner {
         if *h == 0 {
             c.free.push(id);
         }
-    }
-
-    fn slots(&self) -> i32 {
-        self.blocks as i32 * self.block
     }
 
     fn write(&self, layer: usize, parts: &[Array], slots: &[i32]) -> anyhow::Result<Vec<Array>> {
@@ -272,7 +291,7 @@ impl PagePool {
             (blocks as i64) * (block as i64) < i32::MAX as i64,
             "a KV pool of {blocks} blocks of {block} positions is too large"
         );
-        let inner = Inner {
+        let pages = LocalPages {
             block,
             blocks,
             counts: Mutex::new(Counts {
@@ -284,10 +303,35 @@ impl PagePool {
             scatter: Mutex::new(None),
         };
         Ok(Self {
-            backend: Backend::Local(Arc::new(inner)),
+            store: Arc::new(pages),
             block,
             blocks,
         })
+    }
+
+    /// A pool whose blocks `store` holds (a plugin's view of the host's),
+    /// of `blocks` blocks (the padding block included) of `block`
+    /// positions.
+    pub fn with_store(store: Arc<dyn PageStore>, block: i32, blocks: u32) -> Self {
+        Self {
+            store,
+            block,
+            blocks,
+        }
+    }
+
+    /// The pool's blocks and buffers, for its C form (`abi`).
+    pub fn store(&self) -> &Arc<dyn PageStore> {
+        &self.store
+    }
+
+    /// Blocks, the padding block included.
+    pub fn blocks(&self) -> u32 {
+        self.blocks
+    }
+
+    pub fn layers(&self) -> usize {
+        self.store.layers()
     }
 
     /// Positions per block.
@@ -301,34 +345,16 @@ impl PagePool {
     }
 
     pub fn free_blocks(&self) -> usize {
-        match &self.backend {
-            Backend::Local(inner) => inner.free_blocks(),
-            Backend::Foreign(raw) => unsafe { (raw.free_blocks)(raw.ctx) },
-        }
-    }
-
-    /// The pool's identity: the host's pool, whichever image asks.
-    fn key(&self) -> usize {
-        match &self.backend {
-            Backend::Local(inner) => Arc::as_ptr(inner) as usize,
-            Backend::Foreign(raw) => raw.ctx as usize,
-        }
+        self.store.free_blocks()
     }
 
     pub fn same(&self, other: &PagePool) -> bool {
-        self.key() == other.key()
+        self.store.key() == other.store.key()
     }
 
     /// One free block, or an error naming the pool's size when none is left.
     pub fn allocate(&self) -> anyhow::Result<BlockRef> {
-        let id = match &self.backend {
-            Backend::Local(inner) => inner.allocate(),
-            Backend::Foreign(raw) => {
-                let mut id = 0u32;
-                unsafe { (raw.allocate)(raw.ctx, &mut id) }.then_some(id)
-            }
-        };
-        let id = id.ok_or_else(|| {
+        let id = self.store.allocate().ok_or_else(|| {
             anyhow!(
                 "the paged KV pool is full ({} blocks of {} positions)",
                 self.usable(),
@@ -359,49 +385,26 @@ impl PagePool {
     }
 
     pub(crate) fn retain(&self, id: u32) {
-        match &self.backend {
-            Backend::Local(inner) => inner.retain(id),
-            Backend::Foreign(raw) => unsafe { (raw.retain)(raw.ctx, id) },
-        }
+        self.store.retain(id)
     }
 
     fn release(&self, id: u32) {
-        match &self.backend {
-            Backend::Local(inner) => inner.release(id),
-            Backend::Foreign(raw) => unsafe { (raw.release)(raw.ctx, id) },
-        }
+        self.store.release(id)
     }
 
     fn holders(&self, id: u32) -> u32 {
-        match &self.backend {
-            Backend::Local(inner) => inner.holders(id),
-            Backend::Foreign(raw) => unsafe { (raw.holders)(raw.ctx, id) },
-        }
+        self.store.holders(id)
     }
 
     /// Layer `layer`'s buffers (handles of our own), `None` before its
     /// first write.
     pub fn buffers(&self, layer: usize) -> Option<Vec<Array>> {
-        match &self.backend {
-            Backend::Local(inner) => inner.buffers(layer),
-            Backend::Foreign(raw) => unsafe {
-                let mut out = [null_array(); KV_BUFFERS];
-                let n = (raw.buffers)(raw.ctx, layer, out.as_mut_ptr());
-                (n > 0).then(|| out[..n].iter().map(|&h| Array::from_ptr(h)).collect())
-            },
-        }
+        self.store.buffers(layer)
     }
 
     /// Every written layer's buffers, for evaluation.
     pub fn state(&self) -> Vec<Array> {
-        match &self.backend {
-            Backend::Local(inner) => inner.state(),
-            Backend::Foreign(raw) => unsafe {
-                let mut out = vec![null_array(); raw.layers * KV_BUFFERS];
-                let n = (raw.state)(raw.ctx, out.as_mut_ptr(), out.len());
-                out[..n].iter().map(|&h| Array::from_ptr(h)).collect()
-            },
-        }
+        self.store.state()
     }
 
     /// Bytes the written layers' buffers hold.
@@ -424,41 +427,13 @@ impl PagePool {
         parts: &[Array],
         slots: &[i32],
     ) -> anyhow::Result<Vec<Array>> {
-        match &self.backend {
-            Backend::Local(inner) => inner.write(layer, parts, slots),
-            Backend::Foreign(raw) => unsafe {
-                let handles: Vec<mlx_array> = parts.iter().map(Array::as_ptr).collect();
-                let mut out = [null_array(); KV_BUFFERS];
-                let mut err = [0u8; 512];
-                let n = (raw.write)(
-                    raw.ctx,
-                    layer,
-                    handles.as_ptr(),
-                    handles.len(),
-                    slots.as_ptr(),
-                    slots.len(),
-                    out.as_mut_ptr(),
-                    err.as_mut_ptr(),
-                    err.len(),
-                );
-                if n == 0 {
-                    let end = err.iter().position(|&b| b == 0).unwrap_or(err.len());
-                    return Err(anyhow!("{}", String::from_utf8_lossy(&err[..end])));
-                }
-                Ok(out[..n].iter().map(|&h| Array::from_ptr(h)).collect())
-            },
-        }
+        self.store.write(layer, parts, slots)
     }
 
     /// Copies every written layer's positions of block `from` into block `to`
     /// (copy on write).
     pub fn copy_block(&self, from: u32, to: u32) -> anyhow::Result<()> {
-        match &self.backend {
-            Backend::Local(inner) => inner.copy_block(from, to),
-            Backend::Foreign(raw) => unsafe { (raw.copy_block)(raw.ctx, from, to) }
-                .then_some(())
-                .ok_or_else(|| anyhow!("copying KV block {from} to {to} failed")),
-        }
+        self.store.copy_block(from, to)
     }
 
     /// Makes every layer's buffers now by running one token through
@@ -473,121 +448,6 @@ impl PagePool {
         eval([&logits])?;
         eval(&cache.state())?;
         Ok(())
-    }
-
-    /// The host's pool as a C table; it stays alive for the process.
-    pub fn export(&self) -> RawPagePool {
-        let Backend::Local(inner) = &self.backend else {
-            panic!("only the host's KV pool is exported");
-        };
-        fn me<'a>(ctx: *mut c_void) -> &'a Inner {
-            // SAFETY: `ctx` is the `Arc<Inner>` leaked below.
-            unsafe { &*(ctx as *const Inner) }
-        }
-        fn guard<T>(fallback: T, f: impl FnOnce() -> T) -> T {
-            catch_unwind(AssertUnwindSafe(f)).unwrap_or(fallback)
-        }
-        /// Hands `arrays` over as handles written to `out`.
-        unsafe fn give(arrays: Vec<Array>, out: *mut mlx_array) -> usize {
-            let n = arrays.len();
-            for (i, a) in arrays.into_iter().enumerate() {
-                *out.add(i) = a.as_ptr();
-                std::mem::forget(a);
-            }
-            n
-        }
-        unsafe extern "C" fn allocate(ctx: *mut c_void, out: *mut u32) -> bool {
-            guard(false, || match me(ctx).allocate() {
-                Some(id) => {
-                    *out = id;
-                    true
-                }
-                None => false,
-            })
-        }
-        unsafe extern "C" fn retain_block(ctx: *mut c_void, id: u32) {
-            guard((), || me(ctx).retain(id))
-        }
-        unsafe extern "C" fn release(ctx: *mut c_void, id: u32) {
-            guard((), || me(ctx).release(id))
-        }
-        unsafe extern "C" fn holders(ctx: *mut c_void, id: u32) -> u32 {
-            guard(0, || me(ctx).holders(id))
-        }
-        unsafe extern "C" fn free_blocks(ctx: *mut c_void) -> usize {
-            guard(0, || me(ctx).free_blocks())
-        }
-        unsafe extern "C" fn buffers(ctx: *mut c_void, layer: usize, out: *mut mlx_array) -> usize {
-            guard(0, || give(me(ctx).buffers(layer).unwrap_or_default(), out))
-        }
-        unsafe extern "C" fn state(ctx: *mut c_void, out: *mut mlx_array, cap: usize) -> usize {
-            guard(0, || {
-                let mut s = me(ctx).state();
-                s.truncate(cap);
-                give(s, out)
-            })
-        }
-        #[allow(clippy::too_many_arguments)]
-        unsafe extern "C" fn write(
-            ctx: *mut c_void,
-            layer: usize,
-            parts: *const mlx_array,
-            parts_len: usize,
-            slots: *const i32,
-            slots_len: usize,
-            out: *mut mlx_array,
-            err: *mut u8,
-            err_cap: usize,
-        ) -> usize {
-            let result = catch_unwind(AssertUnwindSafe(|| {
-                let parts: Vec<Array> = std::slice::from_raw_parts(parts, parts_len)
-                    .iter()
-                    .map(|&h| retain(h))
-                    .collect();
-                me(ctx).write(layer, &parts, std::slice::from_raw_parts(slots, slots_len))
-            }))
-            .unwrap_or_else(|_| Err(anyhow!("writing into the KV pool panicked")));
-            match result {
-                Ok(bufs) => give(bufs, out),
-                Err(e) => {
-                    let msg = format!("{e:#}");
-                    let n = msg.len().min(err_cap.saturating_sub(1));
-                    std::ptr::copy_nonoverlapping(msg.as_ptr(), err, n);
-                    *err.add(n) = 0;
-                    0
-                }
-            }
-        }
-        unsafe extern "C" fn copy_block(ctx: *mut c_void, from: u32, to: u32) -> bool {
-            guard(false, || me(ctx).copy_block(from, to).is_ok())
-        }
-        RawPagePool {
-            ctx: Arc::into_raw(inner.clone()) as *mut c_void,
-            block: self.block,
-            blocks: self.blocks,
-            layers: lock(&inner.layers).len(),
-            allocate,
-            retain: retain_block,
-            release,
-            holders,
-            free_blocks,
-            buffers,
-            state,
-            write,
-            copy_block,
-        }
-    }
-
-    /// A view of the host's pool.
-    ///
-    /// # Safety
-    /// `raw` came from [`PagePool::export`] and lives for the process.
-    pub unsafe fn import(raw: &RawPagePool) -> Self {
-        Self {
-            backend: Backend::Foreign(*raw),
-            block: raw.block,
-            blocks: raw.blocks,
-        }
     }
 }
 

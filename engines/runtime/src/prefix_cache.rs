@@ -6,9 +6,8 @@
 //! serves it. Entries never cross scopes, so one tenant cannot time
 //! another's prompts.
 //!
-//! The host owns the store; plugins reach it through a C table
-//! ([`SharedPrefixCache::export`] / [`SharedPrefixCache::import`]), the KV
-//! crossing as mlx-c handles, or as block ids when the server's KV is paged:
+//! The host owns the store; plugins reach it through a C table (`abi`), the
+//! KV crossing as mlx-c handles, or as block ids when the server's KV is paged:
 //! then an entry holds blocks of the one pool, shared with the sequence that
 //! computed it and with every later hit (copied only where one writes).
 //! Entries hold every layer's keys and values for all their positions
@@ -21,14 +20,10 @@
 //! the pool full has the cache give entries up for it.
 
 use std::collections::VecDeque;
-use std::ffi::c_void;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use engine_core::plugin::abi::Bytes;
 use mlx_rs::transforms::eval;
 
-use crate::abi::{LentKv, RawKv, RawPrefixCache};
 use crate::cache::KvCache;
 use crate::kv_pool::{KvPool, Reservation};
 use crate::paged::PagePool;
@@ -41,7 +36,7 @@ struct Entry {
     blocks: Reservation,
 }
 
-/// The store itself: most recently used entries last, at most `capacity`.
+/// The host's store: most recently used entries last, at most `capacity`.
 struct Store {
     block: usize,
     capacity: usize,
@@ -168,27 +163,42 @@ impl Store {
     }
 }
 
-/// The one prefix cache of the process: the host's store, or the host's
-/// through C (a plugin's view of the same store).
+/// Where the entries are: the host's store, or the host's through C in a
+/// plugin (`abi::foreign`).
+pub trait PrefixStore: Send + Sync {
+    /// See [`SharedPrefixCache::lookup`].
+    fn lookup(&self, scope: Option<&str>, prompt: &[u32], layers: usize) -> Option<Hit>;
+    fn has_hit(&self, scope: Option<&str>, prompt: &[u32]) -> bool;
+    /// Keeps the block-aligned prefix of `tokens`; `cache` is evaluated,
+    /// and paged only in the server's pool.
+    fn insert(&self, scope: Option<&str>, tokens: &[u32], cache: &KvCache);
+}
+
+impl PrefixStore for Mutex<Store> {
+    fn lookup(&self, scope: Option<&str>, prompt: &[u32], _layers: usize) -> Option<Hit> {
+        lock(self).lookup(scope, prompt)
+    }
+
+    fn has_hit(&self, scope: Option<&str>, prompt: &[u32]) -> bool {
+        lock(self).best_match(scope, prompt).is_some()
+    }
+
+    fn insert(&self, scope: Option<&str>, tokens: &[u32], cache: &KvCache) {
+        lock(self).insert(scope, tokens, cache)
+    }
+}
+
+/// The one prefix cache of the process.
 pub struct SharedPrefixCache {
-    block: usize,
-    capacity: usize,
+    pub(crate) block: usize,
+    pub(crate) capacity: usize,
     /// The model holds recurrent states (a hybrid model): entries are
     /// snapshots reused whole.
-    exact: bool,
+    pub(crate) exact: bool,
     /// The server's paged pool, whose blocks entries hold.
-    pages: Option<PagePool>,
-    inner: Inner,
+    pub(crate) pages: Option<PagePool>,
+    pub(crate) store: Arc<dyn PrefixStore>,
 }
-
-enum Inner {
-    Local(Arc<Mutex<Store>>),
-    Foreign(RawPrefixCache),
-}
-
-// The host's table functions are thread-safe (a mutex behind C calls).
-unsafe impl Send for Inner {}
-unsafe impl Sync for Inner {}
 
 fn lock(store: &Mutex<Store>) -> MutexGuard<'_, Store> {
     store.lock().unwrap_or_else(|e| e.into_inner())
@@ -219,7 +229,7 @@ impl SharedPrefixCache {
             capacity,
             exact,
             pages: pages.cloned(),
-            inner: Inner::Local(store),
+            store,
         }
     }
 
@@ -242,24 +252,7 @@ impl SharedPrefixCache {
         if self.capacity == 0 {
             return None;
         }
-        match &self.inner {
-            Inner::Local(store) => lock(store).lookup(scope, prompt),
-            Inner::Foreign(raw) => unsafe {
-                let (scope, scoped) = scope_bytes(scope);
-                let mut out = RawKv::receiver(layers, prompt.len() / self.block + 1);
-                let tokens = (raw.lookup)(raw.ctx, scope, scoped, Bytes::of(prompt), &mut out.raw);
-                if tokens == 0 {
-                    return None;
-                }
-                match out.into_cache(self.pages.as_ref()) {
-                    Ok(cache) => Some(Hit { cache, tokens }),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "a prefix-cache hit could not be taken");
-                        None
-                    }
-                }
-            },
-        }
+        self.store.lookup(scope, prompt, layers)
     }
 
     /// Whether [`SharedPrefixCache::lookup`] would find a reusable prefix
@@ -268,13 +261,7 @@ impl SharedPrefixCache {
         if self.capacity == 0 {
             return false;
         }
-        match &self.inner {
-            Inner::Local(store) => lock(store).best_match(scope, prompt).is_some(),
-            Inner::Foreign(raw) => unsafe {
-                let (scope, scoped) = scope_bytes(scope);
-                (raw.has_hit)(raw.ctx, scope, scoped, Bytes::of(prompt))
-            },
-        }
+        self.store.has_hit(scope, prompt)
     }
 
     /// Keeps the block-aligned prefix of `tokens`, whose KV `cache` (batch
@@ -308,127 +295,7 @@ impl SharedPrefixCache {
             tracing::warn!(error = %e, "a prefix for the prefix cache failed to evaluate");
             return;
         }
-        match &self.inner {
-            Inner::Local(store) => lock(store).insert(scope, tokens, cache),
-            Inner::Foreign(raw) => unsafe {
-                let (scope, scoped) = scope_bytes(scope);
-                let lent = LentKv::new(cache);
-                (raw.insert)(raw.ctx, scope, scoped, Bytes::of(tokens), &lent.raw());
-            },
-        }
-    }
-
-    /// This store as a C table; it stays alive for the process.
-    pub fn export(&self) -> RawPrefixCache {
-        let Inner::Local(store) = &self.inner else {
-            panic!("only the host's prefix cache is exported");
-        };
-        unsafe fn read<'a>(scope: Bytes, scoped: bool) -> Option<&'a str> {
-            scoped.then(|| std::str::from_utf8(scope.as_slice()).unwrap_or_default())
-        }
-        unsafe fn tokens<'a>(b: Bytes) -> &'a [u32] {
-            if b.ptr.is_null() || b.len == 0 {
-                return &[];
-            }
-            std::slice::from_raw_parts(b.ptr.cast(), b.len / 4)
-        }
-        unsafe extern "C" fn lookup(
-            ctx: *mut c_void,
-            scope: Bytes,
-            scoped: bool,
-            prompt: Bytes,
-            out: *mut RawKv,
-        ) -> usize {
-            catch_unwind(AssertUnwindSafe(|| {
-                let store = &*(ctx as *const Mutex<Store>);
-                let hit = lock(store).lookup(read(scope, scoped), tokens(prompt));
-                match hit {
-                    Some(Hit { cache, tokens }) => match (*out).give(cache) {
-                        true => tokens,
-                        false => 0,
-                    },
-                    None => 0,
-                }
-            }))
-            .unwrap_or(0)
-        }
-        unsafe extern "C" fn has_hit(
-            ctx: *mut c_void,
-            scope: Bytes,
-            scoped: bool,
-            prompt: Bytes,
-        ) -> bool {
-            catch_unwind(AssertUnwindSafe(|| {
-                let store = &*(ctx as *const Mutex<Store>);
-                lock(store)
-                    .best_match(read(scope, scoped), tokens(prompt))
-                    .is_some()
-            }))
-            .unwrap_or(false)
-        }
-        unsafe extern "C" fn insert(
-            ctx: *mut c_void,
-            scope: Bytes,
-            scoped: bool,
-            seq: Bytes,
-            kv: *const RawKv,
-        ) {
-            let _ = catch_unwind(AssertUnwindSafe(|| {
-                let store = &*(ctx as *const Mutex<Store>);
-                let mut store = lock(store);
-                match (*kv).retained(store.pages.as_ref()) {
-                    Ok(cache) => store.insert(read(scope, scoped), tokens(seq), &cache),
-                    Err(e) => tracing::warn!(error = %e, "a prefix could not be kept"),
-                }
-            }));
-        }
-        RawPrefixCache {
-            ctx: Arc::into_raw(store.clone()) as *mut c_void,
-            block: self.block,
-            capacity: self.capacity,
-            exact: self.exact,
-            lookup,
-            has_hit,
-            insert,
-        }
-    }
-
-    /// A view of the host's store, whose entries hold blocks of `pages`
-    /// (the host's pool, seen from this image).
-    ///
-    /// # Safety
-    /// `raw` came from [`SharedPrefixCache::export`] and lives for the
-    /// process.
-    pub unsafe fn import(raw: &RawPrefixCache, pages: Option<&PagePool>) -> Self {
-        Self {
-            block: raw.block,
-            capacity: raw.capacity,
-            exact: raw.exact,
-            pages: pages.cloned(),
-            inner: Inner::Foreign(*raw),
-        }
-    }
-}
-
-fn scope_bytes(scope: Option<&str>) -> (Bytes, bool) {
-    match scope {
-        Some(s) => (Bytes::new(s.as_bytes()), true),
-        None => (Bytes::new(&[]), false),
-    }
-}
-
-trait TokenBytes {
-    fn of(tokens: &[u32]) -> Bytes;
-}
-
-impl TokenBytes for Bytes {
-    /// Token ids as the bytes of their native-endian u32s (both sides are
-    /// one process).
-    fn of(tokens: &[u32]) -> Bytes {
-        Bytes {
-            ptr: tokens.as_ptr().cast(),
-            len: std::mem::size_of_val(tokens),
-        }
+        self.store.insert(scope, tokens, cache);
     }
 }
 

@@ -220,11 +220,19 @@ impl Sampler {
     /// picks do.
     pub fn advance(&mut self, tokens: &[u32]) -> R<()> {
         for &t in tokens {
-            if let Some(key) = self.key.take() {
-                let (next_key, _) = random::split(&key, 2)?;
-                self.key = Some(next_key);
-            }
+            self.pass_key()?;
             self.observe(t)?;
+        }
+        Ok(())
+    }
+
+    /// Moves the key past one position, as a draw there would: for a
+    /// token chosen from [`Sampler::picks_along`], which
+    /// [`Sampler::observe`] then records.
+    pub fn pass_key(&mut self) -> R<()> {
+        if let Some(key) = self.key.take() {
+            let (next_key, _) = random::split(&key, 2)?;
+            self.key = Some(next_key);
         }
         Ok(())
     }

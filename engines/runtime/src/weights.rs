@@ -1,7 +1,7 @@
 //! Named weight arrays: every `*.safetensors` file of a model directory, or
 //! the tensors of a GGUF file (see [`crate::gguf`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, Context};
@@ -20,6 +20,11 @@ pub struct Weights {
     /// Whether packed decoder-layer linears keep a copy expanded to the
     /// compute dtype ([`Weights::keep_dense_copies`]).
     dense_copies: bool,
+    /// Scales and biases kept in fp16 for the packed kernel
+    /// ([`Weights::keep_half_scales`]).
+    half_scales: HashSet<String>,
+    /// The dtype [`Weights::cast_floats`] cast to.
+    cast_to: Option<Dtype>,
 }
 
 /// Where a checkpoint's tensors were read from, for errors.
@@ -76,6 +81,8 @@ impl Weights {
             files: names,
             origin: Origin::Dir(dir.to_path_buf()),
             dense_copies: false,
+            half_scales: HashSet::new(),
+            cast_to: None,
         })
     }
 
@@ -87,6 +94,8 @@ impl Weights {
             files: HashMap::new(),
             origin: Origin::Gguf(path.to_path_buf()),
             dense_copies: false,
+            half_scales: HashSet::new(),
+            cast_to: None,
         }
     }
 
@@ -246,11 +255,59 @@ impl Weights {
         Ok(())
     }
 
+    /// Keeps the scales and biases of the packed layers that the project's
+    /// kernel ([`crate::packed`]) multiplies in fp16 where the checkpoint
+    /// stores them in half precision, instead of [`Weights::cast_floats`]
+    /// widening them: a step streams them with the packed weights, and in
+    /// fp32 they are a third of its bytes at 4 bits in groups of 32. GGUF's
+    /// Q4_0, Q4_1 and Q8_0 store fp16 (kept as they are); bf16 converts to
+    /// fp16 exactly from 2^-14 in magnitude (fp16's smallest normal number)
+    /// up, with fp16's absolute step of 2^-24 below. fp32 ones stay fp32.
+    pub fn keep_half_scales(&mut self, config: &ModelConfig) -> anyhow::Result<()> {
+        for (prefix, q) in self.packed(config) {
+            let (s, b) = (format!("{prefix}.scales"), format!("{prefix}.biases"));
+            let served = self.tensors[&format!("{prefix}.weight")].ndim() == 2
+                && crate::packed::supports(q.bits, q.group_size);
+            let half = |t: Option<&Array>| {
+                t.is_some_and(|t| matches!(t.dtype(), Dtype::Float16 | Dtype::Bfloat16))
+            };
+            if !served || !half(self.tensors.get(&s)) || !half(self.tensors.get(&b)) {
+                continue;
+            }
+            for name in [s, b] {
+                let t = self.tensors.get_mut(&name).expect("checked above");
+                *t = t.as_dtype(Dtype::Float16)?;
+                self.half_scales.insert(name);
+            }
+        }
+        Ok(())
+    }
+
+    /// The dtype the layer at `prefix` (a linear or an embedding table)
+    /// gives its products and rows in: its scales' (or weight's), or the
+    /// compute dtype where its scales stay in fp16
+    /// ([`Weights::keep_half_scales`]). `None` where it has no tensors.
+    pub fn layer_dtype(&self, prefix: &str) -> Option<Dtype> {
+        let scales = format!("{prefix}.scales");
+        if let Some(dtype) = self.cast_to.filter(|_| self.half_scales.contains(&scales)) {
+            return Some(dtype);
+        }
+        self.tensors
+            .get(&scales)
+            .or_else(|| self.tensors.get(&format!("{prefix}.weight")))
+            .map(|t| t.dtype())
+    }
+
     /// Casts every floating-point tensor to `dtype` (lazily: the copy is
     /// made when the weights are evaluated, and the checkpoint's arrays are
-    /// dropped then).
+    /// dropped then), except scales and biases kept in fp16
+    /// ([`Weights::keep_half_scales`]).
     pub fn cast_floats(&mut self, dtype: Dtype) -> anyhow::Result<()> {
+        self.cast_to = Some(dtype);
         for (name, t) in self.tensors.iter_mut() {
+            if self.half_scales.contains(name) {
+                continue;
+            }
             // Qwen 3.5's decay rates stay in their own precision (as
             // mlx-lm's cast predicate keeps them).
             if name.ends_with(".A_log") {

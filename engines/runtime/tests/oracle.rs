@@ -67,6 +67,12 @@ fn load(dir: &Path, compute: Option<Dtype>, packed: Packed) -> Model {
     let config = ModelConfig::from_dir(dir).unwrap();
     let mut weights = Weights::from_dir(dir).unwrap();
     if let Some(dtype) = compute {
+        // As the loader under `auto` on the CPU: packed layers with half-
+        // precision scales keep them in fp16 for the kernel.
+        let takes_all = weights.packed_kernel_takes_all(&config);
+        if matches!(packed, Packed::Kept) && ComputeDtype::Auto.keeps_half_scales(takes_all) {
+            weights.keep_half_scales(&config).unwrap();
+        }
         weights.cast_floats(dtype).unwrap();
     }
     match packed {

@@ -2,7 +2,8 @@
 //! on every instruction-set path this CPU runs, against a reference that
 //! unpacks MLX's layout itself and sums in f64, and against MLX's own
 //! `quantized_matmul`: odd sizes, every group size, 4 and 8 bits, 1 to 64
-//! rows.
+//! rows. The kernel reads fp16 scales and biases; the references read the
+//! same values in fp32, so fp16 adds no error of its own here.
 
 use mlx_rs::{ops, Array, Dtype};
 use runtime::packed::{self, Activations, CpuKernel};
@@ -20,16 +21,30 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// Packed weights with fp32 scales and biases that fp16 holds exactly (as
+/// GGUF's), for the references, and the same in fp16, as the loader keeps
+/// them for the kernel.
 struct Packed {
     w: Array,
     scales: Array,
     biases: Array,
+    half_scales: Array,
+    half_biases: Array,
 }
 
 fn quantize(out: i32, inp: i32, group: i32, bits: i32, seed: u64) -> Packed {
     let dense = Array::from_slice(&values((out * inp) as usize, seed), &[out, inp]);
     let (w, scales, biases) = ops::quantize(&dense, group, bits).unwrap();
-    Packed { w, scales, biases }
+    let half = |a: &Array| a.as_dtype(Dtype::Float16).unwrap();
+    let (half_scales, half_biases) = (half(&scales), half(&biases));
+    let wide = |a: &Array| a.as_dtype(Dtype::Float32).unwrap();
+    Packed {
+        w,
+        scales: wide(&half_scales),
+        biases: wide(&half_biases),
+        half_scales,
+        half_biases,
+    }
 }
 
 /// `x @ dequantize(w)^T` from the packed bits: element `i` of a row sits in
@@ -122,15 +137,27 @@ impl Case<'_> {
         format!("bits {bits}, group {group}, {m}x{inp} @ {out}x{inp}^T")
     }
 
+    /// The product with fp16 scales and biases, as the loader keeps them.
     fn run(&self, kernel: CpuKernel, activations: Activations) -> Array {
+        let p = self.p;
+        self.run_with(kernel, activations, &p.half_scales, &p.half_biases)
+    }
+
+    fn run_with(
+        &self,
+        kernel: CpuKernel,
+        activations: Activations,
+        scales: &Array,
+        biases: &Array,
+    ) -> Array {
         let (p, group, bits) = (self.p, self.group, self.bits);
         packed::matmul_with(
             Some(kernel),
             activations,
             &self.x,
             &p.w,
-            &p.scales,
-            &p.biases,
+            scales,
+            biases,
             group,
             bits,
         )
@@ -139,7 +166,7 @@ impl Case<'_> {
 }
 
 /// Every width and group size, odd output counts, inputs of 1, 3 and 5
-/// groups, 1 to 64 rows.
+/// groups, 1 to 64 rows and 130 (the tiled span from 16 rows on).
 fn each_case(mut check: impl FnMut(&Case)) {
     for bits in [4, 8] {
         for group in [32, 64, 128] {
@@ -147,7 +174,7 @@ fn each_case(mut check: impl FnMut(&Case)) {
                 let inp = group * groups_in;
                 let seed = (bits * 1000 + group * 10 + out) as u64;
                 let p = quantize(out, inp, group, bits, seed);
-                for m in [1, 2, 3, 5, 8, 9, 17, 64] {
+                for m in [1, 2, 3, 5, 8, 9, 17, 64, 130] {
                     let xs = values((m * inp) as usize, seed + m as u64);
                     let x = Array::from_slice(&xs, &[m, inp]);
                     let (want, mag) = reference(&xs, m as usize, &p, group as usize, bits as usize);
@@ -191,10 +218,22 @@ fn every_path_equals_the_reference_and_mlx_over_many_shapes() {
             let y = c.run(kernel, Activations::Float32);
             assert_eq!(y.shape(), &[c.m, c.out]);
             assert_matches(&y, &c.want, &c.mag, &format!("{what}, {}", kernel.name()));
+            // fp32 scales and biases of the same values: the same sums.
+            for activations in [Activations::Float32, Activations::Int8] {
+                let y = c.run(kernel, activations);
+                let wide = c.run_with(kernel, activations, &c.p.scales, &c.p.biases);
+                assert_eq!(
+                    y.as_slice::<f32>(),
+                    wide.as_slice::<f32>(),
+                    "{what}, {}, {}: fp16 and fp32 scales differ",
+                    kernel.name(),
+                    activations.name()
+                );
+            }
             cases += 1;
         }
     });
-    assert!(cases >= 2 * 3 * 4 * 8, "{cases} cases run");
+    assert!(cases >= 2 * 3 * 4 * 9, "{cases} cases run");
 }
 
 /// How far the int8 path may be from the exact product: each activation is
@@ -266,7 +305,7 @@ fn int8_activations_stay_within_their_rounding_on_every_path() {
             cases += 1;
         }
     });
-    assert!(cases >= 2 * 3 * 4 * 8, "{cases} cases run");
+    assert!(cases >= 2 * 3 * 4 * 9, "{cases} cases run");
 }
 
 #[test]
@@ -277,7 +316,8 @@ fn batched_strided_and_half_precision_inputs() {
     let (want, mag) = reference(&xs, 6, &p, group as usize, bits as usize);
     let x = Array::from_slice(&xs, &[2, 3, inp]);
     for kernel in kernels() {
-        // Leading axes are rows.
+        // Leading axes are rows; fp32 scales and biases are cast to fp16
+        // in the graph.
         let y = packed::matmul_with(
             Some(kernel),
             Activations::Float32,
@@ -309,9 +349,10 @@ fn batched_strided_and_half_precision_inputs() {
         let y = y.contiguous().unwrap();
         assert_matches(&y, &want, &mag, &format!("strided, {}", kernel.name()));
     }
-    // bf16 activations and scales: computed in fp32, returned in bf16 (MLX's
-    // own bf16 product sums in lower precision, so the reference is ours on
-    // the bf16-rounded inputs).
+    // bf16 activations and scales (as a bf16 checkpoint's): the scales cast
+    // to fp16 (exact: 8 significant bits in range), the product computed in
+    // fp32 and returned in bf16 (MLX's own bf16 product sums in lower
+    // precision, so the reference is ours on the bf16-rounded inputs).
     let bf16 = |a: &Array| a.as_dtype(Dtype::Bfloat16).unwrap();
     let widened = |a: &Array| a.as_dtype(Dtype::Float32).unwrap();
     let (hx, hs, hb) = (bf16(&x), bf16(&p.scales), bf16(&p.biases));
@@ -321,6 +362,8 @@ fn batched_strided_and_half_precision_inputs() {
         w: p.w.clone(),
         scales: widened(&hs),
         biases: widened(&hb),
+        half_scales: hs.as_dtype(Dtype::Float16).unwrap(),
+        half_biases: hb.as_dtype(Dtype::Float16).unwrap(),
     };
     let hxs = widened(&hx).as_slice::<f32>().to_vec();
     let (want, mag) = reference(&hxs, 6, &rounded, group as usize, bits as usize);

@@ -8,6 +8,7 @@
 use fixtures::model::{random_prompt, write_model, TinySpec};
 use mlx_rs::transforms::eval;
 use mlx_rs::{Array, Dtype};
+use runtime::abi;
 use runtime::generate::tokens_array;
 use runtime::model::Logits;
 use runtime::paged::PagePool;
@@ -45,8 +46,9 @@ fn prefix_hits_share_the_pools_blocks_across_the_c_boundary() {
     // The host's pool and prefix cache, and a plugin's views of them.
     let host_pool = PagePool::new(m.num_layers(), ledger.total(), 16).unwrap();
     let host_store = SharedPrefixCache::new(&ledger, 8, false, Some(&host_pool));
-    let pool = unsafe { PagePool::import(&host_pool.export()) };
-    let store = unsafe { SharedPrefixCache::import(&host_store.export(), Some(&pool)) };
+    let pool = unsafe { abi::foreign::pages(&abi::export::pages(&host_pool)) };
+    let store =
+        unsafe { abi::foreign::prefix_cache(&abi::export::prefix_cache(&host_store), Some(&pool)) };
     let held = || pool.usable() - pool.free_blocks();
 
     let prompt = random_prompt(3, 40, 500);

@@ -12,7 +12,7 @@
 //! there: its argmax for greedy requests; for sampled ones the request's
 //! sampler (bias, penalties, temperature, top-k, min-p, top-p) drawing
 //! with the key plain sampling would use at that position of the output
-//! ([`Sampler::picks_along`]). A draft is thus kept with probability
+//! ([`sampling::Sampler::picks_along`]). A draft is thus kept with probability
 //! p(draft), and on a rejection the committed token is distributed as p
 //! without the draft, renormalised: speculative sampling with a point-mass
 //! proposal, lossless in distribution, and with a seed the output equals
@@ -28,17 +28,16 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use engine_core::event::EventSender;
 use engine_core::{FinishReason, GenerateRequest, SpecStats, StreamError};
-use grammar::{Allowed, Constraint};
+use grammar::Allowed;
 use mlx_rs::transforms::eval;
 use mlx_rs::{ops, Array, Dtype};
-use runtime::emit::Emitter;
 use runtime::generate::tokens_array;
-use runtime::handover::{Handover, HandoverSink};
+use runtime::handover::HandoverSink;
 use runtime::model::{Logits, Tapped, Taps};
-use runtime::sampling::{self, Sampler};
-use runtime::{KvCache, Model, Reservation, SharedModel};
+use runtime::sampling;
+use runtime::sequence;
+use runtime::{KvCache, Model, SharedModel};
 
 use crate::adaptive::{DraftSizer, RoundCost};
 use crate::draft::{DraftSource, DraftState, Proposal};
@@ -51,23 +50,14 @@ pub struct RoundStats {
 }
 
 pub struct Sequence {
-    pub out: Emitter,
+    /// Its sampler, grammar, KV blocks, engine slot and output.
+    seq: sequence::Sequence,
     /// Where the prefix cache is: read at prefill, written at the end.
     shared: Arc<SharedModel>,
-    /// Held until the sequence ends (the engine slot) and released before
-    /// the final event, so the next request finds it.
-    held: Option<Box<dyn Send>>,
-    /// Its KV blocks: released with `held`, or handed over with the
-    /// sequence.
-    reservation: Option<Reservation>,
     cache: KvCache,
-    /// Prompt, then every committed token.
+    /// Prompt, then every committed token that the sequence went on from.
     history: Vec<u32>,
     draft: Option<Box<dyn DraftState>>,
-    /// The request's grammar state, if it has one.
-    constraint: Option<Constraint>,
-    /// The request's sampling (greedy included), made at prefill.
-    sampler: Option<Sampler>,
     taps: Taps,
     /// Most tokens the draft source proposes per round.
     max_draft: usize,
@@ -81,41 +71,34 @@ pub struct Sequence {
 
 impl Sequence {
     pub fn new(
-        request: GenerateRequest,
-        events: EventSender,
-        held: Box<dyn Send>,
-        reservation: Reservation,
+        seq: sequence::Sequence,
         shared: Arc<SharedModel>,
-        source: Option<&dyn DraftSource>,
+        source: &dyn DraftSource,
         adaptive: bool,
     ) -> Self {
-        let history = request.prompt.clone();
-        let cache = shared.new_cache(vec![0]);
+        let history = seq.request().prompt.clone();
         Self {
-            out: Emitter::new(request, events),
+            seq,
             shared,
-            held: Some(held),
-            reservation: Some(reservation),
-            cache,
+            // Made at prefill, from the prefix cache's hit.
+            cache: KvCache::new(0, 1),
             history,
-            draft: source.map(|s| s.start()),
-            constraint: None,
-            sampler: None,
-            taps: source.map(|s| s.taps()).unwrap_or_default(),
-            max_draft: source.map_or(0, |s| s.max_draft()),
-            sizer: DraftSizer::new(
-                source.map_or(0, |s| s.max_draft()),
-                source.map_or(1, |s| s.kinds()),
-                adaptive,
-            ),
+            draft: Some(source.start()),
+            taps: source.taps(),
+            max_draft: source.max_draft(),
+            sizer: DraftSizer::new(source.max_draft(), source.kinds(), adaptive),
             stats: SpecStats::default(),
             ending: None,
         }
     }
 
+    pub fn request(&self) -> &GenerateRequest {
+        self.seq.request()
+    }
+
     /// Ended, or ending ([`Sequence::is_ending`]): commits nothing more.
     pub fn is_finished(&self) -> bool {
-        self.out.ended() || self.ending.is_some()
+        self.seq.out.ended() || self.ending.is_some()
     }
 
     /// Ended at a stop, a token limit or a grammar's end, waiting for
@@ -128,51 +111,22 @@ impl Sequence {
         self.stats
     }
 
-    /// Compiles the request's grammar, if any; the message is the client's.
-    pub fn constrain(&mut self) -> Result<(), String> {
-        let Some(g) = &self.out.request.grammar else {
-            return Ok(());
-        };
-        let compiled = self
-            .shared
-            .grammars()?
-            .compile(g)
-            .map_err(|e| format!("{}: {e}", self.out.request.id))?;
-        self.constraint = Some(compiled);
-        Ok(())
-    }
-
     /// Runs the prompt through the target (chunked), after the prefix the
     /// shared prefix cache holds, and commits its first token. The drafter
     /// observes only the positions computed here: a cached prefix is
     /// context it does not see (fewer accepted drafts, the same output).
     pub fn prefill(&mut self, model: &Model) -> anyhow::Result<()> {
-        let prompt = self.out.request.prompt.clone();
-        let vocab = model.config.vocab_size as i32;
-        self.sampler = Some(Sampler::new(&self.out.request.sampling, vocab, &prompt)?);
-        let scope = self.out.request.cache_scope.clone();
-        let mut done = 0;
-        if let Some(hit) = self
-            .shared
-            .prefix
-            .lookup(scope.as_deref(), &prompt, model.num_layers())
-        {
-            self.cache = hit.cache;
-            done = hit.tokens;
-            self.out.set_cached_tokens(done as u32);
-        }
+        let prompt = self.request().prompt.clone();
+        let (cache, mut done) = self.seq.cached_prefix(&self.shared);
+        self.cache = cache;
         // Rejected drafts roll a hybrid model's recurrent states back to
         // the states kept for each verified position.
         self.cache.keep_steps(model.is_hybrid());
         let snapshot = self.shared.prefix.snapshot_at(prompt.len());
         let mut last = None;
         while done < prompt.len() {
-            let mut end = (done + self.shared.prefill_chunk()).min(prompt.len());
-            // A hybrid model's prefix is kept as a snapshot where a chunk
-            // ends on the prompt's last block boundary.
-            if let Some(at) = snapshot.filter(|&at| done < at && at < end) {
-                end = at;
-            }
+            let end = (done + self.shared.prefill_chunk()).min(prompt.len());
+            let end = sequence::chunk_end(self.seq.request(), done, end, snapshot);
             let chunk = &prompt[done..end];
             let out = model.forward_tapped(
                 &tokens_array(chunk),
@@ -188,17 +142,13 @@ impl Sequence {
                 eval(&self.cache.state())?;
             }
             if snapshot == Some(done) {
-                self.shared
-                    .prefix
-                    .insert(scope.as_deref(), &prompt[..done], &self.cache);
+                self.seq.publish(&self.shared, &prompt[..done], &self.cache);
             }
             last = Some(out.logits);
         }
         let logits = last.ok_or_else(|| anyhow::anyhow!("empty prompt"))?;
         // The prompt now, for requests sharing it; the answer at the end.
-        self.shared
-            .prefix
-            .insert(scope.as_deref(), &prompt, &self.cache);
+        self.seq.publish(&self.shared, &prompt, &self.cache);
         let sets = self.allowed_along(&[]);
         let token = self.picks(&logits, &[], &sets)?;
         eval([&token])?;
@@ -227,9 +177,7 @@ impl Sequence {
     ) -> anyhow::Result<Plan> {
         let newest = *self.history.last().expect("prefilled");
         // Never draft past max_tokens: a round commits at most k + 1.
-        let budget = ((self.out.request.max_tokens - self.out.generated()).saturating_sub(1)
-            as usize)
-            .min(self.max_draft);
+        let budget = (self.seq.tokens_left().saturating_sub(1) as usize).min(self.max_draft);
         let limit = match (&self.draft, speculate) {
             (Some(_), true) => self.sizer.plan(cost, budget),
             _ => 0,
@@ -242,7 +190,7 @@ impl Sequence {
         // Drafts on the device (lazy) or already on the host, cut to the
         // size worth verifying for their kind of evidence.
         // A grammar's masks and the penalties need the drafts on the host.
-        let host_drafts = self.constraint.is_some() || self.sampler().reads_history();
+        let host_drafts = self.seq.constraint.is_some() || self.seq.sampler.reads_history();
         let (input, lazy, mut proposed, kind) = match proposal {
             Proposal::Tokens { mut tokens, kind } => {
                 tokens.truncate(self.sizer.size(cost, kind, tokens.len().min(limit)));
@@ -318,40 +266,24 @@ impl Sequence {
         })
     }
 
-    /// Streams committed tokens, ending the sequence at a stop token, the
-    /// token limit or cancellation; tokens after the end are dropped. Under
-    /// a grammar (`sets` from [`Sequence::allowed_along`]) it also ends
-    /// where the grammar is complete or chose an end-of-sequence token.
+    /// Streams committed tokens (drawn with [`sampling::Sampler::picks_along`]'s
+    /// keys) through the per-token rule ([`sequence::Sequence::accept`];
+    /// `sets` from [`Sequence::allowed_along`]); tokens after the end are
+    /// dropped.
     fn commit(&mut self, tokens: &[u32], sets: &[Option<Allowed>]) -> anyhow::Result<()> {
         for (i, &token) in tokens.iter().enumerate() {
-            if let Some(c) = &self.constraint {
-                if sets[i].is_none() || c.is_end(token) {
-                    self.end(FinishReason::Stop);
+            self.seq.sampler.pass_key()?;
+            let grammar_over = matches!(sets.get(i), Some(None));
+            match self.seq.accept_plain(token, grammar_over)? {
+                Some(reason) => {
+                    self.end(reason);
                     return Ok(());
                 }
-            }
-            self.sampler
-                .as_mut()
-                .expect("prefilled")
-                .advance(&[token])?;
-            if let Some(reason) = self.out.plain(token) {
-                self.end(reason);
-                return Ok(());
-            }
-            self.history.push(token);
-            if let Some(c) = &mut self.constraint {
-                if !c.commit(token) {
-                    self.end(FinishReason::Stop);
-                    return Ok(());
-                }
+                None => self.history.push(token),
             }
         }
         self.check_cancelled();
         Ok(())
-    }
-
-    fn sampler(&self) -> &Sampler {
-        self.sampler.as_ref().expect("prefilled")
     }
 
     /// The target's picks `[L]` (int32, lazy) from `[1, L, V]` logits: at
@@ -373,14 +305,14 @@ impl Sequence {
                     .map(|a| sampling::allowed_mask(&a.to_bools(vocab)))
             })
             .collect();
-        Ok(self.sampler().picks_along(logits, drafts, &allowed)?)
+        Ok(self.seq.sampler.picks_along(logits, drafts, &allowed)?)
     }
 
     /// The grammar's allowed sets along `drafts` (see
-    /// [`Constraint::allowed_along`]); without a grammar, no limits on any
+    /// [`grammar::Constraint::allowed_along`]); without a grammar, no limits on any
     /// position.
     fn allowed_along(&mut self, drafts: &[u32]) -> Vec<Option<Allowed>> {
-        match &mut self.constraint {
+        match &mut self.seq.constraint {
             Some(c) => c.allowed_along(drafts),
             None => Vec::new(),
         }
@@ -394,8 +326,8 @@ impl Sequence {
             return;
         }
         if reason == FinishReason::Cancelled {
-            self.release();
-            self.out.finish(reason, Some(self.stats));
+            self.drop_caches();
+            self.seq.finish(reason, Some(self.stats));
         } else {
             self.ending = Some(reason);
         }
@@ -409,26 +341,22 @@ impl Sequence {
         let Some(reason) = self.ending.take() else {
             return;
         };
-        let scope = self.out.request.cache_scope.as_deref();
-        self.shared.prefix.insert(scope, &self.history, &cache);
-        self.release();
-        self.out.finish(reason, Some(self.stats));
+        self.seq.publish(&self.shared, &self.history, &cache);
+        self.drop_caches();
+        self.seq.finish(reason, Some(self.stats));
     }
 
     /// Ends the sequence with an error (the engine keeps running).
     pub fn fail(&mut self, error: StreamError) {
-        if self.out.ended() {
+        if self.seq.out.ended() {
             return;
         }
         self.ending = None;
-        self.release();
-        self.out.fail(error);
+        self.drop_caches();
+        self.seq.fail(error);
     }
 
-    /// Gives back the KV blocks and the engine slot, and drops the caches.
-    fn release(&mut self) {
-        self.held.take();
-        self.reservation.take();
+    fn drop_caches(&mut self) {
         self.cache = KvCache::new(0, 1);
         self.draft = None;
     }
@@ -437,16 +365,14 @@ impl Sequence {
     /// (every committed token but the newest) and its KV blocks; the
     /// client's stream goes on there. Its drafting statistics so far are
     /// not in the final usage.
-    fn hand_over(mut self, cache: KvCache, sink: &dyn HandoverSink) {
+    fn hand_over(self, cache: KvCache, sink: &dyn HandoverSink) {
         let last_token = *self.history.last().expect("prefilled");
-        let reservation = self.reservation.take().expect("running");
-        self.held.take();
-        Handover::of(self.out, cache, last_token, reservation).give_to(sink);
+        self.seq.hand_over(cache, last_token, sink);
     }
 
     /// Cancelled from outside (client gone, shutdown) between rounds.
     pub fn check_cancelled(&mut self) {
-        if self.out.request.cancel.is_cancelled() {
+        if self.request().cancel.is_cancelled() {
             self.end(FinishReason::Cancelled);
         }
     }
@@ -577,7 +503,7 @@ impl Batch {
         let moving: Vec<bool> = self
             .seqs
             .iter()
-            .map(|s| !s.is_finished() && s.constraint.is_none())
+            .map(|s| !s.is_finished() && s.seq.can_hand_over())
             .collect();
         let mut rows = Vec::new();
         for b in (0..moving.len()).filter(|&b| moving[b]) {
@@ -643,7 +569,7 @@ impl Batch {
                 false => match seq.plan(model, speculate, cost, || cache.row_view(b)) {
                     Ok(plan) => Some(plan),
                     Err(e) => {
-                        tracing::error!(request = %seq.out.request.id, error = %e, "drafting failed");
+                        tracing::error!(request = %seq.request().id, error = %e, "drafting failed");
                         seq.fail(runtime::memory::failed_step(&e));
                         None
                     }
@@ -703,7 +629,7 @@ impl Batch {
             match seq.settle(model, plan, verdict, &out) {
                 Ok(round) => stats.push(round),
                 Err(e) => {
-                    tracing::error!(request = %seq.out.request.id, error = %e, "drafter update failed");
+                    tracing::error!(request = %seq.request().id, error = %e, "drafter update failed");
                     seq.fail(runtime::memory::failed_step(&e));
                 }
             }

@@ -5,16 +5,17 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
 use std::time::Instant;
 
-use crossbeam_channel::{Receiver, Sender};
 use engine_core::event::EventSender;
 use engine_core::{
-    CancelToken, Capabilities, Engine, EngineContext, EngineError, EngineLoad, GenerateRequest,
-    Refusal, RequestId, StreamError,
+    Capabilities, Engine, EngineContext, EngineError, EngineLoad, GenerateRequest, Refusal,
+    RequestId, StreamError,
 };
+use runtime::sequence;
+use runtime::worker::{self, Cancels};
 use runtime::{memory, LoadedModel, Reservation, SharedModel};
 
 use crate::adaptive::RoundCost;
@@ -69,18 +70,25 @@ struct Job {
     events: EventSender,
 }
 
-/// A request's admission: its place under the concurrency cap and in the
-/// engine's KV count, given back when dropped (its KV blocks travel apart,
-/// as they may be handed over).
+impl worker::Job for Job {
+    fn request(&self) -> &GenerateRequest {
+        &self.request
+    }
+}
+
+/// A request's admission: its place under the concurrency cap, in the
+/// engine's KV count and among the cancellable requests, given back when
+/// dropped (its KV blocks travel apart, as they may be handed over).
 struct Ticket {
     state: Arc<Shared>,
+    cancels: Cancels,
     id: RequestId,
     blocks: usize,
 }
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        lock(&self.state.cancels).remove(&self.id);
+        self.cancels.remove(self.id);
         self.state
             .kv_blocks
             .fetch_sub(self.blocks, Ordering::AcqRel);
@@ -94,7 +102,6 @@ struct Shared {
     in_flight: AtomicUsize,
     kv_blocks: AtomicUsize,
     window: Mutex<AcceptWindow>,
-    cancels: Mutex<HashMap<RequestId, CancelToken>>,
     /// Why the drafter could not be loaded (lazy load); the engine then
     /// refuses work so the router uses the others.
     failed: Mutex<Option<String>>,
@@ -111,8 +118,7 @@ pub struct SpecEngine {
     max_draft: usize,
     kv_bytes_per_token: usize,
     state: Arc<Shared>,
-    tx: Mutex<Option<Sender<Job>>>,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    worker: worker::Worker<Job>,
 }
 
 enum Source {
@@ -142,11 +148,9 @@ impl SpecEngine {
                 settings.accept_window.rounds,
                 settings.window_age(),
             )),
-            cancels: Mutex::new(HashMap::new()),
             failed: Mutex::new(None),
         });
-        let (tx, rx) = crossbeam_channel::unbounded::<Job>();
-        let worker = Worker {
+        let rounds = Worker {
             shared: shared.clone(),
             state: state.clone(),
             max_batch: settings.max_batch,
@@ -156,10 +160,7 @@ impl SpecEngine {
             source,
             name: name.clone(),
         };
-        let thread = std::thread::Builder::new()
-            .name(format!("{name}-worker"))
-            .spawn(move || worker.run(rx))
-            .map_err(|e| format!("{name}: spawning the worker: {e}"))?;
+        let worker = worker::Worker::spawn(&name, move |jobs, _| rounds.run(jobs))?;
         tracing::info!(engine = %name, lazy = settings.lazy_drafter, max_draft = plan.max_draft, "speculative engine ready");
         Ok(Self {
             name,
@@ -168,8 +169,7 @@ impl SpecEngine {
             max_draft: plan.max_draft,
             settings,
             state,
-            tx: Mutex::new(Some(tx)),
-            thread: Mutex::new(Some(thread)),
+            worker,
         })
     }
 }
@@ -198,7 +198,9 @@ impl Engine for SpecEngine {
         if lock(&self.state.failed).is_some() {
             return Err(Refusal::NotReady.into());
         }
-        let tx = lock(&self.tx).clone().ok_or(EngineError::ShuttingDown)?;
+        if !self.worker.is_alive() {
+            return Err(EngineError::ShuttingDown);
+        }
         if !runtime::admission::take_slot(&self.state.in_flight, self.settings.max_concurrent) {
             return Err(Refusal::Busy.into());
         }
@@ -213,33 +215,27 @@ impl Engine for SpecEngine {
                 })?;
         let blocks = reservation.blocks();
         self.state.kv_blocks.fetch_add(blocks, Ordering::AcqRel);
-        lock(&self.state.cancels).insert(request.id, request.cancel.clone());
         let ticket = Ticket {
             state: self.state.clone(),
+            cancels: self.worker.cancels().clone(),
             id: request.id,
             blocks,
         };
-        // A send to a stopped worker hands the job (and its ticket) back.
-        tx.send(Job {
+        // A send to a stopped worker drops the job (and its ticket).
+        self.worker.send(Job {
             request,
             ticket,
             reservation,
             events,
         })
-        .map_err(|_| EngineError::ShuttingDown)?;
-        Ok(())
     }
 
     fn cancel(&self, id: RequestId) {
-        if let Some(c) = lock(&self.state.cancels).get(&id) {
-            c.cancel();
-        }
+        self.worker.cancel(id);
     }
 
     fn load(&self) -> EngineLoad {
-        let alive = lock(&self.thread)
-            .as_ref()
-            .is_some_and(|t| !t.is_finished());
+        let alive = self.worker.is_alive();
         let mut window = lock(&self.state.window);
         EngineLoad {
             active: self.state.in_flight.load(Ordering::Acquire),
@@ -253,19 +249,7 @@ impl Engine for SpecEngine {
 
     /// Cancels everything in flight and waits for the worker to stop.
     fn shutdown(&self) {
-        lock(&self.tx).take();
-        for c in lock(&self.state.cancels).values() {
-            c.cancel();
-        }
-        if let Some(t) = lock(&self.thread).take() {
-            let _ = t.join();
-        }
-    }
-}
-
-impl Drop for SpecEngine {
-    fn drop(&mut self) {
-        self.shutdown();
+        self.worker.shutdown();
     }
 }
 
@@ -296,8 +280,8 @@ impl Worker {
             waiting.extend(rx.try_iter());
             // One prefill per turn, so running sequences keep streaming.
             if let Some(job) = waiting.pop_front() {
-                let seq = self.start(job);
-                if !seq.is_finished() {
+                let seq = self.start(job).filter(|s| !s.is_finished());
+                if let Some(seq) = seq {
                     let _device = self.shared.lock_device();
                     if let Err((mut seq, e)) = batch.join(seq) {
                         tracing::error!(engine = %self.name, error = %e, "joining the batch failed");
@@ -388,51 +372,40 @@ impl Worker {
         }
     }
 
-    /// Loads the drafter if still pending, then prefills.
-    fn start(&mut self, job: Job) -> Sequence {
+    /// Loads the drafter if still pending, starts the sequence, then
+    /// prefills; `None` when it ended before (its stream ended too).
+    fn start(&mut self, job: Job) -> Option<Sequence> {
         let source = self.source();
-        let model = &self.shared.model.model;
         let Job {
             request,
             ticket,
             reservation,
             events,
         } = job;
-        let (held, shared) = (Box::new(ticket), self.shared.clone());
-        let mut seq = match source {
-            Ok(source) => Sequence::new(
-                request,
-                events,
-                held,
-                reservation,
-                shared,
-                Some(&*source),
-                self.adaptive,
-            ),
+        let mut seq = sequence::Sequence::start_on(&self.shared, request, events, reservation)?;
+        seq.hold(ticket);
+        let source = match source {
+            Ok(source) => source,
             Err(msg) => {
-                let mut seq =
-                    Sequence::new(request, events, held, reservation, shared, None, false);
                 seq.fail(StreamError::Internal(format!(
                     "the drafter could not be loaded: {msg}"
                 )));
-                return seq;
+                return None;
             }
         };
-        if let Err(message) = seq.constrain() {
-            seq.fail(StreamError::Invalid(message));
-        }
+        let mut seq = Sequence::new(seq, self.shared.clone(), &*source, self.adaptive);
         seq.check_cancelled();
         if !seq.is_finished() {
             let result = {
                 let _device = self.shared.lock_device();
-                seq.prefill(model)
+                seq.prefill(&self.shared.model.model)
             };
             if let Err(e) = result {
-                tracing::error!(engine = %self.name, request = %seq.out.request.id, error = %e, "prefill failed");
+                tracing::error!(engine = %self.name, request = %seq.request().id, error = %e, "prefill failed");
                 seq.fail(memory::failed_step(&e));
             }
         }
-        seq
+        Some(seq)
     }
 
     fn source(&mut self) -> Result<Arc<dyn DraftSource>, String> {

@@ -63,6 +63,18 @@ impl std::fmt::Debug for Tokenizer {
 }
 
 impl Tokenizer {
+    /// Loads the tokenizer a model's `source` names.
+    pub fn load(source: &engine_core::TokenizerSource) -> Result<Self> {
+        match source {
+            engine_core::TokenizerSource::Dir(dir) => Self::from_dir(dir),
+            engine_core::TokenizerSource::Json {
+                json,
+                config,
+                origin,
+            } => Self::from_json(json, Some(config), origin),
+        }
+    }
+
     /// Loads `tokenizer.json` and (if present) `tokenizer_config.json` from a
     /// model directory.
     pub fn from_dir(dir: &Path) -> Result<Self> {

@@ -1,8 +1,10 @@
 //! `engine-template`: the smallest real engine plugin, kept as the starting
 //! point for third-party authors (docs/plugins.md). One plain greedy request
-//! at a time on its own thread, over the gateway's shared model: it takes
-//! the shared device lock, reserves its KV blocks in the shared pool,
-//! streams each token, and stops when cancelled or when its client leaves.
+//! at a time on its own thread, over the gateway's shared model: it reserves
+//! its KV blocks in the shared pool at submit (or refuses, so the router
+//! tries another engine), takes the shared device lock, and leaves every
+//! per-token rule (stop tokens, cancellation, `max_tokens`, usage counts,
+//! one final event after the blocks go back) to the runtime's `Sequence`.
 //!
 //! ```yaml
 //! plugins: [path/to/libengine_template.so]
@@ -10,112 +12,90 @@
 //!   tmpl: { kind: template }
 //! ```
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::Arc;
 
 use engine_core::{
-    CancelToken, Capabilities, Engine, EngineContext, EngineError, EngineLoad, Event, EventSender,
-    Finish, FinishReason, GenerateRequest, RequestId, StreamError, TokenEvent,
+    Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventSender, FinishReason,
+    GenerateRequest, RequestId, StreamError,
 };
-use runtime::SharedModel;
+use runtime::generate::GreedyStream;
+use runtime::sequence::Sequence;
+use runtime::worker::{self, Worker};
+use runtime::{Reservation, SharedModel};
 
 struct Job {
-    req: GenerateRequest,
+    request: GenerateRequest,
     events: EventSender,
+    reservation: Reservation,
+}
+
+impl worker::Job for Job {
+    fn request(&self) -> &GenerateRequest {
+        &self.request
+    }
 }
 
 struct Template {
     name: String,
     shared: Arc<SharedModel>,
-    jobs: Mutex<Option<mpsc::Sender<Job>>>,
-    queued: Arc<AtomicUsize>,
-    cancels: Arc<Mutex<HashMap<RequestId, CancelToken>>>,
+    worker: Worker<Job>,
 }
 
 fn create(ctx: EngineContext) -> Result<Box<dyn Engine>, String> {
     let shared = SharedModel::from_context(&ctx)?;
-    let (tx, rx) = mpsc::channel::<Job>();
-    let queued = Arc::new(AtomicUsize::new(0));
-    let cancels = Arc::new(Mutex::new(HashMap::new()));
-    let worker = (shared.clone(), queued.clone(), cancels.clone());
-    std::thread::Builder::new()
-        .name(format!("engine-{}", ctx.name))
-        .spawn(move || {
-            let (shared, queued, cancels) = worker;
-            while let Ok(job) = rx.recv() {
-                queued.fetch_sub(1, Ordering::AcqRel);
-                let id = job.req.id;
+    let worker = Worker::<Job>::spawn(&ctx.name, {
+        let shared = shared.clone();
+        move |jobs, cancels| {
+            for job in jobs {
+                let id = job.request.id;
                 serve(&shared, job);
-                cancels.lock().unwrap().remove(&id);
+                cancels.remove(id);
             }
-        })
-        .map_err(|e| format!("cannot start the worker thread: {e}"))?;
+        }
+    })?;
     tracing::info!(engine = %ctx.name, model = %shared.model.name, "template engine ready");
     Ok(Box::new(Template {
         name: ctx.name,
         shared,
-        jobs: Mutex::new(Some(tx)),
-        queued,
-        cancels,
+        worker,
     }))
 }
 
-/// Generates one request start to finish; every stream ends with exactly
-/// one `Finished` or `Error`.
-fn serve(shared: &SharedModel, Job { req, events }: Job) {
-    let pool = &shared.kv_pool;
-    let blocks = pool.blocks_for(req.prompt.len() + req.max_tokens as usize);
-    // Checked to fit at submit; wait while other engines hold the pool.
-    let reservation = loop {
-        if req.cancel.is_cancelled() || events.is_closed() {
-            return;
-        }
-        match pool.try_reserve(blocks) {
-            Ok(r) => break r,
-            Err(_) => std::thread::sleep(std::time::Duration::from_millis(2)),
-        }
+/// Generates one request start to finish; its stream ends with exactly one
+/// `Finished` or `Error`.
+fn serve(shared: &SharedModel, job: Job) {
+    let Job {
+        request,
+        events,
+        reservation,
+    } = job;
+    // An invalid request (say, its sampling) ends here with its error.
+    let Some(mut seq) = Sequence::start_on(shared, request, events, reservation) else {
+        return;
     };
-    let mut delivered = 0u32;
-    let run = {
+    let decoded = {
         let _device = shared.lock_device();
-        runtime::generate::greedy(
-            &shared.model.model,
-            &req.prompt,
-            req.max_tokens as usize,
-            &req.stop_tokens,
-            |id| {
-                let token = Event::Token(TokenEvent {
-                    id,
-                    logprob: None,
-                    top_logprobs: Vec::new(),
-                });
-                if events.send(token).is_err() {
-                    return false;
-                }
-                delivered += 1;
-                !req.cancel.is_cancelled()
-            },
-        )
+        decode(shared, &mut seq)
     };
-    drop(reservation);
-    let event = match run {
-        Ok(run) => Event::Finished(Finish {
-            reason: if req.cancel.is_cancelled() || events.is_closed() {
-                FinishReason::Cancelled
-            } else if run.tokens.len() >= req.max_tokens as usize {
-                FinishReason::Length
-            } else {
-                FinishReason::Stop
-            },
-            prompt_tokens: req.prompt.len() as u32,
-            completion_tokens: delivered,
-            cached_tokens: 0,
-            spec: None,
-        }),
-        Err(e) => Event::Error(StreamError::Internal(format!("generation failed: {e}"))),
-    };
-    let _ = events.send(event);
+    match decoded {
+        Ok(reason) => seq.finish(reason, None),
+        Err(e) => seq.fail(StreamError::Internal(format!("generation failed: {e}"))),
+    }
+}
+
+/// Greedy decoding, each step queued before the previous token is read;
+/// the sequence decides when it ends.
+fn decode(shared: &SharedModel, seq: &mut Sequence) -> runtime::Result<FinishReason> {
+    let model = &shared.model.model;
+    let cache = shared.new_cache(vec![0]);
+    let prompt = &seq.request().prompt;
+    let mut stream = GreedyStream::resume(model, cache, prompt, shared.prefill_chunk())?;
+    loop {
+        let token = stream.next_token(seq.tokens_left() > 1)?;
+        if let Some(reason) = seq.accept_plain(token, false)? {
+            return Ok(reason);
+        }
+    }
 }
 
 impl Engine for Template {
@@ -135,42 +115,37 @@ impl Engine for Template {
         // What `capabilities` leaves out never arrives: the gateway applies
         // it. This checks only what the engine itself must hold true.
         runtime::admission::check_request(&req, &self.shared.model)?;
-        let jobs = self.jobs.lock().unwrap();
-        let jobs = jobs.as_ref().ok_or(EngineError::ShuttingDown)?;
-        self.cancels
-            .lock()
-            .unwrap()
-            .insert(req.id, req.cancel.clone());
-        self.queued.fetch_add(1, Ordering::AcqRel);
-        jobs.send(Job { req, events })
-            .map_err(|_| EngineError::ShuttingDown)
+        // KV for the whole answer, now: a full pool refuses the request
+        // (the router tries the next engine) rather than queueing it.
+        let tokens = req.prompt.len() + req.max_tokens as usize;
+        let per_token = self.shared.model.model.kv_bytes_per_token();
+        let reservation =
+            runtime::admission::reserve(&self.shared.kv_pool, &req, tokens, per_token)?;
+        self.worker.send(Job {
+            request: req,
+            events,
+            reservation,
+        })
     }
 
     fn cancel(&self, id: RequestId) {
-        if let Some(token) = self.cancels.lock().unwrap().get(&id) {
-            token.cancel();
-        }
+        self.worker.cancel(id);
     }
 
     fn load(&self) -> EngineLoad {
-        let in_flight = self.cancels.lock().unwrap().len();
-        let queued = self.queued.load(Ordering::Acquire);
+        let in_flight = self.worker.in_flight();
         EngineLoad {
-            active: in_flight.saturating_sub(queued),
-            queued,
+            active: in_flight.min(1),
+            queued: in_flight.saturating_sub(1),
             kv_blocks_held: 0,
-            healthy: self.jobs.lock().unwrap().is_some(),
+            healthy: self.worker.is_alive(),
             // accept_rate and expected_speedup are for speculative engines.
             ..EngineLoad::default()
         }
     }
 
     fn shutdown(&self) {
-        for token in self.cancels.lock().unwrap().values() {
-            token.cancel();
-        }
-        // Closing the queue ends the worker once its request stops.
-        self.jobs.lock().unwrap().take();
+        self.worker.shutdown();
     }
 }
 

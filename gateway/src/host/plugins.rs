@@ -1,9 +1,9 @@
-//! Opening engine plugins. The descriptor is C: its layout version is read
-//! first, then the fingerprints of everything else the boundary depends on
-//! (engine-core's boundary and wire types; MLX, mlx-c and the shared-state
-//! tables). A plugin that differs in any is refused here, at load, with
-//! both values and what to rebuild named, and the rest of the gateway
-//! carries on. Nothing of the plugin is called before that.
+//! Opening engine plugins. The descriptor is C: the boundary's major
+//! version is read first, then the MLX fingerprint (MLX, mlx-c and the
+//! shared-state tables' version). A plugin that differs in either is
+//! refused here, at load, with both values and what to rebuild named, and
+//! the rest of the gateway carries on. Nothing of the plugin is called
+//! before that.
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -11,9 +11,7 @@ use std::sync::Mutex;
 use engine_core::plugin::abi::{EntryFn, PluginDescriptor, PluginVTable};
 use engine_core::plugin::export::CreateArgs;
 use engine_core::plugin::import::PluginEngine;
-use engine_core::plugin::{
-    read_c_str, BOUNDARY, ENTRY_SYMBOL, OLD_ENTRY_SYMBOL, PLUGIN_ABI_VERSION,
-};
+use engine_core::plugin::{read_c_str, ENTRY_SYMBOL, OLD_ENTRY_SYMBOL, PLUGIN_ABI_VERSION};
 use libloading::Library;
 
 /// Libraries stay loaded for the life of the process: engines built from
@@ -50,10 +48,8 @@ pub enum PluginError {
 /// What a descriptor says it was built against, as plain values.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fingerprint {
-    /// The descriptor's layout.
+    /// The boundary's major version.
     pub abi: u32,
-    /// engine-core's version and boundary hash.
-    pub boundary: String,
     /// MLX, mlx-c and the shared-state tables; empty for a plugin that
     /// does not link MLX.
     pub mlx: String,
@@ -63,7 +59,6 @@ impl Fingerprint {
     pub fn host() -> Self {
         Fingerprint {
             abi: PLUGIN_ABI_VERSION,
-            boundary: BOUNDARY.trim_end_matches('\0').to_owned(),
             mlx: runtime::abi::mlx_fingerprint().to_owned(),
         }
     }
@@ -79,12 +74,6 @@ impl Fingerprint {
             ));
             // The other fields' layout is unknown.
             return out;
-        }
-        if self.boundary != host.boundary {
-            out.push(format!(
-                "built against `{}` (gateway has `{}`): rebuild the plugin against this gateway's engine-core sources",
-                self.boundary, host.boundary
-            ));
         }
         if !self.mlx.is_empty() && self.mlx != host.mlx {
             out.push(format!(
@@ -175,14 +164,11 @@ impl Plugin {
         let abi = unsafe { std::ptr::addr_of!((*descriptor).abi_version).read() };
         let mut fingerprint = Fingerprint {
             abi,
-            boundary: String::new(),
             mlx: String::new(),
         };
         let host = Fingerprint::host();
         if abi == host.abi {
-            let d = unsafe { &*descriptor };
-            fingerprint.boundary = unsafe { read_c_str(d.boundary) };
-            fingerprint.mlx = unsafe { read_c_str(d.mlx) };
+            fingerprint.mlx = unsafe { read_c_str((*descriptor).mlx) };
         }
         let mismatches = fingerprint.mismatches(&host);
         if !mismatches.is_empty() {
@@ -266,19 +252,16 @@ mod tests {
     fn mismatches_name_both_values_and_what_to_rebuild() {
         let host = Fingerprint {
             abi: 4,
-            boundary: "engine-core 0.1.0 boundary 00aa".into(),
-            mlx: "mlx 0.32.2, mlx-c of mlx-sys 0.7.0, shared state 11bb".into(),
+            mlx: "mlx 0.32.2, mlx-c of mlx-sys 0.7.0, shared state v1".into(),
         };
         assert!(host.mismatches(&host).is_empty());
         let other = Fingerprint {
-            boundary: "engine-core 0.1.0 boundary 00ff".into(),
-            mlx: "mlx 0.30.0, mlx-c of mlx-sys 0.7.0, shared state 11bb".into(),
+            mlx: "mlx 0.30.0, mlx-c of mlx-sys 0.7.0, shared state v1".into(),
             ..host.clone()
         };
         let m = other.mismatches(&host);
-        assert_eq!(m.len(), 2, "{m:?}");
-        assert!(m[0].contains("00ff") && m[0].contains("00aa") && m[0].contains("engine-core"));
-        assert!(m[1].contains("mlx 0.30.0") && m[1].contains("mlx 0.32.2") && m[1].contains("MLX"));
+        assert_eq!(m.len(), 1, "{m:?}");
+        assert!(m[0].contains("mlx 0.30.0") && m[0].contains("mlx 0.32.2") && m[0].contains("MLX"));
         // A plugin that does not link MLX has no MLX to mismatch.
         let no_mlx = Fingerprint {
             mlx: String::new(),
@@ -298,7 +281,6 @@ mod tests {
     #[test]
     fn host_fingerprint_is_clean() {
         let f = Fingerprint::host();
-        assert!(f.boundary.starts_with("engine-core ") && !f.boundary.contains('\0'));
         assert!(
             f.mlx.starts_with("mlx ") && !f.mlx.contains('\0'),
             "{}",

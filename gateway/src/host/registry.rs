@@ -66,6 +66,7 @@ impl Registry {
                         .parent()
                         .map(std::path::Path::to_path_buf)
                         .unwrap_or_default(),
+                    model: Some(shared.facts()),
                 };
                 plugin
                     .create(&args, shared_tables)
@@ -78,7 +79,7 @@ impl Registry {
                         engine = %spec.name,
                         kind = %spec.kind,
                         plugin = %plugin.path.display(),
-                        boundary = %plugin.fingerprint.boundary,
+                        abi = plugin.fingerprint.abi,
                         capabilities = ?entry.capabilities,
                         "engine loaded"
                     );

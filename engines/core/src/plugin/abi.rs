@@ -1,15 +1,22 @@
 //! The C structures that cross the plugin boundary. Nothing here depends on
 //! how a crate was compiled: plain integers, pointers and `extern "C"`
-//! functions, with every richer value (requests, events, errors, loads,
-//! capabilities) passed as JSON bytes of the engine-core types.
+//! functions. Token events and images' embeddings cross as C values; the
+//! rarer rich values (requests, finishes, errors, loads, capabilities) as
+//! JSON bytes of the engine-core types.
 //!
 //! Ownership: a `Raw*` handle has exactly one owner, who calls its
 //! `release` once. Handles passed into a call are owned by the callee from
 //! then on, whatever the call returns.
 //!
-//! Any change to this file or to the wire types (request.rs, event.rs,
-//! engine.rs) changes [`BOUNDARY`](super::BOUNDARY), and the host refuses
-//! plugins built against the old one.
+//! Versions ([`PLUGIN_ABI_VERSION`](super::PLUGIN_ABI_VERSION)): the tables
+//! one side builds for the other to read for the process
+//! ([`HostServices`], [`PluginVTable`], `runtime::abi::RawShared`) start
+//! with their `size` in bytes and grow only at their end, so a reader
+//! reads a member added after its builder was built only where `size`
+//! reaches past it. Anything else (a member changed, moved or removed, a
+//! handle or call argument changed, a JSON field changed in type or
+//! meaning) is a new major version, and the host refuses plugins of
+//! another.
 
 use std::ffi::{c_char, c_void};
 
@@ -66,14 +73,45 @@ impl ByteSink {
     }
 }
 
-/// The receiving end of one request's events (JSON of [`crate::Event`]).
+/// The receiving end of one request's events.
 #[repr(C)]
 pub struct RawEventSink {
     pub ctx: *mut c_void,
-    /// False when the receiver is gone (the client left).
+    /// A token. False when the receiver is gone (the client left).
+    pub send_token: unsafe extern "C" fn(ctx: *mut c_void, token: *const RawToken) -> bool,
+    /// Any other event, as JSON of [`crate::Event`]; false as `send_token`.
     pub send: unsafe extern "C" fn(ctx: *mut c_void, event: Bytes) -> bool,
     pub is_closed: unsafe extern "C" fn(ctx: *mut c_void) -> bool,
     pub release: unsafe extern "C" fn(ctx: *mut c_void),
+}
+
+/// A [`crate::TokenEvent`], its arrays lent for the call.
+#[repr(C)]
+pub struct RawToken {
+    pub id: u32,
+    pub has_logprob: bool,
+    pub logprob: f32,
+    /// The alternatives: `top_len` ids and their log-probabilities.
+    pub top_ids: *const u32,
+    pub top_logprobs: *const f32,
+    pub top_len: usize,
+}
+
+/// A [`crate::GenerateRequest`], lent for the call: JSON without its
+/// images' embeddings, which follow as floats, one run per image in order.
+#[repr(C)]
+pub struct RawRequest {
+    pub json: Bytes,
+    pub embeddings: *const Floats,
+    pub images: usize,
+}
+
+/// `len` floats lent for the call.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Floats {
+    pub ptr: *const f32,
+    pub len: usize,
 }
 
 /// One request's cancellation flag.
@@ -100,6 +138,8 @@ pub struct RawLog {
 /// What the host lends a plugin for the life of the process.
 #[repr(C)]
 pub struct HostServices {
+    /// This table's size in bytes as the host built it.
+    pub size: usize,
     pub log: RawLog,
     /// The shared model state (`runtime::abi::RawShared`); null when the
     /// host shares none.
@@ -113,6 +153,8 @@ pub type EngineHandle = *mut c_void;
 /// plugin's side and reported as errors).
 #[repr(C)]
 pub struct PluginVTable {
+    /// This table's size in bytes as the plugin built it.
+    pub size: usize,
     /// Builds an engine from `args` (JSON: name, YAML config section,
     /// config directory). On success writes the engine to `out`; on failure
     /// writes the reason to `error` and returns false.
@@ -122,11 +164,11 @@ pub struct PluginVTable {
         out: *mut EngineHandle,
         error: ByteSink,
     ) -> bool,
-    /// Schedules a request (JSON); takes `cancel` and `events` whatever it
+    /// Schedules a request; takes `cancel` and `events` whatever it
     /// returns. On failure writes the JSON `EngineError` to `error`.
     pub submit: unsafe extern "C" fn(
         engine: EngineHandle,
-        request: Bytes,
+        request: *const RawRequest,
         cancel: RawCancel,
         events: RawEventSink,
         error: ByteSink,
@@ -143,11 +185,10 @@ pub struct PluginVTable {
 /// What the entry symbol returns: a static in the plugin image.
 #[repr(C)]
 pub struct PluginDescriptor {
-    /// The layout of this struct; read before any other field.
+    /// The boundary's major version
+    /// ([`PLUGIN_ABI_VERSION`](super::PLUGIN_ABI_VERSION)); read before any
+    /// other field.
     pub abi_version: u32,
-    /// NUL-terminated [`BOUNDARY`](super::BOUNDARY) the plugin was built
-    /// against.
-    pub boundary: *const c_char,
     /// NUL-terminated MLX fingerprint (`runtime::abi::MLX_FINGERPRINT`),
     /// empty when the plugin does not link MLX.
     pub mlx: *const c_char,
@@ -160,3 +201,49 @@ pub struct PluginDescriptor {
 unsafe impl Sync for PluginDescriptor {}
 
 pub type EntryFn = unsafe extern "C" fn() -> *const PluginDescriptor;
+
+#[cfg(test)]
+mod tests {
+    use std::mem::offset_of;
+
+    use super::*;
+
+    /// Where major version 5's members stand. A member added at a table's
+    /// end leaves these as they are; one changed in size, moved or removed
+    /// moves them: that is a new major version (`PLUGIN_ABI_VERSION`) and
+    /// new numbers here.
+    #[test]
+    #[cfg(target_pointer_width = "64")]
+    fn the_tables_keep_their_major_versions_layout() {
+        assert_eq!(super::super::PLUGIN_ABI_VERSION, 5);
+        macro_rules! at {
+            ($t:ty: $($f:ident),*) => { [$(offset_of!($t, $f)),*] };
+        }
+        assert_eq!(
+            at!(PluginDescriptor: abi_version, mlx, kind, vtable),
+            [0, 8, 16, 24]
+        );
+        assert_eq!(
+            at!(PluginVTable: size, create, submit, cancel, capabilities, load, shutdown, destroy),
+            [0, 8, 16, 24, 32, 40, 48, 56]
+        );
+        assert_eq!(at!(HostServices: size, log, shared), [0, 8, 32]);
+        assert_eq!(at!(RawLog: ctx, log, max_level), [0, 8, 16]);
+        assert_eq!(
+            at!(RawEventSink: ctx, send_token, send, is_closed, release),
+            [0, 8, 16, 24, 32]
+        );
+        assert_eq!(
+            at!(RawCancel: ctx, is_cancelled, cancel, release),
+            [0, 8, 16, 24]
+        );
+        assert_eq!(
+            at!(RawToken: id, has_logprob, logprob, top_ids, top_logprobs, top_len),
+            [0, 4, 8, 16, 24, 32]
+        );
+        assert_eq!(at!(RawRequest: json, embeddings, images), [0, 16, 24]);
+        assert_eq!(at!(Floats: ptr, len), [0, 8]);
+        assert_eq!(at!(Bytes: ptr, len), [0, 8]);
+        assert_eq!(at!(ByteSink: ctx, write), [0, 8]);
+    }
+}

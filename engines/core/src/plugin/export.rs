@@ -7,13 +7,14 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use serde::{Deserialize, Serialize};
 
 use super::abi::{
-    ByteSink, Bytes, EngineHandle, HostServices, PluginVTable, RawCancel, RawEventSink,
+    ByteSink, Bytes, EngineHandle, HostServices, PluginVTable, RawCancel, RawEventSink, RawRequest,
 };
-use super::{log, EngineContext, SharedHandle};
+use super::wire::read_request;
+use super::{log, EngineContext, ModelFacts, SharedHandle};
 use crate::engine::{Engine, EngineError};
 use crate::event::EventSender;
 use crate::panic_barrier::{guarded_create, panic_message};
-use crate::request::{CancelToken, GenerateRequest, RequestId};
+use crate::request::{CancelToken, RequestId};
 
 pub type Constructor = fn(EngineContext) -> Result<Box<dyn Engine>, String>;
 
@@ -24,6 +25,8 @@ pub struct CreateArgs {
     /// The engine's section of config.yaml, as YAML.
     pub config_yaml: String,
     pub config_dir: std::path::PathBuf,
+    #[serde(default)]
+    pub model: Option<ModelFacts>,
 }
 
 /// The function table around `create` (the macro's per-plugin constructor
@@ -32,6 +35,7 @@ pub const fn vtable(
     create: unsafe extern "C" fn(Bytes, *const HostServices, *mut EngineHandle, ByteSink) -> bool,
 ) -> PluginVTable {
     PluginVTable {
+        size: std::mem::size_of::<PluginVTable>(),
         create,
         submit,
         cancel,
@@ -74,6 +78,7 @@ pub unsafe fn create(
             name: args.name,
             config,
             config_dir: args.config_dir,
+            model: args.model,
             shared: SharedHandle::from_ptr(host.shared),
         };
         guarded_create(ctx, constructor)
@@ -98,7 +103,7 @@ pub unsafe fn create(
 
 unsafe extern "C" fn submit(
     handle: EngineHandle,
-    request: Bytes,
+    request: *const RawRequest,
     cancel: RawCancel,
     events: RawEventSink,
     error: ByteSink,
@@ -106,8 +111,7 @@ unsafe extern "C" fn submit(
     let cancel = CancelToken::from_raw(cancel);
     let events = EventSender::from_raw(events);
     let result = catch_unwind(AssertUnwindSafe(|| {
-        let mut req: GenerateRequest = serde_json::from_slice(request.as_slice())
-            .map_err(|e| EngineError::Internal(format!("the request does not parse: {e}")))?;
+        let mut req = read_request(&*request).map_err(EngineError::Internal)?;
         req.cancel = cancel;
         engine(handle).submit_to(req, events)
     }))

@@ -1,38 +1,58 @@
 //! Event senders and cancel tokens as C handles and back. A handle made by
 //! `into_raw` wraps the Rust value with this image's functions; one taken
-//! by `from_raw` calls the other image's functions and releases the handle
-//! when dropped.
+//! by `from_raw` is the foreign side of [`EventSink`] and [`CancelFlag`]:
+//! it calls the other image's functions and releases the handle when
+//! dropped. Tokens cross as [`RawToken`]s; other events as JSON.
 
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::future::Future;
+use std::pin::Pin;
 
-use tokio::sync::mpsc::error::SendError;
+use super::abi::{Bytes, RawCancel, RawEventSink, RawToken};
+use crate::event::{Event, EventSender, EventSink, TokenEvent};
+use crate::request::{CancelFlag, CancelToken};
 
-use super::abi::{Bytes, RawCancel, RawEventSink};
-use crate::event::{Event, EventSender, Sink};
-use crate::request::{CancelToken, Flag};
-
-pub struct ForeignEvents(RawEventSink);
+struct ForeignEvents(RawEventSink);
 
 // The host's sink is thread-safe (a tokio channel behind C functions).
 unsafe impl Send for ForeignEvents {}
 unsafe impl Sync for ForeignEvents {}
 
-impl ForeignEvents {
-    pub(crate) fn send(&self, event: Event) -> Result<(), SendError<Event>> {
-        let Ok(json) = serde_json::to_vec(&event) else {
-            return Err(SendError(event));
+impl EventSink for ForeignEvents {
+    fn send(&self, event: Event) -> Result<(), Event> {
+        // SAFETY: the handle is live until drop; the arrays outlive the call.
+        let sent = match &event {
+            Event::Token(t) => {
+                let (ids, logprobs): (Vec<u32>, Vec<f32>) = t.top_logprobs.iter().copied().unzip();
+                let raw = RawToken {
+                    id: t.id,
+                    has_logprob: t.logprob.is_some(),
+                    logprob: t.logprob.unwrap_or(0.0),
+                    top_ids: ids.as_ptr(),
+                    top_logprobs: logprobs.as_ptr(),
+                    top_len: ids.len(),
+                };
+                unsafe { (self.0.send_token)(self.0.ctx, &raw) }
+            }
+            other => match serde_json::to_vec(other) {
+                Ok(json) => unsafe { (self.0.send)(self.0.ctx, Bytes::new(&json)) },
+                Err(_) => false,
+            },
         };
-        // SAFETY: the handle is live until drop.
-        if unsafe { (self.0.send)(self.0.ctx, Bytes::new(&json)) } {
-            Ok(())
-        } else {
-            Err(SendError(event))
-        }
+        sent.then_some(()).ok_or(event)
     }
 
-    pub(crate) fn is_closed(&self) -> bool {
+    fn is_closed(&self) -> bool {
         unsafe { (self.0.is_closed)(self.0.ctx) }
+    }
+
+    /// A C sink cannot wake a future; it is polled.
+    fn closed(&self) -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
+        Box::pin(async move {
+            while !self.is_closed() {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        })
     }
 }
 
@@ -42,17 +62,17 @@ impl Drop for ForeignEvents {
     }
 }
 
-pub struct ForeignCancel(RawCancel);
+struct ForeignCancel(RawCancel);
 
 unsafe impl Send for ForeignCancel {}
 unsafe impl Sync for ForeignCancel {}
 
-impl ForeignCancel {
-    pub(crate) fn cancel(&self) {
+impl CancelFlag for ForeignCancel {
+    fn cancel(&self) {
         unsafe { (self.0.cancel)(self.0.ctx) }
     }
 
-    pub(crate) fn is_cancelled(&self) -> bool {
+    fn is_cancelled(&self) -> bool {
         unsafe { (self.0.is_cancelled)(self.0.ctx) }
     }
 }
@@ -63,10 +83,31 @@ impl Drop for ForeignCancel {
     }
 }
 
+/// # Safety
+/// `raw`'s arrays hold `top_len` values each.
+unsafe fn token_of(raw: &RawToken) -> TokenEvent {
+    let (ids, logprobs) = match raw.top_len {
+        0 => (&[][..], &[][..]),
+        n => (
+            std::slice::from_raw_parts(raw.top_ids, n),
+            std::slice::from_raw_parts(raw.top_logprobs, n),
+        ),
+    };
+    TokenEvent {
+        id: raw.id,
+        logprob: raw.has_logprob.then_some(raw.logprob),
+        top_logprobs: ids.iter().copied().zip(logprobs.iter().copied()).collect(),
+    }
+}
+
 impl EventSender {
     /// A C handle that sends through this sender (it keeps the sender alive
     /// until released).
     pub fn into_raw(self) -> RawEventSink {
+        unsafe extern "C" fn send_token(ctx: *mut c_void, token: *const RawToken) -> bool {
+            let sender = &*(ctx as *const EventSender);
+            sender.send(Event::Token(token_of(&*token))).is_ok()
+        }
         unsafe extern "C" fn send(ctx: *mut c_void, event: Bytes) -> bool {
             let sender = &*(ctx as *const EventSender);
             let parsed = serde_json::from_slice::<Event>(event.as_slice());
@@ -86,6 +127,7 @@ impl EventSender {
         }
         RawEventSink {
             ctx: Box::into_raw(Box::new(self)) as *mut c_void,
+            send_token,
             send,
             is_closed,
             release,
@@ -95,7 +137,7 @@ impl EventSender {
     /// # Safety
     /// `raw` is a live handle this side now owns.
     pub unsafe fn from_raw(raw: RawEventSink) -> Self {
-        EventSender(Sink::Foreign(Arc::new(ForeignEvents(raw))))
+        EventSender::new(ForeignEvents(raw))
     }
 }
 
@@ -122,14 +164,14 @@ impl CancelToken {
     /// # Safety
     /// `raw` is a live handle this side now owns.
     pub unsafe fn from_raw(raw: RawCancel) -> Self {
-        CancelToken(Flag::Foreign(Arc::new(ForeignCancel(raw))))
+        CancelToken::with_flag(ForeignCancel(raw))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::event::{event_channel, TokenEvent};
+    use crate::event::{event_channel, Finish, FinishReason};
 
     #[test]
     fn events_and_cancellation_round_trip_through_c_handles() {
@@ -142,8 +184,29 @@ mod tests {
             logprob: Some(-0.5),
             top_logprobs: vec![(7, -0.5), (3, -1.25)],
         });
-        far.send(event.clone()).unwrap();
-        assert_eq!(rx.try_recv().unwrap(), event);
+        // A token the sampler ruled out has a log-probability of -inf,
+        // which JSON could not carry; one without logprobs has none.
+        let ruled_out = Event::Token(TokenEvent {
+            id: 3,
+            logprob: Some(f32::NEG_INFINITY),
+            top_logprobs: vec![(3, f32::NEG_INFINITY)],
+        });
+        let plain = Event::Token(TokenEvent {
+            id: 4,
+            logprob: None,
+            top_logprobs: Vec::new(),
+        });
+        let finished = Event::Finished(Finish {
+            reason: FinishReason::Length,
+            prompt_tokens: 2,
+            completion_tokens: 3,
+            cached_tokens: 0,
+            spec: None,
+        });
+        for e in [&event, &ruled_out, &plain, &finished] {
+            far.send(e.clone()).unwrap();
+            assert_eq!(&rx.try_recv().unwrap(), e);
+        }
         far_token.cancel();
         assert!(token.is_cancelled());
         assert!(!far.is_closed());

@@ -6,6 +6,7 @@ use std::ffi::c_void;
 use super::abi::{ByteSink, Bytes, EngineHandle, HostServices, PluginVTable};
 use super::export::CreateArgs;
 use super::log;
+use super::wire::LentRequest;
 use crate::engine::{Capabilities, Engine, EngineError, EngineLoad};
 use crate::event::EventSender;
 use crate::request::{GenerateRequest, RequestId};
@@ -35,6 +36,7 @@ impl PluginEngine {
     ) -> Result<Self, String> {
         // Lent for the process: engines keep the logger and shared state.
         let host: &'static HostServices = Box::leak(Box::new(HostServices {
+            size: std::mem::size_of::<HostServices>(),
             log: log::host_log(),
             shared,
         }));
@@ -77,14 +79,14 @@ impl Engine for PluginEngine {
     }
 
     fn submit_to(&self, req: GenerateRequest, events: EventSender) -> Result<(), EngineError> {
-        let json = serde_json::to_vec(&req)
+        let lent = LentRequest::new(&req)
             .map_err(|e| EngineError::Internal(format!("cannot encode the request: {e}")))?;
         let mut error = Vec::new();
         let ok = unsafe {
             (self.vtable.submit)(
                 self.handle,
-                Bytes::new(&json),
-                req.cancel.into_raw(),
+                &lent.raw(),
+                req.cancel.clone().into_raw(),
                 events.into_raw(),
                 ByteSink::to_vec(&mut error),
             )
@@ -219,6 +221,7 @@ mod tests {
             name: "echo".into(),
             config_yaml: format!("greeting: {greeting}\n"),
             config_dir: "/".into(),
+            model: None,
         }
     }
 

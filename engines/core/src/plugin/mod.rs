@@ -1,14 +1,15 @@
 //! The plugin boundary: a C ABI. A plugin (`cdylib`) exports
 //! [`ENTRY_SYMBOL`], an `extern "C"` function returning a
-//! [`abi::PluginDescriptor`]: the descriptor's layout version, the
-//! fingerprints of everything else the boundary depends on, the engine kind
-//! and a table of `extern "C"` functions. Requests, events, errors, loads
-//! and capabilities cross as JSON of the engine-core types; event sinks and
-//! cancel flags as C handles; the shared model state (runtime crate) as C
-//! tables over mlx-c array handles. No Rust type, trait object or global
-//! crosses, so a plugin built in another cargo invocation (its own target
-//! directory, its own feature unification, even another rustc) loads as
-//! long as its fingerprints match. docs/plugins.md is the authors' guide.
+//! [`abi::PluginDescriptor`]: the boundary's major version, the MLX it was
+//! built against, the engine kind and a table of `extern "C"` functions.
+//! Tokens and images' embeddings cross as C values; requests, finishes,
+//! errors, loads and capabilities as JSON of the engine-core types
+//! ([`wire`]); event sinks and cancel flags as C handles ([`handles`]); the
+//! shared model state (runtime crate) as C tables over mlx-c array handles.
+//! No Rust type, trait object or global crosses, so a plugin built in
+//! another cargo invocation (its own target directory, its own feature
+//! unification, even another rustc) loads as long as its major version and
+//! MLX match. docs/plugins.md is the authors' guide.
 //!
 //! Both sides keep the Rust [`Engine`](crate::Engine) trait: the host wraps
 //! a loaded plugin in [`import::PluginEngine`]; [`export_engine!`] wraps the
@@ -19,23 +20,16 @@ pub mod export;
 pub mod handles;
 pub mod import;
 mod log;
+pub mod wire;
 
 use std::ffi::{c_char, c_void, CStr};
 use std::path::PathBuf;
 
-/// The layout of [`abi::PluginDescriptor`]; bump when it changes.
-pub const PLUGIN_ABI_VERSION: u32 = 4;
+use serde::{Deserialize, Serialize};
 
-/// engine-core's version and a hash of the sources of everything that
-/// crosses the boundary (abi.rs and the JSON wire types), computed by
-/// build.rs: a plugin built against any other source is refused.
-pub const BOUNDARY: &str = concat!(
-    "engine-core ",
-    env!("CARGO_PKG_VERSION"),
-    " boundary ",
-    env!("ENGINE_CORE_BOUNDARY_HASH"),
-    "\0"
-);
+/// The boundary's major version: bumped by a change a plugin built before
+/// it cannot live with (see [`abi`] for which changes are compatible).
+pub const PLUGIN_ABI_VERSION: u32 = 5;
 
 pub const ENTRY_SYMBOL: &[u8] = b"engine_plugin_entry_v2\0";
 /// The entry symbol of plugins built before the C boundary.
@@ -76,9 +70,33 @@ pub struct EngineContext {
     /// The directory relative paths in `config` are relative to (the
     /// config file's).
     pub config_dir: PathBuf,
+    /// The served model's name and tokenizer, for an engine that does not
+    /// run it (the remote engine); `None` when the host serves no model.
+    pub model: Option<ModelFacts>,
     /// The shared model, KV pool, device lock and handover slot; engines
     /// read it through `runtime::SharedModel::from_context`.
     pub shared: SharedHandle,
+}
+
+/// What an engine may know of the served model without linking MLX.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelFacts {
+    /// The name the API serves the model under.
+    pub name: String,
+    pub tokenizer: TokenizerSource,
+}
+
+/// Where a model's tokenizer is read from (`text::Tokenizer::load`): a
+/// directory's tokenizer.json (and tokenizer_config.json), or one rebuilt
+/// from GGUF metadata.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum TokenizerSource {
+    Dir(PathBuf),
+    Json {
+        json: String,
+        config: serde_json::Value,
+        origin: PathBuf,
+    },
 }
 
 /// A NUL-terminated string from a descriptor, lossily decoded.
@@ -113,7 +131,6 @@ macro_rules! export_engine {
             static DESCRIPTOR: $crate::plugin::abi::PluginDescriptor =
                 $crate::plugin::abi::PluginDescriptor {
                     abi_version: $crate::plugin::PLUGIN_ABI_VERSION,
-                    boundary: $crate::plugin::BOUNDARY.as_ptr() as *const ::std::ffi::c_char,
                     mlx: $mlx.as_ptr() as *const ::std::ffi::c_char,
                     kind: concat!($kind, "\0").as_ptr() as *const ::std::ffi::c_char,
                     vtable: &VTABLE,

@@ -167,17 +167,21 @@ impl GatedDeltaNet {
         self.out.collect(out);
     }
 
-    /// `x`: `[B, S, hidden]`; `mask`: `[B, S]`, false at padding. Reads and
-    /// replaces layer `idx`'s recurrent state in `cache`.
+    /// `x`: `(b, s)` positions as `[B * S, hidden]` or `[B, S, hidden]`
+    /// (the output keeps its shape); `mask`: `[B, S]`, false at padding.
+    /// Reads and replaces layer `idx`'s recurrent state in `cache`.
     pub fn forward(
         &self,
         x: &Array,
+        (b, s): (i32, i32),
         mask: Option<&Array>,
         cache: &mut KvCache,
         idx: usize,
     ) -> anyhow::Result<Array> {
         let g = &self.geometry;
-        let (b, s) = (x.dim(0), x.dim(1));
+        let mut out_shape = x.shape()[..x.ndim() - 1].to_vec();
+        out_shape.push(-1);
+        let x = &x.reshape(&[b, s, -1])?;
         let key_dim = g.key_heads * g.key_head_dim;
         let mut parts = self.proj.forward(x)?.into_iter();
         let (mut qkv, z, beta_in, a) = (
@@ -254,7 +258,7 @@ impl GatedDeltaNet {
         cache.set_recurrent(idx, after, steps);
         let normed = self.norm.forward(&y)?;
         let gated = fused(&GATE, &[z, normed])?.remove(0);
-        Ok(self.out.forward(&gated.reshape(&[b, s, -1])?)?)
+        Ok(self.out.forward(&gated.reshape(&out_shape)?)?)
     }
 
     /// `[B, S, key_heads, D]` to `[B, S, value_heads, D]`: each key head

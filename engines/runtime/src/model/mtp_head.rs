@@ -133,7 +133,7 @@ impl MtpHead {
         let offsets = Offsets::Scalar(position);
         for (i, layer) in self.layers.iter().enumerate() {
             h = layer
-                .forward(&h, (&mask, None), &offsets, cache, i, None, None)?
+                .forward(&h, (1, n), (&mask, None), &offsets, cache, i, None, None)?
                 .0;
         }
         cache.advance(n);

@@ -1,7 +1,7 @@
-//! A plugin as a build against another engine-core and another MLX would
-//! look to the host: the entry symbol and descriptor layout are current,
-//! the boundary and MLX fingerprints are not. The host must refuse it after
-//! reading the descriptor and never call `create`.
+//! A plugin as a build against another MLX would look to the host: the
+//! entry symbol and the boundary's major version are current, the MLX
+//! fingerprint is not. The host must refuse it after reading the
+//! descriptor and never call `create`.
 
 use std::ffi::c_char;
 
@@ -10,9 +10,7 @@ use engine_core::plugin::abi::{
 };
 use engine_core::plugin::{export, PLUGIN_ABI_VERSION};
 
-pub const BOUNDARY: &std::ffi::CStr = c"engine-core 0.0.0-mismatch boundary 0000000000000000";
-pub const MLX: &std::ffi::CStr =
-    c"mlx 0.0.0-mismatch, mlx-c of mlx-sys 0.0.0, shared state 0000000000000000";
+pub const MLX: &std::ffi::CStr = c"mlx 0.0.0-mismatch, mlx-c of mlx-sys 0.0.0, shared state v1";
 
 unsafe extern "C" fn create(
     _args: Bytes,
@@ -20,7 +18,7 @@ unsafe extern "C" fn create(
     _out: *mut EngineHandle,
     error: ByteSink,
 ) -> bool {
-    error.put(b"engine-mismatch must never be constructed: its fingerprints do not match");
+    error.put(b"engine-mismatch must never be constructed: its MLX does not match");
     false
 }
 
@@ -30,7 +28,6 @@ static VTABLE: PluginVTable = export::vtable(create);
 pub extern "C" fn engine_plugin_entry_v2() -> *const PluginDescriptor {
     static DESCRIPTOR: PluginDescriptor = PluginDescriptor {
         abi_version: PLUGIN_ABI_VERSION,
-        boundary: BOUNDARY.as_ptr(),
         mlx: MLX.as_ptr(),
         kind: c"mismatch".as_ptr() as *const c_char,
         vtable: &VTABLE,

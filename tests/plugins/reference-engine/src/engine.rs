@@ -1,16 +1,14 @@
-//! The `Engine` face: admission checks, a job queue to the worker thread,
-//! cancellation by id, and a load snapshot.
+//! The `Engine` face: admission checks, a job queue to the worker thread
+//! (`runtime::worker`: cancellation by id, shutdown), and a load snapshot.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use engine_core::{
-    CancelToken, Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventSender,
-    GenerateRequest, Refusal, RequestId,
+    Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventSender, GenerateRequest,
+    RequestId,
 };
+use runtime::worker::Worker;
 use runtime::SharedModel;
 
 use crate::options::{Fault, Options};
@@ -22,10 +20,6 @@ pub struct State {
     pub active: AtomicUsize,
     pub queued: AtomicUsize,
     pub kv_blocks: AtomicUsize,
-    pub stopping: AtomicBool,
-    pub worker_alive: AtomicBool,
-    /// Cancel handles of queued and running requests, by id.
-    pub cancels: Mutex<HashMap<RequestId, CancelToken>>,
 }
 
 pub struct ReferenceEngine {
@@ -33,8 +27,7 @@ pub struct ReferenceEngine {
     options: Options,
     shared: Arc<SharedModel>,
     state: Arc<State>,
-    jobs: Mutex<Option<mpsc::Sender<Job>>>,
-    worker: Mutex<Option<JoinHandle<()>>>,
+    worker: Worker<Job>,
 }
 
 impl ReferenceEngine {
@@ -42,15 +35,10 @@ impl ReferenceEngine {
         let options = Options::from_yaml(&ctx.config)?;
         let shared = SharedModel::from_context(&ctx)?;
         let state = Arc::new(State::default());
-        let (tx, rx) = mpsc::channel();
-        state.worker_alive.store(true, Ordering::Release);
-        let handle = std::thread::Builder::new()
-            .name(format!("engine-{}", ctx.name))
-            .spawn({
-                let (shared, state, options) = (shared.clone(), state.clone(), options.clone());
-                move || worker::run(shared, state, rx, options)
-            })
-            .map_err(|e| format!("cannot start worker thread: {e}"))?;
+        let worker = Worker::spawn(&ctx.name, {
+            let (shared, state, options) = (shared.clone(), state.clone(), options.clone());
+            move |jobs, cancels| worker::run(shared, state, jobs, cancels, options)
+        })?;
         tracing::info!(
             engine = %ctx.name,
             model = %shared.model.name,
@@ -62,17 +50,13 @@ impl ReferenceEngine {
             options,
             shared,
             state,
-            jobs: Mutex::new(Some(tx)),
-            worker: Mutex::new(Some(handle)),
+            worker,
         })
     }
 
     fn admit(&self, req: &GenerateRequest) -> Result<(), EngineError> {
-        if self.state.stopping.load(Ordering::Acquire) {
+        if !self.worker.is_alive() {
             return Err(EngineError::ShuttingDown);
-        }
-        if !self.state.worker_alive.load(Ordering::Acquire) {
-            return Err(Refusal::NotReady.into());
         }
         if req.prompt.is_empty() {
             return Err(EngineError::Invalid("the prompt is empty".into()));
@@ -121,39 +105,14 @@ impl Engine for ReferenceEngine {
             _ => {}
         }
         self.admit(&req)?;
-        let id = req.id;
-        self.state
-            .cancels
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id, req.cancel.clone());
         self.state.queued.fetch_add(1, Ordering::AcqRel);
-        let sent = match &*self.jobs.lock().unwrap_or_else(|p| p.into_inner()) {
-            Some(jobs) => jobs.send(Job { req, events: tx }).is_ok(),
-            None => false,
-        };
-        if !sent {
+        self.worker.send(Job { req, events: tx }).inspect_err(|_| {
             self.state.queued.fetch_sub(1, Ordering::AcqRel);
-            self.state
-                .cancels
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&id);
-            return Err(EngineError::ShuttingDown);
-        }
-        Ok(())
+        })
     }
 
     fn cancel(&self, id: RequestId) {
-        if let Some(token) = self
-            .state
-            .cancels
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&id)
-        {
-            token.cancel();
-        }
+        self.worker.cancel(id);
     }
 
     fn load(&self) -> EngineLoad {
@@ -161,34 +120,13 @@ impl Engine for ReferenceEngine {
             active: self.state.active.load(Ordering::Acquire),
             queued: self.state.queued.load(Ordering::Acquire),
             kv_blocks_held: self.state.kv_blocks.load(Ordering::Acquire),
-            healthy: self.state.worker_alive.load(Ordering::Acquire)
-                && !self.state.stopping.load(Ordering::Acquire),
+            healthy: self.worker.is_alive(),
             accept_rate: None,
             expected_speedup: None,
         }
     }
 
     fn shutdown(&self) {
-        self.state.stopping.store(true, Ordering::Release);
-        for token in self
-            .state
-            .cancels
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .values()
-        {
-            token.cancel();
-        }
-        // Closing the queue ends the worker's loop once the current job stops.
-        self.jobs.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(handle) = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            let _ = handle.join();
-        }
-    }
-}
-
-impl Drop for ReferenceEngine {
-    fn drop(&mut self) {
-        self.shutdown();
+        self.worker.shutdown();
     }
 }

@@ -1,4 +1,6 @@
-//! The worker thread: one request at a time, start to finish.
+//! The worker thread: one request at a time, start to finish, each token
+//! through the runtime's `Sequence` (stop tokens, cancellation,
+//! `max_tokens`, the final event after the KV blocks go back).
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
@@ -6,13 +8,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use engine_core::event::EventSender;
-use engine_core::{Event, Finish, FinishReason, GenerateRequest, StreamError, TokenEvent};
+use engine_core::{Event, FinishReason, GenerateRequest, StreamError, TokenEvent};
 use mlx_rs::transforms::eval;
 use mlx_rs::{Array, Dtype};
-use runtime::generate::{self, DEFAULT_PREFILL_CHUNK};
+use runtime::generate::{self, GreedyStream};
 use runtime::kv_pool::PoolError;
 use runtime::model::Logits;
-use runtime::sampling::{log_softmax, Sampler};
+use runtime::sampling::log_softmax;
+use runtime::sequence::Sequence;
+use runtime::worker::{self, Cancels};
 use runtime::{Reservation, SharedModel};
 
 use crate::engine::State;
@@ -23,19 +27,17 @@ pub struct Job {
     pub events: EventSender,
 }
 
-/// Errors leave the engine as `StreamError::Internal` with this text.
-type GenResult<T> = Result<T, String>;
-
-/// How a generation ended, before it is reported.
-struct Outcome {
-    reason: FinishReason,
-    delivered: u32,
+impl worker::Job for Job {
+    fn request(&self) -> &GenerateRequest {
+        &self.req
+    }
 }
 
 pub fn run(
     shared: Arc<SharedModel>,
     state: Arc<State>,
     jobs: mpsc::Receiver<Job>,
+    cancels: Cancels,
     options: Options,
 ) {
     let mut served = 0u32;
@@ -54,29 +56,32 @@ pub fn run(
         }));
         state.active.store(0, Ordering::Release);
         state.kv_blocks.store(0, Ordering::Release);
-        state
-            .cancels
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&id);
+        cancels.remove(id);
     }
-    state.worker_alive.store(false, Ordering::Release);
 }
 
-fn serve(shared: &SharedModel, state: &State, job: Job, options: &Options, fault: Option<Fault>) {
+/// The engine's count of KV blocks held, cleared when the sequence gives
+/// its blocks back (before its final event: a client that reads the pool
+/// right after sees them returned).
+struct BlocksHeld(Arc<State>);
+
+impl Drop for BlocksHeld {
+    fn drop(&mut self) {
+        self.0.kv_blocks.store(0, Ordering::Release);
+    }
+}
+
+fn serve(
+    shared: &SharedModel,
+    state: &Arc<State>,
+    job: Job,
+    options: &Options,
+    fault: Option<Fault>,
+) {
     let Job { req, events } = job;
-    let prompt_tokens = req.prompt.len() as u32;
-    let finish = |reason, delivered| {
-        Event::Finished(Finish {
-            reason,
-            prompt_tokens,
-            completion_tokens: delivered,
-            cached_tokens: 0,
-            spec: None,
-        })
-    };
     let Some(reservation) = reserve(shared, &req, &events) else {
-        let _ = events.send(finish(FinishReason::Cancelled, 0));
+        let mut cancelled = runtime::emit::Emitter::new(req, events);
+        cancelled.finish(FinishReason::Cancelled, None);
         return;
     };
     state
@@ -98,26 +103,24 @@ fn serve(shared: &SharedModel, state: &State, job: Job, options: &Options, fault
         }
         Some(Fault::PanicOnSubmit | Fault::ErrorOnSubmit) | None => {}
     }
-    tracing::debug!(request = %req.id, prompt_tokens, max_tokens = req.max_tokens, "reference engine started a request");
+    tracing::debug!(request = %req.id, prompt_tokens = req.prompt.len(), max_tokens = req.max_tokens, "reference engine started a request");
+    let Some(mut seq) = Sequence::start_on(shared, req, events, reservation) else {
+        return;
+    };
+    seq.hold(BlocksHeld(state.clone()));
     let pause = Duration::from_millis(options.token_delay_ms);
-    let result = if req.is_plain_greedy() {
-        run_greedy(shared, &req, &events, pause)
+    let result = if seq.request().is_plain_greedy() {
+        run_greedy(shared, &mut seq, pause)
     } else {
-        run_sampled(shared, &req, &events, pause)
+        run_sampled(shared, &mut seq, pause)
     };
-    // The blocks go back before the client learns the request finished, so a
-    // client that reads the pool right after sees them returned.
-    drop(reservation);
-    state.kv_blocks.store(0, Ordering::Release);
-    let _ = match result {
-        Ok(outcome) => events.send(finish(outcome.reason, outcome.delivered)),
+    match result {
+        Ok(reason) => seq.finish(reason, None),
         Err(e) => {
-            tracing::warn!(request = %req.id, error = %e, "reference engine generation failed");
-            events.send(Event::Error(StreamError::Internal(format!(
-                "generation failed: {e}"
-            ))))
+            tracing::warn!(request = %seq.request().id, error = %e, "reference engine generation failed");
+            seq.fail(StreamError::Internal(format!("generation failed: {e}")));
         }
-    };
+    }
 }
 
 /// Waits for room in the shared pool; `None` when the request was cancelled
@@ -142,122 +145,69 @@ fn reserve(
     }
 }
 
-fn stopped(req: &GenerateRequest, events: &EventSender) -> bool {
-    req.cancel.is_cancelled() || events.is_closed()
-}
-
+/// Greedy decoding, each step queued before the previous token is read.
 fn run_greedy(
     shared: &SharedModel,
-    req: &GenerateRequest,
-    events: &EventSender,
+    seq: &mut Sequence,
     pause: Duration,
-) -> GenResult<Outcome> {
+) -> runtime::Result<FinishReason> {
     let _device = shared.lock_device();
-    let mut delivered = 0u32;
-    let max = req.max_tokens as usize;
-    let run = generate::greedy(
-        &shared.model.model,
-        &req.prompt,
-        max,
-        &req.stop_tokens,
-        |id| {
-            let event = Event::Token(TokenEvent {
-                id,
-                logprob: None,
-                top_logprobs: Vec::new(),
-            });
-            if events.send(event).is_err() {
-                return false;
-            }
-            delivered += 1;
-            std::thread::sleep(pause);
-            !req.cancel.is_cancelled()
-        },
-    )
-    .map_err(|e| e.to_string())?;
-    let reason = if stopped(req, events) {
-        FinishReason::Cancelled
-    } else if run.tokens.len() >= max {
-        FinishReason::Length
-    } else {
-        FinishReason::Stop
-    };
-    Ok(Outcome { reason, delivered })
+    let model = &shared.model.model;
+    let cache = shared.new_cache(vec![0]);
+    let prompt = &seq.request().prompt;
+    let mut stream = GreedyStream::resume(model, cache, prompt, generate::DEFAULT_PREFILL_CHUNK)?;
+    loop {
+        let token = stream.next_token(seq.tokens_left() > 1)?;
+        if let Some(reason) = seq.accept_plain(token, false)? {
+            return Ok(reason);
+        }
+        std::thread::sleep(pause);
+    }
 }
 
+/// Sampling (penalties, logit bias, logprobs) through the sequence's
+/// sampler, one step at a time.
 fn run_sampled(
     shared: &SharedModel,
-    req: &GenerateRequest,
-    events: &EventSender,
+    seq: &mut Sequence,
     pause: Duration,
-) -> GenResult<Outcome> {
+) -> runtime::Result<FinishReason> {
     let model = &shared.model.model;
     let vocab = model.config.vocab_size;
-    let err = |e: mlx_rs::error::Exception| e.to_string();
-    let mut sampler = Sampler::new(&req.sampling, vocab, &req.prompt).map_err(err)?;
     let mut cache = shared.new_cache(vec![0]);
     let mut logits = {
         let _device = shared.lock_device();
-        generate::prefill(model, &mut cache, &req.prompt, DEFAULT_PREFILL_CHUNK)
-            .map_err(|e| e.to_string())?
+        let prompt = &seq.request().prompt;
+        generate::prefill(model, &mut cache, prompt, generate::DEFAULT_PREFILL_CHUNK)?
     };
-    let mut delivered = 0u32;
+    let (logprobs, top) = {
+        let s = &seq.request().sampling;
+        (s.logprobs, s.top_logprobs as usize)
+    };
     loop {
-        if stopped(req, events) {
-            return Ok(Outcome {
-                reason: FinishReason::Cancelled,
-                delivered,
-            });
-        }
         let _device = shared.lock_device();
-        let row = logits.reshape(&[1, vocab]).map_err(err)?;
-        let chosen = sampler
-            .sample(&row)
-            .map_err(err)?
-            .as_dtype(Dtype::Int32)
-            .map_err(err)?;
-        let logprobs = if req.sampling.logprobs {
-            Some(log_softmax(&sampler.adjust(&row).map_err(err)?).map_err(err)?)
-        } else {
-            None
+        let row = logits.reshape(&[1, vocab])?;
+        let chosen = seq.sampler.sample(&row)?.as_dtype(Dtype::Int32)?;
+        let lp = match logprobs {
+            true => Some(log_softmax(&seq.sampler.adjust(&row)?)?),
+            false => None,
         };
-        eval([&chosen]).map_err(err)?;
+        eval([&chosen])?;
         let id = chosen.item_exact::<i32>() as u32;
-        if req.stop_tokens.contains(&id) {
-            return Ok(Outcome {
-                reason: FinishReason::Stop,
-                delivered,
-            });
-        }
-        let (logprob, top_logprobs) = match logprobs {
-            Some(lp) => token_logprobs(&lp, id, req.sampling.top_logprobs as usize).map_err(err)?,
+        let (logprob, top_logprobs) = match lp {
+            Some(lp) => token_logprobs(&lp, id, top)?,
             None => (None, Vec::new()),
         };
-        if events
-            .send(Event::Token(TokenEvent {
-                id,
-                logprob,
-                top_logprobs,
-            }))
-            .is_err()
-        {
-            return Ok(Outcome {
-                reason: FinishReason::Cancelled,
-                delivered,
-            });
+        let token = TokenEvent {
+            id,
+            logprob,
+            top_logprobs,
+        };
+        if let Some(reason) = seq.accept(token, false)? {
+            return Ok(reason);
         }
-        delivered += 1;
         std::thread::sleep(pause);
-        if delivered >= req.max_tokens {
-            return Ok(Outcome {
-                reason: FinishReason::Length,
-                delivered,
-            });
-        }
-        sampler.observe(id).map_err(err)?;
-        logits = model
-            .forward(&generate::tokens_array(&[id]), &mut cache, Logits::Last)
-            .map_err(|e| e.to_string())?;
+        logits = model.forward(&generate::tokens_array(&[id]), &mut cache, Logits::Last)?;
     }
 }
 

@@ -1,0 +1,254 @@
+//! A `KvCache` in C form ([`RawKv`]): written by a callee into a caller's
+//! buffers ([`KvReceiver`]), or lent for one call ([`LentKv`]).
+
+use mlx_rs::Array;
+use mlx_sys::mlx_array;
+
+use super::{RawKv, RawKvFormat, KV_BUFFERS};
+use crate::cache::{KvCache, LayerKv, Recurrent};
+use crate::paged::{BlockRef, PagePool};
+
+impl RawKv {
+    /// Buffers for a callee to write a cache of `layers` layers into (a
+    /// paged one of at most `blocks` blocks).
+    pub(crate) fn receiver(layers: usize, blocks: usize) -> KvReceiver {
+        let mut formats = vec![RawKvFormat::of(None); layers];
+        let mut buffers = vec![null_array(); layers * KV_BUFFERS];
+        let mut recurrent = vec![null_array(); layers * 2];
+        let mut ids = vec![0u32; blocks];
+        let left_pad = Box::new(0i32);
+        let raw = RawKv {
+            formats: formats.as_mut_ptr(),
+            buffers: buffers.as_mut_ptr(),
+            recurrent: recurrent.as_mut_ptr(),
+            layers,
+            len: 0,
+            capacity: 0,
+            left_pad: &*left_pad,
+            batch: 1,
+            blocks: ids.as_mut_ptr(),
+            blocks_len: 0,
+            blocks_cap: ids.len(),
+        };
+        KvReceiver {
+            _formats: formats,
+            _buffers: buffers,
+            _recurrent: recurrent,
+            _ids: ids,
+            _left_pad: left_pad,
+            raw,
+        }
+    }
+
+    /// Writes `cache` (batch 1) into a receiver's buffers, handing over a
+    /// handle of each array (a paged cache: a count of each block). False,
+    /// handing nothing over, when its blocks do not fit.
+    ///
+    /// # Safety
+    /// `self` came from [`RawKv::receiver`] for as many layers as `cache`.
+    pub(crate) unsafe fn give(&mut self, cache: KvCache) -> bool {
+        if let Some((pool, table)) = cache.paged_table() {
+            if table.len() > self.blocks_cap {
+                return false;
+            }
+            for (i, b) in table.iter().enumerate() {
+                pool.retain(b.id());
+                *self.blocks.add(i) = b.id();
+            }
+            self.blocks_len = table.len();
+        }
+        let layers = self.layers.min(cache.layers.len());
+        for (l, layer) in cache.layers.into_iter().take(layers).enumerate() {
+            *self.formats.add(l) = RawKvFormat::of(layer.quant);
+            for (i, a) in layer.buffers.into_iter().take(KV_BUFFERS).enumerate() {
+                let handle = a.as_ptr();
+                std::mem::forget(a);
+                *self.buffers.add(l * KV_BUFFERS + i) = handle;
+            }
+        }
+        for (l, r) in cache.recurrent.into_iter().take(layers).enumerate() {
+            if let Some(r) = r {
+                for (i, a) in [r.conv, r.ssm].into_iter().enumerate() {
+                    *self.recurrent.add(l * 2 + i) = a.as_ptr();
+                    std::mem::forget(a);
+                }
+            }
+        }
+        self.len = cache.len;
+        self.capacity = cache.capacity;
+        true
+    }
+
+    /// The block ids of a paged cache, empty for a contiguous one.
+    unsafe fn block_ids(&self) -> &[u32] {
+        match self.blocks_len {
+            0 => &[],
+            n => std::slice::from_raw_parts(self.blocks, n),
+        }
+    }
+
+    /// The cache's layers, each buffer made an `Array` by `take`.
+    unsafe fn layers(&self, take: impl Fn(mlx_array) -> Array) -> Vec<LayerKv> {
+        (0..self.layers)
+            .map(|l| LayerKv {
+                quant: (*self.formats.add(l)).quant(),
+                buffers: (0..KV_BUFFERS)
+                    .map(|i| *self.buffers.add(l * KV_BUFFERS + i))
+                    .take_while(|h| !h.ctx.is_null())
+                    .map(&take)
+                    .collect(),
+            })
+            .collect()
+    }
+
+    /// The cache's recurrent states, each array made an `Array` by `take`.
+    unsafe fn recurrent(&self, take: impl Fn(mlx_array) -> Array) -> Vec<Option<Recurrent>> {
+        (0..self.layers)
+            .map(|l| {
+                let (conv, ssm) = (*self.recurrent.add(l * 2), *self.recurrent.add(l * 2 + 1));
+                (!conv.ctx.is_null() && !ssm.ctx.is_null()).then(|| Recurrent {
+                    conv: take(conv),
+                    ssm: take(ssm),
+                })
+            })
+            .collect()
+    }
+
+    /// A cache over the same arrays (and blocks of `pages`), with handles
+    /// (and counts) of our own.
+    ///
+    /// # Safety
+    /// Every non-null handle is a live mlx-c array handle.
+    pub(crate) unsafe fn retained(&self, pages: Option<&PagePool>) -> anyhow::Result<KvCache> {
+        let left_pad = std::slice::from_raw_parts(self.left_pad, self.batch).to_vec();
+        let mut cache = KvCache::with_formats(vec![None; self.layers], left_pad);
+        cache.layers = self.layers(|h| retain(h));
+        cache.recurrent = self.recurrent(|h| retain(h));
+        cache.len = self.len;
+        cache.capacity = self.capacity;
+        self.with_pages(cache, pages, |pool, id| pool.share(id))
+    }
+
+    /// `cache` (its layers' formats read) made paged over this table's
+    /// blocks, each made a holder by `hold`, when it lists any.
+    unsafe fn with_pages(
+        &self,
+        mut cache: KvCache,
+        pages: Option<&PagePool>,
+        hold: impl Fn(&PagePool, u32) -> anyhow::Result<BlockRef>,
+    ) -> anyhow::Result<KvCache> {
+        let ids = self.block_ids();
+        if ids.is_empty() {
+            return Ok(cache);
+        }
+        let pool = pages.ok_or_else(|| {
+            anyhow::anyhow!("a paged KV cache reached an engine that has no KV pool")
+        })?;
+        let table = ids
+            .iter()
+            .map(|&id| hold(pool, id))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        cache.set_paged_table(pool, table);
+        Ok(cache)
+    }
+}
+
+/// Buffers a callee fills through [`RawKv::give`].
+pub(crate) struct KvReceiver {
+    _formats: Vec<RawKvFormat>,
+    _buffers: Vec<mlx_array>,
+    _recurrent: Vec<mlx_array>,
+    _ids: Vec<u32>,
+    _left_pad: Box<i32>,
+    pub(crate) raw: RawKv,
+}
+
+impl KvReceiver {
+    /// The cache written, owning its handles (and its blocks' counts,
+    /// which are `pages`').
+    pub(crate) fn into_cache(self, pages: Option<&PagePool>) -> anyhow::Result<KvCache> {
+        // SAFETY: `give` wrote handles it handed over to us.
+        let mut cache = KvCache::with_formats(vec![None; self.raw.layers], vec![0]);
+        unsafe {
+            cache.layers = self.raw.layers(|h| Array::from_ptr(h));
+            cache.recurrent = self.raw.recurrent(|h| Array::from_ptr(h));
+        }
+        cache.len = self.raw.len;
+        cache.capacity = self.raw.capacity;
+        unsafe {
+            self.raw
+                .with_pages(cache, pages, |pool, id| Ok(pool.adopt(id)))
+        }
+    }
+}
+
+/// A cache lent across the boundary for one call.
+pub(crate) struct LentKv<'a> {
+    formats: Vec<RawKvFormat>,
+    buffers: Vec<mlx_array>,
+    recurrent: Vec<mlx_array>,
+    /// A paged cache's row of block ids.
+    ids: Vec<u32>,
+    cache: &'a KvCache,
+}
+
+impl<'a> LentKv<'a> {
+    pub(crate) fn new(cache: &'a KvCache) -> Self {
+        let layers = &cache.layers;
+        Self {
+            formats: layers.iter().map(|l| RawKvFormat::of(l.quant)).collect(),
+            buffers: layers
+                .iter()
+                .flat_map(|l| {
+                    (0..KV_BUFFERS).map(|i| l.buffers.get(i).map_or_else(null_array, Array::as_ptr))
+                })
+                .collect(),
+            recurrent: cache
+                .recurrent
+                .iter()
+                .flat_map(|r| match r {
+                    Some(r) => [r.conv.as_ptr(), r.ssm.as_ptr()],
+                    None => [null_array(), null_array()],
+                })
+                .collect(),
+            ids: cache
+                .paged_table()
+                .map(|(_, t)| t.iter().map(|b| b.id()).collect())
+                .unwrap_or_default(),
+            cache,
+        }
+    }
+
+    /// Valid while `self` lives.
+    pub(crate) fn raw(&self) -> RawKv {
+        RawKv {
+            formats: self.formats.as_ptr().cast_mut(),
+            buffers: self.buffers.as_ptr().cast_mut(),
+            recurrent: self.recurrent.as_ptr().cast_mut(),
+            layers: self.formats.len(),
+            len: self.cache.len,
+            capacity: self.cache.capacity,
+            left_pad: self.cache.left_pad.as_ptr(),
+            batch: self.cache.left_pad.len(),
+            blocks: self.ids.as_ptr().cast_mut(),
+            blocks_len: self.ids.len(),
+            blocks_cap: self.ids.len(),
+        }
+    }
+}
+
+/// A new handle of our own to the host's array.
+///
+/// # Safety
+/// `handle` is a live mlx-c array handle.
+pub(crate) unsafe fn retain(handle: mlx_array) -> Array {
+    let mut mine = mlx_sys::mlx_array_new();
+    mlx_sys::mlx_array_set(&mut mine, handle);
+    Array::from_ptr(mine)
+}
+
+pub(crate) fn null_array() -> mlx_array {
+    mlx_array {
+        ctx: std::ptr::null_mut(),
+    }
+}

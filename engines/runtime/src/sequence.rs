@@ -1,0 +1,415 @@
+//! One sequence's life, the same in every engine: started with its sampler
+//! and its compiled grammar, each chosen token taken through one rule
+//! (the grammar's end, the penalties, the [`Emitter`]'s stop tokens,
+//! cancellation and `max_tokens`, then the grammar's commit), and ended by
+//! giving back its KV blocks and engine slot before the final event, or
+//! handed over to another engine with them. Engines keep only what their
+//! forwards need (a batch row, a cache, drafts) beside it.
+
+use engine_core::event::EventSender;
+use engine_core::{FinishReason, GenerateRequest, SpecStats, StreamError, TokenEvent};
+use grammar::Constraint;
+
+use crate::cache::KvCache;
+use crate::emit::Emitter;
+use crate::handover::{Handover, HandoverSink};
+use crate::kv_pool::Reservation;
+use crate::sampling::Sampler;
+use crate::shared::SharedModel;
+
+pub struct Sequence {
+    pub out: Emitter,
+    /// The request's sampling (greedy included).
+    pub sampler: Sampler,
+    /// The request's grammar state (structured outputs).
+    pub constraint: Option<Constraint>,
+    /// Its KV blocks, until it ends or is handed over.
+    reservation: Option<Reservation>,
+    /// What else it holds in its engine (a slot, a place in a count),
+    /// given back with the blocks.
+    held: Vec<Box<dyn Send>>,
+}
+
+impl Sequence {
+    /// Starts a request holding `reservation`: its sampler, and its
+    /// grammar compiled by `compile`. A request whose sampling or grammar
+    /// is invalid ends here with the client's error (`None`).
+    pub fn start(
+        request: GenerateRequest,
+        events: EventSender,
+        reservation: Reservation,
+        vocab: i32,
+        compile: impl FnOnce(&engine_core::Grammar) -> Result<Constraint, String>,
+    ) -> Option<Self> {
+        let mut out = Emitter::new(request, events);
+        let id = out.request.id;
+        let sampler = match Sampler::new(&out.request.sampling, vocab, &out.request.prompt) {
+            Ok(s) => s,
+            Err(e) => {
+                drop(reservation);
+                out.fail(StreamError::Invalid(format!(
+                    "{id}: invalid sampling parameters: {e}"
+                )));
+                return None;
+            }
+        };
+        let constraint = match out.request.grammar.as_ref().map(compile).transpose() {
+            Ok(c) => c,
+            Err(e) => {
+                drop(reservation);
+                out.fail(StreamError::Invalid(format!("{id}: {e}")));
+                return None;
+            }
+        };
+        Some(Self {
+            out,
+            sampler,
+            constraint,
+            reservation: Some(reservation),
+            held: Vec::new(),
+        })
+    }
+
+    /// [`Sequence::start`] with the grammar compiled by the shared model's
+    /// compiler.
+    pub fn start_on(
+        shared: &SharedModel,
+        request: GenerateRequest,
+        events: EventSender,
+        reservation: Reservation,
+    ) -> Option<Self> {
+        let vocab = shared.model.vocab_size() as i32;
+        Self::start(request, events, reservation, vocab, |g| {
+            shared
+                .grammars()
+                .and_then(|c| c.compile(g).map_err(|e| e.0))
+        })
+    }
+
+    /// Continues a sequence another engine started; returns it with its
+    /// cache and its newest token (streamed, not yet fed). Its sampler
+    /// moves past the tokens drawn so far, so penalties count them and a
+    /// seeded request goes on with the keys plain sampling would use. A
+    /// constrained sequence cannot continue (its grammar's state stays
+    /// with the engine that started it): `None`, its stream ended.
+    pub fn resume(h: Handover, vocab: i32) -> Option<(Self, KvCache, u32)> {
+        let mut out = Emitter::resume(h.request, h.events, h.generated, h.cached_tokens);
+        let sampler = Sampler::new(&out.request.sampling, vocab, &out.request.prompt)
+            .and_then(|mut s| s.advance(out.delivered()).map(|()| s));
+        let error = match sampler {
+            Err(e) => format!("cannot continue the request: {e}"),
+            // See `can_hand_over`.
+            Ok(_) if out.request.grammar.is_some() => {
+                "a constrained sequence cannot be handed over".into()
+            }
+            Ok(sampler) => {
+                let seq = Self {
+                    out,
+                    sampler,
+                    constraint: None,
+                    reservation: Some(h.reservation),
+                    held: Vec::new(),
+                };
+                return Some((seq, h.cache, h.last_token));
+            }
+        };
+        drop(h.reservation);
+        out.fail(StreamError::Internal(error));
+        None
+    }
+
+    /// Holds `thing` until the sequence ends or is handed over (it is
+    /// given back with the KV blocks, before the final event).
+    pub fn hold(&mut self, thing: impl Send + 'static) {
+        self.held.push(Box::new(thing));
+    }
+
+    pub fn request(&self) -> &GenerateRequest {
+        &self.out.request
+    }
+
+    /// KV blocks it holds.
+    pub fn blocks(&self) -> usize {
+        self.reservation.as_ref().map_or(0, Reservation::blocks)
+    }
+
+    /// The per-token rule: takes a chosen token (`grammar_over`: the
+    /// grammar allowed nothing at its position) and returns why the
+    /// sequence ends, if it does. A constrained sequence ends with `Stop`
+    /// where its grammar is complete, allows nothing more or chose an
+    /// end-of-sequence token (that token not streamed); otherwise the
+    /// penalties count the token, the [`Emitter`] streams it (or ends at a
+    /// stop token, cancellation or `max_tokens`) and the grammar follows
+    /// it. The caller then publishes what it wants and calls
+    /// [`Sequence::finish`].
+    pub fn accept(
+        &mut self,
+        token: TokenEvent,
+        grammar_over: bool,
+    ) -> anyhow::Result<Option<FinishReason>> {
+        let id = token.id;
+        if grammar_over || self.constraint.as_ref().is_some_and(|c| c.is_end(id)) {
+            return Ok(Some(FinishReason::Stop));
+        }
+        self.sampler.observe(id)?;
+        if let Some(reason) = self.out.token(token) {
+            return Ok(Some(reason));
+        }
+        let broke = self.constraint.as_mut().is_some_and(|c| !c.commit(id));
+        Ok(broke.then_some(FinishReason::Stop))
+    }
+
+    /// [`Sequence::accept`] for a token without logprobs.
+    pub fn accept_plain(
+        &mut self,
+        id: u32,
+        grammar_over: bool,
+    ) -> anyhow::Result<Option<FinishReason>> {
+        let token = TokenEvent {
+            id,
+            logprob: None,
+            top_logprobs: Vec::new(),
+        };
+        self.accept(token, grammar_over)
+    }
+
+    /// Plain greedy sequences share one argmax; a constrained one picks
+    /// under its own mask.
+    pub fn plain_greedy(&self) -> bool {
+        self.constraint.is_none() && self.out.request.is_plain_greedy()
+    }
+
+    pub fn wants_logprobs(&self) -> bool {
+        self.out.request.sampling.logprobs
+    }
+
+    /// Whether its next pick can be built before its current token is read
+    /// on the host (pipelined decode): not under a grammar, whose mask
+    /// follows the token, nor with penalties, which count it.
+    pub fn pipelines(&self) -> bool {
+        self.constraint.is_none() && !self.sampler.reads_history()
+    }
+
+    /// Tokens it may still emit before `max_tokens`.
+    pub fn tokens_left(&self) -> u32 {
+        self.request()
+            .max_tokens
+            .saturating_sub(self.out.generated())
+    }
+
+    /// What its KV holds while it decodes: the prompt and every delivered
+    /// token but the newest, which is the next input.
+    pub fn context(&self) -> Vec<u32> {
+        let fed = self.out.delivered().len().saturating_sub(1);
+        [
+            self.request().prompt.as_slice(),
+            &self.out.delivered()[..fed],
+        ]
+        .concat()
+    }
+
+    /// `context().len()`, without building it.
+    pub fn context_len(&self) -> usize {
+        self.request().prompt.len() + self.out.delivered().len().saturating_sub(1)
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.out.is_cancelled()
+    }
+
+    /// The longest prefix of its prompt that `shared`'s prefix cache
+    /// keeps, as a cache to prefill the rest into, and its length (the
+    /// usage reports those tokens as cached); an empty cache and 0 when
+    /// none is kept.
+    pub fn cached_prefix(&mut self, shared: &SharedModel) -> (KvCache, usize) {
+        let (scope, prompt) = (
+            self.request().cache_scope.as_deref(),
+            &self.request().prompt,
+        );
+        let layers = shared.model.model.num_layers();
+        let (cache, tokens) = match shared.prefix.lookup(scope, prompt, layers) {
+            Some(hit) => (hit.cache, hit.tokens),
+            None => (shared.new_cache(vec![0]), 0),
+        };
+        self.out.set_cached_tokens(tokens as u32);
+        (cache, tokens)
+    }
+
+    /// Keeps `tokens` of it (whose KV `cache` holds from position 0) in
+    /// `shared`'s prefix cache, in its request's scope, for requests that
+    /// share them (n > 1, the chat's next turn). Under the device lock.
+    pub fn publish(&self, shared: &SharedModel, tokens: &[u32], cache: &KvCache) {
+        let scope = self.request().cache_scope.as_deref();
+        shared.prefix.insert(scope, tokens, cache);
+    }
+
+    /// Ends it: its KV blocks and what it holds go back first (the next
+    /// request, sent the moment the final event arrives, finds them free),
+    /// then the final event.
+    pub fn finish(&mut self, reason: FinishReason, spec: Option<SpecStats>) {
+        self.release();
+        self.out.finish(reason, spec);
+    }
+
+    /// Ends it with an error, after giving back what it holds.
+    pub fn fail(&mut self, error: StreamError) {
+        self.release();
+        self.out.fail(error);
+    }
+
+    fn release(&mut self) {
+        self.reservation.take();
+        self.held.clear();
+    }
+
+    /// Whether another engine can continue it: not under a grammar, whose
+    /// state stays with the engine that compiled it.
+    pub fn can_hand_over(&self) -> bool {
+        self.constraint.is_none()
+    }
+
+    /// Gives it to `sink` with its KV (`cache`: every position before
+    /// `last_token`, its newest token) and its blocks; what else it holds
+    /// goes back here. Returns whether the sink took it (one it could not
+    /// ended with an error).
+    pub fn hand_over(mut self, cache: KvCache, last_token: u32, sink: &dyn HandoverSink) -> bool {
+        self.held.clear();
+        let Some(reservation) = self.reservation.take() else {
+            self.out.fail(StreamError::Internal(
+                "generation could not continue".into(),
+            ));
+            return false;
+        };
+        Handover::of(self.out, cache, last_token, reservation).give_to(sink)
+    }
+}
+
+/// Where a prefill chunk from `done` toward `end` stops: at `snapshot`
+/// when it falls inside (a hybrid model's prefix is kept as a snapshot of
+/// the prompt's last block boundary, so a chunk must end there), and never
+/// inside an image whose tokens attend both ways.
+pub fn chunk_end(
+    request: &GenerateRequest,
+    done: usize,
+    end: usize,
+    snapshot: Option<usize>,
+) -> usize {
+    let end = match snapshot {
+        Some(at) if done < at && at < end => at,
+        _ => end,
+    };
+    crate::vision::chunk_end(&request.images, done, end)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use engine_core::event::event_channel;
+    use engine_core::{Event, EventStream, SamplingParams};
+
+    use crate::kv_pool::KvPool;
+
+    fn started(max_tokens: u32) -> (Sequence, EventStream, KvPool) {
+        let pool = KvPool::new(4, 16, 1);
+        let mut req = GenerateRequest::new(vec![1, 2, 3], max_tokens);
+        req.stop_tokens = vec![9];
+        req.sampling = SamplingParams::greedy();
+        let (tx, rx) = event_channel();
+        let r = pool.try_reserve(2).unwrap();
+        let seq = Sequence::start(req, tx, r, 16, |_| Err("no grammars".into())).unwrap();
+        (seq, rx, pool)
+    }
+
+    #[test]
+    fn blocks_and_holdings_go_back_before_the_final_event() {
+        let (mut seq, mut rx, pool) = started(4);
+        let slot = std::sync::Arc::new(());
+        seq.hold(slot.clone());
+        assert_eq!((pool.allocated(), seq.blocks()), (2, 2));
+        assert_eq!(seq.accept_plain(4, false).unwrap(), None);
+        assert_eq!(
+            seq.accept_plain(9, false).unwrap(),
+            Some(FinishReason::Stop)
+        );
+        seq.finish(FinishReason::Stop, None);
+        assert_eq!(pool.allocated(), 0);
+        assert_eq!(std::sync::Arc::strong_count(&slot), 1);
+        let events: Vec<Event> = std::iter::from_fn(|| rx.try_recv().ok()).collect();
+        assert_eq!(events.len(), 2, "{events:?}");
+        assert!(matches!(&events[1], Event::Finished(f) if f.completion_tokens == 1));
+    }
+
+    #[test]
+    fn a_grammar_that_is_over_ends_without_the_token() {
+        let (mut seq, mut rx, _pool) = started(4);
+        assert_eq!(seq.accept_plain(4, true).unwrap(), Some(FinishReason::Stop));
+        assert!(rx.try_recv().is_err(), "nothing streamed");
+        assert_eq!(seq.out.generated(), 0);
+    }
+
+    #[test]
+    fn an_invalid_grammar_ends_the_stream_with_the_clients_error() {
+        let pool = KvPool::new(4, 16, 1);
+        let mut req = GenerateRequest::new(vec![1, 2, 3], 4);
+        req.grammar = Some(engine_core::Grammar::Regex("(".into()));
+        let (tx, mut rx) = event_channel();
+        let r = pool.try_reserve(1).unwrap();
+        assert!(Sequence::start(req, tx, r, 16, |_| Err("bad regex".into())).is_none());
+        assert_eq!(pool.allocated(), 0);
+        match rx.try_recv() {
+            Ok(Event::Error(StreamError::Invalid(m))) => assert!(m.ends_with("bad regex"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn handover(pool: &KvPool, grammar: Option<engine_core::Grammar>) -> (Handover, EventStream) {
+        let mut request = GenerateRequest::new(vec![1, 2, 3], 4);
+        request.grammar = grammar;
+        let (events, rx) = event_channel();
+        let h = Handover {
+            request,
+            cache: KvCache::new(0, 1),
+            last_token: 5,
+            generated: vec![4, 5],
+            cached_tokens: 0,
+            reservation: pool.try_reserve(1).unwrap(),
+            events,
+        };
+        (h, rx)
+    }
+
+    #[test]
+    fn a_handed_over_sequence_goes_on_from_its_newest_token() {
+        let pool = KvPool::new(4, 16, 1);
+        let (h, _rx) = handover(&pool, None);
+        let (seq, _cache, last) = Sequence::resume(h, 16).unwrap();
+        assert!(seq.can_hand_over());
+        assert_eq!(
+            (last, seq.context(), seq.blocks()),
+            (5, vec![1, 2, 3, 4], 1)
+        );
+        assert_eq!(seq.tokens_left(), 2);
+    }
+
+    #[test]
+    fn a_constrained_sequence_does_not_continue_elsewhere() {
+        let pool = KvPool::new(4, 16, 1);
+        let (h, mut rx) = handover(&pool, Some(engine_core::Grammar::Regex("a+".into())));
+        assert!(Sequence::resume(h, 16).is_none());
+        assert_eq!(pool.allocated(), 0, "its blocks went back");
+        assert!(matches!(
+            rx.try_recv(),
+            Ok(Event::Error(StreamError::Internal(_)))
+        ));
+    }
+
+    #[test]
+    fn the_context_is_every_position_fed() {
+        let (mut seq, _rx, _pool) = started(4);
+        seq.accept_plain(4, false).unwrap();
+        seq.accept_plain(5, false).unwrap();
+        assert_eq!(seq.context(), vec![1, 2, 3, 4]);
+        assert_eq!(seq.context_len(), 4);
+        assert_eq!(seq.tokens_left(), 2);
+    }
+}
