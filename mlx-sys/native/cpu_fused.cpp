@@ -361,20 +361,7 @@ void attend(const Attention& a, int b, int h, int q0, int q1, bool simd) {
   }
 }
 
-// Threads for the attention's large calls: `GATEWAY_CPU_THREADS`, else the
-// CPUs this process may run on (the packed product kernel's rule).
-int attention_threads() {
-  static const int threads = [] {
-    if (const char* s = std::getenv("GATEWAY_CPU_THREADS")) {
-      const int n = std::atoi(s);
-      if (n > 0) return n;
-    }
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-    return std::max(1, int(std::thread::hardware_concurrency()));
-  }();
-  return threads;
-}
+extern "C" int mlx_sys_cpu_threads(void);  // packed_matmul.cpp
 
 // Query-score products (times the head width) from which a call starts
 // threads: about a millisecond of work on one core, against tens of
@@ -393,7 +380,7 @@ void attention(const Attention& a, bool simd) {
     attend(a, b, h, blk * QUERY_BLOCK, std::min(a.n, (blk + 1) * QUERY_BLOCK), simd);
   };
   const int64_t work = int64_t(a.B) * a.H * a.n * a.T * (a.D + a.Dv);
-  const int threads = int(std::min<int64_t>(attention_threads(), items));
+  const int threads = int(std::min<int64_t>(mlx_sys_cpu_threads(), items));
   if (threads <= 1 || work < THREADED_WORK) {
     for (int64_t i = 0; i < items; ++i) run(i);
     return;

@@ -52,6 +52,8 @@
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
+extern "C" int mlx_sys_cpu_threads(void);
+
 namespace {
 using namespace mlx::core;
 
@@ -649,13 +651,6 @@ int chosen_kernel() {
 
 using Span = void (*)(const Problem&, int, int);
 
-// Workers that spin briefly between calls (a decode step's products come
-// tens of microseconds apart) and then sleep; the calling thread works too.
-// Work is handed out in chunks of output columns through one atomic ticket
-// (generation | chunk count | next chunk), so the caller never waits for a
-// worker that has not started: on a loaded machine a descheduled worker
-// simply takes no chunk, and one that wakes after the call finds the
-// generation moved on without touching the finished call's state.
 class Pool {
  public:
   static Pool& get() {
@@ -692,15 +687,7 @@ class Pool {
     for (int i = 0; i < workers_; ++i) std::thread([this] { loop(); }).detach();
   }
 
-  static int threads_wanted() {
-    if (const char* s = std::getenv("GATEWAY_CPU_THREADS")) {
-      int n = std::atoi(s);
-      if (n > 0) return n;
-    }
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-    return std::max(1u, std::thread::hardware_concurrency());
-  }
+  static int threads_wanted() { return mlx_sys_cpu_threads(); }
 
   static void pause() {
 #if defined(__x86_64__)
@@ -925,6 +912,29 @@ array packed_matmul(array x, array w, array scales, array biases, int group, int
 }  // namespace
 
 extern "C" {
+
+// Threads for the CPU's native kernels (this product, cpu_fused.cpp's
+// attention): `GATEWAY_CPU_THREADS`, else the CPUs this process may run on.
+int mlx_sys_cpu_threads(void) {
+  static const int threads = [] {
+    if (const char* s = std::getenv("GATEWAY_CPU_THREADS")) {
+      const int n = std::atoi(s);
+      if (n > 0) return n;
+    }
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+    return std::max(1, int(std::thread::hardware_concurrency()));
+  }();
+  return threads;
+}
+
+// Workers that spin briefly between calls (a decode step's products come
+// tens of microseconds apart) and then sleep; the calling thread works too.
+// Work is handed out in chunks of output columns through one atomic ticket
+// (generation | chunk count | next chunk), so the caller never waits for a
+// worker that has not started: on a loaded machine a descheduled worker
+// simply takes no chunk, and one that wakes after the call finds the
+// generation moved on without touching the finished call's state.
 
 // The best kernel this CPU runs (0 scalar, 1 AVX2+FMA, 2 AVX-512).
 int mlx_sys_packed_kernel_best(void) { return best_kernel(); }

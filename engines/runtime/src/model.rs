@@ -838,7 +838,7 @@ impl Attention {
             let seen = mask.keys_seen(l, k.dim(2));
             if let Some(seen) = seen.filter(|s| crate::cpu_fused::takes_attention(&q, k, v, s)) {
                 let out = crate::cpu_fused::attention(&q, k, v, self.scale, &seen, None)?;
-                return Ok((self.output(out, gate.as_ref(), b, l)?, kv));
+                return Ok((self.output(out, gate.as_ref(), &out_shape)?, kv));
             }
         }
         let out = match mask {
