@@ -191,7 +191,9 @@ fn handover_between_plugins_never_stalls() {
     let mut stream = SseStream::open(
         gw.addr,
         "/v1/chat/completions",
-        &chat(json!({"max_tokens": 2000, "stream": true, "ignore_eos": true})),
+        // Long enough that the fast path is still decoding when the
+        // requests below reach the batched engine on a loaded machine.
+        &chat(json!({"max_tokens": 8000, "stream": true, "ignore_eos": true})),
     );
     assert_eq!(stream.status, 200);
     let engine = stream
