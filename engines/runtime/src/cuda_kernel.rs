@@ -13,11 +13,10 @@ pub enum TemplateArg<'a> {
     Int(&'a str, i32),
 }
 
-/// One launch: the output's shape and dtype, the grid in threads (MLX
+/// One launch: each output's shape and dtype, the grid in threads (MLX
 /// divides it by the block), the block, and the template arguments.
 pub struct Launch<'a> {
-    pub output_shape: &'a [i32],
-    pub output_dtype: Dtype,
+    pub outputs: &'a [(&'a [i32], Dtype)],
     pub grid_threads: i32,
     pub block_threads: i32,
     pub templates: &'a [TemplateArg<'a>],
@@ -29,13 +28,13 @@ pub struct CudaKernel {
 
 impl CudaKernel {
     /// `source` is the kernel's body; it reads its `inputs` and writes its
-    /// one output by these names (MLX adds `<name>_shape` and
+    /// `outputs` by these names (MLX adds `<name>_shape` and
     /// `<name>_strides` for those the body uses). With `contiguous`, MLX
     /// copies inputs that are not row-contiguous first.
     pub fn new(
         name: &str,
         inputs: &[&str],
-        output: &str,
+        outputs: &[&str],
         source: &str,
         contiguous: bool,
     ) -> anyhow::Result<Self> {
@@ -48,7 +47,7 @@ impl CudaKernel {
             Ok(unsafe { mlx_sys::mlx_vector_string_new_data(ptrs.as_ptr() as *mut _, ptrs.len()) })
         };
         let inputs = names(inputs)?;
-        let outputs = names(&[output])?;
+        let outputs = names(outputs)?;
         let c_name = CString::new(name)?;
         let source = CString::new(source)?;
         let header = CString::new("")?;
@@ -73,18 +72,23 @@ impl CudaKernel {
     }
 
     /// Adds one launch of the kernel over `inputs` to the graph on this
-    /// thread's stream; returns its output. `None` when MLX refused it.
-    pub fn apply(&self, inputs: &[&Array], launch: &Launch) -> Option<Array> {
+    /// thread's stream; returns its outputs. `None` when MLX refused it.
+    pub fn apply(&self, inputs: &[&Array], launch: &Launch) -> Option<Vec<Array>> {
         unsafe {
             let config = mlx_sys::mlx_fast_cuda_kernel_config_new();
-            let mut ok = mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(
+            let mut ok = launch.outputs.iter().all(|(shape, dtype)| {
+                mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(
+                    config,
+                    shape.as_ptr(),
+                    shape.len(),
+                    *dtype as mlx_sys::mlx_dtype,
+                ) == 0
+            }) && mlx_sys::mlx_fast_cuda_kernel_config_set_grid(
                 config,
-                launch.output_shape.as_ptr(),
-                launch.output_shape.len(),
-                launch.output_dtype as mlx_sys::mlx_dtype,
+                launch.grid_threads,
+                1,
+                1,
             ) == 0
-                && mlx_sys::mlx_fast_cuda_kernel_config_set_grid(config, launch.grid_threads, 1, 1)
-                    == 0
                 && mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(
                     config,
                     launch.block_threads,
@@ -126,16 +130,21 @@ impl CudaKernel {
                     config,
                     stream.as_ptr(),
                 ) == 0;
-            let mut out = mlx_sys::mlx_array_new();
-            let got = applied && mlx_sys::mlx_vector_array_get(&mut out, vout, 0) == 0;
+            let mut outs = Vec::with_capacity(launch.outputs.len());
+            if applied {
+                for i in 0..launch.outputs.len() {
+                    let mut out = mlx_sys::mlx_array_new();
+                    if mlx_sys::mlx_vector_array_get(&mut out, vout, i) != 0 {
+                        mlx_sys::mlx_array_free(out);
+                        break;
+                    }
+                    outs.push(Array::from_ptr(out));
+                }
+            }
             mlx_sys::mlx_vector_array_free(vin);
             mlx_sys::mlx_vector_array_free(vout);
             mlx_sys::mlx_fast_cuda_kernel_config_free(config);
-            if !got {
-                mlx_sys::mlx_array_free(out);
-                return None;
-            }
-            Some(Array::from_ptr(out))
+            (outs.len() == launch.outputs.len()).then_some(outs)
         }
     }
 }

@@ -383,6 +383,14 @@ impl Projections {
         }
     }
 
+    /// The stacked projections' output widths, `None` when they are separate.
+    pub fn stacked_sizes(&self) -> Option<&[i32]> {
+        match self {
+            Projections::Stacked { sizes, .. } => Some(sizes),
+            Projections::Separate(_) => None,
+        }
+    }
+
     /// The stacked product's output, not yet sliced into the projections
     /// (`None` when they are separate).
     pub fn joined(&self, x: &Array) -> Option<R<Array>> {
@@ -549,7 +557,15 @@ impl RmsNorm {
 
     /// `x + r` and the norm of it.
     pub fn forward_added(&self, x: &Array, r: &Array) -> R<(Array, Array)> {
+        if let Some(fused) = crate::gpu_fused::add_rms_norm(x, r, &self.weight, self.eps) {
+            return fused;
+        }
         crate::cpu_fused::add_rms_norm(x, r, &self.weight, self.eps)
+    }
+
+    /// The weight (any `1 +` folded in) and epsilon.
+    pub fn parts(&self) -> (&Array, f32) {
+        (&self.weight, self.eps)
     }
 }
 
@@ -650,6 +666,16 @@ impl Rope {
             scale: 1.0,
             freqs: None,
             cpu_inv_freqs: Default::default(),
+        }
+    }
+
+    /// The rotation as [`crate::gpu_fused::heads`] applies it.
+    pub fn spec(&self) -> crate::gpu_fused::RopeSpec<'_> {
+        crate::gpu_fused::RopeSpec {
+            dims: self.dims,
+            base: self.base,
+            scale: self.scale,
+            freqs: self.freqs.as_ref(),
         }
     }
 

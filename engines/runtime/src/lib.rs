@@ -17,6 +17,7 @@ pub mod emit;
 pub mod generate;
 pub mod generation_config;
 pub mod gguf;
+pub mod gpu_fused;
 pub mod handover;
 pub mod inject;
 pub mod kv_pool;

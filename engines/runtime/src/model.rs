@@ -766,6 +766,14 @@ impl Attention {
                 _ => t.transpose_axes(&[0, 2, 1, 3]),
             }
         };
+        if shared_kv.is_none() && !self.gated && self.v_norm.is_none() {
+            if let Some(spec) = self.fused_heads(x.dtype()) {
+                let qkv = self.qkv.joined(x).expect("stacked projections")?;
+                let (q, k, v) = crate::gpu_fused::heads(&qkv, (b, l), &spec, offsets)?;
+                let kv = cache.update(idx, k, v)?;
+                return self.attend(q, None, kv, mask, l, &out_shape);
+            }
+        }
         let mut qkv = self.qkv.forward(x)?.into_iter();
         let q = qkv.next().unwrap();
         let (q, gate) = match self.gated {
@@ -797,6 +805,47 @@ impl Attention {
                 cache.update(idx, k, v)?
             }
         };
+        self.attend(q, gate, kv, mask, l, &out_shape)
+    }
+
+    /// The layout [`crate::gpu_fused::heads`] needs, where it takes this
+    /// layer: q, k and v stacked in one product, q and k both normed or
+    /// neither.
+    fn fused_heads(&self, dtype: Dtype) -> Option<crate::gpu_fused::HeadsSpec<'_>> {
+        let (q, k, d) = (self.heads, self.kv_heads, self.head_dim);
+        if self.qkv.stacked_sizes()? != [q * d, k * d, k * d] {
+            return None;
+        }
+        let norms = match (&self.q_norm, &self.k_norm) {
+            (Some(qn), Some(kn)) => {
+                let ((qw, eps), (kw, k_eps)) = (qn.parts(), kn.parts());
+                (eps == k_eps).then_some(Some((qw, kw, eps)))?
+            }
+            (None, None) => None,
+            _ => return None,
+        };
+        let spec = crate::gpu_fused::HeadsSpec {
+            heads: q,
+            kv_heads: k,
+            head_dim: d,
+            norms,
+            rope: self.rope.spec(),
+        };
+        crate::gpu_fused::takes_heads(dtype, &spec).then_some(spec)
+    }
+
+    /// Attention of the heads `q` (`[B, heads, L, D]`) over the layer's
+    /// keys and values `kv`, through the output projection.
+    fn attend(
+        &self,
+        q: Array,
+        gate: Option<Array>,
+        kv: LayerView,
+        mask: &AttnMask,
+        l: i32,
+        out_shape: &[i32],
+    ) -> anyhow::Result<(Array, LayerView)> {
+        let out_shape = out_shape.to_vec();
         let dequantized;
         let (k, v) = match &kv {
             LayerView::Dense(k, v) => (k, v),
@@ -912,6 +961,12 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Array) -> R<Array> {
+        // On the GPU, one kernel from the stacked product to the activation.
+        if !self.gelu && crate::gpu_fused::takes_gated(x.dtype()) {
+            if let Some(gu) = self.gate_up.joined(x) {
+                return self.down.forward(&crate::gpu_fused::gated(&gu?)?);
+            }
+        }
         // On the CPU, one node from the stacked product to the activation.
         if crate::cpu_fused::enabled() {
             if let Some(gu) = self.gate_up.joined(x) {

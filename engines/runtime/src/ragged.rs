@@ -337,8 +337,7 @@ fn launch(
         inputs.push(&read.tables);
     }
     let launch = Launch {
-        output_shape: &[b, heads, n, d],
-        output_dtype: dtype,
+        outputs: &[(&[b, heads, n, d], dtype)],
         grid_threads: b * (heads / group) * n * WARPS * 32,
         block_threads: WARPS * 32,
         templates: &templates,
@@ -346,7 +345,7 @@ fn launch(
     kernel
         .with(|kernel| {
             let kernel = kernel.as_ref().map_err(|e| anyhow!("{e}"))?;
-            Ok::<_, anyhow::Error>(kernel.apply(&inputs, &launch))
+            Ok::<_, anyhow::Error>(kernel.apply(&inputs, &launch).map(|mut o| o.remove(0)))
         })?
         .ok_or_else(|| {
             anyhow!(
@@ -359,7 +358,7 @@ thread_local! {
     static CONTIGUOUS_KERNEL: Result<CudaKernel, String> = CudaKernel::new(
         "ragged_attention",
         &["q", "k", "v", "meta", "scale"],
-        "out",
+        &["out"],
         &format!("{CONTIGUOUS}{SOURCE}"),
         false,
     )
@@ -367,7 +366,7 @@ thread_local! {
     static PAGED_KERNEL: Result<CudaKernel, String> = CudaKernel::new(
         "paged_attention",
         &["q", "k", "v", "meta", "scale", "tables"],
-        "out",
+        &["out"],
         &format!("{PAGED}{SOURCE}"),
         false,
     )

@@ -1,0 +1,259 @@
+//! The GPU's fused kernels ([`runtime::gpu_fused`]) against the MLX ops
+//! they replace, on a device:
+//!
+//!     cargo run --release -p runtime --example fused_check -- [--model DIR --gen 48]
+//!
+//! First each kernel on random operands, in bfloat16 and float32: one
+//! position a row and several, per-row positions up to 4,096, RoPE by
+//! base and by frequencies. Each line gives the largest difference and
+//! how many elements differ at all (a rounding of the sum of squares in
+//! another order may move a bfloat16 result by one step). Then, with
+//! `--model`, greedy tokens and logits of single steps and of blocks of 8
+//! (a verify) with the kernels against without them, in one process.
+
+use std::path::PathBuf;
+
+use fixtures::reference::worst_difference;
+use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::transforms::eval;
+use mlx_rs::{fast, ops, Array, Dtype};
+use runtime::generate::{prefill, tokens_array};
+use runtime::gpu_fused::{self, HeadsSpec, RopeSpec};
+use runtime::layers::Offsets;
+use runtime::model::Logits;
+use runtime::{ComputeDtype, LoadedModel, Model};
+
+fn arg(name: &str, default: &str) -> String {
+    let argv: Vec<String> = std::env::args().collect();
+    argv.windows(2)
+        .find(|w| w[0] == name)
+        .map(|w| w[1].clone())
+        .unwrap_or_else(|| default.to_string())
+}
+
+fn random(shape: &[i32], dtype: Dtype, seed: u64) -> Array {
+    mlx_rs::random::seed(seed).unwrap();
+    mlx_rs::random::normal::<f32>(shape, None, None, None)
+        .unwrap()
+        .as_dtype(dtype)
+        .unwrap()
+}
+
+/// (largest absolute difference, elements that differ, elements).
+fn compare(got: &Array, want: &Array) -> (f32, usize, usize) {
+    assert_eq!(got.shape(), want.shape(), "shapes");
+    // Flattened: a copy, row-contiguous whatever the operand's strides.
+    let flat = |x: &Array| x.as_dtype(Dtype::Float32).unwrap().reshape(&[-1]).unwrap();
+    let (g, w) = (flat(got), flat(want));
+    eval([&g, &w]).unwrap();
+    let (g, w) = (g.as_slice::<f32>(), w.as_slice::<f32>());
+    let mut worst = 0f32;
+    let mut differ = 0;
+    for (a, b) in g.iter().zip(w) {
+        let d = (a - b).abs();
+        worst = worst.max(if d.is_nan() { f32::INFINITY } else { d });
+        differ += (a != b) as usize;
+    }
+    (worst, differ, g.len())
+}
+
+fn line(what: &str, got: &Array, want: &Array) {
+    let (worst, differ, all) = compare(got, want);
+    println!("{what}: largest difference {worst:.3e}, {differ} of {all} elements differ");
+}
+
+fn check_heads(dtype: Dtype, l: i32, freqs: bool) {
+    let (b, h, hkv, d) = (3, 8, 2, 128);
+    let width = (h + 2 * hkv) * d;
+    let qkv = random(&[b * l, width], dtype, 1);
+    let qw = random(&[d], dtype, 2)
+        .multiply(Array::from_f32(0.3).as_dtype(dtype).unwrap())
+        .unwrap();
+    let kw = random(&[d], dtype, 3);
+    let eps = 1e-6;
+    let base = 1_000_000.0f32;
+    let freq_values: Vec<f32> = (0..d / 2)
+        .map(|i| 4.0 * base.powf(2.0 * i as f32 / d as f32))
+        .collect();
+    let freq_array = Array::from_slice(&freq_values, &[d / 2]);
+    let rope = RopeSpec {
+        dims: d,
+        base: (!freqs).then_some(base),
+        scale: 1.0,
+        freqs: freqs.then_some(&freq_array),
+    };
+    let positions = [7i32, 100, 4096];
+    let offsets = Offsets::PerRow(Array::from_slice(&positions, &[b]));
+    let spec = HeadsSpec {
+        heads: h,
+        kv_heads: hkv,
+        head_dim: d,
+        norms: Some((&qw, &kw, eps)),
+        rope,
+    };
+    assert!(
+        gpu_fused::takes_heads(dtype, &spec),
+        "the kernel takes this layer"
+    );
+    let (q, k, v) = gpu_fused::heads(&qkv, (b, l), &spec, &offsets).unwrap();
+    // MLX's ops, as the model runs them without the kernel.
+    let part = |from: i32, n: i32| {
+        qkv.try_index((.., from * d..(from + n) * d))
+            .unwrap()
+            .reshape(&[b, l, n, d])
+            .unwrap()
+    };
+    let offs = Array::from_slice(&positions, &[b]);
+    let turn = |x: Array| x.transpose_axes(&[0, 2, 1, 3]).unwrap();
+    let rotate = |x: Array| {
+        fast::rope_dynamic(
+            &x,
+            d,
+            false,
+            (!freqs).then_some(base),
+            1.0,
+            &offs,
+            freqs.then_some(&freq_array),
+        )
+        .unwrap()
+    };
+    let want_q = rotate(turn(fast::rms_norm(&part(0, h), Some(&qw), eps).unwrap()));
+    let want_k = rotate(turn(fast::rms_norm(&part(h, hkv), Some(&kw), eps).unwrap()));
+    let want_v = turn(part(h + hkv, hkv));
+    let label = format!(
+        "heads {dtype:?}, {l} positions a row, rope by {}",
+        if freqs { "frequencies" } else { "base" }
+    );
+    line(&format!("{label}, q"), &q, &want_q);
+    line(&format!("{label}, k"), &k, &want_k);
+    line(&format!("{label}, v"), &v, &want_v);
+}
+
+fn check_gated(dtype: Dtype) {
+    let (rows, n) = (5, 9728);
+    let gu = random(&[rows, 2 * n], dtype, 4)
+        .multiply(Array::from_f32(4.0).as_dtype(dtype).unwrap())
+        .unwrap();
+    let got = gpu_fused::gated(&gu).unwrap();
+    let parts = ops::split_equal(&gu, 2, -1).unwrap();
+    gpu_fused::set_enabled(false);
+    let want = runtime::activations::gated(&parts[0], &parts[1], false).unwrap();
+    gpu_fused::set_enabled(true);
+    line(&format!("gated {dtype:?}"), &got, &want);
+}
+
+fn check_add_norm(dtype: Dtype) {
+    let (rows, n) = (5, 2560);
+    let x = random(&[rows, n], dtype, 5);
+    let r = random(&[rows, n], dtype, 6);
+    let w = random(&[n], dtype, 7);
+    let (h, y) = gpu_fused::add_rms_norm(&x, &r, &w, 1e-6)
+        .expect("the kernel takes it")
+        .unwrap();
+    let want_h = x.add(&r).unwrap();
+    let want_y = fast::rms_norm(&want_h, Some(&w), 1e-6).unwrap();
+    line(&format!("add + rms_norm {dtype:?}, sum"), &h, &want_h);
+    line(&format!("add + rms_norm {dtype:?}, norm"), &y, &want_y);
+}
+
+/// `[n, V]` float32 logits on the host, row by row.
+fn rows(logits: &Array) -> Vec<Vec<f32>> {
+    let v = logits.dim(-1);
+    let flat = logits
+        .reshape(&[-1, v])
+        .unwrap()
+        .as_dtype(Dtype::Float32)
+        .unwrap();
+    eval([&flat]).unwrap();
+    flat.as_slice::<f32>()
+        .chunks(v as usize)
+        .map(<[f32]>::to_vec)
+        .collect()
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    (0..row.len()).fold(0, |best, i| if row[i] > row[best] { i } else { best }) as u32
+}
+
+/// Greedy tokens and logits, one token a forward (`k` = 1) or teacher
+/// forced on `forced` in blocks of `k`.
+fn run(
+    model: &Model,
+    prompt: &[u32],
+    gen: usize,
+    k: usize,
+    forced: &[u32],
+) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let mut cache = model.new_cache(1);
+    let first = prefill(model, &mut cache, prompt, 512).unwrap();
+    let mut all = rows(&first);
+    let mut tokens = vec![argmax(&all[0])];
+    while all.len() < gen {
+        let feed = match k {
+            1 => vec![*tokens.last().unwrap()],
+            _ => forced[all.len() - 1..(all.len() - 1 + k).min(forced.len())].to_vec(),
+        };
+        if feed.is_empty() {
+            break;
+        }
+        let logits = model
+            .forward(&tokens_array(&feed), &mut cache, Logits::All)
+            .unwrap();
+        for row in rows(&logits) {
+            tokens.push(argmax(&row));
+            all.push(row);
+        }
+    }
+    all.truncate(gen);
+    tokens.truncate(gen);
+    (tokens, all)
+}
+
+fn main() {
+    runtime::cuda_env::apply_defaults();
+    println!("on gpu: {}", runtime::mask::on_gpu());
+    for dtype in [Dtype::Bfloat16, Dtype::Float32] {
+        for l in [1, 5] {
+            check_heads(dtype, l, false);
+        }
+        check_heads(dtype, 1, true);
+        check_gated(dtype);
+        check_add_norm(dtype);
+    }
+    let dir = arg("--model", "");
+    if dir.is_empty() {
+        return;
+    }
+    let gen: usize = arg("--gen", "48").parse().expect("gen");
+    let loaded =
+        LoadedModel::load_as(&PathBuf::from(&dir), None, ComputeDtype::Auto).expect("load");
+    let prompt = loaded
+        .tokenizer
+        .encode("Here is a Python function that adds two numbers:", true)
+        .expect("encode");
+    let model = &loaded.model;
+    gpu_fused::set_enabled(false);
+    let (want_tokens, want) = run(model, &prompt, gen, 1, &[]);
+    gpu_fused::set_enabled(true);
+    let (tokens, got) = run(model, &prompt, gen, 1, &[]);
+    let same = tokens
+        .iter()
+        .zip(&want_tokens)
+        .take_while(|(a, b)| a == b)
+        .count();
+    println!(
+        "model {dir} ({:?}): single steps with the kernels, {same} of {gen} greedy tokens equal; worst logit difference {:.3e}",
+        model.dtype(),
+        worst_difference(&got, &want)
+    );
+    let (tokens, got) = run(model, &prompt, gen, 8, &want_tokens);
+    let same = tokens
+        .iter()
+        .zip(&want_tokens)
+        .take_while(|(a, b)| a == b)
+        .count();
+    println!(
+        "blocks of 8 with the kernels, teacher forced: {same} of {gen} argmaxes equal; worst logit difference {:.3e}",
+        worst_difference(&got, &want)
+    );
+}

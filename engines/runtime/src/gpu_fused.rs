@@ -1,0 +1,372 @@
+//! The chains between a GPU step's products as single CUDA kernels inside
+//! the MLX graph (`mlx_fast_cuda_kernel_*`, [`crate::cuda_kernel`]): the
+//! host builds and launches about a node a microsecond each, and a decode
+//! step of a 4B model was ~1,300 nodes, so the step's time was mostly the
+//! host's (docs/gpu.md). Each kernel repeats MLX's own arithmetic for the
+//! ops it replaces (roundings to the activation dtype where MLX rounds),
+//! so outputs match MLX's to within a rounding; `examples/fused_check.rs`
+//! compares them on a device (docs/gpu.md).
+//!
+//! - [`heads`]: the stacked q/k/v product's output to attention's heads:
+//!   slicing, q and k RMSNorm, RoPE and the head layout, one node where
+//!   there were ten a layer.
+//! - [`gated`]: SiLU(gate) * up straight from the stacked gate/up output
+//!   (three nodes: two slices and the compiled activation).
+//! - [`add_rms_norm`]: the residual add and the next norm, two outputs.
+//!
+//! `GATEWAY_GPU_FUSED=off` keeps MLX's ops.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+
+use mlx_rs::error::Exception;
+use mlx_rs::{Array, Dtype};
+
+use crate::cuda_kernel::{CudaKernel, Launch, TemplateArg};
+use crate::layers::Offsets;
+
+type R<T> = Result<T, Exception>;
+
+static SWITCHED_OFF: AtomicBool = AtomicBool::new(false);
+
+/// Whether the kernels run on this thread's stream: a GPU stream, and
+/// not switched off by `GATEWAY_GPU_FUSED=off` or [`set_enabled`].
+pub fn enabled() -> bool {
+    static ENV_OFF: OnceLock<bool> = OnceLock::new();
+    !*ENV_OFF.get_or_init(|| std::env::var("GATEWAY_GPU_FUSED").is_ok_and(|v| v == "off"))
+        && !SWITCHED_OFF.load(Ordering::Relaxed)
+        && crate::mask::on_gpu()
+}
+
+/// Switches the kernels on or off for the whole process (the device
+/// check compares both paths in one process).
+pub fn set_enabled(on: bool) {
+    SWITCHED_OFF.store(!on, Ordering::Relaxed);
+}
+
+fn float(dtype: Dtype) -> bool {
+    matches!(dtype, Dtype::Bfloat16 | Dtype::Float16 | Dtype::Float32)
+}
+
+/// The rotary embedding [`heads`] applies: `dims` rotated features (the
+/// rest pass through), MLX's `exp2(-i / half * log2(base))` inverse
+/// frequencies or the reciprocals of `freqs`, positions times `scale`.
+pub struct RopeSpec<'a> {
+    pub dims: i32,
+    pub base: Option<f32>,
+    pub scale: f32,
+    pub freqs: Option<&'a Array>,
+}
+
+/// What [`heads`] needs of an attention layer.
+pub struct HeadsSpec<'a> {
+    pub heads: i32,
+    pub kv_heads: i32,
+    pub head_dim: i32,
+    /// The q and k norms' weights and epsilon (Qwen 3, Gemma), or none.
+    pub norms: Option<(&'a Array, &'a Array, f32)>,
+    pub rope: RopeSpec<'a>,
+}
+
+/// Whether [`heads`] takes a layer of `spec` over activations of `dtype`.
+pub fn takes_heads(dtype: Dtype, spec: &HeadsSpec) -> bool {
+    let rope = &spec.rope;
+    enabled()
+        && float(dtype)
+        && spec.head_dim % 32 == 0
+        && spec.head_dim <= 256
+        && rope.dims % 64 == 0
+        && rope.dims <= spec.head_dim
+        && (rope.base.is_some() || rope.freqs.is_some())
+        && spec
+            .norms
+            .is_none_or(|(qw, kw, _)| qw.dtype() == dtype && kw.dtype() == dtype)
+}
+
+/// q `[B, heads, L, D]`, k and v `[B, kv_heads, L, D]` from the stacked
+/// projection's `[B * L, (heads + 2 * kv_heads) * D]` rows (`rows` =
+/// (B, L)): q and k normed (when the layer has norms) and rotated at
+/// their rows' positions. For a layer [`takes_heads`] takes.
+pub fn heads(
+    qkv: &Array,
+    (b, l): (i32, i32),
+    spec: &HeadsSpec,
+    offsets: &Offsets,
+) -> R<(Array, Array, Array)> {
+    let (h, hkv, d) = (spec.heads, spec.kv_heads, spec.head_dim);
+    let dtype = qkv.dtype();
+    let width = (h + 2 * hkv) * d;
+    if qkv.size() != (b * l * width) as usize {
+        return Err(Exception::custom(format!(
+            "fused heads: {:?} is not {b} x {l} rows of {width}",
+            qkv.shape()
+        )));
+    }
+    let rope = &spec.rope;
+    let qkv = match qkv.ndim() {
+        2 => qkv.clone(),
+        _ => qkv.reshape(&[b * l, width])?,
+    };
+    let pos = match offsets {
+        Offsets::Scalar(o) => Array::from_slice(&vec![*o; b as usize], &[b]),
+        Offsets::PerRow(o) => o.as_dtype(Dtype::Int32)?,
+    };
+    let (qw, kw, eps) = match spec.norms {
+        Some((qw, kw, eps)) => (qw.clone(), kw.clone(), eps),
+        None => (qkv.clone(), qkv.clone(), 0.0),
+    };
+    let freqs = match rope.freqs {
+        Some(f) => f.as_dtype(Dtype::Float32)?,
+        None => Array::from_slice(&[1.0f32], &[1]),
+    };
+    let log2_base = rope.base.map_or(0.0, f32::log2);
+    let params = Array::from_slice(&[eps, log2_base, rope.scale], &[3]);
+    let slots = b * l * (h + 2 * hkv);
+    let templates = [
+        TemplateArg::Dtype("T", dtype),
+        TemplateArg::Int("D", d),
+        TemplateArg::Int("H", h),
+        TemplateArg::Int("HKV", hkv),
+        TemplateArg::Int("HALF", rope.dims / 2),
+        TemplateArg::Int("NORM", spec.norms.is_some() as i32),
+        TemplateArg::Int("FREQS", rope.freqs.is_some() as i32),
+    ];
+    let launch = Launch {
+        outputs: &[
+            (&[b, h, l, d], dtype),
+            (&[b, hkv, l, d], dtype),
+            (&[b, hkv, l, d], dtype),
+        ],
+        grid_threads: round_up(slots * 32, BLOCK),
+        block_threads: BLOCK,
+        templates: &templates,
+    };
+    let mut out = run(
+        &HEADS,
+        &[&qkv, &qw, &kw, &pos, &freqs, &params],
+        &launch,
+        "heads",
+    )?;
+    let v = out.pop().unwrap();
+    let k = out.pop().unwrap();
+    let q = out.pop().unwrap();
+    Ok((q, k, v))
+}
+
+/// Whether [`gated`] takes activations of `dtype`.
+pub fn takes_gated(dtype: Dtype) -> bool {
+    enabled() && float(dtype)
+}
+
+/// `silu(gate) * up` from the stacked gate/up product's `[.., 2 * n]`
+/// (gate first), as `[.., n]`, for a dtype [`takes_gated`] takes.
+pub fn gated(gate_up: &Array) -> R<Array> {
+    let dtype = gate_up.dtype();
+    let mut shape = gate_up.shape().to_vec();
+    let n = shape.last().copied().unwrap_or(0) / 2;
+    *shape.last_mut().unwrap() = n;
+    let rows = (gate_up.size() / (2 * n.max(1)) as usize) as i32;
+    let flat = gate_up.reshape(&[rows, 2 * n])?;
+    let templates = [TemplateArg::Dtype("T", dtype)];
+    let launch = Launch {
+        outputs: &[(&shape, dtype)],
+        grid_threads: round_up(rows * n, BLOCK),
+        block_threads: BLOCK,
+        templates: &templates,
+    };
+    Ok(run(&GATED, &[&flat], &launch, "gated")?.remove(0))
+}
+
+/// `x + r` and its RMSNorm with `weight`, as MLX's add and `rms_norm`
+/// compute them. `None` where the kernel does not apply.
+pub fn add_rms_norm(x: &Array, r: &Array, weight: &Array, eps: f32) -> Option<R<(Array, Array)>> {
+    let dtype = x.dtype();
+    let n = *x.shape().last()?;
+    if !enabled()
+        || !float(dtype)
+        || r.dtype() != dtype
+        || weight.dtype() != dtype
+        || x.shape() != r.shape()
+        || weight.size() != n as usize
+    {
+        return None;
+    }
+    let rows = (x.size() / n as usize) as i32;
+    Some((|| {
+        let params = Array::from_slice(&[eps], &[1]);
+        let templates = [TemplateArg::Dtype("T", dtype)];
+        let launch = Launch {
+            outputs: &[(x.shape(), dtype), (x.shape(), dtype)],
+            grid_threads: rows * NORM_BLOCK,
+            block_threads: NORM_BLOCK,
+            templates: &templates,
+        };
+        let mut out = run(
+            &ADD_NORM,
+            &[x, r, weight, &params],
+            &launch,
+            "add + rms_norm",
+        )?;
+        let y = out.pop().unwrap();
+        Ok((out.pop().unwrap(), y))
+    })())
+}
+
+const BLOCK: i32 = 128;
+const NORM_BLOCK: i32 = 256;
+
+fn round_up(n: i32, m: i32) -> i32 {
+    (n + m - 1) / m * m
+}
+
+fn run(
+    kernel: &'static std::thread::LocalKey<Result<CudaKernel, String>>,
+    inputs: &[&Array],
+    launch: &Launch,
+    what: &str,
+) -> R<Vec<Array>> {
+    kernel
+        .with(|k| {
+            let k = k.as_ref().map_err(|e| Exception::custom(e.clone()))?;
+            Ok::<_, Exception>(k.apply(inputs, launch))
+        })?
+        .ok_or_else(|| Exception::custom(format!("MLX could not apply the fused {what} kernel")))
+}
+
+/// One warp per (row, head slot): slots `0..H` are q heads, then `HKV` k
+/// heads, then `HKV` v heads. A lane holds features `lane + 32 * t`, so
+/// the rotated pair `(e, e + HALF)` sits in one lane (HALF a multiple of
+/// 32). The norm is MLX's `rms_norm` (float sum of squares, `rsqrt(mean +
+/// eps)`, the normed value rounded to `T` and then multiplied by the
+/// weight in `T`), the rotation MLX's `rope` (float angle `scale * pos *
+/// inv_freq`, float rotation, rounded to `T`).
+const HEADS_SOURCE: &str = r#"
+    constexpr int PER = D / 32;
+    constexpr int S = H + 2 * HKV;
+    constexpr int HP = HALF / 32;
+    const int lane = threadIdx.x % 32;
+    const long warp = ((long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const int rows = qkv_shape[0];
+    const int batch = pos_shape[0];
+    const int L = rows / batch;
+    if (warp >= (long)rows * S) return;
+    const int r = warp / S, s = warp % S;
+    const int b = r / L, i = r % L;
+    const T* src = qkv + (size_t)r * S * D + (size_t)s * D;
+    if (s >= H + HKV) {
+        T* dst = v_out + (((size_t)b * HKV + (s - H - HKV)) * L + i) * D;
+        for (int t = 0; t < PER; t++) dst[lane + 32 * t] = src[lane + 32 * t];
+        return;
+    }
+    const bool is_q = s < H;
+    float x[PER];
+    for (int t = 0; t < PER; t++) x[t] = static_cast<float>(src[lane + 32 * t]);
+    if (NORM) {
+        const T* w = is_q ? qw : kw;
+        float ss = 0.f;
+        for (int t = 0; t < PER; t++) ss += x[t] * x[t];
+        for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffff, ss, off);
+        const float nrm = rsqrt(ss / D + params[0]);
+        for (int t = 0; t < PER; t++) {
+            const T y = static_cast<T>(x[t] * nrm);
+            x[t] = static_cast<float>(static_cast<T>(w[lane + 32 * t] * y));
+        }
+    }
+    const float at = params[2] * static_cast<float>(pos[b] + i);
+    for (int t = 0; t < HP; t++) {
+        const int e = lane + 32 * t;
+        float inv;
+        if (FREQS) {
+            inv = 1.0 / freqs[e];
+        } else {
+            const float dd = static_cast<float>(e) / static_cast<float>(HALF);
+            inv = exp2(-dd * params[1]);
+        }
+        const float theta = at * inv;
+        const float c = cos(theta);
+        const float sn = sin(theta);
+        const float x1 = x[t];
+        const float x2 = x[t + HP];
+        x[t] = x1 * c - x2 * sn;
+        x[t + HP] = x1 * sn + x2 * c;
+    }
+    T* dst = is_q ? q_out + (((size_t)b * H + s) * L + i) * D
+                  : k_out + (((size_t)b * HKV + (s - H)) * L + i) * D;
+    for (int t = 0; t < PER; t++) dst[lane + 32 * t] = static_cast<T>(x[t]);
+"#;
+
+/// One thread an output: MLX's `silu(g) * u` as its compiled kernel
+/// computes it, each op in `T`: `sigmoid(g) = g < 0 ? y : 1 - y` with
+/// `y = 1 / (1 + exp(|g|))`, then `g * sigmoid(g)`, then `* u`.
+const GATED_SOURCE: &str = r#"
+    const int n = gate_up_shape[1] / 2;
+    const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long)gate_up_shape[0] * n) return;
+    const long r = idx / n, c = idx % n;
+    const T g = gate_up[r * 2 * n + c];
+    const T u = gate_up[r * 2 * n + n + c];
+    const T one = static_cast<T>(1.0f);
+    const T ag = static_cast<T>(fabsf(static_cast<float>(g)));
+    const T e = static_cast<T>(expf(static_cast<float>(ag)));
+    const T den = static_cast<T>(static_cast<float>(one) + static_cast<float>(e));
+    const T y = static_cast<T>(static_cast<float>(one) / static_cast<float>(den));
+    const T sg = static_cast<float>(g) < 0.f ? y : static_cast<T>(1.0f - static_cast<float>(y));
+    const T act = static_cast<T>(static_cast<float>(g) * static_cast<float>(sg));
+    out[idx] = static_cast<T>(static_cast<float>(act) * static_cast<float>(u));
+"#;
+
+/// One block a row: `h = x + r` rounded to `T`, then MLX's `rms_norm` of
+/// `h` (float sum of squares, `rsqrt(mean + eps)`, rounded to `T`, times
+/// the weight in `T`).
+const ADD_NORM_SOURCE: &str = r#"
+    const int n = weight_shape[0];
+    const long row = blockIdx.x;
+    const T* xr = x + row * n;
+    const T* rr = r + row * n;
+    T* hr = h + row * n;
+    T* yr = y + row * n;
+    float ss = 0.f;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        const T v = static_cast<T>(static_cast<float>(xr[j]) + static_cast<float>(rr[j]));
+        hr[j] = v;
+        const float f = static_cast<float>(v);
+        ss += f * f;
+    }
+    __shared__ float part[32];
+    for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffff, ss, off);
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = ss;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float t = threadIdx.x < blockDim.x / 32 ? part[threadIdx.x] : 0.f;
+        for (int off = 16; off > 0; off /= 2) t += __shfl_xor_sync(0xffffffff, t, off);
+        if (threadIdx.x == 0) part[0] = t;
+    }
+    __syncthreads();
+    const float nrm = rsqrt(part[0] / n + params[0]);
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        const T v = static_cast<T>(static_cast<float>(hr[j]) * nrm);
+        yr[j] = static_cast<T>(static_cast<float>(weight[j]) * static_cast<float>(v));
+    }
+"#;
+
+thread_local! {
+    static HEADS: Result<CudaKernel, String> = CudaKernel::new(
+        "fused_heads",
+        &["qkv", "qw", "kw", "pos", "freqs", "params"],
+        &["q_out", "k_out", "v_out"],
+        HEADS_SOURCE,
+        true,
+    )
+    .map_err(|e| format!("{e:#}"));
+    static GATED: Result<CudaKernel, String> =
+        CudaKernel::new("fused_gated", &["gate_up"], &["out"], GATED_SOURCE, true)
+            .map_err(|e| format!("{e:#}"));
+    static ADD_NORM: Result<CudaKernel, String> = CudaKernel::new(
+        "fused_add_rms_norm",
+        &["x", "r", "weight", "params"],
+        &["h", "y"],
+        ADD_NORM_SOURCE,
+        true,
+    )
+    .map_err(|e| format!("{e:#}"));
+}
