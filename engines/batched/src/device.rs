@@ -1,7 +1,8 @@
 //! What the scheduler asks of the model and its device, as a trait, so the
 //! whole loop also runs on a fake forward (the scheduler's tests): KV of a
 //! sequence or of the batch, the prefix cache, the forwards (a padded
-//! group, a prefill chunk, a decode step) and their picks. [`Mlx`] is the
+//! group, a prefill chunk, a decode step, or a decode step and chunks in
+//! one mixed forward) and their picks. [`Mlx`] is the
 //! real one: the model's forwards on MLX arrays, rows sampling with their
 //! own parameters.
 

@@ -1,9 +1,11 @@
 //! The scheduler thread: the executor of [`plan`]'s steps. Each iteration:
 //! take in new work, drop cancelled rows, plan the step under one token
 //! budget ([`plan::plan`]), start what it admits (waiting requests that
-//! have KV blocks, or a preempted row), then run it: a padded group's
-//! forward or the prompt chunks of the sequences catching up, then one
-//! decode step for the whole batch. The budget bounds the inter-token
+//! have KV blocks, or a preempted row), then run it: the batch's decode
+//! step and the prompt chunks of the sequences catching up in one mixed
+//! forward where the device takes them ([`Scheduler::mixed`]), else a
+//! padded group's forward or each chunk's, then one decode step for the
+//! whole batch. The budget bounds the inter-token
 //! latency of running rows while long prompts arrive. The forwards are a
 //! [`Device`]'s: the model's on MLX ([`crate::device::Mlx`]), or a fake
 //! one that drives this whole loop in the tests.
