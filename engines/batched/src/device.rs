@@ -312,20 +312,35 @@ impl Device for Mlx {
         let mut logits = self.0.model.model.forward_mixed(&mut segments)?.into_iter();
         drop(segments);
         let decode = match decoding {
-            true => Some(sample_step(rows, &logits.next().flatten().expect("the batch's logits"))?),
+            true => Some(sample_step(
+                rows,
+                &logits.next().flatten().expect("the batch's logits"),
+            )?),
             false => None,
         };
         let picks = chunks
             .iter_mut()
             .zip(logits)
-            .map(|(c, l)| l.map(|l| sample_step(std::slice::from_mut(c.row), &l)).transpose())
+            .map(|(c, l)| {
+                l.map(|l| sample_step(std::slice::from_mut(c.row), &l))
+                    .transpose()
+            })
             .collect::<anyhow::Result<Vec<_>>>()?;
         // Without a pick to read, the chunks' KV is evaluated here (a pick
         // depends on every row of the stream, so it evaluates them all).
         if decode.is_none() && picks.iter().all(Option::is_none) {
-            eval(chunks.iter().flat_map(|c| c.kv.state()).collect::<Vec<_>>().iter())?;
+            eval(
+                chunks
+                    .iter()
+                    .flat_map(|c| c.kv.state())
+                    .collect::<Vec<_>>()
+                    .iter(),
+            )?;
         }
-        Ok(MixedPicks { decode, chunks: picks })
+        Ok(MixedPicks {
+            decode,
+            chunks: picks,
+        })
     }
 
     fn launch(&self, picks: &Step) -> anyhow::Result<()> {

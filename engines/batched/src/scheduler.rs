@@ -588,7 +588,12 @@ impl<D: Device> Scheduler<D> {
     /// first pick, when the chunk ended its prompt): kept at a snapshot
     /// point; at the end of what it catches up, the sequence joins the
     /// batch or finishes. Returns whether it left `catching_up`.
-    fn chunk_done(&mut self, i: usize, end: usize, picks: Option<D::Picks>) -> anyhow::Result<bool> {
+    fn chunk_done(
+        &mut self,
+        i: usize,
+        end: usize,
+        picks: Option<D::Picks>,
+    ) -> anyhow::Result<bool> {
         let p = &mut self.catching_up[i];
         let Some(picks) = picks else {
             p.done = end;

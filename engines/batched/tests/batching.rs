@@ -705,7 +705,12 @@ fn staggered_match_alone(model: LoadedModel) {
     assert!(ran <= 64, "{ran} forwards");
     assert_eq!(ids, alone(&shared, &first, 60));
     for (p, s) in later.iter().zip(streams) {
-        assert_eq!(collect(s).0, alone(&shared, p, 20), "{}-token prompt", p.len());
+        assert_eq!(
+            collect(s).0,
+            alone(&shared, p, 20),
+            "{}-token prompt",
+            p.len()
+        );
     }
     assert_eq!(shared.kv_pool.allocated(), 0);
 }

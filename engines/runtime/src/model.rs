@@ -442,8 +442,14 @@ impl Model {
     /// `[1, L]`. Returns, per segment that asked, the logits of every
     /// row's last position (`[B, 1, V]` float32). Only for a model that
     /// [`Model::mixes`].
-    pub fn forward_mixed(&self, segments: &mut [Segment<'_>]) -> anyhow::Result<Vec<Option<Array>>> {
-        anyhow::ensure!(self.mixes(), "this model's layers do not run mixed forwards");
+    pub fn forward_mixed(
+        &self,
+        segments: &mut [Segment<'_>],
+    ) -> anyhow::Result<Vec<Option<Array>>> {
+        anyhow::ensure!(
+            self.mixes(),
+            "this model's layers do not run mixed forwards"
+        );
         anyhow::ensure!(!segments.is_empty(), "a mixed forward of no segments");
         self.forwards.fetch_add(1, Ordering::Relaxed);
         let fused = attention_fused(&self.layers);
@@ -475,7 +481,8 @@ impl Model {
         let mut h = h.reshape(&[first_row, hidden])?;
         // Keys and values of this pass per segment and layer, for layers
         // that share them.
-        let mut kvs: Vec<Vec<Option<LayerView>>> = vec![vec![None; segments.len()]; self.layers.len()];
+        let mut kvs: Vec<Vec<Option<LayerView>>> =
+            vec![vec![None; segments.len()]; self.layers.len()];
         for (i, layer) in self.layers.iter().enumerate() {
             let Mixer::Attention(a) = &layer.mixer else {
                 unreachable!("checked by mixes()");
@@ -485,8 +492,14 @@ impl Model {
                 None => vec![None; segments.len()],
             };
             let normed = layer.input_norm.forward(&h)?;
-            let (r, kv) =
-                a.forward_mixed(&normed, segments, &layouts, layer.window.is_some(), i, &shared)?;
+            let (r, kv) = a.forward_mixed(
+                &normed,
+                segments,
+                &layouts,
+                layer.window.is_some(),
+                i,
+                &shared,
+            )?;
             h = layer.feed_forward(&h, &r, None)?;
             kvs[i] = kv.into_iter().map(Some).collect();
         }
@@ -883,7 +896,11 @@ impl Projected {
     fn split(self, bounds: &[i32]) -> R<Vec<Projected>> {
         let parts = |a: Option<Array>| -> R<Vec<Option<Array>>> {
             Ok(match a {
-                Some(a) => a.split_at_indices(bounds, 0)?.into_iter().map(Some).collect(),
+                Some(a) => a
+                    .split_at_indices(bounds, 0)?
+                    .into_iter()
+                    .map(Some)
+                    .collect(),
                 None => vec![None; bounds.len() + 1],
             })
         };
@@ -931,13 +948,23 @@ impl Attention {
         let parts = self.project(x)?.split(&bounds)?;
         let mut heads = Vec::with_capacity(parts.len());
         let mut kvs = Vec::with_capacity(parts.len());
-        for (((p, segment), layout), shared) in parts.into_iter().zip(segments).zip(layouts).zip(shared_kv) {
+        for (((p, segment), layout), shared) in
+            parts.into_iter().zip(segments).zip(layouts).zip(shared_kv)
+        {
             let (mask, offsets) = (&layout.global_mask, &layout.offsets);
             let mask = match (windowed, &layout.window_mask) {
                 (true, Some(m)) => m,
                 _ => mask,
             };
-            let (h, kv) = self.attend(p, layout.rows, mask, offsets, segment.cache, idx, shared.clone())?;
+            let (h, kv) = self.attend(
+                p,
+                layout.rows,
+                mask,
+                offsets,
+                segment.cache,
+                idx,
+                shared.clone(),
+            )?;
             heads.push(h);
             kvs.push(kv);
         }

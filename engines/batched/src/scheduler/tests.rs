@@ -19,11 +19,21 @@ use crate::device::{Chunk, Device, MixedPicks, Pick, Picks, Prefix};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Forward {
-    Group { rows: usize, width: usize },
-    Chunk { tokens: usize },
-    Decode { rows: usize },
+    Group {
+        rows: usize,
+        width: usize,
+    },
+    Chunk {
+        tokens: usize,
+    },
+    Decode {
+        rows: usize,
+    },
     /// A mixed forward: the batch's decode rows and each chunk's tokens.
-    Mixed { rows: usize, chunks: Vec<usize> },
+    Mixed {
+        rows: usize,
+        chunks: Vec<usize>,
+    },
 }
 
 #[derive(Clone)]
@@ -528,7 +538,12 @@ fn pipelined_rows_leave_one_step_late_with_the_same_tokens() {
 
 #[test]
 fn rows_preempted_when_memory_runs_out_are_recomputed_with_the_same_tokens() {
-    for (pipeline, make) in [(true, harness as fn(_, _, _) -> _), (false, harness), (true, mixing), (false, mixing)] {
+    for (pipeline, make) in [
+        (true, harness as fn(_, _, _) -> _),
+        (false, harness),
+        (true, mixing),
+        (false, mixing),
+    ] {
         let mut h = make(32, 1000, pipeline);
         let mut sent: Vec<Sent> = [8, 20, 100, 50].iter().map(|&n| h.submit(n, 40)).collect();
         for _ in 0..6 {
