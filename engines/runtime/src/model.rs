@@ -506,8 +506,10 @@ impl Model {
         for (s, l) in segments.iter_mut().zip(&layouts) {
             s.cache.advance(l.rows.1);
         }
-        let batch_rows: i32 = layouts.iter().map(|l| l.rows.0).sum();
-        crate::inject::at_forward(batch_rows as usize)?;
+        // Counted as wide as its widest segment (the decode batch's rows),
+        // as that batch's own forward would be.
+        let widest = layouts.iter().map(|l| l.rows.0).max().unwrap_or(0);
+        crate::inject::at_forward(widest as usize)?;
         // The head reads only each asking segment's rows' last positions,
         // all in one product.
         let last: Vec<i32> = segments
