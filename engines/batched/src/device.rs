@@ -1,7 +1,8 @@
 //! What the scheduler asks of the model and its device, as a trait, so the
 //! whole loop also runs on a fake forward (the scheduler's tests): KV of a
 //! sequence or of the batch, the prefix cache, the forwards (a padded
-//! group, a prefill chunk, a decode step) and their picks. [`Mlx`] is the
+//! group, a prefill chunk, a decode step, or a decode step and chunks in
+//! one mixed forward) and their picks. [`Mlx`] is the
 //! real one: the model's forwards on MLX arrays, rows sampling with their
 //! own parameters.
 
@@ -9,7 +10,7 @@ use std::sync::Arc;
 
 use mlx_rs::transforms::{async_eval, eval};
 use mlx_rs::{ops, Array, Dtype};
-use runtime::model::Logits;
+use runtime::model::{Logits, Segment};
 use runtime::sampling;
 use runtime::shared::DeviceTurn;
 use runtime::{generate, memory, vision, KvCache, KvPool, SharedModel};
@@ -38,6 +39,23 @@ pub trait Picks: Sized {
     /// The picks of the rows at `keep` (ascending indices of the batch
     /// before rows left), or `None` when none of its rows is kept.
     fn keep(self, keep: &[usize]) -> anyhow::Result<Option<Self>>;
+}
+
+/// A prompt chunk of a mixed forward: `tokens` (positions `start..`) of
+/// `row` into `kv`, with its pick when `pick`.
+pub struct Chunk<'a, Kv> {
+    pub row: &'a mut Row,
+    pub kv: &'a mut Kv,
+    pub tokens: &'a [u32],
+    pub start: usize,
+    pub pick: bool,
+}
+
+/// What a mixed forward picks: for the batch's rows, and per chunk (in
+/// order; `None` for one without a pick).
+pub struct MixedPicks<P> {
+    pub decode: Option<P>,
+    pub chunks: Vec<Option<P>>,
 }
 
 pub trait Device: Clone {
@@ -105,6 +123,20 @@ pub trait Device: Clone {
         rows: &mut [Row],
         prev: Option<&Self::Picks>,
     ) -> anyhow::Result<Self::Picks>;
+    /// Whether `row`'s prompt chunks may run in a mixed forward
+    /// ([`Device::mixed`]).
+    fn mixes(&self, row: &Row) -> bool;
+    /// One forward of the batch's decode step (as [`Device::decode`]; none
+    /// without a batch) and `chunks` of sequences catching up (as
+    /// [`Device::prefill`] each): its picks, built and not read, for the
+    /// batch and for each chunk that asked.
+    fn mixed(
+        &self,
+        batch: Option<&mut Self::Kv>,
+        rows: &mut [Row],
+        prev: Option<&Self::Picks>,
+        chunks: &mut [Chunk<'_, Self::Kv>],
+    ) -> anyhow::Result<MixedPicks<Self::Picks>>;
     /// Queues `picks` on the device without waiting.
     fn launch(&self, picks: &Self::Picks) -> anyhow::Result<()>;
     /// Waits for `picks` and reads them, one per row of `rows`.
@@ -235,23 +267,80 @@ impl Device for Mlx {
         prev: Option<&Step>,
     ) -> anyhow::Result<Step> {
         let b = rows.len();
-        let on_device = prev.map_or(0, |s| s.rows);
-        let host: Vec<i32> = rows[on_device..]
-            .iter()
-            .map(|r| r.last_token as i32)
-            .collect();
-        let host = Array::from_slice(&host, &[host.len() as i32]);
-        let inputs = match prev {
-            None => host,
-            Some(s) if on_device == b => s.tokens.as_dtype(Dtype::Int32)?,
-            Some(s) => ops::concatenate(&[s.tokens.as_dtype(Dtype::Int32)?, host], 0)?,
-        };
+        let inputs = decode_inputs(rows, prev)?;
         let logits =
             self.0
                 .model
                 .model
                 .forward(&inputs.reshape(&[b as i32, 1])?, batch, Logits::Last)?;
         sample_step(rows, &logits)
+    }
+
+    /// Attention-only models on the CPU, prompts without images (their
+    /// embeddings are replaced per forward). The GPU keeps separate
+    /// forwards: its paged and ragged-kernel attention per segment is not
+    /// yet measured there.
+    fn mixes(&self, row: &Row) -> bool {
+        self.0.model.model.mixes() && row.request().images.is_empty() && !runtime::mask::on_gpu()
+    }
+
+    fn mixed(
+        &self,
+        batch: Option<&mut KvCache>,
+        rows: &mut [Row],
+        prev: Option<&Step>,
+        chunks: &mut [Chunk<'_, KvCache>],
+    ) -> anyhow::Result<MixedPicks<Step>> {
+        let decoding = batch.is_some();
+        let mut segments = Vec::with_capacity(chunks.len() + 1);
+        if let Some(batch) = batch {
+            let inputs = decode_inputs(rows, prev)?;
+            segments.push(Segment {
+                tokens: inputs.reshape(&[rows.len() as i32, 1])?,
+                cache: batch,
+                logits: true,
+            });
+        }
+        for c in chunks.iter_mut() {
+            debug_assert_eq!(c.kv.row_len(0) as usize, c.start, "a chunk follows its KV");
+            segments.push(Segment {
+                tokens: generate::tokens_array(c.tokens),
+                cache: &mut *c.kv,
+                logits: c.pick,
+            });
+        }
+        let mut logits = self.0.model.model.forward_mixed(&mut segments)?.into_iter();
+        drop(segments);
+        let decode = match decoding {
+            true => Some(sample_step(
+                rows,
+                &logits.next().flatten().expect("the batch's logits"),
+            )?),
+            false => None,
+        };
+        let picks = chunks
+            .iter_mut()
+            .zip(logits)
+            .map(|(c, l)| {
+                l.map(|l| sample_step(std::slice::from_mut(c.row), &l))
+                    .transpose()
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        // Without a pick to read, the chunks' KV is evaluated here (a pick
+        // depends on every row of the stream, so it evaluates them all).
+        if decode.is_none() && picks.iter().all(Option::is_none) {
+            eval(
+                chunks
+                    .iter()
+                    .flat_map(|c| c.kv.state())
+                    .collect::<Vec<_>>()
+                    .iter(),
+            )?;
+        }
+        Ok(MixedPicks {
+            decode,
+            chunks: picks,
+        })
     }
 
     fn launch(&self, picks: &Step) -> anyhow::Result<()> {
@@ -279,6 +368,22 @@ impl Device for Mlx {
             .collect();
         Ok(picks)
     }
+}
+
+/// A decode step's `[B]` inputs: `prev`'s picks, on the device, for the
+/// rows it covers; each other row's newest token.
+fn decode_inputs(rows: &[Row], prev: Option<&Step>) -> anyhow::Result<Array> {
+    let on_device = prev.map_or(0, |s| s.rows);
+    let host: Vec<i32> = rows[on_device..]
+        .iter()
+        .map(|r| r.last_token as i32)
+        .collect();
+    let host = Array::from_slice(&host, &[host.len() as i32]);
+    Ok(match prev {
+        None => host,
+        Some(s) if on_device == rows.len() => s.tokens.as_dtype(Dtype::Int32)?,
+        Some(s) => ops::concatenate(&[s.tokens.as_dtype(Dtype::Int32)?, host], 0)?,
+    })
 }
 
 /// The picks of one step of the batch's first `rows` rows, built and not

@@ -11,10 +11,9 @@
 //! token each, then prompt chunks of the sequences catching up, oldest
 //! first, then whatever is left starts the next one.
 //!
-//! The model forward takes `[rows, tokens]` with the same token count for
-//! every row of its cache, so a step is still one forward per prefill
-//! chunk (or per padded group) beside one decode step of the batch: the
-//! budget interleaves them, it does not fuse them.
+//! Where the device mixes (see [`crate::device::Device::mixes`]), the
+//! step's decode rows and chunks run in one forward; elsewhere, one
+//! forward per chunk (or padded group) beside one decode step.
 
 use std::time::{Duration, Instant};
 

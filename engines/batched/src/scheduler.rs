@@ -1,9 +1,11 @@
 //! The scheduler thread: the executor of [`plan`]'s steps. Each iteration:
 //! take in new work, drop cancelled rows, plan the step under one token
 //! budget ([`plan::plan`]), start what it admits (waiting requests that
-//! have KV blocks, or a preempted row), then run it: a padded group's
-//! forward or the prompt chunks of the sequences catching up, then one
-//! decode step for the whole batch. The budget bounds the inter-token
+//! have KV blocks, or a preempted row), then run it: the batch's decode
+//! step and the prompt chunks of the sequences catching up in one mixed
+//! forward where the device takes them ([`Scheduler::mixed`]), else a
+//! padded group's forward or each chunk's, then one decode step for the
+//! whole batch. The budget bounds the inter-token
 //! latency of running rows while long prompts arrive. The forwards are a
 //! [`Device`]'s: the model's on MLX ([`crate::device::Mlx`]), or a fake
 //! one that drives this whole loop in the tests.
@@ -34,7 +36,7 @@ use runtime::sequence::{self, Sequence};
 
 use crate::admit::Candidate;
 use crate::config::StepLimits;
-use crate::device::{Device, Pick, Picks, Prefix};
+use crate::device::{Chunk, Device, Pick, Picks, Prefix};
 use crate::plan::{self, Admit, CatchUp, RowCap, StepPlan};
 use crate::queue::{WaitQueue, Waiting};
 use crate::row::{Active, Row};
@@ -484,10 +486,15 @@ impl<D: Device> Scheduler<D> {
         // A handle of its own: the turn lasts while the step changes `self`.
         let device = self.device.clone();
         let _turn = device.turn();
-        let done = self
-            .prefill_group()
-            .and_then(|()| self.prefill_chunks(chunks))
-            .and_then(|()| self.decode());
+        // A padded group starts only in a step no chunk takes.
+        debug_assert!(self.group.is_empty() || !self.mixes(chunks));
+        let done = match self.mixes(chunks) {
+            true => self.mixed(chunks),
+            false => self
+                .prefill_group()
+                .and_then(|()| self.prefill_chunks(chunks))
+                .and_then(|()| self.decode()),
+        };
         if done.is_err() {
             // A step queued before the failure computed its tokens before
             // it: they are delivered, as unpipelined decoding read them
@@ -556,19 +563,41 @@ impl<D: Device> Scheduler<D> {
     /// Computes up to `tokens` more of sequence `i`'s prompt; returns
     /// whether it completed (joined the batch or finished).
     fn prefill_chunk(&mut self, i: usize, tokens: usize) -> anyhow::Result<bool> {
+        let (end, pick) = self.chunk_span(i, tokens);
         let p = &mut self.catching_up[i];
+        let chunk = &p.tokens[p.done..end];
+        let picks = self
+            .device
+            .prefill(&mut p.row, &mut p.cache, chunk, p.done, pick)?;
+        self.chunk_done(i, end, picks)
+    }
+
+    /// Where sequence `i`'s chunk of up to `tokens` ends (at a snapshot
+    /// point where its KV is kept), and whether it ends with a pick.
+    fn chunk_span(&self, i: usize, tokens: usize) -> (usize, bool) {
+        let p = &self.catching_up[i];
         let snapshot = self.device.snapshot_at(p.row.request().prompt.len());
         let end = (p.done + tokens).min(p.tokens.len());
         let end = sequence::chunk_end(p.row.request(), p.done, end, snapshot);
         // A preempted row's next input is its newest token: no pick.
         let pick = end == p.tokens.len() && p.row.seq.out.generated() == 0;
-        let chunk = &p.tokens[p.done..end];
-        let picks = self
-            .device
-            .prefill(&mut p.row, &mut p.cache, chunk, p.done, pick)?;
+        (end, pick)
+    }
+
+    /// Sequence `i`'s KV now holds its tokens up to `end` (`picks`: its
+    /// first pick, when the chunk ended its prompt): kept at a snapshot
+    /// point; at the end of what it catches up, the sequence joins the
+    /// batch or finishes. Returns whether it left `catching_up`.
+    fn chunk_done(
+        &mut self,
+        i: usize,
+        end: usize,
+        picks: Option<D::Picks>,
+    ) -> anyhow::Result<bool> {
+        let p = &mut self.catching_up[i];
         let Some(picks) = picks else {
             p.done = end;
-            if snapshot == Some(end) {
+            if self.device.snapshot_at(p.row.request().prompt.len()) == Some(end) {
                 let scope = p.row.request().cache_scope.as_deref();
                 let prompt = &p.row.request().prompt[..end];
                 self.device.keep(scope, prompt, &p.cache, None);
@@ -603,6 +632,96 @@ impl<D: Device> Scheduler<D> {
             }
             None => self.join_batch(vec![p.row], p.cache).map(|()| true),
         }
+    }
+
+    /// Whether the step's chunks run in one forward with the decode step
+    /// ([`Scheduler::mixed`]): the device mixes every sequence with a
+    /// chunk this step.
+    fn mixes(&self, chunks: &[usize]) -> bool {
+        let mut taking = chunks
+            .iter()
+            .zip(&self.catching_up)
+            .filter(|(&t, _)| t > 0)
+            .peekable();
+        taking.peek().is_some() && taking.all(|(_, p)| self.device.mixes(&p.row))
+    }
+
+    /// The batch's decode step and the step's prompt chunks in one
+    /// forward, whose picks are read together. Pipelining as
+    /// [`Scheduler::decode`]: the decode rows' step is queued on the
+    /// previous one's tokens; a chunk that ends its prompt is read in this
+    /// step (its row joins the batch and decodes from the next).
+    fn mixed(&mut self, chunks: &[usize]) -> anyhow::Result<()> {
+        let pipelined = self.pipeline && self.rows.iter().all(|r| r.seq.pipelines());
+        let rows = &self.rows;
+        if let Some(step) = self
+            .pending
+            .take_if(|s| !pipelined || !continues_after(rows, s.rows()))
+        {
+            self.land(step)?;
+        }
+        let spans: Vec<(usize, usize, bool)> = chunks
+            .iter()
+            .enumerate()
+            .filter(|(_, &t)| t > 0)
+            .map(|(i, &t)| {
+                let (end, pick) = self.chunk_span(i, t);
+                (i, end, pick)
+            })
+            .collect();
+        let prev = self.pending.take();
+        let mut parts: Vec<Chunk<'_, D::Kv>> = self
+            .catching_up
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, p)| {
+                let &(_, end, pick) = spans.iter().find(|s| s.0 == i)?;
+                Some(Chunk {
+                    row: &mut p.row,
+                    kv: &mut p.cache,
+                    tokens: &p.tokens[p.done..end],
+                    start: p.done,
+                    pick,
+                })
+            })
+            .collect();
+        let building = Instant::now();
+        let batch = self.batch.as_mut();
+        let built = self
+            .device
+            .mixed(batch, &mut self.rows, prev.as_ref(), &mut parts);
+        drop(parts);
+        self.times.built += building.elapsed();
+        let picks = match built {
+            Ok(picks) => picks,
+            Err(e) => {
+                // Read by `step`'s recovery.
+                self.pending = prev;
+                return Err(e);
+            }
+        };
+        match picks.decode {
+            Some(next) if pipelined => {
+                let launching = Instant::now();
+                self.device.launch(&next)?;
+                self.times.launched += launching.elapsed();
+                self.pending = Some(next);
+                if let Some(prev) = prev {
+                    self.land(prev)?;
+                }
+            }
+            Some(next) => self.land(next)?,
+            None => {}
+        }
+        // A sequence that completes leaves `catching_up`: the next one
+        // moves to its index.
+        let mut left = 0;
+        for ((i, end, _), picks) in spans.into_iter().zip(picks.chunks) {
+            if self.chunk_done(i - left, end, picks)? {
+                left += 1;
+            }
+        }
+        Ok(())
     }
 
     /// One decode step of the batch. Pipelined, the step is built on the

@@ -655,3 +655,62 @@ fn pipelined_decode_equals_unpipelined_decode_and_paged_equals_contiguous() {
         assert_eq!(s.ids(), reference);
     }
 }
+
+/// Prompts arriving one after another while rows decode are prefilled in
+/// chunks inside the decode rows' forwards (one forward a step), and every
+/// request's greedy tokens equal its run alone: a wrong position, mask or
+/// row of the mixed forward changes them. On a generated Qwen3 and on the
+/// default GGUF.
+#[test]
+fn staggered_prompts_chunked_into_the_decode_forwards_match_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    write_model(dir.path(), &TinySpec::tiny(Family::Qwen3)).unwrap();
+    let tiny = LoadedModel::load(dir.path(), Some("tiny")).unwrap();
+    let gguf = fixtures::reference::default_gguf();
+    let smollm = LoadedModel::load_as(&gguf, None, runtime::ComputeDtype::Auto).unwrap();
+    for model in [tiny, smollm] {
+        staggered_match_alone(model);
+    }
+}
+
+fn staggered_match_alone(model: LoadedModel) {
+    let bytes = model.model.config.kv_bytes_per_token(4, None);
+    let pool = KvPool::new(256, 16, bytes * 16);
+    let shared = Arc::new(SharedModel::with_layout(model, pool, 16, KvLayout::Contiguous).unwrap());
+    let cfg = BatchedConfig {
+        prefill_chunk: 16,
+        ..Default::default()
+    };
+    let engine = BatchedEngine::new("batched".into(), shared.clone(), cfg);
+    let vocab = shared.model.vocab_size() as u32;
+    let first = random_prompt(21, 9, vocab.min(500));
+    let forwards = shared.model.model.forwards();
+    let mut s1 = engine.submit(request(first.clone(), 60)).unwrap();
+    let mut head = first_tokens(&mut s1, 3);
+    let later: Vec<Vec<u32>> = [(22, 60), (23, 45)]
+        .iter()
+        .map(|&(seed, len)| random_prompt(seed, len, vocab.min(500)))
+        .collect();
+    let mut streams = Vec::new();
+    for p in &later {
+        streams.push(engine.submit(request(p.clone(), 20)).unwrap());
+        head.extend(first_tokens(&mut s1, 2));
+    }
+    let (rest, _) = collect(s1);
+    let ids: Vec<u32> = head.iter().map(|t| t.id).chain(rest).collect();
+    // One forward a step: the first request's 60 (its prompt's, then one
+    // per token), a few more around pipelining. Separate chunk forwards
+    // would add the later prompts' 8 chunks.
+    let ran = shared.model.model.forwards() - forwards;
+    assert!(ran <= 64, "{ran} forwards");
+    assert_eq!(ids, alone(&shared, &first, 60));
+    for (p, s) in later.iter().zip(streams) {
+        assert_eq!(
+            collect(s).0,
+            alone(&shared, p, 20),
+            "{}-token prompt",
+            p.len()
+        );
+    }
+    assert_eq!(shared.kv_pool.allocated(), 0);
+}

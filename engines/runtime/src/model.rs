@@ -423,6 +423,125 @@ impl Model {
         })
     }
 
+    /// Whether [`Model::forward_mixed`] takes this model: attention layers
+    /// only (a linear-attention layer's recurrence and Gemma 4's per-layer
+    /// inputs run in separate forwards).
+    pub fn mixes(&self) -> bool {
+        self.per_layer_inputs.is_none()
+            && self
+                .layers
+                .iter()
+                .all(|l| matches!(l.mixer, Mixer::Attention(_)))
+    }
+
+    /// Several sequences' tokens in one forward: every segment's `[B, L]`
+    /// tokens become rows of one residual stream, so each product (q/k/v,
+    /// output, MLP, head) runs once over all of them, while attention runs
+    /// per segment against its own cache (its positions, its mask). A
+    /// decode batch is one segment of `[B, 1]`, a prompt chunk one of
+    /// `[1, L]`. Returns, per segment that asked, the logits of every
+    /// row's last position (`[B, 1, V]` float32). Only for a model that
+    /// [`Model::mixes`].
+    pub fn forward_mixed(
+        &self,
+        segments: &mut [Segment<'_>],
+    ) -> anyhow::Result<Vec<Option<Array>>> {
+        anyhow::ensure!(
+            self.mixes(),
+            "this model's layers do not run mixed forwards"
+        );
+        anyhow::ensure!(!segments.is_empty(), "a mixed forward of no segments");
+        self.forwards.fetch_add(1, Ordering::Relaxed);
+        let fused = attention_fused(&self.layers);
+        let mut first_row = 0;
+        let layouts: Vec<SegmentLayout> = segments
+            .iter()
+            .map(|s| {
+                let (b, n) = (s.tokens.dim(0), s.tokens.dim(1));
+                let layout = SegmentLayout {
+                    rows: (b, n),
+                    first_row,
+                    global_mask: mask::build(s.cache, n, None, fused),
+                    window_mask: self
+                        .config
+                        .sliding_window
+                        .map(|w| mask::build(s.cache, n, Some(w), fused)),
+                    offsets: s.cache.offsets(),
+                };
+                first_row += b * n;
+                layout
+            })
+            .collect();
+        let flat = segments
+            .iter()
+            .map(|s| s.tokens.reshape(&[1, -1]))
+            .collect::<R<Vec<_>>>()?;
+        let h = self.embed(&ops::concatenate(&flat, 1)?)?;
+        let hidden = h.dim(-1);
+        let mut h = h.reshape(&[first_row, hidden])?;
+        // Keys and values of this pass per segment and layer, for layers
+        // that share them.
+        let mut kvs: Vec<Vec<Option<LayerView>>> =
+            vec![vec![None; segments.len()]; self.layers.len()];
+        for (i, layer) in self.layers.iter().enumerate() {
+            let Mixer::Attention(a) = &layer.mixer else {
+                unreachable!("checked by mixes()");
+            };
+            let shared = match a.kv_source {
+                Some(s) => kvs[s].clone(),
+                None => vec![None; segments.len()],
+            };
+            let normed = layer.input_norm.forward(&h)?;
+            let (r, kv) = a.forward_mixed(
+                &normed,
+                segments,
+                &layouts,
+                layer.window.is_some(),
+                i,
+                &shared,
+            )?;
+            h = layer.feed_forward(&h, &r, None)?;
+            kvs[i] = kv.into_iter().map(Some).collect();
+        }
+        for (s, l) in segments.iter_mut().zip(&layouts) {
+            s.cache.advance(l.rows.1);
+        }
+        // Counted as wide as its widest segment (the decode batch's rows),
+        // as that batch's own forward would be.
+        let widest = layouts.iter().map(|l| l.rows.0).max().unwrap_or(0);
+        crate::inject::at_forward(widest as usize)?;
+        // The head reads only each asking segment's rows' last positions,
+        // all in one product.
+        let last: Vec<i32> = segments
+            .iter()
+            .zip(&layouts)
+            .filter(|(s, _)| s.logits)
+            .flat_map(|(_, l)| {
+                let (b, n) = l.rows;
+                (0..b).map(move |j| l.first_row + j * n + n - 1)
+            })
+            .collect();
+        if last.is_empty() {
+            return Ok(vec![None; segments.len()]);
+        }
+        let picked = h.take_axis(Array::from_slice(&last, &[last.len() as i32]), 0)?;
+        let logits = self.logits(&self.norm.forward(&picked)?)?;
+        let mut per_segment = Vec::with_capacity(segments.len());
+        let mut at = 0;
+        for (s, l) in segments.iter().zip(&layouts) {
+            if !s.logits {
+                per_segment.push(None);
+                continue;
+            }
+            let b = l.rows.0;
+            let idx: Vec<i32> = (at..at + b).collect();
+            let rows = logits.take_axis(Array::from_slice(&idx, &[b]), 0)?;
+            per_segment.push(Some(rows.reshape(&[b, 1, -1])?));
+            at += b;
+        }
+        Ok(per_segment)
+    }
+
     /// Token embeddings as the first layer sees them (Gemma's scale applied).
     pub fn embed(&self, tokens: &Array) -> anyhow::Result<Array> {
         self.scale_embeddings(self.embed.forward(tokens)?)
@@ -467,6 +586,27 @@ impl Model {
             rope: &a.rope,
         })
     }
+}
+
+/// One sequence's (or one batch's) part of a mixed forward
+/// ([`Model::forward_mixed`]).
+pub struct Segment<'a> {
+    /// `[B, L]` int32, appended to `cache`.
+    pub tokens: Array,
+    pub cache: &'a mut KvCache,
+    /// Whether the forward returns the logits of its rows' last positions.
+    pub logits: bool,
+}
+
+/// Where a segment's rows sit in a mixed forward's stream, and what its
+/// attention needs from its cache (read before any layer writes it).
+struct SegmentLayout {
+    /// (B, L).
+    rows: (i32, i32),
+    first_row: i32,
+    global_mask: AttnMask,
+    window_mask: Option<AttnMask>,
+    offsets: Offsets,
 }
 
 /// Which hidden states [`Model::forward_tapped`] returns.
@@ -686,6 +826,13 @@ impl Layer {
             }
             Mixer::Linear(l) => (l.forward(&normed, rows, padding, cache, idx)?, None),
         };
+        Ok((self.feed_forward(x, &r, per_layer_input)?, kv))
+    }
+
+    /// Everything after the mixer: `x` plus the mixer's output `r`, the
+    /// feed-forward part and its residual (with Gemma's sandwich norms,
+    /// experts, per-layer input and scale).
+    fn feed_forward(&self, x: &Array, r: &Array, per_layer_input: Option<&Array>) -> R<Array> {
         let add = |a: &Array, b: &Array| -> R<Array> {
             if self.clip_f16 {
                 residual(a, b)
@@ -694,11 +841,11 @@ impl Layer {
             }
         };
         let (Some(pre), Some(post)) = (&self.pre_ff_norm, &self.post_ff_norm) else {
-            let (h, normed) = self.post_attn_norm.forward_added(x, &r)?;
+            let (h, normed) = self.post_attn_norm.forward_added(x, r)?;
             let r = self.mlp.forward(&normed)?;
-            return Ok((h.add(&r)?, kv));
+            return h.add(&r);
         };
-        let h = add(x, &self.post_attn_norm.forward(&r)?)?;
+        let h = add(x, &self.post_attn_norm.forward(r)?)?;
         let mut r = self.mlp.forward(&pre.forward(&h)?)?;
         if let Some(moe) = &self.moe {
             r = moe.post_mlp_norm.forward(&r)?.add(moe.forward(&h)?)?;
@@ -710,7 +857,7 @@ impl Layer {
         if let Some(s) = &self.scalar {
             h = h.multiply(s)?;
         }
-        Ok((h, kv))
+        Ok(h)
     }
 }
 
@@ -735,11 +882,137 @@ fn residual(x: &Array, y: &Array) -> R<Array> {
     ops::clip(&sum, (&bound.negative()?, &bound))?.as_dtype(Dtype::Float16)
 }
 
+/// One layer's q, k and v projections of a row stream (and Qwen 3.5's
+/// gate): `[rows, width]` each, or `[B, L, width]` for such an input.
+struct Projected {
+    q: Array,
+    /// None where the layer reads another layer's keys and values.
+    k: Option<Array>,
+    v: Option<Array>,
+    gate: Option<Array>,
+}
+
+impl Projected {
+    /// The rows of each segment (split at `bounds`), for a stream of 2-D
+    /// rows.
+    fn split(self, bounds: &[i32]) -> R<Vec<Projected>> {
+        let parts = |a: Option<Array>| -> R<Vec<Option<Array>>> {
+            Ok(match a {
+                Some(a) => a
+                    .split_at_indices(bounds, 0)?
+                    .into_iter()
+                    .map(Some)
+                    .collect(),
+                None => vec![None; bounds.len() + 1],
+            })
+        };
+        let q = self.q.split_at_indices(bounds, 0)?;
+        let (k, v, gate) = (parts(self.k)?, parts(self.v)?, parts(self.gate)?);
+        Ok(q.into_iter()
+            .zip(k)
+            .zip(v)
+            .zip(gate)
+            .map(|(((q, k), v), gate)| Projected { q, k, v, gate })
+            .collect())
+    }
+}
+
 impl Attention {
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         x: &Array,
+        rows: (i32, i32),
+        mask: &AttnMask,
+        offsets: &Offsets,
+        cache: &mut KvCache,
+        idx: usize,
+        shared_kv: Option<LayerView>,
+    ) -> anyhow::Result<(Array, LayerView)> {
+        // On the GPU, one kernel from the stacked product to the heads.
+        if let Some(spec) = self.fused_heads(x.dtype()).filter(|_| shared_kv.is_none()) {
+            let qkv = self.qkv.joined(x).expect("stacked projections")?;
+            let (q, k, v) = crate::gpu_fused::heads(&qkv, rows, &spec, offsets)?;
+            let kv = cache.update(idx, k, v)?;
+            let mut out_shape = x.shape()[..x.ndim() - 1].to_vec();
+            out_shape.push(self.heads * self.head_dim);
+            let (heads, kv) = self.attention(q, None, kv, mask, rows.1, &out_shape)?;
+            return Ok((self.o.forward(&heads)?, kv));
+        }
+        let p = self.project(x)?;
+        let (heads, kv) = self.attend(p, rows, mask, offsets, cache, idx, shared_kv)?;
+        Ok((self.o.forward(&heads)?, kv))
+    }
+
+    /// [`Attention::forward`] of a mixed forward's rows (`[rows, hidden]`):
+    /// one q/k/v product and one output product over every segment's
+    /// rows, attention per segment against its own cache.
+    fn forward_mixed(
+        &self,
+        x: &Array,
+        segments: &mut [Segment<'_>],
+        layouts: &[SegmentLayout],
+        windowed: bool,
+        idx: usize,
+        shared_kv: &[Option<LayerView>],
+    ) -> anyhow::Result<(Array, Vec<LayerView>)> {
+        let bounds: Vec<i32> = layouts[1..].iter().map(|l| l.first_row).collect();
+        let parts = self.project(x)?.split(&bounds)?;
+        let mut heads = Vec::with_capacity(parts.len());
+        let mut kvs = Vec::with_capacity(parts.len());
+        for (((p, segment), layout), shared) in
+            parts.into_iter().zip(segments).zip(layouts).zip(shared_kv)
+        {
+            let (mask, offsets) = (&layout.global_mask, &layout.offsets);
+            let mask = match (windowed, &layout.window_mask) {
+                (true, Some(m)) => m,
+                _ => mask,
+            };
+            let (h, kv) = self.attend(
+                p,
+                layout.rows,
+                mask,
+                offsets,
+                segment.cache,
+                idx,
+                shared.clone(),
+            )?;
+            heads.push(h);
+            kvs.push(kv);
+        }
+        Ok((self.o.forward(&ops::concatenate(&heads, 0)?)?, kvs))
+    }
+
+    /// The q, k and v (and gate) projections of `x`.
+    fn project(&self, x: &Array) -> R<Projected> {
+        let mut out_shape = x.shape()[..x.ndim() - 1].to_vec();
+        out_shape.push(self.heads * self.head_dim);
+        let mut qkv = self.qkv.forward(x)?.into_iter();
+        let q = qkv.next().unwrap();
+        let (q, gate) = match self.gated {
+            true => {
+                let halves =
+                    ops::split_equal(&q.reshape(&[-1, self.heads, 2 * self.head_dim])?, 2, -1)?;
+                let gate = halves[1].reshape(&out_shape)?;
+                (halves[0].reshape(&out_shape)?, Some(gate))
+            }
+            false => (q, None),
+        };
+        let k = qkv.next();
+        // Without v_proj the values are the keys before their norm and
+        // rotation.
+        let v = qkv.next().or_else(|| k.clone());
+        Ok(Projected { q, k, v, gate })
+    }
+
+    /// Attention of `(b, l)` positions' projections `p` against `cache`
+    /// (after writing their keys and values to it, unless the layer reads
+    /// `shared_kv`): the heads merged as rows of `p.q`'s shape, gated,
+    /// before the output product.
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &self,
+        p: Projected,
         (b, l): (i32, i32),
         mask: &AttnMask,
         offsets: &Offsets,
@@ -747,9 +1020,8 @@ impl Attention {
         idx: usize,
         shared_kv: Option<LayerView>,
     ) -> anyhow::Result<(Array, LayerView)> {
-        // The output rows take the input's shape.
-        let mut out_shape = x.shape()[..x.ndim() - 1].to_vec();
-        out_shape.push(self.heads * self.head_dim);
+        let out_shape = p.q.shape().to_vec();
+        let gate = p.gate;
         // `[B, n, L, head_dim]`. One position a row needs no Transpose:
         // `[B, 1, n, D]` and `[B, n, 1, D]` lay the data out alike.
         let heads = |t: Array, n: i32, norm: &Option<RmsNorm>| -> R<Array> {
@@ -766,36 +1038,14 @@ impl Attention {
                 _ => t.transpose_axes(&[0, 2, 1, 3]),
             }
         };
-        if shared_kv.is_none() && !self.gated && self.v_norm.is_none() {
-            if let Some(spec) = self.fused_heads(x.dtype()) {
-                let qkv = self.qkv.joined(x).expect("stacked projections")?;
-                let (q, k, v) = crate::gpu_fused::heads(&qkv, (b, l), &spec, offsets)?;
-                let kv = cache.update(idx, k, v)?;
-                return self.attend(q, None, kv, mask, l, &out_shape);
-            }
-        }
-        let mut qkv = self.qkv.forward(x)?.into_iter();
-        let q = qkv.next().unwrap();
-        let (q, gate) = match self.gated {
-            true => {
-                let halves =
-                    ops::split_equal(&q.reshape(&[b, l, self.heads, 2 * self.head_dim])?, 2, -1)?;
-                let gate = halves[1].reshape(&out_shape)?;
-                (halves[0].reshape(&out_shape)?, Some(gate))
-            }
-            false => (q, None),
-        };
-        let q = heads(q, self.heads, &self.q_norm)?;
+        let q = heads(p.q, self.heads, &self.q_norm)?;
         let q = self.rope.forward(&q, offsets)?;
         let kv = match shared_kv {
             Some(kv) => kv,
             None => {
-                let k_raw = qkv.next().ok_or_else(|| {
-                    anyhow::anyhow!("layer {idx} reads another layer's keys and values, none given")
-                })?;
-                // Without v_proj the values are the keys before their norm
-                // and rotation.
-                let v_raw = qkv.next().unwrap_or_else(|| k_raw.clone());
+                let (Some(k_raw), Some(v_raw)) = (p.k, p.v) else {
+                    anyhow::bail!("layer {idx} reads another layer's keys and values, none given");
+                };
                 let k = heads(k_raw, self.kv_heads, &self.k_norm)?;
                 let mut v = heads(v_raw, self.kv_heads, &None)?;
                 if let Some(eps) = self.v_norm {
@@ -805,15 +1055,16 @@ impl Attention {
                 cache.update(idx, k, v)?
             }
         };
-        self.attend(q, gate, kv, mask, l, &out_shape)
+        self.attention(q, gate, kv, mask, l, &out_shape)
     }
 
     /// The layout [`crate::gpu_fused::heads`] needs, where it takes this
-    /// layer: q, k and v stacked in one product, q and k both normed or
-    /// neither.
+    /// layer: q, k and v stacked in one product (no gate, no value norm),
+    /// q and k both normed or neither.
     fn fused_heads(&self, dtype: Dtype) -> Option<crate::gpu_fused::HeadsSpec<'_>> {
         let (q, k, d) = (self.heads, self.kv_heads, self.head_dim);
-        if self.qkv.stacked_sizes()? != [q * d, k * d, k * d] {
+        if self.gated || self.v_norm.is_some() || self.qkv.stacked_sizes()? != [q * d, k * d, k * d]
+        {
             return None;
         }
         let norms = match (&self.q_norm, &self.k_norm) {
@@ -835,8 +1086,9 @@ impl Attention {
     }
 
     /// Attention of the heads `q` (`[B, heads, L, D]`) over the layer's
-    /// keys and values `kv`, through the output projection.
-    fn attend(
+    /// keys and values `kv`: the heads merged as rows of `out_shape`,
+    /// gated, before the output product.
+    fn attention(
         &self,
         q: Array,
         gate: Option<Array>,
@@ -858,7 +1110,7 @@ impl Attention {
                     let out = crate::ragged::paged_attention(
                         &q, keys, values, self.scale, &r.meta, read,
                     )?;
-                    return Ok((self.output(out, gate.as_ref(), &out_shape)?, kv));
+                    return Ok((merge_heads(out, gate.as_ref(), &out_shape)?, kv));
                 }
                 _ => {
                     dequantized = kv.dense()?;
@@ -879,7 +1131,7 @@ impl Attention {
             } => {
                 let mask = mask.as_array(l, keys[0].dim(2))?;
                 let out = quant.attention(&q, keys, values, self.scale, mask.as_ref())?;
-                return Ok((self.output(out, gate.as_ref(), &out_shape)?, kv));
+                return Ok((merge_heads(out, gate.as_ref(), &out_shape)?, kv));
             }
         };
         // The CPU's one-node attention where it takes them, else MLX's.
@@ -887,7 +1139,7 @@ impl Attention {
             let seen = mask.keys_seen(l, k.dim(2));
             if let Some(seen) = seen.filter(|s| crate::cpu_fused::takes_attention(&q, k, v, s)) {
                 let out = crate::cpu_fused::attention(&q, k, v, self.scale, &seen, None)?;
-                return Ok((self.output(out, gate.as_ref(), &out_shape)?, kv));
+                return Ok((merge_heads(out, gate.as_ref(), &out_shape)?, kv));
             }
         }
         let out = match mask {
@@ -911,22 +1163,21 @@ impl Attention {
                 fast::scaled_dot_product_attention(&q, k, v, self.scale, &m, None)?
             }
         };
-        Ok((self.output(out, gate.as_ref(), &out_shape)?, kv))
+        Ok((merge_heads(out, gate.as_ref(), &out_shape)?, kv))
     }
+}
 
-    /// The output projection of the heads' `[B, heads, L, head_dim]`,
-    /// as rows of `shape`, gated per head where the layer has a gate (Qwen
-    /// 3.5).
-    fn output(&self, heads: Array, gate: Option<&Array>, shape: &[i32]) -> R<Array> {
-        let mut out = match heads.dim(2) {
-            1 => heads.reshape(shape)?,
-            _ => heads.transpose_axes(&[0, 2, 1, 3])?.reshape(shape)?,
-        };
-        if let Some(gate) = gate {
-            out = out.multiply(ops::sigmoid(gate)?)?;
-        }
-        self.o.forward(&out)
+/// The heads' `[B, heads, L, head_dim]` as rows of `shape`, gated per head
+/// where the layer has a gate (Qwen 3.5), for the output product.
+fn merge_heads(heads: Array, gate: Option<&Array>, shape: &[i32]) -> R<Array> {
+    let mut out = match heads.dim(2) {
+        1 => heads.reshape(shape)?,
+        _ => heads.transpose_axes(&[0, 2, 1, 3])?.reshape(shape)?,
+    };
+    if let Some(gate) = gate {
+        out = out.multiply(ops::sigmoid(gate)?)?;
     }
+    Ok(out)
 }
 
 impl Ffn {

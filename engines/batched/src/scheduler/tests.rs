@@ -15,13 +15,25 @@ use runtime::{KvCache, KvPool};
 
 use super::*;
 use crate::admit::PrefillBudget;
-use crate::device::{Device, Pick, Picks, Prefix};
+use crate::device::{Chunk, Device, MixedPicks, Pick, Picks, Prefix};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Forward {
-    Group { rows: usize, width: usize },
-    Chunk { tokens: usize },
-    Decode { rows: usize },
+    Group {
+        rows: usize,
+        width: usize,
+    },
+    Chunk {
+        tokens: usize,
+    },
+    Decode {
+        rows: usize,
+    },
+    /// A mixed forward: the batch's decode rows and each chunk's tokens.
+    Mixed {
+        rows: usize,
+        chunks: Vec<usize>,
+    },
 }
 
 #[derive(Clone)]
@@ -32,14 +44,17 @@ struct FakeState {
     forwards: Mutex<Vec<Forward>>,
     /// Forwards (by index) that run out of memory.
     fail_at: Mutex<Vec<usize>>,
+    /// Whether it runs prompt chunks and decode rows in one forward.
+    mixes: bool,
 }
 
 impl Fake {
-    fn new(blocks: usize) -> Self {
+    fn new(blocks: usize, mixes: bool) -> Self {
         Self(Arc::new(FakeState {
             pool: KvPool::new(blocks, 16, 1),
             forwards: Mutex::new(Vec::new()),
             fail_at: Mutex::new(Vec::new()),
+            mixes,
         }))
     }
 
@@ -186,16 +201,36 @@ impl Device for Fake {
         _: Option<&FakePicks>,
     ) -> anyhow::Result<FakePicks> {
         self.run(Forward::Decode { rows: rows.len() })?;
-        assert_eq!(batch.len(), rows.len(), "a KV row per row");
-        let picks = rows
-            .iter()
-            .zip(batch.iter_mut())
-            .map(|(r, at)| {
-                *at += 1;
-                token(&r.request().prompt, *at)
+        Ok(decode_picks(batch, rows))
+    }
+
+    fn mixes(&self, _: &Row) -> bool {
+        self.0.mixes
+    }
+
+    fn mixed(
+        &self,
+        batch: Option<&mut Vec<usize>>,
+        rows: &mut [Row],
+        _: Option<&FakePicks>,
+        chunks: &mut [Chunk<'_, Vec<usize>>],
+    ) -> anyhow::Result<MixedPicks<FakePicks>> {
+        assert!(self.0.mixes);
+        self.run(Forward::Mixed {
+            rows: batch.as_ref().map_or(0, |_| rows.len()),
+            chunks: chunks.iter().map(|c| c.tokens.len()).collect(),
+        })?;
+        let decode = batch.map(|b| decode_picks(b, rows));
+        let chunks = chunks
+            .iter_mut()
+            .map(|c| {
+                assert_eq!(c.kv[0], c.start, "chunks follow each other");
+                c.kv[0] += c.tokens.len();
+                c.pick
+                    .then(|| FakePicks(vec![token(&c.row.request().prompt, c.kv[0])]))
             })
             .collect();
-        Ok(FakePicks(picks))
+        Ok(MixedPicks { decode, chunks })
     }
 
     fn launch(&self, _: &FakePicks) -> anyhow::Result<()> {
@@ -215,6 +250,20 @@ impl Device for Fake {
             })
             .collect())
     }
+}
+
+/// One decode step's picks: each row's KV grows by one token.
+fn decode_picks(batch: &mut [usize], rows: &[Row]) -> FakePicks {
+    assert_eq!(batch.len(), rows.len(), "a KV row per row");
+    let picks = rows
+        .iter()
+        .zip(batch.iter_mut())
+        .map(|(r, at)| {
+            *at += 1;
+            token(&r.request().prompt, *at)
+        })
+        .collect();
+    FakePicks(picks)
 }
 
 struct Harness {
@@ -257,8 +306,17 @@ impl Sent {
 }
 
 fn harness(chunk: usize, blocks: usize, pipeline: bool) -> Harness {
+    harness_of(Fake::new(blocks, false), chunk, pipeline)
+}
+
+/// A harness whose device runs prompt chunks beside the decode rows in one
+/// forward.
+fn mixing(chunk: usize, blocks: usize, pipeline: bool) -> Harness {
+    harness_of(Fake::new(blocks, true), chunk, pipeline)
+}
+
+fn harness_of(fake: Fake, chunk: usize, pipeline: bool) -> Harness {
     let (tx, rx) = crossbeam_channel::unbounded();
-    let fake = Fake::new(blocks);
     let stats = Arc::new(Stats::default());
     let limits = StepLimits {
         max_batch: 32,
@@ -422,7 +480,12 @@ fn the_next_prompt_starts_in_the_step_the_one_before_it_ends() {
 
 #[test]
 fn cancelled_requests_end_waiting_mid_prefill_or_running_and_free_their_blocks() {
-    let mut h = harness(64, 1000, true);
+    for make in [harness, mixing] {
+        cancelled_requests_end(make(64, 1000, true));
+    }
+}
+
+fn cancelled_requests_end(mut h: Harness) {
     let mut running = h.submit(10, 1000);
     h.step();
     let mut prefilling = h.submit(500, 10);
@@ -475,8 +538,13 @@ fn pipelined_rows_leave_one_step_late_with_the_same_tokens() {
 
 #[test]
 fn rows_preempted_when_memory_runs_out_are_recomputed_with_the_same_tokens() {
-    for pipeline in [true, false] {
-        let mut h = harness(32, 1000, pipeline);
+    for (pipeline, make) in [
+        (true, harness as fn(_, _, _) -> _),
+        (false, harness),
+        (true, mixing),
+        (false, mixing),
+    ] {
+        let mut h = make(32, 1000, pipeline);
         let mut sent: Vec<Sent> = [8, 20, 100, 50].iter().map(|&n| h.submit(n, 40)).collect();
         for _ in 0..6 {
             h.step();
@@ -502,9 +570,122 @@ fn rows_preempted_when_memory_runs_out_are_recomputed_with_the_same_tokens() {
         let recomputed = h
             .forwards_since(before)
             .iter()
-            .filter(|f| matches!(f, Forward::Chunk { .. }))
-            .count();
+            .map(|f| match f {
+                Forward::Chunk { .. } => 1,
+                Forward::Mixed { chunks, .. } => chunks.len(),
+                _ => 0,
+            })
+            .sum::<usize>();
         assert!(recomputed >= 4, "{:?}", h.forwards_since(before));
         h.all_back();
     }
+}
+
+#[test]
+fn a_long_prompt_is_chunked_into_the_decode_rows_forward() {
+    for pipeline in [true, false] {
+        let mut h = mixing(256, 1000, pipeline);
+        let mut running: Vec<Sent> = (0..7).map(|_| h.submit(20, 200)).collect();
+        h.step();
+        let mut long = h.submit(1000, 8);
+        let from = h.fake.forwards().len();
+        let before = running[0].read().tokens.len();
+        let mut steps = 0;
+        while long.read().tokens.is_empty() {
+            h.step();
+            steps += 1;
+            for r in &mut running {
+                assert_eq!(r.read().tokens.len(), before + steps, "a token every step");
+            }
+        }
+        // One forward a step: the seven decode rows and 249 prompt tokens;
+        // the prompt's first pick comes out of the forward of its last
+        // chunk, and the row decodes with the batch from the next step.
+        let mixed = |tokens| Forward::Mixed {
+            rows: 7,
+            chunks: vec![tokens],
+        };
+        let mut want = vec![mixed(249); 4];
+        want.push(mixed(4));
+        assert_eq!(h.forwards_since(from), want);
+        h.step();
+        assert_eq!(h.fake.forwards().last(), Some(&Forward::Decode { rows: 8 }));
+        // Read in this step, or (pipelined) in the next.
+        assert_eq!(long.read().tokens.len(), if pipeline { 1 } else { 2 });
+        h.run_to_end();
+        for s in running.iter_mut().chain([&mut long]) {
+            s.done_as_expected();
+        }
+        h.all_back();
+    }
+}
+
+#[test]
+fn a_mixed_step_admits_one_prompt_beside_the_end_of_another_and_the_decode_rows() {
+    for pipeline in [true, false] {
+        let mut h = mixing(64, 1000, pipeline);
+        let mut running = h.submit(10, 30);
+        h.step();
+        let mut first = h.submit(100, 20);
+        let mut second = h.submit(100, 20);
+        let from = h.fake.forwards().len();
+        h.step();
+        h.step();
+        use Forward::*;
+        assert_eq!(
+            h.forwards_since(from),
+            [
+                Mixed {
+                    rows: 1,
+                    chunks: vec![63]
+                },
+                // The first prompt's last 37 tokens and its pick, the
+                // second's first 26, the running row's step: one forward.
+                Mixed {
+                    rows: 1,
+                    chunks: vec![37, 26]
+                },
+            ]
+        );
+        assert_eq!(first.read().tokens.len(), 1, "picked in the mixed step");
+        h.step();
+        assert_eq!(
+            h.fake.forwards().last(),
+            Some(&Mixed {
+                rows: 2,
+                chunks: vec![62]
+            })
+        );
+        h.run_to_end();
+        for s in [&mut running, &mut first, &mut second] {
+            s.done_as_expected();
+        }
+        h.all_back();
+    }
+}
+
+#[test]
+fn prompts_chunked_in_mixed_steps_wait_for_kv_blocks_until_rows_give_theirs_back() {
+    // Room for two requests of 100 + 28 tokens (8 blocks each); chunks of
+    // 64 tokens, so none starts in a padded group.
+    let mut h = mixing(64, 16, true);
+    let mut sent: Vec<Sent> = (0..3).map(|_| h.submit(100, 28)).collect();
+    h.step();
+    h.step();
+    assert_eq!(h.fake.0.pool.allocated(), 16, "the third waits for KV");
+    assert_eq!(h.scheduler.catching_up.len() + h.scheduler.rows.len(), 2);
+    while sent[2].read().tokens.is_empty() {
+        h.step();
+    }
+    assert_eq!(sent[0].read().finish, Some(FinishReason::Length));
+    assert!(h
+        .fake
+        .forwards()
+        .iter()
+        .any(|f| matches!(f, Forward::Mixed { rows: 1.., chunks } if !chunks.is_empty())));
+    h.run_to_end();
+    for s in &mut sent {
+        s.done_as_expected();
+    }
+    h.all_back();
 }
