@@ -13,7 +13,7 @@
 
 use std::path::PathBuf;
 
-use fixtures::reference::worst_difference;
+use fixtures::reference::{argmax, logit_rows, worst_difference};
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::transforms::eval;
 use mlx_rs::{fast, ops, Array, Dtype};
@@ -156,25 +156,6 @@ fn check_add_norm(dtype: Dtype) {
     line(&format!("add + rms_norm {dtype:?}, norm"), &y, &want_y);
 }
 
-/// `[n, V]` float32 logits on the host, row by row.
-fn rows(logits: &Array) -> Vec<Vec<f32>> {
-    let v = logits.dim(-1);
-    let flat = logits
-        .reshape(&[-1, v])
-        .unwrap()
-        .as_dtype(Dtype::Float32)
-        .unwrap();
-    eval([&flat]).unwrap();
-    flat.as_slice::<f32>()
-        .chunks(v as usize)
-        .map(<[f32]>::to_vec)
-        .collect()
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    (0..row.len()).fold(0, |best, i| if row[i] > row[best] { i } else { best }) as u32
-}
-
 /// Greedy tokens and logits, one token a forward (`k` = 1) or teacher
 /// forced on `forced` in blocks of `k`.
 fn run(
@@ -186,7 +167,7 @@ fn run(
 ) -> (Vec<u32>, Vec<Vec<f32>>) {
     let mut cache = model.new_cache(1);
     let first = prefill(model, &mut cache, prompt, 512).unwrap();
-    let mut all = rows(&first);
+    let mut all = logit_rows(&first);
     let mut tokens = vec![argmax(&all[0])];
     while all.len() < gen {
         let feed = match k {
@@ -199,7 +180,7 @@ fn run(
         let logits = model
             .forward(&tokens_array(&feed), &mut cache, Logits::All)
             .unwrap();
-        for row in rows(&logits) {
+        for row in logit_rows(&logits) {
             tokens.push(argmax(&row));
             all.push(row);
         }

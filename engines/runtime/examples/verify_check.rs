@@ -14,9 +14,7 @@
 
 use std::path::PathBuf;
 
-use fixtures::reference::worst_difference;
-use mlx_rs::transforms::eval;
-use mlx_rs::Array;
+use fixtures::reference::{argmax, logit_rows, worst_difference};
 use runtime::generate::{prefill, tokens_array};
 use runtime::model::Logits;
 use runtime::{ComputeDtype, LoadedModel, Model};
@@ -31,38 +29,13 @@ fn arg(name: &str, default: &str) -> String {
         .unwrap_or_else(|| default.to_string())
 }
 
-/// `[n, V]` float32 logits on the host, row by row.
-fn rows(logits: &Array) -> Vec<Vec<f32>> {
-    let v = logits.dim(-1);
-    let flat = logits
-        .reshape(&[-1, v])
-        .unwrap()
-        .as_dtype(mlx_rs::Dtype::Float32)
-        .unwrap();
-    eval([&flat]).unwrap();
-    flat.as_slice::<f32>()
-        .chunks(v as usize)
-        .map(<[f32]>::to_vec)
-        .collect()
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in row.iter().enumerate() {
-        if x > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
 /// Greedy tokens by single steps, with each step's logits.
 fn reference(model: &Model, prompt: &[u32], gen: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
     let mut cache = model.new_cache(1);
     let mut logits = prefill(model, &mut cache, prompt, 512).unwrap();
     let (mut tokens, mut all) = (Vec::new(), Vec::new());
     for _ in 0..gen {
-        let row = rows(&logits).remove(0);
+        let row = logit_rows(&logits).remove(0);
         let t = argmax(&row);
         tokens.push(t);
         all.push(row);
@@ -84,14 +57,14 @@ fn blocks(
 ) -> (Option<usize>, f32) {
     let mut cache = model.new_cache(1);
     let first = prefill(model, &mut cache, prompt, 512).unwrap();
-    let mut got = rows(&first);
+    let mut got = logit_rows(&first);
     let mut at = 0;
     // Each block feeds tokens[at..at + k] and predicts tokens[at + 1..=at + k].
     while at + k < tokens.len() {
         let logits = model
             .forward(&tokens_array(&tokens[at..at + k]), &mut cache, Logits::All)
             .unwrap();
-        got.extend(rows(&logits));
+        got.extend(logit_rows(&logits));
         at += k;
     }
     got.truncate(want.len());

@@ -8,9 +8,8 @@
 //! windows past the window, q/k norms), a quantized KV cache, and paged KV.
 
 use fixtures::model::{random_prompt, write_model, TinySpec};
-use fixtures::reference::worst_difference;
-use mlx_rs::transforms::eval;
-use mlx_rs::{Array, Dtype};
+use fixtures::reference::{argmax, logit_rows, worst_difference};
+use mlx_rs::Array;
 use runtime::generate::{prefill, tokens_array};
 use runtime::model::{Logits, Segment};
 use runtime::paged::PagePool;
@@ -19,32 +18,13 @@ use runtime::{Family, KvCache, KvQuant, LoadedModel, Model};
 const STEPS: usize = 10;
 const CHUNK: usize = 7;
 
-fn rows(logits: &Array) -> Vec<Vec<f32>> {
-    let l = logits.as_dtype(Dtype::Float32).unwrap();
-    let b = l.dim(0);
-    let l = l.reshape(&[b, -1]).unwrap();
-    eval([&l]).unwrap();
-    l.as_slice::<f32>()
-        .chunks(l.dim(1) as usize)
-        .map(<[f32]>::to_vec)
-        .collect()
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    row.iter()
-        .enumerate()
-        .max_by(|a, b| a.1.total_cmp(b.1))
-        .unwrap()
-        .0 as u32
-}
-
 /// A sequence's greedy run alone: its tokens and each pick's logits.
 fn alone(m: &Model, prompt: &[u32]) -> (Vec<u32>, Vec<Vec<f32>>) {
     let mut cache = m.new_cache(1);
     let mut logits = prefill(m, &mut cache, prompt, 64).unwrap();
     let (mut tokens, mut all) = (Vec::new(), Vec::new());
     for _ in 0..STEPS {
-        let row = rows(&logits).remove(0);
+        let row = logit_rows(&logits).remove(0);
         tokens.push(argmax(&row));
         all.push(row);
         let next = tokens_array(&[*tokens.last().unwrap()]);
@@ -83,7 +63,7 @@ fn staggered(m: &Model, prompts: &[Vec<u32>], new_cache: &dyn Fn() -> KvCache) -
     for (i, s) in seqs.iter_mut().enumerate().take(2) {
         let mut cache = new_cache();
         let logits = prefill(m, &mut cache, &s.prompt, 64).unwrap();
-        let row = rows(&logits).remove(0);
+        let row = logit_rows(&logits).remove(0);
         s.tokens.push(argmax(&row));
         s.logits.push(row);
         s.done = s.prompt.len();
@@ -129,7 +109,7 @@ fn staggered(m: &Model, prompts: &[Vec<u32>], new_cache: &dyn Fn() -> KvCache) -
         let mut out = m.forward_mixed(&mut segments).unwrap().into_iter();
         drop(segments);
         if !order.is_empty() {
-            let decoded = rows(&out.next().unwrap().expect("the batch's logits"));
+            let decoded = logit_rows(&out.next().unwrap().expect("the batch's logits"));
             for (&i, row) in order.iter().zip(decoded) {
                 if seqs[i].tokens.len() < STEPS {
                     seqs[i].tokens.push(argmax(&row));
@@ -143,7 +123,7 @@ fn staggered(m: &Model, prompts: &[Vec<u32>], new_cache: &dyn Fn() -> KvCache) -
             match logits {
                 None => s.cache = Some(cache),
                 Some(l) => {
-                    let row = rows(&l).remove(0);
+                    let row = logit_rows(&l).remove(0);
                     s.tokens.push(argmax(&row));
                     s.logits.push(row);
                     batch = Some(KvCache::join(batch.take(), cache).unwrap());
