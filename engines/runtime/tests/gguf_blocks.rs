@@ -35,21 +35,24 @@ fn put(b: &mut [u8], at: usize, v: f32) {
     b[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
 }
 
-/// `ROWS x COLS` random blocks of `ty` with sane fp16 fields. Of Q6_K's
-/// super-blocks, one in four has equal scales in each pair of sub-blocks
-/// and one in four a pair's second scale twice the first (groups on a
-/// common grid, converted exactly); the rest have random pairs.
-fn random_blocks(ty: TensorType, seed: u64) -> Vec<u8> {
-    let (per, size) = ty.block();
-    let mut out = noise(seed, ROWS * COLS / per * size);
+/// `blocks` random blocks of `ty` with sane fp16 fields, `d` about `d`.
+/// With `common_grid`, every pair of Q6_K sub-blocks shares a scale (every
+/// group converts exactly); without, one super-block in four has equal
+/// scales in each pair and one in four a pair's second scale twice the
+/// first (groups on a common grid, converted exactly), the rest random
+/// pairs.
+fn random_blocks(ty: TensorType, blocks: usize, seed: u64, d: f32, common_grid: bool) -> Vec<u8> {
+    let (_, size) = ty.block();
+    let mut out = noise(seed, blocks * size);
     for (i, b) in out.chunks_exact_mut(size).enumerate() {
-        let d = 0.002 + 0.0007 * (i % 11) as f32;
+        let d = d * (1.0 + 0.35 * (i % 11) as f32);
         match ty {
             TensorType::Q6K => {
                 put(b, 208, d);
                 for j in 0..8 {
                     let s = b[192 + 2 * j] as i8 / 2;
                     match i % 4 {
+                        _ if common_grid => b[193 + 2 * j] = s as u8,
                         0 => b[193 + 2 * j] = s as u8,
                         1 => b[193 + 2 * j] = (2 * s) as u8,
                         _ => {}
@@ -58,12 +61,14 @@ fn random_blocks(ty: TensorType, seed: u64) -> Vec<u8> {
                 }
             }
             TensorType::Q4K | TensorType::Q5K => {
+                // dmin * m about d * s times the mean code: values about 0.
+                let mean_code = if ty == TensorType::Q4K { 7.5 } else { 15.5 };
                 put(b, 0, d);
-                put(b, 2, 0.001 + 0.0003 * (i % 5) as f32);
+                put(b, 2, d * mean_code * (0.8 + 0.1 * (i % 5) as f32));
             }
             TensorType::Q4_1 => {
                 put(b, 0, d);
-                put(b, 2, -0.05 * (i % 3) as f32);
+                put(b, 2, -25.0 * d * (i % 3) as f32);
             }
             _ => put(b, 0, d),
         }
@@ -71,20 +76,49 @@ fn random_blocks(ty: TensorType, seed: u64) -> Vec<u8> {
     out
 }
 
-/// What gguf-py's `dequantize` makes of the blocks.
-fn ggml_values(ty: &str, bytes: &[u8]) -> Vec<f32> {
+fn ggml_name(ty: TensorType) -> &'static str {
+    match ty {
+        TensorType::Q4_0 => "Q4_0",
+        TensorType::Q4_1 => "Q4_1",
+        TensorType::Q8_0 => "Q8_0",
+        TensorType::Q5_0 => "Q5_0",
+        TensorType::Q4K => "Q4_K",
+        TensorType::Q5K => "Q5_K",
+        TensorType::Q6K => "Q6_K",
+        other => panic!("{other:?} is not a block type"),
+    }
+}
+
+/// What gguf-py's `dequantize` makes of each tensor's blocks (type, bytes,
+/// rows).
+fn ggml_values(tensors: &[(TensorType, &[u8], usize)]) -> Vec<Vec<f32>> {
     let dir = tempfile::tempdir().unwrap();
-    let (data, out) = (dir.path().join("blocks"), dir.path().join("values"));
-    std::fs::write(&data, bytes).unwrap();
+    let request: Vec<_> = tensors
+        .iter()
+        .enumerate()
+        .map(|(i, (ty, bytes, rows))| {
+            let data = dir.path().join(format!("blocks{i}"));
+            std::fs::write(&data, bytes).unwrap();
+            let out = dir.path().join(format!("values{i}"));
+            serde_json::json!({"type": ggml_name(*ty), "data": data, "rows": rows, "out": out})
+        })
+        .collect();
     let answer = fixtures::reference::run(
         "ggml_dequantize.py",
-        &serde_json::json!({"type": ty, "data": data, "rows": ROWS, "out": out}),
+        &serde_json::json!({ "tensors": request }),
     );
-    assert_eq!(answer["values"], ROWS * COLS);
-    std::fs::read(&out)
-        .unwrap()
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+    request
+        .iter()
+        .zip(answer["values"].as_array().expect("counts"))
+        .map(|(r, n)| {
+            let values: Vec<f32> = std::fs::read(r["out"].as_str().unwrap())
+                .unwrap()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            assert_eq!(values.len() as u64, n.as_u64().unwrap());
+            values
+        })
         .collect()
 }
 
@@ -100,16 +134,19 @@ fn kernels() -> Vec<CpuKernel> {
 #[test]
 fn every_block_type_becomes_mlx_groups_with_ggml_values() {
     let f32_ = Dtype::Float32;
-    for (ty, name, bits, scale_dtype) in [
-        (TensorType::Q4_0, "Q4_0", 4, Dtype::Float16),
-        (TensorType::Q4_1, "Q4_1", 4, Dtype::Float16),
-        (TensorType::Q8_0, "Q8_0", 8, Dtype::Float16),
-        (TensorType::Q5_0, "Q5_0", 8, Dtype::Float16),
-        (TensorType::Q4K, "Q4_K", 4, Dtype::Float32),
-        (TensorType::Q5K, "Q5_K", 8, Dtype::Float32),
-        (TensorType::Q6K, "Q6_K", 8, Dtype::Float32),
+    for (ty, bits, scale_dtype) in [
+        (TensorType::Q4_0, 4, Dtype::Float16),
+        (TensorType::Q4_1, 4, Dtype::Float16),
+        (TensorType::Q8_0, 8, Dtype::Float16),
+        (TensorType::Q5_0, 8, Dtype::Float16),
+        (TensorType::Q4K, 4, Dtype::Float32),
+        (TensorType::Q5K, 8, Dtype::Float32),
+        (TensorType::Q6K, 8, Dtype::Float32),
     ] {
-        let bytes = random_blocks(ty, bits as u64 + ty.block().1 as u64);
+        let name = ggml_name(ty);
+        let (per_block, size) = ty.block();
+        let seed = bits as u64 + size as u64;
+        let bytes = random_blocks(ty, ROWS * COLS / per_block, seed, 0.002, false);
         let info = TensorInfo {
             name: "w".into(),
             shape: vec![ROWS, COLS],
@@ -132,7 +169,7 @@ fn every_block_type_becomes_mlx_groups_with_ggml_values() {
         let (s, b) = (scales.as_dtype(f32_).unwrap(), biases.as_dtype(f32_).unwrap());
         let ours = ops::dequantize(&weight, &s, &b, q.group_size, q.bits).unwrap();
         let ours = ours.as_slice::<f32>().to_vec();
-        let want = ggml_values(name, &bytes);
+        let want = ggml_values(&[(ty, &bytes, ROWS)]).remove(0);
         let bias = b.as_slice::<f32>();
 
         let (mut exact_groups, mut rounded_groups) = (0, 0);
@@ -212,4 +249,117 @@ fn every_block_type_becomes_mlx_groups_with_ggml_values() {
             }
         }
     }
+}
+
+/// A generated Gemma 3 whose projections are K-quant and Q5_0 blocks (as a
+/// Q4_K_M file mixes them; Q6_K's pairs on a common grid, so every
+/// conversion is exact) gives the logits and greedy tokens of the same
+/// model with those tensors stored as float32 values that gguf-py's
+/// dequantization reads from the blocks: the requantized weights through
+/// the packed kernel against dense products of ggml's own values.
+#[test]
+fn a_k_quant_model_matches_its_ggml_dequantized_weights() {
+    use fixtures::gguf::{converted, write_gguf};
+    use fixtures::model::{write_model, TinySpec};
+    use runtime::{Family, LoadedModel};
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut spec = TinySpec::tiny(Family::Gemma3);
+    // Every projection's input a multiple of 256 (a K-quant super-block).
+    (spec.hidden, spec.intermediate, spec.head_dim) = (256, 512, 64);
+    spec.sliding_window_pattern = 6;
+    spec.layers = 6;
+    write_model(dir.path(), &spec).unwrap();
+    let cfg_path = dir.path().join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
+    cfg["rope_scaling"] = serde_json::Value::Null;
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let (meta, tensors) = converted(dir.path(), Family::Gemma3);
+
+    // (type, GGUF id, d): values of about 0.05 for each type's codes.
+    let types = [
+        (TensorType::Q4K, 12, 2e-4),
+        (TensorType::Q5K, 13, 1e-4),
+        (TensorType::Q6K, 14, 1e-4),
+        (TensorType::Q5_0, 6, 6e-3),
+    ];
+    let projections = [
+        "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+    ];
+    let mut quantized = Vec::new();
+    let mut picked = Vec::new();
+    for (i, (name, ty, shape, data)) in tensors.iter().enumerate() {
+        let projection = projections.iter().any(|p| name.ends_with(&format!(".{p}.weight")));
+        if name == "token_embd.weight" {
+            // Through the tied head a token's own embedding outscores any
+            // other's by about sqrt(hidden), so at the generator's std 1
+            // (times Gemma's sqrt(hidden)) greedy decoding repeats the last
+            // token. Small embeddings let the layers decide (they see the
+            // input through their RMSNorm at any scale).
+            let small = data.chunks_exact(4).flat_map(|c| {
+                (f32::from_le_bytes(c.try_into().unwrap()) * 0.002).to_le_bytes()
+            });
+            quantized.push((name.clone(), *ty, shape.clone(), small.collect()));
+            continue;
+        }
+        if !projection {
+            quantized.push((name.clone(), *ty, shape.clone(), data.clone()));
+            continue;
+        }
+        let (ty, id, d) = types[picked.len() % types.len()];
+        let (per_block, _) = ty.block();
+        let blocks = random_blocks(ty, shape[0] * shape[1] / per_block, i as u64, d, true);
+        picked.push((quantized.len(), ty, blocks.clone(), shape[0]));
+        quantized.push((name.clone(), id, shape.clone(), blocks));
+    }
+    assert_eq!(picked.len(), 6 * projections.len());
+    let requests: Vec<_> = picked
+        .iter()
+        .map(|(_, ty, blocks, rows)| (*ty, blocks.as_slice(), *rows))
+        .collect();
+    let mut dense = quantized.clone();
+    for ((at, ..), values) in picked.iter().zip(ggml_values(&requests)) {
+        dense[*at].1 = 0; // F32
+        dense[*at].3 = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    }
+    let write = |sub: &str, tensors: &[fixtures::gguf::Tensor]| {
+        let out = dir.path().join(sub);
+        std::fs::create_dir_all(&out).unwrap();
+        for f in ["tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(dir.path().join(f), out.join(f)).unwrap();
+        }
+        let file = out.join("tiny.gguf");
+        std::fs::write(&file, write_gguf(&meta, tensors)).unwrap();
+        LoadedModel::load(&file, None).unwrap()
+    };
+    let (k_quant, reference) = (write("k-quant", &quantized), write("dense", &dense));
+
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 500).collect();
+    let logits = |m: &LoadedModel| {
+        let mut cache = m.model.new_cache(1);
+        let l = runtime::generate::prefill(&m.model, &mut cache, &prompt, 512)
+            .unwrap()
+            .as_dtype(Dtype::Float32)
+            .unwrap();
+        l.eval().unwrap();
+        l.as_slice::<f32>().to_vec()
+    };
+    let (a, b) = (logits(&k_quant), logits(&reference));
+    let scale = b.iter().fold(1f32, |m, x| m.max(x.abs()));
+    let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    // The same weights: only fp32 summation order differs.
+    assert!(diff <= 1e-4 * scale, "max logit difference {diff} (largest logit {scale})");
+    let greedy = |m: &LoadedModel| {
+        runtime::generate::greedy(&m.model, &prompt, 32, &[], |_| true)
+            .unwrap()
+            .tokens
+    };
+    let tokens = greedy(&reference);
+    assert_eq!(tokens.len(), 32);
+    assert!(
+        tokens.iter().collect::<std::collections::HashSet<_>>().len() > 1,
+        "a degenerate reference: {tokens:?}"
+    );
+    assert_eq!(greedy(&k_quant), tokens);
 }
