@@ -166,7 +166,10 @@ fn every_block_type_becomes_mlx_groups_with_ggml_values() {
         assert_eq!((q.group_size, q.bits), (GROUP as i32, bits), "{name}");
         assert_eq!(scales.dtype(), scale_dtype, "{name}: scales");
         assert_eq!(biases.dtype(), scale_dtype, "{name}: biases");
-        let (s, b) = (scales.as_dtype(f32_).unwrap(), biases.as_dtype(f32_).unwrap());
+        let (s, b) = (
+            scales.as_dtype(f32_).unwrap(),
+            biases.as_dtype(f32_).unwrap(),
+        );
         let ours = ops::dequantize(&weight, &s, &b, q.group_size, q.bits).unwrap();
         let ours = ours.as_slice::<f32>().to_vec();
         let want = ggml_values(&[(ty, &bytes, ROWS)]).remove(0);
@@ -203,7 +206,10 @@ fn every_block_type_becomes_mlx_groups_with_ggml_values() {
         }
         assert!(exact_groups > 0, "{name}: no group is exact");
         if ty == TensorType::Q6K {
-            assert!(rounded_groups > 0, "Q6_K: the rounding branch is not exercised");
+            assert!(
+                rounded_groups > 0,
+                "Q6_K: the rounding branch is not exercised"
+            );
         }
 
         // The kernel over the groups as loaded (fp16 or fp32 scales).
@@ -259,22 +265,15 @@ fn every_block_type_becomes_mlx_groups_with_ggml_values() {
 /// the packed kernel against dense products of ggml's own values.
 #[test]
 fn a_k_quant_model_matches_its_ggml_dequantized_weights() {
-    use fixtures::gguf::{converted, write_gguf};
-    use fixtures::model::{write_model, TinySpec};
+    use fixtures::gguf::{converted, write_convertible_model, write_gguf};
+    use fixtures::model::TinySpec;
     use runtime::{Family, LoadedModel};
 
     let dir = tempfile::tempdir().unwrap();
     let mut spec = TinySpec::tiny(Family::Gemma3);
     // Every projection's input a multiple of 256 (a K-quant super-block).
     (spec.hidden, spec.intermediate, spec.head_dim) = (256, 512, 64);
-    spec.sliding_window_pattern = 6;
-    spec.layers = 6;
-    write_model(dir.path(), &spec).unwrap();
-    let cfg_path = dir.path().join("config.json");
-    let mut cfg: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
-    cfg["rope_scaling"] = serde_json::Value::Null;
-    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    write_convertible_model(dir.path(), &spec);
     let (meta, tensors) = converted(dir.path(), Family::Gemma3);
 
     // (type, GGUF id, d): values of about 0.05 for each type's codes.
@@ -285,21 +284,29 @@ fn a_k_quant_model_matches_its_ggml_dequantized_weights() {
         (TensorType::Q5_0, 6, 6e-3),
     ];
     let projections = [
-        "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+        "attn_q",
+        "attn_k",
+        "attn_v",
+        "attn_output",
+        "ffn_gate",
+        "ffn_up",
+        "ffn_down",
     ];
     let mut quantized = Vec::new();
     let mut picked = Vec::new();
     for (i, (name, ty, shape, data)) in tensors.iter().enumerate() {
-        let projection = projections.iter().any(|p| name.ends_with(&format!(".{p}.weight")));
+        let projection = projections
+            .iter()
+            .any(|p| name.ends_with(&format!(".{p}.weight")));
         if name == "token_embd.weight" {
             // Through the tied head a token's own embedding outscores any
             // other's by about sqrt(hidden), so at the generator's std 1
             // (times Gemma's sqrt(hidden)) greedy decoding repeats the last
             // token. Small embeddings let the layers decide (they see the
             // input through their RMSNorm at any scale).
-            let small = data.chunks_exact(4).flat_map(|c| {
-                (f32::from_le_bytes(c.try_into().unwrap()) * 0.002).to_le_bytes()
-            });
+            let small = data
+                .chunks_exact(4)
+                .flat_map(|c| (f32::from_le_bytes(c.try_into().unwrap()) * 0.002).to_le_bytes());
             quantized.push((name.clone(), *ty, shape.clone(), small.collect()));
             continue;
         }
@@ -347,9 +354,16 @@ fn a_k_quant_model_matches_its_ggml_dequantized_weights() {
     };
     let (a, b) = (logits(&k_quant), logits(&reference));
     let scale = b.iter().fold(1f32, |m, x| m.max(x.abs()));
-    let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    let diff = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
     // The same weights: only fp32 summation order differs.
-    assert!(diff <= 1e-4 * scale, "max logit difference {diff} (largest logit {scale})");
+    assert!(
+        diff <= 1e-4 * scale,
+        "max logit difference {diff} (largest logit {scale})"
+    );
     let greedy = |m: &LoadedModel| {
         runtime::generate::greedy(&m.model, &prompt, 32, &[], |_| true)
             .unwrap()
@@ -358,7 +372,11 @@ fn a_k_quant_model_matches_its_ggml_dequantized_weights() {
     let tokens = greedy(&reference);
     assert_eq!(tokens.len(), 32);
     assert!(
-        tokens.iter().collect::<std::collections::HashSet<_>>().len() > 1,
+        tokens
+            .iter()
+            .collect::<std::collections::HashSet<_>>()
+            .len()
+            > 1,
         "a degenerate reference: {tokens:?}"
     );
     assert_eq!(greedy(&k_quant), tokens);

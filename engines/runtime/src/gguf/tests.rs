@@ -125,7 +125,10 @@ fn k_quants_dequantize_by_their_block_layout() {
     for q in &mut b[16..144] {
         *q = 5 | (9 << 4);
     }
-    let v = dequantized(blocks::load(&info("k", TensorType::Q4K, vec![1, 256], 144), &b));
+    let v = dequantized(blocks::load(
+        &info("k", TensorType::Q4K, vec![1, 256], 144),
+        &b,
+    ));
     for chunk in 0..4 {
         assert_eq!(v[chunk * 64], 0.5 * 2.0 * 5.0 - 0.25);
         assert_eq!(v[chunk * 64 + 32], 0.5 * 2.0 * 9.0 - 0.25);
@@ -142,7 +145,10 @@ fn k_quants_dequantize_by_their_block_layout() {
         *s = 3;
     }
     b[208..210].copy_from_slice(&f16::from_f32(0.125).to_le_bytes());
-    let v = dequantized(blocks::load(&info("k", TensorType::Q6K, vec![1, 256], 210), &b));
+    let v = dequantized(blocks::load(
+        &info("k", TensorType::Q6K, vec![1, 256], 210),
+        &b,
+    ));
     assert!(v.iter().all(|&x| x == 0.125 * 3.0 * 8.0));
 }
 
@@ -163,7 +169,10 @@ fn q5_0_dequantizes_by_its_block_layout() {
     for j in 0..16 {
         b[6 + j] = (codes[j] & 0x0f) as u8 | ((codes[j + 16] & 0x0f) as u8) << 4;
     }
-    let v = dequantized(blocks::load(&info("q", TensorType::Q5_0, vec![1, 32], 22), &b));
+    let v = dequantized(blocks::load(
+        &info("q", TensorType::Q5_0, vec![1, 32], 22),
+        &b,
+    ));
     let want: Vec<f32> = codes.iter().map(|&c| d * (c as f32 - 16.0)).collect();
     assert_eq!(v, want);
 }
