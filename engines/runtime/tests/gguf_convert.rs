@@ -3,7 +3,7 @@
 //! writes them (fixtures::gguf) load to the logits of their Hugging Face
 //! directories.
 
-use fixtures::gguf::{convert, converted, write_gguf, Meta};
+use fixtures::gguf::{convert, converted, write_convertible_model, write_gguf, Meta};
 use fixtures::model::{write_model, TinySpec};
 use mlx_rs::Dtype;
 use runtime::generate::prefill;
@@ -75,18 +75,7 @@ fn bad_files_are_clear_errors() {
 fn converted_generated_models_match_their_safetensors() {
     for family in [Family::Llama, Family::Qwen2, Family::Qwen3, Family::Gemma3] {
         let dir = tempfile::tempdir().unwrap();
-        let mut spec = TinySpec::tiny(family);
-        // GGUF has no field for these: llama.cpp fixes Gemma 3's global
-        // layer period at 6 and reads Llama 3.1's RoPE factors from a
-        // tensor this runtime refuses.
-        spec.sliding_window_pattern = 6;
-        spec.layers = 6;
-        write_model(dir.path(), &spec).unwrap();
-        let cfg_path = dir.path().join("config.json");
-        let mut cfg: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
-        cfg["rope_scaling"] = serde_json::Value::Null;
-        std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+        write_convertible_model(dir.path(), &TinySpec::tiny(family));
         let file = convert(dir.path(), family);
 
         let hf = LoadedModel::load(dir.path(), None).unwrap();

@@ -1,22 +1,28 @@
 //! GGML tensor data to MLX arrays.
 //!
-//! Q4_0, Q4_1 and Q8_0 are affine quantization over 32-element blocks, the
-//! same arithmetic as MLX's group quantization with `group_size = 32`, so
-//! they load as MLX quantized weights without loss:
+//! Every quantized type this runtime reads loads as MLX affine group
+//! quantization, `scale * q + bias` over groups of 32 consecutive elements
+//! of a row, with unsigned 4- or 8-bit codes packed into `uint32` words:
 //!
-//! | ggml  | block value      | MLX bits | MLX scale | MLX bias   | MLX q      |
-//! |-------|------------------|----------|-----------|------------|------------|
-//! | Q4_0  | d * (q - 8)      | 4        | d         | -8 d       | q          |
-//! | Q4_1  | d * q + m        | 4        | d         | m          | q          |
-//! | Q8_0  | d * q (q signed) | 8        | d         | -128 d     | q + 128    |
+//! | ggml  | block value                         | MLX bits | MLX scale   | MLX bias     | MLX q        | error |
+//! |-------|-------------------------------------|----------|-------------|--------------|--------------|-------|
+//! | Q4_0  | d * (q - 8)                         | 4        | d           | -8 d         | q            | 0 |
+//! | Q4_1  | d * q + m                           | 4        | d           | m            | q            | 0 |
+//! | Q8_0  | d * q (q signed)                    | 8        | d           | -128 d       | q + 128      | 0 |
+//! | Q5_0  | d * (q - 16)                        | 8        | d           | -16 d        | q (0..31)    | 0 |
+//! | Q4_K  | d * s * q - dmin * m, per 32        | 4        | d * s       | -dmin * m    | q            | 0 |
+//! | Q5_K  | as Q4_K, q 0..31                    | 8        | d * s       | -dmin * m    | q            | 0 |
+//! | Q6_K  | d * s * (q - 32), s signed, per 16  | 8        | see [`q6_k`]| see [`q6_k`] | see [`q6_k`] | 0 on a common grid, else at most half a step |
 //!
-//! (`-8 d` and `-128 d` are exact in float16: powers of two.) The K-quants
-//! (Q4_K, Q5_K, Q6_K) nest 6- or 8-bit sub-block scales inside 256-element
-//! super-blocks, which MLX's one-level groups cannot hold; they are
-//! dequantized at load to float16 (the precision of their block scales),
-//! and so is Q5_0 (`d * (q - 16)`, its fifth bits apart from the nibbles),
-//! which llama.cpp's K-quant mixes use for rows that are not a multiple of
-//! 256 (Gemma 3 270M's 640).
+//! The K-quants' sub-block scales `s` and mins `m` are 6-bit (Q6_K's 8-bit
+//! signed) multiples of the super-block's fp16 `d` and `dmin`, so each
+//! Q4_K/Q5_K sub-block of 32 is one MLX group whose scale and bias are
+//! exact in fp32. Scales and biases stay fp16 where every one of the
+//! tensor's is exact in fp16 (Q4_0, Q4_1, Q8_0 and Q5_0: the file's own
+//! `d` and powers of two times it), and are fp32 otherwise (the K-quants:
+//! `d * s` takes up to 17 significant bits). MLX groups cannot be 16 wide
+//! (its `quantize`/`dequantize` take 32, 64 and 128), so Q6_K's two
+//! sub-blocks of 16 share a group of 32.
 
 use half::f16;
 use mlx_rs::Array;
@@ -40,35 +46,43 @@ const GROUP: usize = 32;
 /// Converts one tensor's bytes (rows already in the order the model wants).
 pub fn load(info: &TensorInfo, bytes: &[u8]) -> Loaded {
     let shape: Vec<i32> = info.shape.iter().map(|&d| d as i32).collect();
-    match info.ty {
-        TensorType::F32 => Loaded::Dense(Array::from_slice(
-            &le_words(bytes, f32::from_le_bytes),
-            &shape,
-        )),
-        TensorType::F16 => Loaded::Dense(Array::from_slice(
-            &le_halves(bytes, f16::from_le_bytes),
-            &shape,
-        )),
-        TensorType::Bf16 => Loaded::Dense(Array::from_slice(
-            &le_halves(bytes, half::bf16::from_le_bytes),
-            &shape,
-        )),
-        TensorType::Q4_0 | TensorType::Q4_1 | TensorType::Q8_0 => affine(info, bytes, &shape),
-        TensorType::Q5_0 | TensorType::Q4K | TensorType::Q5K | TensorType::Q6K => {
-            let (per_block, block_bytes) = info.ty.block();
-            let mut out = Vec::with_capacity(bytes.len() / block_bytes * per_block);
-            for block in bytes.chunks_exact(block_bytes) {
-                let values: &[f32] = match info.ty {
-                    TensorType::Q5_0 => &q5_0(block),
-                    TensorType::Q4K => &q4_k(block),
-                    TensorType::Q5K => &q5_k(block),
-                    _ => &q6_k(block),
-                };
-                out.extend(values.iter().map(|&v| f16::from_f32(v)));
-            }
-            Loaded::Dense(Array::from_slice(&out, &shape))
+    let read: fn(&[u8], &mut Groups) = match info.ty {
+        TensorType::F32 => {
+            return Loaded::Dense(Array::from_slice(
+                &le_words(bytes, f32::from_le_bytes),
+                &shape,
+            ))
         }
+        TensorType::F16 => {
+            return Loaded::Dense(Array::from_slice(
+                &le_halves(bytes, f16::from_le_bytes),
+                &shape,
+            ))
+        }
+        TensorType::Bf16 => {
+            return Loaded::Dense(Array::from_slice(
+                &le_halves(bytes, half::bf16::from_le_bytes),
+                &shape,
+            ))
+        }
+        TensorType::Q4_0 => q4_0,
+        TensorType::Q4_1 => q4_1,
+        TensorType::Q8_0 => q8_0,
+        TensorType::Q5_0 => q5_0,
+        TensorType::Q4K => q4_k,
+        TensorType::Q5K => q5_k,
+        TensorType::Q6K => q6_k,
+    };
+    let bits = match info.ty {
+        TensorType::Q4_0 | TensorType::Q4_1 | TensorType::Q4K => 4,
+        _ => 8,
+    };
+    let (_, block_bytes) = info.ty.block();
+    let mut groups = Groups::new(bits, bytes.len() / block_bytes * info.ty.block().0);
+    for block in bytes.chunks_exact(block_bytes) {
+        read(block, &mut groups);
     }
+    groups.finish(&shape)
 }
 
 fn le_words<T>(bytes: &[u8], f: fn([u8; 4]) -> T) -> Vec<T> {
@@ -85,80 +99,117 @@ fn le_halves<T>(bytes: &[u8], f: fn([u8; 2]) -> T) -> Vec<T> {
         .collect()
 }
 
-fn half_at(b: &[u8], at: usize) -> f16 {
-    f16::from_le_bytes([b[at], b[at + 1]])
+fn half_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
-/// Q4_0 / Q4_1 / Q8_0 blocks to MLX's packed uint32 codes (element `k` of a
-/// word at bit `k * bits`), scales and biases.
-fn affine(info: &TensorInfo, bytes: &[u8], shape: &[i32]) -> Loaded {
-    let (_, block_bytes) = info.ty.block();
-    let bits = if info.ty == TensorType::Q8_0 { 8 } else { 4 };
-    let blocks = bytes.len() / block_bytes;
-    let mut words = Vec::with_capacity(blocks * GROUP * bits / 32);
-    let mut scales = Vec::with_capacity(blocks);
-    let mut biases = Vec::with_capacity(blocks);
-    for block in bytes.chunks_exact(block_bytes) {
-        let d = half_at(block, 0);
-        let mut codes = [0u8; GROUP];
-        match info.ty {
-            TensorType::Q8_0 => {
-                for (c, &q) in codes.iter_mut().zip(&block[2..34]) {
-                    *c = q ^ 0x80; // i8 q to q + 128
-                }
-                scales.push(d);
-                biases.push(f16::from_f32(-128.0 * d.to_f32()));
-            }
-            _ => {
-                let (bias, qs) = if info.ty == TensorType::Q4_1 {
-                    (half_at(block, 2), &block[4..20])
-                } else {
-                    (f16::from_f32(-8.0 * d.to_f32()), &block[2..18])
-                };
-                for (j, &q) in qs.iter().enumerate() {
-                    codes[j] = q & 0x0f;
-                    codes[j + 16] = q >> 4;
-                }
-                scales.push(d);
-                biases.push(bias);
-            }
+/// MLX affine groups of 32 being built: codes packed into `uint32` words
+/// (element `k` of a word at bit `k * bits`), scales and biases in fp32
+/// until the tensor is whole.
+struct Groups {
+    bits: usize,
+    words: Vec<u32>,
+    scales: Vec<f32>,
+    biases: Vec<f32>,
+}
+
+impl Groups {
+    fn new(bits: usize, elements: usize) -> Groups {
+        Groups {
+            bits,
+            words: Vec::with_capacity(elements * bits / 32),
+            scales: Vec::with_capacity(elements / GROUP),
+            biases: Vec::with_capacity(elements / GROUP),
         }
-        let per_word = 32 / bits;
-        for word in codes.chunks_exact(per_word) {
-            words.push(
+    }
+
+    /// One group: element `i` is `scale * codes[i] + bias`.
+    fn push(&mut self, codes: &[u8; GROUP], scale: f32, bias: f32) {
+        let bits = self.bits;
+        for word in codes.chunks_exact(32 / bits) {
+            self.words.push(
                 word.iter()
                     .enumerate()
                     .fold(0u32, |acc, (k, &c)| acc | (c as u32) << (k * bits)),
             );
         }
+        self.scales.push(scale);
+        self.biases.push(bias);
     }
-    let (lead, last) = shape.split_at(shape.len() - 1);
-    let with_last = |n: usize| -> Vec<i32> { lead.iter().copied().chain([n as i32]).collect() };
-    let row = last[0] as usize;
-    Loaded::Quantized {
-        weight: Array::from_slice(&words, &with_last(row * bits / 32)),
-        scales: Array::from_slice(&scales, &with_last(row / GROUP)),
-        biases: Array::from_slice(&biases, &with_last(row / GROUP)),
-        quantization: Quantization {
-            group_size: GROUP as i32,
-            bits: bits as i32,
-        },
+
+    /// The MLX arrays of a tensor of `shape`: scales and biases in fp16
+    /// where all of them are exact in it, else in fp32.
+    fn finish(self, shape: &[i32]) -> Loaded {
+        let (lead, last) = shape.split_at(shape.len() - 1);
+        let with_last = |n: usize| -> Vec<i32> { lead.iter().copied().chain([n as i32]).collect() };
+        let row = last[0] as usize;
+        let fits_half = |v: &[f32]| v.iter().all(|&x| f16::from_f32(x).to_f32() == x);
+        let (scales, biases) = if fits_half(&self.scales) && fits_half(&self.biases) {
+            let half = |v: &[f32]| -> Vec<f16> { v.iter().map(|&x| f16::from_f32(x)).collect() };
+            (
+                Array::from_slice(&half(&self.scales), &with_last(row / GROUP)),
+                Array::from_slice(&half(&self.biases), &with_last(row / GROUP)),
+            )
+        } else {
+            (
+                Array::from_slice(&self.scales, &with_last(row / GROUP)),
+                Array::from_slice(&self.biases, &with_last(row / GROUP)),
+            )
+        };
+        Loaded::Quantized {
+            weight: Array::from_slice(&self.words, &with_last(row * self.bits / 32)),
+            scales,
+            biases,
+            quantization: Quantization {
+                group_size: GROUP as i32,
+                bits: self.bits as i32,
+            },
+        }
     }
 }
 
-/// Q5_0: d (f16), 32 fifth bits (little-endian u32, bit `j` for element
-/// `j`), 16 bytes of nibbles (element `j` low, `j + 16` high); values are
-/// 5-bit minus 16.
-fn q5_0(b: &[u8]) -> [f32; 32] {
-    let d = half_at(b, 0).to_f32();
-    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-    let mut out = [0f32; 32];
-    for (j, &q) in b[6..22].iter().enumerate() {
-        let fifth = |k: usize| (((qh >> k) & 1) << 4) as i32;
-        out[j] = d * ((q & 0x0f) as i32 + fifth(j) - 16) as f32;
-        out[j + 16] = d * ((q >> 4) as i32 + fifth(j + 16) - 16) as f32;
+/// 16 bytes of nibbles as ggml's 32-element blocks order them: element `j`
+/// in the low nibble of byte `j`, element `j + 16` in its high nibble.
+fn split_nibbles(qs: &[u8]) -> [u8; GROUP] {
+    let mut codes = [0u8; GROUP];
+    for (j, &q) in qs[..16].iter().enumerate() {
+        codes[j] = q & 0x0f;
+        codes[j + 16] = q >> 4;
     }
-    out
+    codes
+}
+
+/// Q4_0: d (f16), 16 bytes of nibbles; values `d * (q - 8)`.
+fn q4_0(b: &[u8], out: &mut Groups) {
+    let d = half_at(b, 0);
+    out.push(&split_nibbles(&b[2..18]), d, -8.0 * d);
+}
+
+/// Q4_1: d, m (f16), 16 bytes of nibbles; values `d * q + m`.
+fn q4_1(b: &[u8], out: &mut Groups) {
+    out.push(&split_nibbles(&b[4..20]), half_at(b, 0), half_at(b, 2));
+}
+
+/// Q8_0: d (f16), 32 signed bytes; values `d * q`.
+fn q8_0(b: &[u8], out: &mut Groups) {
+    let d = half_at(b, 0);
+    let mut codes = [0u8; GROUP];
+    for (c, &q) in codes.iter_mut().zip(&b[2..34]) {
+        *c = q ^ 0x80; // i8 q to q + 128
+    }
+    out.push(&codes, d, -128.0 * d);
+}
+
+/// Q5_0: d (f16), 32 fifth bits (little-endian u32, bit `j` for element
+/// `j`), 16 bytes of nibbles; values `d * (q - 16)`.
+fn q5_0(b: &[u8], out: &mut Groups) {
+    let d = half_at(b, 0);
+    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    let mut codes = split_nibbles(&b[6..22]);
+    for (j, c) in codes.iter_mut().enumerate() {
+        *c |= (((qh >> j) & 1) << 4) as u8;
+    }
+    out.push(&codes, d, -16.0 * d);
 }
 
 /// The 6-bit scale and min of sub-block `j` of a Q4_K / Q5_K super-block.
@@ -173,70 +224,104 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (f32, f32) {
     }
 }
 
-/// Q4_K: d, dmin (f16), 12 bytes of packed scales/mins, 128 bytes of nibbles.
-fn q4_k(b: &[u8]) -> [f32; 256] {
-    let (d, dmin) = (half_at(b, 0).to_f32(), half_at(b, 2).to_f32());
-    let (scales, qs) = (&b[4..16], &b[16..144]);
-    let mut out = [0f32; 256];
-    for (chunk, q) in qs.chunks_exact(32).enumerate() {
-        let (s1, m1) = scale_min_k4(2 * chunk, scales);
-        let (s2, m2) = scale_min_k4(2 * chunk + 1, scales);
-        for (l, &byte) in q.iter().enumerate() {
-            out[chunk * 64 + l] = d * s1 * (byte & 0x0f) as f32 - dmin * m1;
-            out[chunk * 64 + 32 + l] = d * s2 * (byte >> 4) as f32 - dmin * m2;
-        }
-    }
-    out
+/// Q4_K: d, dmin (f16), 12 bytes of packed 6-bit scales and mins, 128
+/// bytes of nibbles: sub-block `2c` in the low nibbles of bytes
+/// `32c..32c + 32`, sub-block `2c + 1` in their high ones.
+fn q4_k(b: &[u8], out: &mut Groups) {
+    k_quant(b, &b[16..144], None, out);
 }
 
-/// Q5_K: as Q4_K plus one high bit per element in 32 bytes of `qh`.
-fn q5_k(b: &[u8]) -> [f32; 256] {
-    let (d, dmin) = (half_at(b, 0).to_f32(), half_at(b, 2).to_f32());
-    let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
-    let mut out = [0f32; 256];
+/// Q5_K: as Q4_K with 32 bytes of fifth bits (`qh`) before the nibbles:
+/// bit `j` of byte `l` is element `l` of sub-block `j`'s.
+fn q5_k(b: &[u8], out: &mut Groups) {
+    k_quant(b, &b[48..176], Some(&b[16..48]), out);
+}
+
+/// The sub-blocks of a Q4_K or Q5_K super-block: 32 values `d * s * q -
+/// dmin * m`, one group each.
+fn k_quant(b: &[u8], qs: &[u8], qh: Option<&[u8]>, out: &mut Groups) {
+    let (d, dmin, scales) = (half_at(b, 0), half_at(b, 2), &b[4..16]);
     for (chunk, q) in qs.chunks_exact(32).enumerate() {
-        let (s1, m1) = scale_min_k4(2 * chunk, scales);
-        let (s2, m2) = scale_min_k4(2 * chunk + 1, scales);
-        let (u1, u2) = (1u8 << (2 * chunk), 2u8 << (2 * chunk));
-        for (l, &byte) in q.iter().enumerate() {
-            let hi1 = if qh[l] & u1 != 0 { 16 } else { 0 };
-            let hi2 = if qh[l] & u2 != 0 { 16 } else { 0 };
-            out[chunk * 64 + l] = d * s1 * ((byte & 0x0f) + hi1) as f32 - dmin * m1;
-            out[chunk * 64 + 32 + l] = d * s2 * ((byte >> 4) + hi2) as f32 - dmin * m2;
+        for (sub, shift) in [(2 * chunk, 0), (2 * chunk + 1, 4)] {
+            let (s, m) = scale_min_k4(sub, scales);
+            let mut codes = [0u8; GROUP];
+            for (l, c) in codes.iter_mut().enumerate() {
+                *c = (q[l] >> shift) & 0x0f;
+                if let Some(qh) = qh {
+                    *c |= ((qh[l] >> sub) & 1) << 4;
+                }
+            }
+            out.push(&codes, d * s, -(dmin * m));
         }
     }
-    out
 }
 
 /// Q6_K: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 signed 8-bit
-/// sub-block scales, then d (f16); values are 6-bit minus 32.
-fn q6_k(b: &[u8]) -> [f32; 256] {
+/// sub-block scales, then d (f16); values `d * s * (q - 32)` with one `s`
+/// per 16 elements.
+///
+/// Two sub-blocks with scales `s1`, `s2` make one group of 32. Their
+/// values are integer multiples of `d * g` with `g = gcd(s1, s2)`; where
+/// those multiples span at most 255 (as when `s1 = s2`, or one is twice
+/// the other) the group is scale `d * g`, bias `d * g * lo` and codes
+/// `v / g - lo`, exactly. Otherwise the group spans its smallest to its
+/// largest value in 255 steps and each value rounds to the nearest: off by
+/// at most half a step, `(max - min) / 510`, a quarter of the error
+/// Q6_K's own rounding allows in the sub-block with the larger scale.
+fn q6_k(b: &[u8], out: &mut Groups) {
     let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
-    let d = half_at(b, 208).to_f32();
-    let mut out = [0f32; 256];
+    let d = half_at(b, 208);
+    // Element `e` of a half (128) has 4 low bits from `ql`, 2 high bits from
+    // `qh`, and scale `sc[e / 16]`.
+    let mut v = [0i32; 256];
     for half in 0..2 {
-        let (ql, qh, sc) = (&ql[64 * half..], &qh[32 * half..], &sc[8 * half..]);
-        let y = &mut out[128 * half..];
+        let (ql, qh) = (&ql[64 * half..], &qh[32 * half..]);
+        let y = &mut v[128 * half..];
         for l in 0..32 {
-            let is = l / 16;
-            let q1 = ((ql[l] & 0x0f) | ((qh[l] & 3) << 4)) as i32 - 32;
-            let q2 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
-            let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
-            let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
-            let s = |k: usize| d * (sc[is + k] as i8) as f32;
-            y[l] = s(0) * q1 as f32;
-            y[l + 32] = s(2) * q2 as f32;
-            y[l + 64] = s(4) * q3 as f32;
-            y[l + 96] = s(6) * q4 as f32;
+            y[l] = ((ql[l] & 0x0f) | ((qh[l] & 3) << 4)) as i32 - 32;
+            y[l + 32] = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+            y[l + 64] = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+            y[l + 96] = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
         }
     }
-    out
+    for (group, pair) in v.chunks_exact_mut(GROUP).zip(sc.chunks_exact(2)) {
+        let (s1, s2) = (pair[0] as i8 as i32, pair[1] as i8 as i32);
+        let g = gcd(s1.unsigned_abs(), s2.unsigned_abs()).max(1) as i32;
+        // The values in units of `d * g`.
+        for (i, x) in group.iter_mut().enumerate() {
+            *x *= if i < 16 { s1 / g } else { s2 / g };
+        }
+        let lo = *group.iter().min().expect("32 values");
+        let hi = *group.iter().max().expect("32 values");
+        let mut codes = [0u8; GROUP];
+        if hi - lo <= 255 {
+            for (c, &x) in codes.iter_mut().zip(group.iter()) {
+                *c = (x - lo) as u8;
+            }
+            let step = d * g as f32;
+            out.push(&codes, step, step * lo as f32);
+        } else {
+            let step = (hi - lo) as f32 / 255.0;
+            for (c, &x) in codes.iter_mut().zip(group.iter()) {
+                *c = ((x - lo) as f32 / step).round().min(255.0) as u8;
+            }
+            out.push(&codes, d * g as f32 * step, d * (g * lo) as f32);
+        }
+    }
+}
+
+fn gcd(a: u32, b: u32) -> u32 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
 }
 
 /// ggml's reference dequantization of the affine types, for tests.
 #[cfg(test)]
 pub fn reference_affine(ty: TensorType, block: &[u8]) -> [f32; 32] {
-    let d = half_at(block, 0).to_f32();
+    let d = half_at(block, 0);
     let mut out = [0f32; 32];
     match ty {
         TensorType::Q8_0 => {
@@ -246,7 +331,7 @@ pub fn reference_affine(ty: TensorType, block: &[u8]) -> [f32; 32] {
         }
         TensorType::Q4_0 | TensorType::Q4_1 => {
             let (m, qs) = if ty == TensorType::Q4_1 {
-                (half_at(block, 2).to_f32(), &block[4..20])
+                (half_at(block, 2), &block[4..20])
             } else {
                 (0.0, &block[2..18])
             };

@@ -37,6 +37,25 @@ fn random_blocks(ty: TensorType, blocks: usize, seed: u64) -> Vec<u8> {
     out
 }
 
+/// A quantized tensor's values, through MLX's `dequantize` in fp32.
+fn dequantized(loaded: Loaded) -> Vec<f32> {
+    let Loaded::Quantized {
+        weight,
+        scales,
+        biases,
+        quantization: q,
+    } = loaded
+    else {
+        panic!("loads quantized");
+    };
+    let (s, b) = (
+        scales.as_dtype(Dtype::Float32).unwrap(),
+        biases.as_dtype(Dtype::Float32).unwrap(),
+    );
+    let a = ops::dequantize(&weight, &s, &b, q.group_size, q.bits).unwrap();
+    a.as_slice::<f32>().to_vec()
+}
+
 fn info(name: &str, ty: TensorType, shape: Vec<usize>, len: usize) -> TensorInfo {
     TensorInfo {
         name: name.into(),
@@ -106,11 +125,10 @@ fn k_quants_dequantize_by_their_block_layout() {
     for q in &mut b[16..144] {
         *q = 5 | (9 << 4);
     }
-    let Loaded::Dense(a) = blocks::load(&info("k", TensorType::Q4K, vec![256], 144), &b) else {
-        panic!("dense");
-    };
-    let a = a.as_dtype(Dtype::Float32).unwrap();
-    let v: &[f32] = a.as_slice();
+    let v = dequantized(blocks::load(
+        &info("k", TensorType::Q4K, vec![1, 256], 144),
+        &b,
+    ));
     for chunk in 0..4 {
         assert_eq!(v[chunk * 64], 0.5 * 2.0 * 5.0 - 0.25);
         assert_eq!(v[chunk * 64 + 32], 0.5 * 2.0 * 9.0 - 0.25);
@@ -127,11 +145,11 @@ fn k_quants_dequantize_by_their_block_layout() {
         *s = 3;
     }
     b[208..210].copy_from_slice(&f16::from_f32(0.125).to_le_bytes());
-    let Loaded::Dense(a) = blocks::load(&info("k", TensorType::Q6K, vec![256], 210), &b) else {
-        panic!("dense");
-    };
-    let a = a.as_dtype(Dtype::Float32).unwrap();
-    assert!(a.as_slice::<f32>().iter().all(|&x| x == 0.125 * 3.0 * 8.0));
+    let v = dequantized(blocks::load(
+        &info("k", TensorType::Q6K, vec![1, 256], 210),
+        &b,
+    ));
+    assert!(v.iter().all(|&x| x == 0.125 * 3.0 * 8.0));
 }
 
 /// Q5_0 from ggml's block definition: codes chosen per element, packed
@@ -151,10 +169,10 @@ fn q5_0_dequantizes_by_its_block_layout() {
     for j in 0..16 {
         b[6 + j] = (codes[j] & 0x0f) as u8 | ((codes[j + 16] & 0x0f) as u8) << 4;
     }
-    let Loaded::Dense(a) = blocks::load(&info("q", TensorType::Q5_0, vec![32], 22), &b) else {
-        panic!("dense");
-    };
-    let a = a.as_dtype(Dtype::Float32).unwrap();
+    let v = dequantized(blocks::load(
+        &info("q", TensorType::Q5_0, vec![1, 32], 22),
+        &b,
+    ));
     let want: Vec<f32> = codes.iter().map(|&c| d * (c as f32 - 16.0)).collect();
-    assert_eq!(a.as_slice::<f32>(), &want[..]);
+    assert_eq!(v, want);
 }
