@@ -38,7 +38,12 @@ fn main() -> anyhow::Result<()> {
     let mut batch: Option<KvCache> = None;
     for r in 0..rows {
         let mut cache = m.new_cache(1);
-        eval([&prefill(m, &mut cache, &prompt(r as u64 + 1, context), 256)?])?;
+        eval([&prefill(
+            m,
+            &mut cache,
+            &prompt(r as u64 + 1, context),
+            256,
+        )?])?;
         batch = Some(KvCache::join(batch, cache)?);
     }
     let mut batch = batch.expect("--rows above 0");
