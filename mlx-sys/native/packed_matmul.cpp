@@ -6,6 +6,11 @@
 // call whatever the number of rows (up to 8 rows share one unpacking; more
 // rows re-read the row from L1), splits the output columns over every core,
 // and has AVX2+FMA and AVX-512 paths chosen by CPUID, plus a scalar one.
+// On this project's 2-core machine a decode step's products are bound by
+// instructions per weight, not by memory (one thread streams ~45 GB/s; the
+// products read ~15), so the AVX-512 path for up to Q4_ROWS rows of 4-bit
+// weights looks each weight up in its group's 16 values (`vpermps`)
+// instead of converting and scaling it (`span_avx512_q4`).
 // From TILED_ROWS rows (a batched step, a prefill chunk) the AVX-512 path
 // instead dequantizes each chunk of columns once into an fp32 panel and
 // multiplies register tiles of rows x columns (`span_avx512_tiled`).
@@ -17,9 +22,8 @@
 // does, and the sums run in fp32. With int8 activations instead (the
 // caller's choice), each row is rounded per block of 32 and multiplied by
 // integer dot products, `b * sum(x)` taken from the exact sums: as
-// llama.cpp's Q4_1 x Q8_1, a quarter of the instructions, but on a
-// machine where the step waits on the weights' memory stream no faster,
-// so fp32 stays the default (docs/benchmarks.md, issue 41).
+// llama.cpp's Q4_1 x Q8_1, at one row no faster here than the 4-bit
+// lookup in fp32, so fp32 stays the default (docs/benchmarks.md, issue 41).
 //
 // Kernels: 0 scalar, 1 AVX2+FMA, 2 AVX-512. `GATEWAY_CPU_KERNEL` (scalar,
 // avx2, avx512) caps the automatic choice; `GATEWAY_CPU_THREADS` sets the
@@ -287,23 +291,141 @@ __attribute__((target("avx2,fma,f16c"))) void block_avx2(const Problem& p, int o
 
 // ---------------------------------------------------------------- AVX-512
 
+// 16 weights of a 4-bit row, weight i's nibble in the low 4 bits of lane i
+// (the bits above it left as they are: `vpermps` reads only those 4).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) inline __m512i nibbles16(
+    const uint32_t* wp) {
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+  const __m128i two = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wp));
+  return _mm512_srlv_epi32(_mm512_permutexvar_epi32(spread, _mm512_castsi128_si512(two)), shifts);
+}
+
+// A 4-bit group's 16 weight values `scale * q + bias`, the fp32 rounding
+// of each as MLX's `dequantize` makes it, for `vpermps` to look up.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) inline __m512 q4_table(__m512 sc,
+                                                                                          __m512 bi) {
+  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_fmadd_ps(levels, sc, bi);
+}
+
 // Unpacks 16 weights of a packed row (4 or 8 bits) to int32 lanes.
 template <int BITS>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) inline __m512i unpack16(
     const uint32_t* wp) {
   if constexpr (BITS == 4) {
-    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    const __m512i shifts =
-        _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
-    const __m128i two = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wp));
-    return _mm512_and_si512(
-        _mm512_srlv_epi32(_mm512_permutexvar_epi32(spread, _mm512_castsi128_si512(two)), shifts),
-        _mm512_set1_epi32(0xF));
+    return _mm512_and_si512(nibbles16(wp), _mm512_set1_epi32(0xF));
   } else {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
   }
 }
 
+
+// 16 fp16 or fp32 scales (or biases) as fp32.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) inline __m512 load16(const uint16_t* v) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)));
+}
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) inline __m512 load16(const float* v) {
+  return _mm512_loadu_ps(v);
+}
+
+// One group of `block_avx512_q4_as`: its weights times R rows into `acc`,
+// `wp` and `xp` moved past it.
+template <int R, int PER_GROUP>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"), always_inline)) inline void q4_group(
+    const uint32_t*& wp, const float*& xp, size_t ldx, __m512 table, __m512 (&acc)[R][2]) {
+  const __m512i low = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+  const __m512i high = _mm512_setr_epi32(16, 16, 16, 16, 20, 20, 20, 20, 24, 24, 24, 24, 28, 28, 28, 28);
+#pragma GCC unroll 4
+  for (int j = 0; j < PER_GROUP; ++j, wp += 4, xp += 32) {
+    const __m512i four = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
+    const __m512 w0 = _mm512_permutexvar_ps(_mm512_srlv_epi32(four, low), table);
+    const __m512 w1 = _mm512_permutexvar_ps(_mm512_srlv_epi32(four, high), table);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp + r * ldx), acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xp + r * ldx + 16), acc[r][1]);
+    }
+  }
+}
+
+// Column `o` of 4-bit weights for R rows, 32 weights at a time: their 16
+// bytes broadcast to each 128-bit lane of a vector and shifted per lane
+// give two vectors whose lanes' low 4 bits are weight (l % 4) * 8 + l / 4
+// and that + 4 (the packed order of four words); `vpermps` then looks each nibble up in `q4_table`. Rows of
+// x come in the same order (`q4_order`). Three instructions per 16
+// weights where unpacking, converting and scaling took five; the scales
+// and biases of 16 groups are widened at once, each group's picked out by
+// a permute (scalar loads, conversions and broadcasts per group cost as
+// much as the group's products). PER_GROUP: blocks of 32 in a group.
+template <int R, int PER_GROUP, typename S>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void block_avx512_q4_as(
+    const Problem& p, int o) {
+  const int groups = p.k / p.group;
+  const size_t ldx = size_t(p.k);
+  const uint32_t* wp = p.w + size_t(o) * (p.k / 8);
+  const S* sr = static_cast<const S*>(p.s) + size_t(o) * groups;
+  const S* br = static_cast<const S*>(p.b) + size_t(o) * groups;
+  const float* xp = p.x;
+  __m512 acc[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  int g = 0;
+  for (; g + 16 <= groups; g += 16) {
+    const __m512 sc = load16(sr + g), bi = load16(br + g);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      const __m512i at = _mm512_set1_epi32(i);
+      const __m512 table = q4_table(_mm512_permutexvar_ps(at, sc), _mm512_permutexvar_ps(at, bi));
+      q4_group<R, PER_GROUP>(wp, xp, ldx, table, acc);
+    }
+  }
+  for (; g < groups; ++g)
+    q4_group<R, PER_GROUP>(wp, xp, ldx,
+                           q4_table(_mm512_set1_ps(wide_f16c(sr[g])), _mm512_set1_ps(wide_f16c(br[g]))), acc);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    p.y[size_t(r) * p.n + o] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+
+template <int R, typename S>
+void block_avx512_q4(const Problem& p, int o) {
+  switch (p.group) {
+    case 32: return block_avx512_q4_as<R, 1, S>(p, o);
+    case 64: return block_avx512_q4_as<R, 2, S>(p, o);
+    default: return block_avx512_q4_as<R, 4, S>(p, o);
+  }
+}
+
+// Up to this many rows, 4-bit products on the AVX-512 path take
+// `block_avx512_q4` (from 4 rows `block_avx512` has enough independent
+// sums and was as fast or faster).
+constexpr int Q4_ROWS = 3;
+
+template <typename S>
+void span_avx512_q4_as(const Problem& p, int o0, int o1) {
+  for (int o = o0; o < o1; ++o) {
+    switch (p.m) {
+      case 1: block_avx512_q4<1, S>(p, o); break;
+      case 2: block_avx512_q4<2, S>(p, o); break;
+      default: block_avx512_q4<3, S>(p, o); break;
+    }
+  }
+}
+
+void span_avx512_q4(const Problem& p, int o0, int o1) {
+  if (p.half) span_avx512_q4_as<uint16_t>(p, o0, o1);
+  else span_avx512_q4_as<float>(p, o0, o1);
+}
+
+// Rows of x (m x k) with each block of 32 in `block_avx512_q4`'s order.
+void q4_order(const float* x, int m, int k, float* out) {
+  for (size_t b = 0; b < size_t(m) * k; b += 32)
+    for (int l = 0; l < 16; ++l) {
+      out[b + l] = x[b + (l % 4) * 8 + l / 4];
+      out[b + 16 + l] = x[b + (l % 4) * 8 + 4 + l / 4];
+    }
+}
 
 template <int R, int BITS, typename S>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void block_avx512(
@@ -551,8 +673,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void dequanti
     float* row = panel + size_t(c) * p.k;
     for (int g = 0; g < groups; ++g) {
       const __m512 sc = _mm512_set1_ps(wide_f16c(sr[g])), bi = _mm512_set1_ps(wide_f16c(br[g]));
-      for (int v = 0; v < per_group; ++v, wp += BITS / 2, row += 16)
-        _mm512_storeu_ps(row, _mm512_fmadd_ps(_mm512_cvtepi32_ps(unpack16<BITS>(wp)), sc, bi));
+      const __m512 table = q4_table(sc, bi);
+      for (int v = 0; v < per_group; ++v, wp += BITS / 2, row += 16) {
+        if constexpr (BITS == 4) _mm512_storeu_ps(row, _mm512_permutexvar_ps(nibbles16(wp), table));
+        else _mm512_storeu_ps(row, _mm512_fmadd_ps(_mm512_cvtepi32_ps(unpack16<BITS>(wp)), sc, bi));
+      }
     }
   }
   std::memset(panel + size_t(cols) * p.k, 0, sizeof(float) * size_t(PANEL - cols) * p.k);
@@ -758,6 +883,17 @@ bool has_vnni() {
 #endif
 }
 
+void run_span(const Problem& p, Span span) {
+  Pool& pool = Pool::get();
+  // Chunks taken in turn, so a thread slowed by other work on its core
+  // takes fewer; whole panels for the tiled span.
+  int chunk = std::max(4, p.n / (pool.threads() * 8));
+#if defined(__x86_64__)
+  if (span == span_avx512_tiled) chunk = (chunk + PANEL - 1) / PANEL * PANEL;
+#endif
+  pool.run(p, span, chunk);
+}
+
 void compute(const Problem& p, int kernel) {
   Span span = p.xq ? span_scalar_int8 : span_scalar;
 #if defined(__x86_64__)
@@ -767,17 +903,20 @@ void compute(const Problem& p, int kernel) {
     else if (kernel >= AVX2) span = span_avx2_int8;
   } else {
     if (kernel == AVX512) span = p.m >= tiled_rows() ? span_avx512_tiled : span_avx512;
+    if (kernel == AVX512 && p.bits == 4 && p.m <= Q4_ROWS) span = span_avx512_q4;
     if (kernel == AVX2) span = span_avx2;
   }
+  if (span == span_avx512_q4) {
+    // Scratch of the stream's thread (workers read it within this call).
+    thread_local std::vector<float> ordered;
+    ordered.resize(size_t(p.m) * p.k);
+    q4_order(p.x, p.m, p.k, ordered.data());
+    Problem q = p;
+    q.x = ordered.data();
+    return run_span(q, span);
+  }
 #endif
-  Pool& pool = Pool::get();
-  // Chunks taken in turn, so a thread slowed by other work on its core
-  // takes fewer; whole panels for the tiled span.
-  int chunk = std::max(4, p.n / (pool.threads() * 8));
-#if defined(__x86_64__)
-  if (span == span_avx512_tiled) chunk = (chunk + PANEL - 1) / PANEL * PANEL;
-#endif
-  pool.run(p, span, chunk);
+  run_span(p, span);
 }
 
 // ---------------------------------------------------------------- primitive
