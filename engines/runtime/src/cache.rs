@@ -407,6 +407,11 @@ impl KvCache {
         self.left_pad.len()
     }
 
+    /// Whether its keys and values live in a page pool's blocks.
+    pub fn is_paged(&self) -> bool {
+        self.paged.is_some()
+    }
+
     /// Columns filled, padding included.
     pub fn len(&self) -> i32 {
         self.len

@@ -11,6 +11,7 @@ use mlx_rs::{ops, random, Array, Dtype};
 
 type R<T> = Result<T, mlx_rs::error::Exception>;
 
+#[derive(Clone)]
 pub struct Sampler {
     params: SamplingParams,
     vocab: i32,

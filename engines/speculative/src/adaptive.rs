@@ -272,22 +272,32 @@ impl DraftSizer {
     /// step, so that a source with device work does not run it for
     /// nothing.
     pub fn plan(&mut self, cost: &RoundCost, limit: usize) -> usize {
-        if !self.adaptive {
-            return limit;
-        }
-        let most = self
-            .kinds
-            .iter()
-            .map(|k| k.best(cost, limit).max(k.probe_due(cost) as usize))
-            .max()
-            .unwrap_or(0)
-            .min(limit);
-        if most == 0 {
+        let most = self.most(cost, limit);
+        if self.adaptive && most == 0 {
             for k in &mut self.kinds {
                 k.waited += 1;
             }
         }
         most
+    }
+
+    /// Whether the next [`DraftSizer::plan`] will say 0, whatever token
+    /// comes before it: the engine then queues that plain step before
+    /// reading the token, as a plain decoding loop does.
+    pub fn plans_nothing(&self, cost: &RoundCost, limit: usize) -> bool {
+        self.most(cost, limit) == 0
+    }
+
+    fn most(&self, cost: &RoundCost, limit: usize) -> usize {
+        if !self.adaptive {
+            return limit;
+        }
+        self.kinds
+            .iter()
+            .map(|k| k.best(cost, limit).max(k.probe_due(cost) as usize))
+            .max()
+            .unwrap_or(0)
+            .min(limit)
     }
 
     /// After proposing `limit` tokens with evidence `kind`: how many of
@@ -347,6 +357,40 @@ mod tests {
                 k
             })
             .collect()
+    }
+
+    #[test]
+    fn plans_nothing_foretells_the_next_plan() {
+        // Accepted drafts, then rejections (probes thinning out), and
+        // rounds with no budget: every round's forecast is what plan()
+        // then says.
+        let mut cost = RoundCost::default();
+        cost.record(0, Duration::from_millis(10));
+        let mut s = DraftSizer::new(8, 2, true);
+        let (mut plain, mut drafting) = (0, 0);
+        for round in 0..600 {
+            let limit = if round % 97 == 0 { 0 } else { 8 };
+            let forecast = s.plans_nothing(&cost, limit);
+            let planned = s.plan(&cost, limit);
+            assert_eq!(forecast, planned == 0, "round {round}");
+            let k = match planned {
+                0 => 0,
+                most => s.size(&cost, round % 2, most),
+            };
+            let accepted = if round < 150 { k } else { 0 };
+            s.learn(round % 2, k, accepted);
+            cost.record(k, Duration::from_millis(10 + k as u64));
+            (plain, drafting) = match planned {
+                0 => (plain + 1, drafting),
+                _ => (plain, drafting + 1),
+            };
+        }
+        assert!(
+            plain > 300 && drafting > 100,
+            "{plain} plain, {drafting} drafting"
+        );
+        let fixed = DraftSizer::new(8, 1, false);
+        assert!(!fixed.plans_nothing(&cost, 8) && fixed.plans_nothing(&cost, 0));
     }
 
     #[test]

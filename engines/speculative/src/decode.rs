@@ -30,7 +30,7 @@ use std::sync::Arc;
 
 use engine_core::{FinishReason, GenerateRequest, SpecStats, StreamError};
 use grammar::Allowed;
-use mlx_rs::transforms::eval;
+use mlx_rs::transforms::{async_eval, eval};
 use mlx_rs::{ops, Array, Dtype};
 use runtime::generate::tokens_array;
 use runtime::handover::HandoverSink;
@@ -176,8 +176,7 @@ impl Sequence {
         cache: impl FnOnce() -> anyhow::Result<KvCache>,
     ) -> anyhow::Result<Plan> {
         let newest = *self.history.last().expect("prefilled");
-        // Never draft past max_tokens: a round commits at most k + 1.
-        let budget = (self.seq.tokens_left().saturating_sub(1) as usize).min(self.max_draft);
+        let budget = self.draft_budget(0);
         let limit = match (&self.draft, speculate) {
             (Some(_), true) => self.sizer.plan(cost, budget),
             _ => 0,
@@ -238,6 +237,67 @@ impl Sequence {
             kind,
             sets,
         })
+    }
+
+    /// Most tokens a round may draft once `committing` more tokens are
+    /// committed: never past max_tokens (a round commits at most k + 1).
+    fn draft_budget(&self, committing: u32) -> usize {
+        let left = self.seq.tokens_left().saturating_sub(committing);
+        (left.saturating_sub(1) as usize).min(self.max_draft)
+    }
+
+    /// Whether the round after this plain one (its token not yet read)
+    /// will be a plain step whatever that token is, so it can be queued
+    /// before the token is read: the sequence goes on past it, nothing
+    /// will be drafted, and neither a grammar nor penalties need the token
+    /// on the host. Only where a queued step is undone by dropping its
+    /// position (no recurrent state, no page pool).
+    fn plain_next(
+        &self,
+        model: &Model,
+        speculate: bool,
+        cost: &RoundCost,
+        cache: &KvCache,
+    ) -> bool {
+        let drafting = self.draft.is_some() && speculate;
+        !self.is_finished()
+            && self.seq.tokens_left() >= 2
+            && self.seq.constraint.is_none()
+            && !self.seq.sampler.reads_history()
+            && !model.is_hybrid()
+            && !cache.is_paged()
+            && (!drafting || self.sizer.plans_nothing(cost, self.draft_budget(1)))
+    }
+
+    /// Queues the plain step after `pick` (`[1]`, this round's token, on
+    /// the device and not yet read): its forward into `cache` and its pick,
+    /// drawn with the key of the position after, computed in the
+    /// background while the host reads and streams `pick`.
+    fn queue_plain(
+        &self,
+        model: &Model,
+        cache: &mut KvCache,
+        pick: &Array,
+    ) -> anyhow::Result<Queued> {
+        let input = pick.reshape(&[1, 1])?;
+        let out = model.forward_tapped(&input, cache, Logits::All, &self.taps)?;
+        let mut after = self.seq.sampler.clone();
+        after.pass_key()?;
+        let picks = after.picks_along(&out.logits, &[], &[])?;
+        async_eval([&picks])?;
+        Ok(Queued {
+            plan: Plan::plain(input),
+            out,
+            picks,
+        })
+    }
+
+    /// A queued plain round's planning: the sizer counts it as a round it
+    /// chose not to draft in.
+    fn plan_queued(&mut self, speculate: bool, cost: &RoundCost) {
+        if self.draft.is_some() && speculate {
+            self.sizer.plan(cost, self.draft_budget(0));
+        }
     }
 
     /// Learns from the verdict, shows the drafter the committed positions
@@ -399,7 +459,27 @@ struct Verdict {
     accepted: usize,
 }
 
+/// A lone row's next plain step, queued before the current round's token
+/// was read ([`Sequence::queue_plain`]): its position is in the cache.
+struct Queued {
+    plan: Plan,
+    out: Tapped,
+    /// `[1]` int32, being computed.
+    picks: Array,
+}
+
 impl Plan {
+    /// A plain step's: `[1, 1]`, the newest token alone.
+    fn plain(input: Array) -> Self {
+        Self {
+            input,
+            lazy: None,
+            proposed: Vec::new(),
+            kind: 0,
+            sets: Vec::new(),
+        }
+    }
+
     fn drafted(&self) -> i32 {
         self.input.dim(1) - 1
     }
@@ -429,6 +509,9 @@ impl Plan {
 pub struct Batch {
     seqs: Vec<Sequence>,
     cache: Option<KvCache>,
+    /// The next plain step of a lone row, already in `cache` and on its
+    /// way ([`Batch::round`]).
+    queued: Option<Queued>,
 }
 
 impl Batch {
@@ -452,6 +535,10 @@ impl Batch {
     /// Adds a prefilled sequence as the last row; on failure it is handed
     /// back with the error.
     pub fn join(&mut self, mut seq: Sequence) -> Result<(), (Sequence, anyhow::Error)> {
+        if let Err(e) = self.unqueue() {
+            self.fail(runtime::memory::failed_step(&e));
+            return Err((seq, e));
+        }
         let own = seq.take_cache();
         let stacked = KvCache::join(self.cache.take(), own);
         match stacked {
@@ -470,6 +557,9 @@ impl Batch {
     /// Concludes every ending row with its own row of the cache, then
     /// drops the rows that finished.
     pub fn retire(&mut self) -> anyhow::Result<()> {
+        if self.any_finished() {
+            self.unqueue()?;
+        }
         let Some(cache) = &mut self.cache else {
             return Ok(());
         };
@@ -497,6 +587,13 @@ impl Batch {
     /// its state stays here) over to it, each with its own row of the
     /// cache, evaluated; returns how many moved.
     pub fn hand_over(&mut self, sink: &dyn HandoverSink) -> anyhow::Result<usize> {
+        if self
+            .seqs
+            .iter()
+            .any(|s| !s.is_finished() && s.seq.can_hand_over())
+        {
+            self.unqueue()?;
+        }
         let Some(cache) = &mut self.cache else {
             return Ok(0);
         };
@@ -542,6 +639,18 @@ impl Batch {
         }
         self.seqs.clear();
         self.cache = None;
+        self.queued = None;
+    }
+
+    /// Drops the queued plain step (its row ends, moves, or others join):
+    /// the cache goes back to every committed token but the newest.
+    fn unqueue(&mut self) -> anyhow::Result<()> {
+        if self.queued.take().is_some() {
+            if let Some(cache) = &mut self.cache {
+                cache.truncate_rows(&[1])?;
+            }
+        }
+        Ok(())
     }
 
     /// One round of every row: each drafts on its own (when `speculate`
@@ -562,41 +671,23 @@ impl Batch {
         let Some(cache) = &mut self.cache else {
             return Ok(Vec::new());
         };
-        let mut plans = Vec::with_capacity(self.seqs.len());
-        for (b, seq) in self.seqs.iter_mut().enumerate() {
-            let plan = match seq.is_finished() {
-                true => None,
-                false => match seq.plan(model, speculate, cost, || cache.row_view(b)) {
-                    Ok(plan) => Some(plan),
-                    Err(e) => {
-                        tracing::error!(request = %seq.request().id, error = %e, "drafting failed");
-                        seq.fail(runtime::memory::failed_step(&e));
-                        None
-                    }
-                },
-            };
-            plans.push(plan);
-        }
-        let Some(width) = plans.iter().flatten().map(|p| p.input.dim(1)).max() else {
-            return Ok(Vec::new());
+        let (mut plans, rows, width) = match self.queued.take() {
+            Some(q) => {
+                self.seqs[0].plan_queued(speculate, cost);
+                (vec![Some(q.plan)], vec![Some((q.out, q.picks))], 1)
+            }
+            None => match Self::verify(&mut self.seqs, cache, model, speculate, cost)? {
+                Some(verified) => verified,
+                None => return Ok(Vec::new()),
+            },
         };
-        let dummy = Array::from_slice(&[0i32], &[1, 1]);
-        let input = plans
-            .iter()
-            .map(|p| right_padded(p.as_ref().map_or(&dummy, |p| &p.input), width))
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        let taps = self.seqs[0].taps.clone();
-        let out = model.forward_tapped(&ops::concatenate(&input, 0)?, cache, Logits::All, &taps)?;
-        let mut rows = Vec::new();
-        for (b, plan) in plans.iter().enumerate() {
-            rows.push(match plan {
-                Some(plan) => {
-                    let out = row_of(&out, b as i32, plan.input.dim(1))?;
-                    let picks = self.seqs[b].picks(&out.logits, &plan.proposed, &plan.sets)?;
-                    Some((out, picks))
-                }
-                None => None,
-            });
+        // A lone row's plain step: the next one is queued before this
+        // one's token is read, as a plain decoding loop does, when nothing
+        // will be drafted whatever the token is.
+        if let ([seq], [Some(plan)], [Some((_, picks))]) = (&self.seqs[..], &plans[..], &rows[..]) {
+            if plan.drafted() == 0 && seq.plain_next(model, speculate, cost, cache) {
+                self.queued = Some(seq.queue_plain(model, cache, picks)?);
+            }
         }
         // One sync for the whole batch: every row's choices and lazy drafts.
         let pending = rows
@@ -619,7 +710,10 @@ impl Batch {
             .iter()
             .map(|v| v.as_ref().map_or(width, |v| width - 1 - v.accepted as i32))
             .collect();
-        cache.truncate_rows(&drop)?;
+        // A queued step follows a plain round: nothing to drop.
+        if self.queued.is_none() {
+            cache.truncate_rows(&drop)?;
+        }
         let mut stats = Vec::new();
         let rounds = self.seqs.iter_mut().zip(plans).zip(verdicts).zip(rows);
         for (((seq, plan), verdict), row) in rounds {
@@ -634,7 +728,61 @@ impl Batch {
                 }
             }
         }
+        if self.queued.is_some() && self.seqs[0].is_finished() {
+            self.unqueue()?;
+        }
         Ok(stats)
+    }
+
+    /// Every row drafts on its own (when `speculate` and its drafts are
+    /// expected to pay at `cost`), then one forward verifies every row's
+    /// block, right-padded to the widest: the plans, each row's output and
+    /// lazy picks, and the width; `None` when no row runs.
+    #[allow(clippy::type_complexity)]
+    fn verify(
+        seqs: &mut [Sequence],
+        cache: &mut KvCache,
+        model: &Model,
+        speculate: bool,
+        cost: &RoundCost,
+    ) -> anyhow::Result<Option<(Vec<Option<Plan>>, Vec<Option<(Tapped, Array)>>, i32)>> {
+        let mut plans = Vec::with_capacity(seqs.len());
+        for (b, seq) in seqs.iter_mut().enumerate() {
+            let plan = match seq.is_finished() {
+                true => None,
+                false => match seq.plan(model, speculate, cost, || cache.row_view(b)) {
+                    Ok(plan) => Some(plan),
+                    Err(e) => {
+                        tracing::error!(request = %seq.request().id, error = %e, "drafting failed");
+                        seq.fail(runtime::memory::failed_step(&e));
+                        None
+                    }
+                },
+            };
+            plans.push(plan);
+        }
+        let Some(width) = plans.iter().flatten().map(|p| p.input.dim(1)).max() else {
+            return Ok(None);
+        };
+        let dummy = Array::from_slice(&[0i32], &[1, 1]);
+        let input = plans
+            .iter()
+            .map(|p| right_padded(p.as_ref().map_or(&dummy, |p| &p.input), width))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let taps = seqs[0].taps.clone();
+        let out = model.forward_tapped(&ops::concatenate(&input, 0)?, cache, Logits::All, &taps)?;
+        let mut rows = Vec::new();
+        for (b, plan) in plans.iter().enumerate() {
+            rows.push(match plan {
+                Some(plan) => {
+                    let out = row_of(&out, b as i32, plan.input.dim(1))?;
+                    let picks = seqs[b].picks(&out.logits, &plan.proposed, &plan.sets)?;
+                    Some((out, picks))
+                }
+                None => None,
+            });
+        }
+        Ok(Some((plans, rows, width)))
     }
 }
 

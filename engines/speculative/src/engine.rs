@@ -317,6 +317,11 @@ impl Worker {
             Ok((rounds, took)) => {
                 // The batch's verify width is what its forward cost.
                 let width = rounds.iter().map(|r| r.drafted).max().unwrap_or(0) as usize;
+                if tracing::enabled!(tracing::Level::DEBUG) {
+                    let accepted: u32 = rounds.iter().map(|r| r.accepted).sum();
+                    tracing::debug!(engine = %self.name, rows = batch.len(), width, accepted,
+                        took_us = took.as_micros() as u64, "round");
+                }
                 cost.record(width, took);
                 let decode = cost.decode_seconds(width, took);
                 let mut window = lock(&self.state.window);

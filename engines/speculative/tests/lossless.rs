@@ -702,6 +702,55 @@ fn seeded_sampling_equals_plain_sampling_for_every_draft_source() {
     assert_eq!(t.shared.kv_pool.allocated(), 0);
 }
 
+/// A lone sampled request whose drafts are (almost) always wrong soon runs plain
+/// steps, each queued on the device before the token before it is read
+/// (as plain decoding loops do): the tokens plain sampling draws with the
+/// same seed, one target forward per token, and at a stop token the
+/// queued step dropped (every KV block returned).
+#[test]
+fn queued_plain_steps_sample_like_plain_sampling() {
+    let t = target(Family::Qwen3);
+    let p = random_prompt(11, 10, 500);
+    let params = |seed| SamplingParams {
+        temperature: 2.0,
+        top_k: 40,
+        top_p: 0.95,
+        logit_bias: vec![(7, 1.5), (11, -2.0)],
+        seed: Some(seed),
+        ..SamplingParams::default()
+    };
+    let batched = batched_engine(&t);
+    let e = oracle_engine_of(&t, std::slice::from_ref(&p), 8, true);
+    let n = 96;
+    let mut texts = std::collections::HashSet::new();
+    for seed in 0..3u64 {
+        let (want, _) = run(batched
+            .submit(sampled_request(&p, n, params(seed)))
+            .unwrap());
+        texts.insert(want.clone());
+        let (tokens, f) = run(e.submit(sampled_request(&p, n, params(seed))).unwrap());
+        assert_eq!(tokens, want, "seed {seed}");
+        let spec = f.spec.unwrap();
+        assert_eq!(spec.target_forwards + spec.accepted, n as u64);
+        assert!(spec.drafted <= 16, "mostly plain steps: {spec:?}");
+        // A stop token first drawn later in the answer, among plain steps
+        // (this tiny model repeats itself: its first new token).
+        let first = want.iter().position(|&x| x != want[0]).unwrap();
+        assert!(first >= 8, "{want:?}");
+        let stop = want[first];
+        let mut req = sampled_request(&p, n, params(seed));
+        req.stop_tokens = vec![stop];
+        let (tokens, f) = run(e.submit(req).unwrap());
+        assert_eq!(tokens, want[..first], "seed {seed}, stop {stop}");
+        assert_eq!(
+            (f.reason, f.completion_tokens),
+            (FinishReason::Stop, first as u32)
+        );
+    }
+    assert_eq!(texts.len(), 3, "seeds draw different texts");
+    assert_eq!(t.shared.kv_pool.allocated(), 0);
+}
+
 /// Same seed, same text: the adaptive sizing (timed, so it differs from
 /// run to run) changes which drafts are verified, never the output.
 #[test]
