@@ -748,6 +748,26 @@ fn queued_plain_steps_sample_like_plain_sampling() {
         );
     }
     assert_eq!(texts.len(), 3, "seeds draw different texts");
+    // A request joining the lone row: the queued step is dropped first,
+    // and both go on as plain sampling.
+    let (long, short) = (400, 32);
+    let (want_long, _) = run(batched
+        .submit(sampled_request(&p, long, params(7)))
+        .unwrap());
+    let (want_short, _) = run(batched
+        .submit(sampled_request(&p, short, params(8)))
+        .unwrap());
+    let mut first = e.submit(sampled_request(&p, long, params(7))).unwrap();
+    let mut tokens = Vec::new();
+    while tokens.len() < 60 {
+        match first.blocking_recv().unwrap() {
+            Event::Token(t) => tokens.push(t.id),
+            other => panic!("{other:?}"),
+        }
+    }
+    let (joined, _) = run(e.submit(sampled_request(&p, short, params(8))).unwrap());
+    tokens.extend(run(first).0);
+    assert_eq!((tokens, joined), (want_long, want_short));
     assert_eq!(t.shared.kv_pool.allocated(), 0);
 }
 
