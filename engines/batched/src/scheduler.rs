@@ -652,14 +652,8 @@ impl<D: Device> Scheduler<D> {
     /// previous one's tokens; a chunk that ends its prompt is read in this
     /// step (its row joins the batch and decodes from the next).
     fn mixed(&mut self, chunks: &[usize]) -> anyhow::Result<()> {
-        let pipelined = self.pipeline && self.rows.iter().all(|r| r.seq.pipelines());
-        let rows = &self.rows;
-        if let Some(step) = self
-            .pending
-            .take_if(|s| !pipelined || !continues_after(rows, s.rows()))
-        {
-            self.land(step)?;
-        }
+        let pipelined = self.pipelined();
+        self.land_unless_continued(pipelined)?;
         let spans: Vec<(usize, usize, bool)> = chunks
             .iter()
             .enumerate()
@@ -724,6 +718,26 @@ impl<D: Device> Scheduler<D> {
         Ok(())
     }
 
+    /// Whether the next step may be queued before the last is read: the
+    /// engine pipelines and no row must be read first.
+    fn pipelined(&self) -> bool {
+        self.pipeline && self.rows.iter().all(|r| r.seq.pipelines())
+    }
+
+    /// Reads the queued step unless the next one continues it. Nothing is
+    /// queued behind a step that ends every row by length, or once
+    /// pipelining stopped (a constrained row joined).
+    fn land_unless_continued(&mut self, pipelined: bool) -> anyhow::Result<()> {
+        let rows = &self.rows;
+        if let Some(step) = self
+            .pending
+            .take_if(|s| !pipelined || !continues_after(rows, s.rows()))
+        {
+            self.land(step)?;
+        }
+        Ok(())
+    }
+
     /// One decode step of the batch. Pipelined, the step is built on the
     /// previous step's tokens still on the device and queued before they
     /// are read; the rows that finish with them are dropped from the step
@@ -733,18 +747,10 @@ impl<D: Device> Scheduler<D> {
         if self.batch.is_none() {
             return Ok(());
         }
-        let pipelined = self.pipeline && self.rows.iter().all(|r| r.seq.pipelines());
-        // Nothing is queued behind a step that ends every row by length,
-        // or once pipelining stopped (a constrained row joined).
-        let rows = &self.rows;
-        if let Some(step) = self
-            .pending
-            .take_if(|s| !pipelined || !continues_after(rows, s.rows()))
-        {
-            self.land(step)?;
-            if self.batch.is_none() {
-                return Ok(());
-            }
+        let pipelined = self.pipelined();
+        self.land_unless_continued(pipelined)?;
+        if self.batch.is_none() {
+            return Ok(());
         }
         let prev = self.pending.take();
         let building = Instant::now();
