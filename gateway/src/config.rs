@@ -569,7 +569,7 @@ mod tests {
                 rate(0.1)(s);
                 s.greedy = false
             })),
-            ("lookup".into(), "alone-and-sampled".into())
+            ("batched".into(), "alone-and-sampled".into())
         );
         assert_eq!(route(signals(&|s| s.prompt_tokens = 9000)).0, "batched");
         assert_eq!(route(signals(&|s| s.kv_pressure = 0.9)).0, "batched");
