@@ -13,7 +13,7 @@
 
 use std::path::PathBuf;
 
-use fixtures::reference::{argmax, logit_rows, worst_difference};
+use fixtures::reference::{argmax, equal_prefix, logit_rows, worst_difference};
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::transforms::eval;
 use mlx_rs::{fast, ops, Array, Dtype};
@@ -217,22 +217,14 @@ fn main() {
     let (want_tokens, want) = run(model, &prompt, gen, 1, &[]);
     gpu_fused::set_enabled(true);
     let (tokens, got) = run(model, &prompt, gen, 1, &[]);
-    let same = tokens
-        .iter()
-        .zip(&want_tokens)
-        .take_while(|(a, b)| a == b)
-        .count();
+    let same = equal_prefix(&tokens, &want_tokens);
     println!(
         "model {dir} ({:?}): single steps with the kernels, {same} of {gen} greedy tokens equal; worst logit difference {:.3e}",
         model.dtype(),
         worst_difference(&got, &want)
     );
     let (tokens, got) = run(model, &prompt, gen, 8, &want_tokens);
-    let same = tokens
-        .iter()
-        .zip(&want_tokens)
-        .take_while(|(a, b)| a == b)
-        .count();
+    let same = equal_prefix(&tokens, &want_tokens);
     println!(
         "blocks of 8 with the kernels, teacher forced: {same} of {gen} argmaxes equal; worst logit difference {:.3e}",
         worst_difference(&got, &want)

@@ -14,7 +14,7 @@
 
 use std::path::PathBuf;
 
-use fixtures::reference::{argmax, logit_rows, worst_difference};
+use fixtures::reference::{argmax, equal_prefix, logit_rows, worst_difference};
 use runtime::generate::{prefill, tokens_array};
 use runtime::model::Logits;
 use runtime::{ComputeDtype, LoadedModel, Model};
@@ -117,11 +117,7 @@ fn main() {
         s.spawn(|| {
             let model = &shared.model;
             let (again, _) = reference(model, &prompt, gen);
-            let same = again
-                .iter()
-                .zip(&tokens)
-                .take_while(|(a, b)| a == b)
-                .count();
+            let same = equal_prefix(&again, &tokens);
             println!("own thread, single steps: {same} of {gen} tokens equal the main thread's");
             report("own thread", model, &prompt, &tokens, &want);
         });

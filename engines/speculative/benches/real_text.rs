@@ -39,6 +39,7 @@ use batched::{BatchedConfig, BatchedEngine};
 use common::{record_schema, RECORD};
 use engine_core::{Engine, GenerateRequest, Grammar, SpecStats};
 use fastpath::FastpathEngine;
+use fixtures::reference::equal_prefix;
 use runtime::{ComputeDtype, KvPool, LoadedModel, SharedModel};
 use speculative::SpecSettings;
 
@@ -404,11 +405,7 @@ fn main() {
 /// Reports a run whose tokens left the fast path's.
 fn check(kind: &str, engine: &str, ids: &[u32], reference: &[u32]) {
     if ids != reference {
-        let same = ids
-            .iter()
-            .zip(reference)
-            .take_while(|(a, b)| a == b)
-            .count();
+        let same = equal_prefix(&ids, reference);
         println!("{kind}: {engine} diverged from the fast path after {same} tokens");
     }
 }

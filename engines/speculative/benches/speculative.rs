@@ -34,6 +34,7 @@ use engine_core::{Engine, Event, GenerateRequest, SpecStats};
 use fastpath::FastpathEngine;
 use fixtures::model::{write_model, TinySpec};
 use fixtures::qwen::QwenShape;
+use fixtures::reference::equal_prefix;
 use runtime::{Family, KvPool, LoadedModel, SharedModel};
 use speculative::engine::DraftPlan;
 use speculative::{DraftSource, Replay, SpecEngine, SpecSettings};
@@ -363,11 +364,7 @@ fn main() {
         if *name == "fastpath" {
             reference = ids;
         } else {
-            let same = ids
-                .iter()
-                .zip(&reference)
-                .take_while(|(a, b)| a == b)
-                .count();
+            let same = equal_prefix(&ids, &reference);
             println!(
                 "{name}: {same} of {} tokens equal the fast path's{}",
                 reference.len(),
