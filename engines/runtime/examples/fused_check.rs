@@ -3,7 +3,8 @@
 //!
 //!     cargo run --release -p runtime --example fused_check -- [--model DIR --gen 48]
 //!
-//! First each kernel on random operands, in bfloat16 and float32: one
+//! First each kernel on random operands, in bfloat16 and float32 (the
+//! gated product in bfloat16 and float16, 1-16 rows): one
 //! position a row and several, per-row positions up to 4,096, RoPE by
 //! base and by frequencies. Each line gives the largest difference and
 //! how many elements differ at all (a rounding of the sum of squares in
@@ -156,6 +157,35 @@ fn check_add_norm(dtype: Dtype) {
     line(&format!("add + rms_norm {dtype:?}, norm"), &y, &want_y);
 }
 
+/// The gate/up product and activation in one kernel against MLX's
+/// product and [`gpu_fused::gated`] after it; both products also against
+/// a float32 product of the same operands (its largest error should be
+/// MLX's).
+fn check_gated_product(dtype: Dtype, rows: i32, (k, f): (i32, i32)) {
+    let x = random(&[rows, k], dtype, 8);
+    let w = random(&[2 * f, k], dtype, 9)
+        .multiply(Array::from_f32(0.05).as_dtype(dtype).unwrap())
+        .unwrap();
+    let wt = w.t();
+    assert!(
+        gpu_fused::takes_gated_product(&x, &wt, rows),
+        "the kernel takes {rows} x {k} x {f}"
+    );
+    let got = gpu_fused::gated_product(&x, &wt, rows).unwrap();
+    let product = x.matmul(&wt).unwrap();
+    let want = gpu_fused::gated(&product).unwrap();
+    let exact = x
+        .as_dtype(Dtype::Float32)
+        .unwrap()
+        .matmul(&wt.as_dtype(Dtype::Float32).unwrap())
+        .unwrap();
+    let (mlx, _, _) = compare(&product, &exact);
+    let (worst, differ, all) = compare(&got, &want);
+    println!(
+        "gated product {dtype:?} {rows} x {k} x 2 * {f}: against MLX's product and gated {worst:.3e}, {differ} of {all} differ (MLX's product against float32 {mlx:.3e})"
+    );
+}
+
 /// Greedy tokens and logits, one token a forward (`k` = 1) or teacher
 /// forced on `forced` in blocks of `k`.
 fn run(
@@ -200,6 +230,13 @@ fn main() {
         check_heads(dtype, 1, true);
         check_gated(dtype);
         check_add_norm(dtype);
+    }
+    for dtype in [Dtype::Bfloat16, Dtype::Float16] {
+        for rows in [1, 3, 8, 16] {
+            for shape in [(2560, 9728), (96, 48)] {
+                check_gated_product(dtype, rows, shape);
+            }
+        }
     }
     let dir = arg("--model", "");
     if dir.is_empty() {

@@ -29,13 +29,15 @@ pub struct CudaKernel {
 impl CudaKernel {
     /// `source` is the kernel's body; it reads its `inputs` and writes its
     /// `outputs` by these names (MLX adds `<name>_shape` and
-    /// `<name>_strides` for those the body uses). With `contiguous`, MLX
-    /// copies inputs that are not row-contiguous first.
+    /// `<name>_strides` for those the body uses); `header` goes before the
+    /// kernel (device functions). With `contiguous`, MLX copies inputs that
+    /// are not row-contiguous first.
     pub fn new(
         name: &str,
         inputs: &[&str],
         outputs: &[&str],
         source: &str,
+        header: &str,
         contiguous: bool,
     ) -> anyhow::Result<Self> {
         let names = |list: &[&str]| -> anyhow::Result<mlx_sys::mlx_vector_string> {
@@ -50,7 +52,7 @@ impl CudaKernel {
         let outputs = names(outputs)?;
         let c_name = CString::new(name)?;
         let source = CString::new(source)?;
-        let header = CString::new("")?;
+        let header = CString::new(header)?;
         let raw = unsafe {
             let raw = mlx_sys::mlx_fast_cuda_kernel_new(
                 c_name.as_ptr(),

@@ -13,8 +13,12 @@
 //! - [`gated`]: SiLU(gate) * up straight from the stacked gate/up output
 //!   (three nodes: two slices and the compiled activation).
 //! - [`add_rms_norm`]: the residual add and the next norm, two outputs.
+//! - [`gated_product`]: the gate/up product and the activation in one
+//!   tensor-core kernel for up to 16 rows, where MLX's vector kernel and
+//!   cuBLASLt leave most of the card's bandwidth unused.
 //!
-//! `GATEWAY_GPU_FUSED=off` keeps MLX's ops.
+//! `GATEWAY_GPU_FUSED=off` keeps MLX's ops; `GATEWAY_GPU_PRODUCT=off`
+//! keeps MLX's gate/up product (and [`gated`] after it).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
@@ -43,6 +47,64 @@ pub fn enabled() -> bool {
 pub fn set_enabled(on: bool) {
     SWITCHED_OFF.store(!on, Ordering::Relaxed);
 }
+
+/// The most rows [`gated_product`] takes: two 8-row tiles. From 32 rows
+/// on, re-reading the activations from L2 for every 16 weight rows costs
+/// more than cuBLASLt's tiles (scripts/device/skinny_product.py).
+pub const PRODUCT_ROWS: i32 = 16;
+
+/// Whether [`gated_product`] takes `x` of `rows` rows and the stacked
+/// gate/up weight's transposed view `wt` (`[K, 2 * F]`).
+pub fn takes_gated_product(x: &Array, wt: &Array, rows: i32) -> bool {
+    static ENV_OFF: OnceLock<bool> = OnceLock::new();
+    let dtype = x.dtype();
+    let (k, n) = (wt.dim(0), wt.dim(1));
+    !*ENV_OFF.get_or_init(|| std::env::var("GATEWAY_GPU_PRODUCT").is_ok_and(|v| v == "off"))
+        && (1..=PRODUCT_ROWS).contains(&rows)
+        && matches!(dtype, Dtype::Bfloat16 | Dtype::Float16)
+        && wt.dtype() == dtype
+        && wt.ndim() == 2
+        && *x.shape().last().unwrap_or(&0) == k
+        && k % 32 == 0
+        && n % 32 == 0
+        && enabled()
+}
+
+/// `silu(x @ gate.T) * (x @ up.T)` as one tensor-core kernel
+/// (`kernels/skinny_product.cu`), `wt` the transposed view of the
+/// row-major stacked `[2 * F, K]` weight, for what [`takes_gated_product`]
+/// takes. MLX's product at these rows leaves most of the card's bandwidth
+/// unused; this one reads each weight byte once, with K split over a
+/// block's warps. Its sums run in another order than cuBLAS's, so a
+/// product may differ from MLX's by a rounding of `T`.
+pub fn gated_product(x: &Array, wt: &Array, rows: i32) -> R<Array> {
+    let dtype = x.dtype();
+    let (k, n) = (wt.dim(0), wt.dim(1));
+    let x2 = match x.ndim() {
+        2 => x.clone(),
+        _ => x.reshape(&[rows, k])?,
+    };
+    let mut shape = x.shape().to_vec();
+    *shape.last_mut().unwrap() = n / 2;
+    let templates = [
+        TemplateArg::Dtype("T", dtype),
+        TemplateArg::Int("BF16", (dtype == Dtype::Bfloat16) as i32),
+        TemplateArg::Int("GATED", 1),
+        TemplateArg::Int("MT", (rows + 7) / 8),
+        TemplateArg::Int("WK", PRODUCT_WARPS),
+        TemplateArg::Int("U", 1),
+    ];
+    let launch = Launch {
+        outputs: &[(&shape, dtype)],
+        grid_threads: n / 32 * 32 * PRODUCT_WARPS,
+        block_threads: 32 * PRODUCT_WARPS,
+        templates: &templates,
+    };
+    Ok(run(&GATED_PRODUCT, &[&x2, wt], &launch, "gated product")?.remove(0))
+}
+
+/// Warps a block of [`gated_product`] splits K over.
+const PRODUCT_WARPS: i32 = 16;
 
 fn float(dtype: Dtype) -> bool {
     matches!(dtype, Dtype::Bfloat16 | Dtype::Float16 | Dtype::Float32)
@@ -212,6 +274,8 @@ pub fn add_rms_norm(x: &Array, r: &Array, weight: &Array, eps: f32) -> Option<R<
     })())
 }
 
+const SILU_MUL: &str = include_str!("kernels/silu_mul.cuh");
+
 const BLOCK: i32 = 128;
 const NORM_BLOCK: i32 = 256;
 
@@ -295,24 +359,14 @@ const HEADS_SOURCE: &str = r#"
     for (int t = 0; t < PER; t++) dst[lane + 32 * t] = static_cast<T>(x[t]);
 "#;
 
-/// One thread an output: MLX's `silu(g) * u` as its compiled kernel
-/// computes it, each op in `T`: `sigmoid(g) = g < 0 ? y : 1 - y` with
-/// `y = 1 / (1 + exp(|g|))`, then `g * sigmoid(g)`, then `* u`.
+/// One thread an output: `silu_mul` (kernels/silu_mul.cuh) of the stacked
+/// halves.
 const GATED_SOURCE: &str = r#"
     const int n = gate_up_shape[1] / 2;
     const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long)gate_up_shape[0] * n) return;
     const long r = idx / n, c = idx % n;
-    const T g = gate_up[r * 2 * n + c];
-    const T u = gate_up[r * 2 * n + n + c];
-    const T one = static_cast<T>(1.0f);
-    const T ag = static_cast<T>(fabsf(static_cast<float>(g)));
-    const T e = static_cast<T>(expf(static_cast<float>(ag)));
-    const T den = static_cast<T>(static_cast<float>(one) + static_cast<float>(e));
-    const T y = static_cast<T>(static_cast<float>(one) / static_cast<float>(den));
-    const T sg = static_cast<float>(g) < 0.f ? y : static_cast<T>(1.0f - static_cast<float>(y));
-    const T act = static_cast<T>(static_cast<float>(g) * static_cast<float>(sg));
-    out[idx] = static_cast<T>(static_cast<float>(act) * static_cast<float>(u));
+    out[idx] = silu_mul(gate_up[r * 2 * n + c], gate_up[r * 2 * n + n + c]);
 "#;
 
 /// One block a row: `h = x + r` rounded to `T`, then MLX's `rms_norm` of
@@ -350,22 +404,39 @@ const ADD_NORM_SOURCE: &str = r#"
 "#;
 
 thread_local! {
+    static GATED_PRODUCT: Result<CudaKernel, String> = CudaKernel::new(
+        "skinny_product",
+        &["x", "wt"],
+        &["y"],
+        include_str!("kernels/skinny_product.cu"),
+        SILU_MUL,
+        false,
+    )
+    .map_err(|e| format!("{e:#}"));
     static HEADS: Result<CudaKernel, String> = CudaKernel::new(
         "fused_heads",
         &["qkv", "qw", "kw", "pos", "freqs", "params"],
         &["q_out", "k_out", "v_out"],
         HEADS_SOURCE,
+        "",
         true,
     )
     .map_err(|e| format!("{e:#}"));
-    static GATED: Result<CudaKernel, String> =
-        CudaKernel::new("fused_gated", &["gate_up"], &["out"], GATED_SOURCE, true)
-            .map_err(|e| format!("{e:#}"));
+    static GATED: Result<CudaKernel, String> = CudaKernel::new(
+        "fused_gated",
+        &["gate_up"],
+        &["out"],
+        GATED_SOURCE,
+        SILU_MUL,
+        true,
+    )
+    .map_err(|e| format!("{e:#}"));
     static ADD_NORM: Result<CudaKernel, String> = CudaKernel::new(
         "fused_add_rms_norm",
         &["x", "r", "weight", "params"],
         &["h", "y"],
         ADD_NORM_SOURCE,
+        "",
         true,
     )
     .map_err(|e| format!("{e:#}"));

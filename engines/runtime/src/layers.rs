@@ -93,7 +93,7 @@ fn dequantize_as(
 }
 
 /// Rows of `x`: every axis but the last.
-fn rows(x: &Array) -> i32 {
+pub fn rows(x: &Array) -> i32 {
     x.shape()[..x.ndim() - 1].iter().product()
 }
 
@@ -388,6 +388,19 @@ impl Projections {
         match self {
             Projections::Stacked { sizes, .. } => Some(sizes),
             Projections::Separate(_) => None,
+        }
+    }
+
+    /// The stacked dense weight's transposed view `[in, sum of outs]`, for
+    /// a kernel of our own to read; `None` when separate, quantized or
+    /// biased.
+    pub fn stacked_dense(&self) -> Option<&Array> {
+        match self {
+            Projections::Stacked {
+                linear: Linear::Dense { weight, bias: None },
+                ..
+            } => Some(&weight.t),
+            _ => None,
         }
     }
 

@@ -1212,7 +1212,18 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Array) -> R<Array> {
-        // On the GPU, one kernel from the stacked product to the activation.
+        // On the GPU, one kernel for the product and the activation at a
+        // few rows, one from the stacked product to the activation beyond.
+        if !self.gelu {
+            let rows = crate::layers::rows(x);
+            if let Some(wt) = self.gate_up.stacked_dense() {
+                if crate::gpu_fused::takes_gated_product(x, wt, rows) {
+                    return self
+                        .down
+                        .forward(&crate::gpu_fused::gated_product(x, wt, rows)?);
+                }
+            }
+        }
         if !self.gelu && crate::gpu_fused::takes_gated(x.dtype()) {
             if let Some(gu) = self.gate_up.joined(x) {
                 return self.down.forward(&crate::gpu_fused::gated(&gu?)?);

@@ -360,6 +360,7 @@ thread_local! {
         &["q", "k", "v", "meta", "scale"],
         &["out"],
         &format!("{CONTIGUOUS}{SOURCE}"),
+        "",
         false,
     )
     .map_err(|e| format!("{e:#}"));
@@ -368,6 +369,7 @@ thread_local! {
         &["q", "k", "v", "meta", "scale", "tables"],
         &["out"],
         &format!("{PAGED}{SOURCE}"),
+        "",
         false,
     )
     .map_err(|e| format!("{e:#}"));
