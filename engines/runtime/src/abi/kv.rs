@@ -103,7 +103,7 @@ impl RawKv {
     }
 
     /// Each layer's buffers, each made an `Array` by `take`.
-    unsafe fn buffers(&self, take: impl Fn(mlx_array) -> Array) -> Vec<Vec<Array>> {
+    unsafe fn layer_buffers(&self, take: impl Fn(mlx_array) -> Array) -> Vec<Vec<Array>> {
         (0..self.layers)
             .map(|l| {
                 (0..KV_BUFFERS)
@@ -120,7 +120,7 @@ impl RawKv {
     unsafe fn parts(&self, take: impl Fn(mlx_array) -> Array) -> KvCache {
         KvCache::from_parts(KvParts {
             formats: self.formats(),
-            buffers: self.buffers(&take),
+            buffers: self.layer_buffers(&take),
             recurrent: self.recurrent(&take),
             len: self.len,
             capacity: self.capacity,

@@ -2,8 +2,11 @@
 //! that grow in steps (like mlx-lm's cache) and are written in place with
 //! `slice_update`; column `c` is column `c` of every buffer.
 
+use anyhow::anyhow;
 use mlx_rs::{ops, Array};
 
+use super::view::LayerView;
+use crate::kv_quant::KvQuant;
 use crate::slices::{slice, slice_cols, slice_update};
 
 /// Capacity grows in multiples of this many positions.
@@ -36,8 +39,15 @@ impl Contiguous {
     }
 
     /// Writes `parts` (layer `layer`'s new columns, one per buffer) at
-    /// column `len`, every layer grown first where they do not fit.
-    pub(crate) fn write(&mut self, layer: usize, parts: &[Array], len: i32) -> anyhow::Result<()> {
+    /// column `len`, every layer grown first where they do not fit, and
+    /// returns what attention reads of the layer.
+    pub(crate) fn write(
+        &mut self,
+        layer: usize,
+        quant: Option<KvQuant>,
+        parts: &[Array],
+        len: i32,
+    ) -> anyhow::Result<LayerView> {
         let end = len + parts[0].dim(2);
         if end > self.capacity {
             let capacity = round_up(end);
@@ -59,7 +69,18 @@ impl Contiguous {
                 slice_update(buf, part, &[0, 0, len, 0])
             })
             .collect::<anyhow::Result<_>>()?;
-        Ok(())
+        self.view(layer, quant, len + parts[0].dim(2))?
+            .ok_or_else(|| anyhow!("layer {layer} was not written"))
+    }
+
+    /// Layer `layer`'s columns `0..len` (`None` before its first write).
+    pub(crate) fn view(
+        &self,
+        layer: usize,
+        quant: Option<KvQuant>,
+        len: i32,
+    ) -> anyhow::Result<Option<LayerView>> {
+        LayerView::of(quant, self.columns(layer, len)?)
     }
 
     /// Layer `layer`'s first `len` columns, one array per buffer.
@@ -145,7 +166,7 @@ impl Contiguous {
                     if without_kv[l] {
                         continue;
                     }
-                    return Err(anyhow::anyhow!("cannot merge an empty cache"));
+                    return Err(anyhow!("cannot merge an empty cache"));
                 }
                 pieces[l].resize(buffers.len(), Vec::new());
                 for (i, b) in buffers.iter().enumerate() {

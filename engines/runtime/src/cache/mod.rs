@@ -8,9 +8,9 @@
 //!
 //! * keys and values per layer, in the activations' dtype or quantized
 //!   ([`crate::kv_quant`]), either in arrays of the cache's own
-//!   ([`contiguous`]) or in a [`crate::paged::PagePool`]'s blocks
-//!   ([`tables`]); attention reads a layer as a [`LayerView`];
-//! * the recurrent state of linear-attention layers ([`recurrent`]).
+//!   (`contiguous.rs`) or in a [`crate::paged::PagePool`]'s blocks
+//!   (`tables.rs`); attention reads a layer as a [`LayerView`] (`view.rs`);
+//! * the recurrent state of linear-attention layers (`recurrent.rs`).
 
 use anyhow::anyhow;
 use mlx_rs::Array;
@@ -21,71 +21,18 @@ use crate::paged::{BlockRef, PagePool};
 mod contiguous;
 mod recurrent;
 mod tables;
+mod view;
 
 use contiguous::{Contiguous, STEP};
 use recurrent::RecurrentLayers;
 pub use recurrent::{Recurrent, Steps, MAX_ROLLBACK_STEPS};
 use tables::BlockTables;
-pub use tables::PagedRead;
+pub use view::{LayerView, PagedRead};
 
 /// Position of the next token of every row, as rope reads it.
 pub enum Offsets {
     Scalar(i32),
     PerRow(Array),
-}
-
-/// A layer's keys and values for every filled column, as attention reads
-/// them (`[B, kv_heads, len, _]`, rope applied).
-#[derive(Clone)]
-pub enum LayerView {
-    Dense(Array, Array),
-    /// `[codes, scales, biases]` each.
-    Quantized {
-        quant: KvQuant,
-        keys: Vec<Array>,
-        values: Vec<Array>,
-    },
-    /// A paged cache's layer: the pool's key and value buffers (`[slots,
-    /// kv_heads, head_dim]`) and where each row's columns lie in them.
-    Paged {
-        keys: Array,
-        values: Array,
-        read: PagedRead,
-    },
-}
-
-impl LayerView {
-    /// A layer's columns, one array per buffer of its format (`None`: no
-    /// buffers, the layer not written).
-    fn of(quant: Option<KvQuant>, columns: Vec<Array>) -> anyhow::Result<Option<LayerView>> {
-        Ok(match (quant, <[Array; 2]>::try_from(columns)) {
-            (_, Err(columns)) if columns.is_empty() => None,
-            (None, Ok([k, v])) => Some(LayerView::Dense(k, v)),
-            (Some(quant), Err(mut keys)) if keys.len() == 6 => {
-                let values = keys.split_off(3);
-                Some(LayerView::Quantized {
-                    quant,
-                    keys,
-                    values,
-                })
-            }
-            _ => return Err(anyhow!("KV layer buffers do not match its format")),
-        })
-    }
-
-    /// Keys and values in the activations' dtype (dequantized where stored
-    /// quantized), for readers that need plain arrays.
-    pub fn dense(&self) -> anyhow::Result<(Array, Array)> {
-        Ok(match self {
-            LayerView::Dense(k, v) => (k.clone(), v.clone()),
-            LayerView::Quantized {
-                quant,
-                keys,
-                values,
-            } => (quant.dequantize(keys)?, quant.dequantize(values)?),
-            LayerView::Paged { keys, values, read } => (read.gather(keys)?, read.gather(values)?),
-        })
-    }
 }
 
 #[derive(Clone)]
@@ -336,12 +283,7 @@ impl KvCache {
         };
         match &mut self.kv {
             Storage::Paged(t) => t.write(layer, quant, &parts, self.len, &self.left_pad),
-            Storage::Contiguous(c) => {
-                c.write(layer, &parts, self.len)?;
-                let end = self.len + parts[0].dim(2);
-                LayerView::of(quant, c.columns(layer, end)?)?
-                    .ok_or_else(|| anyhow!("layer {layer} was not written"))
-            }
+            Storage::Contiguous(c) => c.write(layer, quant, &parts, self.len),
         }
     }
 
@@ -352,7 +294,7 @@ impl KvCache {
         let quant = self.formats[layer];
         let view = match &self.kv {
             Storage::Paged(t) => t.view(layer, quant, self.len, &self.left_pad)?,
-            Storage::Contiguous(c) => LayerView::of(quant, c.columns(layer, self.len)?)?,
+            Storage::Contiguous(c) => c.view(layer, quant, self.len)?,
         };
         view.map(|v| v.dense()).transpose()
     }

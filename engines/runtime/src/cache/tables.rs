@@ -4,12 +4,12 @@
 //! keeps its meaning; those that move columns around only edit the rows'
 //! block tables.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use mlx_rs::Array;
 
 use super::contiguous::{align, round_up, Contiguous};
-use super::LayerView;
+use super::view::{LayerView, PagedRead};
 use crate::kv_quant::KvQuant;
 use crate::paged::{self, BlockRef, PagePool};
 
@@ -23,59 +23,6 @@ pub(crate) struct BlockTables {
     /// what its attention reads, set by its first write and cleared by
     /// [`BlockTables::end_forward`].
     forward: Option<(Arc<[i32]>, PagedRead)>,
-}
-
-/// Where a paged batch's columns `0..total` lie in its pool, for one
-/// forward: as slots for a gather, and as block tables for the ragged
-/// attention kernel.
-#[derive(Clone)]
-pub struct PagedRead {
-    /// `B * total`: row-major slots of every column.
-    slots: Arc<[i32]>,
-    /// `slots` as an array, made by the forward's first gather and shared
-    /// by every layer's (the kernel reads `tables` and needs none).
-    slot_index: Arc<Mutex<Option<Array>>>,
-    /// `[B, most blocks]`: each row's block ids (0 past its end).
-    pub tables: Array,
-    pub block: i32,
-    pub total: i32,
-    pub rows: i32,
-}
-
-impl PagedRead {
-    /// `buf` (`[slots, kv_heads, width]`) gathered into the batch's columns,
-    /// `[B, kv_heads, total, width]`.
-    pub fn gather(&self, buf: &Array) -> anyhow::Result<Array> {
-        let s = buf.shape();
-        let index = paged::lock(&self.slot_index)
-            .get_or_insert_with(|| Array::from_slice(&self.slots, &[self.slots.len() as i32]))
-            .clone();
-        Ok(buf
-            .take_axis(&index, 0)?
-            .reshape(&[self.rows, self.total, s[1], s[2]])?
-            .transpose_axes(&[0, 2, 1, 3])?)
-    }
-
-    /// A layer's view from its pool `buffers`: read in place when stored in
-    /// the activations' dtype, gathered into columns when quantized
-    /// (quantized attention takes arrays).
-    fn view(self, quant: Option<KvQuant>, mut buffers: Vec<Array>) -> anyhow::Result<LayerView> {
-        if quant.is_some() {
-            let columns = buffers
-                .iter()
-                .map(|b| self.gather(b))
-                .collect::<anyhow::Result<_>>()?;
-            return LayerView::of(quant, columns)?
-                .ok_or_else(|| anyhow::anyhow!("a quantized layer of no buffers"));
-        }
-        let values = buffers.pop().expect("two buffers");
-        let keys = buffers.pop().expect("two buffers");
-        Ok(LayerView::Paged {
-            keys,
-            values,
-            read: self,
-        })
-    }
 }
 
 impl BlockTables {
@@ -246,14 +193,8 @@ impl BlockTables {
                 tables[b * most + i] = blk.id() as i32;
             }
         }
-        Ok(PagedRead {
-            slots: slots.into(),
-            slot_index: Arc::default(),
-            tables: Array::from_slice(&tables, &[rows, most as i32]),
-            block,
-            total,
-            rows,
-        })
+        let tables = Array::from_slice(&tables, &[rows, most as i32]);
+        Ok(PagedRead::new(slots, tables, block, total, rows))
     }
 
     /// Lets go of each row's blocks past its last column before `len`.
