@@ -58,32 +58,27 @@ impl RawKv {
             }
             self.blocks_len = table.len();
         }
-        let parts = cache.into_parts();
-        let layers = self.layers.min(parts.formats.len());
-        for (l, (quant, buffers)) in parts
-            .formats
-            .into_iter()
-            .zip(parts.buffers)
-            .take(layers)
-            .enumerate()
-        {
+        // Each array handed over as a handle of the receiver's own.
+        let hand_over = |a: &Array| {
+            let mine = a.clone();
+            let handle = mine.as_ptr();
+            std::mem::forget(mine);
+            handle
+        };
+        let formats = cache.formats();
+        let layers = self.layers.min(formats.len());
+        for (l, quant) in formats.into_iter().take(layers).enumerate() {
             *self.formats.add(l) = RawKvFormat::of(quant);
-            for (i, a) in buffers.into_iter().take(KV_BUFFERS).enumerate() {
-                let handle = a.as_ptr();
-                std::mem::forget(a);
-                *self.buffers.add(l * KV_BUFFERS + i) = handle;
+            for (i, a) in cache.buffers(l).iter().take(KV_BUFFERS).enumerate() {
+                *self.buffers.add(l * KV_BUFFERS + i) = hand_over(a);
+            }
+            if let Some(r) = cache.recurrent(l) {
+                *self.recurrent.add(l * 2) = hand_over(&r.conv);
+                *self.recurrent.add(l * 2 + 1) = hand_over(&r.ssm);
             }
         }
-        for (l, r) in parts.recurrent.into_iter().take(layers).enumerate() {
-            if let Some(r) = r {
-                for (i, a) in [r.conv, r.ssm].into_iter().enumerate() {
-                    *self.recurrent.add(l * 2 + i) = a.as_ptr();
-                    std::mem::forget(a);
-                }
-            }
-        }
-        self.len = parts.len;
-        self.capacity = parts.capacity;
+        self.len = cache.len();
+        self.capacity = cache.capacity();
         true
     }
 

@@ -123,24 +123,6 @@ impl KvCache {
         }
     }
 
-    /// The cache's arrays for the plugin boundary (a paged cache's blocks
-    /// cross as [`KvCache::paged_table`]).
-    pub(crate) fn into_parts(self) -> KvParts {
-        let capacity = self.capacity();
-        let buffers = match self.kv {
-            Storage::Contiguous(c) => c.layers,
-            Storage::Paged(_) => vec![Vec::new(); self.formats.len()],
-        };
-        KvParts {
-            formats: self.formats,
-            buffers,
-            recurrent: self.recurrent.into_states(),
-            len: self.len,
-            capacity,
-            left_pad: self.left_pad,
-        }
-    }
-
     /// Layer `layer`'s own buffers (none when paged), for the plugin
     /// boundary.
     pub(crate) fn buffers(&self, layer: usize) -> &[Array] {

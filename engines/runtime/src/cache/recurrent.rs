@@ -121,10 +121,6 @@ impl RecurrentLayers {
         &self.states
     }
 
-    pub(crate) fn into_states(self) -> Vec<Option<Recurrent>> {
-        self.states
-    }
-
     pub(crate) fn set(&mut self, layer: usize, state: Recurrent, steps: Option<Steps>) {
         self.states[layer] = Some(state);
         self.steps[layer] = steps;
