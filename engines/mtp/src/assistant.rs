@@ -6,9 +6,10 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use mlx_rs::{fast, ops, Array, Dtype};
-use runtime::cache::slice;
-use runtime::layers::{Embedding, GatedMlp, Linear, Offsets, RmsNorm};
+use runtime::cache::Offsets;
+use runtime::layers::{Embedding, GatedMlp, Linear, RmsNorm};
 use runtime::model::{Tapped, Taps};
+use runtime::slices::slice;
 use runtime::weights::Weights;
 use runtime::{KvCache, Model};
 use speculative::{DraftSource, DraftState, Proposal};

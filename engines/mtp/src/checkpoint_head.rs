@@ -20,9 +20,9 @@ use std::sync::Arc;
 use anyhow::Context;
 use mlx_rs::transforms::eval;
 use mlx_rs::{ops, Array, Dtype};
-use runtime::cache::slice;
 use runtime::generate::{tokens_array, DEFAULT_PREFILL_CHUNK};
 use runtime::model::{MtpHead, Tapped, Taps};
+use runtime::slices::slice;
 use runtime::{KvCache, Model};
 use speculative::{DraftSource, DraftState, Proposal};
 

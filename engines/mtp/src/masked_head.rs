@@ -7,8 +7,8 @@
 
 use anyhow::{ensure, Context};
 use mlx_rs::{ops, Array, Dtype};
-use runtime::cache::slice;
 use runtime::layers::{Embedding, Linear};
+use runtime::slices::slice;
 use runtime::weights::Weights;
 
 use crate::checkpoint::{AssistantConfig, OrderedEmbeddings};

@@ -20,10 +20,10 @@ use fixtures::reference::{assert_rounds_match, DraftRound};
 use mlx_rs::transforms::eval;
 use mlx_rs::Array;
 use mtp::{Assistant, AssistantConfig};
-use runtime::cache::slice;
 use runtime::config::ModelConfig;
 use runtime::generate::tokens_array;
 use runtime::model::{Logits, Model};
+use runtime::slices::slice;
 use speculative::{DraftSource, Proposal};
 
 /// Drafts accepted per round (whatever the target says), capped at k.

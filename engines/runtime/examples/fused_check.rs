@@ -18,9 +18,9 @@ use fixtures::reference::{argmax, equal_prefix, logit_rows, worst_difference};
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::transforms::eval;
 use mlx_rs::{fast, ops, Array, Dtype};
+use runtime::cache::Offsets;
 use runtime::generate::{prefill, tokens_array};
 use runtime::gpu_fused::{self, HeadsSpec, RopeSpec};
-use runtime::layers::Offsets;
 use runtime::model::Logits;
 use runtime::{ComputeDtype, LoadedModel, Model};
 

@@ -13,10 +13,10 @@ use mlx_rs::transforms::eval;
 use mlx_rs::{ops, random, Array, Dtype};
 
 use fixtures::model::{random_prompt, write_model, TinySpec};
-use runtime::cache::slice;
 use runtime::cache::LayerView;
 use runtime::mask::{ragged_mask, set_ragged_attention, RaggedAttention};
 use runtime::paged::PagePool;
+use runtime::slices::slice;
 use runtime::{generate, ragged, Family, KvCache, LoadedModel};
 
 struct Case {

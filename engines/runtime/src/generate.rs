@@ -10,6 +10,7 @@ use mlx_rs::{ops, Array};
 
 use crate::cache::KvCache;
 use crate::model::{Logits, Model};
+use crate::paged::PagePool;
 
 /// Prompt tokens per prefill forward (bounds the activation memory).
 pub const DEFAULT_PREFILL_CHUNK: usize = 512;
@@ -126,6 +127,16 @@ pub fn warm_up(
         stream.next_token(true)?;
     }
     Ok(started.elapsed())
+}
+
+/// Makes every layer's buffers of `pool` now by running one token through
+/// `model` (so the pool's memory is taken at startup, not mid-serving).
+pub fn preallocate(model: &Model, pool: &PagePool) -> anyhow::Result<()> {
+    let mut cache = model.new_paged_cache(pool, vec![0]);
+    let logits = model.forward(&tokens_array(&[0]), &mut cache, Logits::Last)?;
+    eval([&logits])?;
+    eval(&cache.state())?;
+    Ok(())
 }
 
 /// Greedy token from `[B, 1, V]` logits as a lazy `[B, 1]` int32 array.
@@ -292,7 +303,7 @@ pub fn greedy_batch(
 /// (a paged cache).
 pub fn greedy_batch_in(
     model: &Model,
-    pool: Option<&crate::paged::PagePool>,
+    pool: Option<&PagePool>,
     prompts: &[Vec<u32>],
     max_tokens: usize,
     stop_tokens: &[u32],

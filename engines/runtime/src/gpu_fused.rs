@@ -26,8 +26,8 @@ use std::sync::OnceLock;
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
+use crate::cache::Offsets;
 use crate::cuda_kernel::{CudaKernel, Launch, TemplateArg};
-use crate::layers::Offsets;
 
 type R<T> = Result<T, Exception>;
 

@@ -4,6 +4,7 @@
 use mlx_rs::ops::indexing::{Ellipsis, TryIndexOp};
 use mlx_rs::{fast, ops, Array, Dtype};
 
+use crate::cache::Offsets;
 use crate::config::{Quantization, RopeScaling};
 use crate::weights::Weights;
 
@@ -735,11 +736,6 @@ impl Rope {
             ),
         }
     }
-}
-
-pub enum Offsets {
-    Scalar(i32),
-    PerRow(Array),
 }
 
 #[cfg(test)]

@@ -27,6 +27,7 @@ pub mod prefix_cache;
 pub mod sampling;
 pub mod sequence;
 pub mod shared;
+pub mod slices;
 pub mod vision;
 
 pub mod layers;

@@ -12,10 +12,10 @@ use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
 use mlx_rs::{ops, Array, Dtype};
 
 use crate::activations;
-use crate::cache::{KvCache, LayerView};
+use crate::cache::{KvCache, LayerView, Offsets};
 use crate::config::{Family, LayerSpec, ModelConfig};
 use crate::kv_quant::KvQuant;
-use crate::layers::{Embedding, Linear, Offsets, Projections, RmsNorm, Rope};
+use crate::layers::{Embedding, Linear, Projections, RmsNorm, Rope};
 use crate::mask::{self, AttnMask};
 use crate::weights::Weights;
 

@@ -235,7 +235,7 @@ impl PageStore for LocalPages {
             *buf = match &indices {
                 None => {
                     let rows = rows.reshape(&[s[0] * s[2], s[1], s[3]])?;
-                    crate::cache::slice_update(old, &rows, &[slots[0], 0, 0])?
+                    crate::slices::slice_update(old, &rows, &[slots[0], 0, 0])?
                 }
                 Some(idx) => {
                     let rows = rows.reshape(&[s[0] * s[2], 1, s[1], s[3]])?;
@@ -435,20 +435,6 @@ impl PagePool {
     pub fn copy_block(&self, from: u32, to: u32) -> anyhow::Result<()> {
         self.store.copy_block(from, to)
     }
-
-    /// Makes every layer's buffers now by running one token through
-    /// `model` (so the pool's memory is taken at startup, not mid-serving).
-    pub fn preallocate(&self, model: &crate::Model) -> anyhow::Result<()> {
-        let mut cache = model.new_paged_cache(self, vec![0]);
-        let logits = model.forward(
-            &crate::generate::tokens_array(&[0]),
-            &mut cache,
-            crate::model::Logits::Last,
-        )?;
-        eval([&logits])?;
-        eval(&cache.state())?;
-        Ok(())
-    }
 }
 
 /// Row `b`'s slot of column `col`: positions before the row's start
@@ -468,13 +454,6 @@ pub fn slot(table: &[BlockRef], start: i32, block: i32, col: i32) -> anyhow::Res
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cache::KvCache;
-
-    /// `[1, 1, n, 32]` keys whose values encode their position.
-    fn keys(n: i32) -> Array {
-        let data: Vec<f32> = (0..n * 32).map(|i| i as f32).collect();
-        Array::from_slice(&data, &[1, 1, n, 32])
-    }
 
     #[test]
     fn blocks_come_back_when_their_last_holder_goes() {
@@ -488,24 +467,6 @@ mod tests {
         assert_eq!(pool.free_blocks(), 1, "still held by its sharer");
         drop((shared, b));
         assert_eq!(pool.free_blocks(), 3);
-    }
-
-    #[test]
-    fn a_full_pool_fails_the_write_naming_its_size_and_leaks_nothing() {
-        let pool = PagePool::new(1, 2, 16).unwrap();
-        let mut cache = KvCache::paged(&pool, vec![None], vec![0]);
-        cache.update(0, keys(32), keys(32)).unwrap();
-        cache.advance(32);
-        let Err(err) = cache.update(0, keys(1), keys(1)) else {
-            panic!("a third block was handed out")
-        };
-        assert!(
-            err.to_string()
-                .contains("pool is full (2 blocks of 16 positions)"),
-            "{err}"
-        );
-        drop(cache);
-        assert_eq!(pool.free_blocks(), 2);
     }
 
     #[test]

@@ -67,7 +67,7 @@ impl SharedModel {
 
     /// A shared model whose KV is laid out as `layout`: paged, its pool is
     /// made here with a block for each one `kv_pool` counts (its memory is
-    /// taken at the first write; see [`PagePool::preallocate`]).
+    /// taken at the first write; see [`crate::generate::preallocate`]).
     pub fn with_layout(
         model: LoadedModel,
         kv_pool: KvPool,

@@ -162,7 +162,7 @@ fn left_padding_leaves_the_state_exactly_unchanged() {
         let shape = a.shape().to_vec();
         let mut start = vec![0; shape.len()];
         start[1] = p;
-        runtime::cache::slice(&a, &start, &shape).unwrap()
+        runtime::slices::slice(&a, &start, &shape).unwrap()
     };
     let unpadded = DeltaInputs {
         q: tail(&masked.q),
@@ -195,7 +195,7 @@ fn repeated_keys_and_vanishing_decays_stay_accurate() {
     // One key for every position and beta near 1: (I + A) is all ones
     // below the diagonal, the case that makes a power series blow up.
     let same = inputs(&x, 50, 0.0);
-    let one_key = runtime::cache::slice(&same.k, &[0, 0, 0, 0], &[1, 1, x.h, x.dk]).unwrap();
+    let one_key = runtime::slices::slice(&same.k, &[0, 0, 0, 0], &[1, 1, x.h, x.dk]).unwrap();
     let repeated = DeltaInputs {
         k: ops::broadcast_to(&one_key, &[1, x.s, x.h, x.dk]).unwrap(),
         beta: uniform(0.9, 1.0, &[1, x.s, x.h], 56),

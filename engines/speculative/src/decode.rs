@@ -201,7 +201,7 @@ impl Sequence {
             Proposal::Lazy(d) => match self.sizer.size(cost, 0, (d.dim(1) as usize).min(limit)) {
                 0 => (newest_arr, None, Vec::new(), 0),
                 k if host_drafts => {
-                    let d = runtime::cache::slice(&d, &[0, 0], &[1, k as i32])?
+                    let d = runtime::slices::slice(&d, &[0, 0], &[1, k as i32])?
                         .as_dtype(Dtype::Int32)?;
                     eval([&d])?;
                     let tokens: Vec<u32> = d.as_slice::<i32>().iter().map(|&t| t as u32).collect();
@@ -210,7 +210,7 @@ impl Sequence {
                     (tokens_array(&ids), None, tokens, 0)
                 }
                 k => {
-                    let d = runtime::cache::slice(&d, &[0, 0], &[1, k as i32])?
+                    let d = runtime::slices::slice(&d, &[0, 0], &[1, k as i32])?
                         .as_dtype(Dtype::Int32)?;
                     (
                         ops::concatenate(&[newest_arr, d.clone()], 1)?,
@@ -227,7 +227,7 @@ impl Sequence {
         let input = match sets.len().checked_sub(1) {
             Some(k) if k < proposed.len() => {
                 proposed.truncate(k);
-                runtime::cache::slice(&input, &[0, 0], &[1, k as i32 + 1])?
+                runtime::slices::slice(&input, &[0, 0], &[1, k as i32 + 1])?
             }
             _ => input,
         };
@@ -653,7 +653,7 @@ fn right_padded(tokens: &Array, width: i32) -> anyhow::Result<Array> {
 fn row_of(out: &Tapped, b: i32, n: i32) -> anyhow::Result<Tapped> {
     let cut = |a: &Array| {
         let s = a.shape();
-        runtime::cache::slice(a, &[b, 0, 0], &[b + 1, n, s[2]])
+        runtime::slices::slice(a, &[b, 0, 0], &[b + 1, n, s[2]])
     };
     Ok(Tapped {
         logits: cut(&out.logits)?,

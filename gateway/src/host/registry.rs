@@ -197,8 +197,7 @@ fn load_shared(config: &Config) -> anyhow::Result<(SharedModel, Option<MemoryPla
     );
     let shared = SharedModel::with_layout(model, kv_pool, m.prefix_cache_entries, m.kv_layout)?;
     if let Some(pages) = shared.pages() {
-        pages
-            .preallocate(&shared.model.model)
+        runtime::generate::preallocate(&shared.model.model, pages)
             .context("allocating the paged KV pool")?;
         tracing::info!(
             blocks = pages.usable(),

@@ -5,7 +5,8 @@ use mlx_rs::Array;
 use mlx_sys::mlx_array;
 
 use super::{RawKv, RawKvFormat, KV_BUFFERS};
-use crate::cache::{KvCache, LayerKv, Recurrent};
+use crate::cache::{KvCache, KvParts, Recurrent};
+use crate::kv_quant::KvQuant;
 use crate::paged::{BlockRef, PagePool};
 
 impl RawKv {
@@ -57,25 +58,27 @@ impl RawKv {
             }
             self.blocks_len = table.len();
         }
-        let layers = self.layers.min(cache.layers.len());
-        for (l, layer) in cache.layers.into_iter().take(layers).enumerate() {
-            *self.formats.add(l) = RawKvFormat::of(layer.quant);
-            for (i, a) in layer.buffers.into_iter().take(KV_BUFFERS).enumerate() {
-                let handle = a.as_ptr();
-                std::mem::forget(a);
-                *self.buffers.add(l * KV_BUFFERS + i) = handle;
+        // Each array handed over as a handle of the receiver's own.
+        let hand_over = |a: &Array| {
+            let mine = a.clone();
+            let handle = mine.as_ptr();
+            std::mem::forget(mine);
+            handle
+        };
+        let formats = cache.formats();
+        let layers = self.layers.min(formats.len());
+        for (l, quant) in formats.into_iter().take(layers).enumerate() {
+            *self.formats.add(l) = RawKvFormat::of(quant);
+            for (i, a) in cache.buffers(l).iter().take(KV_BUFFERS).enumerate() {
+                *self.buffers.add(l * KV_BUFFERS + i) = hand_over(a);
+            }
+            if let Some(r) = cache.recurrent(l) {
+                *self.recurrent.add(l * 2) = hand_over(&r.conv);
+                *self.recurrent.add(l * 2 + 1) = hand_over(&r.ssm);
             }
         }
-        for (l, r) in cache.recurrent.into_iter().take(layers).enumerate() {
-            if let Some(r) = r {
-                for (i, a) in [r.conv, r.ssm].into_iter().enumerate() {
-                    *self.recurrent.add(l * 2 + i) = a.as_ptr();
-                    std::mem::forget(a);
-                }
-            }
-        }
-        self.len = cache.len;
-        self.capacity = cache.capacity;
+        self.len = cache.len();
+        self.capacity = cache.capacity();
         true
     }
 
@@ -87,18 +90,37 @@ impl RawKv {
         }
     }
 
-    /// The cache's layers, each buffer made an `Array` by `take`.
-    unsafe fn layers(&self, take: impl Fn(mlx_array) -> Array) -> Vec<LayerKv> {
+    /// Each layer's format.
+    unsafe fn formats(&self) -> Vec<Option<KvQuant>> {
         (0..self.layers)
-            .map(|l| LayerKv {
-                quant: (*self.formats.add(l)).quant(),
-                buffers: (0..KV_BUFFERS)
+            .map(|l| (*self.formats.add(l)).quant())
+            .collect()
+    }
+
+    /// Each layer's buffers, each made an `Array` by `take`.
+    unsafe fn layer_buffers(&self, take: impl Fn(mlx_array) -> Array) -> Vec<Vec<Array>> {
+        (0..self.layers)
+            .map(|l| {
+                (0..KV_BUFFERS)
                     .map(|i| *self.buffers.add(l * KV_BUFFERS + i))
                     .take_while(|h| !h.ctx.is_null())
                     .map(&take)
-                    .collect(),
+                    .collect()
             })
             .collect()
+    }
+
+    /// The cache (contiguous: its blocks are added by
+    /// [`RawKv::with_pages`]), each array made an `Array` by `take`.
+    unsafe fn parts(&self, take: impl Fn(mlx_array) -> Array) -> KvCache {
+        KvCache::from_parts(KvParts {
+            formats: self.formats(),
+            buffers: self.layer_buffers(&take),
+            recurrent: self.recurrent(&take),
+            len: self.len,
+            capacity: self.capacity,
+            left_pad: std::slice::from_raw_parts(self.left_pad, self.batch).to_vec(),
+        })
     }
 
     /// The cache's recurrent states, each array made an `Array` by `take`.
@@ -120,12 +142,7 @@ impl RawKv {
     /// # Safety
     /// Every non-null handle is a live mlx-c array handle.
     pub(crate) unsafe fn retained(&self, pages: Option<&PagePool>) -> anyhow::Result<KvCache> {
-        let left_pad = std::slice::from_raw_parts(self.left_pad, self.batch).to_vec();
-        let mut cache = KvCache::with_formats(vec![None; self.layers], left_pad);
-        cache.layers = self.layers(|h| retain(h));
-        cache.recurrent = self.recurrent(|h| retain(h));
-        cache.len = self.len;
-        cache.capacity = self.capacity;
+        let cache = self.parts(|h| retain(h));
         self.with_pages(cache, pages, |pool, id| pool.share(id))
     }
 
@@ -168,14 +185,8 @@ impl KvReceiver {
     /// which are `pages`').
     pub(crate) fn into_cache(self, pages: Option<&PagePool>) -> anyhow::Result<KvCache> {
         // SAFETY: `give` wrote handles it handed over to us.
-        let mut cache = KvCache::with_formats(vec![None; self.raw.layers], vec![0]);
         unsafe {
-            cache.layers = self.raw.layers(|h| Array::from_ptr(h));
-            cache.recurrent = self.raw.recurrent(|h| Array::from_ptr(h));
-        }
-        cache.len = self.raw.len;
-        cache.capacity = self.raw.capacity;
-        unsafe {
+            let cache = self.raw.parts(|h| Array::from_ptr(h));
             self.raw
                 .with_pages(cache, pages, |pool, id| Ok(pool.adopt(id)))
         }
@@ -194,23 +205,21 @@ pub(crate) struct LentKv<'a> {
 
 impl<'a> LentKv<'a> {
     pub(crate) fn new(cache: &'a KvCache) -> Self {
-        let layers = &cache.layers;
+        let formats = cache.formats();
         Self {
-            formats: layers.iter().map(|l| RawKvFormat::of(l.quant)).collect(),
-            buffers: layers
-                .iter()
+            buffers: (0..formats.len())
                 .flat_map(|l| {
-                    (0..KV_BUFFERS).map(|i| l.buffers.get(i).map_or_else(null_array, Array::as_ptr))
+                    let buffers = cache.buffers(l);
+                    (0..KV_BUFFERS).map(|i| buffers.get(i).map_or_else(null_array, Array::as_ptr))
                 })
                 .collect(),
-            recurrent: cache
-                .recurrent
-                .iter()
-                .flat_map(|r| match r {
+            recurrent: (0..formats.len())
+                .flat_map(|l| match cache.recurrent(l) {
                     Some(r) => [r.conv.as_ptr(), r.ssm.as_ptr()],
                     None => [null_array(), null_array()],
                 })
                 .collect(),
+            formats: formats.into_iter().map(RawKvFormat::of).collect(),
             ids: cache
                 .paged_table()
                 .map(|(_, t)| t.iter().map(|b| b.id()).collect())
@@ -226,10 +235,10 @@ impl<'a> LentKv<'a> {
             buffers: self.buffers.as_ptr().cast_mut(),
             recurrent: self.recurrent.as_ptr().cast_mut(),
             layers: self.formats.len(),
-            len: self.cache.len,
-            capacity: self.cache.capacity,
-            left_pad: self.cache.left_pad.as_ptr(),
-            batch: self.cache.left_pad.len(),
+            len: self.cache.len(),
+            capacity: self.cache.capacity(),
+            left_pad: self.cache.left_padding().as_ptr(),
+            batch: self.cache.batch_size(),
             blocks: self.ids.as_ptr().cast_mut(),
             blocks_len: self.ids.len(),
             blocks_cap: self.ids.len(),

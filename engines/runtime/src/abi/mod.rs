@@ -192,7 +192,7 @@ pub struct RawHandover {
 }
 
 /// A `KvCache` in C form. Per layer its storage format and
-/// [`KV_BUFFERS`] handle slots: its buffers (`cache::LayerKv`), null past
+/// [`KV_BUFFERS`] handle slots: its buffers (`cache::contiguous`), null past
 /// its last one and for a layer not yet written (or one that reads another
 /// layer's keys and values). Per layer also two slots for a
 /// linear-attention layer's recurrent state (convolution inputs,

@@ -22,9 +22,10 @@ use mlx_rs::transforms::compile::compile;
 use mlx_rs::{fast, nn, ops, Array, Dtype};
 
 use crate::activations::{call as fused, Fused};
-use crate::cache::{slice, KvCache, Recurrent, Steps, MAX_ROLLBACK_STEPS};
+use crate::cache::{KvCache, Recurrent, Steps, MAX_ROLLBACK_STEPS};
 use crate::config::{HybridConfig, ModelConfig};
 use crate::layers::{Linear, Projections, RmsNorm};
+use crate::slices::slice;
 use crate::weights::Weights;
 
 type R<T> = Result<T, mlx_rs::error::Exception>;

@@ -15,8 +15,8 @@ use anyhow::Context;
 use mlx_rs::{ops, Array};
 
 use super::{Layer, Model};
-use crate::cache::KvCache;
-use crate::layers::{Linear, Offsets, RmsNorm};
+use crate::cache::{KvCache, Offsets};
+use crate::layers::{Linear, RmsNorm};
 use crate::mask;
 use crate::weights::Weights;
 
