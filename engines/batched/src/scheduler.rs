@@ -32,12 +32,12 @@ use crossbeam_channel::{Receiver, TryRecvError};
 use engine_core::{FinishReason, RequestId, StreamError, TokenEvent};
 use runtime::handover::Handover;
 use runtime::memory;
-use runtime::sequence::{self, Sequence};
+use runtime::sequence::{Prefill, Sequence};
 
 use crate::admit::Candidate;
 use crate::config::StepLimits;
 use crate::device::{Chunk, Device, Pick, Picks, Prefix};
-use crate::plan::{self, Admit, CatchUp, RowCap, StepPlan};
+use crate::plan::{self, Admit, RowCap, StepPlan};
 use crate::queue::{WaitQueue, Waiting};
 use crate::row::{Active, Row};
 
@@ -76,7 +76,8 @@ struct Prefilling<Kv> {
     /// What the prefill computes: the prompt, or for a preempted row its
     /// whole context (see [`Row::context`]).
     tokens: Vec<u32>,
-    done: usize,
+    /// How far it is.
+    at: Prefill,
 }
 
 pub struct Scheduler<D: Device> {
@@ -378,14 +379,7 @@ impl<D: Device> Scheduler<D> {
         let row_limit = self.row_cap.as_ref().map_or(self.limits.max_batch, |c| {
             c.limit().min(self.limits.max_batch)
         });
-        let catching_up: Vec<CatchUp> = self
-            .catching_up
-            .iter()
-            .map(|p| CatchUp {
-                computed: p.done,
-                target: p.tokens.len(),
-            })
-            .collect();
+        let catching_up: Vec<Prefill> = self.catching_up.iter().map(|p| p.at).collect();
         let preempted: Vec<usize> = self.preempted.iter().map(|r| r.seq.context_len()).collect();
         let device = &self.device;
         let pool = device.pool();
@@ -439,11 +433,13 @@ impl<D: Device> Scheduler<D> {
         };
         if let Some((row, hit, tokens, chunk)) = started {
             let (cache, done) = hit.unwrap_or_else(|| (self.device.new_kv(), 0));
+            let snapshot = self.device.snapshot_at(row.request().prompt.len());
+            let at = Prefill::new(done, tokens.len(), snapshot);
             self.catching_up.push(Prefilling {
                 row,
                 cache,
                 tokens,
-                done,
+                at,
             });
             chunks.push(chunk);
         }
@@ -565,10 +561,10 @@ impl<D: Device> Scheduler<D> {
     fn prefill_chunk(&mut self, i: usize, tokens: usize) -> anyhow::Result<bool> {
         let (end, pick) = self.chunk_span(i, tokens);
         let p = &mut self.catching_up[i];
-        let chunk = &p.tokens[p.done..end];
+        let chunk = &p.tokens[p.at.done..end];
         let picks = self
             .device
-            .prefill(&mut p.row, &mut p.cache, chunk, p.done, pick)?;
+            .prefill(&mut p.row, &mut p.cache, chunk, p.at.done, pick)?;
         self.chunk_done(i, end, picks)
     }
 
@@ -576,11 +572,9 @@ impl<D: Device> Scheduler<D> {
     /// point where its KV is kept), and whether it ends with a pick.
     fn chunk_span(&self, i: usize, tokens: usize) -> (usize, bool) {
         let p = &self.catching_up[i];
-        let snapshot = self.device.snapshot_at(p.row.request().prompt.len());
-        let end = (p.done + tokens).min(p.tokens.len());
-        let end = sequence::chunk_end(p.row.request(), p.done, end, snapshot);
+        let end = p.at.chunk_end(p.row.request(), tokens);
         // A preempted row's next input is its newest token: no pick.
-        let pick = end == p.tokens.len() && p.row.seq.out.generated() == 0;
+        let pick = end == p.at.target && p.row.seq.out.generated() == 0;
         (end, pick)
     }
 
@@ -596,13 +590,12 @@ impl<D: Device> Scheduler<D> {
     ) -> anyhow::Result<bool> {
         let p = &mut self.catching_up[i];
         let Some(picks) = picks else {
-            p.done = end;
-            if self.device.snapshot_at(p.row.request().prompt.len()) == Some(end) {
+            if p.at.advance(end) {
                 let scope = p.row.request().cache_scope.as_deref();
                 let prompt = &p.row.request().prompt[..end];
                 self.device.keep(scope, prompt, &p.cache, None);
             }
-            if end < p.tokens.len() {
+            if !p.at.is_done() {
                 return Ok(false);
             }
             let p = self.catching_up.remove(i);
@@ -673,8 +666,8 @@ impl<D: Device> Scheduler<D> {
                 Some(Chunk {
                     row: &mut p.row,
                     kv: &mut p.cache,
-                    tokens: &p.tokens[p.done..end],
-                    start: p.done,
+                    tokens: &p.tokens[p.at.done..end],
+                    start: p.at.done,
                     pick,
                 })
             })
