@@ -145,7 +145,7 @@ fn a_fault_storm_loses_nothing_and_the_server_stops_cleanly() {
     // The batched engine's next step panics once this file exists.
     let dir = tempfile::tempdir().unwrap();
     let arm_panic = dir.path().join("panic-now");
-    let panic_at = format!("batched-scheduler:{}", arm_panic.display());
+    let panic_at = format!("batched-worker:{}", arm_panic.display());
     let mut gw = Gateway::start_with_env(
         &front(&upstreams),
         &[

@@ -6,11 +6,16 @@ use std::collections::VecDeque;
 use engine_core::event::EventSender;
 use engine_core::{FinishReason, GenerateRequest};
 use runtime::emit::Emitter;
+use runtime::worker::CancelGuard;
 
 pub struct Waiting {
     pub request: GenerateRequest,
     pub blocks: usize,
     pub events: EventSender,
+    /// Its place among the worker's cancel handles, taken when the
+    /// scheduler receives it: the request leaves them when it ends,
+    /// waiting or running.
+    pub cancel_handle: Option<CancelGuard>,
 }
 
 impl Waiting {

@@ -28,11 +28,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, TryRecvError};
-use engine_core::{FinishReason, RequestId, StreamError, TokenEvent};
+use crossbeam_channel::TryRecvError;
+use engine_core::{FinishReason, GenerateRequest, StreamError, TokenEvent};
 use runtime::handover::Handover;
 use runtime::memory;
 use runtime::sequence::{Prefill, Sequence};
+use runtime::worker::{self, Cancels, Receiver};
 
 use crate::admit::Candidate;
 use crate::config::StepLimits;
@@ -41,11 +42,34 @@ use crate::plan::{self, Admit, RowCap, StepPlan};
 use crate::queue::{WaitQueue, Waiting};
 use crate::row::{Active, Row};
 
-pub enum Msg {
+/// What reaches the scheduler through the engine's worker
+/// (`runtime::worker::Worker`): a request to queue, or a running sequence
+/// another engine hands over.
+pub enum Job {
     Submit(Box<Waiting>),
     Adopt(Box<Handover>),
-    Cancel(RequestId),
-    Shutdown,
+}
+
+impl worker::Job for Job {
+    fn request(&self) -> &GenerateRequest {
+        match self {
+            Job::Submit(w) => &w.request,
+            Job::Adopt(h) => &h.request,
+        }
+    }
+}
+
+impl worker::Adopt for Job {
+    fn adopt(handover: Handover) -> Self {
+        Job::Adopt(Box::new(handover))
+    }
+
+    fn into_handover(self) -> Option<Handover> {
+        match self {
+            Job::Adopt(h) => Some(*h),
+            Job::Submit(_) => None,
+        }
+    }
 }
 
 /// Figures the engine reports in `load()`, written by the scheduler.
@@ -68,6 +92,19 @@ impl Stats {
             .queued
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
     }
+
+    /// Whether it has work, running or waiting: the moment an exclusive
+    /// engine hands its sequence over.
+    pub fn busy(&self) -> bool {
+        self.queued.load(Ordering::Acquire) > 0 || self.active.load(Ordering::Acquire) > 0
+    }
+
+    /// After a scheduler panicked: what it held is lost.
+    pub fn reset(&self) {
+        self.active.store(0, Ordering::Release);
+        self.kv_blocks.store(0, Ordering::Release);
+        self.queued.store(0, Ordering::Release);
+    }
 }
 
 struct Prefilling<Kv> {
@@ -85,7 +122,9 @@ pub struct Scheduler<D: Device> {
     limits: StepLimits,
     /// Pipelined decode (`pipeline` in the engine's config).
     pipeline: bool,
-    rx: Receiver<Msg>,
+    rx: Receiver<Job>,
+    /// The worker's cancel handles: each request leaves them when it ends.
+    cancels: Cancels,
     stats: Arc<Stats>,
     waiting: WaitQueue,
     /// Sequences being prefilled chunk by chunk, oldest first.
@@ -109,7 +148,6 @@ pub struct Scheduler<D: Device> {
     times: StepTimes,
     /// When the previous step started.
     last_step: Option<Instant>,
-    shutting_down: bool,
 }
 
 impl<D: Device> Scheduler<D> {
@@ -117,7 +155,8 @@ impl<D: Device> Scheduler<D> {
         device: D,
         limits: StepLimits,
         pipeline: bool,
-        rx: Receiver<Msg>,
+        rx: Receiver<Job>,
+        cancels: Cancels,
         stats: Arc<Stats>,
     ) -> Self {
         Self {
@@ -126,6 +165,7 @@ impl<D: Device> Scheduler<D> {
             limits,
             pipeline,
             rx,
+            cancels,
             stats,
             catching_up: Vec::new(),
             group: Vec::new(),
@@ -137,43 +177,13 @@ impl<D: Device> Scheduler<D> {
             oom_streak: 0,
             times: StepTimes::default(),
             last_step: None,
-            shutting_down: false,
         }
     }
 
-    /// Runs schedulers on this thread until shutdown. A scheduler that
-    /// panics loses the requests it held (their streams end without a
-    /// final event, which benches the engine until the host's probe finds
-    /// it serving again) and a fresh one takes over the same channel.
-    pub fn supervise(
-        device: D,
-        limits: StepLimits,
-        pipeline: bool,
-        rx: Receiver<Msg>,
-        stats: Arc<Stats>,
-    ) {
-        loop {
-            let scheduler =
-                Scheduler::new(device.clone(), limits, pipeline, rx.clone(), stats.clone());
-            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| scheduler.run())) {
-                Ok(()) => return,
-                Err(_) => {
-                    tracing::error!(
-                        "the batched scheduler panicked; its requests are lost; starting a new one"
-                    );
-                    stats.active.store(0, Ordering::Release);
-                    stats.kv_blocks.store(0, Ordering::Release);
-                    stats.queued.store(0, Ordering::Release);
-                }
-            }
-        }
-    }
-
+    /// Runs until the worker's channel closes (shutdown), then cancels
+    /// what it holds.
     pub fn run(mut self) {
-        while !self.shutting_down {
-            if !self.intake() {
-                break;
-            }
+        while self.intake() {
             self.iteration();
         }
         self.cancel_everything();
@@ -244,25 +254,22 @@ impl<D: Device> Scheduler<D> {
         }
     }
 
-    fn handle(&mut self, msg: Msg) {
-        match msg {
-            Msg::Submit(w) => self.waiting.push(*w),
-            Msg::Adopt(h) => self.adopt(*h),
-            Msg::Cancel(id) => {
-                for r in self.started() {
-                    if r.request().id == id {
-                        r.request().cancel.cancel();
-                    }
-                }
+    fn handle(&mut self, job: Job) {
+        match job {
+            Job::Submit(mut w) => {
+                w.cancel_handle = Some(self.cancels.guard(w.request.id));
+                self.waiting.push(*w)
             }
-            Msg::Shutdown => self.shutting_down = true,
+            Job::Adopt(h) => self.adopt(*h),
         }
     }
 
     fn adopt(&mut self, h: Handover) {
-        let Some((seq, cache, last_token)) = Sequence::resume(h, self.device.vocab()) else {
+        let cancel_handle = self.cancels.guard(h.request.id);
+        let Some((mut seq, cache, last_token)) = Sequence::resume(h, self.device.vocab()) else {
             return;
         };
+        seq.hold(cancel_handle);
         let row = Row::new(seq, Active::take(&self.stats), last_token);
         let joined = self
             .device
@@ -458,13 +465,16 @@ impl<D: Device> Scheduler<D> {
             let active = Active::take(&self.stats);
             self.stats.dequeued();
             let device = &self.device;
-            let Some(seq) =
+            let Some(mut seq) =
                 Sequence::start(w.request, w.events, reservation, device.vocab(), |g| {
                     device.grammar(g)
                 })
             else {
                 continue;
             };
+            if let Some(handle) = w.cancel_handle {
+                seq.hold(handle);
+            }
             let hit = self
                 .device
                 .lookup(seq.request().cache_scope.as_deref(), &seq.request().prompt);
@@ -861,18 +871,17 @@ impl<D: Device> Scheduler<D> {
             self.stats.dequeued();
             w.cancel();
         }
-        while let Ok(msg) = self.rx.try_recv() {
-            match msg {
-                Msg::Submit(w) => {
+        while let Ok(job) = self.rx.try_recv() {
+            match job {
+                Job::Submit(w) => {
                     self.stats.dequeued();
                     w.cancel();
                 }
-                Msg::Adopt(h) => {
+                Job::Adopt(h) => {
                     if let Some((mut seq, ..)) = Sequence::resume(*h, self.device.vocab()) {
                         seq.finish(FinishReason::Cancelled, None);
                     }
                 }
-                _ => {}
             }
         }
         for r in self.take_started() {

@@ -1,5 +1,7 @@
 //! One sequence's life, the same in every engine: started with its sampler
-//! and its compiled grammar, each chosen token taken through one rule
+//! and its compiled grammar, its prompt prefilled after the prefix cache's
+//! longest hit in chunks that follow one rule ([`Prefill`]) and kept there
+//! for the requests that share it, each chosen token taken through one rule
 //! (the grammar's end, the penalties, the [`Emitter`]'s stop tokens,
 //! cancellation and `max_tokens`, then the grammar's commit), and ended by
 //! giving back its KV blocks and engine slot before the final event, or

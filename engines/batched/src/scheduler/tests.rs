@@ -268,14 +268,13 @@ fn decode_picks(batch: &mut [usize], rows: &[Row]) -> FakePicks {
 
 struct Harness {
     scheduler: Scheduler<Fake>,
-    tx: Sender<Msg>,
+    tx: Sender<Job>,
     fake: Fake,
     stats: Arc<Stats>,
     submitted: u32,
 }
 
 struct Sent {
-    id: RequestId,
     prompt: Vec<u32>,
     max_tokens: u32,
     cancel: CancelToken,
@@ -323,7 +322,14 @@ fn harness_of(fake: Fake, chunk: usize, pipeline: bool) -> Harness {
         prefill: PrefillBudget::from(chunk),
     };
     Harness {
-        scheduler: Scheduler::new(fake.clone(), limits, pipeline, rx, stats.clone()),
+        scheduler: Scheduler::new(
+            fake.clone(),
+            limits,
+            pipeline,
+            rx,
+            Cancels::default(),
+            stats.clone(),
+        ),
         tx,
         fake,
         stats,
@@ -343,17 +349,17 @@ impl Harness {
             .0
             .pool
             .blocks_for(prompt_len + max_tokens as usize);
-        let (id, cancel) = (request.id, request.cancel.clone());
+        let cancel = request.cancel.clone();
         let (events, stream) = event_channel();
         self.stats.queued.fetch_add(1, Ordering::AcqRel);
         let waiting = Waiting {
             request,
             blocks,
             events,
+            cancel_handle: None,
         };
-        self.tx.send(Msg::Submit(Box::new(waiting))).unwrap();
+        self.tx.send(Job::Submit(Box::new(waiting))).unwrap();
         Sent {
-            id,
             prompt,
             max_tokens,
             cancel,
@@ -495,7 +501,7 @@ fn cancelled_requests_end(mut h: Harness) {
     assert_eq!(running.read().tokens.len(), 3);
     assert_eq!(h.scheduler.catching_up.len(), 1, "one prompt mid-prefill");
     assert!(!h.scheduler.waiting.is_empty(), "one waiting");
-    h.tx.send(Msg::Cancel(running.id)).unwrap();
+    running.cancel.cancel();
     prefilling.cancel.cancel();
     waiting.cancel.cancel();
     h.run_to_end();
