@@ -57,7 +57,13 @@ impl BatchedEngine {
                 move || stats.reset()
             },
         )
-        .expect("spawn the batched engine's worker");
+        .expect("spawn the batched engine's worker")
+        // A scheduler waiting for KV blocks looks again at each job and
+        // cancellation (`Scheduler::wait_while_stalled`).
+        .waking({
+            let pool = shared.kv_pool.clone();
+            move || pool.wake()
+        });
         shared.set_handover_sink(worker.handover_sink({
             let stats = stats.clone();
             move || stats.busy()

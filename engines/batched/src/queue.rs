@@ -19,6 +19,11 @@ pub struct Waiting {
 }
 
 impl Waiting {
+    /// Cancelled, or its client left.
+    pub fn is_cancelled(&self) -> bool {
+        self.request.cancel.is_cancelled() || self.events.is_closed()
+    }
+
     /// Ends it before it ran (cancelled, or the engine stops).
     pub fn cancel(self) {
         Emitter::new(self.request, self.events).finish(FinishReason::Cancelled, None);
@@ -57,7 +62,7 @@ impl WaitQueue {
         let (gone, keep): (Vec<_>, Vec<_>) = self
             .items
             .drain(..)
-            .partition(|w| w.request.cancel.is_cancelled() || w.events.is_closed());
+            .partition(Waiting::is_cancelled);
         self.items = keep.into();
         gone
     }

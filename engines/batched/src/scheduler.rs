@@ -185,6 +185,7 @@ impl<D: Device> Scheduler<D> {
     pub fn run(mut self) {
         while self.intake() {
             self.iteration();
+            self.wait_while_stalled();
         }
         self.cancel_everything();
         self.publish();
@@ -227,6 +228,31 @@ impl<D: Device> Scheduler<D> {
             }
         }
         self.publish();
+    }
+
+    /// When nothing runs and the front of the queue waits for KV blocks
+    /// other engines hold, sleeps until blocks come back, a job arrives
+    /// or a request is cancelled (the worker wakes the pool at both)
+    /// rather than planning the same empty step again.
+    fn wait_while_stalled(&self) {
+        let running = !(self.rows.is_empty()
+            && self.catching_up.is_empty()
+            && self.group.is_empty()
+            && self.preempted.is_empty());
+        let Some(front) = self.waiting.front().filter(|_| !running) else {
+            return;
+        };
+        let pool = self.device.pool();
+        // Read before looking: whatever comes after it ends the wait.
+        let seen = pool.releases();
+        let free = pool.total().saturating_sub(pool.allocated());
+        if front.blocks <= free
+            || !self.rx.is_empty()
+            || self.waiting.iter().any(Waiting::is_cancelled)
+        {
+            return;
+        }
+        pool.wait_release(seen);
     }
 
     fn idle(&self) -> bool {

@@ -314,12 +314,12 @@ impl KvPool {
     ) -> Result<Option<Reservation>, PoolError> {
         loop {
             // Read before looking: a release after it ends the wait at once.
-            let seen = self.ledger.releases();
+            let seen = self.releases();
             if stop() {
                 return Ok(None);
             }
             match self.try_reserve(blocks) {
-                Err(PoolError::Exhausted) => self.ledger.wait_release(seen),
+                Err(PoolError::Exhausted) => self.wait_release(seen),
                 reserved => return reserved.map(Some),
             }
         }
@@ -328,6 +328,18 @@ impl KvPool {
     /// Wakes every [`KvPool::reserve_waiting`] to look at its `stop` again.
     pub fn wake(&self) {
         self.ledger.wake();
+    }
+
+    /// How many times blocks went back (or waiters were woken): read
+    /// before looking at the pool, then [`KvPool::wait_release`].
+    pub fn releases(&self) -> u64 {
+        self.ledger.releases()
+    }
+
+    /// Returns once blocks went back (or waiters were woken) after
+    /// [`KvPool::releases`] read `seen`.
+    pub fn wait_release(&self, seen: u64) {
+        self.ledger.wait_release(seen);
     }
 
     /// Blocks for a prefix-cache entry, only if they are free: the cache

@@ -2,13 +2,15 @@
 //! its own: a job channel to it, the cancel handles of the requests it
 //! holds (by id, for `Engine::cancel`), and shutdown: cancel them all,
 //! close the channel, wait for the thread. Optionally supervised (a run
-//! that panics is started again over the same channel) and a handover
-//! sink (sequences other engines hand over arrive as its jobs). std locks
-//! only: plugins do not share parking_lot's global tables.
+//! that panics is started again over the same channel), a handover sink
+//! (sequences other engines hand over arrive as its jobs), and woken at
+//! each job and cancellation where it waits on something besides its
+//! channel (the KV pool). std locks only: plugins do not share
+//! parking_lot's global tables.
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 
 pub use crossbeam_channel::Receiver;
@@ -70,11 +72,16 @@ impl Drop for CancelGuard {
     }
 }
 
-/// The way in: the channel (closed at shutdown) and the cancel handles of
-/// what was sent through it. The worker and its handover sink share it.
+/// What wakes a worker that waits on something besides its channel.
+type Wake = Arc<OnceLock<Box<dyn Fn() + Send + Sync>>>;
+
+/// The way in: the channel (closed at shutdown), the cancel handles of
+/// what was sent through it, and the worker's wake. The worker and its
+/// handover sink share it.
 struct Jobs<J> {
     tx: Arc<Mutex<Option<Sender<J>>>>,
     cancels: Cancels,
+    wake: Wake,
 }
 
 impl<J> Clone for Jobs<J> {
@@ -82,6 +89,15 @@ impl<J> Clone for Jobs<J> {
         Self {
             tx: self.tx.clone(),
             cancels: self.cancels.clone(),
+            wake: self.wake.clone(),
+        }
+    }
+}
+
+impl<J> Jobs<J> {
+    fn wake(&self) {
+        if let Some(wake) = self.wake.get() {
+            wake();
         }
     }
 }
@@ -99,16 +115,15 @@ impl<J: Job> Jobs<J> {
         tx.send(job).map_err(|e| {
             self.cancels.remove(id);
             e.0
-        })
+        })?;
+        self.wake();
+        Ok(())
     }
 }
 
 pub struct Worker<J> {
     jobs: Jobs<J>,
     thread: Mutex<Option<JoinHandle<()>>>,
-    /// Wakes a job that waits (for KV blocks, say) to see its
-    /// cancellation ([`Worker::waking`]).
-    wake: Option<Box<dyn Fn() + Send + Sync>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -134,17 +149,18 @@ impl<J: Job> Worker<J> {
             jobs: Jobs {
                 tx: Arc::new(Mutex::new(Some(tx))),
                 cancels,
+                wake: Wake::default(),
             },
             thread: Mutex::new(Some(thread)),
-            wake: None,
         })
     }
 
-    /// Has `wake` run after each cancellation (by id or at shutdown): what
-    /// wakes a job waiting on something else, such as
-    /// `KvPool::reserve_waiting` (`KvPool::wake`).
-    pub fn waking(mut self, wake: impl Fn() + Send + Sync + 'static) -> Self {
-        self.wake = Some(Box::new(wake));
+    /// Has `wake` run after each job sent (its handover sink's too) and
+    /// each cancellation, by id or at shutdown: what wakes a worker that
+    /// waits on something besides its channel, such as the KV pool
+    /// (`KvPool::wake`). Set once.
+    pub fn waking(self, wake: impl Fn() + Send + Sync + 'static) -> Self {
+        let _ = self.jobs.wake.set(Box::new(wake));
         self
     }
 
@@ -217,13 +233,7 @@ impl<J> Worker<J> {
         if let Some(c) = self.jobs.cancels.lock().get(&id) {
             c.cancel();
         }
-        self.wake();
-    }
-
-    fn wake(&self) {
-        if let Some(wake) = &self.wake {
-            wake();
-        }
+        self.jobs.wake();
     }
 
     /// The cancel handles, for what removes a request's handle when it
@@ -252,7 +262,7 @@ impl<J> Worker<J> {
         for c in self.jobs.cancels.lock().values() {
             c.cancel();
         }
-        self.wake();
+        self.jobs.wake();
         if let Some(t) = lock(&self.thread).take() {
             let _ = t.join();
         }
