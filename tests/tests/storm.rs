@@ -236,7 +236,7 @@ fn a_fault_storm_loses_nothing_and_the_server_stops_cleanly() {
         tally.statuses,
         logs.matches("ran out of memory").count(),
         logs.matches("server is out of memory").count(),
-        logs.matches("the batched scheduler panicked").count(),
+        logs.matches("the worker panicked").count(),
         logs.matches("upstream failed mid-stream").count(),
         rss_start as f64 / 1e6,
         rss_end as f64 / 1e6,
@@ -255,7 +255,7 @@ fn a_fault_storm_loses_nothing_and_the_server_stops_cleanly() {
     // The faults happened.
     assert!(logs.contains("ran out of memory"), "no out-of-memory step");
     assert!(
-        logs.contains("the batched scheduler panicked"),
+        logs.contains("the worker panicked"),
         "no panic mid-batch"
     );
     assert!(
