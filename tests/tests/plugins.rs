@@ -316,7 +316,11 @@ policy:
 "#;
 
 fn completion(max_tokens: u64, long_prompt: bool, stream: bool) -> Value {
-    let prompt = if long_prompt { "hello there ".repeat(20) } else { "hello there".into() };
+    let prompt = if long_prompt {
+        "hello there ".repeat(20)
+    } else {
+        "hello there".into()
+    };
     json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
         "temperature": 0.0, "ignore_eos": true, "stream": stream})
 }
@@ -366,7 +370,8 @@ fn a_request_waiting_for_kv_blocks_starts_when_they_come_back_and_ends_when_canc
     assert!(released.elapsed() < Duration::from_secs(1));
     started.disconnect();
     assert!(
-        gw.wait_for(Duration::from_secs(5), |gw| pool(gw, "allocated_blocks") == 0),
+        gw.wait_for(Duration::from_secs(5), |gw| pool(gw, "allocated_blocks")
+            == 0),
         "{}",
         gw.health()
     );

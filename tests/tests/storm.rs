@@ -254,10 +254,7 @@ fn a_fault_storm_loses_nothing_and_the_server_stops_cleanly() {
     }
     // The faults happened.
     assert!(logs.contains("ran out of memory"), "no out-of-memory step");
-    assert!(
-        logs.contains("the worker panicked"),
-        "no panic mid-batch"
-    );
+    assert!(logs.contains("the worker panicked"), "no panic mid-batch");
     assert!(
         logs.contains("upstream unhealthy"),
         "the upstream's death went unseen"

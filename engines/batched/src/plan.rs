@@ -242,10 +242,7 @@ mod tests {
 
     #[test]
     fn what_the_oldest_prompt_leaves_goes_to_the_next_then_starts_a_waiting_one() {
-        let two = [
-            Prefill::new(900, 1000, None),
-            prompt(1000),
-        ];
+        let two = [Prefill::new(900, 1000, None), prompt(1000)];
         let p = plan(state(6, &two, &[], &[short(1000)]), BUDGET);
         assert_eq!(p.chunks, vec![100, 150]);
         assert_eq!(p.admit, None, "nothing left");

@@ -59,10 +59,7 @@ impl WaitQueue {
 
     /// Removes requests that were cancelled while waiting.
     pub fn drain_cancelled(&mut self) -> Vec<Waiting> {
-        let (gone, keep): (Vec<_>, Vec<_>) = self
-            .items
-            .drain(..)
-            .partition(Waiting::is_cancelled);
+        let (gone, keep): (Vec<_>, Vec<_>) = self.items.drain(..).partition(Waiting::is_cancelled);
         self.items = keep.into();
         gone
     }

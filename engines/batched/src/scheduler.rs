@@ -6,7 +6,10 @@
 //! forward where the device takes them ([`Scheduler::mixed`]), else a
 //! padded group's forward or each chunk's, then one decode step for the
 //! whole batch. The budget bounds the inter-token
-//! latency of running rows while long prompts arrive. The forwards are a
+//! latency of running rows while long prompts arrive. When nothing runs
+//! and the queue's front waits for KV blocks other engines hold, the
+//! thread sleeps on the pool until they come back
+//! ([`Scheduler::wait_while_stalled`]). The forwards are a
 //! [`Device`]'s: the model's on MLX ([`crate::device::Mlx`]), or a fake
 //! one that drives this whole loop in the tests.
 //!
@@ -235,11 +238,7 @@ impl<D: Device> Scheduler<D> {
     /// or a request is cancelled (the worker wakes the pool at both)
     /// rather than planning the same empty step again.
     fn wait_while_stalled(&self) {
-        let running = !(self.rows.is_empty()
-            && self.catching_up.is_empty()
-            && self.group.is_empty()
-            && self.preempted.is_empty());
-        let Some(front) = self.waiting.front().filter(|_| !running) else {
+        let Some(front) = self.waiting.front().filter(|_| !self.running()) else {
             return;
         };
         let pool = self.device.pool();
@@ -255,12 +254,17 @@ impl<D: Device> Scheduler<D> {
         pool.wait_release(seen);
     }
 
-    fn idle(&self) -> bool {
-        self.rows.is_empty()
+    /// Whether it holds started sequences (running, being prefilled or
+    /// waiting to be recomputed).
+    fn running(&self) -> bool {
+        !(self.rows.is_empty()
             && self.catching_up.is_empty()
             && self.group.is_empty()
-            && self.preempted.is_empty()
-            && self.waiting.is_empty()
+            && self.preempted.is_empty())
+    }
+
+    fn idle(&self) -> bool {
+        !self.running() && self.waiting.is_empty()
     }
 
     /// Returns false when the channel is closed.

@@ -182,4 +182,3 @@ fn decode_constrained(shared: &Arc<SharedModel>, seq: &mut Sequence) -> anyhow::
         logits = model.forward(&generate::tokens_array(&[token]), &mut cache, Logits::Last)?;
     }
 }
-

@@ -465,7 +465,11 @@ mod tests {
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let waiter = std::thread::spawn({
             let (pool, stop) = (pool.clone(), stop.clone());
-            move || pool.reserve_waiting(2, || stop.load(Ordering::Acquire)).unwrap().is_none()
+            move || {
+                pool.reserve_waiting(2, || stop.load(Ordering::Acquire))
+                    .unwrap()
+                    .is_none()
+            }
         });
         std::thread::sleep(std::time::Duration::from_millis(20));
         assert!(!waiter.is_finished());
@@ -474,7 +478,10 @@ mod tests {
         assert!(waiter.join().unwrap(), "stopped when woken");
         assert_eq!(
             pool.reserve_waiting(5, || false).unwrap_err(),
-            PoolError::NeverFits { needed: 5, total: 4 }
+            PoolError::NeverFits {
+                needed: 5,
+                total: 4
+            }
         );
     }
 }

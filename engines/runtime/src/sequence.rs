@@ -373,7 +373,6 @@ impl Prefill {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

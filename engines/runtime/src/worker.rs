@@ -353,7 +353,11 @@ mod tests {
         assert_eq!(finished.recv_timeout(timeout).unwrap(), kept.id);
         assert_eq!(restarts.load(std::sync::atomic::Ordering::SeqCst), 1);
         worker.shutdown();
-        assert_eq!(worker.in_flight(), 0, "both handles gone with their requests");
+        assert_eq!(
+            worker.in_flight(),
+            0,
+            "both handles gone with their requests"
+        );
     }
 
     enum Task {
@@ -458,6 +462,10 @@ mod tests {
         let timeout = std::time::Duration::from_secs(10);
         assert_eq!(ends.recv_timeout(timeout).unwrap(), (a.id, false));
         worker.shutdown();
-        assert_eq!(ends.try_recv().unwrap(), (b.id, false), "ended before shutdown returned");
+        assert_eq!(
+            ends.try_recv().unwrap(),
+            (b.id, false),
+            "ended before shutdown returned"
+        );
     }
 }

@@ -707,7 +707,10 @@ fn a_queue_stalled_on_kv_held_elsewhere_sleeps_until_blocks_come_back() {
     let elsewhere = h.fake.0.pool.try_reserve(16).unwrap();
     let mut sent = h.submit(100, 4);
     let Harness {
-        scheduler, tx, fake, ..
+        scheduler,
+        tx,
+        fake,
+        ..
     } = h;
     let running = std::thread::spawn(move || scheduler.run());
     std::thread::sleep(std::time::Duration::from_millis(100));

@@ -15,8 +15,7 @@ use super::handover::{sink, ForeignSink};
 use super::{ctx, guard, leak};
 use super::{
     retain, RawDeviceLock, RawHandoverSink, RawHandoverSlot, RawKv, RawKvLedger, RawKvWaits,
-    RawPagePool,
-    RawPrefixCache, RawShared, MLX_FINGERPRINT,
+    RawPagePool, RawPrefixCache, RawShared, MLX_FINGERPRINT,
 };
 use crate::device::DeviceLock;
 use crate::handover::{HandoverSink, HandoverSlot};

@@ -416,7 +416,11 @@ mod tests {
         let _full = host.try_reserve(4).unwrap();
         let waiter = std::thread::spawn({
             let (host, stop) = (host.clone(), stop.clone());
-            move || host.reserve_waiting(1, || stop.load(Ordering::Acquire)).unwrap().is_none()
+            move || {
+                host.reserve_waiting(1, || stop.load(Ordering::Acquire))
+                    .unwrap()
+                    .is_none()
+            }
         });
         std::thread::sleep(std::time::Duration::from_millis(20));
         stop.store(true, Ordering::Release);
