@@ -85,7 +85,7 @@ pub fn prefill_chunk(
     last: bool,
 ) -> anyhow::Result<Array> {
     if !last {
-        return Ok(model.forward(&tokens_array(tokens), cache, Logits::Last)?);
+        return model.forward(&tokens_array(tokens), cache, Logits::Last);
     }
     let multiple = shape_multiple(!crate::compute::on_cpu());
     forward_padded(model, cache, tokens, chunk, multiple)

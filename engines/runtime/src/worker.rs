@@ -361,7 +361,7 @@ mod tests {
     }
 
     enum Task {
-        Run(GenerateRequest),
+        Run(Box<GenerateRequest>),
         Adopted(Box<Handover>),
     }
 
@@ -427,7 +427,7 @@ mod tests {
         };
         assert_eq!(back.reservation.blocks(), 1, "given back with its blocks");
         assert!(matches!(
-            worker.send(Task::Run(GenerateRequest::new(vec![1], 1))),
+            worker.send(Task::Run(Box::new(GenerateRequest::new(vec![1], 1)))),
             Err(EngineError::ShuttingDown)
         ));
     }
