@@ -414,7 +414,7 @@ impl Drop for Reservation {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -452,30 +452,7 @@ mod tests {
     #[test]
     fn a_full_pool_waits_for_blocks_to_come_back_or_to_be_told_to_stop() {
         let pool = KvPool::new(4, 16, 1);
-        let held = pool.try_reserve(4).unwrap();
-        let waiter = std::thread::spawn({
-            let pool = pool.clone();
-            move || pool.reserve_waiting(3, || false).unwrap().unwrap().blocks()
-        });
-        std::thread::sleep(std::time::Duration::from_millis(20));
-        assert!(!waiter.is_finished(), "no blocks, no answer");
-        drop(held);
-        assert_eq!(waiter.join().unwrap(), 3, "woken by the release");
-        let _held = pool.try_reserve(4).unwrap();
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let waiter = std::thread::spawn({
-            let (pool, stop) = (pool.clone(), stop.clone());
-            move || {
-                pool.reserve_waiting(2, || stop.load(Ordering::Acquire))
-                    .unwrap()
-                    .is_none()
-            }
-        });
-        std::thread::sleep(std::time::Duration::from_millis(20));
-        assert!(!waiter.is_finished());
-        stop.store(true, Ordering::Release);
-        pool.wake();
-        assert!(waiter.join().unwrap(), "stopped when woken");
+        waits_for_releases_and_wakes(&pool, &pool);
         assert_eq!(
             pool.reserve_waiting(5, || false).unwrap_err(),
             PoolError::NeverFits {
@@ -483,5 +460,36 @@ mod tests {
                 total: 4
             }
         );
+    }
+
+    /// A [`KvPool::reserve_waiting`] on `waiter` (a pool of 4 blocks) ends
+    /// when `other`, the same count, gives blocks back, and stops when
+    /// `other` wakes it.
+    pub(crate) fn waits_for_releases_and_wakes(waiter: &KvPool, other: &KvPool) {
+        let moment = std::time::Duration::from_millis(20);
+        let held = other.try_reserve(4).unwrap();
+        let waiting = std::thread::spawn({
+            let pool = waiter.clone();
+            move || pool.reserve_waiting(3, || false).unwrap().unwrap().blocks()
+        });
+        std::thread::sleep(moment);
+        assert!(!waiting.is_finished(), "no blocks, no answer");
+        drop(held);
+        assert_eq!(waiting.join().unwrap(), 3, "woken by the release");
+        let _held = other.try_reserve(4).unwrap();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let waiting = std::thread::spawn({
+            let (pool, stop) = (waiter.clone(), stop.clone());
+            move || {
+                pool.reserve_waiting(2, || stop.load(Ordering::Acquire))
+                    .unwrap()
+                    .is_none()
+            }
+        });
+        std::thread::sleep(moment);
+        assert!(!waiting.is_finished());
+        stop.store(true, Ordering::Release);
+        other.wake();
+        assert!(waiting.join().unwrap(), "stopped when woken");
     }
 }

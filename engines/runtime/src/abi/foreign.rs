@@ -378,6 +378,7 @@ mod tests {
 
     use super::*;
     use crate::handover::{Handover, LocalSlot};
+    use crate::kv_pool::tests::waits_for_releases_and_wakes;
     use crate::kv_pool::PoolError;
 
     #[test]
@@ -402,30 +403,8 @@ mod tests {
         let host = KvPool::new(4, 16, 1024);
         let waits = super::super::export::kv_waits(&host);
         let view = unsafe { kv_pool(&super::super::export::ledger(&host), Some(&waits)) };
-        let held = host.try_reserve(4).unwrap();
-        let waiter = std::thread::spawn({
-            let view = view.clone();
-            move || view.reserve_waiting(2, || false).unwrap().unwrap().blocks()
-        });
-        std::thread::sleep(std::time::Duration::from_millis(20));
-        assert!(!waiter.is_finished(), "the host's pool is full");
-        drop(held);
-        assert_eq!(waiter.join().unwrap(), 2, "woken by the host's release");
-        // And the view's wake reaches a waiter of the host's.
-        let stop = Arc::new(AtomicBool::new(false));
-        let _full = host.try_reserve(4).unwrap();
-        let waiter = std::thread::spawn({
-            let (host, stop) = (host.clone(), stop.clone());
-            move || {
-                host.reserve_waiting(1, || stop.load(Ordering::Acquire))
-                    .unwrap()
-                    .is_none()
-            }
-        });
-        std::thread::sleep(std::time::Duration::from_millis(20));
-        stop.store(true, Ordering::Release);
-        view.wake();
-        assert!(waiter.join().unwrap());
+        waits_for_releases_and_wakes(&view, &host);
+        waits_for_releases_and_wakes(&host, &view);
     }
 
     struct Sink(AtomicBool);
