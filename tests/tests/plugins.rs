@@ -4,13 +4,18 @@
 //! log lines reach the host's log, the weights are in memory once however
 //! many engines share them, a plugin built apart (its own cargo
 //! invocation, lock file and target directory) loads, serves and shares
-//! them too, and the remote plugin, which runs no model, links no MLX.
+//! them too, the remote plugin, which runs no model, links no MLX, and a
+//! plugin's request waiting for KV blocks another engine holds starts when
+//! they come back and ends the moment it is cancelled.
+
+use std::time::{Duration, Instant};
 
 use e2e_tests::build::template_plugin;
+use e2e_tests::http::SseStream;
 use e2e_tests::{binaries, models, Gateway, MODEL};
 use fixtures::model::TinySpec;
 use runtime::Family;
-use serde_json::json;
+use serde_json::{json, Value};
 
 fn chat(gw: &Gateway) -> e2e_tests::Response {
     gw.post(
@@ -290,5 +295,84 @@ fn a_plugin_built_apart_serves_and_shares_the_weights() {
         two < one + weights / 4,
         "the plugin built apart adds {:.1} MB",
         mb(two.saturating_sub(one))
+    );
+}
+
+/// Two reference engines over one small pool: `slow` streams requests
+/// with long prompts, `queued` takes the rest. Until its first token a request
+/// has a second (`request_timeout_s`), then it is cancelled.
+const SMALL_POOL: &str = r#"model: { path: "{model}", kv_cache_mb: 8 }
+server: { request_timeout_s: 1 }
+plugins: ["{reference}"]
+engines:
+  slow: { kind: reference, token_delay_ms: 20 }
+  queued: { kind: reference }
+policy:
+  default: queued
+  rules:
+    - name: long-to-slow
+      when: { prompt_tokens: { gt: 16 } }
+      route: slow
+"#;
+
+fn completion(max_tokens: u64, long_prompt: bool, stream: bool) -> Value {
+    let prompt = if long_prompt {
+        "hello there ".repeat(20)
+    } else {
+        "hello there".into()
+    };
+    json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+        "temperature": 0.0, "ignore_eos": true, "stream": stream})
+}
+
+#[test]
+fn a_request_waiting_for_kv_blocks_starts_when_they_come_back_and_ends_when_cancelled() {
+    let gw = Gateway::start(SMALL_POOL);
+    let pool = |gw: &Gateway, field: &str| gw.health()["kv_pool"][field].as_u64().unwrap();
+    // Each of the two large requests holds over half of the pool.
+    let large = pool(&gw, "total_blocks") * 16 * 6 / 10;
+    let mut holder = SseStream::open(gw.addr, "/v1/completions", &completion(large, true, true));
+    assert_eq!(holder.status, 200);
+    assert!(holder.next_event().is_some());
+    let held = pool(&gw, "allocated_blocks");
+
+    // One that cannot fit beside it waits, and its timeout cancels it.
+    let r = gw.post("/v1/completions", &completion(large, false, false));
+    assert_eq!(r.status, 504, "{}", r.text());
+    // Its engine lets it go at once, while the holder still runs (were it
+    // still waiting, it would hold its engine until the holder ends).
+    let idle = |gw: &Gateway| {
+        let engines = gw.health()["engines"].as_array().unwrap().clone();
+        let queued = engines.iter().find(|e| e["name"] == "queued").unwrap();
+        queued["active"] == 0 && queued["queued"] == 0
+    };
+    assert!(
+        gw.wait_for(Duration::from_millis(500), idle),
+        "{}",
+        gw.health()
+    );
+    assert!(holder.next_event().is_some(), "the holder still streams");
+    assert_eq!(pool(&gw, "allocated_blocks"), held);
+
+    // Another waits; the holder's client leaves, its blocks come back
+    // (from the host's pool to the waiting plugin) and it starts within
+    // its second.
+    let waiting = std::thread::spawn({
+        let addr = gw.addr;
+        move || SseStream::open(addr, "/v1/completions", &completion(large, false, true))
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let released = Instant::now();
+    holder.disconnect();
+    let mut started = waiting.join().unwrap();
+    assert_eq!(started.status, 200);
+    assert!(started.next_event().is_some());
+    assert!(released.elapsed() < Duration::from_secs(1));
+    started.disconnect();
+    assert!(
+        gw.wait_for(Duration::from_secs(5), |gw| pool(gw, "allocated_blocks")
+            == 0),
+        "{}",
+        gw.health()
     );
 }

@@ -145,7 +145,7 @@ fn a_fault_storm_loses_nothing_and_the_server_stops_cleanly() {
     // The batched engine's next step panics once this file exists.
     let dir = tempfile::tempdir().unwrap();
     let arm_panic = dir.path().join("panic-now");
-    let panic_at = format!("batched-scheduler:{}", arm_panic.display());
+    let panic_at = format!("batched-worker:{}", arm_panic.display());
     let mut gw = Gateway::start_with_env(
         &front(&upstreams),
         &[
@@ -236,7 +236,7 @@ fn a_fault_storm_loses_nothing_and_the_server_stops_cleanly() {
         tally.statuses,
         logs.matches("ran out of memory").count(),
         logs.matches("server is out of memory").count(),
-        logs.matches("the batched scheduler panicked").count(),
+        logs.matches("the worker panicked").count(),
         logs.matches("upstream failed mid-stream").count(),
         rss_start as f64 / 1e6,
         rss_end as f64 / 1e6,
@@ -254,10 +254,7 @@ fn a_fault_storm_loses_nothing_and_the_server_stops_cleanly() {
     }
     // The faults happened.
     assert!(logs.contains("ran out of memory"), "no out-of-memory step");
-    assert!(
-        logs.contains("the batched scheduler panicked"),
-        "no panic mid-batch"
-    );
+    assert!(logs.contains("the worker panicked"), "no panic mid-batch");
     assert!(
         logs.contains("upstream unhealthy"),
         "the upstream's death went unseen"

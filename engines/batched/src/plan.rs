@@ -4,7 +4,7 @@
 //! without a model.
 //!
 //! Every sequence catches up to its target as vLLM v1's scheduler has it:
-//! its KV holds `computed` tokens of the `target` it needs before its next
+//! its KV holds `done` tokens of the `target` it needs before its next
 //! pick (its prompt; for a row recomputed after preemption, its prompt and
 //! every token it generated but the newest; a decoding row is one token
 //! behind). A step spends one token budget: the decode rows first, one
@@ -17,29 +17,16 @@
 
 use std::time::{Duration, Instant};
 
+use runtime::sequence::Prefill;
+
 use crate::admit::{self, Candidate, PrefillBudget, Start};
-
-/// A sequence being prefilled, chunk by chunk.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CatchUp {
-    /// Tokens its KV holds.
-    pub computed: usize,
-    /// Tokens its KV must hold before its next pick.
-    pub target: usize,
-}
-
-impl CatchUp {
-    pub fn left(&self) -> usize {
-        self.target.saturating_sub(self.computed)
-    }
-}
 
 /// What the planner sees of the scheduler.
 pub struct State<'a, Q> {
     /// Rows in the decode batch: one token each this step.
     pub decoding: usize,
     /// Sequences being prefilled, oldest first.
-    pub catching_up: &'a [CatchUp],
+    pub catching_up: &'a [Prefill],
     /// Rows preempted after running out of memory, oldest first: the
     /// tokens each recomputes.
     pub preempted: &'a [usize],
@@ -216,7 +203,7 @@ mod tests {
 
     fn state<'a>(
         decoding: usize,
-        catching_up: &'a [CatchUp],
+        catching_up: &'a [Prefill],
         preempted: &'a [usize],
         waiting: &'a [Candidate],
     ) -> State<'a, std::iter::Copied<std::slice::Iter<'a, Candidate>>> {
@@ -236,11 +223,8 @@ mod tests {
         width_multiple: 1,
     };
 
-    fn prompt(target: usize) -> CatchUp {
-        CatchUp {
-            computed: 0,
-            target,
-        }
+    fn prompt(target: usize) -> Prefill {
+        Prefill::new(0, target, None)
     }
 
     #[test]
@@ -258,20 +242,11 @@ mod tests {
 
     #[test]
     fn what_the_oldest_prompt_leaves_goes_to_the_next_then_starts_a_waiting_one() {
-        let two = [
-            CatchUp {
-                computed: 900,
-                target: 1000,
-            },
-            prompt(1000),
-        ];
+        let two = [Prefill::new(900, 1000, None), prompt(1000)];
         let p = plan(state(6, &two, &[], &[short(1000)]), BUDGET);
         assert_eq!(p.chunks, vec![100, 150]);
         assert_eq!(p.admit, None, "nothing left");
-        let one = [CatchUp {
-            computed: 900,
-            target: 1000,
-        }];
+        let one = [Prefill::new(900, 1000, None)];
         let p = plan(state(6, &one, &[], &[short(1000)]), BUDGET);
         assert_eq!(p.chunks, vec![100]);
         assert_eq!(p.admit, Some(Admit::Chunked { tokens: 150 }));
@@ -279,10 +254,7 @@ mod tests {
 
     #[test]
     fn a_waiting_request_starts_only_with_a_row_free_and_its_kv_free() {
-        let one = [CatchUp {
-            computed: 900,
-            target: 1000,
-        }];
+        let one = [Prefill::new(900, 1000, None)];
         let waiting = [short(1000)];
         let full = State {
             row_limit: 7,
@@ -309,16 +281,10 @@ mod tests {
         let eight = [short(8); 8];
         let p = plan(state(3, &[], &[], &eight), BUDGET);
         assert_eq!(p.admit, Some(Admit::Group(8)));
-        let one = [CatchUp {
-            computed: 90,
-            target: 100,
-        }];
+        let one = [Prefill::new(90, 100, None)];
         assert_eq!(plan(state(3, &one, &[], &eight), BUDGET).admit, None);
         // A prompt that just finished its chunks leaves the step to them.
-        let done = [CatchUp {
-            computed: 100,
-            target: 100,
-        }];
+        let done = [Prefill::new(100, 100, None)];
         let p = plan(state(3, &done, &[], &eight), BUDGET);
         assert_eq!((p.chunks, p.admit), (vec![0], Some(Admit::Group(8))));
     }

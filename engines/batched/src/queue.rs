@@ -6,14 +6,24 @@ use std::collections::VecDeque;
 use engine_core::event::EventSender;
 use engine_core::{FinishReason, GenerateRequest};
 use runtime::emit::Emitter;
+use runtime::worker::CancelGuard;
 
 pub struct Waiting {
     pub request: GenerateRequest,
     pub blocks: usize,
     pub events: EventSender,
+    /// Its place among the worker's cancel handles, taken when the
+    /// scheduler receives it: the request leaves them when it ends,
+    /// waiting or running.
+    pub cancel_handle: Option<CancelGuard>,
 }
 
 impl Waiting {
+    /// Cancelled, or its client left.
+    pub fn is_cancelled(&self) -> bool {
+        self.request.cancel.is_cancelled() || self.events.is_closed()
+    }
+
     /// Ends it before it ran (cancelled, or the engine stops).
     pub fn cancel(self) {
         Emitter::new(self.request, self.events).finish(FinishReason::Cancelled, None);
@@ -49,10 +59,7 @@ impl WaitQueue {
 
     /// Removes requests that were cancelled while waiting.
     pub fn drain_cancelled(&mut self) -> Vec<Waiting> {
-        let (gone, keep): (Vec<_>, Vec<_>) = self
-            .items
-            .drain(..)
-            .partition(|w| w.request.cancel.is_cancelled() || w.events.is_closed());
+        let (gone, keep): (Vec<_>, Vec<_>) = self.items.drain(..).partition(Waiting::is_cancelled);
         self.items = keep.into();
         gone
     }

@@ -6,7 +6,10 @@
 //! forward where the device takes them ([`Scheduler::mixed`]), else a
 //! padded group's forward or each chunk's, then one decode step for the
 //! whole batch. The budget bounds the inter-token
-//! latency of running rows while long prompts arrive. The forwards are a
+//! latency of running rows while long prompts arrive. When nothing runs
+//! and the queue's front waits for KV blocks other engines hold, the
+//! thread sleeps on the pool until they come back
+//! ([`Scheduler::wait_while_stalled`]). The forwards are a
 //! [`Device`]'s: the model's on MLX ([`crate::device::Mlx`]), or a fake
 //! one that drives this whole loop in the tests.
 //!
@@ -28,24 +31,48 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, TryRecvError};
-use engine_core::{FinishReason, RequestId, StreamError, TokenEvent};
+use crossbeam_channel::TryRecvError;
+use engine_core::{FinishReason, GenerateRequest, StreamError, TokenEvent};
 use runtime::handover::Handover;
 use runtime::memory;
-use runtime::sequence::{self, Sequence};
+use runtime::sequence::{Prefill, Sequence};
+use runtime::worker::{self, Cancels, Receiver};
 
 use crate::admit::Candidate;
 use crate::config::StepLimits;
 use crate::device::{Chunk, Device, Pick, Picks, Prefix};
-use crate::plan::{self, Admit, CatchUp, RowCap, StepPlan};
+use crate::plan::{self, Admit, RowCap, StepPlan};
 use crate::queue::{WaitQueue, Waiting};
 use crate::row::{Active, Row};
 
-pub enum Msg {
+/// What reaches the scheduler through the engine's worker
+/// (`runtime::worker::Worker`): a request to queue, or a running sequence
+/// another engine hands over.
+pub enum Job {
     Submit(Box<Waiting>),
     Adopt(Box<Handover>),
-    Cancel(RequestId),
-    Shutdown,
+}
+
+impl worker::Job for Job {
+    fn request(&self) -> &GenerateRequest {
+        match self {
+            Job::Submit(w) => &w.request,
+            Job::Adopt(h) => &h.request,
+        }
+    }
+}
+
+impl worker::Adopt for Job {
+    fn adopt(handover: Handover) -> Self {
+        Job::Adopt(Box::new(handover))
+    }
+
+    fn into_handover(self) -> Option<Handover> {
+        match self {
+            Job::Adopt(h) => Some(*h),
+            Job::Submit(_) => None,
+        }
+    }
 }
 
 /// Figures the engine reports in `load()`, written by the scheduler.
@@ -68,6 +95,19 @@ impl Stats {
             .queued
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
     }
+
+    /// Whether it has work, running or waiting: the moment an exclusive
+    /// engine hands its sequence over.
+    pub fn busy(&self) -> bool {
+        self.queued.load(Ordering::Acquire) > 0 || self.active.load(Ordering::Acquire) > 0
+    }
+
+    /// After a scheduler panicked: what it held is lost.
+    pub fn reset(&self) {
+        self.active.store(0, Ordering::Release);
+        self.kv_blocks.store(0, Ordering::Release);
+        self.queued.store(0, Ordering::Release);
+    }
 }
 
 struct Prefilling<Kv> {
@@ -76,7 +116,8 @@ struct Prefilling<Kv> {
     /// What the prefill computes: the prompt, or for a preempted row its
     /// whole context (see [`Row::context`]).
     tokens: Vec<u32>,
-    done: usize,
+    /// How far it is.
+    at: Prefill,
 }
 
 pub struct Scheduler<D: Device> {
@@ -84,7 +125,9 @@ pub struct Scheduler<D: Device> {
     limits: StepLimits,
     /// Pipelined decode (`pipeline` in the engine's config).
     pipeline: bool,
-    rx: Receiver<Msg>,
+    rx: Receiver<Job>,
+    /// The worker's cancel handles: each request leaves them when it ends.
+    cancels: Cancels,
     stats: Arc<Stats>,
     waiting: WaitQueue,
     /// Sequences being prefilled chunk by chunk, oldest first.
@@ -108,7 +151,6 @@ pub struct Scheduler<D: Device> {
     times: StepTimes,
     /// When the previous step started.
     last_step: Option<Instant>,
-    shutting_down: bool,
 }
 
 impl<D: Device> Scheduler<D> {
@@ -116,7 +158,8 @@ impl<D: Device> Scheduler<D> {
         device: D,
         limits: StepLimits,
         pipeline: bool,
-        rx: Receiver<Msg>,
+        rx: Receiver<Job>,
+        cancels: Cancels,
         stats: Arc<Stats>,
     ) -> Self {
         Self {
@@ -125,6 +168,7 @@ impl<D: Device> Scheduler<D> {
             limits,
             pipeline,
             rx,
+            cancels,
             stats,
             catching_up: Vec::new(),
             group: Vec::new(),
@@ -136,44 +180,15 @@ impl<D: Device> Scheduler<D> {
             oom_streak: 0,
             times: StepTimes::default(),
             last_step: None,
-            shutting_down: false,
         }
     }
 
-    /// Runs schedulers on this thread until shutdown. A scheduler that
-    /// panics loses the requests it held (their streams end without a
-    /// final event, which benches the engine until the host's probe finds
-    /// it serving again) and a fresh one takes over the same channel.
-    pub fn supervise(
-        device: D,
-        limits: StepLimits,
-        pipeline: bool,
-        rx: Receiver<Msg>,
-        stats: Arc<Stats>,
-    ) {
-        loop {
-            let scheduler =
-                Scheduler::new(device.clone(), limits, pipeline, rx.clone(), stats.clone());
-            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| scheduler.run())) {
-                Ok(()) => return,
-                Err(_) => {
-                    tracing::error!(
-                        "the batched scheduler panicked; its requests are lost; starting a new one"
-                    );
-                    stats.active.store(0, Ordering::Release);
-                    stats.kv_blocks.store(0, Ordering::Release);
-                    stats.queued.store(0, Ordering::Release);
-                }
-            }
-        }
-    }
-
+    /// Runs until the worker's channel closes (shutdown), then cancels
+    /// what it holds.
     pub fn run(mut self) {
-        while !self.shutting_down {
-            if !self.intake() {
-                break;
-            }
+        while self.intake() {
             self.iteration();
+            self.wait_while_stalled();
         }
         self.cancel_everything();
         self.publish();
@@ -218,12 +233,38 @@ impl<D: Device> Scheduler<D> {
         self.publish();
     }
 
-    fn idle(&self) -> bool {
-        self.rows.is_empty()
+    /// When nothing runs and the front of the queue waits for KV blocks
+    /// other engines hold, sleeps until blocks come back, a job arrives
+    /// or a request is cancelled (the worker wakes the pool at both)
+    /// rather than planning the same empty step again.
+    fn wait_while_stalled(&self) {
+        let Some(front) = self.waiting.front().filter(|_| !self.running()) else {
+            return;
+        };
+        let pool = self.device.pool();
+        // Read before looking: whatever comes after it ends the wait.
+        let seen = pool.releases();
+        let free = pool.total().saturating_sub(pool.allocated());
+        if front.blocks <= free
+            || !self.rx.is_empty()
+            || self.waiting.iter().any(Waiting::is_cancelled)
+        {
+            return;
+        }
+        pool.wait_release(seen);
+    }
+
+    /// Whether it holds started sequences (running, being prefilled or
+    /// waiting to be recomputed).
+    fn running(&self) -> bool {
+        !(self.rows.is_empty()
             && self.catching_up.is_empty()
             && self.group.is_empty()
-            && self.preempted.is_empty()
-            && self.waiting.is_empty()
+            && self.preempted.is_empty())
+    }
+
+    fn idle(&self) -> bool {
+        !self.running() && self.waiting.is_empty()
     }
 
     /// Returns false when the channel is closed.
@@ -243,25 +284,22 @@ impl<D: Device> Scheduler<D> {
         }
     }
 
-    fn handle(&mut self, msg: Msg) {
-        match msg {
-            Msg::Submit(w) => self.waiting.push(*w),
-            Msg::Adopt(h) => self.adopt(*h),
-            Msg::Cancel(id) => {
-                for r in self.started() {
-                    if r.request().id == id {
-                        r.request().cancel.cancel();
-                    }
-                }
+    fn handle(&mut self, job: Job) {
+        match job {
+            Job::Submit(mut w) => {
+                w.cancel_handle = Some(self.cancels.guard(w.request.id));
+                self.waiting.push(*w)
             }
-            Msg::Shutdown => self.shutting_down = true,
+            Job::Adopt(h) => self.adopt(*h),
         }
     }
 
     fn adopt(&mut self, h: Handover) {
-        let Some((seq, cache, last_token)) = Sequence::resume(h, self.device.vocab()) else {
+        let cancel_handle = self.cancels.guard(h.request.id);
+        let Some((mut seq, cache, last_token)) = Sequence::resume(h, self.device.vocab()) else {
             return;
         };
+        seq.hold(cancel_handle);
         let row = Row::new(seq, Active::take(&self.stats), last_token);
         let joined = self
             .device
@@ -378,14 +416,7 @@ impl<D: Device> Scheduler<D> {
         let row_limit = self.row_cap.as_ref().map_or(self.limits.max_batch, |c| {
             c.limit().min(self.limits.max_batch)
         });
-        let catching_up: Vec<CatchUp> = self
-            .catching_up
-            .iter()
-            .map(|p| CatchUp {
-                computed: p.done,
-                target: p.tokens.len(),
-            })
-            .collect();
+        let catching_up: Vec<Prefill> = self.catching_up.iter().map(|p| p.at).collect();
         let preempted: Vec<usize> = self.preempted.iter().map(|r| r.seq.context_len()).collect();
         let device = &self.device;
         let pool = device.pool();
@@ -439,11 +470,13 @@ impl<D: Device> Scheduler<D> {
         };
         if let Some((row, hit, tokens, chunk)) = started {
             let (cache, done) = hit.unwrap_or_else(|| (self.device.new_kv(), 0));
+            let snapshot = self.device.snapshot_at(row.request().prompt.len());
+            let at = Prefill::new(done, tokens.len(), snapshot);
             self.catching_up.push(Prefilling {
                 row,
                 cache,
                 tokens,
-                done,
+                at,
             });
             chunks.push(chunk);
         }
@@ -462,13 +495,16 @@ impl<D: Device> Scheduler<D> {
             let active = Active::take(&self.stats);
             self.stats.dequeued();
             let device = &self.device;
-            let Some(seq) =
+            let Some(mut seq) =
                 Sequence::start(w.request, w.events, reservation, device.vocab(), |g| {
                     device.grammar(g)
                 })
             else {
                 continue;
             };
+            if let Some(handle) = w.cancel_handle {
+                seq.hold(handle);
+            }
             let hit = self
                 .device
                 .lookup(seq.request().cache_scope.as_deref(), &seq.request().prompt);
@@ -565,10 +601,10 @@ impl<D: Device> Scheduler<D> {
     fn prefill_chunk(&mut self, i: usize, tokens: usize) -> anyhow::Result<bool> {
         let (end, pick) = self.chunk_span(i, tokens);
         let p = &mut self.catching_up[i];
-        let chunk = &p.tokens[p.done..end];
+        let chunk = &p.tokens[p.at.done..end];
         let picks = self
             .device
-            .prefill(&mut p.row, &mut p.cache, chunk, p.done, pick)?;
+            .prefill(&mut p.row, &mut p.cache, chunk, p.at.done, pick)?;
         self.chunk_done(i, end, picks)
     }
 
@@ -576,11 +612,9 @@ impl<D: Device> Scheduler<D> {
     /// point where its KV is kept), and whether it ends with a pick.
     fn chunk_span(&self, i: usize, tokens: usize) -> (usize, bool) {
         let p = &self.catching_up[i];
-        let snapshot = self.device.snapshot_at(p.row.request().prompt.len());
-        let end = (p.done + tokens).min(p.tokens.len());
-        let end = sequence::chunk_end(p.row.request(), p.done, end, snapshot);
+        let end = p.at.chunk_end(p.row.request(), tokens);
         // A preempted row's next input is its newest token: no pick.
-        let pick = end == p.tokens.len() && p.row.seq.out.generated() == 0;
+        let pick = end == p.at.target && p.row.seq.out.generated() == 0;
         (end, pick)
     }
 
@@ -596,13 +630,12 @@ impl<D: Device> Scheduler<D> {
     ) -> anyhow::Result<bool> {
         let p = &mut self.catching_up[i];
         let Some(picks) = picks else {
-            p.done = end;
-            if self.device.snapshot_at(p.row.request().prompt.len()) == Some(end) {
+            if p.at.advance(end) {
                 let scope = p.row.request().cache_scope.as_deref();
                 let prompt = &p.row.request().prompt[..end];
                 self.device.keep(scope, prompt, &p.cache, None);
             }
-            if end < p.tokens.len() {
+            if !p.at.is_done() {
                 return Ok(false);
             }
             let p = self.catching_up.remove(i);
@@ -673,8 +706,8 @@ impl<D: Device> Scheduler<D> {
                 Some(Chunk {
                     row: &mut p.row,
                     kv: &mut p.cache,
-                    tokens: &p.tokens[p.done..end],
-                    start: p.done,
+                    tokens: &p.tokens[p.at.done..end],
+                    start: p.at.done,
                     pick,
                 })
             })
@@ -868,18 +901,17 @@ impl<D: Device> Scheduler<D> {
             self.stats.dequeued();
             w.cancel();
         }
-        while let Ok(msg) = self.rx.try_recv() {
-            match msg {
-                Msg::Submit(w) => {
+        while let Ok(job) = self.rx.try_recv() {
+            match job {
+                Job::Submit(w) => {
                     self.stats.dequeued();
                     w.cancel();
                 }
-                Msg::Adopt(h) => {
+                Job::Adopt(h) => {
                     if let Some((mut seq, ..)) = Sequence::resume(*h, self.device.vocab()) {
                         seq.finish(FinishReason::Cancelled, None);
                     }
                 }
-                _ => {}
             }
         }
         for r in self.take_started() {

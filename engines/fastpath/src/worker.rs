@@ -106,21 +106,17 @@ fn decode(shared: &Arc<SharedModel>, seq: &mut Sequence) -> anyhow::Result<End> 
     let max_tokens = seq.request().max_tokens;
     // The prompt, then every token read: what the cache holds, in order.
     let mut seen = seq.request().prompt.clone();
-    let (mut cache, mut from) = seq.cached_prefix(shared);
-    // A hybrid model's prefix is kept as a snapshot of the prompt's last
-    // block boundary, so the prefill stops there first.
-    if let Some(at) = shared
-        .prefix
-        .snapshot_at(seen.len())
-        .filter(|&at| from < at)
-    {
-        generate::prefill(model, &mut cache, &seen[from..at], shared.prefill_chunk())?;
-        seq.publish(shared, &seen[..at], &cache);
-        from = at;
-    }
-    let mut stream = GreedyStream::resume(model, cache, &seen[from..], shared.prefill_chunk())?;
-    // The prompt now, for requests sharing it (n > 1); the answer at the end.
-    seq.publish(shared, &seen, stream.cache());
+    let (mut cache, done) = seq.cached_prefix(shared);
+    // The first token is queued before the prompt is published, so the
+    // device computes it meanwhile.
+    let first = seq.prefill(shared, &mut cache, done, |cache, tokens, last| {
+        let logits = generate::prefill_chunk(model, cache, tokens, shared.prefill_chunk(), last)?;
+        match last {
+            true => generate::queue_argmax(&logits),
+            false => Ok(logits),
+        }
+    })?;
+    let mut stream = GreedyStream::queued(model, cache, first);
     // When the first token was read: the decode rate on this side of HTTP,
     // to set beside the client's figures.
     let mut first_read = None;
@@ -163,15 +159,12 @@ fn decode(shared: &Arc<SharedModel>, seq: &mut Sequence) -> anyhow::Result<End> 
 fn decode_constrained(shared: &Arc<SharedModel>, seq: &mut Sequence) -> anyhow::Result<End> {
     let model = &shared.model.model;
     let vocab = shared.model.vocab_size();
-    let mut cache = shared.new_cache(vec![0]);
+    let (mut cache, done) = seq.cached_prefix(shared);
     let mut logits = {
         let _device = shared.lock_device();
-        generate::prefill(
-            model,
-            &mut cache,
-            &seq.request().prompt,
-            shared.prefill_chunk(),
-        )?
+        seq.prefill(shared, &mut cache, done, |cache, tokens, last| {
+            generate::prefill_chunk(model, cache, tokens, shared.prefill_chunk(), last)
+        })?
     };
     loop {
         let constraint = seq.constraint.as_mut().expect("a constrained request");

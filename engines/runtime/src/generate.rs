@@ -73,15 +73,43 @@ pub fn prefill_padded(
         eval(&cache.state())?;
         rest = tail;
     }
-    let width = padded_width(rest.len(), chunk, multiple, model.is_hybrid());
-    if width == rest.len() {
-        return model.forward(&tokens_array(rest), cache, Logits::Last);
+    forward_padded(model, cache, rest, chunk, multiple)
+}
+
+/// One chunk of a prompt (at most `chunk` `tokens`) as [`prefill`] runs
+/// it: the `last` one padded to this device's [`shape_multiple`].
+pub fn prefill_chunk(
+    model: &Model,
+    cache: &mut KvCache,
+    tokens: &[u32],
+    chunk: usize,
+    last: bool,
+) -> anyhow::Result<Array> {
+    if !last {
+        return model.forward(&tokens_array(tokens), cache, Logits::Last);
     }
-    let mut padded = rest.to_vec();
+    let multiple = shape_multiple(!crate::compute::on_cpu());
+    forward_padded(model, cache, tokens, chunk, multiple)
+}
+
+/// A prompt's last prefill forward, of at most `chunk` `tokens`, padded
+/// as [`prefill_padded`] says; the `[1, 1, V]` logits of its last token.
+pub fn forward_padded(
+    model: &Model,
+    cache: &mut KvCache,
+    tokens: &[u32],
+    chunk: usize,
+    multiple: usize,
+) -> anyhow::Result<Array> {
+    let width = padded_width(tokens.len(), chunk, multiple, model.is_hybrid());
+    if width == tokens.len() {
+        return model.forward(&tokens_array(tokens), cache, Logits::Last);
+    }
+    let mut padded = tokens.to_vec();
     padded.resize(width, 0);
-    let last = Logits::At(rest.len() as i32 - 1);
+    let last = Logits::At(tokens.len() as i32 - 1);
     let logits = model.forward(&tokens_array(&padded), cache, last)?;
-    cache.truncate((width - rest.len()) as i32)?;
+    cache.truncate((width - tokens.len()) as i32)?;
     Ok(logits)
 }
 
@@ -139,6 +167,14 @@ pub fn preallocate(model: &Model, pool: &PagePool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The greedy token of `[1, 1, V]` logits, queued to compute while the
+/// host goes on.
+pub fn queue_argmax(logits: &Array) -> anyhow::Result<Array> {
+    let token = argmax_tokens(logits)?;
+    async_eval([&token])?;
+    Ok(token)
+}
+
 /// Greedy token from `[B, 1, V]` logits as a lazy `[B, 1]` int32 array.
 pub fn argmax_tokens(logits: &Array) -> anyhow::Result<Array> {
     let b = logits.dim(0);
@@ -181,13 +217,17 @@ impl<'m> GreedyStream<'m> {
         chunk: usize,
     ) -> anyhow::Result<Self> {
         let logits = prefill(model, &mut cache, rest, chunk)?;
-        let pending = argmax_tokens(&logits)?;
-        async_eval([&pending])?;
-        Ok(Self {
+        Ok(Self::queued(model, cache, queue_argmax(&logits)?))
+    }
+
+    /// Goes on from a prefilled `cache` and its first token, `pending`
+    /// ([`queue_argmax`] of the prompt's last logits).
+    pub fn queued(model: &'m Model, cache: KvCache, pending: Array) -> Self {
+        Self {
             model,
             cache,
             pending,
-        })
+        }
     }
 
     /// Reads the pending token. With `queue_next`, the step that follows it
@@ -198,8 +238,7 @@ impl<'m> GreedyStream<'m> {
             let logits = self
                 .model
                 .forward(&self.pending, &mut self.cache, Logits::Last)?;
-            let next = argmax_tokens(&logits)?;
-            async_eval([&next])?;
+            let next = queue_argmax(&logits)?;
             std::mem::replace(&mut self.pending, next)
         } else {
             self.pending.clone()

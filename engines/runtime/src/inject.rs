@@ -9,7 +9,7 @@
 //!   rows and the 5 after it fail the same way: memory that does not come
 //!   back while a batch is full;
 //! * `GATEWAY_INJECT_PANIC=5` makes the 5th panic, and
-//!   `GATEWAY_INJECT_PANIC_ON=batched-scheduler:/tmp/now` the first forward
+//!   `GATEWAY_INJECT_PANIC_ON=batched-worker:/tmp/now` the first forward
 //!   on the thread of that name once the file `/tmp/now` exists (a panic
 //!   mid-batch in one engine, when the test chooses);
 //! * `GATEWAY_INJECT_FREE_MB=512` makes the device report 512 MiB free

@@ -14,9 +14,14 @@
 //! or as blocks in use, and a reservation that finds the pool full first
 //! has the cache give entries up (least recently used first), as vLLM
 //! evicts cached blocks.
+//!
+//! An engine that queues a request while the pool is full waits for
+//! blocks to come back ([`KvPool::reserve_waiting`]): every release, in
+//! any engine of any image, wakes it, and so does [`KvPool::wake`] (a
+//! cancellation), never a timer.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PoolError {
@@ -46,6 +51,13 @@ pub trait Ledger: Send + Sync {
     /// Has `reclaim(blocks)` free at least that many cached blocks when a
     /// reservation finds the pool full (set once).
     fn set_reclaim(&self, reclaim: Reclaim);
+    /// How many times blocks went back (or a waiter was woken) so far.
+    fn releases(&self) -> u64;
+    /// Returns once [`Ledger::releases`] is past `seen`.
+    fn wait_release(&self, seen: u64);
+    /// Wakes every waiter, as a release would, to look again (at a
+    /// cancellation).
+    fn wake(&self);
 }
 
 pub type Reclaim = Box<dyn Fn(usize) + Send + Sync>;
@@ -58,6 +70,15 @@ pub struct LocalLedger {
     allocated: AtomicUsize,
     cached: AtomicUsize,
     reclaim: OnceLock<Reclaim>,
+    /// [`Ledger::releases`], and the waiters on it.
+    releases: Mutex<u64>,
+    released: Condvar,
+}
+
+impl LocalLedger {
+    fn releases_lock(&self) -> std::sync::MutexGuard<'_, u64> {
+        self.releases.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 impl Ledger for LocalLedger {
@@ -99,6 +120,7 @@ impl Ledger for LocalLedger {
 
     fn release(&self, blocks: usize) {
         self.allocated.fetch_sub(blocks, Ordering::AcqRel);
+        self.wake();
     }
 
     fn set_cached(&self, blocks: usize, on: bool) {
@@ -110,6 +132,23 @@ impl Ledger for LocalLedger {
 
     fn set_reclaim(&self, reclaim: Reclaim) {
         let _ = self.reclaim.set(reclaim);
+    }
+
+    fn releases(&self) -> u64 {
+        *self.releases_lock()
+    }
+
+    fn wait_release(&self, seen: u64) {
+        let count = self.releases_lock();
+        let _count = self
+            .released
+            .wait_while(count, |n| *n == seen)
+            .unwrap_or_else(|e| e.into_inner());
+    }
+
+    fn wake(&self) {
+        *self.releases_lock() += 1;
+        self.released.notify_all();
     }
 }
 
@@ -264,6 +303,45 @@ impl KvPool {
         })
     }
 
+    /// [`KvPool::try_reserve`], waiting while the pool is full until
+    /// blocks come back; `None` once `stop` holds (checked again at each
+    /// release and at each [`KvPool::wake`]: call it when what `stop`
+    /// reads changes, as a cancellation).
+    pub fn reserve_waiting(
+        &self,
+        blocks: usize,
+        stop: impl Fn() -> bool,
+    ) -> Result<Option<Reservation>, PoolError> {
+        loop {
+            // Read before looking: a release after it ends the wait at once.
+            let seen = self.releases();
+            if stop() {
+                return Ok(None);
+            }
+            match self.try_reserve(blocks) {
+                Err(PoolError::Exhausted) => self.wait_release(seen),
+                reserved => return reserved.map(Some),
+            }
+        }
+    }
+
+    /// Wakes every [`KvPool::reserve_waiting`] to look at its `stop` again.
+    pub fn wake(&self) {
+        self.ledger.wake();
+    }
+
+    /// How many times blocks went back (or waiters were woken): read
+    /// before looking at the pool, then [`KvPool::wait_release`].
+    pub fn releases(&self) -> u64 {
+        self.ledger.releases()
+    }
+
+    /// Returns once blocks went back (or waiters were woken) after
+    /// [`KvPool::releases`] read `seen`.
+    pub fn wait_release(&self, seen: u64) {
+        self.ledger.wait_release(seen);
+    }
+
     /// Blocks for a prefix-cache entry, only if they are free: the cache
     /// makes room among its own entries itself. Counted as cached.
     pub fn try_reserve_cached(&self, blocks: usize) -> Option<Reservation> {
@@ -336,7 +414,7 @@ impl Drop for Reservation {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -369,5 +447,49 @@ mod tests {
         ));
         drop(b);
         assert_eq!(pool.allocated(), 0);
+    }
+
+    #[test]
+    fn a_full_pool_waits_for_blocks_to_come_back_or_to_be_told_to_stop() {
+        let pool = KvPool::new(4, 16, 1);
+        waits_for_releases_and_wakes(&pool, &pool);
+        assert_eq!(
+            pool.reserve_waiting(5, || false).unwrap_err(),
+            PoolError::NeverFits {
+                needed: 5,
+                total: 4
+            }
+        );
+    }
+
+    /// A [`KvPool::reserve_waiting`] on `waiter` (a pool of 4 blocks) ends
+    /// when `other`, the same count, gives blocks back, and stops when
+    /// `other` wakes it.
+    pub(crate) fn waits_for_releases_and_wakes(waiter: &KvPool, other: &KvPool) {
+        let moment = std::time::Duration::from_millis(20);
+        let held = other.try_reserve(4).unwrap();
+        let waiting = std::thread::spawn({
+            let pool = waiter.clone();
+            move || pool.reserve_waiting(3, || false).unwrap().unwrap().blocks()
+        });
+        std::thread::sleep(moment);
+        assert!(!waiting.is_finished(), "no blocks, no answer");
+        drop(held);
+        assert_eq!(waiting.join().unwrap(), 3, "woken by the release");
+        let _held = other.try_reserve(4).unwrap();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let waiting = std::thread::spawn({
+            let (pool, stop) = (waiter.clone(), stop.clone());
+            move || {
+                pool.reserve_waiting(2, || stop.load(Ordering::Acquire))
+                    .unwrap()
+                    .is_none()
+            }
+        });
+        std::thread::sleep(moment);
+        assert!(!waiting.is_finished());
+        stop.store(true, Ordering::Release);
+        other.wake();
+        assert!(waiting.join().unwrap(), "stopped when woken");
     }
 }

@@ -1,5 +1,7 @@
 //! One sequence's life, the same in every engine: started with its sampler
-//! and its compiled grammar, each chosen token taken through one rule
+//! and its compiled grammar, its prompt prefilled after the prefix cache's
+//! longest hit in chunks that follow one rule ([`Prefill`]) and kept there
+//! for the requests that share it, each chosen token taken through one rule
 //! (the grammar's end, the penalties, the [`Emitter`]'s stop tokens,
 //! cancellation and `max_tokens`, then the grammar's commit), and ended by
 //! giving back its KV blocks and engine slot before the final event, or
@@ -9,6 +11,7 @@
 use engine_core::event::EventSender;
 use engine_core::{FinishReason, GenerateRequest, SpecStats, StreamError, TokenEvent};
 use grammar::Constraint;
+use mlx_rs::transforms::eval;
 
 use crate::cache::KvCache;
 use crate::emit::Emitter;
@@ -235,6 +238,41 @@ impl Sequence {
         (cache, tokens)
     }
 
+    /// Prefills its prompt into `cache`, which holds its first `done`
+    /// tokens (from [`Sequence::cached_prefix`]): chunks of
+    /// `shared.prefill_chunk()` tokens by [`Prefill::chunk_end`]'s rule,
+    /// each run by `forward(cache, tokens, last)`, the cache evaluated
+    /// between them so no chunk's graph holds the one before; the
+    /// snapshot point and then the whole prompt kept in the prefix cache
+    /// for requests that share them. Returns the last chunk's output.
+    /// Under the device lock.
+    pub fn prefill<T>(
+        &self,
+        shared: &SharedModel,
+        cache: &mut KvCache,
+        done: usize,
+        mut forward: impl FnMut(&mut KvCache, &[u32], bool) -> anyhow::Result<T>,
+    ) -> anyhow::Result<T> {
+        let prompt = self.request().prompt.clone();
+        let snapshot = shared.prefix.snapshot_at(prompt.len());
+        let mut at = Prefill::new(done, prompt.len(), snapshot);
+        let mut last = None;
+        while !at.is_done() {
+            let end = at.chunk_end(self.request(), shared.prefill_chunk());
+            let out = forward(cache, &prompt[at.done..end], end == prompt.len())?;
+            if end < prompt.len() {
+                eval(&cache.state())?;
+            }
+            if at.advance(end) {
+                self.publish(shared, &prompt[..end], cache);
+            }
+            last = Some(out);
+        }
+        let last = last.ok_or_else(|| anyhow::anyhow!("empty prompt"))?;
+        self.publish(shared, &prompt, cache);
+        Ok(last)
+    }
+
     /// Keeps `tokens` of it (whose KV `cache` holds from position 0) in
     /// `shared`'s prefix cache, in its request's scope, for requests that
     /// share them (n > 1, the chat's next turn). Under the device lock.
@@ -284,21 +322,55 @@ impl Sequence {
     }
 }
 
-/// Where a prefill chunk from `done` toward `end` stops: at `snapshot`
-/// when it falls inside (a hybrid model's prefix is kept as a snapshot of
-/// the prompt's last block boundary, so a chunk must end there), and never
-/// inside an image whose tokens attend both ways.
-pub fn chunk_end(
-    request: &GenerateRequest,
-    done: usize,
-    end: usize,
+/// Where one sequence's prefill stands: its KV holds `done` of the
+/// `target` tokens it catches up (its prompt; after preemption its whole
+/// context). Every engine's chunks follow its rule
+/// ([`Prefill::chunk_end`]); [`Sequence::prefill`] runs them all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Prefill {
+    pub done: usize,
+    pub target: usize,
+    /// Where a hybrid model's prefix is kept: a snapshot of the prompt's
+    /// last block boundary (`SharedPrefixCache::snapshot_at`).
     snapshot: Option<usize>,
-) -> usize {
-    let end = match snapshot {
-        Some(at) if done < at && at < end => at,
-        _ => end,
-    };
-    crate::vision::chunk_end(&request.images, done, end)
+}
+
+impl Prefill {
+    pub fn new(done: usize, target: usize, snapshot: Option<usize>) -> Self {
+        Self {
+            done,
+            target,
+            snapshot,
+        }
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.done >= self.target
+    }
+
+    /// Tokens still to compute.
+    pub fn left(&self) -> usize {
+        self.target.saturating_sub(self.done)
+    }
+
+    /// Where the next chunk of at most `tokens` stops: at the snapshot
+    /// point when it falls inside (the prefix is kept there), and never
+    /// inside an image of `request`'s whose tokens attend both ways.
+    pub fn chunk_end(&self, request: &GenerateRequest, tokens: usize) -> usize {
+        let end = (self.done + tokens).min(self.target);
+        let end = match self.snapshot {
+            Some(at) if self.done < at && at < end => at,
+            _ => end,
+        };
+        crate::vision::chunk_end(&request.images, self.done, end)
+    }
+
+    /// The KV now holds the tokens up to `end`; returns whether that is
+    /// the snapshot point, to be kept in the prefix cache.
+    pub fn advance(&mut self, end: usize) -> bool {
+        self.done = end;
+        self.snapshot == Some(end)
+    }
 }
 
 #[cfg(test)]
@@ -401,6 +473,32 @@ mod tests {
             rx.try_recv(),
             Ok(Event::Error(StreamError::Internal(_)))
         ));
+    }
+
+    #[test]
+    fn chunks_stop_at_the_snapshot_and_never_inside_an_image() {
+        let mut request = GenerateRequest::new(vec![1; 100], 4);
+        let mut at = Prefill::new(0, 100, Some(64));
+        assert_eq!(at.chunk_end(&request, 48), 48);
+        assert!(!at.advance(48));
+        assert_eq!((at.chunk_end(&request, 48), at.left()), (64, 52));
+        assert!(at.advance(64), "the snapshot point: kept");
+        assert_eq!(at.chunk_end(&request, 48), 100);
+        assert!(!at.advance(100));
+        assert!(at.is_done());
+        // A prefix hit at the snapshot goes on past it.
+        let from_hit = Prefill::new(64, 100, Some(64));
+        assert_eq!(from_hit.chunk_end(&request, 16), 80);
+        // An image whose tokens attend both ways is one chunk's.
+        request.images = vec![engine_core::ImageInput {
+            start: 40,
+            tokens: 20,
+            width: 1,
+            embeddings: std::sync::Arc::new(vec![0.0; 20]),
+            bidirectional: true,
+        }];
+        let at = Prefill::new(0, 100, None);
+        assert_eq!(at.chunk_end(&request, 48), 60);
     }
 
     #[test]

@@ -116,39 +116,21 @@ impl Sequence {
     /// observes only the positions computed here: a cached prefix is
     /// context it does not see (fewer accepted drafts, the same output).
     pub fn prefill(&mut self, model: &Model) -> anyhow::Result<()> {
-        let prompt = self.request().prompt.clone();
-        let (cache, mut done) = self.seq.cached_prefix(&self.shared);
-        self.cache = cache;
+        let (mut cache, done) = self.seq.cached_prefix(&self.shared);
         // Rejected drafts roll a hybrid model's recurrent states back to
         // the states kept for each verified position.
-        self.cache.keep_steps(model.is_hybrid());
-        let snapshot = self.shared.prefix.snapshot_at(prompt.len());
-        let mut last = None;
-        while done < prompt.len() {
-            let end = (done + self.shared.prefill_chunk()).min(prompt.len());
-            let end = sequence::chunk_end(self.seq.request(), done, end, snapshot);
-            let chunk = &prompt[done..end];
-            let out = model.forward_tapped(
-                &tokens_array(chunk),
-                &mut self.cache,
-                Logits::Last,
-                &self.taps,
-            )?;
-            if let Some(draft) = &mut self.draft {
-                draft.observe(model, &out, 0..chunk.len() as i32)?;
-            }
-            done = end;
-            if done < prompt.len() {
-                eval(&self.cache.state())?;
-            }
-            if snapshot == Some(done) {
-                self.seq.publish(&self.shared, &prompt[..done], &self.cache);
-            }
-            last = Some(out.logits);
-        }
-        let logits = last.ok_or_else(|| anyhow::anyhow!("empty prompt"))?;
-        // The prompt now, for requests sharing it; the answer at the end.
-        self.seq.publish(&self.shared, &prompt, &self.cache);
+        cache.keep_steps(model.is_hybrid());
+        let (taps, draft) = (&self.taps, &mut self.draft);
+        let logits = self
+            .seq
+            .prefill(&self.shared, &mut cache, done, |cache, chunk, _| {
+                let out = model.forward_tapped(&tokens_array(chunk), cache, Logits::Last, taps)?;
+                if let Some(draft) = draft {
+                    draft.observe(model, &out, 0..chunk.len() as i32)?;
+                }
+                Ok(out.logits)
+            })?;
+        self.cache = cache;
         let sets = self.allowed_along(&[]);
         let token = self.picks(&logits, &[], &sets)?;
         eval([&token])?;

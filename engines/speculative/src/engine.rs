@@ -5,7 +5,6 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -15,7 +14,7 @@ use engine_core::{
     RequestId, StreamError,
 };
 use runtime::sequence;
-use runtime::worker::{self, Cancels};
+use runtime::worker::{self, Cancels, Receiver};
 use runtime::{memory, LoadedModel, Reservation, SharedModel};
 
 use crate::adaptive::RoundCost;

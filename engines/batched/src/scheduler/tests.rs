@@ -46,6 +46,8 @@ struct FakeState {
     fail_at: Mutex<Vec<usize>>,
     /// Whether it runs prompt chunks and decode rows in one forward.
     mixes: bool,
+    /// Device turns taken: one a step.
+    turns: std::sync::atomic::AtomicUsize,
 }
 
 impl Fake {
@@ -55,6 +57,7 @@ impl Fake {
             forwards: Mutex::new(Vec::new()),
             fail_at: Mutex::new(Vec::new()),
             mixes,
+            turns: Default::default(),
         }))
     }
 
@@ -106,7 +109,9 @@ impl Device for Fake {
     type Picks = FakePicks;
     type Turn<'a> = ();
 
-    fn turn(&self) {}
+    fn turn(&self) {
+        self.0.turns.fetch_add(1, Ordering::AcqRel);
+    }
 
     fn pool(&self) -> &KvPool {
         &self.0.pool
@@ -268,14 +273,13 @@ fn decode_picks(batch: &mut [usize], rows: &[Row]) -> FakePicks {
 
 struct Harness {
     scheduler: Scheduler<Fake>,
-    tx: Sender<Msg>,
+    tx: Sender<Job>,
     fake: Fake,
     stats: Arc<Stats>,
     submitted: u32,
 }
 
 struct Sent {
-    id: RequestId,
     prompt: Vec<u32>,
     max_tokens: u32,
     cancel: CancelToken,
@@ -323,7 +327,14 @@ fn harness_of(fake: Fake, chunk: usize, pipeline: bool) -> Harness {
         prefill: PrefillBudget::from(chunk),
     };
     Harness {
-        scheduler: Scheduler::new(fake.clone(), limits, pipeline, rx, stats.clone()),
+        scheduler: Scheduler::new(
+            fake.clone(),
+            limits,
+            pipeline,
+            rx,
+            Cancels::default(),
+            stats.clone(),
+        ),
         tx,
         fake,
         stats,
@@ -343,17 +354,17 @@ impl Harness {
             .0
             .pool
             .blocks_for(prompt_len + max_tokens as usize);
-        let (id, cancel) = (request.id, request.cancel.clone());
+        let cancel = request.cancel.clone();
         let (events, stream) = event_channel();
         self.stats.queued.fetch_add(1, Ordering::AcqRel);
         let waiting = Waiting {
             request,
             blocks,
             events,
+            cancel_handle: None,
         };
-        self.tx.send(Msg::Submit(Box::new(waiting))).unwrap();
+        self.tx.send(Job::Submit(Box::new(waiting))).unwrap();
         Sent {
-            id,
             prompt,
             max_tokens,
             cancel,
@@ -495,7 +506,7 @@ fn cancelled_requests_end(mut h: Harness) {
     assert_eq!(running.read().tokens.len(), 3);
     assert_eq!(h.scheduler.catching_up.len(), 1, "one prompt mid-prefill");
     assert!(!h.scheduler.waiting.is_empty(), "one waiting");
-    h.tx.send(Msg::Cancel(running.id)).unwrap();
+    running.cancel.cancel();
     prefilling.cancel.cancel();
     waiting.cancel.cancel();
     h.run_to_end();
@@ -688,4 +699,31 @@ fn prompts_chunked_in_mixed_steps_wait_for_kv_blocks_until_rows_give_theirs_back
         s.done_as_expected();
     }
     h.all_back();
+}
+
+#[test]
+fn a_queue_stalled_on_kv_held_elsewhere_sleeps_until_blocks_come_back() {
+    let mut h = harness(256, 16, true);
+    let elsewhere = h.fake.0.pool.try_reserve(16).unwrap();
+    let mut sent = h.submit(100, 4);
+    let Harness {
+        scheduler,
+        tx,
+        fake,
+        ..
+    } = h;
+    let running = std::thread::spawn(move || scheduler.run());
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    let turns = fake.0.turns.load(Ordering::Acquire);
+    assert!(turns <= 2, "{turns} steps while nothing could start");
+    drop(elsewhere);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while sent.read().finish.is_none() {
+        assert!(std::time::Instant::now() < deadline, "never woken");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    drop(tx);
+    running.join().unwrap();
+    sent.done_as_expected();
+    assert_eq!(fake.0.pool.allocated(), 0);
 }

@@ -14,8 +14,8 @@ use mlx_sys::mlx_array;
 use super::handover::{sink, ForeignSink};
 use super::{ctx, guard, leak};
 use super::{
-    retain, RawDeviceLock, RawHandoverSink, RawHandoverSlot, RawKv, RawKvLedger, RawPagePool,
-    RawPrefixCache, RawShared, MLX_FINGERPRINT,
+    retain, RawDeviceLock, RawHandoverSink, RawHandoverSlot, RawKv, RawKvLedger, RawKvWaits,
+    RawPagePool, RawPrefixCache, RawShared, MLX_FINGERPRINT,
 };
 use crate::device::DeviceLock;
 use crate::handover::{HandoverSink, HandoverSlot};
@@ -46,6 +46,26 @@ pub fn ledger(pool: &KvPool) -> RawKvLedger {
         try_reserve,
         release,
         allocated,
+    }
+}
+
+/// Waiting on the pool's count, as a C table.
+pub fn kv_waits(pool: &KvPool) -> RawKvWaits {
+    type Ctx = Arc<dyn Ledger>;
+    unsafe extern "C" fn releases(c: *mut c_void) -> u64 {
+        guard(0, || ctx::<Ctx>(c).releases())
+    }
+    unsafe extern "C" fn wait(c: *mut c_void, seen: u64) {
+        guard((), || ctx::<Ctx>(c).wait_release(seen))
+    }
+    unsafe extern "C" fn wake(c: *mut c_void) {
+        guard((), || ctx::<Ctx>(c).wake())
+    }
+    RawKvWaits {
+        ctx: leak::<Ctx>(pool.ledger().clone()),
+        releases,
+        wait,
+        wake,
     }
 }
 
@@ -342,6 +362,7 @@ impl SharedModel {
             pages: self.pages.as_ref().map_or(std::ptr::null(), |p| {
                 Box::into_raw(Box::new(pages(p))).cast_const()
             }),
+            kv_waits: kv_waits(&self.kv_pool),
         };
         // The model's arrays must outlive every plugin's view of them.
         std::mem::forget(self.clone());

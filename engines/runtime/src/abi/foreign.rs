@@ -12,7 +12,7 @@ use mlx_rs::Array;
 use super::handover::ForeignSink;
 use super::{
     null_array, retain, LentKv, RawDeviceLock, RawHandoverSink, RawHandoverSlot, RawKv,
-    RawKvLedger, RawPagePool, RawPrefixCache, RawShared, KV_BUFFERS,
+    RawKvLedger, RawKvWaits, RawPagePool, RawPrefixCache, RawShared, KV_BUFFERS,
 };
 use crate::cache::KvCache;
 use crate::compute::ComputeDtype;
@@ -28,26 +28,28 @@ use crate::SharedModel;
 // The host's tables are thread-safe (atomics and mutexes behind C calls)
 // and live for the process.
 macro_rules! foreign {
-    ($($name:ident($raw:ty)),*) => {$(
-        struct $name($raw);
+    ($($name:ident($($raw:ty),+)),*) => {$(
+        struct $name($($raw),+);
         unsafe impl Send for $name {}
         unsafe impl Sync for $name {}
     )*};
 }
 
 foreign!(
-    ForeignLedger(RawKvLedger),
+    ForeignLedger(RawKvLedger, Option<RawKvWaits>),
     ForeignPages(RawPagePool),
     ForeignDevice(RawDeviceLock)
 );
 
-/// A plugin's view of the host's KV pool.
+/// A plugin's view of the host's KV pool (`waits`: `None` from a host
+/// built before they were shared).
 ///
 /// # Safety
-/// `raw` came from [`super::export::ledger`] and lives for the process.
-pub unsafe fn kv_pool(raw: &RawKvLedger) -> KvPool {
+/// `raw` came from [`super::export::ledger`], `waits` from
+/// [`super::export::kv_waits`], and both live for the process.
+pub unsafe fn kv_pool(raw: &RawKvLedger, waits: Option<&RawKvWaits>) -> KvPool {
     KvPool::with_ledger(
-        Arc::new(ForeignLedger(*raw)),
+        Arc::new(ForeignLedger(*raw, waits.copied())),
         raw.block_size,
         raw.bytes_per_block,
     )
@@ -85,6 +87,24 @@ impl Ledger for ForeignLedger {
     fn set_cached(&self, _blocks: usize, _on: bool) {}
 
     fn set_reclaim(&self, _reclaim: Reclaim) {}
+
+    fn releases(&self) -> u64 {
+        self.1.map_or(0, |w| unsafe { (w.releases)(w.ctx) })
+    }
+
+    fn wait_release(&self, seen: u64) {
+        match self.1 {
+            Some(w) => unsafe { (w.wait)(w.ctx, seen) },
+            // An older host shares no waits: look again after a moment.
+            None => std::thread::sleep(std::time::Duration::from_millis(2)),
+        }
+    }
+
+    fn wake(&self) {
+        if let Some(w) = self.1 {
+            unsafe { (w.wake)(w.ctx) }
+        }
+    }
 }
 
 /// A plugin's view of the host's paged KV pool.
@@ -336,7 +356,10 @@ impl SharedModel {
             .set_kv_quant(kv_cache)
             .map_err(|e| format!("{e:#}"))?;
         let pages = unsafe { raw.pages.as_ref() }.map(|p| unsafe { pages(p) });
-        let kv_pool = unsafe { kv_pool(&raw.kv) };
+        // Read only where the host's table reaches it.
+        let shares_waits =
+            raw.size >= std::mem::offset_of!(RawShared, kv_waits) + size_of::<RawKvWaits>();
+        let kv_pool = unsafe { kv_pool(&raw.kv, shares_waits.then_some(&raw.kv_waits)) };
         let prefix = unsafe { prefix_cache(&raw.prefix, pages.as_ref()) };
         let handover = Arc::new(ForeignSlot {
             raw: raw.handover,
@@ -355,12 +378,14 @@ mod tests {
 
     use super::*;
     use crate::handover::{Handover, LocalSlot};
+    use crate::kv_pool::tests::waits_for_releases_and_wakes;
     use crate::kv_pool::PoolError;
 
     #[test]
     fn a_view_of_the_pool_shares_the_hosts_count() {
         let host = KvPool::new(10, 16, 1024).with_sequence_state(2560);
-        let view = unsafe { kv_pool(&super::super::export::ledger(&host)) };
+        let waits = super::super::export::kv_waits(&host);
+        let view = unsafe { kv_pool(&super::super::export::ledger(&host), Some(&waits)) };
         assert_eq!((view.total(), view.block_size()), (10, 16));
         assert_eq!(view.blocks_for(17), 5, "two blocks and the state's three");
         let r = view.try_reserve(7).unwrap();
@@ -371,6 +396,15 @@ mod tests {
         assert_eq!(view.allocated(), 7);
         drop(adopted);
         assert_eq!(view.allocated(), 0);
+    }
+
+    #[test]
+    fn a_view_waits_for_the_hosts_blocks_to_come_back() {
+        let host = KvPool::new(4, 16, 1024);
+        let waits = super::super::export::kv_waits(&host);
+        let view = unsafe { kv_pool(&super::super::export::ledger(&host), Some(&waits)) };
+        waits_for_releases_and_wakes(&view, &host);
+        waits_for_releases_and_wakes(&host, &view);
     }
 
     struct Sink(AtomicBool);

@@ -82,6 +82,8 @@ pub struct RawShared {
     /// The paged KV pool (`paged::PagePool`), null when the server's KV
     /// is contiguous.
     pub pages: *const RawPagePool,
+    /// Waiting for the pool's blocks to come back.
+    pub kv_waits: RawKvWaits,
 }
 
 /// The host's paged KV pool. Block ids index its buffers' blocks; each
@@ -151,6 +153,18 @@ pub struct RawKvLedger {
     pub release: unsafe extern "C" fn(ctx: *mut c_void, blocks: usize),
     /// Blocks held by sequences (not the prefix cache's).
     pub allocated: unsafe extern "C" fn(ctx: *mut c_void) -> usize,
+}
+
+/// Waiting on the KV pool's count (`kv_pool::Ledger`'s `releases`,
+/// `wait_release`, `wake`), for an engine that queues while it is full.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct RawKvWaits {
+    pub ctx: *mut c_void,
+    pub releases: unsafe extern "C" fn(ctx: *mut c_void) -> u64,
+    /// Returns once `releases` is past `seen`.
+    pub wait: unsafe extern "C" fn(ctx: *mut c_void, seen: u64),
+    pub wake: unsafe extern "C" fn(ctx: *mut c_void),
 }
 
 /// Where the engine that adopts handed-over sequences registers.
@@ -320,9 +334,10 @@ mod tests {
         }
         assert_eq!(
             at!(RawShared: size, mlx, model_path, model_name, compute_dtype, kv_cache, arrays,
-                arrays_len, device, kv, handover, prefix, pages),
-            [0, 8, 16, 24, 32, 40, 48, 56, 64, 88, 160, 184, 240]
+                arrays_len, device, kv, handover, prefix, pages, kv_waits),
+            [0, 8, 16, 24, 32, 40, 48, 56, 64, 88, 160, 184, 240, 248]
         );
+        assert_eq!(at!(RawKvWaits: ctx, releases, wait, wake), [0, 8, 16, 24]);
         assert_eq!(
             at!(RawPagePool: ctx, key, block, blocks, layers, allocate, retain, release, holders,
                 free_blocks, buffers, state, write, copy_block),

@@ -1,5 +1,6 @@
 //! The `Engine` face: admission checks, a job queue to the worker thread
-//! (`runtime::worker`: cancellation by id, shutdown), and a load snapshot.
+//! (`runtime::worker`: cancellation by id, which wakes a request waiting
+//! for KV blocks, and shutdown), and a load snapshot.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -38,7 +39,12 @@ impl ReferenceEngine {
         let worker = Worker::spawn(&ctx.name, {
             let (shared, state, options) = (shared.clone(), state.clone(), options.clone());
             move |jobs, cancels| worker::run(shared, state, jobs, cancels, options)
-        })?;
+        })?
+        // A request waiting for KV blocks sees its cancellation at once.
+        .waking({
+            let pool = shared.kv_pool.clone();
+            move || pool.wake()
+        });
         tracing::info!(
             engine = %ctx.name,
             model = %shared.model.name,

@@ -3,7 +3,6 @@
 //! `max_tokens`, the final event after the KV blocks go back).
 
 use std::sync::atomic::Ordering;
-use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,7 +11,6 @@ use engine_core::{Event, FinishReason, GenerateRequest, StreamError, TokenEvent}
 use mlx_rs::transforms::eval;
 use mlx_rs::{Array, Dtype};
 use runtime::generate::{self, GreedyStream};
-use runtime::kv_pool::PoolError;
 use runtime::model::Logits;
 use runtime::sampling::log_softmax;
 use runtime::sequence::Sequence;
@@ -36,7 +34,7 @@ impl worker::Job for Job {
 pub fn run(
     shared: Arc<SharedModel>,
     state: Arc<State>,
-    jobs: mpsc::Receiver<Job>,
+    jobs: worker::Receiver<Job>,
     cancels: Cancels,
     options: Options,
 ) {
@@ -123,8 +121,9 @@ fn serve(
     }
 }
 
-/// Waits for room in the shared pool; `None` when the request was cancelled
-/// (or its client left) while waiting.
+/// Waits for room in the shared pool (woken by every release and by the
+/// worker at a cancellation); `None` when the request was cancelled (or
+/// its client left) while waiting.
 fn reserve(
     shared: &SharedModel,
     req: &GenerateRequest,
@@ -132,17 +131,9 @@ fn reserve(
 ) -> Option<Reservation> {
     let pool = &shared.kv_pool;
     let blocks = pool.blocks_for(req.prompt.len() + req.max_tokens as usize);
-    loop {
-        if req.cancel.is_cancelled() || events.is_closed() {
-            return None;
-        }
-        match pool.try_reserve(blocks) {
-            Ok(r) => return Some(r),
-            // Checked at admission; the pool does not shrink.
-            Err(PoolError::NeverFits { .. }) => return None,
-            Err(PoolError::Exhausted) => std::thread::sleep(Duration::from_millis(2)),
-        }
-    }
+    let stop = || req.cancel.is_cancelled() || events.is_closed();
+    // Checked at admission; the pool does not shrink.
+    pool.reserve_waiting(blocks, stop).ok().flatten()
 }
 
 /// Greedy decoding, each step queued before the previous token is read.
