@@ -519,7 +519,7 @@ def main():
              "All servers were up at once (an idle one costs nothing) and the levels\n"
              "interleaved: each level ran against every server in turn, so other work\n"
              "on the machine hit them alike.")
-    section = f"""## Serving sweep, {args.section}: ours vs mlx_lm.server (issue 7)
+    section = f"""## Serving sweep, {args.section}: ours vs mlx_lm.server
 
 Written by `scripts/bench_serving.py` on {datetime.date.today().isoformat()} ({minutes:.0f} min).
 {order}
