@@ -329,87 +329,181 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) inline __m512
   return _mm512_loadu_ps(v);
 }
 
-// One group of `block_avx512_q4_as`: its weights times R rows into `acc`,
-// `wp` and `xp` moved past it.
-template <int R, int PER_GROUP>
+// A vector's two 256-bit halves added.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) inline __m256 halves(__m512 v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+// The sums of four vectors' lanes, [sum a, sum b, sum c, sum d]. A column
+// alone is reduced as `sum4(a, a, a, a)[0]`, so its sum is the same to the
+// bit whether its neighbours were computed with it or not.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) inline __m128 sum4(__m512 a, __m512 b,
+                                                                                      __m512 c, __m512 d) {
+  const __m256 t =
+      _mm256_hadd_ps(_mm256_hadd_ps(halves(a), halves(b)), _mm256_hadd_ps(halves(c), halves(d)));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// Up to 16 scales (or biases) from `v` as fp32 into `out`.
+template <typename S>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) inline void widen16(const S* v, int n,
+                                                                                       float* out) {
+  if (n == 16) {
+    _mm512_store_ps(out, load16(v));
+  } else {
+    for (int i = 0; i < n; ++i) out[i] = wide_f16c(v[i]);
+  }
+}
+
+// One group of `block_avx512_q4_as` for C columns: its weights times R
+// rows into `acc`, `wp` and `xp` moved past it.
+template <int R, int C, int A, int PER_GROUP>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"), always_inline)) inline void q4_group(
-    const uint32_t*& wp, const float*& xp, size_t ldx, __m512 table, __m512 (&acc)[R][2]) {
+    const uint32_t* (&wp)[C], const float*& xp, size_t ldx, const __m512 (&table)[C], __m512 (&acc)[R][C][A]) {
   const __m512i low = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
   const __m512i high = _mm512_setr_epi32(16, 16, 16, 16, 20, 20, 20, 20, 24, 24, 24, 24, 28, 28, 28, 28);
 #pragma GCC unroll 4
-  for (int j = 0; j < PER_GROUP; ++j, wp += 4, xp += 32) {
-    const __m512i four = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
-    const __m512 w0 = _mm512_permutexvar_ps(_mm512_srlv_epi32(four, low), table);
-    const __m512 w1 = _mm512_permutexvar_ps(_mm512_srlv_epi32(four, high), table);
+  for (int j = 0; j < PER_GROUP; ++j, xp += 32) {
+    __m512 w0[C], w1[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const __m512i four = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp[c])));
+      wp[c] += 4;
+      w0[c] = _mm512_permutexvar_ps(_mm512_srlv_epi32(four, low), table[c]);
+      w1[c] = _mm512_permutexvar_ps(_mm512_srlv_epi32(four, high), table[c]);
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp + r * ldx), acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xp + r * ldx + 16), acc[r][1]);
+      const __m512 x0 = _mm512_loadu_ps(xp + r * ldx), x1 = _mm512_loadu_ps(xp + r * ldx + 16);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        acc[r][c][0] = _mm512_fmadd_ps(w0[c], x0, acc[r][c][0]);
+        acc[r][c][A - 1] = _mm512_fmadd_ps(w1[c], x1, acc[r][c][A - 1]);
+      }
     }
   }
 }
 
-// Column `o` of 4-bit weights for R rows, 32 weights at a time: their 16
-// bytes broadcast to each 128-bit lane of a vector and shifted per lane
+// Columns o..o+C of 4-bit weights for R rows, 32 weights at a time: their
+// 16 bytes broadcast to each 128-bit lane of a vector and shifted per lane
 // give two vectors whose lanes' low 4 bits are weight (l % 4) * 8 + l / 4
-// and that + 4 (the packed order of four words); `vpermps` then looks each nibble up in `q4_table`. Rows of
-// x come in the same order (`q4_order`). Three instructions per 16
-// weights where unpacking, converting and scaling took five; the scales
-// and biases of 16 groups are widened at once, each group's picked out by
-// a permute (scalar loads, conversions and broadcasts per group cost as
-// much as the group's products). PER_GROUP: blocks of 32 in a group.
-template <int R, int PER_GROUP, typename S>
+// and that + 4 (the packed order of four words); `vpermps` then looks each
+// nibble up in `q4_table`. Rows of x come in the same order (`q4_order`).
+// Three instructions per 16 weights where unpacking, converting and
+// scaling took five; the scales and biases of 16 groups are widened at
+// once (scalar loads, conversions and broadcasts per group cost as much as
+// the group's products), each group's picked out by a permute for one
+// column, or for C columns loaded from the stack as broadcasts, which
+// leaves the permute unit to the weights. C columns side by side (from 2
+// rows) share each load of x and are reduced together (`sum4`); a lone
+// row keeps two sums a column (A), so its chains of FMAs do not bound it.
+// PER_GROUP: blocks of 32 in a group.
+template <int R, int C, int PER_GROUP, typename S>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void block_avx512_q4_as(
     const Problem& p, int o) {
+  static_assert(C == 1 || C == 4, "sum4 stores one or four columns");
+  constexpr int A = R == 1 ? 2 : 1;
   const int groups = p.k / p.group;
   const size_t ldx = size_t(p.k);
-  const uint32_t* wp = p.w + size_t(o) * (p.k / 8);
-  const S* sr = static_cast<const S*>(p.s) + size_t(o) * groups;
-  const S* br = static_cast<const S*>(p.b) + size_t(o) * groups;
-  const float* xp = p.x;
-  __m512 acc[R][2];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  int g = 0;
-  for (; g + 16 <= groups; g += 16) {
-    const __m512 sc = load16(sr + g), bi = load16(br + g);
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) {
-      const __m512i at = _mm512_set1_epi32(i);
-      const __m512 table = q4_table(_mm512_permutexvar_ps(at, sc), _mm512_permutexvar_ps(at, bi));
-      q4_group<R, PER_GROUP>(wp, xp, ldx, table, acc);
-    }
+  const uint32_t* wp[C];
+  const S* sr[C];
+  const S* br[C];
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) {
+    wp[c] = p.w + size_t(o + c) * (p.k / 8);
+    sr[c] = static_cast<const S*>(p.s) + size_t(o + c) * groups;
+    br[c] = static_cast<const S*>(p.b) + size_t(o + c) * groups;
   }
-  for (; g < groups; ++g)
-    q4_group<R, PER_GROUP>(wp, xp, ldx,
-                           q4_table(_mm512_set1_ps(wide_f16c(sr[g])), _mm512_set1_ps(wide_f16c(br[g]))), acc);
+  const float* xp = p.x;
+  __m512 acc[R][C][A];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-    p.y[size_t(r) * p.n + o] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c)
+#pragma GCC unroll 2
+      for (int a = 0; a < A; ++a) acc[r][c][a] = _mm512_setzero_ps();
+  if constexpr (C > 1) {
+    alignas(64) float scale[C][16], bias[C][16];
+    for (int g0 = 0; g0 < groups; g0 += 16) {
+      const int n = std::min(16, groups - g0);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        widen16(sr[c] + g0, n, scale[c]);
+        widen16(br[c] + g0, n, bias[c]);
+      }
+      for (int i = 0; i < n; ++i) {
+        __m512 table[C];
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) table[c] = q4_table(_mm512_set1_ps(scale[c][i]), _mm512_set1_ps(bias[c][i]));
+        q4_group<R, C, A, PER_GROUP>(wp, xp, ldx, table, acc);
+      }
+    }
+  } else {
+    int g = 0;
+    for (; g + 16 <= groups; g += 16) {
+      const __m512 sc = load16(sr[0] + g), bi = load16(br[0] + g);
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) {
+        const __m512i at = _mm512_set1_epi32(i);
+        const __m512 table[1] = {q4_table(_mm512_permutexvar_ps(at, sc), _mm512_permutexvar_ps(at, bi))};
+        q4_group<R, C, A, PER_GROUP>(wp, xp, ldx, table, acc);
+      }
+    }
+    for (; g < groups; ++g) {
+      const __m512 table[1] = {q4_table(_mm512_set1_ps(wide_f16c(sr[0][g])), _mm512_set1_ps(wide_f16c(br[0][g])))};
+      q4_group<R, C, A, PER_GROUP>(wp, xp, ldx, table, acc);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    __m512 t[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) t[c] = A == 1 ? acc[r][c][0] : _mm512_add_ps(acc[r][c][0], acc[r][c][A - 1]);
+    float* y = p.y + size_t(r) * p.n + o;
+    if constexpr (C == 4) _mm_storeu_ps(y, sum4(t[0], t[1], t[2], t[3]));
+    else *y = _mm_cvtss_f32(sum4(t[0], t[0], t[0], t[0]));
+  }
 }
 
-template <int R, typename S>
+template <int R, int C, typename S>
 void block_avx512_q4(const Problem& p, int o) {
   switch (p.group) {
-    case 32: return block_avx512_q4_as<R, 1, S>(p, o);
-    case 64: return block_avx512_q4_as<R, 2, S>(p, o);
-    default: return block_avx512_q4_as<R, 4, S>(p, o);
+    case 32: return block_avx512_q4_as<R, C, 1, S>(p, o);
+    case 64: return block_avx512_q4_as<R, C, 2, S>(p, o);
+    default: return block_avx512_q4_as<R, C, 4, S>(p, o);
   }
 }
 
 // Up to this many rows, 4-bit products on the AVX-512 path take
-// `block_avx512_q4` (from 4 rows `block_avx512` has enough independent
-// sums and was as fast or faster).
-constexpr int Q4_ROWS = 3;
+// `block_avx512_q4`: with four columns at a time it measured 1.15-1.45x
+// `block_avx512` at 2-6 rows (docs/benchmarks.md, `examples/step_products`).
+constexpr int Q4_ROWS = 6;
+// Columns `block_avx512_q4` takes at once; `run_span` hands out chunks of
+// whole blocks, so which columns go alone (the last n % Q4_COLUMNS) does
+// not depend on the threads.
+constexpr int Q4_COLUMNS = 4;
+
+// Rows R > 1 take Q4_COLUMNS columns at a time (the last n % Q4_COLUMNS
+// alone); a lone row one, whose two sums a column already fill the
+// pipes (several columns measured slower).
+template <int R, typename S>
+void span_avx512_q4_rows(const Problem& p, int o0, int o1) {
+  int o = o0;
+  if constexpr (R > 1)
+    for (; o + Q4_COLUMNS <= o1; o += Q4_COLUMNS) block_avx512_q4<R, Q4_COLUMNS, S>(p, o);
+  for (; o < o1; ++o) block_avx512_q4<R, 1, S>(p, o);
+}
 
 template <typename S>
 void span_avx512_q4_as(const Problem& p, int o0, int o1) {
-  for (int o = o0; o < o1; ++o) {
-    switch (p.m) {
-      case 1: block_avx512_q4<1, S>(p, o); break;
-      case 2: block_avx512_q4<2, S>(p, o); break;
-      default: block_avx512_q4<3, S>(p, o); break;
-    }
+  switch (p.m) {
+    case 1: return span_avx512_q4_rows<1, S>(p, o0, o1);
+    case 2: return span_avx512_q4_rows<2, S>(p, o0, o1);
+    case 3: return span_avx512_q4_rows<3, S>(p, o0, o1);
+    case 4: return span_avx512_q4_rows<4, S>(p, o0, o1);
+    case 5: return span_avx512_q4_rows<5, S>(p, o0, o1);
+    default: return span_avx512_q4_rows<6, S>(p, o0, o1);
   }
 }
 
@@ -469,7 +563,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void block_av
 
 // The bias term of int8 products, sum_g b_g * sum(x_g), per row: plain
 // loads in four independent sums (masked vector loads of a row's few
-// biases cost more than the row's whole product on Zen 4).
+// biases cost more than the row's whole product on Zen 4). Explicit FMAs:
+// the compiler contracted `+= b * s` for one type of scales and not the
+// other at some row counts, and fp16 and fp32 scales must give one sum.
 template <int R, typename S>
 __attribute__((target("avx2,fma,f16c"))) inline void bias_term(const Problem& p, const S* br, int r0, int groups, float* out) {
   float sum[R][4] = {};
@@ -479,11 +575,11 @@ __attribute__((target("avx2,fma,f16c"))) inline void bias_term(const Problem& p,
     for (int r = 0; r < R; ++r) {
       const float* xs = p.xs + size_t(r0 + r) * groups + g;
 #pragma GCC unroll 4
-      for (int l = 0; l < 4; ++l) sum[r][l] += wide_f16c(br[g + l]) * xs[l];
+      for (int l = 0; l < 4; ++l) sum[r][l] = std::fma(wide_f16c(br[g + l]), xs[l], sum[r][l]);
     }
   for (; g < groups; ++g)
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) sum[r][0] += wide_f16c(br[g]) * p.xs[size_t(r0 + r) * groups + g];
+    for (int r = 0; r < R; ++r) sum[r][0] = std::fma(wide_f16c(br[g]), p.xs[size_t(r0 + r) * groups + g], sum[r][0]);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) out[r] = (sum[r][0] + sum[r][1]) + (sum[r][2] + sum[r][3]);
 }
@@ -890,6 +986,7 @@ void run_span(const Problem& p, Span span) {
   int chunk = std::max(4, p.n / (pool.threads() * 8));
 #if defined(__x86_64__)
   if (span == span_avx512_tiled) chunk = (chunk + PANEL - 1) / PANEL * PANEL;
+  if (span == span_avx512_q4) chunk = (chunk + Q4_COLUMNS - 1) / Q4_COLUMNS * Q4_COLUMNS;
 #endif
   pool.run(p, span, chunk);
 }
