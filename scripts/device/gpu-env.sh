@@ -1,7 +1,7 @@
 # Sourced on the GPU machine: installs the carried MLX CUDA wheels into
 # /tmp/site (once) and points the dynamic loader and Python at them.
 # The mlx-cuda-13 wheel (87 MB) exceeds one call's carry limit, so it travels
-# split in two parts (scripts/device/README in docs/gpu.md explains).
+# split in two parts (docs/gpu.md, "How it was run here", explains).
 set -e
 STAGE=/tmp/stage
 mkdir -p "$STAGE"

@@ -7,7 +7,7 @@ Per call, in microseconds: one `quantized_matmul`, the rows split into calls
 of at most 7 (MLX takes its qmv kernel below 8), and the same weights
 expanded to bf16 (cuBLAS); then the experts' gathered products, unsorted,
 sorted by expert, and as two calls of 4 experts. Thirty distinct weights
-per graph, so they rotate past L2. docs/benchmarks.md, "Gemma 4 on the GPU".
+per graph, so they rotate past L2. docs/gpu.md, "Gemma 4 and other MoE shapes".
 """
 import time, mlx.core as mx
 L = 30  # distinct weights per graph, so they rotate past L2

@@ -68,8 +68,8 @@ impl ComputeDtype {
     /// 4 and 8 bits, expert stacks), since MLX's own CPU kernel for packed
     /// weights costs a pass over them per row. The packed kernel reads a
     /// quarter (4-bit) of the bytes the fp32 product does and decodes the
-    /// default model faster (docs/benchmarks.md, "Packed weights through
-    /// the project's kernel"). Larger models keep their memory and stay
+    /// default model faster (docs/benchmarks.md, "The packed-weight kernel
+    /// against expanded weights"). Larger models keep their memory and stay
     /// packed.
     pub fn expands_packed(self, dense_bytes: u64, kernel_takes_all: bool) -> bool {
         let wanted = match self {
@@ -96,7 +96,7 @@ impl ComputeDtype {
     /// of several rows (batched steps, verifies, prefill): MLX CUDA's 4-bit
     /// kernels take 1.2-4.6x cuBLAS's time on the expanded weights for
     /// 4-32 rows, while one row reads the packed weights faster
-    /// (docs/benchmarks.md, "Gemma 4 on the GPU"). Only where the copies
+    /// (docs/gpu.md, "Gemma 4 and other MoE shapes"). Only where the copies
     /// (`copy_bytes`) take at most a quarter of the checkpoint's
     /// (`checkpoint_bytes`): mixture-of-experts checkpoints, whose experts
     /// stay packed and hold most of the weights. A dense quantized model

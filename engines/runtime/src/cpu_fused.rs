@@ -136,7 +136,8 @@ pub enum KeysSeen {
 /// Whether [`attention`] takes `q`, `k` and `v` (float32 `[B, heads, L, D]`
 /// on the CPU) with `seen` (a mask must be boolean), unless
 /// `GATEWAY_CPU_ATTENTION=off` keeps MLX's attention (the other nodes
-/// stay; docs/benchmarks.md compares the two).
+/// stay; compared in docs/benchmarks.md, "Nodes per step" under "Where a
+/// CPU decode step goes").
 pub fn takes_attention(q: &Array, k: &Array, v: &Array, seen: &KeysSeen) -> bool {
     static OFF: OnceLock<bool> = OnceLock::new();
     let off = *OFF.get_or_init(|| std::env::var("GATEWAY_CPU_ATTENTION").is_ok_and(|v| v == "off"));

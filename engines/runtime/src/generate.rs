@@ -131,7 +131,8 @@ const WARM_DECODE_STEPS: usize = 256;
 
 /// Builds before the first request what MLX CUDA builds on the first use
 /// of a forward shape (kernels and attention graphs: 50-600 ms each for a
-/// 4B model on an H200, docs/benchmarks.md): a prefill at every padded
+/// 4B model on an H200, docs/benchmarks.md, "First-shape costs and
+/// prefill"): a prefill at every padded
 /// width up to `chunk`, then a greedy decode of [`WARM_DECODE_STEPS`]
 /// tokens, on caches from `new_cache` (the server's layout). The kernels
 /// are the process's, so every engine gains. Nothing on the CPU, which

@@ -64,10 +64,10 @@ pub enum Linear {
 /// takes it. On the CPU, past [`PACKED_ROWS`] or for widths the project's
 /// kernel lacks, it unpacks them first: MLX's CPU kernel costs a pass over
 /// the packed weights per row, where unpacking once costs about three
-/// rows' worth (docs/benchmarks.md, "plain round"). On a GPU it uses the
+/// rows' worth. On a GPU it uses the
 /// layer's expanded copy where it keeps one: MLX CUDA's 4-bit kernels take
-/// 1.2-4.6x cuBLAS's time for 4-32 rows (docs/benchmarks.md, "Gemma 4 on
-/// the GPU").
+/// 1.2-4.6x cuBLAS's time for 4-32 rows (docs/gpu.md, "Gemma 4 and other
+/// MoE shapes").
 const DEQUANTIZE_ROWS: i32 = 4;
 
 /// Up to this many rows, a product with packed weights on the CPU runs the

@@ -32,8 +32,8 @@ const VERIFY_QUERIES: i32 = 16;
 /// an H100, paid again by every new group of prompts and prefix length in
 /// a serving run. The kernel builds nothing per shape, but reads each key
 /// once per query: about 3 ns a triple, so up to this many it costs at
-/// most ~1.5 ms a layer (`examples/ragged_time`, docs/benchmarks.md "Prefill
-/// chunks through the ragged kernel").
+/// most ~1.5 ms a layer (`examples/ragged_time`, docs/benchmarks.md "First-shape
+/// costs and prefill").
 const MAX_PREFILL_WORK: i64 = 1 << 19;
 
 /// Whether `n` queries a row over `total` columns of `rows` rows go to the

@@ -5,7 +5,8 @@
 //! burst then paid for a group of prompts prefilled together and for rows
 //! leaving the batch (an H200, Qwen3-4B shape: the first c=16 burst waited
 //! 2.2 s for its first token and 2.5 s more for its last, the second 0.1 s;
-//! docs/gpu.md). These bursts meet those shapes before the first client:
+//! docs/benchmarks.md, "First-shape costs and prefill"). These bursts
+//! meet those shapes before the first client:
 //! prompts of spread lengths arriving together, answers of spread lengths
 //! so rows leave one by one and several at once.
 
