@@ -981,9 +981,13 @@ bool has_vnni() {
 
 void run_span(const Problem& p, Span span) {
   Pool& pool = Pool::get();
-  // Chunks taken in turn, so a thread slowed by other work on its core
-  // takes fewer; whole panels for the tiled span.
-  int chunk = std::max(4, p.n / (pool.threads() * 8));
+  // Two chunks a thread, taken in turn, so a thread slowed by other work on
+  // its core takes fewer; whole panels for the tiled span. More, smaller
+  // chunks cost a one-row step's many small products more in claims than
+  // they gain in balance: eight a thread decoded the default model 10-15%
+  // slower on two quiet cores, the same at 16 rows and in prefill
+  // (docs/benchmarks.md, "Two chunks a thread").
+  int chunk = std::max(4, p.n / (pool.threads() * 2));
 #if defined(__x86_64__)
   if (span == span_avx512_tiled) chunk = (chunk + PANEL - 1) / PANEL * PANEL;
   if (span == span_avx512_q4) chunk = (chunk + Q4_COLUMNS - 1) / Q4_COLUMNS * Q4_COLUMNS;
