@@ -14,6 +14,7 @@
 
 use std::path::PathBuf;
 
+use fixtures::args::flag;
 use fixtures::reference::{argmax, equal_prefix, logit_rows, worst_difference};
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::transforms::eval;
@@ -23,14 +24,6 @@ use runtime::generate::{prefill, tokens_array};
 use runtime::gpu_fused::{self, HeadsSpec, RopeSpec};
 use runtime::model::Logits;
 use runtime::{ComputeDtype, LoadedModel, Model};
-
-fn arg(name: &str, default: &str) -> String {
-    let argv: Vec<String> = std::env::args().collect();
-    argv.windows(2)
-        .find(|w| w[0] == name)
-        .map(|w| w[1].clone())
-        .unwrap_or_else(|| default.to_string())
-}
 
 fn random(shape: &[i32], dtype: Dtype, seed: u64) -> Array {
     mlx_rs::random::seed(seed).unwrap();
@@ -238,11 +231,11 @@ fn main() {
             }
         }
     }
-    let dir = arg("--model", "");
+    let dir = flag("--model", "");
     if dir.is_empty() {
         return;
     }
-    let gen: usize = arg("--gen", "48").parse().expect("gen");
+    let gen: usize = flag("--gen", "48").parse().expect("gen");
     let loaded =
         LoadedModel::load_as(&PathBuf::from(&dir), None, ComputeDtype::Auto).expect("load");
     let prompt = loaded

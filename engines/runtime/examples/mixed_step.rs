@@ -17,13 +17,7 @@ use runtime::model::{Logits, Segment};
 use runtime::{ComputeDtype, KvCache, LoadedModel};
 
 fn main() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args().collect();
-    let flag = |name: &str, default: &str| {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1).cloned())
-            .unwrap_or_else(|| default.to_owned())
-    };
+    use fixtures::args::flag;
     let path = flag(
         "--model",
         "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf",

@@ -29,18 +29,8 @@ fn median_ms(reps: usize, mut f: impl FnMut()) -> f64 {
 }
 
 fn main() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args().collect();
-    let flag = |name: &str| {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1).cloned())
-    };
-    let rows: Vec<i32> = flag("--rows")
-        .unwrap_or_else(|| "1,16,64,256,512".into())
-        .split(',')
-        .map(|r| r.parse())
-        .collect::<Result<_, _>>()?;
-    let reps: usize = flag("--reps").map_or(Ok(20), |r| r.parse())?;
+    let rows: Vec<i32> = fixtures::args::list("--rows", "1,16,64,256,512")?;
+    let reps: usize = fixtures::args::flag("--reps", "20").parse()?;
     let (group, bits) = (32, 4);
     println!("out x in | rows | kernel ms | dequantize+BLAS ms | ratio");
     for (out, inp) in [(1536, 576), (576, 1536), (576, 576)] {

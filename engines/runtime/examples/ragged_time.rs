@@ -27,15 +27,13 @@ fn time(f: impl Fn() -> Array) -> f64 {
 
 fn main() {
     runtime::cuda_env::apply_defaults();
-    let argv: Vec<String> = std::env::args().collect();
-    let flag = |name: &str, default: i32| {
-        argv.iter()
-            .position(|a| a == name)
-            .and_then(|i| argv.get(i + 1))
-            .map_or(default, |v| v.parse().expect("a number"))
+    let flag = |name: &str, default: &str| -> i32 {
+        fixtures::args::flag(name, default)
+            .parse()
+            .expect("a number")
     };
-    let total = flag("--total", 256);
-    let n = flag("--queries", 1);
+    let total = flag("--total", "256");
+    let n = flag("--queries", "1");
     let (heads, kv_heads, dim) = (32, 8, 128);
     let scale = 1.0 / (dim as f32).sqrt();
     println!(

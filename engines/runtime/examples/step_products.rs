@@ -61,18 +61,8 @@ fn best_ms(reps: usize, xs: &[Array], weights: &[Packed]) -> anyhow::Result<f64>
 }
 
 fn main() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args().collect();
-    let flag = |name: &str| {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1).cloned())
-    };
-    let rows: Vec<i32> = flag("--rows")
-        .unwrap_or_else(|| "1,2,3".into())
-        .split(',')
-        .map(|r| r.parse())
-        .collect::<Result<_, _>>()?;
-    let reps: usize = flag("--reps").map_or(Ok(30), |r| r.parse())?;
+    let rows: Vec<i32> = fixtures::args::list("--rows", "1,2,3")?;
+    let reps: usize = fixtures::args::flag("--reps", "30").parse()?;
     let mut layers = Vec::new();
     for _ in 0..30 {
         for (out, inp) in [(960, 576), (576, 576), (3072, 576), (576, 1536)] {

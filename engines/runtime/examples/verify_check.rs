@@ -14,20 +14,13 @@
 
 use std::path::PathBuf;
 
+use fixtures::args::flag;
 use fixtures::reference::{argmax, equal_prefix, logit_rows, worst_difference};
 use runtime::generate::{prefill, tokens_array};
 use runtime::model::Logits;
 use runtime::{ComputeDtype, LoadedModel, Model};
 
 const PROMPT: &str = "Here is a Python function:\n\ndef add(a, b):\n    return a + b\n\nRename `add` to `plus` and return the complete function.";
-
-fn arg(name: &str, default: &str) -> String {
-    let argv: Vec<String> = std::env::args().collect();
-    argv.windows(2)
-        .find(|w| w[0] == name)
-        .map(|w| w[1].clone())
-        .unwrap_or_else(|| default.to_string())
-}
 
 /// Greedy tokens by single steps, with each step's logits.
 fn reference(model: &Model, prompt: &[u32], gen: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
@@ -85,10 +78,10 @@ fn report(label: &str, model: &Model, prompt: &[u32], tokens: &[u32], want: &[Ve
 
 fn main() {
     runtime::cuda_env::apply_defaults();
-    let dir = PathBuf::from(arg("--model", ""));
+    let dir = PathBuf::from(flag("--model", ""));
     assert!(!dir.as_os_str().is_empty(), "--model DIR is required");
-    let gen: usize = arg("--gen", "48").parse().expect("gen");
-    let dtype: ComputeDtype = arg("--dtype", "auto").parse().expect("dtype");
+    let gen: usize = flag("--gen", "48").parse().expect("gen");
+    let dtype: ComputeDtype = flag("--dtype", "auto").parse().expect("dtype");
     let loaded = LoadedModel::load_as(&dir, None, dtype).expect("load");
     let rendered = loaded
         .template
