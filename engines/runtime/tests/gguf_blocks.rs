@@ -20,14 +20,9 @@ const GROUP: usize = 32;
 
 /// Deterministic bytes.
 fn noise(seed: u64, n: usize) -> Vec<u8> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 32) as u8
-        })
+    fixtures::model::xorshift(seed)
+        .take(n)
+        .map(|s| (s >> 32) as u8)
         .collect()
 }
 

@@ -10,14 +10,9 @@ use runtime::packed::{self, Activations, CpuKernel};
 
 /// Deterministic values in [-1, 1).
 fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
+    fixtures::model::xorshift(seed)
+        .take(n)
+        .map(|s| (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
         .collect()
 }
 
