@@ -1,8 +1,7 @@
 //! The chains between a GPU step's products as single CUDA kernels inside
 //! the MLX graph (`mlx_fast_cuda_kernel_*`, [`crate::cuda_kernel`]): the
 //! host builds and launches each node in microseconds, and these take a
-//! Qwen3-4B decode step from 985 nodes to 553 (16-64 rows; docs/gpu.md),
-//! about 2 ms of host time a step. Each kernel repeats MLX's own arithmetic for the
+//! Qwen3-4B decode step from 985 nodes to 517 (16 rows; docs/gpu.md). Each kernel repeats MLX's own arithmetic for the
 //! ops it replaces (roundings to the activation dtype where MLX rounds),
 //! so outputs match MLX's to within a rounding; `examples/fused_check.rs`
 //! compares them on a device (docs/gpu.md).
@@ -36,10 +35,15 @@ static SWITCHED_OFF: AtomicBool = AtomicBool::new(false);
 /// Whether the kernels run on this thread's stream: a GPU stream, and
 /// not switched off by `GATEWAY_GPU_FUSED=off` or [`set_enabled`].
 pub fn enabled() -> bool {
-    static ENV_OFF: OnceLock<bool> = OnceLock::new();
-    !*ENV_OFF.get_or_init(|| std::env::var("GATEWAY_GPU_FUSED").is_ok_and(|v| v == "off"))
+    static FUSED_OFF: OnceLock<bool> = OnceLock::new();
+    !env_off(&FUSED_OFF, "GATEWAY_GPU_FUSED")
         && !SWITCHED_OFF.load(Ordering::Relaxed)
         && crate::mask::on_gpu()
+}
+
+/// Whether `var` is `off`, read once into `cell`.
+fn env_off(cell: &OnceLock<bool>, var: &str) -> bool {
+    *cell.get_or_init(|| std::env::var(var).is_ok_and(|v| v == "off"))
 }
 
 /// Switches the kernels on or off for the whole process (the device
@@ -51,16 +55,16 @@ pub fn set_enabled(on: bool) {
 /// The most rows [`gated_product`] takes: two 8-row tiles. From 32 rows
 /// on, re-reading the activations from L2 for every 16 weight rows costs
 /// more than cuBLASLt's tiles (scripts/device/skinny_product.py).
-pub const PRODUCT_ROWS: i32 = 16;
+const PRODUCT_ROWS: i32 = 16;
 
-/// Whether [`gated_product`] takes `x` of `rows` rows and the stacked
-/// gate/up weight's transposed view `wt` (`[K, 2 * F]`).
-pub fn takes_gated_product(x: &Array, wt: &Array, rows: i32) -> bool {
-    static ENV_OFF: OnceLock<bool> = OnceLock::new();
+/// Whether [`gated_product`] takes `x` and the stacked gate/up weight's
+/// transposed view `wt` (`[K, 2 * F]`).
+pub fn takes_gated_product(x: &Array, wt: &Array) -> bool {
+    static PRODUCT_OFF: OnceLock<bool> = OnceLock::new();
     let dtype = x.dtype();
     let (k, n) = (wt.dim(0), wt.dim(1));
-    !*ENV_OFF.get_or_init(|| std::env::var("GATEWAY_GPU_PRODUCT").is_ok_and(|v| v == "off"))
-        && (1..=PRODUCT_ROWS).contains(&rows)
+    !env_off(&PRODUCT_OFF, "GATEWAY_GPU_PRODUCT")
+        && (1..=PRODUCT_ROWS).contains(&crate::layers::rows(x))
         && matches!(dtype, Dtype::Bfloat16 | Dtype::Float16)
         && wt.dtype() == dtype
         && wt.ndim() == 2
@@ -77,7 +81,8 @@ pub fn takes_gated_product(x: &Array, wt: &Array, rows: i32) -> bool {
 /// unused; this one reads each weight byte once, with K split over a
 /// block's warps. Its sums run in another order than cuBLAS's, so a
 /// product may differ from MLX's by a rounding of `T`.
-pub fn gated_product(x: &Array, wt: &Array, rows: i32) -> R<Array> {
+pub fn gated_product(x: &Array, wt: &Array) -> R<Array> {
+    let rows = crate::layers::rows(x);
     let dtype = x.dtype();
     let (k, n) = (wt.dim(0), wt.dim(1));
     let x2 = match x.ndim() {

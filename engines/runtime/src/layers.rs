@@ -94,7 +94,7 @@ fn dequantize_as(
 }
 
 /// Rows of `x`: every axis but the last.
-pub fn rows(x: &Array) -> i32 {
+pub(crate) fn rows(x: &Array) -> i32 {
     x.shape()[..x.ndim() - 1].iter().product()
 }
 

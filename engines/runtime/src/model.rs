@@ -1215,18 +1215,14 @@ impl Mlp {
         // On the GPU, one kernel for the product and the activation at a
         // few rows, one from the stacked product to the activation beyond.
         if !self.gelu {
-            let rows = crate::layers::rows(x);
-            if let Some(wt) = self.gate_up.stacked_dense() {
-                if crate::gpu_fused::takes_gated_product(x, wt, rows) {
-                    return self
-                        .down
-                        .forward(&crate::gpu_fused::gated_product(x, wt, rows)?);
-                }
+            let fused = self.gate_up.stacked_dense();
+            if let Some(wt) = fused.filter(|wt| crate::gpu_fused::takes_gated_product(x, wt)) {
+                return self.down.forward(&crate::gpu_fused::gated_product(x, wt)?);
             }
-        }
-        if !self.gelu && crate::gpu_fused::takes_gated(x.dtype()) {
-            if let Some(gu) = self.gate_up.joined(x) {
-                return self.down.forward(&crate::gpu_fused::gated(&gu?)?);
+            if crate::gpu_fused::takes_gated(x.dtype()) {
+                if let Some(gu) = self.gate_up.joined(x) {
+                    return self.down.forward(&crate::gpu_fused::gated(&gu?)?);
+                }
             }
         }
         // On the CPU, one node from the stacked product to the activation.
