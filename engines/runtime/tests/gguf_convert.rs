@@ -5,7 +5,7 @@
 
 use fixtures::gguf::{convert, converted, write_convertible_model, write_gguf, Meta};
 use fixtures::model::{write_model, TinySpec};
-use mlx_rs::Dtype;
+use fixtures::reference::{logit_rows, worst_difference};
 use runtime::generate::prefill;
 use runtime::gguf::GgufFile;
 use runtime::{Family, LoadedModel};
@@ -85,19 +85,9 @@ fn converted_generated_models_match_their_safetensors() {
         let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 500).collect();
         let logits = |m: &LoadedModel| {
             let mut cache = m.model.new_cache(1);
-            let l = prefill(&m.model, &mut cache, &prompt, 512)
-                .unwrap()
-                .as_dtype(Dtype::Float32)
-                .unwrap();
-            l.eval().unwrap();
-            l.as_slice::<f32>().to_vec()
+            logit_rows(&prefill(&m.model, &mut cache, &prompt, 512).unwrap())
         };
-        let (a, b) = (logits(&hf), logits(&gguf));
-        let diff = a
-            .iter()
-            .zip(&b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0f32, f32::max);
+        let diff = worst_difference(&logits(&hf), &logits(&gguf));
         assert!(diff < 1e-4, "{family}: max logit difference {diff}");
     }
 }
