@@ -150,23 +150,27 @@ fn check_add_norm(dtype: Dtype) {
     line(&format!("add + rms_norm {dtype:?}, norm"), &y, &want_y);
 }
 
-/// The gate/up product and activation in one kernel against MLX's
-/// product and [`gpu_fused::gated`] after it; both products also against
-/// a float32 product of the same operands (its largest error should be
-/// MLX's).
-fn check_gated_product(dtype: Dtype, rows: i32, (k, f): (i32, i32)) {
+/// A product by our kernel against MLX's (for the stacked gate/up
+/// weight, `gated`: against MLX's product and [`gpu_fused::gated`] after
+/// it); MLX's product also against a float32 product of the same operands,
+/// the error a rounding costs.
+fn check_product(dtype: Dtype, rows: i32, (k, f): (i32, i32), gated: bool) {
     let x = random(&[rows, k], dtype, 8);
-    let w = random(&[2 * f, k], dtype, 9)
+    let n = if gated { 2 * f } else { f };
+    let w = random(&[n, k], dtype, 9)
         .multiply(Array::from_f32(0.05).as_dtype(dtype).unwrap())
         .unwrap();
     let wt = w.t();
     assert!(
-        gpu_fused::takes_gated_product(&x, &wt),
-        "the kernel takes {rows} x {k} x {f}"
+        gpu_fused::takes_product(&x, &wt, gated),
+        "the kernel takes {rows} x {k} x {n}"
     );
-    let got = gpu_fused::gated_product(&x, &wt).unwrap();
+    let got = gpu_fused::product(&x, &wt, gated).unwrap();
     let product = x.matmul(&wt).unwrap();
-    let want = gpu_fused::gated(&product).unwrap();
+    let want = match gated {
+        true => gpu_fused::gated(&product).unwrap(),
+        false => product.clone(),
+    };
     let exact = x
         .as_dtype(Dtype::Float32)
         .unwrap()
@@ -174,8 +178,9 @@ fn check_gated_product(dtype: Dtype, rows: i32, (k, f): (i32, i32)) {
         .unwrap();
     let (mlx, _, _) = compare(&product, &exact);
     let (worst, differ, all) = compare(&got, &want);
+    let kind = if gated { "gated product" } else { "product" };
     println!(
-        "gated product {dtype:?} {rows} x {k} x 2 * {f}: against MLX's product and gated {worst:.3e}, {differ} of {all} differ (MLX's product against float32 {mlx:.3e})"
+        "{kind} {dtype:?} {rows} x {k} x {n}: against MLX's {worst:.3e}, {differ} of {all} differ (MLX's product against float32 {mlx:.3e})"
     );
 }
 
@@ -227,7 +232,13 @@ fn main() {
     for dtype in [Dtype::Bfloat16, Dtype::Float16] {
         for rows in [1, 3, 8, 16] {
             for shape in [(2560, 9728), (96, 48)] {
-                check_gated_product(dtype, rows, shape);
+                check_product(dtype, rows, shape, true);
+            }
+            // A plain product of one row stays MLX's (`takes_product`).
+            for shape in [(2560, 6144), (4096, 2560), (9728, 2560), (96, 64)] {
+                if rows > 1 {
+                    check_product(dtype, rows, shape, false);
+                }
             }
         }
     }

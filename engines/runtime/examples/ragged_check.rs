@@ -132,6 +132,12 @@ fn main() {
                 (3, 64, 100, None),
                 (2, 200, 260, Some(128)),
                 (1, 256, 256, None),
+                // Split over blocks: one row or a verify at long contexts.
+                (1, 1, 2000, None),
+                (1, 1, 4100, Some(1024)),
+                (2, 1, 3000, None),
+                (1, 8, 2000, None),
+                (16, 1, 2100, None),
             ] {
                 let case = Case {
                     rows,

@@ -9,9 +9,11 @@
 //!
 //!     cargo run --release -p runtime --example step_probe -- --model DIR \
 //!         [--context 128] [--steps 32] [--rows 1,16,64] [--verify 2,8] \
-//!         [--prefill 256] [--paged] [--histogram]
+//!         [--prefill 256] [--paged] [--histogram] [--masked]
 //!
-//! `--histogram` also prints each shape's operations by primitive.
+//! `--histogram` also prints each shape's operations by primitive;
+//! `--masked` gives attention mask arrays and MLX's kernels instead of the
+//! ragged kernel (a paged single row then reads a gathered copy).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -34,6 +36,7 @@ struct Args {
     prefill: Vec<usize>,
     paged: bool,
     histogram: bool,
+    masked: bool,
 }
 
 fn list(v: &str) -> anyhow::Result<Vec<usize>> {
@@ -53,12 +56,14 @@ fn args() -> anyhow::Result<Args> {
         prefill: vec![256],
         paged: false,
         histogram: false,
+        masked: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         match flag.as_str() {
             "--paged" => a.paged = true,
             "--histogram" => a.histogram = true,
+            "--masked" => a.masked = true,
             _ => {
                 let v = it.next().ok_or_else(|| anyhow!("{flag} needs a value"))?;
                 match flag.as_str() {
@@ -148,6 +153,9 @@ fn filled(
 
 fn main() -> anyhow::Result<()> {
     let a = args()?;
+    if a.masked {
+        runtime::mask::set_ragged_attention(runtime::mask::RaggedAttention::Never);
+    }
     let loaded = LoadedModel::load_as(&a.model, None, ComputeDtype::Auto)?;
     let model = &loaded.model;
     let widest = a.rows.iter().copied().max().unwrap_or(1);

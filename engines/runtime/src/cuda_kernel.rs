@@ -14,12 +14,15 @@ pub enum TemplateArg<'a> {
 }
 
 /// One launch: each output's shape and dtype, the grid in threads (MLX
-/// divides it by the block), the block, and the template arguments.
+/// divides it by the block), the block, the template arguments, and a
+/// value MLX fills every output with before the kernel runs (`None`: the
+/// outputs start uninitialised).
 pub struct Launch<'a> {
     pub outputs: &'a [(&'a [i32], Dtype)],
     pub grid_threads: i32,
     pub block_threads: i32,
     pub templates: &'a [TemplateArg<'a>],
+    pub init: Option<f32>,
 }
 
 pub struct CudaKernel {
@@ -96,7 +99,10 @@ impl CudaKernel {
                     launch.block_threads,
                     1,
                     1,
-                ) == 0;
+                ) == 0
+                && launch.init.is_none_or(|value| {
+                    mlx_sys::mlx_fast_cuda_kernel_config_set_init_value(config, value) == 0
+                });
             for t in launch.templates {
                 ok = ok
                     && match t {

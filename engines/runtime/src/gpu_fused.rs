@@ -12,12 +12,13 @@
 //! - [`gated`]: SiLU(gate) * up straight from the stacked gate/up output
 //!   (three nodes: two slices and the compiled activation).
 //! - [`add_rms_norm`]: the residual add and the next norm, two outputs.
-//! - [`gated_product`]: the gate/up product and the activation in one
-//!   tensor-core kernel for up to 16 rows, where MLX's vector kernel and
-//!   cuBLASLt leave most of the card's bandwidth unused.
+//! - [`product`]: a dense product of 2-16 rows (the gate/up product with
+//!   its activation from one row) as one tensor-core kernel, where
+//!   cuBLASLt and MLX's vector kernel leave most of the card's bandwidth
+//!   unused.
 //!
 //! `GATEWAY_GPU_FUSED=off` keeps MLX's ops; `GATEWAY_GPU_PRODUCT=off`
-//! keeps MLX's gate/up product (and [`gated`] after it).
+//! keeps MLX's products (and [`gated`] after the gate/up one).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
@@ -52,36 +53,42 @@ pub fn set_enabled(on: bool) {
     SWITCHED_OFF.store(!on, Ordering::Relaxed);
 }
 
-/// The most rows [`gated_product`] takes: two 8-row tiles. From 32 rows
+/// The most rows [`product`] takes: two 8-row tiles. From 32 rows
 /// on, re-reading the activations from L2 for every 16 weight rows costs
 /// more than cuBLASLt's tiles (scripts/device/skinny_product.py).
 const PRODUCT_ROWS: i32 = 16;
 
-/// Whether [`gated_product`] takes `x` and the stacked gate/up weight's
-/// transposed view `wt` (`[K, 2 * F]`).
-pub fn takes_gated_product(x: &Array, wt: &Array) -> bool {
+/// Whether [`product`] takes `x` and the transposed view `wt` (`[K, N]`)
+/// of a dense weight; `gated`: the stacked gate/up weight, whose output
+/// is the activation. A plain product of one row stays MLX's: its vector
+/// kernel costs the host less a call than ours (5.8 against 6.9 µs to
+/// launch, `scripts/device/host_cost.py`), and a one-row step is the
+/// host's; from 2 rows MLX takes cuBLASLt, which costs more (14.9 µs at 16
+/// rows against 8.2) and reads the weights slower.
+pub fn takes_product(x: &Array, wt: &Array, gated: bool) -> bool {
     static PRODUCT_OFF: OnceLock<bool> = OnceLock::new();
     let dtype = x.dtype();
-    let (k, n) = (wt.dim(0), wt.dim(1));
+    let fewest = if gated { 1 } else { 2 };
     !env_off(&PRODUCT_OFF, "GATEWAY_GPU_PRODUCT")
-        && (1..=PRODUCT_ROWS).contains(&crate::layers::rows(x))
+        && (fewest..=PRODUCT_ROWS).contains(&crate::layers::rows(x))
         && matches!(dtype, Dtype::Bfloat16 | Dtype::Float16)
         && wt.dtype() == dtype
         && wt.ndim() == 2
-        && *x.shape().last().unwrap_or(&0) == k
-        && k % 32 == 0
-        && n % 32 == 0
+        && *x.shape().last().unwrap_or(&0) == wt.dim(0)
+        && wt.dim(0) % 32 == 0
+        && wt.dim(1) % 32 == 0
         && enabled()
 }
 
-/// `silu(x @ gate.T) * (x @ up.T)` as one tensor-core kernel
-/// (`kernels/skinny_product.cu`), `wt` the transposed view of the
-/// row-major stacked `[2 * F, K]` weight, for what [`takes_gated_product`]
-/// takes. MLX's product at these rows leaves most of the card's bandwidth
-/// unused; this one reads each weight byte once, with K split over a
-/// block's warps. Its sums run in another order than cuBLAS's, so a
-/// product may differ from MLX's by a rounding of `T`.
-pub fn gated_product(x: &Array, wt: &Array) -> R<Array> {
+/// `x @ w.T` as one tensor-core kernel (`kernels/skinny_product.cu`), `wt`
+/// the transposed view of the row-major `[N, K]` weight, for what
+/// [`takes_product`] takes; `gated`: `w` stacks gate and up (`[2 * F, K]`)
+/// and the output is `silu(x @ gate.T) * (x @ up.T)`. MLX's products at
+/// these rows leave most of the card's bandwidth unused; this one reads
+/// each weight byte once, with K split over a block's warps. Its sums run
+/// in another order than cuBLAS's, so a product may differ from MLX's by a
+/// rounding of `T`.
+pub fn product(x: &Array, wt: &Array, gated: bool) -> R<Array> {
     let rows = crate::layers::rows(x);
     let dtype = x.dtype();
     let (k, n) = (wt.dim(0), wt.dim(1));
@@ -89,26 +96,29 @@ pub fn gated_product(x: &Array, wt: &Array) -> R<Array> {
         2 => x.clone(),
         _ => x.reshape(&[rows, k])?,
     };
+    let features = if gated { n / 2 } else { n };
     let mut shape = x.shape().to_vec();
-    *shape.last_mut().unwrap() = n / 2;
+    *shape.last_mut().unwrap() = features;
     let templates = [
         TemplateArg::Dtype("T", dtype),
         TemplateArg::Int("BF16", (dtype == Dtype::Bfloat16) as i32),
-        TemplateArg::Int("GATED", 1),
+        TemplateArg::Int("GATED", gated as i32),
         TemplateArg::Int("MT", (rows + 7) / 8),
         TemplateArg::Int("WK", PRODUCT_WARPS),
         TemplateArg::Int("U", 1),
     ];
+    // A block per 16 output features.
     let launch = Launch {
         outputs: &[(&shape, dtype)],
-        grid_threads: n / 32 * 32 * PRODUCT_WARPS,
+        grid_threads: features / 16 * 32 * PRODUCT_WARPS,
         block_threads: 32 * PRODUCT_WARPS,
         templates: &templates,
+        init: None,
     };
-    Ok(run(&GATED_PRODUCT, &[&x2, wt], &launch, "gated product")?.remove(0))
+    Ok(run(&PRODUCT, &[&x2, wt], &launch, "product")?.remove(0))
 }
 
-/// Warps a block of [`gated_product`] splits K over.
+/// Warps a block of [`product`] splits K over.
 const PRODUCT_WARPS: i32 = 16;
 
 fn float(dtype: Dtype) -> bool {
@@ -207,6 +217,7 @@ pub fn heads(
         grid_threads: round_up(slots * 32, BLOCK),
         block_threads: BLOCK,
         templates: &templates,
+        init: None,
     };
     let mut out = run(
         &HEADS,
@@ -240,6 +251,7 @@ pub fn gated(gate_up: &Array) -> R<Array> {
         grid_threads: round_up(rows * n, BLOCK),
         block_threads: BLOCK,
         templates: &templates,
+        init: None,
     };
     Ok(run(&GATED, &[&flat], &launch, "gated")?.remove(0))
 }
@@ -267,6 +279,7 @@ pub fn add_rms_norm(x: &Array, r: &Array, weight: &Array, eps: f32) -> Option<R<
             grid_threads: rows * NORM_BLOCK,
             block_threads: NORM_BLOCK,
             templates: &templates,
+            init: None,
         };
         let mut out = run(
             &ADD_NORM,
@@ -409,7 +422,7 @@ const ADD_NORM_SOURCE: &str = r#"
 "#;
 
 thread_local! {
-    static GATED_PRODUCT: Result<CudaKernel, String> = CudaKernel::new(
+    static PRODUCT: Result<CudaKernel, String> = CudaKernel::new(
         "skinny_product",
         &["x", "wt"],
         &["y"],

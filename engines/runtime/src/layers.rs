@@ -33,8 +33,12 @@ impl DenseWeight {
         self.t.dim(1)
     }
 
-    /// `x @ weight.T`.
+    /// `x @ weight.T`: a few rows on a GPU by our kernel
+    /// ([`crate::gpu_fused::product`]), else MLX's.
     fn product(&self, x: &Array) -> R<Array> {
+        if crate::gpu_fused::takes_product(x, &self.t, false) {
+            return crate::gpu_fused::product(x, &self.t, false);
+        }
         x.matmul(&self.t)
     }
 }

@@ -111,11 +111,9 @@ fn build_on(cache: &KvCache, n: i32, window: Option<i32>, fused: bool, gpu: bool
     let window_bites = window.is_some_and(|w| total > w);
     // One unpadded sequence within its window: MLX's own kernels, except
     // for a verify's block (a causal block over a grown context), a paged
-    // cache's prefill on a GPU, whose blocks only the ragged kernel reads
-    // in place, and heads MLX does not fuse. A paged single decode row of
-    // fused heads gathers its blocks for MLX's vector kernel, which spreads
-    // the keys over many blocks where ours gives each key head one block
-    // (8 blocks for Qwen3-4B's row).
+    // cache on a GPU, whose blocks only the ragged kernel reads in place
+    // (MLX's would read a gathered copy, four more nodes a layer), and
+    // heads MLX does not fuse.
     let plain = !padded && !window_bites;
     // MLX's own mask for it: none for one query, causal (aligned to the
     // last key) for several.
@@ -123,7 +121,7 @@ fn build_on(cache: &KvCache, n: i32, window: Option<i32>, fused: bool, gpu: bool
         1 => AttnMask::None,
         _ => AttnMask::Causal,
     };
-    let kernel_first = gpu && (!fused || (cache.page_pool().is_some() && n > 1));
+    let kernel_first = gpu && (!fused || cache.page_pool().is_some());
     if plain && (n == 1 || past == 0) && !kernel_first {
         return mlx_plain();
     }

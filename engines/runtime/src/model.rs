@@ -1216,8 +1216,8 @@ impl Mlp {
         // few rows, one from the stacked product to the activation beyond.
         if !self.gelu {
             let fused = self.gate_up.stacked_dense();
-            if let Some(wt) = fused.filter(|wt| crate::gpu_fused::takes_gated_product(x, wt)) {
-                return self.down.forward(&crate::gpu_fused::gated_product(x, wt)?);
+            if let Some(wt) = fused.filter(|wt| crate::gpu_fused::takes_product(x, wt, true)) {
+                return self.down.forward(&crate::gpu_fused::product(x, wt, true)?);
             }
             if crate::gpu_fused::takes_gated(x.dtype()) {
                 if let Some(gu) = self.gate_up.joined(x) {

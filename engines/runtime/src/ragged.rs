@@ -76,7 +76,12 @@ const SOURCE: &str = r#"
     const int rows = q_shape[0];
     const int kv_heads = KV_HEADS;
     const int total = TOTAL;
-    int item = blockIdx.x;
+    // `splits` blocks share an item (row, head group, query), each over
+    // its own share of the keys.
+    const int splits = gridDim.x / (rows * (heads / GROUP) * n);
+    const int split = blockIdx.x % splits;
+    const int slot = blockIdx.x / splits;
+    int item = slot;
     const int qi = item % n;
     item /= n;
     const int h0 = (item % (heads / GROUP)) * GROUP;
@@ -93,6 +98,11 @@ const SOURCE: &str = r#"
     // A padding query (before its row's start) sees only itself, as the
     // reference mask has it, so no softmax is empty.
     if (lo > qpos) lo = qpos;
+    // This block's keys: whole chunks of 32 from `lo`, the last ending at
+    // the query.
+    const int per_split = ((qpos - lo) / 32 + splits) / splits;
+    const int first = lo + split * per_split * 32;
+    const int last = min(qpos, first + per_split * 32 - 1);
 
     __shared__ float qs[GROUP][D];
     const float sc = scale[0];
@@ -113,11 +123,11 @@ const SOURCE: &str = r#"
         m[g] = -1e30f;
         s[g] = 0.f;
     }
-    for (int c0 = lo + warp * 32; c0 <= qpos; c0 += WARPS * 32) {
+    for (int c0 = first + warp * 32; c0 <= last; c0 += WARPS * 32) {
         const int j = c0 + lane;
         float d[GROUP];
         for (int g = 0; g < GROUP; g++) d[g] = -1e30f;
-        if (j <= qpos) {
+        if (j <= last) {
             const T* kr = k + KEY_AT(k_strides, j);
             float acc[GROUP];
             for (int g = 0; g < GROUP; g++) acc[g] = 0.f;
@@ -145,14 +155,14 @@ const SOURCE: &str = r#"
             for (int off = 16; off > 0; off /= 2) cm = fmaxf(cm, __shfl_xor_sync(0xffffffff, cm, off));
             const float mn = fmaxf(m[g], cm);
             const float corr = __expf(m[g] - mn);
-            p[g] = j <= qpos ? __expf(d[g] - mn) : 0.f;
+            p[g] = j <= last ? __expf(d[g] - mn) : 0.f;
             float ps = p[g];
             for (int off = 16; off > 0; off /= 2) ps += __shfl_xor_sync(0xffffffff, ps, off);
             s[g] = s[g] * corr + ps;
             for (int i = 0; i < PER; i++) o[g][i] *= corr;
             m[g] = mn;
         }
-        const int count = min(32, qpos - c0 + 1);
+        const int count = min(32, last - c0 + 1);
         for (int t = 0; t < count; t++) {
             const T* vr = v + KEY_AT(v_strides, c0 + t);
             float val[PER];
@@ -189,8 +199,43 @@ const SOURCE: &str = r#"
             sum += ws[w][g] * f;
             acc += wo[w][g][e] * f;
         }
+#ifdef SPLIT
+        float* pp = part + ((size_t)blockIdx.x * GROUP + g) * (D + 2);
+        pp[e] = acc;
+        if (e == 0) {
+            pp[D] = big;
+            pp[D + 1] = sum;
+        }
+#else
+        out[(((size_t)b * heads + h0 + g) * n + qi) * D + e] = static_cast<T>(acc / sum);
+#endif
+    }
+#ifdef SPLIT
+    // The item's last block to finish merges every block's partial
+    // softmax (their writes are visible after the fence and the count).
+    __threadfence();
+    __syncthreads();
+    __shared__ bool merges;
+    if (threadIdx.x == 0) merges = atomicAdd(&count[slot], 1) == splits - 1;
+    __syncthreads();
+    if (!merges) return;
+    __threadfence();
+    for (int x = threadIdx.x; x < GROUP * D; x += blockDim.x) {
+        const int g = x / D, e = x % D;
+        const float* p0 = part + ((size_t)slot * splits * GROUP + g) * (D + 2);
+        const size_t step = (size_t)GROUP * (D + 2);
+        float big = -1e30f;
+        for (int t = 0; t < splits; t++) big = fmaxf(big, __ldcg(p0 + t * step + D));
+        float sum = 0.f;
+        float acc = 0.f;
+        for (int t = 0; t < splits; t++) {
+            const float f = __expf(__ldcg(p0 + t * step + D) - big);
+            sum += __ldcg(p0 + t * step + D + 1) * f;
+            acc += __ldcg(p0 + t * step + e) * f;
+        }
         out[(((size_t)b * heads + h0 + g) * n + qi) * D + e] = static_cast<T>(acc / sum);
     }
+#endif
 "#;
 
 /// The contiguous cache's layout: `k`, `v` are `[B, kv_heads, total, D]`.
@@ -275,7 +320,11 @@ pub fn attention(
     scale: f32,
     meta: &Array,
 ) -> anyhow::Result<Array> {
-    launch(&CONTIGUOUS_KERNEL, q, k, v, meta, scale, None)
+    let kernels = Kernels {
+        whole: &CONTIGUOUS_KERNEL,
+        split: &CONTIGUOUS_SPLIT_KERNEL,
+    };
+    launch(kernels, q, k, v, meta, scale, None)
 }
 
 /// [`attention`] over a paged layer: `k`, `v` are the pool's buffers
@@ -288,7 +337,11 @@ pub fn paged_attention(
     meta: &Array,
     read: &crate::cache::PagedRead,
 ) -> anyhow::Result<Array> {
-    launch(&PAGED_KERNEL, q, k, v, meta, scale, Some(read))
+    let kernels = Kernels {
+        whole: &PAGED_KERNEL,
+        split: &PAGED_SPLIT_KERNEL,
+    };
+    launch(kernels, q, k, v, meta, scale, Some(read))
 }
 
 /// Query heads a block takes: the most that share a key head (dividing
@@ -303,10 +356,30 @@ fn group(ratio: i32, d: i32) -> i32 {
         .unwrap_or(1)
 }
 
-/// Runs `kernel` on its inputs: `q, k, v, meta, scale`, and for a paged
-/// layer its block tables, its block size a template argument.
+/// Blocks a launch aims at: about two per streaming multiprocessor of an
+/// H100 or H200 (132), so that a few rows' long contexts keep the GPU busy.
+const TARGET_BLOCKS: i32 = 256;
+
+/// Blocks sharing one (row, head group, query) when `items` of them attend
+/// to `total` keys: enough to reach [`TARGET_BLOCKS`], each keeping at
+/// least a chunk of 32 keys for every warp (1: no split).
+fn splits(items: i32, total: i32) -> i32 {
+    let chunks_per_block = (total + 32 * WARPS - 1) / (32 * WARPS);
+    (TARGET_BLOCKS / items.max(1)).clamp(1, 32).min(chunks_per_block.max(1))
+}
+
+/// The kernels of one layout: whole items, and items split over blocks.
+struct Kernels {
+    whole: &'static std::thread::LocalKey<Result<CudaKernel, String>>,
+    split: &'static std::thread::LocalKey<Result<CudaKernel, String>>,
+}
+
+/// Runs the layout's kernel on its inputs: `q, k, v, meta, scale`, and for
+/// a paged layer its block tables, its block size a template argument.
+/// A few items over many keys (one sequence's step at a long context) are
+/// split over several blocks, the last of which merges their softmaxes.
 fn launch(
-    kernel: &'static std::thread::LocalKey<Result<CudaKernel, String>>,
+    kernels: Kernels,
     q: &Array,
     k: &Array,
     v: &Array,
@@ -317,13 +390,17 @@ fn launch(
     let (b, heads, n, d) = (q.dim(0), q.dim(1), q.dim(2), q.dim(3));
     let dtype = q.dtype();
     let scale = Array::from_slice(&[scale], &[1]);
-    // Grouped heads leave fewer blocks: for a few rows (one sequence's
-    // step) a block per query head keeps more of the GPU busy.
+    let total = paged.map_or(k.dim(2), |read| read.total);
     let kv_heads = k.dim(1);
-    let group = match b * n * kv_heads < 32 {
+    let grouped = group(heads / kv_heads, d);
+    let split = splits(b * (heads / grouped) * n, total);
+    // Unsplit, grouped heads leave fewer blocks: for a few rows a block per
+    // query head keeps more of the GPU busy.
+    let group = match split == 1 && b * n * kv_heads < 32 {
         true => 1,
-        false => group(heads / kv_heads, d),
+        false => grouped,
     };
+    let items = b * (heads / group) * n;
     let mut templates = vec![
         TemplateArg::Dtype("T", dtype),
         TemplateArg::Int("D", d),
@@ -336,12 +413,23 @@ fn launch(
         templates.push(TemplateArg::Int("MAX_TABLE", MAX_TABLE));
         inputs.push(&read.tables);
     }
+    let out_shape = [b, heads, n, d];
+    let part_shape = [items * split * group * (d + 2)];
+    let count_shape = [items];
+    let outputs = [
+        (&out_shape[..], dtype),
+        (&part_shape[..], Dtype::Float32),
+        (&count_shape[..], Dtype::Int32),
+    ];
     let launch = Launch {
-        outputs: &[(&[b, heads, n, d], dtype)],
-        grid_threads: b * (heads / group) * n * WARPS * 32,
+        outputs: if split > 1 { &outputs } else { &outputs[..1] },
+        grid_threads: items * split * WARPS * 32,
         block_threads: WARPS * 32,
         templates: &templates,
+        // The split kernel's block counts start at zero.
+        init: (split > 1).then_some(0.0),
     };
+    let kernel = if split > 1 { kernels.split } else { kernels.whole };
     kernel
         .with(|kernel| {
             let kernel = kernel.as_ref().map_err(|e| anyhow!("{e}"))?;
@@ -354,30 +442,49 @@ fn launch(
         })
 }
 
+/// The split kernels' partial results (`[blocks, GROUP, D + 2]`: the
+/// output's sums, then the softmax's max and sum) and each item's count of
+/// finished blocks.
+const SPLIT: &str = "#define SPLIT\n";
+
+fn kernel(name: &str, layout: &str, split: bool) -> Result<CudaKernel, String> {
+    let mut inputs = vec!["q", "k", "v", "meta", "scale"];
+    if layout == PAGED {
+        inputs.push("tables");
+    }
+    let outputs: &[&str] = if split { &["out", "part", "count"] } else { &["out"] };
+    let prefix = if split { SPLIT } else { "" };
+    CudaKernel::new(name, &inputs, outputs, &format!("{prefix}{layout}{SOURCE}"), "", false)
+        .map_err(|e| format!("{e:#}"))
+}
+
 thread_local! {
-    static CONTIGUOUS_KERNEL: Result<CudaKernel, String> = CudaKernel::new(
-        "ragged_attention",
-        &["q", "k", "v", "meta", "scale"],
-        &["out"],
-        &format!("{CONTIGUOUS}{SOURCE}"),
-        "",
-        false,
-    )
-    .map_err(|e| format!("{e:#}"));
-    static PAGED_KERNEL: Result<CudaKernel, String> = CudaKernel::new(
-        "paged_attention",
-        &["q", "k", "v", "meta", "scale", "tables"],
-        &["out"],
-        &format!("{PAGED}{SOURCE}"),
-        "",
-        false,
-    )
-    .map_err(|e| format!("{e:#}"));
+    static CONTIGUOUS_KERNEL: Result<CudaKernel, String> =
+        kernel("ragged_attention", CONTIGUOUS, false);
+    static CONTIGUOUS_SPLIT_KERNEL: Result<CudaKernel, String> =
+        kernel("ragged_attention_split", CONTIGUOUS, true);
+    static PAGED_KERNEL: Result<CudaKernel, String> = kernel("paged_attention", PAGED, false);
+    static PAGED_SPLIT_KERNEL: Result<CudaKernel, String> =
+        kernel("paged_attention_split", PAGED, true);
 }
 
 #[cfg(test)]
 mod tests {
-    use super::takes;
+    use super::{splits, takes};
+
+    #[test]
+    fn few_items_over_long_contexts_are_split_over_blocks() {
+        // One Qwen3-4B row (8 groups of 4 query heads): whole at 128 keys,
+        // split to 128 blocks at 2,000.
+        assert_eq!(splits(8, 128), 1);
+        assert_eq!(splits(8, 2000), 16);
+        // A verify of 8 at 2,000 keys, and 16 rows of a batch.
+        assert_eq!(splits(64, 2000), 4);
+        assert_eq!(splits(128, 128), 1);
+        assert_eq!(splits(128, 2000), 2);
+        // Enough items already: never split.
+        assert_eq!(splits(512, 32_768), 1);
+    }
 
     #[test]
     fn decode_steps_and_verifies_always_go_to_the_kernel_prefill_chunks_within_its_budget() {
