@@ -43,21 +43,34 @@ KINDS = {
 }
 NODES = {"add": 2, "matmul pair": 2, "matmul tiny": 2}
 
-def run(kind, f):
+def phases(build):
+    """The fastest of five timed runs (after two unmeasured ones) of
+    `build()`, which builds a graph and returns its outputs: seconds to
+    build, to launch (`async_eval`) and to wait for the device."""
     best = None
     for rep in range(7):
         t0 = time.perf_counter()
-        y = x0
-        for _ in range(N):
-            y = f(y)
+        out = build()
         t1 = time.perf_counter()
-        mx.async_eval(y)
+        mx.async_eval(out)
         t2 = time.perf_counter()
-        mx.eval(y)
+        mx.eval(out)
         t3 = time.perf_counter()
         if rep >= 2:
             cur = (t1 - t0, t2 - t1, t3 - t2)
             best = cur if best is None or sum(cur) < sum(best) else best
+    return best
+
+
+def chain(f):
+    y = x0
+    for _ in range(N):
+        y = f(y)
+    return y
+
+
+def run(kind, f):
+    best = phases(lambda: chain(f))
     n = N * NODES.get(kind, 1)
     print(f"{kind:16s} nodes {n:5d}  build {best[0]/n*1e6:6.2f} us/node  launch {best[1]/n*1e6:6.2f} us/node  wait {best[2]/n*1e6:6.2f} us/node", flush=True)
 
@@ -89,17 +102,6 @@ for rows in (1, 16):
     x = mx.random.normal((rows, H)).astype(mx.bfloat16)
     mx.eval(x)
     for name, f in (("mlx x @ w.T", lambda i: x @ ws[i % 6].T), ("skinny", lambda i: skinny(x, ws[i % 6].T))):
-        best = None
-        for rep in range(7):
-            t0 = time.perf_counter()
-            outs = [f(i) for i in range(P)]
-            t1 = time.perf_counter()
-            mx.async_eval(outs)
-            t2 = time.perf_counter()
-            mx.eval(outs)
-            t3 = time.perf_counter()
-            if rep >= 2:
-                cur = (t1 - t0, t2 - t1, t3 - t2)
-                best = cur if best is None or sum(cur) < sum(best) else best
+        best = phases(lambda: [f(i) for i in range(P)])
         print(f"{rows:2d} rows {name:12s} x{P}: build {best[0]/P*1e6:6.2f} launch {best[1]/P*1e6:6.2f} "
               f"wait {best[2]/P*1e6:6.2f} us/product", flush=True)
