@@ -1,6 +1,7 @@
-//! The worker thread: one request at a time, start to finish, each token
-//! through the runtime's `Sequence` (stop tokens, cancellation,
-//! `max_tokens`, the final event after the KV blocks go back).
+//! The worker thread: one request at a time, start to finish, through the
+//! runtime's `Sequence`: its prompt from the prefix cache's longest hit,
+//! each token under its rules (stop tokens, cancellation, `max_tokens`,
+//! the final event after the KV blocks go back).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -10,7 +11,7 @@ use engine_core::event::EventSender;
 use engine_core::{Event, FinishReason, GenerateRequest, StreamError, TokenEvent};
 use mlx_rs::transforms::eval;
 use mlx_rs::{Array, Dtype};
-use runtime::generate::{self, GreedyStream};
+use runtime::generate;
 use runtime::model::Logits;
 use runtime::sampling::log_softmax;
 use runtime::sequence::Sequence;
@@ -136,20 +137,19 @@ fn reserve(
     pool.reserve_waiting(blocks, stop).ok().flatten()
 }
 
-/// Greedy decoding, each step queued before the previous token is read.
+/// Greedy decoding from the prefix cache's longest hit, each step queued
+/// before the previous token is read.
 fn run_greedy(
     shared: &SharedModel,
     seq: &mut Sequence,
     pause: Duration,
 ) -> runtime::Result<FinishReason> {
     let _device = shared.lock_device();
-    let model = &shared.model.model;
-    let cache = shared.new_cache(vec![0]);
-    let prompt = &seq.request().prompt;
-    let mut stream = GreedyStream::resume(model, cache, prompt, generate::DEFAULT_PREFILL_CHUNK)?;
+    let mut stream = seq.prefill_greedy(shared)?;
     loop {
         let token = stream.next_token(seq.tokens_left() > 1)?;
         if let Some(reason) = seq.accept_plain(token, false)? {
+            seq.publish_answer(shared, stream.cache());
             return Ok(reason);
         }
         std::thread::sleep(pause);
@@ -157,7 +157,7 @@ fn run_greedy(
 }
 
 /// Sampling (penalties, logit bias, logprobs) through the sequence's
-/// sampler, one step at a time.
+/// sampler, one step at a time, from the prefix cache's longest hit.
 fn run_sampled(
     shared: &SharedModel,
     seq: &mut Sequence,
@@ -165,11 +165,9 @@ fn run_sampled(
 ) -> runtime::Result<FinishReason> {
     let model = &shared.model.model;
     let vocab = model.config.vocab_size;
-    let mut cache = shared.new_cache(vec![0]);
-    let mut logits = {
+    let (mut cache, mut logits) = {
         let _device = shared.lock_device();
-        let prompt = &seq.request().prompt;
-        generate::prefill(model, &mut cache, prompt, generate::DEFAULT_PREFILL_CHUNK)?
+        seq.prefill_logits(shared)?
     };
     let (logprobs, top) = {
         let s = &seq.request().sampling;
@@ -195,6 +193,7 @@ fn run_sampled(
             top_logprobs,
         };
         if let Some(reason) = seq.accept(token, false)? {
+            seq.publish_answer(shared, &cache);
             return Ok(reason);
         }
         std::thread::sleep(pause);
