@@ -432,6 +432,9 @@ policy:
             first["choices"][0]["text"], again["choices"][0]["text"],
             "{engine}: {body}"
         );
-        assert_eq!(first["usage"]["completion_tokens"], usage["completion_tokens"]);
+        assert_eq!(
+            first["usage"]["completion_tokens"],
+            usage["completion_tokens"]
+        );
     }
 }

@@ -518,4 +518,3 @@ fn sample_rows(
     }
     Ok((ops::concatenate(&picks, 0)?, lps))
 }
-

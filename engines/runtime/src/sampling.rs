@@ -300,7 +300,10 @@ pub fn token_logprobs(logprobs: &[f32], token: u32, top: usize) -> (Option<f32>,
     order.select_nth_unstable_by(k - 1, descending);
     order.truncate(k);
     order.sort_by(descending);
-    let best = order.into_iter().map(|t| (t, logprobs[t as usize])).collect();
+    let best = order
+        .into_iter()
+        .map(|t| (t, logprobs[t as usize]))
+        .collect();
     (chosen, best)
 }
 
@@ -357,6 +360,10 @@ mod tests {
             (Some(-3.0), vec![(1, -0.5), (4, -0.75), (3, -1.0)])
         );
         assert_eq!(token_logprobs(&lp, 0, 0), (Some(-2.0), vec![]));
-        assert_eq!(token_logprobs(&lp, 9, 9).1.len(), 5, "at most the vocabulary");
+        assert_eq!(
+            token_logprobs(&lp, 9, 9).1.len(),
+            5,
+            "at most the vocabulary"
+        );
     }
 }

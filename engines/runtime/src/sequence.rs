@@ -286,13 +286,35 @@ impl Sequence {
         let model = &shared.model.model;
         let (mut cache, done) = self.cached_prefix(shared);
         let first = self.prefill(shared, &mut cache, done, |cache, tokens, last| {
-            let logits = generate::prefill_chunk(model, cache, tokens, shared.prefill_chunk(), last)?;
+            let logits =
+                generate::prefill_chunk(model, cache, tokens, shared.prefill_chunk(), last)?;
             match last {
                 true => generate::queue_argmax(&logits),
                 false => Ok(logits),
             }
         })?;
         Ok(GreedyStream::queued(model, cache, first))
+    }
+
+    /// Greedy decoding to its end: [`Sequence::prefill_greedy`], then each
+    /// token read and [`Sequence::accept`]ed, the step after it queued
+    /// first, `after_token` run after each that does not end it; the
+    /// prompt and the answer are kept in the prefix cache before the final
+    /// event ([`Sequence::publish_answer`]). Under the device lock.
+    pub fn decode_greedy(
+        &mut self,
+        shared: &SharedModel,
+        mut after_token: impl FnMut(),
+    ) -> anyhow::Result<FinishReason> {
+        let mut stream = self.prefill_greedy(shared)?;
+        loop {
+            let token = stream.next_token(self.tokens_left() > 1)?;
+            if let Some(reason) = self.accept_plain(token, false)? {
+                self.publish_answer(shared, stream.cache());
+                return Ok(reason);
+            }
+            after_token();
+        }
     }
 
     /// Its prompt prefilled after the prefix cache's longest hit (and kept

@@ -17,8 +17,8 @@
 use std::sync::Arc;
 
 use engine_core::{
-    Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventSender, FinishReason,
-    GenerateRequest, RequestId, StreamError,
+    Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventSender, GenerateRequest,
+    RequestId, StreamError,
 };
 use runtime::sequence::Sequence;
 use runtime::worker::{self, Worker};
@@ -74,27 +74,16 @@ fn serve(shared: &SharedModel, job: Job) {
     let Some(mut seq) = Sequence::start_on(shared, request, events, reservation) else {
         return;
     };
+    // Greedy decoding from the prefix cache's longest hit, each step
+    // queued before the previous token is read; the sequence decides when
+    // it ends and keeps its prompt and answer for the next turn.
     let decoded = {
         let _device = shared.lock_device();
-        decode(shared, &mut seq)
+        seq.decode_greedy(shared, || {})
     };
     match decoded {
         Ok(reason) => seq.finish(reason, None),
         Err(e) => seq.fail(StreamError::Internal(format!("generation failed: {e}"))),
-    }
-}
-
-/// Greedy decoding from the prefix cache's longest hit, each step queued
-/// before the previous token is read; the sequence decides when it ends,
-/// and its prompt and answer stay in the prefix cache for the next turn.
-fn decode(shared: &SharedModel, seq: &mut Sequence) -> runtime::Result<FinishReason> {
-    let mut stream = seq.prefill_greedy(shared)?;
-    loop {
-        let token = stream.next_token(seq.tokens_left() > 1)?;
-        if let Some(reason) = seq.accept_plain(token, false)? {
-            seq.publish_answer(shared, stream.cache());
-            return Ok(reason);
-        }
     }
 }
 

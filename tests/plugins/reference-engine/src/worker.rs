@@ -115,7 +115,8 @@ fn serve(
     seq.hold(BlocksHeld(state.clone()));
     let pause = Duration::from_millis(options.token_delay_ms);
     let result = if seq.request().is_plain_greedy() {
-        run_greedy(shared, &mut seq, pause)
+        let _device = shared.lock_device();
+        seq.decode_greedy(shared, || std::thread::sleep(pause))
     } else {
         run_sampled(shared, &mut seq, pause)
     };
@@ -140,25 +141,6 @@ fn reserve(
     let stop = || req.cancel.is_cancelled() || events.is_closed();
     // Checked at admission; the pool does not shrink.
     shared.kv_pool.reserve_waiting(blocks, stop).ok().flatten()
-}
-
-/// Greedy decoding from the prefix cache's longest hit, each step queued
-/// before the previous token is read.
-fn run_greedy(
-    shared: &SharedModel,
-    seq: &mut Sequence,
-    pause: Duration,
-) -> runtime::Result<FinishReason> {
-    let _device = shared.lock_device();
-    let mut stream = seq.prefill_greedy(shared)?;
-    loop {
-        let token = stream.next_token(seq.tokens_left() > 1)?;
-        if let Some(reason) = seq.accept_plain(token, false)? {
-            seq.publish_answer(shared, stream.cache());
-            return Ok(reason);
-        }
-        std::thread::sleep(pause);
-    }
 }
 
 /// Sampling (penalties, logit bias, logprobs) through the sequence's
