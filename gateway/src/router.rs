@@ -160,12 +160,14 @@ impl Router {
     }
 
     pub fn signals(&self, req: &GenerateRequest, model: &str) -> Signals {
+        // The policy reads the facts the capabilities are checked against.
+        let needs = req.needs(0);
         let mut s = Signals {
             prompt_tokens: req.prompt.len() as u64,
             max_tokens: req.max_tokens as u64,
-            greedy: req.is_plain_greedy(),
-            has_tools: req.has_tools,
-            has_images: !req.images.is_empty(),
+            greedy: needs.plain_greedy,
+            has_tools: needs.tools,
+            has_images: needs.images,
             kv_pressure: self.kv_pool.pressure(),
             model: model.to_owned(),
             ..Signals::default()

@@ -200,15 +200,22 @@ impl Gateway {
 
     /// Resident memory of the gateway process in bytes.
     pub fn rss_bytes(&self) -> u64 {
+        self.status_bytes("VmRSS")
+    }
+
+    /// A memory figure of the gateway process's `/proc/<pid>/status`
+    /// (`VmRSS`, `RssAnon`: its heap, `RssFile`: mapped files, its
+    /// libraries' code among them), in bytes.
+    pub fn status_bytes(&self, key: &str) -> u64 {
         let status =
             std::fs::read_to_string(format!("/proc/{}/status", self.pid())).expect("proc status");
         status
             .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
             .and_then(|v| v.split_whitespace().next())
             .and_then(|kb| kb.parse::<u64>().ok())
             .map(|kb| kb * 1024)
-            .expect("VmRSS")
+            .unwrap_or_else(|| panic!("{key} in /proc/{}/status", self.pid()))
     }
 }
 

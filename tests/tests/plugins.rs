@@ -6,7 +6,9 @@
 //! invocation, lock file and target directory) loads, serves and shares
 //! them too, the remote plugin, which runs no model, links no MLX, and a
 //! plugin's request waiting for KV blocks another engine holds starts when
-//! they come back and ends the moment it is cancelled.
+//! they come back and ends the moment it is cancelled, and a repeated
+//! prompt starts from the prefix cache in the plugins as in the built-in
+//! engines.
 
 use std::time::{Duration, Instant};
 
@@ -375,4 +377,64 @@ fn a_request_waiting_for_kv_blocks_starts_when_they_come_back_and_ends_when_canc
         "{}",
         gw.health()
     );
+}
+
+/// The template (built apart) and the reference plugin start a prompt from
+/// the shared prefix cache's longest hit, through the runtime's
+/// `Sequence`: the same prompt again has every whole block of it but the
+/// last token's counted as cached, and the same text as the first time.
+/// The reference plugin's sampled path (seeded, with logprobs) too.
+#[test]
+fn a_repeated_prompt_starts_from_the_prefix_cache_in_the_plugins() {
+    let (template, _) = template_plugin();
+    let gw = Gateway::start(&format!(
+        r#"model: {{ path: "{{model}}", kv_cache_mb: 64, prefix_cache_entries: 16 }}
+plugins: ["{{reference}}", "{}"]
+engines:
+  ref: {{ kind: reference }}
+  tmpl: {{ kind: template }}
+policy:
+  default: ref
+  rules:
+    - {{ name: short, when: {{ max_tokens: 12 }}, route: tmpl }}
+"#,
+        template.display()
+    ));
+    let block = gw.health()["kv_pool"]["block_size"].as_u64().unwrap();
+    let greedy = |max_tokens: u64, words: &str| {
+        json!({"model": MODEL, "prompt": words.repeat(12), "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": true})
+    };
+    let mut sampled = greedy(16, "sampled words ");
+    sampled["temperature"] = json!(0.9);
+    sampled["seed"] = json!(7);
+    sampled["logprobs"] = json!(2);
+    for (engine, body) in [
+        ("tmpl", greedy(12, "template words ")),
+        ("ref", greedy(16, "reference words ")),
+        ("ref", sampled),
+    ] {
+        let [first, again] = [0, 1].map(|_| {
+            let r = gw.post("/v1/completions", &body);
+            assert_eq!(r.status, 200, "{}", r.text());
+            assert_eq!(r.header("x-engine"), Some(engine), "{body}");
+            r.json()
+        });
+        let usage = &again["usage"];
+        let prompt = usage["prompt_tokens"].as_u64().unwrap();
+        assert!(prompt > block, "{usage}");
+        assert_eq!(
+            usage["prompt_tokens_details"]["cached_tokens"].as_u64(),
+            Some((prompt - 1) / block * block),
+            "{engine}: {body}: {usage}"
+        );
+        assert_eq!(
+            first["choices"][0]["text"], again["choices"][0]["text"],
+            "{engine}: {body}"
+        );
+        assert_eq!(
+            first["usage"]["completion_tokens"],
+            usage["completion_tokens"]
+        );
+    }
 }

@@ -355,9 +355,11 @@ impl Device for Mlx {
             .enumerate()
             .map(|(i, row)| {
                 let token = tokens[i];
-                let lp = step.logprobs.iter().find(|(j, _)| *j == i).map(|(_, a)| a);
-                let (logprob, top_logprobs) =
-                    read_logprobs(lp, token, row.request().sampling.top_logprobs);
+                let top = row.request().sampling.top_logprobs as usize;
+                let (logprob, top_logprobs) = match step.logprobs.iter().find(|(j, _)| *j == i) {
+                    Some((_, lp)) => sampling::token_logprobs(lp.as_slice::<f32>(), token, top),
+                    None => (None, Vec::new()),
+                };
                 Pick {
                     token,
                     grammar_over: matches!(step.masks[i], Mask::Over),
@@ -510,35 +512,9 @@ fn sample_rows(
             };
             picks.push(pick.as_dtype(Dtype::Uint32)?);
             if row.seq.wants_logprobs() {
-                lps.push((i, logprob_source(row, &l)?));
+                lps.push((i, row.seq.sampler.logprobs(&l)?));
             }
         }
     }
     Ok((ops::concatenate(&picks, 0)?, lps))
-}
-
-/// Log-probabilities the row's logprobs are reported from (after bias and
-/// penalties, before temperature and truncation).
-fn logprob_source(row: &Row, logits: &Array) -> anyhow::Result<Array> {
-    Ok(sampling::log_softmax(&row.seq.sampler.adjust(logits)?)?.reshape(&[-1])?)
-}
-
-fn read_logprobs(lp: Option<&Array>, token: u32, top: u32) -> (Option<f32>, Vec<(u32, f32)>) {
-    let Some(lp) = lp else {
-        return (None, Vec::new());
-    };
-    let values = lp.as_slice::<f32>();
-    let chosen = values.get(token as usize).copied();
-    let mut top_list = Vec::new();
-    if top > 0 {
-        let mut idx: Vec<usize> = (0..values.len()).collect();
-        let k = (top as usize).min(idx.len());
-        idx.select_nth_unstable_by(k.saturating_sub(1), |&a, &b| {
-            values[b].total_cmp(&values[a])
-        });
-        idx.truncate(k);
-        idx.sort_by(|&a, &b| values[b].total_cmp(&values[a]));
-        top_list = idx.into_iter().map(|i| (i as u32, values[i])).collect();
-    }
-    (chosen, top_list)
 }

@@ -17,7 +17,6 @@ use crate::config::BatchedConfig;
 use crate::device::Mlx;
 use crate::queue::Waiting;
 use crate::scheduler::{Job, Scheduler, Stats};
-use crate::validate;
 
 pub struct BatchedEngine {
     name: String,
@@ -96,7 +95,7 @@ impl Engine for BatchedEngine {
     }
 
     fn submit_to(&self, request: GenerateRequest, events: EventSender) -> Result<(), EngineError> {
-        let blocks = validate::check(&request, &self.shared)?;
+        let blocks = runtime::admission::check_queued(&request, &self.shared)?;
         if !runtime::admission::take_slot(&self.stats.queued, self.cfg.max_queue) {
             return Err(EngineError::Overloaded(
                 "the request queue is full; retry shortly".into(),

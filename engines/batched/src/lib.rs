@@ -11,7 +11,6 @@ mod plan;
 mod queue;
 mod row;
 mod scheduler;
-pub mod validate;
 
 pub use config::BatchedConfig;
 pub use engine::BatchedEngine;

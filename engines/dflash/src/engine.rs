@@ -17,12 +17,8 @@ use crate::drafter::Dflash;
 const MAX_CONCURRENT: usize = 4;
 
 pub fn engine_from_context(ctx: EngineContext) -> Result<SpecEngine, String> {
-    let (shared, settings) = speculative::engine::from_context(
-        &ctx,
-        "dflash",
-        SpecSettings::defaults(MAX_CONCURRENT, None),
-    )?;
-    new_engine(ctx.name, shared, settings)
+    let defaults = SpecSettings::defaults(MAX_CONCURRENT, None);
+    speculative::engine::from_context(ctx, "dflash", defaults, new_engine)
 }
 
 pub fn new_engine(

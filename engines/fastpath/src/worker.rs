@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use engine_core::event::EventSender;
 use engine_core::{FinishReason, GenerateRequest};
-use runtime::generate::{self, GreedyStream};
+use runtime::generate;
 use runtime::handover::HandoverSink;
 use runtime::model::Logits;
 use runtime::sampling;
@@ -102,21 +102,8 @@ pub fn run(shared: &Arc<SharedModel>, job: Job) -> Outcome {
 
 fn decode(shared: &Arc<SharedModel>, seq: &mut Sequence) -> anyhow::Result<End> {
     let _device = shared.lock_device();
-    let model = &shared.model.model;
     let max_tokens = seq.request().max_tokens;
-    // The prompt, then every token read: what the cache holds, in order.
-    let mut seen = seq.request().prompt.clone();
-    let (mut cache, done) = seq.cached_prefix(shared);
-    // The first token is queued before the prompt is published, so the
-    // device computes it meanwhile.
-    let first = seq.prefill(shared, &mut cache, done, |cache, tokens, last| {
-        let logits = generate::prefill_chunk(model, cache, tokens, shared.prefill_chunk(), last)?;
-        match last {
-            true => generate::queue_argmax(&logits),
-            false => Ok(logits),
-        }
-    })?;
-    let mut stream = GreedyStream::queued(model, cache, first);
+    let mut stream = seq.prefill_greedy(shared)?;
     // When the first token was read: the decode rate on this side of HTTP,
     // to set beside the client's figures.
     let mut first_read = None;
@@ -126,18 +113,15 @@ fn decode(shared: &Arc<SharedModel>, seq: &mut Sequence) -> anyhow::Result<End> 
         // we are about to hand over.
         let token =
             stream.next_token(hand_over.is_none() && seq.out.generated() + 1 < max_tokens)?;
-        seen.push(token);
         let since = *first_read.get_or_insert_with(Instant::now);
         let end = seq.accept_plain(token, false)?;
-        let read = seen.len() - seq.request().prompt.len();
+        let read = seq.out.generated();
         if end.is_some() && read > 1 {
             let tok_s = (read - 1) as f64 / since.elapsed().as_secs_f64();
             tracing::debug!(tokens = read, tok_s, "fast path decode");
         }
         if end.is_some() || hand_over.is_some() {
-            // Published before the final event: the chat's next turn,
-            // sent the moment this one ends, starts from it.
-            seq.publish(shared, &seen, stream.cache());
+            seq.publish_answer(shared, stream.cache());
         }
         if let Some(reason) = end {
             return Ok(End::Done(reason));
@@ -159,12 +143,9 @@ fn decode(shared: &Arc<SharedModel>, seq: &mut Sequence) -> anyhow::Result<End> 
 fn decode_constrained(shared: &Arc<SharedModel>, seq: &mut Sequence) -> anyhow::Result<End> {
     let model = &shared.model.model;
     let vocab = shared.model.vocab_size();
-    let (mut cache, done) = seq.cached_prefix(shared);
-    let mut logits = {
+    let (mut cache, mut logits) = {
         let _device = shared.lock_device();
-        seq.prefill(shared, &mut cache, done, |cache, tokens, last| {
-            generate::prefill_chunk(model, cache, tokens, shared.prefill_chunk(), last)
-        })?
+        seq.prefill_logits(shared)?
     };
     loop {
         let constraint = seq.constraint.as_mut().expect("a constrained request");

@@ -18,12 +18,8 @@ const MAX_CONCURRENT: usize = 8;
 const DRAFT_TOKENS: usize = 3;
 
 pub fn engine_from_context(ctx: EngineContext) -> Result<SpecEngine, String> {
-    let (shared, settings) = speculative::engine::from_context(
-        &ctx,
-        "mtp",
-        SpecSettings::defaults(MAX_CONCURRENT, None),
-    )?;
-    new_engine(ctx.name, shared, settings)
+    let defaults = SpecSettings::defaults(MAX_CONCURRENT, None);
+    speculative::engine::from_context(ctx, "mtp", defaults, new_engine)
 }
 
 pub fn new_engine(

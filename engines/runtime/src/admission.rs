@@ -8,6 +8,7 @@ use engine_core::{EngineError, GenerateRequest, Refusal};
 
 use crate::kv_pool::{KvPool, PoolError, Reservation};
 use crate::loader::LoadedModel;
+use crate::shared::SharedModel;
 
 pub fn check_request(req: &GenerateRequest, model: &LoadedModel) -> Result<(), EngineError> {
     let id = req.id;
@@ -91,14 +92,14 @@ pub fn reserve(
         .map_err(|e| pool_error(req, e))
 }
 
-/// The blocks `req` needs for `tokens` at the pool's own rate, for engines
-/// that queue until they are free; invalid when they could never be.
-pub fn blocks_that_fit(
-    pool: &KvPool,
-    req: &GenerateRequest,
-    tokens: usize,
-) -> Result<usize, EngineError> {
-    let blocks = pool.blocks_for(tokens);
+/// [`check_request`], then the KV blocks `req` needs for its prompt and
+/// `max_tokens` at the pool's own rate, for engines that queue a request
+/// until they are free ([`KvPool::reserve_waiting`]); invalid when they
+/// could never be.
+pub fn check_queued(req: &GenerateRequest, shared: &SharedModel) -> Result<usize, EngineError> {
+    check_request(req, &shared.model)?;
+    let pool = &shared.kv_pool;
+    let blocks = pool.blocks_for(req.prompt.len() + req.max_tokens as usize);
     pool.check_fits(blocks).map_err(|e| pool_error(req, e))?;
     Ok(blocks)
 }

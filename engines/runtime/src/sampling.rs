@@ -84,6 +84,13 @@ impl Sampler {
         self.adjust_after(logits, &[])
     }
 
+    /// The log-probabilities a token's logprobs are reported from (after
+    /// bias and penalties, before temperature and truncation), of one row
+    /// of logits, flat; read them with [`token_logprobs`].
+    pub fn logprobs(&self, logits: &Array) -> R<Array> {
+        log_softmax(&self.adjust(logits)?)?.reshape(&[-1])
+    }
+
     /// [`Sampler::adjust`] as it will be once `ahead` (tokens not yet
     /// [`Sampler::observe`]d, e.g. drafts under verification) are chosen.
     fn adjust_after(&self, logits: &Array, ahead: &[u32]) -> R<Array> {
@@ -279,6 +286,27 @@ pub fn log_softmax(logits: &Array) -> R<Array> {
     logits.subtract(ops::logsumexp_axis(logits, -1, true)?)
 }
 
+/// A token's log-probabilities as reported: `token`'s in `logprobs` (one
+/// row, evaluated, from [`Sampler::logprobs`]) and the `top` most likely
+/// tokens', most likely first.
+pub fn token_logprobs(logprobs: &[f32], token: u32, top: usize) -> (Option<f32>, Vec<(u32, f32)>) {
+    let chosen = logprobs.get(token as usize).copied();
+    let k = top.min(logprobs.len());
+    if k == 0 {
+        return (chosen, Vec::new());
+    }
+    let mut order: Vec<u32> = (0..logprobs.len() as u32).collect();
+    let descending = |a: &u32, b: &u32| logprobs[*b as usize].total_cmp(&logprobs[*a as usize]);
+    order.select_nth_unstable_by(k - 1, descending);
+    order.truncate(k);
+    order.sort_by(descending);
+    let best = order
+        .into_iter()
+        .map(|t| (t, logprobs[t as usize]))
+        .collect();
+    (chosen, best)
+}
+
 fn neg_inf() -> Array {
     Array::from_f32(f32::NEG_INFINITY)
 }
@@ -318,4 +346,24 @@ fn random_seed() -> u64 {
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(0);
     t ^ COUNTER.fetch_add(0x9E37_79B9_7F4A_7C15, std::sync::atomic::Ordering::Relaxed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::token_logprobs;
+
+    #[test]
+    fn a_tokens_logprobs_and_the_most_likely_first() {
+        let lp = [-2.0, -0.5, -3.0, -1.0, -0.75];
+        assert_eq!(
+            token_logprobs(&lp, 2, 3),
+            (Some(-3.0), vec![(1, -0.5), (4, -0.75), (3, -1.0)])
+        );
+        assert_eq!(token_logprobs(&lp, 0, 0), (Some(-2.0), vec![]));
+        assert_eq!(
+            token_logprobs(&lp, 9, 9).1.len(),
+            5,
+            "at most the vocabulary"
+        );
+    }
 }

@@ -12,9 +12,11 @@ use engine_core::event::EventSender;
 use engine_core::{FinishReason, GenerateRequest, SpecStats, StreamError, TokenEvent};
 use grammar::Constraint;
 use mlx_rs::transforms::eval;
+use mlx_rs::Array;
 
 use crate::cache::KvCache;
 use crate::emit::Emitter;
+use crate::generate::{self, GreedyStream};
 use crate::handover::{Handover, HandoverSink};
 use crate::kv_pool::Reservation;
 use crate::sampling::Sampler;
@@ -271,6 +273,68 @@ impl Sequence {
         let last = last.ok_or_else(|| anyhow::anyhow!("empty prompt"))?;
         self.publish(shared, &prompt, cache);
         Ok(last)
+    }
+
+    /// Its prompt prefilled after the prefix cache's longest hit (and kept
+    /// there) and its first token queued: the greedy stream to decode
+    /// from. The first token is queued before the prompt is published, so
+    /// the device computes it meanwhile. Under the device lock.
+    pub fn prefill_greedy<'m>(
+        &mut self,
+        shared: &'m SharedModel,
+    ) -> anyhow::Result<GreedyStream<'m>> {
+        let model = &shared.model.model;
+        let (mut cache, done) = self.cached_prefix(shared);
+        let first = self.prefill(shared, &mut cache, done, |cache, tokens, last| {
+            let logits =
+                generate::prefill_chunk(model, cache, tokens, shared.prefill_chunk(), last)?;
+            match last {
+                true => generate::queue_argmax(&logits),
+                false => Ok(logits),
+            }
+        })?;
+        Ok(GreedyStream::queued(model, cache, first))
+    }
+
+    /// Greedy decoding to its end: [`Sequence::prefill_greedy`], then each
+    /// token read and [`Sequence::accept`]ed, the step after it queued
+    /// first, `after_token` run after each that does not end it; the
+    /// prompt and the answer are kept in the prefix cache before the final
+    /// event ([`Sequence::publish_answer`]). Under the device lock.
+    pub fn decode_greedy(
+        &mut self,
+        shared: &SharedModel,
+        mut after_token: impl FnMut(),
+    ) -> anyhow::Result<FinishReason> {
+        let mut stream = self.prefill_greedy(shared)?;
+        loop {
+            let token = stream.next_token(self.tokens_left() > 1)?;
+            if let Some(reason) = self.accept_plain(token, false)? {
+                self.publish_answer(shared, stream.cache());
+                return Ok(reason);
+            }
+            after_token();
+        }
+    }
+
+    /// Its prompt prefilled after the prefix cache's longest hit (and kept
+    /// there): the cache and the prompt's last logits, for its sampler or
+    /// grammar to choose the first token from. Under the device lock.
+    pub fn prefill_logits(&mut self, shared: &SharedModel) -> anyhow::Result<(KvCache, Array)> {
+        let model = &shared.model.model;
+        let (mut cache, done) = self.cached_prefix(shared);
+        let logits = self.prefill(shared, &mut cache, done, |cache, tokens, last| {
+            generate::prefill_chunk(model, cache, tokens, shared.prefill_chunk(), last)
+        })?;
+        Ok((cache, logits))
+    }
+
+    /// Keeps its prompt and the answer delivered so far (as far as `cache`
+    /// holds them) in the prefix cache: the chat's next turn, sent the
+    /// moment this one ends, starts from it. Under the device lock.
+    pub fn publish_answer(&self, shared: &SharedModel, cache: &KvCache) {
+        let tokens = [self.request().prompt.as_slice(), self.out.delivered()].concat();
+        self.publish(shared, &tokens, cache);
     }
 
     /// Keeps `tokens` of it (whose KV `cache` holds from position 0) in

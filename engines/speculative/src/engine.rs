@@ -50,16 +50,17 @@ impl DraftPlan {
     }
 }
 
-/// What a speculative plugin's constructor reads from its context: the
-/// shared model and its section, parsed over `defaults`.
+/// A speculative plugin's constructor: `new_engine` over the shared model
+/// and the engine's section of the config, parsed over `defaults`.
 pub fn from_context(
-    ctx: &EngineContext,
+    ctx: EngineContext,
     kind: &str,
     defaults: SpecSettings,
-) -> Result<(Arc<SharedModel>, SpecSettings), String> {
-    let shared = SharedModel::from_context(ctx)?;
+    new_engine: fn(String, Arc<SharedModel>, SpecSettings) -> Result<SpecEngine, String>,
+) -> Result<SpecEngine, String> {
+    let shared = SharedModel::from_context(&ctx)?;
     let settings = SpecSettings::from_yaml(kind, &ctx.config, &ctx.config_dir, defaults)?;
-    Ok((shared, settings))
+    new_engine(ctx.name, shared, settings)
 }
 
 struct Job {

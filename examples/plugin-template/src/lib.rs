@@ -2,9 +2,11 @@
 //! point for third-party authors (docs/plugins.md). One plain greedy request
 //! at a time on its own thread, over the gateway's shared model: it reserves
 //! its KV blocks in the shared pool at submit (or refuses, so the router
-//! tries another engine), takes the shared device lock, and leaves every
-//! per-token rule (stop tokens, cancellation, `max_tokens`, usage counts,
-//! one final event after the blocks go back) to the runtime's `Sequence`.
+//! tries another engine), takes the shared device lock, and leaves the
+//! prefix cache (a repeated prompt's longest kept prefix is not computed
+//! again) and every per-token rule (stop tokens, cancellation,
+//! `max_tokens`, usage counts, one final event after the blocks go back)
+//! to the runtime's `Sequence`.
 //!
 //! ```yaml
 //! plugins: [path/to/libengine_template.so]
@@ -15,10 +17,9 @@
 use std::sync::Arc;
 
 use engine_core::{
-    Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventSender, FinishReason,
-    GenerateRequest, RequestId, StreamError,
+    Capabilities, Engine, EngineContext, EngineError, EngineLoad, EventSender, GenerateRequest,
+    RequestId, StreamError,
 };
-use runtime::generate::GreedyStream;
 use runtime::sequence::Sequence;
 use runtime::worker::{self, Worker};
 use runtime::{Reservation, SharedModel};
@@ -73,28 +74,16 @@ fn serve(shared: &SharedModel, job: Job) {
     let Some(mut seq) = Sequence::start_on(shared, request, events, reservation) else {
         return;
     };
+    // Greedy decoding from the prefix cache's longest hit, each step
+    // queued before the previous token is read; the sequence decides when
+    // it ends and keeps its prompt and answer for the next turn.
     let decoded = {
         let _device = shared.lock_device();
-        decode(shared, &mut seq)
+        seq.decode_greedy(shared, || {})
     };
     match decoded {
         Ok(reason) => seq.finish(reason, None),
         Err(e) => seq.fail(StreamError::Internal(format!("generation failed: {e}"))),
-    }
-}
-
-/// Greedy decoding, each step queued before the previous token is read;
-/// the sequence decides when it ends.
-fn decode(shared: &SharedModel, seq: &mut Sequence) -> runtime::Result<FinishReason> {
-    let model = &shared.model.model;
-    let cache = shared.new_cache(vec![0]);
-    let prompt = &seq.request().prompt;
-    let mut stream = GreedyStream::resume(model, cache, prompt, shared.prefill_chunk())?;
-    loop {
-        let token = stream.next_token(seq.tokens_left() > 1)?;
-        if let Some(reason) = seq.accept_plain(token, false)? {
-            return Ok(reason);
-        }
     }
 }
 

@@ -60,29 +60,17 @@ impl ReferenceEngine {
         })
     }
 
-    fn admit(&self, req: &GenerateRequest) -> Result<(), EngineError> {
+    /// The KV blocks `req` will wait for, once the runtime's checks pass and
+    /// a place in the queue is taken.
+    fn admit(&self, req: &GenerateRequest) -> Result<usize, EngineError> {
         if !self.worker.is_alive() {
             return Err(EngineError::ShuttingDown);
         }
-        if req.prompt.is_empty() {
-            return Err(EngineError::Invalid("the prompt is empty".into()));
-        }
-        let window = self.shared.model.context_window();
-        let total = req.prompt.len() + req.max_tokens as usize;
-        if total > window {
-            return Err(EngineError::Invalid(format!(
-                "prompt ({} tokens) plus max_tokens ({}) exceeds the context window of {window} tokens",
-                req.prompt.len(),
-                req.max_tokens
-            )));
-        }
-        let pool = &self.shared.kv_pool;
-        pool.check_fits(pool.blocks_for(total))
-            .map_err(|e| EngineError::Invalid(e.to_string()))?;
-        if self.state.queued.load(Ordering::Acquire) >= self.options.max_queue {
+        let blocks = runtime::admission::check_queued(req, &self.shared)?;
+        if !runtime::admission::take_slot(&self.state.queued, self.options.max_queue) {
             return Err(EngineError::Overloaded("the engine's queue is full".into()));
         }
-        Ok(())
+        Ok(blocks)
     }
 }
 
@@ -110,9 +98,13 @@ impl Engine for ReferenceEngine {
             }
             _ => {}
         }
-        self.admit(&req)?;
-        self.state.queued.fetch_add(1, Ordering::AcqRel);
-        self.worker.send(Job { req, events: tx }).inspect_err(|_| {
+        let blocks = self.admit(&req)?;
+        let job = Job {
+            req,
+            blocks,
+            events: tx,
+        };
+        self.worker.send(job).inspect_err(|_| {
             self.state.queued.fetch_sub(1, Ordering::AcqRel);
         })
     }

@@ -1,9 +1,11 @@
 //! `engine-reference`: a small, real engine plugin. It serves one request at
-//! a time on its own thread over the host's shared model: plain greedy
-//! requests through `runtime::generate::greedy`, everything else (sampling,
-//! penalties, logit bias, logprobs) through `runtime::sampling::Sampler` and
-//! `Model::forward`. It reserves KV blocks in the shared pool for
-//! prompt + max_tokens while a request runs and honours cancellation.
+//! a time on its own thread over the host's shared model, each through the
+//! runtime's `Sequence` from the shared prefix cache's longest hit: plain
+//! greedy requests on a pipelined `runtime::generate::GreedyStream`,
+//! everything else (sampling, penalties, logit bias, logprobs) through the
+//! sequence's sampler and `Model::forward`. It reserves KV blocks in the
+//! shared pool for prompt + max_tokens while a request runs and honours
+//! cancellation.
 //!
 //! It is built outside the gateway's default engine set and loaded by path
 //! (`plugins:` in config.yaml), which is what the end-to-end tests exercise.

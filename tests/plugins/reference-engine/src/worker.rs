@@ -1,6 +1,7 @@
-//! The worker thread: one request at a time, start to finish, each token
-//! through the runtime's `Sequence` (stop tokens, cancellation,
-//! `max_tokens`, the final event after the KV blocks go back).
+//! The worker thread: one request at a time, start to finish, through the
+//! runtime's `Sequence`: its prompt from the prefix cache's longest hit,
+//! each token under its rules (stop tokens, cancellation, `max_tokens`,
+//! the final event after the KV blocks go back).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -9,10 +10,10 @@ use std::time::Duration;
 use engine_core::event::EventSender;
 use engine_core::{Event, FinishReason, GenerateRequest, StreamError, TokenEvent};
 use mlx_rs::transforms::eval;
-use mlx_rs::{Array, Dtype};
-use runtime::generate::{self, GreedyStream};
+use mlx_rs::Dtype;
+use runtime::generate;
 use runtime::model::Logits;
-use runtime::sampling::log_softmax;
+use runtime::sampling;
 use runtime::sequence::Sequence;
 use runtime::worker::{self, Cancels};
 use runtime::{Reservation, SharedModel};
@@ -22,6 +23,8 @@ use crate::options::{Fault, Options};
 
 pub struct Job {
     pub req: GenerateRequest,
+    /// KV blocks for its prompt and `max_tokens`.
+    pub blocks: usize,
     pub events: EventSender,
 }
 
@@ -76,8 +79,12 @@ fn serve(
     options: &Options,
     fault: Option<Fault>,
 ) {
-    let Job { req, events } = job;
-    let Some(reservation) = reserve(shared, &req, &events) else {
+    let Job {
+        req,
+        blocks,
+        events,
+    } = job;
+    let Some(reservation) = reserve(shared, &req, blocks, &events) else {
         let mut cancelled = runtime::emit::Emitter::new(req, events);
         cancelled.finish(FinishReason::Cancelled, None);
         return;
@@ -108,7 +115,8 @@ fn serve(
     seq.hold(BlocksHeld(state.clone()));
     let pause = Duration::from_millis(options.token_delay_ms);
     let result = if seq.request().is_plain_greedy() {
-        run_greedy(shared, &mut seq, pause)
+        let _device = shared.lock_device();
+        seq.decode_greedy(shared, || std::thread::sleep(pause))
     } else {
         run_sampled(shared, &mut seq, pause)
     };
@@ -121,43 +129,22 @@ fn serve(
     }
 }
 
-/// Waits for room in the shared pool (woken by every release and by the
-/// worker at a cancellation); `None` when the request was cancelled (or
-/// its client left) while waiting.
+/// Waits for `blocks` of the shared pool (woken by every release and by
+/// the worker at a cancellation); `None` when the request was cancelled
+/// (or its client left) while waiting.
 fn reserve(
     shared: &SharedModel,
     req: &GenerateRequest,
+    blocks: usize,
     events: &EventSender,
 ) -> Option<Reservation> {
-    let pool = &shared.kv_pool;
-    let blocks = pool.blocks_for(req.prompt.len() + req.max_tokens as usize);
     let stop = || req.cancel.is_cancelled() || events.is_closed();
     // Checked at admission; the pool does not shrink.
-    pool.reserve_waiting(blocks, stop).ok().flatten()
-}
-
-/// Greedy decoding, each step queued before the previous token is read.
-fn run_greedy(
-    shared: &SharedModel,
-    seq: &mut Sequence,
-    pause: Duration,
-) -> runtime::Result<FinishReason> {
-    let _device = shared.lock_device();
-    let model = &shared.model.model;
-    let cache = shared.new_cache(vec![0]);
-    let prompt = &seq.request().prompt;
-    let mut stream = GreedyStream::resume(model, cache, prompt, generate::DEFAULT_PREFILL_CHUNK)?;
-    loop {
-        let token = stream.next_token(seq.tokens_left() > 1)?;
-        if let Some(reason) = seq.accept_plain(token, false)? {
-            return Ok(reason);
-        }
-        std::thread::sleep(pause);
-    }
+    shared.kv_pool.reserve_waiting(blocks, stop).ok().flatten()
 }
 
 /// Sampling (penalties, logit bias, logprobs) through the sequence's
-/// sampler, one step at a time.
+/// sampler, one step at a time, from the prefix cache's longest hit.
 fn run_sampled(
     shared: &SharedModel,
     seq: &mut Sequence,
@@ -165,11 +152,9 @@ fn run_sampled(
 ) -> runtime::Result<FinishReason> {
     let model = &shared.model.model;
     let vocab = model.config.vocab_size;
-    let mut cache = shared.new_cache(vec![0]);
-    let mut logits = {
+    let (mut cache, mut logits) = {
         let _device = shared.lock_device();
-        let prompt = &seq.request().prompt;
-        generate::prefill(model, &mut cache, prompt, generate::DEFAULT_PREFILL_CHUNK)?
+        seq.prefill_logits(shared)?
     };
     let (logprobs, top) = {
         let s = &seq.request().sampling;
@@ -180,13 +165,13 @@ fn run_sampled(
         let row = logits.reshape(&[1, vocab])?;
         let chosen = seq.sampler.sample(&row)?.as_dtype(Dtype::Int32)?;
         let lp = match logprobs {
-            true => Some(log_softmax(&seq.sampler.adjust(&row)?)?),
+            true => Some(seq.sampler.logprobs(&row)?),
             false => None,
         };
-        eval([&chosen])?;
+        eval(lp.iter().chain([&chosen]))?;
         let id = chosen.item_exact::<i32>() as u32;
         let (logprob, top_logprobs) = match lp {
-            Some(lp) => token_logprobs(&lp, id, top)?,
+            Some(lp) => sampling::token_logprobs(lp.as_slice::<f32>(), id, top),
             None => (None, Vec::new()),
         };
         let token = TokenEvent {
@@ -195,33 +180,10 @@ fn run_sampled(
             top_logprobs,
         };
         if let Some(reason) = seq.accept(token, false)? {
+            seq.publish_answer(shared, &cache);
             return Ok(reason);
         }
         std::thread::sleep(pause);
         logits = model.forward(&generate::tokens_array(&[id]), &mut cache, Logits::Last)?;
     }
-}
-
-/// A token's log-probability and the most likely alternatives.
-type TokenLogprobs = (Option<f32>, Vec<(u32, f32)>);
-
-/// The chosen token's log-probability and the `top` most likely tokens.
-fn token_logprobs(
-    logprobs: &Array,
-    id: u32,
-    top: usize,
-) -> Result<TokenLogprobs, mlx_rs::error::Exception> {
-    eval([logprobs])?;
-    let all: &[f32] = logprobs.as_slice::<f32>();
-    let chosen = all.get(id as usize).copied();
-    let mut best: Vec<(u32, f32)> = Vec::new();
-    if top > 0 {
-        let mut order: Vec<u32> = (0..all.len() as u32).collect();
-        let k = top.min(order.len());
-        order.select_nth_unstable_by(k - 1, |a, b| all[*b as usize].total_cmp(&all[*a as usize]));
-        order.truncate(k);
-        order.sort_by(|a, b| all[*b as usize].total_cmp(&all[*a as usize]));
-        best = order.into_iter().map(|t| (t, all[t as usize])).collect();
-    }
-    Ok((chosen, best))
 }
