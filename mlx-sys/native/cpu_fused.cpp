@@ -18,15 +18,12 @@
 // attention over the cache (below). Only float32: the CPU computes in
 // float32 (`compute_dtype: auto`); the caller keeps MLX's ops for others.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <sched.h>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -271,9 +268,11 @@ class CpuGated : public UnaryPrimitive {
 // and their broadcasts and views: about 12 nodes a layer, on one thread).
 // Each (row, head, block of queries) is one item: a query's scores over
 // its keys (lower-right causal and/or a boolean mask), their softmax in
-// float32, and the values' weighted sum. Items are spread over threads
-// when the work pays for starting them (a prefill chunk); a decode step's
-// few items run on the stream's thread.
+// float32, and the values' weighted sum. Items go to the product kernel's
+// pool (the stream's thread and the pool's workers) from a few
+// microseconds of work: a decode step's heads from a few dozen positions
+// of context, a prefill chunk's blocks; each item's math is the same
+// whichever thread runs it.
 
 // The packed product kernel's path (0 scalar, 1 AVX2+FMA, 2 AVX-512),
 // which `GATEWAY_CPU_KERNEL` caps for both (native/packed_matmul.cpp).
@@ -385,40 +384,48 @@ void attend(const Attention& a, int b, int h, int q0, int q1, bool simd) {
   }
 }
 
-extern "C" int mlx_sys_cpu_threads(void);  // packed_matmul.cpp
+// The product kernel's pool (packed_matmul.cpp), whose workers wait hot
+// between a step's nodes.
+extern "C" void mlx_sys_cpu_parallel(int64_t n, int64_t chunk,
+                                     void (*task)(void*, int64_t, int64_t), void* context);
 
-// Query-score products (times the head width) from which a call starts
-// threads: about a millisecond of work on one core, against tens of
-// microseconds to start one.
-constexpr int64_t THREADED_WORK = int64_t(1) << 22;
+// Query-score products (times the head width) from which a call hands its
+// items to the pool: a few microseconds of work, where handing over costs
+// about one. A decode step's heads take it from a few dozen positions on.
+constexpr int64_t THREADED_WORK = int64_t(1) << 15;
 
 // Queries per item, so a prefill chunk splits over threads finely enough.
 constexpr int QUERY_BLOCK = 16;
 
-void attention(const Attention& a, bool simd) {
-  const int blocks = (a.n + QUERY_BLOCK - 1) / QUERY_BLOCK;
-  const int64_t items = int64_t(a.B) * a.H * blocks;
-  auto run = [&](int64_t item) {
+struct AttentionCall {
+  const Attention& a;
+  bool simd;
+  int blocks;
+  int64_t items;
+
+  // Item i counted from the last: the causal mask makes a block's work
+  // grow with its index, and taking the largest first evens the threads'
+  // shares.
+  void run(int64_t i) const {
+    const int64_t item = items - 1 - i;
     const int blk = int(item % blocks);
     const int h = int(item / blocks % a.H), b = int(item / blocks / a.H);
     attend(a, b, h, blk * QUERY_BLOCK, std::min(a.n, (blk + 1) * QUERY_BLOCK), simd);
-  };
+  }
+};
+
+void attention(const Attention& a, bool simd) {
+  const int blocks = (a.n + QUERY_BLOCK - 1) / QUERY_BLOCK;
+  const AttentionCall call{a, simd, blocks, int64_t(a.B) * a.H * blocks};
   const int64_t work = int64_t(a.B) * a.H * a.n * a.T * (a.D + a.Dv);
-  const int threads = int(std::min<int64_t>(mlx_sys_cpu_threads(), items));
-  if (threads <= 1 || work < THREADED_WORK) {
-    for (int64_t i = 0; i < items; ++i) run(i);
+  if (work < THREADED_WORK) {
+    for (int64_t i = 0; i < call.items; ++i) call.run(i);
     return;
   }
-  // Items in reverse: the causal mask makes a block's work grow with its
-  // index, and taking the largest first evens the threads' shares.
-  std::atomic<int64_t> next{0};
-  auto worker = [&] {
-    for (int64_t i; (i = next.fetch_add(1)) < items;) run(items - 1 - i);
-  };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (auto& t : pool) t.join();
+  // One item a claim: a decode step has as few as one per head.
+  mlx_sys_cpu_parallel(call.items, 1, [](void* c, int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) static_cast<const AttentionCall*>(c)->run(i);
+  }, const_cast<AttentionCall*>(&call));
 }
 
 class CpuAttention : public UnaryPrimitive {

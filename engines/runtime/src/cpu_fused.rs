@@ -204,8 +204,10 @@ pub fn takes_attention(q: &Array, k: &Array, v: &Array, seen: &KeysSeen) -> bool
 }
 
 /// `fast::scaled_dot_product_attention(q, k, v, scale, mask)`, one node,
-/// threads over heads for a prefill chunk; `kernel` names the path (`None`:
-/// the one `GATEWAY_CPU_KERNEL` leaves). Only where [`takes_attention`].
+/// on the product kernel's threads where the work pays for it (a decode
+/// step's heads past a few dozen positions, a prefill chunk); `kernel`
+/// names the path (`None`: the one `GATEWAY_CPU_KERNEL` leaves). Only
+/// where [`takes_attention`].
 pub fn attention(
     q: &Array,
     k: &Array,
