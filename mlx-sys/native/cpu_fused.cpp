@@ -629,6 +629,17 @@ void need_float32(const array& a, const char* what) {
   if (a.dtype() != float32) throw std::invalid_argument(std::string(what) + " must be float32");
 }
 
+// A rotation's inputs: `dims` of D features turned, at one offset or one
+// per row of B, by `inv_freqs` [dims / 2] (float32).
+void check_rotation(const array& offset, const array& inv_freqs, int dims, int D, int B) {
+  need_float32(inv_freqs, "inv_freqs");
+  if (dims <= 0 || dims % 2 || dims > D) throw std::invalid_argument("dims must be even and at most D");
+  if (offset.size() != 1 && offset.size() != size_t(B))
+    throw std::invalid_argument("one offset, or one per row");
+  if (inv_freqs.ndim() != 1 || inv_freqs.shape(0) != dims / 2)
+    throw std::invalid_argument("inv_freqs must be [dims / 2]");
+}
+
 int fail(const std::exception& e, char* err, size_t err_len) {
   if (err && err_len) {
     std::strncpy(err, e.what(), err_len - 1);
@@ -653,14 +664,8 @@ int mlx_sys_cpu_rope(mlx_array* res, const mlx_array x, const mlx_array offset,
     array o = astype(mlx_array_get_(offset), int32, st);
     array f = mlx_array_get_(inv_freqs);
     need_float32(a, "x");
-    need_float32(f, "inv_freqs");
     if (a.ndim() != 4) throw std::invalid_argument("x must be [B, N, T, D]");
-    if (dims <= 0 || dims % 2 || dims > a.shape(3))
-      throw std::invalid_argument("dims must be even and at most D");
-    if (o.size() != 1 && o.size() != size_t(a.shape(0)))
-      throw std::invalid_argument("one offset, or one per row");
-    if (f.ndim() != 1 || f.shape(0) != dims / 2)
-      throw std::invalid_argument("inv_freqs must be [dims / 2]");
+    check_rotation(o, f, dims, a.shape(3), a.shape(0));
     mlx_array_set_(*res, array(a.shape(), float32, std::make_shared<CpuRope>(st, dims, scale),
                                {a, o, f}));
     return 0;
@@ -801,15 +806,12 @@ int mlx_sys_cpu_heads(mlx_array* q, mlx_array* k, mlx_array* v, const mlx_array 
     array o = astype(mlx_array_get_(offset), int32, st);
     array f = mlx_array_get_(inv_freqs);
     need_float32(x, "qkv");
-    need_float32(f, "inv_freqs");
     if (B < 1 || L < 1 || H < 1 || KH < 1) throw std::invalid_argument("rows and heads must be positive");
     const int64_t width = x.ndim() ? x.shape(-1) : 0;
     if (width % (H + 2 * KH) || int64_t(x.size()) != int64_t(B) * L * width)
       throw std::invalid_argument("qkv must be B * L rows of (H + 2 KH) * D");
     const int D = int(width / (H + 2 * KH));
-    if (dims <= 0 || dims % 2 || dims > D) throw std::invalid_argument("dims must be even and at most D");
-    if (o.size() != 1 && o.size() != size_t(B)) throw std::invalid_argument("one offset, or one per row");
-    if (f.ndim() != 1 || f.shape(0) != dims / 2) throw std::invalid_argument("inv_freqs must be [dims / 2]");
+    check_rotation(o, f, dims, D, B);
     std::vector<array> inputs{x, o, f};
     if (has_norms) {
       for (const mlx_array& n : {q_norm, k_norm}) {

@@ -112,11 +112,7 @@ pub fn rope(
 /// Whether [`heads`] takes a layer of `spec` over activations of `dtype`:
 /// float32 on the CPU (its norms' weights too).
 pub fn takes_heads(dtype: Dtype, spec: &crate::gpu_fused::HeadsSpec) -> bool {
-    enabled()
-        && dtype == Dtype::Float32
-        && spec
-            .norms
-            .is_none_or(|(qw, kw, _)| qw.dtype() == dtype && kw.dtype() == dtype)
+    enabled() && dtype == Dtype::Float32 && spec.norms_of(dtype)
 }
 
 /// q `[B, heads, L, D]`, k and v `[B, kv_heads, L, D]` from the stacked
