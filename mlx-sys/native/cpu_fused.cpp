@@ -1,4 +1,5 @@
-// RoPE, RMSNorm, gated activations and attention as single nodes of the MLX graph on the CPU.
+// RoPE, RMSNorm, heads, gated activations and attention as single nodes of the MLX graph on
+// the CPU.
 //
 // MLX's CPU backend has no kernels of its own for `fast::rope`,
 // `fast::rms_norm` and `fast::scaled_dot_product_attention`: they run as
@@ -11,19 +12,18 @@
 // non-traditional layout) with the inverse frequencies the caller made
 // with MLX's own ops (so the angles are the fallback's to the bit),
 // RMSNorm over the last axis (optional weight; also after a residual
-// add, both outputs of one node), the gated activation of
-// the stacked gate/up product, attention over the cache (below). Only float32: the CPU computes in float32 (`compute_dtype:
-// auto`); the caller keeps MLX's ops for others.
+// add, both outputs of one node), an attention layer's heads from its
+// stacked q/k/v product (split, q and k normed and rotated: three outputs
+// of one node), the gated activation of the stacked gate/up product,
+// attention over the cache (below). Only float32: the CPU computes in
+// float32 (`compute_dtype: auto`); the caller keeps MLX's ops for others.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <sched.h>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -83,6 +83,57 @@ void run_on_encoder(Stream s, const std::vector<array>& inputs, array& out, Body
                     body = std::move(body)]() mutable { body(weak, out); });
 }
 
+// cos and sin of each rotated pair's angle at one position: `pos *
+// inv[i]`, `pos` the token's index plus its row's offset, times the scale.
+struct Angles {
+  std::vector<float> inv, cs, sn;
+
+  Angles(const array& inv_freqs, int half) : inv(half), cs(half), sn(half) {
+    const float* f = inv_freqs.data<float>();
+    for (int i = 0; i < half; ++i) inv[i] = f[i * inv_freqs.strides()[0]];
+  }
+
+  void at(int t, int offset, float scale) {
+    const float pos = (float(t) + float(offset)) * scale;
+    for (size_t i = 0; i < inv.size(); ++i) {
+      const float theta = pos * inv[i];
+      cs[i] = std::cos(theta);
+      sn[i] = std::sin(theta);
+    }
+  }
+
+  // One head's D features (stride `sd`) rotated into `y`: the first
+  // `2 * half` as pairs (i, i + half), the rest copied.
+  void rotate(const float* row, int64_t sd, float* y, int D) const {
+    const int half = int(inv.size());
+    for (int i = 0; i < half; ++i) {
+      const float x1 = row[i * sd], x2 = row[(i + half) * sd];
+      y[i] = x1 * cs[i] - x2 * sn[i];
+      y[i + half] = x1 * sn[i] + x2 * cs[i];
+    }
+    for (int i = 2 * half; i < D; ++i) y[i] = row[i * sd];
+  }
+};
+
+// Row `r`'s offset: one for every row, or one per row.
+inline int row_position(const array& offset, int r) {
+  return offset.data<int>()[offset.size() > 1 ? r * offset.strides()[0] : 0];
+}
+
+// RMSNorm of D features (stride `sd`) into `y`, times `w` (stride `ws`)
+// when given.
+inline void norm_row(const float* row, int64_t sd, const float* w, int64_t ws, float eps, float* y,
+                     int D) {
+  float sum = 0.0f;
+  for (int i = 0; i < D; ++i) sum += row[i * sd] * row[i * sd];
+  const float norm = 1.0f / std::sqrt(sum / float(D) + eps);
+  if (w) {
+    for (int i = 0; i < D; ++i) y[i] = (row[i * sd] * norm) * w[i * ws];
+  } else {
+    for (int i = 0; i < D; ++i) y[i] = row[i * sd] * norm;
+  }
+}
+
 class CpuRope : public UnaryPrimitive {
  public:
   CpuRope(Stream s, int dims, float scale) : UnaryPrimitive(s), dims_(dims), scale_(scale) {}
@@ -91,37 +142,18 @@ class CpuRope : public UnaryPrimitive {
     run_on_encoder(stream(), inputs, out, [dims = dims_, scale = scale_](
                                               const std::vector<array>& weak, array& out) {
       const array& x = weak[0];
-      const array& offset = weak[1];
       const int B = x.shape(0), N = x.shape(1), T = x.shape(2), D = x.shape(3);
-      const int half = dims / 2;
-      std::vector<float> inv(half);
-      const float* f = weak[2].data<float>();
-      for (int i = 0; i < half; ++i) inv[i] = f[i * weak[2].strides()[0]];
-      const int* off = offset.data<int>();
-      const bool per_row = offset.size() > 1;
+      Angles angles(weak[2], dims / 2);
       const float* src = x.data<float>();
       const int64_t sd = x.strides()[3];
       float* dst = out.data<float>();
-      std::vector<float> cs(half), sn(half);
       for (int b = 0; b < B; ++b) {
-        const int o = off[per_row ? b * offset.strides()[0] : 0];
+        const int o = row_position(weak[1], b);
         for (int t = 0; t < T; ++t) {
-          const float pos = (float(t) + float(o)) * scale;
-          for (int i = 0; i < half; ++i) {
-            const float theta = pos * inv[i];
-            cs[i] = std::cos(theta);
-            sn[i] = std::sin(theta);
-          }
-          for (int n = 0; n < N; ++n) {
-            const float* row = src + strided4(x, b, n, t);
-            float* y = dst + ((int64_t(b) * N + n) * T + t) * D;
-            for (int i = 0; i < half; ++i) {
-              const float x1 = row[i * sd], x2 = row[(i + half) * sd];
-              y[i] = x1 * cs[i] - x2 * sn[i];
-              y[i + half] = x1 * sn[i] + x2 * cs[i];
-            }
-            for (int i = dims; i < D; ++i) y[i] = row[i * sd];
-          }
+          angles.at(t, o, scale);
+          for (int n = 0; n < N; ++n)
+            angles.rotate(src + strided4(x, b, n, t), sd,
+                          dst + ((int64_t(b) * N + n) * T + t) * D, D);
         }
       }
     });
@@ -160,18 +192,7 @@ class CpuRmsNorm : public UnaryPrimitive {
       const float* w = has_weight ? weak[1].data<float>() : nullptr;
       const int64_t ws = has_weight ? weak[1].strides()[0] : 0;
       float* dst = out.data<float>();
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* row = src + row_offset(x, r);
-        float* y = dst + r * D;
-        float sum = 0.0f;
-        for (int i = 0; i < D; ++i) sum += row[i * sd] * row[i * sd];
-        const float norm = 1.0f / std::sqrt(sum / float(D) + eps);
-        if (w) {
-          for (int i = 0; i < D; ++i) y[i] = (row[i * sd] * norm) * w[i * ws];
-        } else {
-          for (int i = 0; i < D; ++i) y[i] = row[i * sd] * norm;
-        }
-      }
+      for (int64_t r = 0; r < rows; ++r) norm_row(src + row_offset(x, r), sd, w, ws, eps, dst + r * D, D);
     });
   }
 
@@ -247,9 +268,11 @@ class CpuGated : public UnaryPrimitive {
 // and their broadcasts and views: about 12 nodes a layer, on one thread).
 // Each (row, head, block of queries) is one item: a query's scores over
 // its keys (lower-right causal and/or a boolean mask), their softmax in
-// float32, and the values' weighted sum. Items are spread over threads
-// when the work pays for starting them (a prefill chunk); a decode step's
-// few items run on the stream's thread.
+// float32, and the values' weighted sum. Items go to the product kernel's
+// pool (the stream's thread and the pool's workers) from a few
+// microseconds of work: a decode step's heads from a few dozen positions
+// of context, a prefill chunk's blocks; each item's math is the same
+// whichever thread runs it.
 
 // The packed product kernel's path (0 scalar, 1 AVX2+FMA, 2 AVX-512),
 // which `GATEWAY_CPU_KERNEL` caps for both (native/packed_matmul.cpp).
@@ -361,40 +384,48 @@ void attend(const Attention& a, int b, int h, int q0, int q1, bool simd) {
   }
 }
 
-extern "C" int mlx_sys_cpu_threads(void);  // packed_matmul.cpp
+// The product kernel's pool (packed_matmul.cpp), whose workers wait hot
+// between a step's nodes.
+extern "C" void mlx_sys_cpu_parallel(int64_t n, int64_t chunk,
+                                     void (*task)(void*, int64_t, int64_t), void* context);
 
-// Query-score products (times the head width) from which a call starts
-// threads: about a millisecond of work on one core, against tens of
-// microseconds to start one.
-constexpr int64_t THREADED_WORK = int64_t(1) << 22;
+// Query-score products (times the head width) from which a call hands its
+// items to the pool: a few microseconds of work, where handing over costs
+// about one. A decode step's heads take it from a few dozen positions on.
+constexpr int64_t THREADED_WORK = int64_t(1) << 15;
 
 // Queries per item, so a prefill chunk splits over threads finely enough.
 constexpr int QUERY_BLOCK = 16;
 
-void attention(const Attention& a, bool simd) {
-  const int blocks = (a.n + QUERY_BLOCK - 1) / QUERY_BLOCK;
-  const int64_t items = int64_t(a.B) * a.H * blocks;
-  auto run = [&](int64_t item) {
+struct AttentionCall {
+  const Attention& a;
+  bool simd;
+  int blocks;
+  int64_t items;
+
+  // Item i counted from the last: the causal mask makes a block's work
+  // grow with its index, and taking the largest first evens the threads'
+  // shares.
+  void run(int64_t i) const {
+    const int64_t item = items - 1 - i;
     const int blk = int(item % blocks);
     const int h = int(item / blocks % a.H), b = int(item / blocks / a.H);
     attend(a, b, h, blk * QUERY_BLOCK, std::min(a.n, (blk + 1) * QUERY_BLOCK), simd);
-  };
+  }
+};
+
+void attention(const Attention& a, bool simd) {
+  const int blocks = (a.n + QUERY_BLOCK - 1) / QUERY_BLOCK;
+  const AttentionCall call{a, simd, blocks, int64_t(a.B) * a.H * blocks};
   const int64_t work = int64_t(a.B) * a.H * a.n * a.T * (a.D + a.Dv);
-  const int threads = int(std::min<int64_t>(mlx_sys_cpu_threads(), items));
-  if (threads <= 1 || work < THREADED_WORK) {
-    for (int64_t i = 0; i < items; ++i) run(i);
+  if (work < THREADED_WORK) {
+    for (int64_t i = 0; i < call.items; ++i) call.run(i);
     return;
   }
-  // Items in reverse: the causal mask makes a block's work grow with its
-  // index, and taking the largest first evens the threads' shares.
-  std::atomic<int64_t> next{0};
-  auto worker = [&] {
-    for (int64_t i; (i = next.fetch_add(1)) < items;) run(items - 1 - i);
-  };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (auto& t : pool) t.join();
+  // One item a claim: a decode step has as few as one per head.
+  mlx_sys_cpu_parallel(call.items, 1, [](void* c, int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) static_cast<const AttentionCall*>(c)->run(i);
+  }, const_cast<AttentionCall*>(&call));
 }
 
 class CpuAttention : public UnaryPrimitive {
@@ -488,14 +519,8 @@ class CpuAddRmsNorm : public Primitive {
         const float* xr = xp + row_offset(x, row);
         const float* rr = rp + row_offset(r, row);
         float* hr = hp + row * D;
-        float sum = 0.0f;
-        for (int i = 0; i < D; ++i) {
-          hr[i] = xr[i * xs] + rr[i * rs];
-          sum += hr[i] * hr[i];
-        }
-        const float norm = 1.0f / std::sqrt(sum / float(D) + eps);
-        float* yr = yp + row * D;
-        for (int i = 0; i < D; ++i) yr[i] = (hr[i] * norm) * wp[i * ws];
+        for (int i = 0; i < D; ++i) hr[i] = xr[i * xs] + rr[i * rs];
+        norm_row(hr, 1, wp, ws, eps, yp + row * D, D);
       }
     });
   }
@@ -515,8 +540,104 @@ class CpuAddRmsNorm : public Primitive {
   float eps_;
 };
 
+// An attention layer's heads from its stacked q/k/v product, one node with
+// three outputs: q [B, H, L, D], k and v [B, KH, L, D] from the product's
+// B * L rows of (H + 2 KH) * D features, q and k normed (when the layer
+// has q/k norms) and rotated at their rows' positions. The unfused chain
+// is three slices, three reshapes (and transposes), two norms and two
+// RoPEs a layer; the same float32 math (`norm_row`, `Angles`), and each
+// position's angles made once for q and k.
+class CpuHeads : public Primitive {
+ public:
+  CpuHeads(Stream s, int B, int L, int H, int KH, int dims, float scale, float eps, bool norms)
+      : Primitive(s), B_(B), L_(L), H_(H), KH_(KH), dims_(dims), scale_(scale), eps_(eps),
+        norms_(norms) {}
+
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
+    for (auto& o : outputs) o.set_data(allocator::malloc(o.nbytes()));
+    auto& encoder = cpu::get_command_encoder(stream());
+    for (auto& in : inputs) encoder.set_input_array(in);
+    for (auto& o : outputs) encoder.set_output_array(o);
+    std::vector<array> weak;
+    for (auto& in : inputs) weak.push_back(array::unsafe_weak_copy(in));
+    for (auto& o : outputs) weak.push_back(array::unsafe_weak_copy(o));
+    encoder.dispatch([weak = std::move(weak), B = B_, L = L_, H = H_, KH = KH_, dims = dims_,
+                      scale = scale_, eps = eps_, norms = norms_]() mutable {
+      const array& qkv = weak[0];
+      const int D = qkv.shape(-1) / (H + 2 * KH);
+      const int64_t sd = qkv.strides().back();
+      const float* src = qkv.data<float>();
+      const float *qw = nullptr, *kw = nullptr;
+      int64_t qws = 0, kws = 0;
+      if (norms) {
+        qw = weak[3].data<float>();
+        qws = weak[3].strides()[0];
+        kw = weak[4].data<float>();
+        kws = weak[4].strides()[0];
+      }
+      const size_t first_out = norms ? 5 : 3;
+      float* q = weak[first_out].data<float>();
+      float* k = weak[first_out + 1].data<float>();
+      float* v = weak[first_out + 2].data<float>();
+      Angles angles(weak[2], dims / 2);
+      std::vector<float> normed(D);
+      // One head of row (b, t): normed when `w`, then rotated into `y`.
+      auto head = [&](const float* row, const float* w, int64_t ws, float* y) {
+        if (!w) return angles.rotate(row, sd, y, D);
+        norm_row(row, sd, w, ws, eps, normed.data(), D);
+        angles.rotate(normed.data(), 1, y, D);
+      };
+      for (int b = 0; b < B; ++b) {
+        const int o = row_position(weak[1], b);
+        for (int t = 0; t < L; ++t) {
+          const float* row = src + row_offset(qkv, int64_t(b) * L + t);
+          angles.at(t, o, scale);
+          for (int n = 0; n < H; ++n)
+            head(row + int64_t(n) * D * sd, qw, qws, q + ((int64_t(b) * H + n) * L + t) * D);
+          for (int n = 0; n < KH; ++n) {
+            const int64_t at = ((int64_t(b) * KH + n) * L + t) * D;
+            head(row + int64_t(H + n) * D * sd, kw, kws, k + at);
+            const float* vr = row + int64_t(H + KH + n) * D * sd;
+            for (int i = 0; i < D; ++i) v[at + i] = vr[i * sd];
+          }
+        }
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("[cpu_heads] has no GPU kernel");
+  }
+  const char* name() const override { return "CpuHeads"; }
+  bool is_equivalent(const Primitive& other) const override {
+    auto& o = static_cast<const CpuHeads&>(other);
+    return B_ == o.B_ && L_ == o.L_ && H_ == o.H_ && KH_ == o.KH_ && dims_ == o.dims_ &&
+           scale_ == o.scale_ && eps_ == o.eps_ && norms_ == o.norms_;
+  }
+  std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
+    const int D = inputs[0].shape(-1) / (H_ + 2 * KH_);
+    return {{B_, H_, L_, D}, {B_, KH_, L_, D}, {B_, KH_, L_, D}};
+  }
+
+ private:
+  int B_, L_, H_, KH_, dims_;
+  float scale_, eps_;
+  bool norms_;
+};
+
 void need_float32(const array& a, const char* what) {
   if (a.dtype() != float32) throw std::invalid_argument(std::string(what) + " must be float32");
+}
+
+// A rotation's inputs: `dims` of D features turned, at one offset or one
+// per row of B, by `inv_freqs` [dims / 2] (float32).
+void check_rotation(const array& offset, const array& inv_freqs, int dims, int D, int B) {
+  need_float32(inv_freqs, "inv_freqs");
+  if (dims <= 0 || dims % 2 || dims > D) throw std::invalid_argument("dims must be even and at most D");
+  if (offset.size() != 1 && offset.size() != size_t(B))
+    throw std::invalid_argument("one offset, or one per row");
+  if (inv_freqs.ndim() != 1 || inv_freqs.shape(0) != dims / 2)
+    throw std::invalid_argument("inv_freqs must be [dims / 2]");
 }
 
 int fail(const std::exception& e, char* err, size_t err_len) {
@@ -543,14 +664,8 @@ int mlx_sys_cpu_rope(mlx_array* res, const mlx_array x, const mlx_array offset,
     array o = astype(mlx_array_get_(offset), int32, st);
     array f = mlx_array_get_(inv_freqs);
     need_float32(a, "x");
-    need_float32(f, "inv_freqs");
     if (a.ndim() != 4) throw std::invalid_argument("x must be [B, N, T, D]");
-    if (dims <= 0 || dims % 2 || dims > a.shape(3))
-      throw std::invalid_argument("dims must be even and at most D");
-    if (o.size() != 1 && o.size() != size_t(a.shape(0)))
-      throw std::invalid_argument("one offset, or one per row");
-    if (f.ndim() != 1 || f.shape(0) != dims / 2)
-      throw std::invalid_argument("inv_freqs must be [dims / 2]");
+    check_rotation(o, f, dims, a.shape(3), a.shape(0));
     mlx_array_set_(*res, array(a.shape(), float32, std::make_shared<CpuRope>(st, dims, scale),
                                {a, o, f}));
     return 0;
@@ -670,6 +785,49 @@ int mlx_sys_cpu_add_rms_norm(mlx_array* h, mlx_array* y, const mlx_array x, cons
                                    std::make_shared<CpuAddRmsNorm>(st, eps), {a, b, w});
     mlx_array_set_(*h, outs[0]);
     mlx_array_set_(*y, outs[1]);
+    return 0;
+  } catch (std::exception& e) {
+    return fail(e, err, err_len);
+  }
+}
+// q [B, H, L, D], k and v [B, KH, L, D] (float32) from the stacked q/k/v
+// product `qkv` (B * L rows of (H + 2 KH) * D, float32): q and k normed
+// by `q_norm` / `k_norm` ([D], eps) when `has_norms`, then rotated over
+// their first `dims` features as `mlx_sys_cpu_rope` does at positions
+// `offset` (one, or one per row) + t.
+int mlx_sys_cpu_heads(mlx_array* q, mlx_array* k, mlx_array* v, const mlx_array qkv,
+                      const mlx_array offset, const mlx_array inv_freqs, const mlx_array q_norm,
+                      const mlx_array k_norm, int has_norms, float eps, int B, int L, int H,
+                      int KH, int dims, float scale, const mlx_stream s, char* err,
+                      size_t err_len) {
+  try {
+    Stream st = mlx_stream_get_(s);
+    array x = mlx_array_get_(qkv);
+    array o = astype(mlx_array_get_(offset), int32, st);
+    array f = mlx_array_get_(inv_freqs);
+    need_float32(x, "qkv");
+    if (B < 1 || L < 1 || H < 1 || KH < 1) throw std::invalid_argument("rows and heads must be positive");
+    const int64_t width = x.ndim() ? x.shape(-1) : 0;
+    if (width % (H + 2 * KH) || int64_t(x.size()) != int64_t(B) * L * width)
+      throw std::invalid_argument("qkv must be B * L rows of (H + 2 KH) * D");
+    const int D = int(width / (H + 2 * KH));
+    check_rotation(o, f, dims, D, B);
+    std::vector<array> inputs{x, o, f};
+    if (has_norms) {
+      for (const mlx_array& n : {q_norm, k_norm}) {
+        array w = mlx_array_get_(n);
+        need_float32(w, "norm weight");
+        if (w.ndim() != 1 || w.shape(0) != D) throw std::invalid_argument("norm weights must be [D]");
+        inputs.push_back(w);
+      }
+    }
+    auto outs = array::make_arrays(
+        {{B, H, L, D}, {B, KH, L, D}, {B, KH, L, D}}, {float32, float32, float32},
+        std::make_shared<CpuHeads>(st, B, L, H, KH, dims, scale, eps, has_norms != 0),
+        std::move(inputs));
+    mlx_array_set_(*q, outs[0]);
+    mlx_array_set_(*k, outs[1]);
+    mlx_array_set_(*v, outs[2]);
     return 0;
   } catch (std::exception& e) {
     return fail(e, err, err_len);

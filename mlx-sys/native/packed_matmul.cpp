@@ -872,6 +872,9 @@ int chosen_kernel() {
 
 using Span = void (*)(const Problem&, int, int);
 
+// Work over items [i0, i1) of a call, with the call's context.
+using Task = void (*)(void* context, int64_t i0, int64_t i1);
+
 class Pool {
  public:
   static Pool& get() {
@@ -881,16 +884,17 @@ class Pool {
 
   int threads() const { return workers_ + 1; }
 
-  // Runs `span` over the output columns of `p` in `chunk`-column pieces.
-  void run(const Problem& p, Span span, int chunk) {
-    const uint64_t chunks = (uint64_t(p.n) + chunk - 1) / chunk;
+  // Runs `task` over items [0, n) in `chunk`-item pieces.
+  void run(int64_t n, int64_t chunk, Task task, void* context) {
+    const uint64_t chunks = (uint64_t(n) + chunk - 1) / chunk;
     if (workers_ == 0 || chunks <= 1 || chunks >= (1u << 20)) {
-      span(p, 0, p.n);
+      task(context, 0, n);
       return;
     }
     std::lock_guard<std::mutex> serial(run_mutex_);
-    problem_ = &p;
-    span_ = span;
+    n_ = n;
+    task_ = task;
+    context_ = context;
     chunk_ = chunk;
     done_.store(0, std::memory_order_relaxed);
     const uint64_t gen = ((ticket_.load(std::memory_order_relaxed) >> 40) + 1) & 0xFFFFFF;
@@ -926,8 +930,8 @@ class Pool {
       if ((t >> 40) != gen || next >= chunks) return;
       if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) continue;
       // The call cannot finish before this chunk is done: its state holds.
-      const int o0 = int(next) * chunk_;
-      span_(*problem_, o0, std::min(problem_->n, o0 + chunk_));
+      const int64_t i0 = int64_t(next) * chunk_;
+      task_(context_, i0, std::min(n_, i0 + chunk_));
       done_.fetch_add(1, std::memory_order_acq_rel);
       t = ticket_.load(std::memory_order_acquire);
     }
@@ -963,9 +967,10 @@ class Pool {
   std::atomic<uint64_t> ticket_{0};
   std::atomic<uint64_t> done_{0};
   std::atomic<int> sleepers_{0};
-  const Problem* problem_ = nullptr;
-  Span span_ = nullptr;
-  int chunk_ = 1;
+  int64_t n_ = 0;
+  Task task_ = nullptr;
+  void* context_ = nullptr;
+  int64_t chunk_ = 1;
 };
 
 // Whether the AVX-512 path can take int8 activations (vpdpbusd); without
@@ -992,7 +997,14 @@ void run_span(const Problem& p, Span span) {
   if (span == span_avx512_tiled) chunk = (chunk + PANEL - 1) / PANEL * PANEL;
   if (span == span_avx512_q4) chunk = (chunk + Q4_COLUMNS - 1) / Q4_COLUMNS * Q4_COLUMNS;
 #endif
-  pool.run(p, span, chunk);
+  struct Call {
+    const Problem& p;
+    Span span;
+  } call{p, span};
+  pool.run(p.n, chunk, [](void* c, int64_t o0, int64_t o1) {
+    auto& call = *static_cast<Call*>(c);
+    call.span(call.p, int(o0), int(o1));
+  }, &call);
 }
 
 void compute(const Problem& p, int kernel) {
@@ -1175,6 +1187,13 @@ int mlx_sys_cpu_threads(void) {
 // worker that has not started: on a loaded machine a descheduled worker
 // simply takes no chunk, and one that wakes after the call finds the
 // generation moved on without touching the finished call's state.
+
+// Runs `task` over items [0, n) on the kernel's pool, `chunk` items at a
+// time, the calling thread working too (cpu_fused.cpp's attention).
+void mlx_sys_cpu_parallel(int64_t n, int64_t chunk, void (*task)(void*, int64_t, int64_t),
+                          void* context) {
+  Pool::get().run(n, std::max<int64_t>(chunk, 1), task, context);
+}
 
 // The best kernel this CPU runs (0 scalar, 1 AVX2+FMA, 2 AVX-512).
 int mlx_sys_packed_kernel_best(void) { return best_kernel(); }

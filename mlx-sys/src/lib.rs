@@ -77,6 +77,27 @@ extern "C" {
         err: *mut std::os::raw::c_char,
         err_len: usize,
     ) -> std::os::raw::c_int;
+    fn mlx_sys_cpu_heads(
+        q: *mut mlx_array,
+        k: *mut mlx_array,
+        v: *mut mlx_array,
+        qkv: mlx_array,
+        offset: mlx_array,
+        inv_freqs: mlx_array,
+        q_norm: mlx_array,
+        k_norm: mlx_array,
+        has_norms: std::os::raw::c_int,
+        eps: f32,
+        b: std::os::raw::c_int,
+        l: std::os::raw::c_int,
+        h: std::os::raw::c_int,
+        kh: std::os::raw::c_int,
+        dims: std::os::raw::c_int,
+        scale: f32,
+        stream: mlx_stream,
+        err: *mut std::os::raw::c_char,
+        err_len: usize,
+    ) -> std::os::raw::c_int;
     fn mlx_sys_cpu_gated(
         res: *mut mlx_array,
         x: mlx_array,
@@ -199,6 +220,80 @@ pub unsafe fn cpu_add_rms_norm(
     #[cfg(not(mlx_packed_matmul))]
     {
         let _ = (h, y, x, r, weight, eps, stream);
+        Err("the CPU nodes are not built here".into())
+    }
+}
+
+/// The shape of an attention layer's heads for [`cpu_heads`]: rows `b` x
+/// positions `l`, `heads` query and `kv_heads` key/value heads, RoPE over
+/// the first `dims` features of each at position scale `scale`.
+#[derive(Debug, Clone, Copy)]
+pub struct HeadsShape {
+    pub b: i32,
+    pub l: i32,
+    pub heads: i32,
+    pub kv_heads: i32,
+    pub dims: i32,
+    pub scale: f32,
+}
+
+/// q `[b, heads, l, D]`, k and v `[b, kv_heads, l, D]` from the stacked
+/// q/k/v product `qkv` (`b * l` rows of `(heads + 2 kv_heads) * D`) as one
+/// CPU node with three outputs (`native/cpu_fused.cpp`), float32: q and k
+/// normed by `norms` (the q and k weights `[D]` and epsilon) when given,
+/// then rotated as [`cpu_rope`] does at `offset` (one, or one per row) + t.
+///
+/// # Safety
+/// Every handle must be a live mlx-c object; `q`, `k` and `v` initialised
+/// arrays.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn cpu_heads(
+    q: &mut mlx_array,
+    k: &mut mlx_array,
+    v: &mut mlx_array,
+    qkv: mlx_array,
+    offset: mlx_array,
+    inv_freqs: mlx_array,
+    norms: Option<(mlx_array, mlx_array, f32)>,
+    shape: HeadsShape,
+    stream: mlx_stream,
+) -> Result<(), String> {
+    #[cfg(mlx_packed_matmul)]
+    return native(|err, len| {
+        let (qn, kn, eps) = norms.unwrap_or((qkv, qkv, 0.0));
+        let HeadsShape {
+            b,
+            l,
+            heads,
+            kv_heads,
+            dims,
+            scale,
+        } = shape;
+        mlx_sys_cpu_heads(
+            q,
+            k,
+            v,
+            qkv,
+            offset,
+            inv_freqs,
+            qn,
+            kn,
+            norms.is_some() as _,
+            eps,
+            b,
+            l,
+            heads,
+            kv_heads,
+            dims,
+            scale,
+            stream,
+            err,
+            len,
+        )
+    });
+    #[cfg(not(mlx_packed_matmul))]
+    {
+        let _ = (q, k, v, qkv, offset, inv_freqs, norms, shape, stream);
         Err("the CPU nodes are not built here".into())
     }
 }

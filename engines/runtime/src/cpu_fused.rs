@@ -1,5 +1,5 @@
-//! RoPE, RMSNorm, gated activations and attention as one graph node each
-//! on the CPU (`mlx-sys/native/cpu_fused.cpp`). MLX runs `fast::rope`,
+//! RoPE, RMSNorm, gated activations, attention and an attention layer's
+//! heads (split, normed and rotated) as one graph node each on the CPU (`mlx-sys/native/cpu_fused.cpp`). MLX runs `fast::rope`,
 //! `fast::rms_norm` and `fast::scaled_dot_product_attention` there as their
 //! composed fallbacks, about 28, 10 and 12 nodes a call (a RoPE rebuilds
 //! its frequencies every time), so the default model's decode step was
@@ -13,6 +13,7 @@ use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::{Ellipsis, TryIndexOp};
 use mlx_rs::{fast, Array, Dtype, Stream};
 
+use crate::cache::Offsets;
 use crate::packed::CpuKernel;
 
 /// Whether products of this process take the fused nodes: on the CPU,
@@ -108,6 +109,54 @@ pub fn rope(
     })
 }
 
+/// Whether [`heads`] takes a layer of `spec` over activations of `dtype`:
+/// float32 on the CPU (its norms' weights too).
+pub fn takes_heads(dtype: Dtype, spec: &crate::gpu_fused::HeadsSpec) -> bool {
+    enabled() && dtype == Dtype::Float32 && spec.norms_of(dtype)
+}
+
+/// q `[B, heads, L, D]`, k and v `[B, kv_heads, L, D]` from the stacked
+/// q/k/v product's `B * L` rows (`rows` = (B, L)), q and k normed (when
+/// the layer has norms) and rotated at their rows' positions with
+/// [`inverse_frequencies`] `inv_freqs`: one node where the unfused chain
+/// is ten a layer (three slices, three reshapes, two norms or none, two
+/// RoPEs), the same float32 math as [`rms_norm`] and [`rope`]. Only where
+/// [`takes_heads`].
+pub fn heads(
+    qkv: &Array,
+    (b, l): (i32, i32),
+    spec: &crate::gpu_fused::HeadsSpec,
+    offsets: &Offsets,
+    inv_freqs: &Array,
+) -> Result<(Array, Array, Array), Exception> {
+    let offset = offsets.to_array();
+    let shape = mlx_sys::HeadsShape {
+        b,
+        l,
+        heads: spec.heads,
+        kv_heads: spec.kv_heads,
+        dims: spec.rope.dims,
+        scale: spec.rope.scale,
+    };
+    let norms = spec
+        .norms
+        .map(|(qw, kw, eps)| (qw.as_ptr(), kw.as_ptr(), eps));
+    let [q, k, v] = native_nodes("cpu heads", |[q, k, v], stream| unsafe {
+        mlx_sys::cpu_heads(
+            q,
+            k,
+            v,
+            qkv.as_ptr(),
+            offset.as_ptr(),
+            inv_freqs.as_ptr(),
+            norms,
+            shape,
+            stream,
+        )
+    })?;
+    Ok((q, k, v))
+}
+
 /// `act(gate) * up` of a stacked gate/up product's output `gu` (`[..., 2I]`,
 /// gate first; SiLU, or tanh-approximated GELU when `gelu`): one node on
 /// the CPU for float32, where MLX's ops are two slices and the compiled
@@ -151,8 +200,10 @@ pub fn takes_attention(q: &Array, k: &Array, v: &Array, seen: &KeysSeen) -> bool
 }
 
 /// `fast::scaled_dot_product_attention(q, k, v, scale, mask)`, one node,
-/// threads over heads for a prefill chunk; `kernel` names the path (`None`:
-/// the one `GATEWAY_CPU_KERNEL` leaves). Only where [`takes_attention`].
+/// on the product kernel's threads where the work pays for it (a decode
+/// step's heads past a few dozen positions, a prefill chunk); `kernel`
+/// names the path (`None`: the one `GATEWAY_CPU_KERNEL` leaves). Only
+/// where [`takes_attention`].
 pub fn attention(
     q: &Array,
     k: &Array,

@@ -145,6 +145,14 @@ pub struct HeadsSpec<'a> {
     pub rope: RopeSpec<'a>,
 }
 
+impl HeadsSpec<'_> {
+    /// Whether the norms (if any) have weights of `dtype`.
+    pub fn norms_of(&self, dtype: Dtype) -> bool {
+        self.norms
+            .is_none_or(|(qw, kw, _)| qw.dtype() == dtype && kw.dtype() == dtype)
+    }
+}
+
 /// Whether [`heads`] takes a layer of `spec` over activations of `dtype`.
 pub fn takes_heads(dtype: Dtype, spec: &HeadsSpec) -> bool {
     let rope = &spec.rope;
@@ -155,9 +163,7 @@ pub fn takes_heads(dtype: Dtype, spec: &HeadsSpec) -> bool {
         && rope.dims % 64 == 0
         && rope.dims <= spec.head_dim
         && (rope.base.is_some() || rope.freqs.is_some())
-        && spec
-            .norms
-            .is_none_or(|(qw, kw, _)| qw.dtype() == dtype && kw.dtype() == dtype)
+        && spec.norms_of(dtype)
 }
 
 /// q `[B, heads, L, D]`, k and v `[B, kv_heads, L, D]` from the stacked

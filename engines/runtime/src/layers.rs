@@ -697,27 +697,23 @@ impl Rope {
         }
     }
 
+    /// The inverse frequencies of the CPU's one-node RoPE
+    /// ([`crate::cpu_fused::inverse_frequencies`]), made on first use.
+    pub fn cpu_inverse_frequencies(&self) -> R<&Array> {
+        if let Some(inv) = self.cpu_inv_freqs.get() {
+            return Ok(inv);
+        }
+        let inv = crate::cpu_fused::inverse_frequencies(self.dims, self.base, self.freqs.as_ref())?;
+        Ok(self.cpu_inv_freqs.get_or_init(|| inv))
+    }
+
     /// `x`: [B, H, L, D]. `offset` is the position of the first of the L
     /// tokens, one per row (rows of a padded batch start at different
     /// positions).
     pub fn forward(&self, x: &Array, offset: &Offsets) -> R<Array> {
         if crate::cpu_fused::takes_rope(x) {
-            let inv = match self.cpu_inv_freqs.get() {
-                Some(inv) => inv,
-                None => {
-                    let inv = crate::cpu_fused::inverse_frequencies(
-                        self.dims,
-                        self.base,
-                        self.freqs.as_ref(),
-                    )?;
-                    self.cpu_inv_freqs.get_or_init(|| inv)
-                }
-            };
-            let offset = match offset {
-                Offsets::Scalar(o) => Array::from_int(*o),
-                Offsets::PerRow(o) => o.clone(),
-            };
-            return crate::cpu_fused::rope(x, self.dims, self.scale, &offset, inv);
+            let inv = self.cpu_inverse_frequencies()?;
+            return crate::cpu_fused::rope(x, self.dims, self.scale, &offset.to_array(), inv);
         }
         match offset {
             Offsets::Scalar(o) => fast::rope(

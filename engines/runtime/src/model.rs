@@ -367,7 +367,7 @@ impl Model {
             }
             None => None,
         };
-        let mut h = h.reshape(&rows)?;
+        let mut h = Residual::Sum(h.reshape(&rows)?);
         let offsets = cache.offsets();
         let ssm_mask = padding_mask(cache, n);
         let mut tapped = Vec::with_capacity(taps.layers.len());
@@ -387,25 +387,19 @@ impl Model {
                 None => None,
             };
             let masks = (mask, ssm_mask.as_ref());
-            let (out, kv) = layer.forward(
-                &h,
-                (b, n),
-                masks,
-                &offsets,
-                cache,
-                i,
-                shared,
-                input.as_ref(),
-            )?;
+            let (out, kv) =
+                layer.forward(h, (b, n), masks, &offsets, cache, i, shared, input.as_ref())?;
             h = out;
             kvs[i] = kv;
             if taps.layers.contains(&i) {
-                tapped.push(h.clone());
+                let sum = h.sum()?;
+                tapped.push(sum.clone());
+                h = Residual::Sum(sum);
             }
         }
         cache.advance(n);
         crate::inject::at_forward(b as usize)?;
-        let normed = self.norm.forward(&h.reshape(&[b, n, hidden])?)?;
+        let normed = h.normed(&self.norm)?.1.reshape(&[b, n, hidden])?;
         let logits = match which {
             Logits::Last if n > 1 => self.logits(&position(&normed, n - 1)?)?,
             Logits::At(i) => self.logits(&position(&normed, i)?)?,
@@ -478,7 +472,7 @@ impl Model {
             .collect::<R<Vec<_>>>()?;
         let h = self.embed(&ops::concatenate(&flat, 1)?)?;
         let hidden = h.dim(-1);
-        let mut h = h.reshape(&[first_row, hidden])?;
+        let mut h = Residual::Sum(h.reshape(&[first_row, hidden])?);
         // Keys and values of this pass per segment and layer, for layers
         // that share them.
         let mut kvs: Vec<Vec<Option<LayerView>>> =
@@ -491,7 +485,7 @@ impl Model {
                 Some(s) => kvs[s].clone(),
                 None => vec![None; segments.len()],
             };
-            let normed = layer.input_norm.forward(&h)?;
+            let (x, normed) = h.normed(&layer.input_norm)?;
             let (r, kv) = a.forward_mixed(
                 &normed,
                 segments,
@@ -500,7 +494,7 @@ impl Model {
                 i,
                 &shared,
             )?;
-            h = layer.feed_forward(&h, &r, None)?;
+            h = layer.feed_forward(&x, &r, None)?;
             kvs[i] = kv.into_iter().map(Some).collect();
         }
         for (s, l) in segments.iter_mut().zip(&layouts) {
@@ -524,7 +518,9 @@ impl Model {
         if last.is_empty() {
             return Ok(vec![None; segments.len()]);
         }
-        let picked = h.take_axis(Array::from_slice(&last, &[last.len() as i32]), 0)?;
+        let picked = h
+            .sum()?
+            .take_axis(Array::from_slice(&last, &[last.len() as i32]), 0)?;
         let logits = self.logits(&self.norm.forward(&picked)?)?;
         let mut per_segment = Vec::with_capacity(segments.len());
         let mut at = 0;
@@ -809,7 +805,7 @@ impl Layer {
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
-        x: &Array,
+        x: Residual,
         rows: (i32, i32),
         (mask, padding): (&AttnMask, Option<&Array>),
         offsets: &Offsets,
@@ -817,8 +813,8 @@ impl Layer {
         idx: usize,
         shared_kv: Option<LayerView>,
         per_layer_input: Option<&Array>,
-    ) -> anyhow::Result<(Array, Option<LayerView>)> {
-        let normed = self.input_norm.forward(x)?;
+    ) -> anyhow::Result<(Residual, Option<LayerView>)> {
+        let (x, normed) = x.normed(&self.input_norm)?;
         let (r, kv) = match &self.mixer {
             Mixer::Attention(a) => {
                 let (r, kv) = a.forward(&normed, rows, mask, offsets, cache, idx, shared_kv)?;
@@ -826,13 +822,14 @@ impl Layer {
             }
             Mixer::Linear(l) => (l.forward(&normed, rows, padding, cache, idx)?, None),
         };
-        Ok((self.feed_forward(x, &r, per_layer_input)?, kv))
+        Ok((self.feed_forward(&x, &r, per_layer_input)?, kv))
     }
 
     /// Everything after the mixer: `x` plus the mixer's output `r`, the
     /// feed-forward part and its residual (with Gemma's sandwich norms,
-    /// experts, per-layer input and scale).
-    fn feed_forward(&self, x: &Array, r: &Array, per_layer_input: Option<&Array>) -> R<Array> {
+    /// experts, per-layer input and scale). Without sandwich norms the
+    /// last residual add is left to the next norm.
+    fn feed_forward(&self, x: &Array, r: &Array, per_layer_input: Option<&Array>) -> R<Residual> {
         let add = |a: &Array, b: &Array| -> R<Array> {
             if self.clip_f16 {
                 residual(a, b)
@@ -843,7 +840,7 @@ impl Layer {
         let (Some(pre), Some(post)) = (&self.pre_ff_norm, &self.post_ff_norm) else {
             let (h, normed) = self.post_attn_norm.forward_added(x, r)?;
             let r = self.mlp.forward(&normed)?;
-            return h.add(&r);
+            return Ok(Residual::Pending(h, r));
         };
         let h = add(x, &self.post_attn_norm.forward(r)?)?;
         let mut r = self.mlp.forward(&pre.forward(&h)?)?;
@@ -857,7 +854,37 @@ impl Layer {
         if let Some(s) = &self.scalar {
             h = h.multiply(s)?;
         }
-        Ok(h)
+        Ok(Residual::Sum(h))
+    }
+}
+
+/// The residual stream between layers: `h`, or `h + r` not yet added, so
+/// that the norm reading it adds it in its own node
+/// ([`RmsNorm::forward_added`]: one node on the CPU where the add and the
+/// norm are two).
+enum Residual {
+    Sum(Array),
+    Pending(Array, Array),
+}
+
+impl Residual {
+    /// The stream, added, and its norm by `norm`.
+    fn normed(self, norm: &RmsNorm) -> R<(Array, Array)> {
+        match self {
+            Residual::Sum(h) => {
+                let normed = norm.forward(&h)?;
+                Ok((h, normed))
+            }
+            Residual::Pending(h, r) => norm.forward_added(&h, &r),
+        }
+    }
+
+    /// The stream, added.
+    fn sum(self) -> R<Array> {
+        match self {
+            Residual::Sum(h) => Ok(h),
+            Residual::Pending(h, r) => h.add(&r),
+        }
     }
 }
 
@@ -929,15 +956,25 @@ impl Attention {
         idx: usize,
         shared_kv: Option<LayerView>,
     ) -> anyhow::Result<(Array, LayerView)> {
-        // On the GPU, one kernel from the stacked product to the heads.
-        if let Some(spec) = self.fused_heads(x.dtype()).filter(|_| shared_kv.is_none()) {
-            let qkv = self.qkv.joined(x).expect("stacked projections")?;
-            let (q, k, v) = crate::gpu_fused::heads(&qkv, rows, &spec, offsets)?;
-            let kv = cache.update(idx, k, v)?;
-            let mut out_shape = x.shape()[..x.ndim() - 1].to_vec();
-            out_shape.push(self.heads * self.head_dim);
-            let (heads, kv) = self.attention(q, None, kv, mask, rows.1, &out_shape)?;
-            return Ok((self.o.forward(&heads)?, kv));
+        // One kernel (GPU) or node (CPU) from the stacked product to the
+        // heads.
+        if let Some(spec) = self.heads_spec().filter(|_| shared_kv.is_none()) {
+            let dtype = x.dtype();
+            let on_gpu = crate::gpu_fused::takes_heads(dtype, &spec);
+            if on_gpu || crate::cpu_fused::takes_heads(dtype, &spec) {
+                let qkv = self.qkv.joined(x).expect("stacked projections")?;
+                let (q, k, v) = if on_gpu {
+                    crate::gpu_fused::heads(&qkv, rows, &spec, offsets)?
+                } else {
+                    let inv = self.rope.cpu_inverse_frequencies()?;
+                    crate::cpu_fused::heads(&qkv, rows, &spec, offsets, inv)?
+                };
+                let kv = cache.update(idx, k, v)?;
+                let mut out_shape = x.shape()[..x.ndim() - 1].to_vec();
+                out_shape.push(self.heads * self.head_dim);
+                let (heads, kv) = self.attention(q, None, kv, mask, rows.1, &out_shape)?;
+                return Ok((self.o.forward(&heads)?, kv));
+            }
         }
         let p = self.project(x)?;
         let (heads, kv) = self.attend(p, rows, mask, offsets, cache, idx, shared_kv)?;
@@ -1058,10 +1095,10 @@ impl Attention {
         self.attention(q, gate, kv, mask, l, &out_shape)
     }
 
-    /// The layout [`crate::gpu_fused::heads`] needs, where it takes this
-    /// layer: q, k and v stacked in one product (no gate, no value norm),
-    /// q and k both normed or neither.
-    fn fused_heads(&self, dtype: Dtype) -> Option<crate::gpu_fused::HeadsSpec<'_>> {
+    /// The layout the fused heads ([`crate::gpu_fused::heads`],
+    /// [`crate::cpu_fused::heads`]) need: q, k and v stacked in one product
+    /// (no gate, no value norm), q and k both normed or neither.
+    fn heads_spec(&self) -> Option<crate::gpu_fused::HeadsSpec<'_>> {
         let (q, k, d) = (self.heads, self.kv_heads, self.head_dim);
         if self.gated || self.v_norm.is_some() || self.qkv.stacked_sizes()? != [q * d, k * d, k * d]
         {
@@ -1075,14 +1112,13 @@ impl Attention {
             (None, None) => None,
             _ => return None,
         };
-        let spec = crate::gpu_fused::HeadsSpec {
+        Some(crate::gpu_fused::HeadsSpec {
             heads: q,
             kv_heads: k,
             head_dim: d,
             norms,
             rope: self.rope.spec(),
-        };
-        crate::gpu_fused::takes_heads(dtype, &spec).then_some(spec)
+        })
     }
 
     /// Attention of the heads `q` (`[B, heads, L, D]`) over the layer's

@@ -347,3 +347,145 @@ fn add_and_rms_norm_match_mlx() {
     let want = fast::rms_norm(&want_h, Some(&w), 1e-6).unwrap();
     close(&y, &want, "add + rms_norm of a transposed view");
 }
+
+/// The values of `a` as bits, so equal means equal to the bit.
+fn bits(a: &Array) -> Vec<u32> {
+    let a = a.add(Array::from_f32(0.0)).unwrap();
+    a.as_slice::<f32>().iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn heads_equal_the_unfused_nodes() {
+    use runtime::cache::Offsets;
+    use runtime::gpu_fused::{HeadsSpec, RopeSpec};
+    // (rows, positions, heads, kv heads, head width, rotated dims): the
+    // default model's decode step, batched rows, a prefill chunk, GQA 1 to
+    // 8, partial rotary dims, odd widths.
+    let shapes = [
+        (1, 1, 9, 3, 64, 64),
+        (4, 1, 9, 3, 64, 64),
+        (1, 7, 8, 1, 128, 64),
+        (2, 5, 4, 4, 48, 48),
+        (3, 2, 6, 2, 20, 12),
+    ];
+    for (b, l, h, kh, d, dims) in shapes {
+        let width = (h + 2 * kh) * d;
+        // The stacked product's rows, as a column slice of a wider array
+        // (rows apart in memory) and as fresh [B * L, W] rows.
+        let wide = normal(&[b * l, width + 6], (b * l * width) as u64)
+            .try_index((.., 3..width + 3))
+            .unwrap();
+        let dense = normal(&[b * l, width], 31);
+        let qw = normal(&[d], 32);
+        let kw = normal(&[d], 33);
+        let per_row = Array::from_slice(&(0..b).map(|r| 17 * r + 5).collect::<Vec<_>>(), &[b]);
+        for qkv in [&wide, &dense] {
+            for offsets in [
+                Offsets::Scalar(0),
+                Offsets::Scalar(300),
+                Offsets::PerRow(per_row.clone()),
+            ] {
+                for norms in [None, Some((&qw, &kw, 1e-6f32))] {
+                    let spec = HeadsSpec {
+                        heads: h,
+                        kv_heads: kh,
+                        head_dim: d,
+                        norms,
+                        rope: RopeSpec {
+                            dims,
+                            base: Some(10000.0),
+                            scale: 0.5,
+                            freqs: None,
+                        },
+                    };
+                    assert!(cpu_fused::takes_heads(mlx_rs::Dtype::Float32, &spec));
+                    let inv = cpu_fused::inverse_frequencies(dims, Some(10000.0), None).unwrap();
+                    let (q, k, v) = cpu_fused::heads(qkv, (b, l), &spec, &offsets, &inv).unwrap();
+                    // The unfused chain: slice, split into heads, norm,
+                    // rotate; and MLX's own ops for the same.
+                    let part = |from: i32, n: i32| {
+                        qkv.try_index((.., from * d..(from + n) * d))
+                            .unwrap()
+                            .reshape(&[b, l, n, d])
+                            .unwrap()
+                            .transpose_axes(&[0, 2, 1, 3])
+                            .unwrap()
+                    };
+                    let offset = offsets.to_array();
+                    let what = format!(
+                        "{b}x{l} rows, {h}/{kh} heads of {d}, dims {dims}, norms {}",
+                        norms.is_some()
+                    );
+                    for (got, from, n, w) in [(&q, 0, h, &qw), (&k, h, kh, &kw)] {
+                        let x = part(from, n);
+                        let (ours, mlx) = match norms {
+                            Some((_, _, eps)) => (
+                                cpu_fused::rms_norm(&x, Some(w), eps).unwrap(),
+                                fast::rms_norm(&x, Some(w), eps).unwrap(),
+                            ),
+                            None => (x.clone(), x.clone()),
+                        };
+                        let want = cpu_fused::rope(&ours, dims, 0.5, &offset, &inv).unwrap();
+                        assert_eq!(bits(got), bits(&want), "{what}: the unfused nodes");
+                        let mlx = fast::rope_dynamic(
+                            &mlx,
+                            dims,
+                            false,
+                            Some(10000.0),
+                            0.5,
+                            &offset,
+                            None,
+                        )
+                        .unwrap();
+                        close_within(8.0, got, &mlx, &format!("{what}: MLX's ops"));
+                    }
+                    assert_eq!(bits(&v), bits(&part(h + kh, kh)), "{what}: values");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn heads_refuse_what_does_not_fit() {
+    use runtime::cache::Offsets;
+    use runtime::gpu_fused::{HeadsSpec, RopeSpec};
+    let spec = |heads, norms| HeadsSpec {
+        heads,
+        kv_heads: 1,
+        head_dim: 64,
+        norms,
+        rope: RopeSpec {
+            dims: 64,
+            base: Some(10000.0),
+            scale: 1.0,
+            freqs: None,
+        },
+    };
+    let inv = cpu_fused::inverse_frequencies(64, Some(10000.0), None).unwrap();
+    let qkv = normal(&[2, 4 * 64], 41);
+    // 2 rows of 4 heads of 64 are not 2 rows of 3 + 2 heads.
+    let err =
+        cpu_fused::heads(&qkv, (2, 1), &spec(3, None), &Offsets::Scalar(0), &inv).unwrap_err();
+    assert!(err.to_string().contains("rows of"), "{err}");
+    let short = normal(&[32], 42);
+    let err = cpu_fused::heads(
+        &qkv,
+        (2, 1),
+        &spec(2, Some((&short, &short, 1e-6))),
+        &Offsets::Scalar(0),
+        &inv,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("[D]"), "{err}");
+    // Half precision stays with MLX's ops.
+    let half = normal(&[64], 43).as_dtype(mlx_rs::Dtype::Bfloat16).unwrap();
+    assert!(!cpu_fused::takes_heads(
+        mlx_rs::Dtype::Bfloat16,
+        &spec(2, None)
+    ));
+    assert!(!cpu_fused::takes_heads(
+        mlx_rs::Dtype::Float32,
+        &spec(2, Some((&half, &half, 1e-6)))
+    ));
+}

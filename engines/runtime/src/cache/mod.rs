@@ -35,6 +35,16 @@ pub enum Offsets {
     PerRow(Array),
 }
 
+impl Offsets {
+    /// The positions as an int array: one, or one per row.
+    pub fn to_array(&self) -> Array {
+        match self {
+            Offsets::Scalar(o) => Array::from_int(*o),
+            Offsets::PerRow(o) => o.clone(),
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct KvCache {
     /// Each layer's storage format (`None`: the activations' dtype).

@@ -14,7 +14,7 @@ use std::path::Path;
 use anyhow::Context;
 use mlx_rs::{ops, Array};
 
-use super::{Layer, Model};
+use super::{Layer, Model, Residual};
 use crate::cache::{KvCache, Offsets};
 use crate::layers::{Linear, RmsNorm};
 use crate::mask;
@@ -126,18 +126,19 @@ impl MtpHead {
         let n = tokens.dim(1);
         let embedded = self.embedding_norm.forward(&target.embed(tokens)?)?;
         let hidden = self.hidden_norm.forward(hidden)?;
-        let mut h = self
-            .fc
-            .forward(&ops::concatenate(&[embedded, hidden], -1)?)?;
+        let mut h = Residual::Sum(
+            self.fc
+                .forward(&ops::concatenate(&[embedded, hidden], -1)?)?,
+        );
         let mask = mask::build(cache, n, None, super::attention_fused(&self.layers));
         let offsets = Offsets::Scalar(position);
         for (i, layer) in self.layers.iter().enumerate() {
             h = layer
-                .forward(&h, (1, n), (&mask, None), &offsets, cache, i, None, None)?
+                .forward(h, (1, n), (&mask, None), &offsets, cache, i, None, None)?
                 .0;
         }
         cache.advance(n);
-        Ok(self.norm.forward(&h)?)
+        Ok(h.normed(&self.norm)?.1)
     }
 
     fn parameters(&self) -> Vec<&Array> {
