@@ -741,14 +741,15 @@ DEFINE_SPAN(span_avx512_int8, block_avx512_int8)
 // ------------------------------------------ many rows: columns in lanes
 
 // From LANES_ROWS rows (a batched decode step, a verify block, a prefill
-// chunk) the AVX-512 path turns the product around: a vector holds 16
+// chunk; 4-bit weights from Q4_ROWS + 1) the AVX-512 path turns the
+// product around: a vector holds 16
 // output columns, each row of x (up to LANES_BLOCK at a time) keeps one
 // vector of sums, and each weight vector (one position of k for the 16
 // columns) is multiplied by every row's activation there, broadcast from
 // memory. Per 16 weights that is one FMA a row and four instructions to
 // make the vector, with no fp32 panel written and read back and no
-// horizontal sums (the register tiles this replaced ran 1.2-2x slower at
-// 16 to 512 rows; docs/benchmarks.md). The 16 columns' packed words,
+// horizontal sums (the register tiles this replaced ran 1.1-2.3x slower
+// at 16 to 512 rows; docs/benchmarks.md). The 16 columns' packed words,
 // scales and biases come in 16 x 16 blocks transposed in registers, so a
 // 32-bit lane holds one column's. Each sum runs over k in order in one
 // lane: a column's result does not depend on its neighbours, the row
@@ -836,7 +837,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void lanes_bl
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   alignas(64) float scale[16][16], bias[16][16];
   alignas(64) uint32_t word[16][16];
-  const int ahead = std::max(0, std::min(16, p.n - o - 16));
+  const int ahead = std::max(0, std::min(16, p.n - o - 16));  // next columns to prefetch
   for (int g0 = 0; g0 < groups; g0 += 16) {
     const int ng = std::min(16, groups - g0);
 #pragma GCC unroll 16
@@ -853,7 +854,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void lanes_bl
       // The next 16 columns' same words, for their call: each column's
       // few lines are too short a stream for the hardware to prefetch.
 #pragma GCC unroll 16
-      for (int c = 0; c < ahead; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + size_t(16 + c) * words + w0), _MM_HINT_T0);
+      for (int c = 0; c < ahead; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(w + size_t(16 + c) * words + w0), _MM_HINT_T0);
       __m512i t[16];
 #pragma GCC unroll 16
       for (int c = 0; c < 16; ++c)
