@@ -11,9 +11,9 @@
 // products read ~15), so the AVX-512 path for up to Q4_ROWS rows of 4-bit
 // weights looks each weight up in its group's 16 values (`vpermps`)
 // instead of converting and scaling it (`span_avx512_q4`).
-// From TILED_ROWS rows (a batched step, a prefill chunk) the AVX-512 path
-// instead dequantizes each chunk of columns once into an fp32 panel and
-// multiplies register tiles of rows x columns (`span_avx512_tiled`).
+// From LANES_ROWS rows (a batched step, a verify block, a prefill chunk)
+// the AVX-512 path instead puts 16 output columns in the lanes of a vector
+// and keeps a vector of sums per row (`span_avx512_lanes`).
 // Activations are fp32 (others are cast around the node), scales and
 // biases fp16 or fp32: the loader keeps the fp16 of GGUF files and of
 // half-precision checkpoints, since a step streams them with the weights
@@ -40,6 +40,7 @@
 #include <sched.h>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -737,107 +738,215 @@ DEFINE_SPAN(span_avx2_int8, block_avx2_int8)
 DEFINE_SPAN(span_avx512_int8, block_avx512_int8)
 #undef DEFINE_SPAN
 
-// ------------------------------------------------- many rows: register tiles
+// ------------------------------------------ many rows: columns in lanes
 
-// From this many rows on, the AVX-512 path dequantizes each chunk of
-// output columns once into an fp32 panel (in L2) and multiplies it by tiles
-// of TILE_R rows x TILE_C columns: each panel vector loaded serves TILE_R
-// rows and each activation vector TILE_C columns, where the per-column
-// kernel above re-reads every row of x from L2 for each column.
-constexpr int TILED_ROWS = 16;
-// TILED_ROWS, or GATEWAY_CPU_TILED_ROWS (for benchmarks).
-int tiled_rows() {
-  static const int rows = [] {
-    const char* s = std::getenv("GATEWAY_CPU_TILED_ROWS");
-    return s && std::atoi(s) > 0 ? std::atoi(s) : TILED_ROWS;
-  }();
-  return rows;
+// From LANES_ROWS rows (a batched decode step, a verify block, a prefill
+// chunk; 4-bit weights from Q4_ROWS + 1) the AVX-512 path turns the
+// product around: a vector holds 16
+// output columns, each row of x (up to LANES_BLOCK at a time) keeps one
+// vector of sums, and each weight vector (one position of k for the 16
+// columns) is multiplied by every row's activation there, broadcast from
+// memory. Per 16 weights that is one FMA a row and four instructions to
+// make the vector, with no fp32 panel written and read back and no
+// horizontal sums (the register tiles this replaced ran 1.1-2.3x slower
+// at 16 to 512 rows; docs/benchmarks.md). The 16 columns' packed words,
+// scales and biases come in 16 x 16 blocks transposed in registers, so a
+// 32-bit lane holds one column's. Each sum runs over k in order in one
+// lane: a column's result does not depend on its neighbours, the row
+// count or the threads.
+constexpr int LANES_ROWS = 4;
+// Rows `lanes_block` takes at once: a vector of sums each.
+constexpr int LANES_BLOCK = 16;
+// Columns `lanes_block` takes at once; `run_span` hands out whole panels.
+constexpr int PANEL = 16;
+
+// A 16 x 16 block of 32-bit lanes transposed: lane j of v[i] goes to lane
+// i of v[j].
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"), always_inline)) inline void transpose16(
+    __m512i (&v)[16]) {
+  __m512i t[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  // Each 128-bit lane of v[4a + b] now holds, for rows 4a..4a+3, one
+  // column of each group of four (b = 0: columns 0, 4, 8, 12; ...).
+#pragma GCC unroll 4
+  for (int a = 0; a < 16; a += 4) {
+    v[a] = _mm512_unpacklo_epi64(t[a], t[a + 2]);
+    v[a + 1] = _mm512_unpackhi_epi64(t[a], t[a + 2]);
+    v[a + 2] = _mm512_unpacklo_epi64(t[a + 1], t[a + 3]);
+    v[a + 3] = _mm512_unpackhi_epi64(t[a + 1], t[a + 3]);
+  }
+  // The 128-bit lanes of four row-quads gathered per column.
+#pragma GCC unroll 4
+  for (int b = 0; b < 4; ++b) {
+    const __m512i even0 = _mm512_shuffle_i32x4(v[b], v[4 + b], 0x88);
+    const __m512i odd0 = _mm512_shuffle_i32x4(v[b], v[4 + b], 0xdd);
+    const __m512i even1 = _mm512_shuffle_i32x4(v[8 + b], v[12 + b], 0x88);
+    const __m512i odd1 = _mm512_shuffle_i32x4(v[8 + b], v[12 + b], 0xdd);
+    t[b] = _mm512_shuffle_i32x4(even0, even1, 0x88);       // column b
+    t[b + 8] = _mm512_shuffle_i32x4(even0, even1, 0xdd);   // column b + 8
+    t[b + 4] = _mm512_shuffle_i32x4(odd0, odd1, 0x88);     // column b + 4
+    t[b + 12] = _mm512_shuffle_i32x4(odd0, odd1, 0xdd);    // column b + 12
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) v[i] = t[i];
 }
-constexpr int TILE_R = 6, TILE_C = 4;
-constexpr int PANEL = 16;  // columns per panel, a multiple of TILE_C
 
-// Columns o..o+cols of the weights as fp32 rows of `panel` (k each, as
-// MLX's `dequantize` makes them); rows cols..PANEL are zero.
-template <int BITS, typename S>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void dequantize_panel(
-    const Problem& p, int o, int cols, float* panel) {
-  const int groups = p.k / p.group, per_group = p.group / 16;
-  for (int c = 0; c < cols; ++c) {
-    const uint32_t* wp = p.w + size_t(o + c) * (p.k * BITS / 32);
-    const S* sr = static_cast<const S*>(p.s) + size_t(o + c) * groups;
-    const S* br = static_cast<const S*>(p.b) + size_t(o + c) * groups;
-    float* row = panel + size_t(c) * p.k;
-    for (int g = 0; g < groups; ++g) {
-      const __m512 sc = _mm512_set1_ps(wide_f16c(sr[g])), bi = _mm512_set1_ps(wide_f16c(br[g]));
-      const __m512 table = q4_table(sc, bi);
-      for (int v = 0; v < per_group; ++v, wp += BITS / 2, row += 16) {
-        if constexpr (BITS == 4) _mm512_storeu_ps(row, _mm512_permutexvar_ps(nibbles16(wp), table));
-        else _mm512_storeu_ps(row, _mm512_fmadd_ps(_mm512_cvtepi32_ps(unpack16<BITS>(wp)), sc, bi));
+// Up to 16 groups' scales (or biases) of 16 columns from `v` (one row of
+// `stride` a column, `cols` of them), as fp32 with the columns in lanes:
+// out[g] is group g of every column.
+template <typename S>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) inline void groups16(
+    const S* v, size_t stride, int cols, int n, float (&out)[16][16]) {
+  const __mmask16 take = __mmask16((1u << n) - 1);
+  __m512i t[16];
+#pragma GCC unroll 16
+  for (int c = 0; c < 16; ++c) {
+    if (c >= cols) {
+      t[c] = _mm512_setzero_si512();
+    } else if constexpr (std::is_same_v<S, uint16_t>) {
+      t[c] = _mm512_castps_si512(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(take, v + c * stride)));
+    } else {
+      t[c] = _mm512_castps_si512(_mm512_maskz_loadu_ps(take, v + c * stride));
+    }
+  }
+  transpose16(t);
+#pragma GCC unroll 16
+  for (int g = 0; g < 16; ++g) _mm512_store_si512(out[g], t[g]);
+}
+
+// Rows r0..r0+R (x as `lanes_order` lays it out) times columns o..o+cols
+// (at most 16).
+template <int R, int BITS, typename S>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void lanes_block(
+    const Problem& p, int o, int cols, int r0) {
+  constexpr int PER_WORD = 32 / BITS;
+  const int words = p.k / PER_WORD, groups = p.k / p.group;
+  const int group_words = p.group / PER_WORD;  // a power of two
+  const int group_shift = __builtin_ctz(group_words);
+  const uint32_t* w = p.w + size_t(o) * words;
+  const S* s = static_cast<const S*>(p.s) + size_t(o) * groups;
+  const S* b = static_cast<const S*>(p.b) + size_t(o) * groups;
+  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
+  const float* x = p.x + size_t(r0) * p.k;  // [k][R]
+  __m512 acc[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  alignas(64) float scale[16][16], bias[16][16];
+  alignas(64) uint32_t word[16][16];
+  const int ahead = std::max(0, std::min(16, p.n - o - 16));  // next columns to prefetch
+  for (int g0 = 0; g0 < groups; g0 += 16) {
+    const int ng = std::min(16, groups - g0);
+#pragma GCC unroll 16
+    for (int c = 0; c < ahead; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(s + size_t(16 + c) * groups + g0), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b + size_t(16 + c) * groups + g0), _MM_HINT_T0);
+    }
+    groups16(s + g0, groups, cols, ng, scale);
+    groups16(b + g0, groups, cols, ng, bias);
+    const int w1 = (g0 + ng) * group_words;
+    for (int w0 = g0 * group_words; w0 < w1; w0 += 16) {
+      const int nw = std::min(16, w1 - w0);
+      const __mmask16 take = __mmask16((1u << nw) - 1);
+      // The next 16 columns' same words, for their call: each column's
+      // few lines are too short a stream for the hardware to prefetch.
+#pragma GCC unroll 16
+      for (int c = 0; c < ahead; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(w + size_t(16 + c) * words + w0), _MM_HINT_T0);
+      __m512i t[16];
+#pragma GCC unroll 16
+      for (int c = 0; c < 16; ++c)
+        t[c] = c < cols ? _mm512_maskz_loadu_epi32(take, w + size_t(c) * words + w0) : _mm512_setzero_si512();
+      transpose16(t);
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) _mm512_store_si512(word[j], t[j]);
+      for (int j = 0; j < nw; ++j) {
+        const int g = ((w0 + j) >> group_shift) - g0;
+        const __m512 sc = _mm512_load_ps(scale[g]), bi = _mm512_load_ps(bias[g]);
+        const __m512i packed = _mm512_load_si512(word[j]);
+        const float* xi = x + size_t(w0 + j) * PER_WORD * R;
+#pragma GCC unroll 8
+        for (int e = 0; e < PER_WORD; ++e) {
+          const __m512i q = _mm512_and_si512(_mm512_srli_epi32(packed, e * BITS), mask);
+          const __m512 wv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), sc, bi);
+#pragma GCC unroll 16
+          for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(wv, _mm512_set1_ps(xi[e * R + r]), acc[r]);
+        }
       }
     }
   }
-  std::memset(panel + size_t(cols) * p.k, 0, sizeof(float) * size_t(PANEL - cols) * p.k);
+  const __mmask16 keep = __mmask16((1u << cols) - 1);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(p.y + size_t(r0 + r) * p.n + o, keep, acc[r]);
 }
 
-// y[r][c] = x[r] . panel[c] for R rows and TILE_C panel rows, the first
-// `cols` of them stored.
-template <int R>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void tile_avx512(
-    const float* x, const float* panel, int k, float* y, size_t ldy, int cols) {
-  __m512 acc[R][TILE_C];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int c = 0; c < TILE_C; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int i = 0; i < k; i += 16) {
-    __m512 wv[TILE_C];
-#pragma GCC unroll 4
-    for (int c = 0; c < TILE_C; ++c) wv[c] = _mm512_loadu_ps(panel + size_t(c) * k + i);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_loadu_ps(x + size_t(r) * k + i);
-#pragma GCC unroll 4
-      for (int c = 0; c < TILE_C; ++c) acc[r][c] = _mm512_fmadd_ps(wv[c], xv, acc[r][c]);
+// Rows of x (m x k, k a multiple of 16) in blocks of LANES_BLOCK, each
+// block [k][rows]: one position's activations of every row of a block side
+// by side, for `lanes_block` to broadcast.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void lanes_order(const float* x, int m,
+                                                                                    int k, float* out) {
+  for (int r0 = 0; r0 < m; r0 += LANES_BLOCK) {
+    const int rows = std::min(LANES_BLOCK, m - r0);
+    const __mmask16 keep = __mmask16((1u << rows) - 1);
+    float* block = out + size_t(r0) * k;
+    for (int i = 0; i < k; i += 16) {
+      __m512i t[16];
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; ++r)
+        t[r] = r < rows ? _mm512_loadu_si512(x + size_t(r0 + r) * k + i) : _mm512_setzero_si512();
+      transpose16(t);
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) _mm512_mask_storeu_epi32(block + size_t(i + j) * rows, keep, t[j]);
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < cols; ++c) y[size_t(r) * ldy + c] = _mm512_reduce_add_ps(acc[r][c]);
 }
 
+// Columns a span takes in turn: each block of rows meets all of them, so
+// their packed weights (256 KB at 4 bits for k = 2048) stay in L2
+// while a block of x stays in L1 or L2. Panels outside row blocks would
+// stream all of a prefill chunk's x once a panel.
+constexpr int LANES_COLUMNS = 256;
+
 template <int BITS, typename S>
-void span_avx512_tiled_as(const Problem& p, int o0, int o1) {
-  thread_local std::vector<float> panel;
-  panel.resize(size_t(PANEL) * p.k);
-  for (int o = o0; o < o1; o += PANEL) {
-    const int cols = std::min(PANEL, o1 - o);
-    dequantize_panel<BITS, S>(p, o, cols, panel.data());
-    for (int r0 = 0; r0 < p.m; r0 += TILE_R) {
-      const float* x = p.x + size_t(r0) * p.k;
-      for (int c0 = 0; c0 < cols; c0 += TILE_C) {
-        const float* pc = panel.data() + size_t(c0) * p.k;
-        float* y = p.y + size_t(r0) * p.n + o + c0;
-        const int nc = std::min(TILE_C, cols - c0);
-        switch (std::min(TILE_R, p.m - r0)) {
-          case 1: tile_avx512<1>(x, pc, p.k, y, p.n, nc); break;
-          case 2: tile_avx512<2>(x, pc, p.k, y, p.n, nc); break;
-          case 3: tile_avx512<3>(x, pc, p.k, y, p.n, nc); break;
-          case 4: tile_avx512<4>(x, pc, p.k, y, p.n, nc); break;
-          case 5: tile_avx512<5>(x, pc, p.k, y, p.n, nc); break;
-          default: tile_avx512<6>(x, pc, p.k, y, p.n, nc); break;
+void span_avx512_lanes_as(const Problem& p, int o0, int o1) {
+  for (int c0 = o0; c0 < o1; c0 += LANES_COLUMNS) {
+    const int c1 = std::min(o1, c0 + LANES_COLUMNS);
+    for (int r0 = 0; r0 < p.m; r0 += LANES_BLOCK) {
+      for (int o = c0; o < c1; o += PANEL) {
+        const int cols = std::min(PANEL, c1 - o);
+        switch (std::min(LANES_BLOCK, p.m - r0)) {
+          case 1: lanes_block<1, BITS, S>(p, o, cols, r0); break;
+          case 2: lanes_block<2, BITS, S>(p, o, cols, r0); break;
+          case 3: lanes_block<3, BITS, S>(p, o, cols, r0); break;
+          case 4: lanes_block<4, BITS, S>(p, o, cols, r0); break;
+          case 5: lanes_block<5, BITS, S>(p, o, cols, r0); break;
+          case 6: lanes_block<6, BITS, S>(p, o, cols, r0); break;
+          case 7: lanes_block<7, BITS, S>(p, o, cols, r0); break;
+          case 8: lanes_block<8, BITS, S>(p, o, cols, r0); break;
+          case 9: lanes_block<9, BITS, S>(p, o, cols, r0); break;
+          case 10: lanes_block<10, BITS, S>(p, o, cols, r0); break;
+          case 11: lanes_block<11, BITS, S>(p, o, cols, r0); break;
+          case 12: lanes_block<12, BITS, S>(p, o, cols, r0); break;
+          case 13: lanes_block<13, BITS, S>(p, o, cols, r0); break;
+          case 14: lanes_block<14, BITS, S>(p, o, cols, r0); break;
+          case 15: lanes_block<15, BITS, S>(p, o, cols, r0); break;
+          default: lanes_block<16, BITS, S>(p, o, cols, r0); break;
         }
       }
     }
   }
 }
 
-void span_avx512_tiled(const Problem& p, int o0, int o1) {
+void span_avx512_lanes(const Problem& p, int o0, int o1) {
   if (p.half) {
-    if (p.bits == 4) span_avx512_tiled_as<4, uint16_t>(p, o0, o1);
-    else span_avx512_tiled_as<8, uint16_t>(p, o0, o1);
+    if (p.bits == 4) span_avx512_lanes_as<4, uint16_t>(p, o0, o1);
+    else span_avx512_lanes_as<8, uint16_t>(p, o0, o1);
   } else {
-    if (p.bits == 4) span_avx512_tiled_as<4, float>(p, o0, o1);
-    else span_avx512_tiled_as<8, float>(p, o0, o1);
+    if (p.bits == 4) span_avx512_lanes_as<4, float>(p, o0, o1);
+    else span_avx512_lanes_as<8, float>(p, o0, o1);
   }
 }
 #endif  // __x86_64__
@@ -987,14 +1096,14 @@ bool has_vnni() {
 void run_span(const Problem& p, Span span) {
   Pool& pool = Pool::get();
   // Two chunks a thread, taken in turn, so a thread slowed by other work on
-  // its core takes fewer; whole panels for the tiled span. More, smaller
+  // its core takes fewer; whole panels for the lanes span. More, smaller
   // chunks cost a one-row step's many small products more in claims than
   // they gain in balance: eight a thread decoded the default model 10-15%
   // slower on two quiet cores, the same at 16 rows and in prefill
   // (docs/benchmarks.md, "Two chunks a thread").
   int chunk = std::max(4, p.n / (pool.threads() * 2));
 #if defined(__x86_64__)
-  if (span == span_avx512_tiled) chunk = (chunk + PANEL - 1) / PANEL * PANEL;
+  if (span == span_avx512_lanes) chunk = (chunk + PANEL - 1) / PANEL * PANEL;
   if (span == span_avx512_q4) chunk = (chunk + Q4_COLUMNS - 1) / Q4_COLUMNS * Q4_COLUMNS;
 #endif
   struct Call {
@@ -1015,15 +1124,18 @@ void compute(const Problem& p, int kernel) {
     if (kernel == AVX512 && vnni) span = span_avx512_int8;
     else if (kernel >= AVX2) span = span_avx2_int8;
   } else {
-    if (kernel == AVX512) span = p.m >= tiled_rows() ? span_avx512_tiled : span_avx512;
+    if (kernel == AVX512) span = p.m >= LANES_ROWS ? span_avx512_lanes : span_avx512;
     if (kernel == AVX512 && p.bits == 4 && p.m <= Q4_ROWS) span = span_avx512_q4;
     if (kernel == AVX2) span = span_avx2;
   }
-  if (span == span_avx512_q4) {
+  // The spans that read x in an order of their own.
+  void (*order)(const float*, int, int, float*) =
+      span == span_avx512_q4 ? q4_order : span == span_avx512_lanes ? lanes_order : nullptr;
+  if (order) {
     // Scratch of the stream's thread (workers read it within this call).
     thread_local std::vector<float> ordered;
     ordered.resize(size_t(p.m) * p.k);
-    q4_order(p.x, p.m, p.k, ordered.data());
+    order(p.x, p.m, p.k, ordered.data());
     Problem q = p;
     q.x = ordered.data();
     return run_span(q, span);

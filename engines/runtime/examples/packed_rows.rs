@@ -7,8 +7,7 @@
 //!     cargo run --release -p runtime --example packed_rows -- \
 //!         [--rows 1,16,64,256,512] [--reps 20]
 //!
-//! `GATEWAY_CPU_TILED_ROWS` moves the kernel's switch to its register-tiled
-//! span (compare whole processes).
+//! Compare builds of the kernel by alternating whole processes.
 
 use std::time::Instant;
 

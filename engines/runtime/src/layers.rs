@@ -77,7 +77,7 @@ const DEQUANTIZE_ROWS: i32 = 4;
 /// Up to this many rows, a product with packed weights on the CPU runs the
 /// project's kernel ([`crate::packed`]), which reads the packed weights once
 /// for all the rows; more rows (a long prefill chunk) do too where its path
-/// tiles them ([`crate::packed::tiles_many_rows`], 1.4-2.2x faster than
+/// is fast at many rows ([`crate::packed::many_rows_fast`], faster than
 /// dequantizing and BLAS's `sgemm` at 256-512 rows), and are dequantized
 /// and multiplied by BLAS elsewhere.
 const PACKED_ROWS: i32 = 64;
@@ -208,7 +208,7 @@ impl Linear {
                 let many = rows >= DEQUANTIZE_ROWS;
                 let y = match expanded {
                     Some(dense) if many => dense.product(x)?,
-                    _ if (rows <= PACKED_ROWS || crate::packed::tiles_many_rows())
+                    _ if (rows <= PACKED_ROWS || crate::packed::many_rows_fast())
                         && crate::packed::supports(*bits, *group_size)
                         && crate::compute::on_cpu() =>
                     {

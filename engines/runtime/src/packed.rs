@@ -95,12 +95,12 @@ impl Activations {
 }
 
 /// Whether the chosen path multiplies many rows (a prefill chunk) at
-/// compute speed: AVX-512 with fp32 activations, whose register-tiled span
-/// (`TILED_ROWS` in the kernel) beats dequantizing and BLAS's `sgemm`
-/// (`examples/packed_rows.rs`). The AVX2, scalar and int8 paths re-read
-/// the activations per output column, which is slower than BLAS from about
-/// a hundred rows.
-pub fn tiles_many_rows() -> bool {
+/// compute speed: AVX-512 with fp32 activations, whose span for many rows
+/// (`span_avx512_lanes` in the kernel) beats dequantizing and BLAS's
+/// `sgemm` (`examples/packed_rows.rs`). The AVX2, scalar and int8 paths
+/// re-read the activations per output column, which is slower than BLAS
+/// from about a hundred rows.
+pub fn many_rows_fast() -> bool {
     CpuKernel::chosen() == Some(CpuKernel::Avx512) && Activations::chosen() == Activations::Float32
 }
 
