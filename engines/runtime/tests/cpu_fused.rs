@@ -27,7 +27,7 @@ fn close_within(ulps: f32, got: &Array, want: &Array, what: &str) {
         .max(None)
         .unwrap();
     let scale = ops::abs(want).unwrap().max(None).unwrap();
-    let (diff, scale) = (diff.item::<f32>(), scale.item::<f32>());
+    let (diff, scale) = (diff.item_cast::<f32>(), scale.item_cast::<f32>());
     assert!(
         diff <= ulps * f32::EPSILON * scale.max(1.0),
         "{what}: max |diff| {diff} (scale {scale})"
