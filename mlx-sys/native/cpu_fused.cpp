@@ -790,6 +790,7 @@ int mlx_sys_cpu_add_rms_norm(mlx_array* h, mlx_array* y, const mlx_array x, cons
     return fail(e, err, err_len);
   }
 }
+
 // q [B, H, L, D], k and v [B, KH, L, D] (float32) from the stacked q/k/v
 // product `qkv` (B * L rows of (H + 2 KH) * D, float32): q and k normed
 // by `q_norm` / `k_norm` ([D], eps) when `has_norms`, then rotated over

@@ -1,5 +1,6 @@
 //! RoPE, RMSNorm, gated activations, attention and an attention layer's
-//! heads (split, normed and rotated) as one graph node each on the CPU (`mlx-sys/native/cpu_fused.cpp`). MLX runs `fast::rope`,
+//! heads (split, normed and rotated) as one graph node each on the CPU
+//! (`mlx-sys/native/cpu_fused.cpp`). MLX runs `fast::rope`,
 //! `fast::rms_norm` and `fast::scaled_dot_product_attention` there as their
 //! composed fallbacks, about 28, 10 and 12 nodes a call (a RoPE rebuilds
 //! its frequencies every time), so the default model's decode step was

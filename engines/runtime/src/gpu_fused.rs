@@ -1,10 +1,11 @@
 //! The chains between a GPU step's products as single CUDA kernels inside
 //! the MLX graph (`mlx_fast_cuda_kernel_*`, [`crate::cuda_kernel`]): the
 //! host builds and launches each node in microseconds, and these take a
-//! Qwen3-4B decode step from 985 nodes to 517 (16 rows; docs/gpu.md). Each kernel repeats MLX's own arithmetic for the
-//! ops it replaces (roundings to the activation dtype where MLX rounds),
-//! so outputs match MLX's to within a rounding; `examples/fused_check.rs`
-//! compares them on a device (docs/gpu.md).
+//! Qwen3-4B decode step from 985 nodes to 517 (16 rows; docs/gpu.md).
+//! Each kernel repeats MLX's own arithmetic for the ops it replaces
+//! (roundings to the activation dtype where MLX rounds), so outputs match
+//! MLX's to within a rounding; `examples/fused_check.rs` compares them on
+//! a device (docs/gpu.md).
 //!
 //! - [`heads`]: the stacked q/k/v product's output to attention's heads:
 //!   slicing, q and k RMSNorm, RoPE and the head layout, one node where

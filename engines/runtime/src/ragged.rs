@@ -365,7 +365,9 @@ const TARGET_BLOCKS: i32 = 256;
 /// least a chunk of 32 keys for every warp (1: no split).
 fn splits(items: i32, total: i32) -> i32 {
     let chunks_per_block = (total + 32 * WARPS - 1) / (32 * WARPS);
-    (TARGET_BLOCKS / items.max(1)).clamp(1, 32).min(chunks_per_block.max(1))
+    (TARGET_BLOCKS / items.max(1))
+        .clamp(1, 32)
+        .min(chunks_per_block.max(1))
 }
 
 /// The kernels of one layout: whole items, and items split over blocks.
@@ -429,7 +431,11 @@ fn launch(
         // The split kernel's block counts start at zero.
         init: (split > 1).then_some(0.0),
     };
-    let kernel = if split > 1 { kernels.split } else { kernels.whole };
+    let kernel = if split > 1 {
+        kernels.split
+    } else {
+        kernels.whole
+    };
     kernel
         .with(|kernel| {
             let kernel = kernel.as_ref().map_err(|e| anyhow!("{e}"))?;
@@ -452,10 +458,21 @@ fn kernel(name: &str, layout: &str, split: bool) -> Result<CudaKernel, String> {
     if layout == PAGED {
         inputs.push("tables");
     }
-    let outputs: &[&str] = if split { &["out", "part", "count"] } else { &["out"] };
+    let outputs: &[&str] = if split {
+        &["out", "part", "count"]
+    } else {
+        &["out"]
+    };
     let prefix = if split { SPLIT } else { "" };
-    CudaKernel::new(name, &inputs, outputs, &format!("{prefix}{layout}{SOURCE}"), "", false)
-        .map_err(|e| format!("{e:#}"))
+    CudaKernel::new(
+        name,
+        &inputs,
+        outputs,
+        &format!("{prefix}{layout}{SOURCE}"),
+        "",
+        false,
+    )
+    .map_err(|e| format!("{e:#}"))
 }
 
 thread_local! {
