@@ -174,7 +174,7 @@ fn long_prompt_stall(
         format!("stall-{chunk}"),
         shared.clone(),
         BatchedConfig {
-            prefill_chunk: chunk,
+            prefill_chunk: Some(chunk),
             ..Default::default()
         },
     ));

@@ -17,8 +17,12 @@ pub struct BatchedConfig {
     pub max_queue: usize,
     /// Tokens per scheduler step: the decode rows' first, prompt chunks
     /// the rest (at least half; `plan::prompt_tokens`). Bounds how long
-    /// long prompts can stall the decode of running rows.
-    pub prefill_chunk: usize,
+    /// long prompts can stall the decode of running rows. Default: 256 on
+    /// the CPU, where a step's cost grows with its tokens; 2048 on the
+    /// GPU, where a 2,048-token chunk costs a few 256-token ones and the
+    /// queue of long prompts, not the stall, sets their time to first
+    /// token (docs/batching.md); within the memory budget's step.
+    pub prefill_chunk: Option<usize>,
     /// Padded prompt tokens of short prompts prefilled together in one
     /// forward (like vLLM's `max_num_batched_tokens`). Default: 2048 on
     /// the GPU, where a wide forward costs little more than a narrow one;
@@ -41,7 +45,7 @@ impl Default for BatchedConfig {
             kind: None,
             max_batch: None,
             max_queue: 256,
-            prefill_chunk: 256,
+            prefill_chunk: None,
             prefill_group_tokens: None,
             prefill_width_multiple: None,
             pipeline: true,
@@ -58,7 +62,7 @@ impl BatchedConfig {
             .map_err(|e| format!("batched engine config: {e}"))?;
         let zero = [
             cfg.max_batch,
-            Some(cfg.prefill_chunk),
+            cfg.prefill_chunk,
             cfg.prefill_group_tokens,
             cfg.prefill_width_multiple,
         ];
@@ -77,7 +81,10 @@ impl BatchedConfig {
     /// computing on a GPU when `gpu`.
     pub fn limits(&self, step_tokens: Option<usize>, hybrid: bool, gpu: bool) -> StepLimits {
         let within = |n: usize| step_tokens.map_or(n, |s| n.min(s.max(1)));
-        let prefill_chunk = within(self.prefill_chunk);
+        let prefill_chunk = within(self.prefill_chunk.unwrap_or(match gpu {
+            true => GPU_PREFILL_CHUNK,
+            false => CPU_PREFILL_CHUNK,
+        }));
         // A recurrent layer's prefill is a loop over positions, so a group
         // costs about what its longest prompt does: hybrid models group
         // wide. On the GPU a forward of 2048 tokens costs a few narrow
@@ -104,6 +111,12 @@ impl BatchedConfig {
 
 /// Without a memory budget, the most sequences decoded together.
 const DEFAULT_MAX_BATCH: usize = 32;
+
+/// Prompt tokens a step takes by default on the CPU.
+const CPU_PREFILL_CHUNK: usize = 256;
+
+/// Prompt tokens a step takes by default on the GPU.
+const GPU_PREFILL_CHUNK: usize = 2048;
 
 /// Without a memory budget, the padded tokens of a hybrid model's group.
 const HYBRID_GROUP_TOKENS: usize = 4096;
@@ -139,7 +152,7 @@ mod tests {
         assert_eq!(limits(&cfg, Some(64)), (64, 64));
         let set = BatchedConfig {
             max_batch: Some(8),
-            prefill_chunk: 1024,
+            prefill_chunk: Some(1024),
             ..cfg.clone()
         };
         assert_eq!(limits(&set, None), (8, 1024));
@@ -158,16 +171,21 @@ mod tests {
         let gpu = cfg.limits(None, false, true).prefill;
         assert_eq!(
             (gpu.chunk, gpu.group_tokens, gpu.width_multiple),
-            (256, 2048, 32)
+            (2048, 2048, 32)
         );
-        assert_eq!(cfg.limits(Some(512), false, true).prefill.group_tokens, 512);
+        let budget = cfg.limits(Some(512), false, true).prefill;
+        assert_eq!((budget.chunk, budget.group_tokens), (512, 512));
         let set = BatchedConfig {
-            prefill_group_tokens: Some(1024),
+            prefill_group_tokens: Some(3072),
             ..cfg.clone()
         };
-        assert_eq!(set.limits(None, false, false).prefill.group_tokens, 1024);
-        assert_eq!(set.limits(None, true, true).prefill.group_tokens, 1024);
-        for zero in ["prefill_group_tokens: 0", "prefill_width_multiple: 0"] {
+        assert_eq!(set.limits(None, false, false).prefill.group_tokens, 3072);
+        assert_eq!(set.limits(None, true, true).prefill.group_tokens, 3072);
+        for zero in [
+            "prefill_chunk: 0",
+            "prefill_group_tokens: 0",
+            "prefill_width_multiple: 0",
+        ] {
             let zero = serde_yaml::from_str(zero).unwrap();
             assert!(BatchedConfig::from_yaml(&zero).is_err());
         }

@@ -67,7 +67,7 @@ fn alone(shared: &SharedModel, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
 #[test]
 fn batch_output_equals_each_request_alone() {
     batch_equals_alone(BatchedConfig {
-        prefill_chunk: 8,
+        prefill_chunk: Some(8),
         ..Default::default()
     });
 }
@@ -77,7 +77,7 @@ fn batch_output_equals_each_request_alone() {
 #[test]
 fn wide_groups_padded_to_repeating_widths_equal_each_request_alone() {
     batch_equals_alone(BatchedConfig {
-        prefill_chunk: 64,
+        prefill_chunk: Some(64),
         prefill_group_tokens: Some(512),
         prefill_width_multiple: Some(32),
         ..Default::default()
@@ -115,7 +115,7 @@ fn requests_joining_mid_flight_match_alone() {
     let (_dir, shared, engine) = setup(
         1024,
         BatchedConfig {
-            prefill_chunk: 16,
+            prefill_chunk: Some(16),
             ..Default::default()
         },
     );
@@ -430,7 +430,7 @@ fn prompts_arriving_together_share_one_padded_prefill() {
     let (_dir, shared, engine) = setup(
         1024,
         BatchedConfig {
-            prefill_chunk: 256,
+            prefill_chunk: Some(256),
             ..Default::default()
         },
     );
@@ -588,7 +588,7 @@ fn pipelined_decode_equals_unpipelined_decode_and_paged_equals_contiguous() {
             1024,
             BatchedConfig {
                 pipeline,
-                prefill_chunk: 16,
+                prefill_chunk: Some(16),
                 ..Default::default()
             },
             layout,
@@ -678,7 +678,7 @@ fn staggered_match_alone(model: LoadedModel) {
     let pool = KvPool::new(256, 16, bytes * 16);
     let shared = Arc::new(SharedModel::with_layout(model, pool, 16, KvLayout::Contiguous).unwrap());
     let cfg = BatchedConfig {
-        prefill_chunk: 16,
+        prefill_chunk: Some(16),
         ..Default::default()
     };
     let engine = BatchedEngine::new("batched".into(), shared.clone(), cfg);

@@ -18,7 +18,7 @@ use runtime::{generate, Family, KvPool, LoadedModel, SharedModel};
 fn engine(shared: &Arc<SharedModel>, pipeline: bool) -> BatchedEngine {
     let cfg = BatchedConfig {
         pipeline,
-        prefill_chunk: 8,
+        prefill_chunk: Some(8),
         max_batch: Some(8),
         ..Default::default()
     };

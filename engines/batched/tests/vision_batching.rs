@@ -32,7 +32,7 @@ fn setup_with(
     let pool = KvPool::new(pool_blocks, 16, bytes * 16);
     let shared = Arc::new(SharedModel::with_layout(model, pool, 16, kv_layout).unwrap());
     let cfg = BatchedConfig {
-        prefill_chunk: 8,
+        prefill_chunk: Some(8),
         ..Default::default()
     };
     let engine = BatchedEngine::new("batched".into(), shared.clone(), cfg);
