@@ -3,9 +3,10 @@ alternated: for each pair, each build serves the same config in turn and
 CLIENTS clients send streamed completions, client k starting k*GAP seconds
 in and sending PER_CLIENT requests back to back (prompts of ~WORDS common
 words, about one token each; 64 tokens out, ignore_eos; every prompt
-different, so no prefix-cache hit). Reports TTFT p50/p99 over all
-requests, output tok/s over the run's span and the 1-minute load average
-around it, one JSON line per run (also appended to --out).
+different, so no prefix-cache hit). Reports TTFT and TPOT (per token
+after the first) p50/p99 over all requests, output tok/s over the run's
+span and the 1-minute load average around it, one JSON line per run (also
+appended to --out).
 
     .mlx/venv/bin/python scripts/bench_staggered.py \\
         --build main=/work/main/target/release --build branch=target/release \\
@@ -13,7 +14,8 @@ around it, one JSON line per run (also appended to --out).
 
 The config should name the model and route every request to the engine
 under test (e.g. config.yaml with `engines: {batched: {kind: batched}}`
-and `policy: {default: batched}`)."""
+and `policy: {default: batched}`). A build may name its own config
+(`--build NAME=DIR:CONFIG`), to alternate settings of one build."""
 import argparse, http.client, json, os, random, signal, subprocess, threading, time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -73,9 +75,13 @@ def staggered(url, model, args):
     for t in threads:
         t.join()
     ttfts = sorted(r[1] * 1000 for r in records)
-    pct = lambda p: ttfts[min(len(ttfts) - 1, round(p / 100 * (len(ttfts) - 1)))]
+    # Time per output token after the first: what decoding rows pay for
+    # the prompts prefilled beside them.
+    tpots = sorted((r[2] - r[0] - r[1]) * 1000 / (r[3] - 1) for r in records if r[3] > 1)
+    pct = lambda xs, p: xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
     span = max(r[2] for r in records) - min(r[0] for r in records)
-    return {"requests": len(records), "ttft_p50_ms": round(pct(50)), "ttft_p99_ms": round(pct(99)),
+    return {"requests": len(records), "ttft_p50_ms": round(pct(ttfts, 50)), "ttft_p99_ms": round(pct(ttfts, 99)),
+            "tpot_p50_ms": round(pct(tpots, 50), 1), "tpot_p99_ms": round(pct(tpots, 99), 1),
             "output_tok_s": round(sum(r[3] for r in records) / span, 2), "span_s": round(span, 1),
             "prompt_tokens_mean": round(sum(r[4] for r in records) / len(records))}
 
@@ -98,8 +104,9 @@ def serve(gateway, config, log):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--build", action="append", required=True, help="NAME=DIR holding gateway and its plugins")
-    p.add_argument("--config", required=True)
+    p.add_argument("--build", action="append", required=True,
+                   help="NAME=DIR holding gateway and its plugins[:CONFIG, else --config]")
+    p.add_argument("--config", help="the config of builds that name none")
     p.add_argument("--model", default=None, help="the `model` field (default: the first of /v1/models)")
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--clients", type=int, default=8)
@@ -110,10 +117,14 @@ def main():
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--out", default=None, help="append each run's JSON line here")
     args = p.parse_args()
-    builds = [b.split("=", 1) for b in args.build]
+    builds = []
+    for b in args.build:
+        name, rest = b.split("=", 1)
+        bin_dir, _, config = rest.partition(":")
+        builds.append((name, bin_dir, config or args.config))
     for pair in range(1, args.pairs + 1):
-        for name, bin_dir in builds:
-            proc, url = serve(str(Path(bin_dir) / "gateway"), args.config, f"/tmp/bench_staggered-{name}.log")
+        for name, bin_dir, config in builds:
+            proc, url = serve(str(Path(bin_dir) / "gateway"), config, f"/tmp/bench_staggered-{name}.log")
             try:
                 u = urlparse(url)
                 conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
@@ -122,7 +133,7 @@ def main():
                 one(url, model, prompts(1, args.words, 99)[0], 8)  # warm-up
                 before = load()
                 result = staggered(url, model, args)
-                result = {"build": name, "pair": pair, "load_before": before, "load_after": load(), **result}
+                result = {"build": name, "config": Path(config).name, "pair": pair, "load_before": before, "load_after": load(), **result}
             finally:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=30)

@@ -1,8 +1,8 @@
-//! The decode loop of one fast-path request, on the engine's worker thread.
+//! One fast-path request on the engine's worker thread: the sequence's
+//! greedy loop, paused for a handover, or a constrained loop.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
 use engine_core::event::EventSender;
 use engine_core::{FinishReason, GenerateRequest};
@@ -10,8 +10,8 @@ use runtime::generate;
 use runtime::handover::HandoverSink;
 use runtime::model::Logits;
 use runtime::sampling;
-use runtime::sequence::Sequence;
-use runtime::{memory, KvCache, Reservation, SharedModel};
+use runtime::sequence::{Greedy, Sequence};
+use runtime::{memory, Reservation, SharedModel};
 
 pub struct Job {
     pub request: GenerateRequest,
@@ -53,15 +53,9 @@ pub enum Outcome {
     Failed,
 }
 
-/// How the loop ended, before anything is released.
-enum End {
-    Done(FinishReason),
-    HandOver {
-        sink: Arc<dyn HandoverSink>,
-        cache: KvCache,
-        last_token: u32,
-    },
-}
+/// How the loop ended, before anything is released: finished, or paused
+/// for the batched engine (the sink) to take the sequence over.
+type End = Greedy<Arc<dyn HandoverSink>>;
 
 /// Runs the request.
 pub fn run(shared: &Arc<SharedModel>, job: Job) -> Outcome {
@@ -80,12 +74,12 @@ pub fn run(shared: &Arc<SharedModel>, job: Job) -> Outcome {
         false => decode(shared, &mut seq),
     };
     match decoded {
-        Ok(End::Done(reason)) => {
+        Ok(Greedy::Finished(reason)) => {
             seq.finish(reason, None);
             Outcome::Finished(reason)
         }
-        Ok(End::HandOver {
-            sink,
+        Ok(Greedy::Paused {
+            with: sink,
             cache,
             last_token,
         }) => match seq.hand_over(cache, last_token, &*sink) {
@@ -100,40 +94,11 @@ pub fn run(shared: &Arc<SharedModel>, job: Job) -> Outcome {
     }
 }
 
+/// Greedy decoding, handed over before the next step is queued once the
+/// batched engine has work.
 fn decode(shared: &Arc<SharedModel>, seq: &mut Sequence) -> anyhow::Result<End> {
     let _device = shared.lock_device();
-    let max_tokens = seq.request().max_tokens;
-    let mut stream = seq.prefill_greedy(shared)?;
-    // When the first token was read: the decode rate on this side of HTTP,
-    // to set beside the client's figures.
-    let mut first_read = None;
-    loop {
-        let hand_over = shared.handover_sink().filter(|s| s.busy());
-        // Queue the next step unless this is the last token we may need or
-        // we are about to hand over.
-        let token =
-            stream.next_token(hand_over.is_none() && seq.out.generated() + 1 < max_tokens)?;
-        let since = *first_read.get_or_insert_with(Instant::now);
-        let end = seq.accept_plain(token, false)?;
-        let read = seq.out.generated();
-        if end.is_some() && read > 1 {
-            let tok_s = (read - 1) as f64 / since.elapsed().as_secs_f64();
-            tracing::debug!(tokens = read, tok_s, "fast path decode");
-        }
-        if end.is_some() || hand_over.is_some() {
-            seq.publish_answer(shared, stream.cache());
-        }
-        if let Some(reason) = end {
-            return Ok(End::Done(reason));
-        }
-        if let Some(sink) = hand_over {
-            return Ok(End::HandOver {
-                sink,
-                cache: stream.into_cache()?,
-                last_token: token,
-            });
-        }
-    }
+    seq.decode_greedy_until(shared, || shared.handover_sink().filter(|s| s.busy()))
 }
 
 /// A constrained request: each token is the argmax among those its grammar
@@ -150,7 +115,7 @@ fn decode_constrained(shared: &Arc<SharedModel>, seq: &mut Sequence) -> anyhow::
     loop {
         let constraint = seq.constraint.as_mut().expect("a constrained request");
         let Some(allowed) = constraint.allowed() else {
-            return Ok(End::Done(FinishReason::Stop));
+            return Ok(Greedy::Finished(FinishReason::Stop));
         };
         let _device = shared.lock_device();
         let token = seq
@@ -158,7 +123,7 @@ fn decode_constrained(shared: &Arc<SharedModel>, seq: &mut Sequence) -> anyhow::
             .sample_within(&logits, &sampling::allowed_mask(&allowed.to_bools(vocab)))?
             .item_exact::<u32>();
         if let Some(reason) = seq.accept_plain(token, false)? {
-            return Ok(End::Done(reason));
+            return Ok(Greedy::Finished(reason));
         }
         logits = model.forward(&generate::tokens_array(&[token]), &mut cache, Logits::Last)?;
     }

@@ -8,6 +8,9 @@
 //! handed over to another engine with them. Engines keep only what their
 //! forwards need (a batch row, a cache, drafts) beside it.
 
+use std::convert::Infallible;
+use std::time::Instant;
+
 use engine_core::event::EventSender;
 use engine_core::{FinishReason, GenerateRequest, SpecStats, StreamError, TokenEvent};
 use grammar::Constraint;
@@ -296,24 +299,68 @@ impl Sequence {
         Ok(GreedyStream::queued(model, cache, first))
     }
 
-    /// Greedy decoding to its end: [`Sequence::prefill_greedy`], then each
-    /// token read and [`Sequence::accept`]ed, the step after it queued
-    /// first, `after_token` run after each that does not end it; the
-    /// prompt and the answer are kept in the prefix cache before the final
-    /// event ([`Sequence::publish_answer`]). Under the device lock.
+    /// Greedy decoding to its end ([`Sequence::decode_greedy_until`], never
+    /// paused), `after_token` run after each token that does not end it.
+    /// Under the device lock.
     pub fn decode_greedy(
         &mut self,
         shared: &SharedModel,
         mut after_token: impl FnMut(),
     ) -> anyhow::Result<FinishReason> {
-        let mut stream = self.prefill_greedy(shared)?;
-        loop {
-            let token = stream.next_token(self.tokens_left() > 1)?;
-            if let Some(reason) = self.accept_plain(token, false)? {
-                self.publish_answer(shared, stream.cache());
-                return Ok(reason);
+        let mut first = true;
+        let decoded = self.decode_greedy_until(shared, || {
+            if !std::mem::take(&mut first) {
+                after_token();
             }
-            after_token();
+            None::<Infallible>
+        })?;
+        Ok(match decoded {
+            Greedy::Finished(reason) => reason,
+            Greedy::Paused { with, .. } => match with {},
+        })
+    }
+
+    /// Greedy decoding that another engine may take over:
+    /// [`Sequence::prefill_greedy`], then each token read and
+    /// [`Sequence::accept`]ed, the step after it queued first. Before each
+    /// token is read `pause` is asked; where it answers `Some`, no step is
+    /// queued after that token and, unless the token ends the sequence,
+    /// decoding stops there ([`Greedy::Paused`], for
+    /// [`Sequence::hand_over`]). The prompt and the answer are kept in the
+    /// prefix cache before either ([`Sequence::publish_answer`]). Under the
+    /// device lock.
+    pub fn decode_greedy_until<T>(
+        &mut self,
+        shared: &SharedModel,
+        mut pause: impl FnMut() -> Option<T>,
+    ) -> anyhow::Result<Greedy<T>> {
+        let mut stream = self.prefill_greedy(shared)?;
+        // When the first token was read: the decode rate on this side of
+        // HTTP, to set beside the client's figures.
+        let mut first_read = None;
+        loop {
+            let paused = pause();
+            let token = stream.next_token(paused.is_none() && self.tokens_left() > 1)?;
+            let since = *first_read.get_or_insert_with(Instant::now);
+            let end = self.accept_plain(token, false)?;
+            if end.is_some() || paused.is_some() {
+                self.publish_answer(shared, stream.cache());
+            }
+            if let Some(reason) = end {
+                let read = self.out.generated();
+                if read > 1 {
+                    let tok_s = (read - 1) as f64 / since.elapsed().as_secs_f64();
+                    tracing::debug!(tokens = read, tok_s, "greedy decode");
+                }
+                return Ok(Greedy::Finished(reason));
+            }
+            if let Some(with) = paused {
+                return Ok(Greedy::Paused {
+                    with,
+                    cache: stream.into_cache()?,
+                    last_token: token,
+                });
+            }
         }
     }
 
@@ -384,6 +431,20 @@ impl Sequence {
         };
         Handover::of(self.out, cache, last_token, reservation).give_to(sink)
     }
+}
+
+/// How [`Sequence::decode_greedy_until`] ended.
+pub enum Greedy<T> {
+    /// The sequence ended for `reason`: [`Sequence::finish`] it.
+    Finished(FinishReason),
+    /// Stopped where its `pause` answered `with`: `cache` (evaluated, for
+    /// another thread) holds every position before `last_token`, its
+    /// newest token, streamed and not yet fed.
+    Paused {
+        with: T,
+        cache: KvCache,
+        last_token: u32,
+    },
 }
 
 /// Where one sequence's prefill stands: its KV holds `done` of the
