@@ -220,17 +220,31 @@ policy:
 "#,
     );
     let body =
-        json!({"model": MODEL, "prompt": [11, 12, 13, 14], "max_tokens": 24, "ignore_eos": true});
+        json!({"model": MODEL, "prompt": [11, 12, 13, 14], "max_tokens": 48, "ignore_eos": true});
     let first = gw.post("/v1/completions", &body);
     assert_eq!(
         first.header("x-engine"),
         Some("dflash"),
         "unknown rate: speculate"
     );
+    // The rate stays unknown (work stays on dflash) until the engine has
+    // drafted enough tokens to judge by (`accept_window.min_drafted`, 16).
+    let drafted = || {
+        gw.metric("gateway_spec_drafted_tokens_total", &[("engine", "dflash")])
+            .unwrap()
+    };
+    let rate = || gw.metric("gateway_engine_accept_rate", &[("engine", "dflash")]);
+    for _ in 0..16 {
+        if rate().is_some() {
+            break;
+        }
+        assert!(drafted() < 16.0, "{} drafted and no rate", drafted());
+        let again = gw.post("/v1/completions", &body);
+        assert_eq!(again.header("x-engine"), Some("dflash"), "still unknown");
+    }
+    assert!(drafted() >= 16.0);
     // A random drafter is rarely right.
-    let rate = gw
-        .metric("gateway_engine_accept_rate", &[("engine", "dflash")])
-        .unwrap();
+    let rate = rate().expect("a rate once enough was drafted");
     assert!(rate < 0.5, "{rate}");
     let next = gw.post("/v1/completions", &body);
     assert_eq!(next.status, 200);
