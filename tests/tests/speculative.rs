@@ -21,7 +21,7 @@ engines:
   batched: { kind: batched }
   fastpath: { kind: fastpath }
   dflash: { kind: dflash, drafter: "{dflash_drafter}" }
-  mtp: { kind: mtp, drafter: "{mtp_drafter}" }
+  mtp: { kind: mtp, drafter: "{mtp_drafter}", accept_window: { min_drafted: 1 } }
   lookup: { kind: mtp, draft: ngram }
 policy:
   default: batched
@@ -100,6 +100,8 @@ fn speculative_engines_answer_exactly_like_plain_greedy() {
         .unwrap()
             > 0.0
     );
+    // mtp's window reports a rate from its first drafted token
+    // (`min_drafted: 1`); by default it waits for 16.
     let rate = gw
         .metric("gateway_engine_accept_rate", &[("engine", "mtp")])
         .unwrap();
@@ -206,11 +208,13 @@ fn streams_and_stop_strings_match_the_fast_path() {
 
 #[test]
 fn a_low_acceptance_rate_routes_work_elsewhere() {
+    // `adaptive: false`: every round drafts a full block, so one request
+    // drafts the 16 tokens the window needs before it reports a rate.
     let gw = Gateway::start(
         r#"model: { path: "{model}", kv_cache_mb: 64 }
 engines:
   batched: { kind: batched }
-  dflash: { kind: dflash, drafter: "{dflash_drafter}" }
+  dflash: { kind: dflash, drafter: "{dflash_drafter}", adaptive: false }
 policy:
   default: batched
   rules:
@@ -227,6 +231,10 @@ policy:
         Some("dflash"),
         "unknown rate: speculate"
     );
+    let drafted = gw
+        .metric("gateway_spec_drafted_tokens_total", &[("engine", "dflash")])
+        .unwrap();
+    assert!(drafted >= 16.0, "{drafted}");
     // A random drafter is rarely right.
     let rate = gw
         .metric("gateway_engine_accept_rate", &[("engine", "dflash")])

@@ -9,7 +9,7 @@
 //!   max_concurrent: 4
 //!   lazy_drafter: false
 //!   ngram: { max_ngram: 3, min_ngram: 1, draft_tokens: 8 }
-//!   accept_window: { rounds: 256, seconds: 120 }
+//!   accept_window: { rounds: 256, seconds: 120, min_drafted: 16 }
 //!   adaptive: true                      # draft only what pays (false: always the full block)
 //! ```
 
@@ -58,6 +58,8 @@ impl Default for NgramOptions {
 pub struct WindowOptions {
     pub rounds: usize,
     pub seconds: u64,
+    /// Drafted tokens the window needs before `engine_accept_rate` is known.
+    pub min_drafted: u64,
 }
 
 impl Default for WindowOptions {
@@ -65,6 +67,7 @@ impl Default for WindowOptions {
         Self {
             rounds: 256,
             seconds: 120,
+            min_drafted: 16,
         }
     }
 }

@@ -147,6 +147,7 @@ impl SpecEngine {
             window: Mutex::new(AcceptWindow::new(
                 settings.accept_window.rounds,
                 settings.window_age(),
+                settings.accept_window.min_drafted,
             )),
             failed: Mutex::new(None),
         });

@@ -5,7 +5,10 @@
 //!
 //! Rounds older than the window's age limit are forgotten, so an engine the
 //! policy stopped using for a low rate becomes *unknown* again after a quiet
-//! spell instead of staying condemned by yesterday's traffic.
+//! spell instead of staying condemned by yesterday's traffic. The rate stays
+//! unknown until the window holds enough drafted tokens to judge by: one
+//! rejected probe (a short request's only draft) would otherwise stop the
+//! policy routing there until the window forgets it.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -27,14 +30,17 @@ pub struct AcceptWindow {
     rounds: VecDeque<Round>,
     max_rounds: usize,
     max_age: Duration,
+    /// Drafted tokens the window must hold before it reports a rate.
+    min_drafted: u64,
 }
 
 impl AcceptWindow {
-    pub fn new(max_rounds: usize, max_age: Duration) -> Self {
+    pub fn new(max_rounds: usize, max_age: Duration, min_drafted: u64) -> Self {
         Self {
             rounds: VecDeque::with_capacity(max_rounds),
             max_rounds: max_rounds.max(1),
             max_age,
+            min_drafted: min_drafted.max(1),
         }
     }
 
@@ -56,7 +62,8 @@ impl AcceptWindow {
         });
     }
 
-    /// Accepted / drafted over the recent rounds; `None` when none drafted.
+    /// Accepted / drafted over the recent rounds; `None` while they drafted
+    /// fewer than the window's `min_drafted` tokens.
     pub fn rate(&mut self) -> Option<f32> {
         self.rate_at(Instant::now())
     }
@@ -83,7 +90,7 @@ impl AcceptWindow {
         let (drafted, accepted) = self.rounds.iter().fold((0u64, 0u64), |(d, a), r| {
             (d + r.drafted as u64, a + r.accepted as u64)
         });
-        (drafted > 0).then(|| accepted as f32 / drafted as f32)
+        (drafted >= self.min_drafted).then(|| accepted as f32 / drafted as f32)
     }
 
     fn speedup_at(&mut self, now: Instant) -> Option<f32> {
@@ -110,7 +117,7 @@ mod tests {
 
     #[test]
     fn rate_over_the_last_rounds_only() {
-        let mut w = AcceptWindow::new(2, Duration::from_secs(60));
+        let mut w = AcceptWindow::new(2, Duration::from_secs(60), 1);
         assert_eq!(w.rate(), None);
         w.record(round(4, 4), MS, 0.001);
         w.record(round(4, 0), MS, 0.001);
@@ -122,8 +129,22 @@ mod tests {
     }
 
     #[test]
+    fn a_rate_waits_for_enough_drafted_tokens() {
+        let mut w = AcceptWindow::new(256, Duration::from_secs(60), 16);
+        // A short request's one rejected probe says nothing yet.
+        w.record(round(1, 0), MS, 0.001);
+        assert_eq!(w.rate(), None);
+        for _ in 0..7 {
+            w.record(round(2, 2), MS, 0.001);
+        }
+        assert_eq!(w.rate(), None, "15 drafted tokens");
+        w.record(round(1, 1), MS, 0.001);
+        assert_eq!(w.rate(), Some(15.0 / 16.0));
+    }
+
+    #[test]
     fn speedup_weighs_tokens_by_what_the_rounds_cost() {
-        let mut w = AcceptWindow::new(8, Duration::from_secs(60));
+        let mut w = AcceptWindow::new(8, Duration::from_secs(60), 1);
         assert_eq!(w.speedup(), None);
         // Plain decode steps: exactly plain speed.
         w.record(round(0, 0), 10 * MS, 0.010);
@@ -136,7 +157,7 @@ mod tests {
 
     #[test]
     fn old_rounds_expire() {
-        let mut w = AcceptWindow::new(16, Duration::from_secs(10));
+        let mut w = AcceptWindow::new(16, Duration::from_secs(10), 1);
         let t0 = Instant::now();
         w.record_at(t0, round(8, 1), MS, 0.001);
         assert_eq!(w.rate_at(t0 + Duration::from_secs(5)), Some(0.125));

@@ -159,7 +159,14 @@ fn dflash_with_a_random_drafter_is_lossless() {
         let t = target(family);
         let drafter = t.drafter("dflash");
         let e = t
-            .engine("dflash", &format!("{{ drafter: {} }}", drafter.display()))
+            .engine(
+                "dflash",
+                // A rate from the first drafted token (by default 16).
+                &format!(
+                    "{{ drafter: {}, accept_window: {{ min_drafted: 1 }} }}",
+                    drafter.display()
+                ),
+            )
             .unwrap();
         let stats = lossless(&t, &e, 40);
         assert!(stats.drafted > 0, "{family}: it drafted");
