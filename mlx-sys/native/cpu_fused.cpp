@@ -266,13 +266,22 @@ class CpuGated : public UnaryPrimitive {
 // `fast::scaled_dot_product_attention` as its composed fallback (the
 // scale's Multiply, a Matmul, the mask's Select, Softmax, another Matmul
 // and their broadcasts and views: about 12 nodes a layer, on one thread).
-// Each (row, head, block of queries) is one item: a query's scores over
-// its keys (lower-right causal and/or a boolean mask), their softmax in
+// Each (row, head, block of queries) is one item: the queries' scores over
+// their keys (lower-right causal and/or a boolean mask), their softmax in
 // float32, and the values' weighted sum. Items go to the product kernel's
 // pool (the stream's thread and the pool's workers) from a few
 // microseconds of work: a decode step's heads from a few dozen positions
 // of context, a prefill chunk's blocks; each item's math is the same
 // whichever thread runs it.
+//
+// A block of queries (a prefill chunk's, a verify's) puts one query in each
+// lane of a vector and walks the keys a tile at a time: a key's scores for
+// every lane are its features broadcast against the queries' (no sums
+// across lanes), the softmax is online (each lane's running maximum and
+// sum, the accumulated values rescaled when the maximum grows), and each
+// value row is read once for all the lanes. One query alone (a decode
+// step's) takes a dot product per key instead. One template of each,
+// instantiated for AVX-512, AVX2+FMA and portable C++ vectors.
 
 // The packed product kernel's path (0 scalar, 1 AVX2+FMA, 2 AVX-512),
 // which `GATEWAY_CPU_KERNEL` caps for both (native/packed_matmul.cpp).
@@ -289,99 +298,417 @@ struct Attention {
   float* out;   // [B, n, H, Dv] in memory
 };
 
-float dot_scalar(const float* a, const float* b, int64_t sb, int d) {
-  float s = 0.0f;
-  for (int i = 0; i < d; ++i) s += a[i] * b[i * sb];
-  return s;
-}
+// Queries per item, so a prefill chunk splits over threads finely enough;
+// the widest vector's lanes.
+constexpr int QUERY_BLOCK = 16;
+// Keys per tile of a block: its scores and its value rows stay in L1.
+constexpr int KEY_TILE = 64;
+// Queries of an item from which the lanes pay for their width (fewer take
+// a dot product per key each).
+constexpr int LANES_FROM = 4;
+constexpr float NONE = -std::numeric_limits<float>::infinity();
+// exp below this is taken as 0 (it is 2e-38: past float's normal range).
+constexpr float EXP_FLOOR = -86.0f;
 
-void axpy_scalar(float* y, float p, const float* x, int64_t sx, int d) {
-  for (int i = 0; i < d; ++i) y[i] += p * x[i * sx];
-}
+// Per thread: a block's queries, scores, allowed keys and accumulated
+// values (lane-major), and one query's scores and sums.
+struct Scratch {
+  std::vector<float> q, s, o, scores, acc;
+  std::vector<uint8_t> allowed;
+
+  void fit(const Attention& a) {
+    q.resize(size_t(a.D) * QUERY_BLOCK);
+    s.resize(size_t(KEY_TILE) * QUERY_BLOCK);
+    o.resize(size_t(a.Dv) * QUERY_BLOCK);
+    allowed.resize(size_t(KEY_TILE) * QUERY_BLOCK);
+    scores.resize(size_t(a.T) + QUERY_BLOCK);
+    acc.resize(a.Dv);
+  }
+};
+
+#if defined(__GNUC__) && !defined(__clang__)
+// The vector types pass by value only inside the target-specific wrappers
+// that inline them (`flatten`); GCC warns of the ABI at the end of the file.
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
+// Portable C++: eight lanes the compiler vectorizes as it can.
+struct Portable {
+  static constexpr int L = 8, KEYS = 8, DIMS = 8;
+  using Each = Portable;  // the vectors of one query's dot products
+  struct T {
+    float v[L];
+  };
+  template <class F>
+  static T each(F f) {
+    T r;
+    for (int i = 0; i < L; ++i) r.v[i] = f(i);
+    return r;
+  }
+  static T set1(float x) { return each([&](int) { return x; }); }
+  static T zero() { return set1(0.0f); }
+  static T load(const float* p) { return each([&](int i) { return p[i]; }); }
+  static void store(float* p, T a) { std::memcpy(p, a.v, sizeof a.v); }
+  static T add(T a, T b) { return each([&](int i) { return a.v[i] + b.v[i]; }); }
+  static T sub(T a, T b) { return each([&](int i) { return a.v[i] - b.v[i]; }); }
+  static T mul(T a, T b) { return each([&](int i) { return a.v[i] * b.v[i]; }); }
+  static T max(T a, T b) { return each([&](int i) { return std::max(a.v[i], b.v[i]); }); }
+  static T fmadd(T a, T b, T c) { return each([&](int i) { return a.v[i] * b.v[i] + c.v[i]; }); }
+  static T round(T a) { return each([&](int i) { return std::nearbyint(a.v[i]); }); }
+  static T scale2(T p, T n) { return each([&](int i) { return std::ldexp(p.v[i], int(n.v[i])); }); }
+  static T zero_below(T x, float lim, T y) {
+    return each([&](int i) { return x.v[i] >= lim ? y.v[i] : 0.0f; });
+  }
+  static T none_below(T s, int first) { return each([&](int i) { return i < first ? NONE : s.v[i]; }); }
+  static T none_where_not(T s, const uint8_t* allowed) {
+    return each([&](int i) { return allowed[i] ? s.v[i] : NONE; });
+  }
+  static float sum(T a) {
+    float s = 0.0f;
+    for (int i = 0; i < L; ++i) s += a.v[i];
+    return s;
+  }
+};
 
 #if defined(__x86_64__)
-__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int d) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 16 <= d; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+#define AVX2_TARGET "avx2,fma,f16c"
+#define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
+
+struct Avx2 {
+  static constexpr int L = 8, KEYS = 6, DIMS = 8;
+  using Each = Avx2;
+  using T = __m256;
+  __attribute__((target(AVX2_TARGET))) static T set1(float x) { return _mm256_set1_ps(x); }
+  __attribute__((target(AVX2_TARGET))) static T zero() { return _mm256_setzero_ps(); }
+  __attribute__((target(AVX2_TARGET))) static T load(const float* p) { return _mm256_loadu_ps(p); }
+  __attribute__((target(AVX2_TARGET))) static void store(float* p, T a) { _mm256_storeu_ps(p, a); }
+  __attribute__((target(AVX2_TARGET))) static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  __attribute__((target(AVX2_TARGET))) static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  __attribute__((target(AVX2_TARGET))) static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  __attribute__((target(AVX2_TARGET))) static T max(T a, T b) { return _mm256_max_ps(a, b); }
+  __attribute__((target(AVX2_TARGET))) static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  __attribute__((target(AVX2_TARGET))) static T round(T a) {
+    return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
-  for (; i + 8 <= d; i += 8)
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-  __m256 acc = _mm256_add_ps(acc0, acc1);
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-  float s = _mm_cvtss_f32(h);
+  // p * 2^n through the exponent field: n >= -125 and p in [0.5, 2) here.
+  __attribute__((target(AVX2_TARGET))) static T scale2(T p, T n) {
+    const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+  }
+  __attribute__((target(AVX2_TARGET))) static T zero_below(T x, float lim, T y) {
+    return _mm256_and_ps(_mm256_cmp_ps(x, set1(lim), _CMP_GE_OQ), y);
+  }
+  __attribute__((target(AVX2_TARGET))) static T none_below(T s, int first) {
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_blendv_ps(s, set1(NONE), _mm256_cmp_ps(lane, set1(float(first)), _CMP_LT_OQ));
+  }
+  __attribute__((target(AVX2_TARGET))) static T none_where_not(T s, const uint8_t* allowed) {
+    const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(allowed)));
+    const __m256i off = _mm256_cmpeq_epi32(w, _mm256_setzero_si256());
+    return _mm256_blendv_ps(s, set1(NONE), _mm256_castsi256_ps(off));
+  }
+  __attribute__((target(AVX2_TARGET))) static float sum(T a) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+    return _mm_cvtss_f32(h);
+  }
+};
+
+struct Avx512 {
+  static constexpr int L = 16, KEYS = 8, DIMS = 16;
+  // One query's dot products and sums in 8 lanes: in 16, a decode step
+  // was 1.4x slower (the sums across a vector, one accumulator row).
+  using Each = Avx2;
+  using T = __m512;
+  __attribute__((target(AVX512_TARGET))) static T set1(float x) { return _mm512_set1_ps(x); }
+  __attribute__((target(AVX512_TARGET))) static T zero() { return _mm512_setzero_ps(); }
+  __attribute__((target(AVX512_TARGET))) static T load(const float* p) { return _mm512_loadu_ps(p); }
+  __attribute__((target(AVX512_TARGET))) static void store(float* p, T a) { _mm512_storeu_ps(p, a); }
+  __attribute__((target(AVX512_TARGET))) static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  __attribute__((target(AVX512_TARGET))) static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  __attribute__((target(AVX512_TARGET))) static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  __attribute__((target(AVX512_TARGET))) static T max(T a, T b) { return _mm512_max_ps(a, b); }
+  __attribute__((target(AVX512_TARGET))) static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  __attribute__((target(AVX512_TARGET))) static T round(T a) {
+    return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  __attribute__((target(AVX512_TARGET))) static T scale2(T p, T n) { return _mm512_scalef_ps(p, n); }
+  __attribute__((target(AVX512_TARGET))) static T zero_below(T x, float lim, T y) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, set1(lim), _CMP_GE_OQ), y);
+  }
+  __attribute__((target(AVX512_TARGET))) static T none_below(T s, int first) {
+    const __mmask16 below = first >= L ? 0xffff : __mmask16((1u << first) - 1);
+    return _mm512_mask_mov_ps(s, below, set1(NONE));
+  }
+  __attribute__((target(AVX512_TARGET))) static T none_where_not(T s, const uint8_t* allowed) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(allowed));
+    return _mm512_mask_mov_ps(set1(NONE), _mm_test_epi8_mask(b, b), s);
+  }
+  __attribute__((target(AVX512_TARGET))) static float sum(T a) { return _mm512_reduce_add_ps(a); }
+};
+#endif
+
+// exp(x) for x <= 0, 0 below EXP_FLOOR: x = n ln2 + r with |r| <= ln2 / 2
+// (ln2 in two parts so n ln2 is exact), exp(r) by Cephes' `expf`
+// polynomial (within about 1 unit in the last place), times 2^n.
+template <class V>
+inline typename V::T exp_nonpositive(const typename V::T& x) {
+  const auto xc = V::max(x, V::set1(EXP_FLOOR));
+  const auto n = V::round(V::mul(xc, V::set1(1.44269504088896341f)));
+  auto r = V::fmadd(n, V::set1(-0.693359375f), xc);
+  r = V::fmadd(n, V::set1(2.12194440e-4f), r);
+  auto p = V::set1(1.9875691500e-4f);
+  p = V::fmadd(p, r, V::set1(1.3981999507e-3f));
+  p = V::fmadd(p, r, V::set1(8.3334519073e-3f));
+  p = V::fmadd(p, r, V::set1(4.1665795894e-2f));
+  p = V::fmadd(p, r, V::set1(1.6666665459e-1f));
+  p = V::fmadd(p, r, V::set1(5.0000001201e-1f));
+  p = V::fmadd(p, V::mul(r, r), V::add(r, V::set1(1.0f)));
+  return V::zero_below(x, EXP_FLOOR, V::scale2(p, n));
+}
+
+template <class V>
+inline float dot(const float* a, const float* b, int d) {
+  constexpr int L = V::L;
+  auto acc0 = V::zero(), acc1 = V::zero();
+  int i = 0;
+  for (; i + 2 * L <= d; i += 2 * L) {
+    acc0 = V::fmadd(V::load(a + i), V::load(b + i), acc0);
+    acc1 = V::fmadd(V::load(a + i + L), V::load(b + i + L), acc1);
+  }
+  for (; i + L <= d; i += L) acc0 = V::fmadd(V::load(a + i), V::load(b + i), acc0);
+  float s = V::sum(V::add(acc0, acc1));
   for (; i < d; ++i) s += a[i] * b[i];
   return s;
 }
 
-__attribute__((target("avx2,fma"))) void axpy_avx2(float* y, float p, const float* x, int d) {
-  const __m256 pv = _mm256_set1_ps(p);
+template <class V>
+inline void axpy(float* y, float p, const float* x, int d) {
+  constexpr int L = V::L;
+  const auto pv = V::set1(p);
   int i = 0;
-  for (; i + 8 <= d; i += 8)
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i + L <= d; i += L) V::store(y + i, V::fmadd(pv, V::load(x + i), V::load(y + i)));
   for (; i < d; ++i) y[i] += p * x[i];
 }
-#endif
 
-// Queries [q0, q1) of head h of row b.
-void attend(const Attention& a, int b, int h, int q0, int q1, bool simd) {
-  thread_local std::vector<float> qrow, acc, scores;
-  qrow.resize(a.D);
-  acc.resize(a.Dv);
-  scores.resize(a.T);
-  const int kh = h / (a.H / a.KH);
-  const float* kb = a.k + b * a.ks[0] + kh * a.ks[1];
-  const float* vb = a.v + b * a.vs[0] + kh * a.vs[1];
+inline const float* key_base(const Attention& a, int b, int h, const float* base, const int64_t* s) {
+  return base + b * s[0] + h / (a.H / a.KH) * s[1];
+}
+
+inline float* out_row(const Attention& a, int b, int h, int i) {
+  return a.out + ((int64_t(b) * a.n + i) * a.H + h) * a.Dv;
+}
+
+// Queries [q0, q1) of head h of row b, one at a time: the scores, their
+// exponentials a vector at a time, the values' weighted sum.
+template <class V>
+void attend_each(const Attention& a, int b, int h, int q0, int q1, Scratch& w) {
+  constexpr int L = V::L;
+  const float* kb = key_base(a, b, h, a.k, a.ks);
+  const float* vb = key_base(a, b, h, a.v, a.vs);
   const bool k_dense = a.ks[3] == 1, v_dense = a.vs[3] == 1;
-  constexpr float none = -std::numeric_limits<float>::infinity();
+  float* qrow = w.q.data();
+  float* scores = w.scores.data();
+  float* acc = w.acc.data();
   for (int i = q0; i < q1; ++i) {
     const float* qp = a.q + b * a.qs[0] + h * a.qs[1] + i * a.qs[2];
     for (int d = 0; d < a.D; ++d) qrow[d] = qp[d * a.qs[3]] * a.scale;
     const int end = a.causal ? std::min(a.T, a.T - a.n + i + 1) : a.T;
     const bool* mrow = a.mask ? a.mask + b * a.ms[0] + h * a.ms[1] + i * a.ms[2] : nullptr;
-    float top = none;
+    float top = NONE;
     for (int j = 0; j < end; ++j) {
       if (mrow && !mrow[j * a.ms[3]]) {
-        scores[j] = none;
+        scores[j] = NONE;
         continue;
       }
       const float* kr = kb + j * a.ks[2];
-#if defined(__x86_64__)
-      const float s = simd && k_dense ? dot_avx2(qrow.data(), kr, a.D)
-                                      : dot_scalar(qrow.data(), kr, a.ks[3], a.D);
-#else
-      const float s = dot_scalar(qrow.data(), kr, a.ks[3], a.D);
-#endif
+      float s;
+      if (k_dense) {
+        s = dot<V>(qrow, kr, a.D);
+      } else {
+        s = 0.0f;
+        for (int d = 0; d < a.D; ++d) s += qrow[d] * kr[d * a.ks[3]];
+      }
       scores[j] = s;
       top = std::max(top, s);
     }
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    float* y = a.out + ((int64_t(b) * a.n + i) * a.H + h) * a.Dv;
-    if (top == none) {  // every key masked: nothing to attend to
-      std::copy(acc.begin(), acc.end(), y);
+    float* y = out_row(a, b, h, i);
+    if (top == NONE) {  // every key masked: nothing to attend to
+      std::fill(y, y + a.Dv, 0.0f);
       continue;
     }
-    float sum = 0.0f;
-    for (int j = 0; j < end; ++j) {
-      if (scores[j] == none) continue;
-      const float p = std::exp(scores[j] - top);
-      sum += p;
-      const float* vr = vb + j * a.vs[2];
-#if defined(__x86_64__)
-      if (simd && v_dense) {
-        axpy_avx2(acc.data(), p, vr, a.Dv);
-        continue;
-      }
-#endif
-      axpy_scalar(acc.data(), p, vr, a.vs[3], a.Dv);
+    // Whole vectors: the tail's lanes past `end` are masked.
+    const int padded = (end + L - 1) / L * L;
+    std::fill(scores + end, scores + padded, NONE);
+    auto sums = V::zero();
+    for (int j = 0; j < padded; j += L) {
+      const auto p = exp_nonpositive<V>(V::sub(V::load(scores + j), V::set1(top)));
+      V::store(scores + j, p);
+      sums = V::add(sums, p);
     }
-    const float inv = 1.0f / sum;
+    std::fill(acc, acc + a.Dv, 0.0f);
+    for (int j = 0; j < end; ++j) {
+      const float p = scores[j];
+      if (p == 0.0f) continue;
+      const float* vr = vb + j * a.vs[2];
+      if (v_dense) {
+        axpy<V>(acc, p, vr, a.Dv);
+      } else {
+        for (int d = 0; d < a.Dv; ++d) acc[d] += p * vr[d * a.vs[3]];
+      }
+    }
+    const float inv = 1.0f / V::sum(sums);
     for (int d = 0; d < a.Dv; ++d) y[d] = acc[d] * inv;
   }
+}
+
+// Queries [g0, g1) (at most L) of head h of row b in the lanes of a
+// vector, over tiles of keys with an online softmax. `Dense`: k's and v's
+// features adjacent (the cache's layout), so offsets within a row are
+// constants.
+template <class V, bool Dense>
+void attend_lanes(const Attention& a, int b, int h, int g0, int g1, Scratch& w) {
+  using T = typename V::T;
+  constexpr int L = V::L;
+  const int lanes = g1 - g0;
+  const float* kb = key_base(a, b, h, a.k, a.ks);
+  const float* vb = key_base(a, b, h, a.v, a.vs);
+  const int64_t kj = a.ks[2], vj = a.vs[2];
+  const int64_t kd = Dense ? 1 : a.ks[3], vd = Dense ? 1 : a.vs[3];
+  float *qt = w.q.data(), *st = w.s.data(), *ot = w.o.data();
+  uint8_t* allowed = w.allowed.data();
+  // Feature d of every lane's query side by side (scaled; idle lanes 0).
+  for (int d = 0; d < a.D; ++d)
+    for (int i = 0; i < L; ++i)
+      qt[d * L + i] = i < lanes ? a.q[b * a.qs[0] + h * a.qs[1] + (g0 + i) * a.qs[2] + d * a.qs[3]] * a.scale
+                                : 0.0f;
+  std::fill(ot, ot + size_t(a.Dv) * L, 0.0f);
+  // Causal: lane i sees keys up to `last + i`; none of the lanes past
+  // `last + lanes - 1`.
+  const int last = a.T - a.n + g0;
+  const int end = a.causal ? std::min(a.T, last + lanes) : a.T;
+  T top = V::set1(NONE), total = V::zero();
+  for (int j0 = 0; j0 < end; j0 += KEY_TILE) {
+    const int tk = std::min(KEY_TILE, end - j0);
+    // Scores: key j's features broadcast against the lanes', KEYS keys at
+    // a time.
+    int jj = 0;
+    for (; jj + V::KEYS <= tk; jj += V::KEYS) {
+      T acc[V::KEYS];
+      for (int r = 0; r < V::KEYS; ++r) acc[r] = V::zero();
+      const float* kr = kb + (j0 + jj) * kj;
+      for (int d = 0; d < a.D; ++d) {
+        const T qv = V::load(qt + d * L);
+        for (int r = 0; r < V::KEYS; ++r) acc[r] = V::fmadd(V::set1(kr[r * kj + d * kd]), qv, acc[r]);
+      }
+      for (int r = 0; r < V::KEYS; ++r) V::store(st + (jj + r) * L, acc[r]);
+    }
+    for (; jj < tk; ++jj) {
+      T acc = V::zero();
+      const float* kr = kb + (j0 + jj) * kj;
+      for (int d = 0; d < a.D; ++d) acc = V::fmadd(V::set1(kr[d * kd]), V::load(qt + d * L), acc);
+      V::store(st + jj * L, acc);
+    }
+    if (a.mask) {
+      for (int j = 0; j < tk; ++j)
+        for (int i = 0; i < L; ++i)
+          allowed[j * L + i] =
+              i < lanes && a.mask[b * a.ms[0] + h * a.ms[1] + (g0 + i) * a.ms[2] + (j0 + j) * a.ms[3]];
+    }
+    // Masks, then the tile's maximum per lane.
+    T tile_top = V::set1(NONE);
+    for (int j = 0; j < tk; ++j) {
+      T s = V::load(st + j * L);
+      if (a.causal && j0 + j > last) s = V::none_below(s, j0 + j - last);
+      if (a.mask) s = V::none_where_not(s, allowed + j * L);
+      V::store(st + j * L, s);
+      tile_top = V::max(tile_top, s);
+    }
+    // Online softmax: exponents from the new maximum (a finite stand-in
+    // where a lane has seen only masked keys), the sums and accumulated
+    // values so far rescaled to it.
+    const T new_top = V::max(top, tile_top);
+    const T from = V::max(new_top, V::set1(-std::numeric_limits<float>::max()));
+    const T rescale = exp_nonpositive<V>(V::sub(top, from));
+    top = new_top;
+    T sum = V::zero();
+    for (int j = 0; j < tk; ++j) {
+      const T p = exp_nonpositive<V>(V::sub(V::load(st + j * L), from));
+      V::store(st + j * L, p);
+      sum = V::add(sum, p);
+    }
+    total = V::fmadd(total, rescale, sum);
+    // Values: DIMS features of every lane's sum at a time, each value
+    // feature broadcast against the lanes' weights.
+    int d0 = 0;
+    for (; d0 + V::DIMS <= a.Dv; d0 += V::DIMS) {
+      T acc[V::DIMS];
+      for (int r = 0; r < V::DIMS; ++r) acc[r] = V::mul(V::load(ot + (d0 + r) * L), rescale);
+      for (int j = 0; j < tk; ++j) {
+        const T p = V::load(st + j * L);
+        const float* vr = vb + (j0 + j) * vj + d0 * vd;
+        for (int r = 0; r < V::DIMS; ++r) acc[r] = V::fmadd(V::set1(vr[r * vd]), p, acc[r]);
+      }
+      for (int r = 0; r < V::DIMS; ++r) V::store(ot + (d0 + r) * L, acc[r]);
+    }
+    for (; d0 < a.Dv; ++d0) {
+      T acc = V::mul(V::load(ot + d0 * L), rescale);
+      for (int j = 0; j < tk; ++j)
+        acc = V::fmadd(V::set1(vb[(j0 + j) * vj + d0 * vd]), V::load(st + j * L), acc);
+      V::store(ot + d0 * L, acc);
+    }
+  }
+  float sums[L];
+  V::store(sums, total);
+  for (int i = 0; i < lanes; ++i) {
+    // Every key masked: nothing to attend to.
+    const float inv = sums[i] > 0.0f ? 1.0f / sums[i] : 0.0f;
+    float* y = out_row(a, b, h, g0 + i);
+    for (int d = 0; d < a.Dv; ++d) y[d] = ot[d * L + i] * inv;
+  }
+}
+
+template <class V>
+inline void attend(const Attention& a, int b, int h, int q0, int q1, Scratch& w) {
+  if (q1 - q0 < LANES_FROM) return attend_each<typename V::Each>(a, b, h, q0, q1, w);
+  const bool dense = a.ks[3] == 1 && a.vs[3] == 1;
+  for (int g = q0; g < q1; g += V::L) {
+    if (dense) {
+      attend_lanes<V, true>(a, b, h, g, std::min(q1, g + V::L), w);
+    } else {
+      attend_lanes<V, false>(a, b, h, g, std::min(q1, g + V::L), w);
+    }
+  }
+}
+
+// One function per path; `flatten` inlines the vector operations into
+// the wrapper that has their instruction set.
+using AttendFn = void (*)(const Attention&, int, int, int, int, Scratch&);
+
+void attend_portable(const Attention& a, int b, int h, int q0, int q1, Scratch& w) {
+  attend<Portable>(a, b, h, q0, q1, w);
+}
+
+#if defined(__x86_64__)
+__attribute__((target(AVX2_TARGET), flatten)) void attend_avx2(const Attention& a, int b, int h,
+                                                               int q0, int q1, Scratch& w) {
+  attend<Avx2>(a, b, h, q0, q1, w);
+}
+
+__attribute__((target(AVX512_TARGET), flatten)) void attend_avx512(const Attention& a, int b,
+                                                                   int h, int q0, int q1,
+                                                                   Scratch& w) {
+  attend<Avx512>(a, b, h, q0, q1, w);
+}
+#endif
+
+AttendFn attend_path(int kernel) {
+#if defined(__x86_64__)
+  if (kernel >= 2) return attend_avx512;
+  if (kernel == 1) return attend_avx2;
+#endif
+  return attend_portable;
 }
 
 // The product kernel's pool (packed_matmul.cpp), whose workers wait hot
@@ -394,12 +721,9 @@ extern "C" void mlx_sys_cpu_parallel(int64_t n, int64_t chunk,
 // about one. A decode step's heads take it from a few dozen positions on.
 constexpr int64_t THREADED_WORK = int64_t(1) << 15;
 
-// Queries per item, so a prefill chunk splits over threads finely enough.
-constexpr int QUERY_BLOCK = 16;
-
 struct AttentionCall {
   const Attention& a;
-  bool simd;
+  AttendFn attend;
   int blocks;
   int64_t items;
 
@@ -407,16 +731,18 @@ struct AttentionCall {
   // grow with its index, and taking the largest first evens the threads'
   // shares.
   void run(int64_t i) const {
+    thread_local Scratch scratch;
+    scratch.fit(a);
     const int64_t item = items - 1 - i;
     const int blk = int(item % blocks);
     const int h = int(item / blocks % a.H), b = int(item / blocks / a.H);
-    attend(a, b, h, blk * QUERY_BLOCK, std::min(a.n, (blk + 1) * QUERY_BLOCK), simd);
+    attend(a, b, h, blk * QUERY_BLOCK, std::min(a.n, (blk + 1) * QUERY_BLOCK), scratch);
   }
 };
 
-void attention(const Attention& a, bool simd) {
+void attention(const Attention& a, int kernel) {
   const int blocks = (a.n + QUERY_BLOCK - 1) / QUERY_BLOCK;
-  const AttentionCall call{a, simd, blocks, int64_t(a.B) * a.H * blocks};
+  const AttentionCall call{a, attend_path(kernel), blocks, int64_t(a.B) * a.H * blocks};
   const int64_t work = int64_t(a.B) * a.H * a.n * a.T * (a.D + a.Dv);
   if (work < THREADED_WORK) {
     for (int64_t i = 0; i < call.items; ++i) call.run(i);
@@ -442,7 +768,7 @@ class CpuAttention : public UnaryPrimitive {
     Strides strides{n * H * Dv, Dv, H * Dv, 1};
     run_on_encoder(
         stream(), inputs, out,
-        [scale = scale_, causal = causal_, has_mask = has_mask_, simd = kernel_ >= 1](
+        [scale = scale_, causal = causal_, has_mask = has_mask_, kernel = kernel_](
             const std::vector<array>& weak, array& out) {
           const array &q = weak[0], &k = weak[1], &v = weak[2];
           Attention a{};
@@ -469,7 +795,7 @@ class CpuAttention : public UnaryPrimitive {
           a.scale = scale;
           a.causal = causal;
           a.out = out.data<float>();
-          attention(a, simd);
+          attention(a, kernel);
         },
         std::move(strides));
   }

@@ -164,9 +164,17 @@ fn attention_matches_mlx_on_every_path() {
     // (rows, heads, kv heads, queries, keys, head width): decode steps over
     // short and long contexts, batched rows, a verify's block, prefill
     // chunks with and without a cached prefix (long enough that threads
-    // take them), GQA ratios 1 to 8, head widths the families use and odd
-    // ones.
+    // take them; the default model's 249-token chunk at the prompt's start
+    // and after 747 positions), GQA ratios 1 to 8, head widths the
+    // families use and odd ones. Blocks of 4 and more queries take the
+    // lanes (16 a vector on AVX-512, 8 elsewhere) over tiles of 64 keys:
+    // counts of queries and keys that fill neither, and 3 queries, which
+    // take a dot product per key.
     let shapes = [
+        (1, 9, 3, 249, 249, 64),
+        (1, 9, 3, 249, 996, 64),
+        (1, 4, 1, 70, 133, 128),
+        (2, 8, 4, 4, 67, 64),
         (1, 9, 3, 1, 1, 64),
         (1, 9, 3, 1, 300, 64),
         (1, 9, 3, 1, 2000, 64),
@@ -212,10 +220,15 @@ fn attention_matches_mlx_on_every_path() {
             for &kernel in &kernels {
                 let got = cpu_fused::attention(&q, &k, &v, scale, seen, Some(kernel)).unwrap();
                 // A weighted mean of the values: the same float32 scores
-                // summed in another order, exp from another library, and
-                // the division after the sum rather than before it. Up to
-                // 8 units in the last place of the largest value here
-                // (300 keys of width 256), whatever the number of keys.
+                // summed in another order, exp a polynomial within about 1
+                // unit in the last place (the libm's within 0.5), the
+                // online softmax's rescaling of a block's sums by exp of
+                // the change in its maximum (one more rounding each time
+                // it grows), and the division after the sum rather than
+                // before it. Each is a few units of the weights, which sum
+                // to 1, so of the largest value, whatever the number of
+                // keys: 16 is twice the most a query-at-a-time kernel
+                // showed here (8: 300 keys of width 256).
                 close_within(
                     16.0,
                     &got,
@@ -223,6 +236,35 @@ fn attention_matches_mlx_on_every_path() {
                     &format!("{what}, {b}x{h}/{kvh} heads, {n} of {t} keys, width {d}, {kernel:?}"),
                 );
             }
+        }
+    }
+}
+
+#[test]
+fn attention_reads_keys_whose_features_are_apart() {
+    // k and v as transposed views (each feature of a key a row apart), so
+    // every path reads them through their strides, not as adjacent floats.
+    let (b, h, kvh, n, t, d) = (1, 4, 2, 20, 90, 64);
+    let [q, _, _] = attention_inputs(b, h, kvh, n, t, d);
+    let apart = |s| normal(&[b, kvh, d, t], s).transpose_axes(&[0, 1, 3, 2]).unwrap();
+    let (k, v) = (apart(11), apart(12));
+    let scale = 0.125;
+    let want = fast::scaled_dot_product_attention(
+        &q,
+        &k,
+        &v,
+        scale,
+        ScaledDotProductAttentionMask::Causal,
+        None,
+    )
+    .unwrap();
+    for kernel in CpuKernel::runnable() {
+        for queries in [1, n] {
+            let q = q.try_index((.., .., (n - queries)..)).unwrap();
+            let want = want.try_index((.., .., (n - queries)..)).unwrap();
+            let got =
+                cpu_fused::attention(&q, &k, &v, scale, &KeysSeen::Causal, Some(kernel)).unwrap();
+            close_within(16.0, &got, &want, &format!("{queries} queries, {kernel:?}"));
         }
     }
 }
