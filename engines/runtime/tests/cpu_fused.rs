@@ -246,7 +246,11 @@ fn attention_reads_keys_whose_features_are_apart() {
     // every path reads them through their strides, not as adjacent floats.
     let (b, h, kvh, n, t, d) = (1, 4, 2, 20, 90, 64);
     let [q, _, _] = attention_inputs(b, h, kvh, n, t, d);
-    let apart = |s| normal(&[b, kvh, d, t], s).transpose_axes(&[0, 1, 3, 2]).unwrap();
+    let apart = |s| {
+        normal(&[b, kvh, d, t], s)
+            .transpose_axes(&[0, 1, 3, 2])
+            .unwrap()
+    };
     let (k, v) = (apart(11), apart(12));
     let scale = 0.125;
     let want = fast::scaled_dot_product_attention(
