@@ -157,6 +157,23 @@ fn attention_inputs(b: i32, h: i32, kvh: i32, n: i32, t: i32, d: i32) -> [Array;
     [q, cache(seed + 1), cache(seed + 2)]
 }
 
+/// MLX's own attention over the keys `seen` says: the reference.
+fn mlx_attention(q: &Array, k: &Array, v: &Array, scale: f32, seen: &KeysSeen) -> Array {
+    match seen {
+        KeysSeen::All => fast::scaled_dot_product_attention(q, k, v, scale, None, None),
+        KeysSeen::Causal => fast::scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            scale,
+            ScaledDotProductAttentionMask::Causal,
+            None,
+        ),
+        KeysSeen::Mask(m) => fast::scaled_dot_product_attention(q, k, v, scale, m, None),
+    }
+    .unwrap()
+}
+
 #[test]
 fn attention_matches_mlx_on_every_path() {
     let kernels = CpuKernel::runnable();
@@ -203,19 +220,7 @@ fn attention_matches_mlx_on_every_path() {
             ("windowed mask", KeysSeen::Mask(windowed)),
         ];
         for (what, seen) in &cases {
-            let want = match seen {
-                KeysSeen::All => fast::scaled_dot_product_attention(&q, &k, &v, scale, None, None),
-                KeysSeen::Causal => fast::scaled_dot_product_attention(
-                    &q,
-                    &k,
-                    &v,
-                    scale,
-                    ScaledDotProductAttentionMask::Causal,
-                    None,
-                ),
-                KeysSeen::Mask(m) => fast::scaled_dot_product_attention(&q, &k, &v, scale, m, None),
-            }
-            .unwrap();
+            let want = mlx_attention(&q, &k, &v, scale, seen);
             assert!(cpu_fused::takes_attention(&q, &k, &v, seen));
             for &kernel in &kernels {
                 let got = cpu_fused::attention(&q, &k, &v, scale, seen, Some(kernel)).unwrap();
@@ -253,15 +258,7 @@ fn attention_reads_keys_whose_features_are_apart() {
     };
     let (k, v) = (apart(11), apart(12));
     let scale = 0.125;
-    let want = fast::scaled_dot_product_attention(
-        &q,
-        &k,
-        &v,
-        scale,
-        ScaledDotProductAttentionMask::Causal,
-        None,
-    )
-    .unwrap();
+    let want = mlx_attention(&q, &k, &v, scale, &KeysSeen::Causal);
     for kernel in CpuKernel::runnable() {
         for queries in [1, n] {
             let q = q.try_index((.., .., (n - queries)..)).unwrap();
@@ -280,15 +277,7 @@ fn attention_output_reads_as_heads_side_by_side() {
     // right, as must any op that reads it as it is.
     let [q, k, v] = attention_inputs(2, 4, 2, 3, 9, 64);
     let got = cpu_fused::attention(&q, &k, &v, 0.125, &KeysSeen::Causal, None).unwrap();
-    let want = fast::scaled_dot_product_attention(
-        &q,
-        &k,
-        &v,
-        0.125,
-        ScaledDotProductAttentionMask::Causal,
-        None,
-    )
-    .unwrap();
+    let want = mlx_attention(&q, &k, &v, 0.125, &KeysSeen::Causal);
     let flat = |a: &Array| {
         a.transpose_axes(&[0, 2, 1, 3])
             .unwrap()
