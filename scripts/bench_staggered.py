@@ -9,7 +9,7 @@ span and the 1-minute load average around it, one JSON line per run (also
 appended to --out).
 
     .mlx/venv/bin/python scripts/bench_staggered.py \\
-        --build main=/work/main/target/release --build branch=target/release \\
+        --build main=<main's target/release> --build branch=target/release \\
         --config bench-batched.yaml --pairs 3 --out docs/bench/staggered/cpu.jsonl
 
 The config should name the model and route every request to the engine
