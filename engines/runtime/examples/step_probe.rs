@@ -11,6 +11,12 @@
 //!         [--context 128] [--steps 32] [--rows 1,16,64] [--verify 2,8] \
 //!         [--prefill 256] [--paged] [--histogram] [--masked]
 //!
+//! The engines under config.yaml keep contiguous KV (`kv_layout:
+//! contiguous`), which is what this measures without `--paged`; a verify of
+//! k drafts is `--verify k+1` (the newest token and the drafts). Build the
+//! example with the tree it measures: a stale binary times the kernels it
+//! was built with.
+//!
 //! `--histogram` also prints each shape's operations by primitive;
 //! `--masked` gives attention mask arrays and MLX's kernels instead of the
 //! ragged kernel (a paged single row then reads a gathered copy).
