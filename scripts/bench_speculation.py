@@ -20,7 +20,7 @@ every server in a rotating order, so each server decodes the same text
 (counted: requests whose texts differ between servers, 0 when every
 engine samples alike) and load hits them alike; prints each server's
 tokens over its summed request time, as a ratio to batched.
-`--compare DIR` adds a fourth server, `lookup@DIR`: the lookup gateway of
+With it, `--compare DIR` adds a fourth server, `lookup@DIR`: the lookup gateway of
 another build (its `gateway` and plugins), for a build-against-build
 ratio of the same requests.
 
@@ -162,7 +162,7 @@ def main():
     a = args()
     a.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-speculation-"))
-    names = SERVERS + ([f"lookup@{a.compare}"] if a.compare else [])
+    names = SERVERS + ([f"lookup@{a.compare}"] if a.paired and a.compare else [])
     servers = {s: start(a, s, work) for s in names}
     if a.paired:
         try:
