@@ -14,6 +14,16 @@ p50: the rate after the first token).
     .mlx/venv/bin/python scripts/bench_speculation.py [--bin-dir target/release --reps 2 \\
         --levels 1,4,16 --temperatures 0,0.7 --prompts bench/prompts/quoting.jsonl,mixed --output-len 96]
 
+`--paired SEEDS` measures one request at a time instead: each prompt of
+each set with seeds 0..SEEDS-1 at each temperature, the same request to
+every server in a rotating order, so each server decodes the same text
+(counted: requests whose texts differ between servers, 0 when every
+engine samples alike) and load hits them alike; prints each server's
+tokens over its summed request time, as a ratio to batched.
+With it, `--compare DIR` adds a fourth server, `lookup@DIR`: the lookup gateway of
+another build (its `gateway` and plugins), for a build-against-build
+ratio of the same requests.
+
 `--bin-dir` holds `gateway`, its engine plugins and `bench` (cargo build
 --release -p gateway -p engine-batched -p engine-fastpath -p engine-dflash -p bench).
 """
@@ -44,6 +54,8 @@ def args():
     p.add_argument("--prompts", default=str(ROOT / "bench/prompts/quoting.jsonl") + ",mixed")
     p.add_argument("--output-len", type=int, default=96)
     p.add_argument("--out", type=Path, default=ROOT / "target" / "bench-speculation")
+    p.add_argument("--paired", type=int, default=0, metavar="SEEDS")
+    p.add_argument("--compare", type=Path, metavar="DIR")
     return p.parse_args()
 
 
@@ -68,12 +80,15 @@ def free_port():
 
 def start(a, server, work):
     port = free_port()
+    server, _, bin_dir = server.partition("@")
     cfg = config(server)
     cfg["server"]["port"] = port
-    path = work / f"{server}.yaml"
+    name = server + ("-compared" if bin_dir else "")
+    path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    log = open(work / f"{server}.log", "w")
-    proc = subprocess.Popen([str(a.bin_dir / "gateway"), "serve", "--config", str(path)], stdout=log, stderr=log)
+    log = open(work / f"{name}.log", "w")
+    gateway = Path(bin_dir or a.bin_dir) / "gateway"
+    proc = subprocess.Popen([str(gateway), "serve", "--config", str(path)], stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -95,11 +110,67 @@ def run(a, url, label, prompts, temperature, level, out):
     return (level["output_tok_s"], 1000.0 / level["tpot_ms"]["p50"]), level.get("engines", {})
 
 
+def chat(url, model, prompt, seed, temperature, output_len):
+    """One chat request; its time and the answer's tokens and text."""
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+            "temperature": temperature, "seed": seed, "max_tokens": output_len}
+    request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    start = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=600) as r:
+        answer = json.loads(r.read())
+    return time.perf_counter() - start, answer["usage"]["completion_tokens"], answer["choices"][0]["message"]["content"]
+
+
+def prompt_texts(prompts):
+    """A prompt set's texts: a JSONL file's `prompt` fields, or `bench`'s bundled set by name."""
+    if Path(prompts).is_file():
+        return [json.loads(line)["prompt"] for line in Path(prompts).read_text().splitlines() if line.strip()]
+    sys.exit("--paired takes prompt files (JSONL with a `prompt` field each)")
+
+
+def paired(a, servers):
+    """`--paired`: the same seeded requests to every server in turn (see the header)."""
+    names = list(servers)
+    with urllib.request.urlopen(servers[names[0]][1] + "/v1/models") as r:
+        model = json.loads(r.read())["data"][0]["id"]
+    for prompts in a.prompts.split(","):
+        texts = prompt_texts(prompts)
+        for t in (float(t) for t in a.temperatures.split(",")):
+            for n in names:  # warm-up
+                chat(servers[n][1], model, texts[0], 10**6, t, a.output_len)
+            total = {n: [0.0, 0] for n in names}
+            differ = turn = 0
+            for seed in range(a.paired):
+                for text in texts:
+                    order = names[turn % len(names):] + names[:turn % len(names)]
+                    turn += 1
+                    answers = set()
+                    for n in order:
+                        took, tokens, answer = chat(servers[n][1], model, text, seed, t, a.output_len)
+                        total[n][0] += took
+                        total[n][1] += tokens
+                        answers.add(answer)
+                    differ += len(answers) > 1
+            rate = {n: total[n][1] / total[n][0] for n in names}
+            ratios = ", ".join(f"{n} {rate[n] / rate['batched']:.3f}x" for n in names if n != "batched")
+            print(f"{Path(prompts).stem} t={t}: batched {rate['batched']:.1f} tok/s; {ratios}; "
+                  f"{differ} of {turn} requests' texts differ between servers", flush=True)
+
+
 def main():
     a = args()
     a.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-speculation-"))
-    servers = {s: start(a, s, work) for s in SERVERS}
+    names = SERVERS + ([f"lookup@{a.compare}"] if a.paired and a.compare else [])
+    servers = {s: start(a, s, work) for s in names}
+    if a.paired:
+        try:
+            paired(a, servers)
+        finally:
+            for proc, _ in servers.values():
+                proc.terminate()
+        return
     rates = {}  # (prompts, temperature, level, server) -> [tok/s per rep]
     try:
         cells = [(p, float(t), int(c)) for p in a.prompts.split(",") for t in a.temperatures.split(",")

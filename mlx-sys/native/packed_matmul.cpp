@@ -478,8 +478,11 @@ void block_avx512_q4(const Problem& p, int o) {
 
 // Up to this many rows, 4-bit products on the AVX-512 path take
 // `block_avx512_q4`: with four columns at a time it measured 1.15-1.45x
-// `block_avx512` at 2-6 rows (docs/benchmarks.md, `examples/step_products`).
-constexpr int Q4_ROWS = 6;
+// `block_avx512` at 2-6 rows, and at 2-4 rows it is as fast as the lanes
+// span or faster; at 5 and 6 rows (a verify of 4 or 5 drafts) its sums,
+// 4 columns a row, outgrow the 32 vector registers and the lanes span
+// takes 0.68-0.75x its time (docs/benchmarks.md, `examples/step_products`).
+constexpr int Q4_ROWS = 4;
 // Columns `block_avx512_q4` takes at once; `run_span` hands out chunks of
 // whole blocks, so which columns go alone (the last n % Q4_COLUMNS) does
 // not depend on the threads.
@@ -502,9 +505,7 @@ void span_avx512_q4_as(const Problem& p, int o0, int o1) {
     case 1: return span_avx512_q4_rows<1, S>(p, o0, o1);
     case 2: return span_avx512_q4_rows<2, S>(p, o0, o1);
     case 3: return span_avx512_q4_rows<3, S>(p, o0, o1);
-    case 4: return span_avx512_q4_rows<4, S>(p, o0, o1);
-    case 5: return span_avx512_q4_rows<5, S>(p, o0, o1);
-    default: return span_avx512_q4_rows<6, S>(p, o0, o1);
+    default: return span_avx512_q4_rows<4, S>(p, o0, o1);
   }
 }
 

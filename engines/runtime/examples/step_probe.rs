@@ -11,6 +11,13 @@
 //!         [--context 128] [--steps 32] [--rows 1,16,64] [--verify 2,8] \
 //!         [--prefill 256] [--paged] [--histogram] [--masked]
 //!
+//! The engines under config.yaml keep contiguous KV (`kv_layout:
+//! contiguous`), which is what this measures without `--paged`; a verify of
+//! k drafts is `--verify k+1` (the newest token and the drafts). The first
+//! line names the path: the KV layout, whether the fused CPU nodes run and
+//! the packed products' instruction set. Build the example with the tree
+//! it measures: a stale binary times the kernels it was built with.
+//!
 //! `--histogram` also prints each shape's operations by primitive;
 //! `--masked` gives attention mask arrays and MLX's kernels instead of the
 //! ragged kernel (a paged single row then reads a gathered copy).
@@ -172,10 +179,12 @@ fn main() -> anyhow::Result<()> {
     });
     let pool = pool.transpose()?;
     println!(
-        "{} on {:?}, {} KV, context {} positions, means over {} steps",
+        "{} on {:?}, {} KV, fused CPU nodes {}, packed products {}, context {} positions, means over {} steps",
         a.model.display(),
         mlx_rs::Device::default(),
         if a.paged { "paged" } else { "contiguous" },
+        if runtime::cpu_fused::enabled() { "on" } else { "off" },
+        runtime::packed::CpuKernel::chosen().map_or("absent", |k| k.name()),
         a.context,
         a.steps
     );

@@ -164,7 +164,7 @@ impl Case<'_> {
 /// columns 4 and 16 at a time, so these leave them lone columns and
 /// partial panels), inputs of 1, 3, 5, 19 and 32 groups (the AVX-512
 /// spans widen scales 16 groups at a time: whole sets and a tail), 1 to 64
-/// rows (each row count of the AVX-512 4-bit span up to 6, and of a block
+/// rows (each row count of the AVX-512 4-bit span up to 4, and of a block
 /// of the AVX-512 span for many rows, which takes them 16 at a time: 17,
 /// 19 and 33 leave it a block of 1 or 3) and 130.
 fn each_case(mut check: impl FnMut(&Case)) {
