@@ -65,6 +65,7 @@ def parse_args():
                    help="random prompt length in words (the generated models' tokenizers make about 2 tokens "
                         "of a word; the docs report the servers' count)")
     p.add_argument("--output-len", type=int, default=64, help="max_tokens (ignore_eos: ours always generates all of them)")
+    p.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (0: greedy)")
     p.add_argument("--section", default="cpu", help="names the docs section, plot and result folder (cpu, gpu...)")
     p.add_argument("--out", type=Path, help="result folder (default: target/bench-serving/SECTION)")
     p.add_argument("--docs", type=Path, default=ROOT / "docs" / "benchmarks.md", help="markdown file to write the section into")
@@ -238,7 +239,7 @@ def run_level(args, bench, name, url, model_name, c, first_prompt, warm, part):
     cmd = [bench, "run", "--url", url, "--label", name, "--out", part, "--concurrency", c,
            "--rounds", args.rounds, "--min-requests", args.min_requests, "--input-len", args.input_len,
            "--output-len", args.output_len, "--ignore-eos", "--first-prompt", first_prompt,
-           "--warmup", "1,4" if warm else "0"]
+           "--warmup", "1,4" if warm else "0", "--temperature", args.temperature]
     if model_name:
         cmd += ["--model", model_name]
     run(cmd)
@@ -527,13 +528,14 @@ Written by `scripts/bench_serving.py` on {datetime.date.today().isoformat()} ({m
 stream requests back to back, {args.rounds} per client (at least {args.min_requests} per level),
 random-word prompts of {args.input_len} words on average (seeded, +-25%, none repeated;
 {prompt_tokens(results):.0f} tokens on average as the servers counted them),
-`max_tokens` {args.output_len}, greedy, `ignore_eos` (mlx_lm.server does not know it;
+`max_tokens` {args.output_len}, {'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}, `ignore_eos` (mlx_lm.server does not know it;
 throughput counts the tokens each server reported), after an unmeasured
 warm-up (1 request, then 4 at once).
 
-* servers: {", ".join(names)}. `ours-default` is {args.config.name} (its policy
-  routes a greedy request to `fastpath` when nothing else runs, else to
-  `batched`); `ours-batched` and `ours-fastpath` load one engine with a
+* servers: {", ".join(names)}. `ours-default` is {args.config.name} (with
+  config.yaml's policy it routes a request alone to prompt lookup while its
+  drafts are kept, else a greedy one to `fastpath`, and anything beside
+  others to `batched`); `ours-batched` and `ours-fastpath` load one engine with a
   default-only policy. The fast path serves one request at a time and has no
   queue: while it is busy it refuses, and with no engine to fall back on
   the gateway answers 503 `server_overloaded`, so `ours-fastpath` fails
