@@ -129,13 +129,13 @@ def prompt_texts(prompts):
     sys.exit("--paired takes prompt files (JSONL with a `prompt` field each)")
 
 
-def paired(a, servers):
-    """`--paired`: the same seeded requests to every server in turn (see the header)."""
+def paired(a, servers, sets):
+    """`--paired`: the same seeded requests to every server in turn (see the
+    header); `sets`: each prompt file's texts."""
     names = list(servers)
     with urllib.request.urlopen(servers[names[0]][1] + "/v1/models") as r:
         model = json.loads(r.read())["data"][0]["id"]
-    for prompts in a.prompts.split(","):
-        texts = prompt_texts(prompts)
+    for prompts, texts in sets.items():
         for t in (float(t) for t in a.temperatures.split(",")):
             for n in names:  # warm-up
                 chat(servers[n][1], model, texts[0], 10**6, t, a.output_len)
@@ -161,18 +161,15 @@ def paired(a, servers):
 def main():
     a = args()
     a.out.mkdir(parents=True, exist_ok=True)
+    # Read before any server starts, so a set --paired cannot take fails first.
+    sets = {p: prompt_texts(p) for p in a.prompts.split(",")} if a.paired else {}
     work = Path(tempfile.mkdtemp(prefix="bench-speculation-"))
     names = SERVERS + ([f"lookup@{a.compare}"] if a.paired and a.compare else [])
     servers = {s: start(a, s, work) for s in names}
-    if a.paired:
-        try:
-            paired(a, servers)
-        finally:
-            for proc, _ in servers.values():
-                proc.terminate()
-        return
     rates = {}  # (prompts, temperature, level, server) -> [tok/s per rep]
     try:
+        if a.paired:
+            return paired(a, servers, sets)
         cells = [(p, float(t), int(c)) for p in a.prompts.split(",") for t in a.temperatures.split(",")
                  for c in a.levels.split(",")]
         for rep in range(a.reps):
