@@ -89,7 +89,15 @@ fn check_heads(dtype: Dtype, l: i32, freqs: bool) {
         gpu_fused::takes_heads(dtype, &spec),
         "the kernel takes this layer"
     );
-    let (q, k, v) = gpu_fused::heads(&qkv, (b, l), &spec, &offsets).unwrap();
+    let (q, k, v) = gpu_fused::heads(&qkv, (b, l), &spec, &offsets, false).unwrap();
+    // The pool's rows layout: the same values, `[B * L, 1, kv_heads, D]`.
+    let (_, k_rows, v_rows) = gpu_fused::heads(&qkv, (b, l), &spec, &offsets, true).unwrap();
+    let as_rows = |x: &Array| {
+        x.transpose_axes(&[0, 2, 1, 3])
+            .unwrap()
+            .reshape(&[b * l, 1, hkv, d])
+            .unwrap()
+    };
     // MLX's ops, as the model runs them without the kernel.
     let part = |from: i32, n: i32| {
         qkv.try_index((.., from * d..(from + n) * d))
@@ -121,6 +129,8 @@ fn check_heads(dtype: Dtype, l: i32, freqs: bool) {
     line(&format!("{label}, q"), &q, &want_q);
     line(&format!("{label}, k"), &k, &want_k);
     line(&format!("{label}, v"), &v, &want_v);
+    line(&format!("{label}, k as rows"), &k_rows, &as_rows(&want_k));
+    line(&format!("{label}, v as rows"), &v_rows, &as_rows(&want_v));
 }
 
 fn check_gated(dtype: Dtype) {

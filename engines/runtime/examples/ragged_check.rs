@@ -46,8 +46,9 @@ fn scrambled_pool(layers: usize, blocks: usize, block: usize, seed: u64) -> Page
 }
 
 /// Max |kernel - reference| over the real queries, for the contiguous
-/// cache and the paged one.
-fn check(c: &Case, seed: u64) -> (f32, f32) {
+/// cache, the paged one, and the paged one written as the pool's rows
+/// (`KvCache::update_rows`) with the output as merged rows.
+fn check(c: &Case, seed: u64) -> (f32, f32, f32) {
     let normal = |shape: &[i32], part: u64| {
         let key = random::key(seed * 3 + part).unwrap();
         random::normal::<f32>(shape, None, None, &key)
@@ -79,14 +80,35 @@ fn check(c: &Case, seed: u64) -> (f32, f32) {
         .collect();
     let scale = 1.0 / (c.dim as f32).sqrt();
     let meta = ragged::meta(&starts, c.window, c.total);
-    let ours = ragged::attention(&q, &k, &v, scale, &meta).unwrap();
+    let ours = ragged::attention(&q, &k, &v, scale, &meta, None).unwrap();
     let pool = scrambled_pool(1, (c.rows * (c.total / 16 + 2)) as usize, 16, seed);
     let mut cache = KvCache::paged(&pool, vec![None], starts.clone());
     let LayerView::Paged { keys, values, read } = cache.update(0, k.clone(), v.clone()).unwrap()
     else {
         panic!("a paged cache gives a paged view")
     };
-    let paged = ragged::paged_attention(&q, &keys, &values, scale, &meta, &read).unwrap();
+    let paged = ragged::paged_attention(&q, &keys, &values, scale, &meta, &read, None).unwrap();
+    let rows_pool = scrambled_pool(1, (c.rows * (c.total / 16 + 2)) as usize, 16, seed + 1);
+    let mut rows_cache = KvCache::paged(&rows_pool, vec![None], starts.clone());
+    let as_rows = |x: &Array| {
+        x.transpose_axes(&[0, 2, 1, 3])
+            .unwrap()
+            .reshape(&[c.rows * c.total, 1, c.kv_heads, c.dim])
+            .unwrap()
+    };
+    let LayerView::Paged { keys, values, read } = rows_cache
+        .update_rows(0, as_rows(&k), as_rows(&v), c.total)
+        .unwrap()
+    else {
+        panic!("a paged cache gives a paged view")
+    };
+    let merged_shape = [c.rows * c.queries, c.heads * c.dim];
+    let merged = ragged::paged_attention(&q, &keys, &values, scale, &meta, &read, Some(&merged_shape))
+        .unwrap()
+        .reshape(&[c.rows, c.queries, c.heads, c.dim])
+        .unwrap()
+        .transpose_axes(&[0, 2, 1, 3])
+        .unwrap();
     let f = |a: &Array| a.as_dtype(Dtype::Float32).unwrap();
     let mask = ragged_mask(&starts, c.queries, c.total, c.window);
     // On the CPU: the GPU's float32 matmuls (TF32) are further off than
@@ -110,7 +132,7 @@ fn check(c: &Case, seed: u64) -> (f32, f32) {
         eval([&d]).unwrap();
         d.item_cast::<f32>()
     };
-    (diff(&ours), diff(&paged))
+    (diff(&ours), diff(&paged), diff(&merged))
 }
 
 fn main() {
@@ -150,11 +172,11 @@ fn main() {
                     dtype,
                 };
                 seed += 1;
-                let (diff, paged) = check(&case, seed);
-                let ok = diff <= tol && paged <= tol;
+                let (diff, paged, rows) = check(&case, seed);
+                let ok = diff <= tol && paged <= tol && rows <= tol;
                 failed += usize::from(!ok);
                 println!(
-                    "{} {dtype:?} D={dim} heads {heads}/{kv_heads} rows {rows} queries {queries} keys {total} window {window:?}: max |diff| {diff:.2e}, paged {paged:.2e}",
+                    "{} {dtype:?} D={dim} heads {heads}/{kv_heads} rows {rows} queries {queries} keys {total} window {window:?}: max |diff| {diff:.2e}, paged {paged:.2e}, paged rows {rows:.2e}",
                     if ok { "ok  " } else { "FAIL" }
                 );
             }

@@ -58,7 +58,7 @@ fn main() {
         let m = ScaledDotProductAttentionMask::Array(&mask);
         eval([&scaled_dot_product_attention(&q, &k, &v, scale, m, None).unwrap()]).unwrap();
         let first = first.elapsed().as_secs_f64() * 1e3;
-        let kernel = time(|| ragged::attention(&q, &k, &v, scale, &meta).unwrap());
+        let kernel = time(|| ragged::attention(&q, &k, &v, scale, &meta, None).unwrap());
         // One query sees every key; several see the keys up to their own.
         let fused = time(|| {
             let causal = match n {

@@ -170,12 +170,16 @@ pub fn takes_heads(dtype: Dtype, spec: &HeadsSpec) -> bool {
 /// q `[B, heads, L, D]`, k and v `[B, kv_heads, L, D]` from the stacked
 /// projection's `[B * L, (heads + 2 * kv_heads) * D]` rows (`rows` =
 /// (B, L)): q and k normed (when the layer has norms) and rotated at
-/// their rows' positions. For a layer [`takes_heads`] takes.
+/// their rows' positions. With `kv_rows`, k and v are `[B * L, 1, kv_heads,
+/// D]` instead: a paged pool's scatter takes them as they are
+/// ([`crate::KvCache::update_rows`]), with no reshape node between. For a
+/// layer [`takes_heads`] takes.
 pub fn heads(
     qkv: &Array,
     (b, l): (i32, i32),
     spec: &HeadsSpec,
     offsets: &Offsets,
+    kv_rows: bool,
 ) -> R<(Array, Array, Array)> {
     let (h, hkv, d) = (spec.heads, spec.kv_heads, spec.head_dim);
     let dtype = qkv.dtype();
@@ -192,7 +196,7 @@ pub fn heads(
         _ => qkv.reshape(&[b * l, width])?,
     };
     let pos = match offsets {
-        Offsets::Scalar(o) => Array::from_slice(&vec![*o; b as usize], &[b]),
+        Offsets::Scalar(o) => scalar_positions(*o, b),
         Offsets::PerRow(o) => o.as_dtype(Dtype::Int32)?,
     };
     let (qw, kw, eps) = match spec.norms {
@@ -204,7 +208,6 @@ pub fn heads(
         None => Array::from_slice(&[1.0f32], &[1]),
     };
     let log2_base = rope.base.map_or(0.0, f32::log2);
-    let params = Array::from_slice(&[eps, log2_base, rope.scale], &[3]);
     let slots = b * l * (h + 2 * hkv);
     let templates = [
         TemplateArg::Dtype("T", dtype),
@@ -214,24 +217,23 @@ pub fn heads(
         TemplateArg::Int("HALF", rope.dims / 2),
         TemplateArg::Int("NORM", spec.norms.is_some() as i32),
         TemplateArg::Int("FREQS", rope.freqs.is_some() as i32),
+        TemplateArg::Int("KV_ROWS", kv_rows as i32),
+        TemplateArg::Int("EPS_BITS", float_bits(eps)?),
+        TemplateArg::Int("LOG2_BASE_BITS", float_bits(log2_base)?),
+        TemplateArg::Int("ROPE_SCALE_BITS", float_bits(rope.scale)?),
     ];
+    let kv_shape = match kv_rows {
+        true => [b * l, 1, hkv, d],
+        false => [b, hkv, l, d],
+    };
     let launch = Launch {
-        outputs: &[
-            (&[b, h, l, d], dtype),
-            (&[b, hkv, l, d], dtype),
-            (&[b, hkv, l, d], dtype),
-        ],
+        outputs: &[(&[b, h, l, d], dtype), (&kv_shape, dtype), (&kv_shape, dtype)],
         grid_threads: round_up(slots * 32, BLOCK),
         block_threads: BLOCK,
         templates: &templates,
         init: None,
     };
-    let mut out = run(
-        &HEADS,
-        &[&qkv, &qw, &kw, &pos, &freqs, &params],
-        &launch,
-        "heads",
-    )?;
+    let mut out = run(&HEADS, &[&qkv, &qw, &kw, &pos, &freqs], &launch, "heads")?;
     let v = out.pop().unwrap();
     let k = out.pop().unwrap();
     let q = out.pop().unwrap();
@@ -274,13 +276,17 @@ pub fn add_rms_norm(x: &Array, r: &Array, weight: &Array, eps: f32) -> Option<R<
         || weight.dtype() != dtype
         || x.shape() != r.shape()
         || weight.size() != n as usize
+        || n > MAX_NORM_WIDTH
     {
         return None;
     }
     let rows = (x.size() / n as usize) as i32;
     Some((|| {
-        let params = Array::from_slice(&[eps], &[1]);
-        let templates = [TemplateArg::Dtype("T", dtype)];
+        let templates = [
+            TemplateArg::Dtype("T", dtype),
+            TemplateArg::Int("EPS_BITS", float_bits(eps)?),
+            TemplateArg::Int("PT", (n + NORM_BLOCK - 1) / NORM_BLOCK),
+        ];
         let launch = Launch {
             outputs: &[(x.shape(), dtype), (x.shape(), dtype)],
             grid_threads: rows * NORM_BLOCK,
@@ -288,21 +294,51 @@ pub fn add_rms_norm(x: &Array, r: &Array, weight: &Array, eps: f32) -> Option<R<
             templates: &templates,
             init: None,
         };
-        let mut out = run(
-            &ADD_NORM,
-            &[x, r, weight, &params],
-            &launch,
-            "add + rms_norm",
-        )?;
+        let mut out = run(&ADD_NORM, &[x, r, weight], &launch, "add + rms_norm")?;
         let y = out.pop().unwrap();
         Ok((out.pop().unwrap(), y))
     })())
+}
+
+/// A float constant as a kernel's template argument (read back with
+/// `__int_as_float`): the same kernel instance every call, and no host
+/// array to upload a call. MLX names the instance after its integer
+/// arguments, so they must not be negative.
+pub(crate) fn float_bits(x: f32) -> R<i32> {
+    match x.is_sign_negative() {
+        false => Ok(x.to_bits() as i32),
+        true => Err(Exception::custom(format!(
+            "a kernel constant must not be negative, got {x}"
+        ))),
+    }
+}
+
+/// The positions `[o; b]` of a forward whose rows all start at `o`: made
+/// once and shared by its layers' [`heads`] calls, not once a layer.
+fn scalar_positions(o: i32, b: i32) -> Array {
+    thread_local! {
+        static LAST: std::cell::RefCell<Option<(i32, i32, Array)>> = const { std::cell::RefCell::new(None) };
+    }
+    LAST.with(|last| {
+        let mut last = last.borrow_mut();
+        match last.as_ref() {
+            Some((at, rows, pos)) if (*at, *rows) == (o, b) => pos.clone(),
+            _ => {
+                let pos = Array::from_slice(&vec![o; b as usize], &[b]);
+                *last = Some((o, b, pos.clone()));
+                pos
+            }
+        }
+    })
 }
 
 const SILU_MUL: &str = include_str!("kernels/silu_mul.cuh");
 
 const BLOCK: i32 = 128;
 const NORM_BLOCK: i32 = 256;
+/// The widest row [`add_rms_norm`] takes: 64 elements a thread in
+/// registers.
+const MAX_NORM_WIDTH: i32 = 64 * NORM_BLOCK;
 
 fn round_up(n: i32, m: i32) -> i32 {
     (n + m - 1) / m * m
@@ -342,8 +378,11 @@ const HEADS_SOURCE: &str = r#"
     const int r = warp / S, s = warp % S;
     const int b = r / L, i = r % L;
     const T* src = qkv + (size_t)r * S * D + (size_t)s * D;
+    // k and v as `[B, HKV, L, D]`, or with KV_ROWS as the pool's rows
+    // (`[B * L, HKV, D]`: row r's heads together).
     if (s >= H + HKV) {
-        T* dst = v_out + (((size_t)b * HKV + (s - H - HKV)) * L + i) * D;
+        const int kh = s - H - HKV;
+        T* dst = v_out + (KV_ROWS ? ((size_t)r * HKV + kh) * D : (((size_t)b * HKV + kh) * L + i) * D);
         for (int t = 0; t < PER; t++) dst[lane + 32 * t] = src[lane + 32 * t];
         return;
     }
@@ -355,13 +394,13 @@ const HEADS_SOURCE: &str = r#"
         float ss = 0.f;
         for (int t = 0; t < PER; t++) ss += x[t] * x[t];
         for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffff, ss, off);
-        const float nrm = rsqrt(ss / D + params[0]);
+        const float nrm = rsqrt(ss / D + __int_as_float(EPS_BITS));
         for (int t = 0; t < PER; t++) {
             const T y = static_cast<T>(x[t] * nrm);
             x[t] = static_cast<float>(static_cast<T>(w[lane + 32 * t] * y));
         }
     }
-    const float at = params[2] * static_cast<float>(pos[b] + i);
+    const float at = __int_as_float(ROPE_SCALE_BITS) * static_cast<float>(pos[b] + i);
     for (int t = 0; t < HP; t++) {
         const int e = lane + 32 * t;
         float inv;
@@ -369,7 +408,7 @@ const HEADS_SOURCE: &str = r#"
             inv = 1.0 / freqs[e];
         } else {
             const float dd = static_cast<float>(e) / static_cast<float>(HALF);
-            inv = exp2(-dd * params[1]);
+            inv = exp2(-dd * __int_as_float(LOG2_BASE_BITS));
         }
         const float theta = at * inv;
         const float c = cos(theta);
@@ -380,7 +419,8 @@ const HEADS_SOURCE: &str = r#"
         x[t + HP] = x1 * sn + x2 * c;
     }
     T* dst = is_q ? q_out + (((size_t)b * H + s) * L + i) * D
-                  : k_out + (((size_t)b * HKV + (s - H)) * L + i) * D;
+          : k_out + (KV_ROWS ? ((size_t)r * HKV + (s - H)) * D
+                             : (((size_t)b * HKV + (s - H)) * L + i) * D);
     for (int t = 0; t < PER; t++) dst[lane + 32 * t] = static_cast<T>(x[t]);
 "#;
 
@@ -396,7 +436,10 @@ const GATED_SOURCE: &str = r#"
 
 /// One block a row: `h = x + r` rounded to `T`, then MLX's `rms_norm` of
 /// `h` (float sum of squares, `rsqrt(mean + eps)`, rounded to `T`, times
-/// the weight in `T`).
+/// the weight in `T`). A thread holds its `PT` elements (`j = tid + t *
+/// blockDim`) in registers and issues each pass's loads together, unrolled:
+/// a row is one block, so at a few rows the kernel's time is its memory
+/// latencies, one a pass rather than one an element.
 const ADD_NORM_SOURCE: &str = r#"
     const int n = weight_shape[0];
     const long row = blockIdx.x;
@@ -404,12 +447,24 @@ const ADD_NORM_SOURCE: &str = r#"
     const T* rr = r + row * n;
     T* hr = h + row * n;
     T* yr = y + row * n;
+    float xv[PT], rv[PT], wv[PT];
+#pragma unroll
+    for (int t = 0; t < PT; t++) {
+        const int j = threadIdx.x + t * blockDim.x;
+        xv[t] = j < n ? static_cast<float>(xr[j]) : 0.f;
+        rv[t] = j < n ? static_cast<float>(rr[j]) : 0.f;
+        wv[t] = j < n ? static_cast<float>(weight[j]) : 0.f;
+    }
     float ss = 0.f;
-    for (int j = threadIdx.x; j < n; j += blockDim.x) {
-        const T v = static_cast<T>(static_cast<float>(xr[j]) + static_cast<float>(rr[j]));
-        hr[j] = v;
-        const float f = static_cast<float>(v);
-        ss += f * f;
+#pragma unroll
+    for (int t = 0; t < PT; t++) {
+        const int j = threadIdx.x + t * blockDim.x;
+        if (j < n) {
+            const T v = static_cast<T>(xv[t] + rv[t]);
+            hr[j] = v;
+            xv[t] = static_cast<float>(v);
+            ss += xv[t] * xv[t];
+        }
     }
     __shared__ float part[32];
     for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffff, ss, off);
@@ -421,10 +476,14 @@ const ADD_NORM_SOURCE: &str = r#"
         if (threadIdx.x == 0) part[0] = t;
     }
     __syncthreads();
-    const float nrm = rsqrt(part[0] / n + params[0]);
-    for (int j = threadIdx.x; j < n; j += blockDim.x) {
-        const T v = static_cast<T>(static_cast<float>(hr[j]) * nrm);
-        yr[j] = static_cast<T>(static_cast<float>(weight[j]) * static_cast<float>(v));
+    const float nrm = rsqrt(part[0] / n + __int_as_float(EPS_BITS));
+#pragma unroll
+    for (int t = 0; t < PT; t++) {
+        const int j = threadIdx.x + t * blockDim.x;
+        if (j < n) {
+            const T v = static_cast<T>(xv[t] * nrm);
+            yr[j] = static_cast<T>(wv[t] * static_cast<float>(v));
+        }
     }
 "#;
 
@@ -440,7 +499,7 @@ thread_local! {
     .map_err(|e| format!("{e:#}"));
     static HEADS: Result<CudaKernel, String> = CudaKernel::new(
         "fused_heads",
-        &["qkv", "qw", "kw", "pos", "freqs", "params"],
+        &["qkv", "qw", "kw", "pos", "freqs"],
         &["q_out", "k_out", "v_out"],
         HEADS_SOURCE,
         "",
@@ -458,7 +517,7 @@ thread_local! {
     .map_err(|e| format!("{e:#}"));
     static ADD_NORM: Result<CudaKernel, String> = CudaKernel::new(
         "fused_add_rms_norm",
-        &["x", "r", "weight", "params"],
+        &["x", "r", "weight"],
         &["h", "y"],
         ADD_NORM_SOURCE,
         "",

@@ -963,13 +963,19 @@ impl Attention {
             let on_gpu = crate::gpu_fused::takes_heads(dtype, &spec);
             if on_gpu || crate::cpu_fused::takes_heads(dtype, &spec) {
                 let qkv = self.qkv.joined(x).expect("stacked projections")?;
+                // On the GPU a paged layer's keys and values come out as
+                // the pool's rows, scattered with no reshape between.
+                let as_rows = on_gpu && cache.takes_rows(idx);
                 let (q, k, v) = if on_gpu {
-                    crate::gpu_fused::heads(&qkv, rows, &spec, offsets)?
+                    crate::gpu_fused::heads(&qkv, rows, &spec, offsets, as_rows)?
                 } else {
                     let inv = self.rope.cpu_inverse_frequencies()?;
                     crate::cpu_fused::heads(&qkv, rows, &spec, offsets, inv)?
                 };
-                let kv = cache.update(idx, k, v)?;
+                let kv = match as_rows {
+                    true => cache.update_rows(idx, k, v, rows.1)?,
+                    false => cache.update(idx, k, v)?,
+                };
                 let mut out_shape = x.shape()[..x.ndim() - 1].to_vec();
                 out_shape.push(self.heads * self.head_dim);
                 let (heads, kv) = self.attention(q, None, kv, mask, rows.1, &out_shape)?;
@@ -1144,9 +1150,15 @@ impl Attention {
                     if r.kernel && crate::ragged::applies_paged(&q, keys, &read.tables) =>
                 {
                     let out = crate::ragged::paged_attention(
-                        &q, keys, values, self.scale, &r.meta, read,
+                        &q,
+                        keys,
+                        values,
+                        self.scale,
+                        &r.meta,
+                        read,
+                        Some(&out_shape),
                     )?;
-                    return Ok((merge_heads(out, gate.as_ref(), &out_shape)?, kv));
+                    return Ok((gated_rows(out, gate.as_ref())?, kv));
                 }
                 _ => {
                     dequantized = kv.dense()?;
@@ -1192,7 +1204,8 @@ impl Attention {
                 fast::scaled_dot_product_attention(&q, k, v, self.scale, m, None)?
             }
             AttnMask::Ragged(r) if r.kernel && crate::ragged::applies(&q, k) => {
-                crate::ragged::attention(&q, k, v, self.scale, &r.meta)?
+                let out = crate::ragged::attention(&q, k, v, self.scale, &r.meta, Some(&out_shape))?;
+                return Ok((gated_rows(out, gate.as_ref())?, kv));
             }
             AttnMask::Ragged(r) => {
                 let m = mask::ragged_mask(&r.starts, l, k.dim(2), r.window);
@@ -1206,14 +1219,19 @@ impl Attention {
 /// The heads' `[B, heads, L, head_dim]` as rows of `shape`, gated per head
 /// where the layer has a gate (Qwen 3.5), for the output product.
 fn merge_heads(heads: Array, gate: Option<&Array>, shape: &[i32]) -> R<Array> {
-    let mut out = match heads.dim(2) {
+    let out = match heads.dim(2) {
         1 => heads.reshape(shape)?,
         _ => heads.transpose_axes(&[0, 2, 1, 3])?.reshape(shape)?,
     };
-    if let Some(gate) = gate {
-        out = out.multiply(ops::sigmoid(gate)?)?;
+    gated_rows(out, gate)
+}
+
+/// Merged heads' rows, gated per head where the layer has a gate.
+fn gated_rows(rows: Array, gate: Option<&Array>) -> R<Array> {
+    match gate {
+        Some(gate) => rows.multiply(ops::sigmoid(gate)?),
+        None => Ok(rows),
     }
-    Ok(out)
 }
 
 impl Ffn {

@@ -187,12 +187,14 @@ impl PageStore for LocalPages {
         let entry = layers
             .get_mut(layer)
             .ok_or_else(|| anyhow!("the KV pool has no layer {layer}"))?;
+        let as_rows = parts.iter().all(|p| is_rows(p, slots.len()));
         if entry.is_none() {
             let created = parts
                 .iter()
                 .map(|p| {
                     let s = p.shape();
-                    Ok(ops::zeros_dtype(&[self.slots(), s[1], s[3]], p.dtype())?)
+                    let heads = if as_rows { s[2] } else { s[1] };
+                    Ok(ops::zeros_dtype(&[self.slots(), heads, s[3]], p.dtype())?)
                 })
                 .collect::<anyhow::Result<Vec<_>>>()?;
             eval(&created)?;
@@ -207,8 +209,9 @@ impl PageStore for LocalPages {
         );
         // Consecutive slots (one sequence's decode step, a chunk within a
         // block) are one slice written in place, as a contiguous cache
-        // writes; others a scatter of one update per slot.
-        let consecutive = slots.windows(2).all(|w| w[1] == w[0] + 1);
+        // writes; others, and parts given as the scatter's rows, a scatter
+        // of one update per slot.
+        let consecutive = !as_rows && slots.windows(2).all(|w| w[1] == w[0] + 1);
         let indices = (!consecutive).then(|| {
             let mut last = lock(&self.scatter);
             match last.as_ref() {
@@ -224,8 +227,8 @@ impl PageStore for LocalPages {
             let s = part.shape();
             // [B, H, n, W] -> [B * n, H, W] (a single position needs no
             // transpose).
-            let rows = match s[2] {
-                1 => part.clone(),
+            let rows = match (as_rows, s[2]) {
+                (true, _) | (false, 1) => part.clone(),
                 _ => part.transpose_axes(&[0, 2, 1, 3])?,
             };
             let rows = rows.as_dtype(buf.dtype())?;
@@ -238,7 +241,10 @@ impl PageStore for LocalPages {
                     crate::slices::slice_update(old, &rows, &[slots[0], 0, 0])?
                 }
                 Some(idx) => {
-                    let rows = rows.reshape(&[s[0] * s[2], 1, s[1], s[3]])?;
+                    let rows = match as_rows {
+                        true => rows,
+                        false => rows.reshape(&[s[0] * s[2], 1, s[1], s[3]])?,
+                    };
                     ops::indexing::scatter_single(old, idx, &rows, 0)?
                 }
             };
@@ -418,9 +424,11 @@ impl PagePool {
     }
 
     /// Writes `parts` (each `[B, kv_heads, n, width]`, one per buffer of
-    /// the layer) at `slots` (`B * n`, row-major over rows then positions)
-    /// and returns the layer's new buffers. The first write of a layer
-    /// creates its buffers, zeroed and evaluated, shaped after `parts`.
+    /// the layer, or already the scatter's rows `[B * n, 1, kv_heads,
+    /// width]`, which need no reshape node) at `slots` (`B * n`, row-major
+    /// over rows then positions) and returns the layer's new buffers. The
+    /// first write of a layer creates its buffers, zeroed and evaluated,
+    /// shaped after `parts`.
     pub fn write(
         &self,
         layer: usize,
@@ -435,6 +443,13 @@ impl PagePool {
     pub fn copy_block(&self, from: u32, to: u32) -> anyhow::Result<()> {
         self.store.copy_block(from, to)
     }
+}
+
+/// Whether `part` is given as a scatter's rows (`[slots, 1, kv_heads,
+/// width]`) rather than as `[B, kv_heads, n, width]`. Where both readings
+/// fit (one position of one-head rows) they lay the data out alike.
+fn is_rows(part: &Array, slots: usize) -> bool {
+    part.ndim() == 4 && part.dim(0) as usize == slots && part.dim(1) == 1
 }
 
 /// Row `b`'s slot of column `col`: positions before the row's start

@@ -69,6 +69,10 @@ const WARPS: i32 = 4;
 /// through shared memory at the end. Scores and sums are float32 whatever
 /// `T` is.
 const SOURCE: &str = r#"
+    // The output as `[B, heads, n, D]`, or with MERGED as the heads merged
+    // into rows (`[B, n, heads, D]`), the output product's input.
+#define OUT_AT(g, e) (MERGED ? (((size_t)b * n + qi) * heads + h0 + (g)) * D + (e) \
+                             : (((size_t)b * heads + h0 + (g)) * n + qi) * D + (e))
     constexpr int PER = D / 32;
     constexpr int VEC = 16 / sizeof(T);
     const int n = q_shape[2];
@@ -105,7 +109,7 @@ const SOURCE: &str = r#"
     const int last = min(qpos, first + per_split * 32 - 1);
 
     __shared__ float qs[GROUP][D];
-    const float sc = scale[0];
+    const float sc = __int_as_float(SCALE_BITS);
     for (int i = threadIdx.x; i < GROUP * D; i += blockDim.x) {
         const int g = i / D, e = i % D;
         const T* qp = q + b * q_strides[0] + (h0 + g) * q_strides[1] + qi * q_strides[2];
@@ -162,16 +166,28 @@ const SOURCE: &str = r#"
             for (int i = 0; i < PER; i++) o[g][i] *= corr;
             m[g] = mn;
         }
+        // The chunk's value rows in batches of VB whose loads are all issued
+        // before any is used: one memory latency a batch, not one a key,
+        // which set the kernel's time at a few rows. Keys past the chunk's
+        // last read its last row again and weigh 0 (their lanes' p).
         const int count = min(32, last - c0 + 1);
-        for (int t = 0; t < count; t++) {
-            const T* vr = v + KEY_AT(v_strides, c0 + t);
-            float val[PER];
-            for (int i = 0; i < PER; i++) {
-                val[i] = static_cast<float>(vr[(lane * PER + i) * ESTRIDE(v_strides)]);
+        constexpr int VB = PER <= 4 ? 8 : 4;
+        for (int t0 = 0; t0 < count; t0 += VB) {
+            float val[VB][PER];
+#pragma unroll
+            for (int u = 0; u < VB; u++) {
+                const T* vr = v + KEY_AT(v_strides, c0 + min(t0 + u, count - 1));
+#pragma unroll
+                for (int i = 0; i < PER; i++) {
+                    val[u][i] = static_cast<float>(vr[(lane * PER + i) * ESTRIDE(v_strides)]);
+                }
             }
-            for (int g = 0; g < GROUP; g++) {
-                const float pt = __shfl_sync(0xffffffff, p[g], t);
-                for (int i = 0; i < PER; i++) o[g][i] += pt * val[i];
+#pragma unroll
+            for (int u = 0; u < VB; u++) {
+                for (int g = 0; g < GROUP; g++) {
+                    const float pt = __shfl_sync(0xffffffff, p[g], t0 + u);
+                    for (int i = 0; i < PER; i++) o[g][i] += pt * val[u][i];
+                }
             }
         }
     }
@@ -207,7 +223,7 @@ const SOURCE: &str = r#"
             pp[D + 1] = sum;
         }
 #else
-        out[(((size_t)b * heads + h0 + g) * n + qi) * D + e] = static_cast<T>(acc / sum);
+        out[OUT_AT(g, e)] = static_cast<T>(acc / sum);
 #endif
     }
 #ifdef SPLIT
@@ -233,7 +249,7 @@ const SOURCE: &str = r#"
             sum += __ldcg(p0 + t * step + D + 1) * f;
             acc += __ldcg(p0 + t * step + e) * f;
         }
-        out[(((size_t)b * heads + h0 + g) * n + qi) * D + e] = static_cast<T>(acc / sum);
+        out[OUT_AT(g, e)] = static_cast<T>(acc / sum);
     }
 #endif
 "#;
@@ -312,19 +328,23 @@ pub fn meta(starts: &[i32], window: Option<i32>, total: i32) -> Array {
 
 /// `softmax(q k^T * scale + mask) v` for `q` `[B, heads, n, D]` and `k`, `v`
 /// `[B, kv_heads, total, D]` (strided views are read in place), under the
-/// ragged mask that `meta` describes. Returns `[B, heads, n, D]`.
+/// ragged mask that `meta` describes. Returns `[B, heads, n, D]`, or with
+/// `merged` the heads merged into rows of that shape (`[B, n, heads * D]`
+/// in memory): the output product's input, with no transpose or reshape
+/// node between.
 pub fn attention(
     q: &Array,
     k: &Array,
     v: &Array,
     scale: f32,
     meta: &Array,
+    merged: Option<&[i32]>,
 ) -> anyhow::Result<Array> {
     let kernels = Kernels {
         whole: &CONTIGUOUS_KERNEL,
         split: &CONTIGUOUS_SPLIT_KERNEL,
     };
-    launch(kernels, q, k, v, meta, scale, None)
+    launch(kernels, q, k, v, meta, scale, None, merged)
 }
 
 /// [`attention`] over a paged layer: `k`, `v` are the pool's buffers
@@ -336,12 +356,13 @@ pub fn paged_attention(
     scale: f32,
     meta: &Array,
     read: &crate::cache::PagedRead,
+    merged: Option<&[i32]>,
 ) -> anyhow::Result<Array> {
     let kernels = Kernels {
         whole: &PAGED_KERNEL,
         split: &PAGED_SPLIT_KERNEL,
     };
-    launch(kernels, q, k, v, meta, scale, Some(read))
+    launch(kernels, q, k, v, meta, scale, Some(read), merged)
 }
 
 /// Query heads a block takes: the most that share a key head (dividing
@@ -376,10 +397,12 @@ struct Kernels {
     split: &'static std::thread::LocalKey<Result<CudaKernel, String>>,
 }
 
-/// Runs the layout's kernel on its inputs: `q, k, v, meta, scale`, and for
-/// a paged layer its block tables, its block size a template argument.
-/// A few items over many keys (one sequence's step at a long context) are
-/// split over several blocks, the last of which merges their softmaxes.
+/// Runs the layout's kernel on its inputs: `q, k, v, meta`, and for a
+/// paged layer its block tables, its block size a template argument (the
+/// scale too, as its bits: no host array a call). A few items over many
+/// keys (one sequence's step at a long context) are split over several
+/// blocks, the last of which merges their softmaxes.
+#[allow(clippy::too_many_arguments)]
 fn launch(
     kernels: Kernels,
     q: &Array,
@@ -388,10 +411,10 @@ fn launch(
     meta: &Array,
     scale: f32,
     paged: Option<&crate::cache::PagedRead>,
+    merged: Option<&[i32]>,
 ) -> anyhow::Result<Array> {
     let (b, heads, n, d) = (q.dim(0), q.dim(1), q.dim(2), q.dim(3));
     let dtype = q.dtype();
-    let scale = Array::from_slice(&[scale], &[1]);
     let total = paged.map_or(k.dim(2), |read| read.total);
     let kv_heads = k.dim(1);
     let grouped = group(heads / kv_heads, d);
@@ -408,14 +431,20 @@ fn launch(
         TemplateArg::Int("D", d),
         TemplateArg::Int("WARPS", WARPS),
         TemplateArg::Int("GROUP", group),
+        TemplateArg::Int("SCALE_BITS", crate::gpu_fused::float_bits(scale)?),
+        TemplateArg::Int("MERGED", merged.is_some() as i32),
     ];
-    let mut inputs = vec![q, k, v, meta, &scale];
+    let mut inputs = vec![q, k, v, meta];
     if let Some(read) = paged {
         templates.push(TemplateArg::Int("BLOCK", read.block));
         templates.push(TemplateArg::Int("MAX_TABLE", MAX_TABLE));
         inputs.push(&read.tables);
     }
-    let out_shape = [b, heads, n, d];
+    let out_shape = merged.map_or_else(|| vec![b, heads, n, d], <[i32]>::to_vec);
+    anyhow::ensure!(
+        out_shape.iter().product::<i32>() == b * heads * n * d,
+        "merged attention output {out_shape:?} does not hold {b} x {n} rows of {heads} heads of {d}"
+    );
     let part_shape = [items * split * group * (d + 2)];
     let count_shape = [items];
     let outputs = [
@@ -454,7 +483,7 @@ fn launch(
 const SPLIT: &str = "#define SPLIT\n";
 
 fn kernel(name: &str, layout: &str, split: bool) -> Result<CudaKernel, String> {
-    let mut inputs = vec!["q", "k", "v", "meta", "scale"];
+    let mut inputs = vec!["q", "k", "v", "meta"];
     if layout == PAGED {
         inputs.push("tables");
     }

@@ -290,3 +290,63 @@ fn a_lone_padded_row_joins_a_paged_batch_without_its_padding() {
         assert_eq!(pool.free_blocks(), pool.usable(), "{name}: blocks leaked");
     }
 }
+
+/// Keys and values handed to a paged cache as the pool's rows
+/// (`update_rows`, the GPU's fused heads' layout) are written where
+/// `update` writes the same positions as `[B, heads, n, D]`: a padded
+/// batch's prefill and then single-position steps read back equal.
+#[test]
+fn keys_given_as_the_pools_rows_are_written_where_heads_are() {
+    let (heads, dim) = (2, 8);
+    let left_pad = vec![0, 5, 2];
+    let rows = left_pad.len() as i32;
+    let new_pool = || PagePool::new(1, 40, 16).unwrap();
+    let (by_heads, by_rows) = (new_pool(), new_pool());
+    let mut a = KvCache::paged(&by_heads, vec![None], left_pad.clone());
+    let mut b = KvCache::paged(&by_rows, vec![None], left_pad.clone());
+    assert!(b.takes_rows(0));
+    let mut seed = 0u64;
+    for n in [21, 1, 1, 3] {
+        seed += 1;
+        let key = mlx_rs::random::key(seed).unwrap();
+        let k = mlx_rs::random::normal::<f32>(&[rows, heads, n, dim], None, None, &key).unwrap();
+        let v = k.multiply(Array::from_f32(-2.0)).unwrap();
+        // [B, H, n, D] -> [B * n, 1, H, D]
+        let as_rows = |x: &Array| {
+            x.transpose_axes(&[0, 2, 1, 3])
+                .unwrap()
+                .reshape(&[rows * n, 1, heads, dim])
+                .unwrap()
+        };
+        let want = a.update(0, k.clone(), v.clone()).unwrap().dense().unwrap();
+        let got = b
+            .update_rows(0, as_rows(&k), as_rows(&v), n)
+            .unwrap()
+            .dense()
+            .unwrap();
+        a.advance(n);
+        b.advance(n);
+        // Padding columns come from block 0, which both pools fill with
+        // whatever padding was written; only real columns are compared.
+        let real = |x: &Array| {
+            let total = x.dim(2);
+            (0..rows as usize)
+                .flat_map(|r| {
+                    let start = left_pad[r] as i32;
+                    let row = values(
+                        &x.take_axis(Array::from_slice(&[r as i32], &[1]), 0)
+                            .unwrap()
+                            .transpose_axes(&[0, 2, 1, 3])
+                            .unwrap(),
+                    );
+                    let per = (heads * dim) as usize;
+                    row[start as usize * per..total as usize * per].to_vec()
+                })
+                .collect::<Vec<f32>>()
+        };
+        assert_eq!(real(&got.0), real(&want.0), "keys after {n} columns");
+        assert_eq!(real(&got.1), real(&want.1), "values after {n} columns");
+    }
+    let contiguous = KvCache::new(1, 1);
+    assert!(!contiguous.takes_rows(0), "a contiguous cache takes heads");
+}

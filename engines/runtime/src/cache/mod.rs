@@ -269,13 +269,40 @@ impl KvCache {
     /// [`KvCache::advance`] once all layers are written.
     pub fn update(&mut self, layer: usize, k: Array, v: Array) -> anyhow::Result<LayerView> {
         let quant = self.formats[layer];
+        let n = k.dim(2);
         let parts = match quant {
             None => vec![k, v],
             Some(q) => q.quantize(&k)?.into_iter().chain(q.quantize(&v)?).collect(),
         };
         match &mut self.kv {
-            Storage::Paged(t) => t.write(layer, quant, &parts, self.len, &self.left_pad),
+            Storage::Paged(t) => t.write(layer, quant, &parts, self.len, n, &self.left_pad),
             Storage::Contiguous(c) => c.write(layer, quant, &parts, self.len),
+        }
+    }
+
+    /// Whether layer `layer` takes its new keys and values as the paged
+    /// pool's rows ([`KvCache::update_rows`]): paged, in the activations'
+    /// dtype.
+    pub fn takes_rows(&self, layer: usize) -> bool {
+        matches!(self.kv, Storage::Paged(_)) && self.formats[layer].is_none()
+    }
+
+    /// [`KvCache::update`] of `n` new positions a row given as the pool's
+    /// rows, `[B * n, 1, kv_heads, head_dim]` each (row-major over rows
+    /// then positions), for a layer [`KvCache::takes_rows`] takes: the
+    /// pool scatters them as they are.
+    pub fn update_rows(
+        &mut self,
+        layer: usize,
+        k: Array,
+        v: Array,
+        n: i32,
+    ) -> anyhow::Result<LayerView> {
+        match &mut self.kv {
+            Storage::Paged(t) if self.formats[layer].is_none() => {
+                t.write(layer, None, &[k, v], self.len, n, &self.left_pad)
+            }
+            _ => Err(anyhow!("layer {layer} does not take its keys and values as pool rows")),
         }
     }
 

@@ -42,20 +42,20 @@ impl BlockTables {
         &self.tables
     }
 
-    /// Writes `parts` (layer `layer`'s new columns after column `len`, one
-    /// per buffer) to their rows' blocks (allocated, or copied when
-    /// shared, at the forward's first write) and returns what attention
-    /// reads of the layer.
+    /// Writes `parts` (layer `layer`'s `n` new columns after column `len`,
+    /// one per buffer, in a layout [`PagePool::write`] takes) to their
+    /// rows' blocks (allocated, or copied when shared, at the forward's
+    /// first write) and returns what attention reads of the layer.
     pub(crate) fn write(
         &mut self,
         layer: usize,
         quant: Option<KvQuant>,
         parts: &[Array],
         len: i32,
+        n: i32,
         left_pad: &[i32],
     ) -> anyhow::Result<LayerView> {
         if self.forward.is_none() {
-            let n = parts[0].dim(2);
             let slots = self.prepare(len, n, left_pad)?;
             let read = self.read(len + n, left_pad)?;
             self.forward = Some((slots, read));
