@@ -51,7 +51,7 @@ pub(crate) fn guard<T>(fallback: T, f: impl FnOnce() -> T) -> T {
 /// of the shared-state tables here, NUL-terminated: the descriptor's `mlx`
 /// field. Bump the version on any change to the tables but an addition at
 /// [`RawShared`]'s end.
-pub const MLX_FINGERPRINT: &str = concat!(env!("RUNTIME_MLX_FINGERPRINT"), ", shared state v1\0");
+pub const MLX_FINGERPRINT: &str = concat!(env!("RUNTIME_MLX_FINGERPRINT"), ", shared state v2\0");
 
 /// [`MLX_FINGERPRINT`] without its NUL.
 pub fn mlx_fingerprint() -> &'static str {
@@ -109,9 +109,10 @@ pub struct RawPagePool {
     pub buffers: unsafe extern "C" fn(ctx: *mut c_void, layer: usize, out: *mut mlx_array) -> usize,
     /// Every written layer's buffers to `out` (at most `cap`).
     pub state: unsafe extern "C" fn(ctx: *mut c_void, out: *mut mlx_array, cap: usize) -> usize,
-    /// Writes `parts` (lent) at `slots` into layer `layer`; its new
-    /// buffers to `out` as `buffers` does, or 0 and a NUL-terminated
-    /// message in `err`.
+    /// Writes `parts` (lent; in either layout `PagePool::write` takes, the
+    /// scatter's rows since shared state v2) at `slots` into layer
+    /// `layer`; its new buffers to `out` as `buffers` does, or 0 and a
+    /// NUL-terminated message in `err`.
     pub write: unsafe extern "C" fn(
         ctx: *mut c_void,
         layer: usize,
@@ -328,7 +329,7 @@ mod tests {
     #[test]
     #[cfg(target_pointer_width = "64")]
     fn the_tables_keep_their_versions_layout() {
-        assert!(mlx_fingerprint().ends_with(", shared state v1"));
+        assert!(mlx_fingerprint().ends_with(", shared state v2"));
         macro_rules! at {
             ($t:ty: $($f:ident),*) => { [$(offset_of!($t, $f)),*] };
         }
