@@ -109,10 +109,9 @@ pub struct RawPagePool {
     pub buffers: unsafe extern "C" fn(ctx: *mut c_void, layer: usize, out: *mut mlx_array) -> usize,
     /// Every written layer's buffers to `out` (at most `cap`).
     pub state: unsafe extern "C" fn(ctx: *mut c_void, out: *mut mlx_array, cap: usize) -> usize,
-    /// Writes `parts` (lent; in either layout `PagePool::write` takes, the
-    /// scatter's rows since shared state v2) at `slots` into layer
-    /// `layer`; its new buffers to `out` as `buffers` does, or 0 and a
-    /// NUL-terminated message in `err`.
+    /// Writes `parts` (lent; in either layout `PagePool::write` takes) at
+    /// `slots` into layer `layer`; its new buffers to `out` as `buffers`
+    /// does, or 0 and a NUL-terminated message in `err`.
     pub write: unsafe extern "C" fn(
         ctx: *mut c_void,
         layer: usize,
