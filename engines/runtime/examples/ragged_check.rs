@@ -172,11 +172,11 @@ fn main() {
                     dtype,
                 };
                 seed += 1;
-                let (diff, paged, rows) = check(&case, seed);
-                let ok = diff <= tol && paged <= tol && rows <= tol;
+                let (diff, paged, as_rows) = check(&case, seed);
+                let ok = diff <= tol && paged <= tol && as_rows <= tol;
                 failed += usize::from(!ok);
                 println!(
-                    "{} {dtype:?} D={dim} heads {heads}/{kv_heads} rows {rows} queries {queries} keys {total} window {window:?}: max |diff| {diff:.2e}, paged {paged:.2e}, paged rows {rows:.2e}",
+                    "{} {dtype:?} D={dim} heads {heads}/{kv_heads} rows {rows} queries {queries} keys {total} window {window:?}: max |diff| {diff:.2e}, paged {paged:.2e}, paged rows {as_rows:.2e}",
                     if ok { "ok  " } else { "FAIL" }
                 );
             }
