@@ -379,7 +379,7 @@ const HEADS_SOURCE: &str = r#"
     const int b = r / L, i = r % L;
     const T* src = qkv + (size_t)r * S * D + (size_t)s * D;
     // k and v as `[B, HKV, L, D]`, or with KV_ROWS as the pool's rows
-    // (`[B * L, HKV, D]`: row r's heads together).
+    // (`[B * L, 1, HKV, D]`: row r's heads together).
     if (s >= H + HKV) {
         const int kh = s - H - HKV;
         T* dst = v_out + (KV_ROWS ? ((size_t)r * HKV + kh) * D : (((size_t)b * HKV + kh) * L + i) * D);
