@@ -103,12 +103,13 @@ fn check(c: &Case, seed: u64) -> (f32, f32, f32) {
         panic!("a paged cache gives a paged view")
     };
     let merged_shape = [c.rows * c.queries, c.heads * c.dim];
-    let merged = ragged::paged_attention(&q, &keys, &values, scale, &meta, &read, Some(&merged_shape))
-        .unwrap()
-        .reshape(&[c.rows, c.queries, c.heads, c.dim])
-        .unwrap()
-        .transpose_axes(&[0, 2, 1, 3])
-        .unwrap();
+    let merged =
+        ragged::paged_attention(&q, &keys, &values, scale, &meta, &read, Some(&merged_shape))
+            .unwrap()
+            .reshape(&[c.rows, c.queries, c.heads, c.dim])
+            .unwrap()
+            .transpose_axes(&[0, 2, 1, 3])
+            .unwrap();
     let f = |a: &Array| a.as_dtype(Dtype::Float32).unwrap();
     let mask = ragged_mask(&starts, c.queries, c.total, c.window);
     // On the CPU: the GPU's float32 matmuls (TF32) are further off than

@@ -227,7 +227,11 @@ pub fn heads(
         false => [b, hkv, l, d],
     };
     let launch = Launch {
-        outputs: &[(&[b, h, l, d], dtype), (&kv_shape, dtype), (&kv_shape, dtype)],
+        outputs: &[
+            (&[b, h, l, d], dtype),
+            (&kv_shape, dtype),
+            (&kv_shape, dtype),
+        ],
         grid_threads: round_up(slots * 32, BLOCK),
         block_threads: BLOCK,
         templates: &templates,

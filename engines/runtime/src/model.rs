@@ -956,31 +956,12 @@ impl Attention {
         idx: usize,
         shared_kv: Option<LayerView>,
     ) -> anyhow::Result<(Array, LayerView)> {
-        // One kernel (GPU) or node (CPU) from the stacked product to the
-        // heads.
-        if let Some(spec) = self.heads_spec().filter(|_| shared_kv.is_none()) {
-            let dtype = x.dtype();
-            let on_gpu = crate::gpu_fused::takes_heads(dtype, &spec);
-            if on_gpu || crate::cpu_fused::takes_heads(dtype, &spec) {
-                let qkv = self.qkv.joined(x).expect("stacked projections")?;
-                // On the GPU a paged layer's keys and values come out as
-                // the pool's rows, scattered with no reshape between.
-                let as_rows = on_gpu && cache.takes_rows(idx);
-                let (q, k, v) = if on_gpu {
-                    crate::gpu_fused::heads(&qkv, rows, &spec, offsets, as_rows)?
-                } else {
-                    let inv = self.rope.cpu_inverse_frequencies()?;
-                    crate::cpu_fused::heads(&qkv, rows, &spec, offsets, inv)?
-                };
-                let kv = match as_rows {
-                    true => cache.update_rows(idx, k, v, rows.1)?,
-                    false => cache.update(idx, k, v)?,
-                };
-                let mut out_shape = x.shape()[..x.ndim() - 1].to_vec();
-                out_shape.push(self.heads * self.head_dim);
-                let (heads, kv) = self.attention(q, None, kv, mask, rows.1, &out_shape)?;
-                return Ok((self.o.forward(&heads)?, kv));
-            }
+        if shared_kv.is_none() && self.takes_fused_heads(x.dtype()) {
+            let qkv = self.qkv.joined(x).expect("stacked projections")?;
+            let out_shape = merged_shape(x, self.heads * self.head_dim);
+            let (heads, kv) =
+                self.attend_fused(&qkv, rows, mask, offsets, cache, idx, &out_shape)?;
+            return Ok((self.o.forward(&heads)?, kv));
         }
         let p = self.project(x)?;
         let (heads, kv) = self.attend(p, rows, mask, offsets, cache, idx, shared_kv)?;
@@ -1000,6 +981,33 @@ impl Attention {
         shared_kv: &[Option<LayerView>],
     ) -> anyhow::Result<(Array, Vec<LayerView>)> {
         let bounds: Vec<i32> = layouts[1..].iter().map(|l| l.first_row).collect();
+        // Each segment's heads as its forward alone makes them (the same
+        // node, so the same numbers), over one stacked product of every row.
+        if shared_kv.iter().all(Option::is_none) && self.takes_fused_heads(x.dtype()) {
+            let qkv = self.qkv.joined(x).expect("stacked projections")?;
+            let parts = qkv.split_at_indices(&bounds, 0)?;
+            let mut heads = Vec::with_capacity(parts.len());
+            let mut kvs = Vec::with_capacity(parts.len());
+            for ((qkv, segment), layout) in parts.iter().zip(segments).zip(layouts) {
+                let mask = match (windowed, &layout.window_mask) {
+                    (true, Some(m)) => m,
+                    _ => &layout.global_mask,
+                };
+                let out_shape = merged_shape(qkv, self.heads * self.head_dim);
+                let (h, kv) = self.attend_fused(
+                    qkv,
+                    layout.rows,
+                    mask,
+                    &layout.offsets,
+                    segment.cache,
+                    idx,
+                    &out_shape,
+                )?;
+                heads.push(h);
+                kvs.push(kv);
+            }
+            return Ok((self.o.forward(&ops::concatenate(&heads, 0)?)?, kvs));
+        }
         let parts = self.project(x)?.split(&bounds)?;
         let mut heads = Vec::with_capacity(parts.len());
         let mut kvs = Vec::with_capacity(parts.len());
@@ -1026,10 +1034,51 @@ impl Attention {
         Ok((self.o.forward(&ops::concatenate(&heads, 0)?)?, kvs))
     }
 
+    /// Whether the heads come from the stacked product in one kernel (GPU)
+    /// or node (CPU) for activations of `dtype` ([`Attention::attend_fused`]).
+    fn takes_fused_heads(&self, dtype: Dtype) -> bool {
+        self.heads_spec().is_some_and(|spec| {
+            crate::gpu_fused::takes_heads(dtype, &spec)
+                || crate::cpu_fused::takes_heads(dtype, &spec)
+        })
+    }
+
+    /// Attention of `(b, l)` positions from their stacked q/k/v product
+    /// `qkv` (`[B * L, width]`), its heads made in one kernel or node and
+    /// written to `cache`: the heads merged as rows of `out_shape`, for the
+    /// output product. For a layer [`Attention::takes_fused_heads`] takes.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_fused(
+        &self,
+        qkv: &Array,
+        rows: (i32, i32),
+        mask: &AttnMask,
+        offsets: &Offsets,
+        cache: &mut KvCache,
+        idx: usize,
+        out_shape: &[i32],
+    ) -> anyhow::Result<(Array, LayerView)> {
+        let spec = self.heads_spec().expect("a layer with fused heads");
+        let on_gpu = crate::gpu_fused::takes_heads(qkv.dtype(), &spec);
+        // On the GPU a paged layer's keys and values come out as the
+        // pool's rows, scattered with no reshape between.
+        let as_rows = on_gpu && cache.takes_rows(idx);
+        let (q, k, v) = if on_gpu {
+            crate::gpu_fused::heads(qkv, rows, &spec, offsets, as_rows)?
+        } else {
+            let inv = self.rope.cpu_inverse_frequencies()?;
+            crate::cpu_fused::heads(qkv, rows, &spec, offsets, inv)?
+        };
+        let kv = match as_rows {
+            true => cache.update_rows(idx, k, v, rows.1)?,
+            false => cache.update(idx, k, v)?,
+        };
+        self.attention(q, None, kv, mask, rows.1, out_shape)
+    }
+
     /// The q, k and v (and gate) projections of `x`.
     fn project(&self, x: &Array) -> R<Projected> {
-        let mut out_shape = x.shape()[..x.ndim() - 1].to_vec();
-        out_shape.push(self.heads * self.head_dim);
+        let out_shape = merged_shape(x, self.heads * self.head_dim);
         let mut qkv = self.qkv.forward(x)?.into_iter();
         let q = qkv.next().unwrap();
         let (q, gate) = match self.gated {
@@ -1204,7 +1253,8 @@ impl Attention {
                 fast::scaled_dot_product_attention(&q, k, v, self.scale, m, None)?
             }
             AttnMask::Ragged(r) if r.kernel && crate::ragged::applies(&q, k) => {
-                let out = crate::ragged::attention(&q, k, v, self.scale, &r.meta, Some(&out_shape))?;
+                let out =
+                    crate::ragged::attention(&q, k, v, self.scale, &r.meta, Some(&out_shape))?;
                 return Ok((gated_rows(out, gate.as_ref())?, kv));
             }
             AttnMask::Ragged(r) => {
@@ -1214,6 +1264,14 @@ impl Attention {
         };
         Ok((merge_heads(out, gate.as_ref(), &out_shape)?, kv))
     }
+}
+
+/// `x`'s shape with its last axis `width`: the merged heads' rows of a
+/// stream of `x`'s rows.
+fn merged_shape(x: &Array, width: i32) -> Vec<i32> {
+    let mut shape = x.shape()[..x.ndim() - 1].to_vec();
+    shape.push(width);
+    shape
 }
 
 /// The heads' `[B, heads, L, head_dim]` as rows of `shape`, gated per head

@@ -135,7 +135,22 @@ fn staggered(m: &Model, prompts: &[Vec<u32>], new_cache: &dyn Fn() -> KvCache) -
     seqs
 }
 
+/// Float32 logits of the same tokens through other groupings of rows: the
+/// products' sums round apart by a few ulps (BLAS kernels block by rows).
+const TOLERANCE: f32 = 1e-4;
+
+/// With 8-bit keys and values a product's last-ulp difference can move a
+/// value across a code boundary: one code step of a key (its group's range
+/// over 255) shifts a score by a few 1e-4 at these models' scales, so a
+/// logit by about as much (7.2e-4 seen with OpenBLAS's SkylakeX kernels,
+/// none with its Haswell ones).
+const QUANTIZED_TOLERANCE: f32 = 5e-3;
+
 fn check(name: &str, m: &Model, new_cache: &dyn Fn() -> KvCache) {
+    check_within(name, m, new_cache, TOLERANCE)
+}
+
+fn check_within(name: &str, m: &Model, new_cache: &dyn Fn() -> KvCache, tolerance: f32) {
     assert!(m.mixes(), "{name}");
     // Two past Gemma's window (24), one chunked across it.
     let prompts: Vec<Vec<u32>> = [(1, 30), (2, 5), (3, 33), (4, 12)]
@@ -152,7 +167,10 @@ fn check(name: &str, m: &Model, new_cache: &dyn Fn() -> KvCache) {
         let (tokens, logits) = alone(m, &s.prompt);
         assert_eq!(s.tokens, tokens, "{name}: sequence {k}'s tokens");
         let worst = worst_difference(&s.logits, &logits);
-        assert!(worst < 1e-4, "{name}: sequence {k}'s logits off by {worst}");
+        assert!(
+            worst < tolerance,
+            "{name}: sequence {k}'s logits off by {worst}"
+        );
     }
 }
 
@@ -185,7 +203,12 @@ fn a_mixed_forward_over_quantized_and_paged_kv_equals_separate_forwards() {
     };
     let (_dir, loaded) = model(&spec, Some(quant));
     let m = &loaded.model;
-    check("qwen3, 8-bit KV", m, &|| m.new_cache(1));
+    check_within(
+        "qwen3, 8-bit KV",
+        m,
+        &|| m.new_cache(1),
+        QUANTIZED_TOLERANCE,
+    );
     let (_dir, loaded) = model(&TinySpec::tiny(Family::Qwen3), None);
     let m = &loaded.model;
     let pool = PagePool::new(m.config.num_layers as usize, 200, 16).unwrap();

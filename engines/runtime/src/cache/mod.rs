@@ -302,7 +302,9 @@ impl KvCache {
             Storage::Paged(t) if self.formats[layer].is_none() => {
                 t.write(layer, None, &[k, v], self.len, n, &self.left_pad)
             }
-            _ => Err(anyhow!("layer {layer} does not take its keys and values as pool rows")),
+            _ => Err(anyhow!(
+                "layer {layer} does not take its keys and values as pool rows"
+            )),
         }
     }
 
