@@ -473,8 +473,9 @@ fn grammar_masks(rows: &mut [Row], vocab: usize) -> Vec<Mask> {
         .collect()
 }
 
-/// Next token of every row from `[B, V]` logits, lazily: one argmax shared
-/// by the plain greedy rows, each other row through its own sampler.
+/// Next token of every row from `[B, V]` logits, lazily: one draw for the
+/// whole batch ([`sampling::draw`]), from the logits as they are except
+/// for the rows whose sampler adjusts them or whose grammar masks them.
 /// Returns the `[B]` uint32 tokens and, for rows that asked, their
 /// log-probability vectors.
 fn sample_rows(
@@ -482,39 +483,32 @@ fn sample_rows(
     logits: &Array,
     masks: &[Mask],
 ) -> anyhow::Result<(Array, Vec<(usize, Array)>)> {
-    let greedy = rows
-        .iter()
-        .any(|r| r.seq.plain_greedy())
-        .then(|| ops::indexing::argmax_axis(logits, -1, None))
-        .transpose()?;
-    if rows.iter().all(|r| r.seq.plain_greedy()) {
-        // One op for the whole batch instead of a gather per row.
-        return Ok((greedy.unwrap().as_dtype(Dtype::Uint32)?, Vec::new()));
-    }
-    let mut picks = Vec::with_capacity(rows.len());
-    let mut lps = Vec::new();
-    for (i, row) in rows.iter_mut().enumerate() {
-        let idx = Array::from_slice(&[i as i32], &[1]);
-        if row.seq.plain_greedy() {
-            picks.push(
-                greedy
-                    .as_ref()
-                    .unwrap()
-                    .take_axis(&idx, 0)?
-                    .as_dtype(Dtype::Uint32)?,
-            );
-        } else {
-            let l = logits.take_axis(&idx, 0)?;
-            let pick = match &masks[i] {
-                Mask::Allowed(allowed) => row.seq.sampler.sample_within(&l, allowed)?,
-                // An ended row's pick is never read.
-                Mask::Free | Mask::Over => row.seq.sampler.sample(&l)?,
-            };
-            picks.push(pick.as_dtype(Dtype::Uint32)?);
-            if row.seq.wants_logprobs() {
-                lps.push((i, row.seq.sampler.logprobs(&l)?));
+    let own = |row: &Row, mask: &Mask| row.seq.sampler.adjusts() || matches!(mask, Mask::Allowed(_));
+    let drawn_from = match rows.iter().zip(masks).any(|(r, m)| own(r, m)) {
+        false => logits.clone(),
+        true => {
+            let mut each = Vec::with_capacity(rows.len());
+            for (i, (row, mask)) in rows.iter().zip(masks).enumerate() {
+                let l = logits.take_axis(Array::from_slice(&[i as i32], &[1]), 0)?;
+                each.push(match (own(row, mask), mask) {
+                    (false, _) => l,
+                    (true, Mask::Allowed(allowed)) => {
+                        ops::select(allowed, &row.seq.sampler.adjust(&l)?, Array::from_f32(f32::NEG_INFINITY))?
+                    }
+                    (true, _) => row.seq.sampler.adjust(&l)?,
+                });
             }
+            ops::concatenate(&each, 0)?
+        }
+    };
+    let picks: Vec<sampling::Pick> = rows.iter_mut().map(|r| r.seq.sampler.next_pick()).collect();
+    let tokens = sampling::draw(&drawn_from, &picks)?.as_dtype(Dtype::Uint32)?;
+    let mut lps = Vec::new();
+    for (i, row) in rows.iter().enumerate() {
+        if row.seq.wants_logprobs() {
+            let l = logits.take_axis(Array::from_slice(&[i as i32], &[1]), 0)?;
+            lps.push((i, row.seq.sampler.logprobs(&l)?));
         }
     }
-    Ok((ops::concatenate(&picks, 0)?, lps))
+    Ok((tokens, lps))
 }

@@ -1,15 +1,19 @@
-//! Sampling on the device, one row of logits at a time (the batched engine
-//! takes a fast argmax over the whole batch when every row is greedy).
+//! Sampling on the device: every row of a batch (or every position of a
+//! verified block) drawn by one set of nodes ([`draw`]), whatever each
+//! row's parameters.
 //!
 //! Order, as in vLLM/HF: logit_bias, repetition penalty (over prompt and
 //! output), presence/frequency penalties (over output, OpenAI semantics),
 //! temperature, then top-k, min-p and top-p truncation, then a categorical
-//! draw with the request's own PRNG key (same seed, same output).
+//! draw: the Gumbel-max argmax, the noise of a request's `i`-th draw a hash
+//! of its seed, `i` and the token id (same seed, same output; any draw of
+//! a request can be built ahead without the ones before it).
 
 use engine_core::SamplingParams;
-use mlx_rs::{ops, random, Array, Dtype};
+use mlx_rs::error::Exception;
+use mlx_rs::{ops, Array, Dtype};
 
-type R<T> = Result<T, mlx_rs::error::Exception>;
+type R<T> = Result<T, Exception>;
 
 pub struct Sampler {
     params: SamplingParams,
@@ -20,7 +24,38 @@ pub struct Sampler {
     counts: Option<Array>,
     /// `[V]` 1.0 where the token appeared in prompt or output.
     seen: Option<Array>,
-    key: Option<Array>,
+    /// A sampled request's seed (`None`: greedy).
+    seed: Option<u64>,
+    /// The index of its next draw: the tokens chosen so far.
+    drawn: u64,
+}
+
+/// How one row's token is chosen from its adjusted logits by [`draw`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Pick {
+    /// The row's noise (`None`: its argmax).
+    key: Option<u64>,
+    inv_temperature: f32,
+    /// 0: no top-k.
+    top_k: i32,
+    min_p: f32,
+    /// `f32::INFINITY`: no top-p.
+    top_p: f32,
+}
+
+impl Pick {
+    /// The argmax, untruncated.
+    pub const GREEDY: Pick = Pick {
+        key: None,
+        inv_temperature: 1.0,
+        top_k: 0,
+        min_p: 0.0,
+        top_p: f32::INFINITY,
+    };
+
+    fn truncates(&self) -> [bool; 3] {
+        [self.top_k > 0, self.min_p > 0.0, self.top_p.is_finite()]
+    }
 }
 
 impl Sampler {
@@ -51,19 +86,15 @@ impl Sampler {
         } else {
             None
         };
-        let key = if params.is_greedy() {
-            None
-        } else {
-            let seed = params.seed.unwrap_or_else(random_seed);
-            Some(random::key(seed)?)
-        };
+        let seed = (!params.is_greedy()).then(|| params.seed.unwrap_or_else(random_seed));
         Ok(Self {
             params: params.clone(),
             vocab,
             bias,
             counts,
             seen,
-            key,
+            seed,
+            drawn: 0,
         })
     }
 
@@ -78,8 +109,13 @@ impl Sampler {
         self.counts.is_some() || self.seen.is_some()
     }
 
+    /// Whether [`Sampler::adjust`] changes the logits (bias, penalties).
+    pub fn adjusts(&self) -> bool {
+        self.bias.is_some() || self.reads_history()
+    }
+
     /// Logits after bias and penalties, before temperature: what logprobs
-    /// are reported from.
+    /// are reported from and what [`Sampler::next_pick`] draws from.
     pub fn adjust(&self, logits: &Array) -> R<Array> {
         self.adjust_after(logits, &[])
     }
@@ -130,98 +166,70 @@ impl Sampler {
     /// a lazy `[1]` uint32 array.
     pub fn sample(&mut self, logits: &Array) -> R<Array> {
         let l = self.adjust(&logits.reshape(&[1, self.vocab])?)?;
-        self.pick(l)
+        draw(&l, &[self.next_pick()])
     }
 
     /// [`Sampler::sample`] among the tokens a grammar allows (`allowed`:
     /// `[V]` bool, see [`allowed_mask`]); the others get no probability.
     pub fn sample_within(&mut self, logits: &Array, allowed: &Array) -> R<Array> {
         let l = self.adjust(&logits.reshape(&[1, self.vocab])?)?;
-        self.pick(ops::select(allowed, &l, neg_inf())?)
+        draw(&ops::select(allowed, &l, neg_inf())?, &[self.next_pick()])
     }
 
-    fn pick(&mut self, l: Array) -> R<Array> {
-        if self.params.is_greedy() {
-            return ops::indexing::argmax_axis(&l, -1, None);
-        }
-        let key = self.key.take().expect("sampled rows have a key");
-        let (next_key, draw_key) = random::split(&key, 2)?;
-        self.key = Some(next_key);
-        random::categorical(&self.truncate(l)?, -1, None, &draw_key)
+    /// How its next token is drawn from its adjusted logits, the draw
+    /// taken: for a caller that draws it with other rows' ([`draw`]).
+    pub fn next_pick(&mut self) -> Pick {
+        let pick = self.pick_at(0);
+        self.pass_key();
+        pick
     }
 
-    /// Temperature, then top-k, min-p and top-p: the logits a sampled
-    /// token is drawn from.
-    fn truncate(&self, l: Array) -> R<Array> {
-        let mut l = l.multiply(Array::from_f32(1.0 / self.params.temperature))?;
-        if self.params.top_k > 0 && (self.params.top_k as i32) < self.vocab {
-            l = top_k(&l, self.params.top_k as i32)?;
+    /// How the draw `ahead` places after the next one is made.
+    fn pick_at(&self, ahead: u64) -> Pick {
+        let Some(seed) = self.seed else {
+            return Pick::GREEDY;
+        };
+        let p = &self.params;
+        Pick {
+            key: Some(splitmix64(seed ^ splitmix64(self.drawn + ahead))),
+            inv_temperature: 1.0 / p.temperature,
+            top_k: match p.top_k as i32 {
+                k if k > 0 && k < self.vocab => k,
+                _ => 0,
+            },
+            min_p: p.min_p.max(0.0),
+            top_p: if p.top_p < 1.0 { p.top_p } else { f32::INFINITY },
         }
-        if self.params.min_p > 0.0 {
-            l = min_p(&l, self.params.min_p)?;
-        }
-        if self.params.top_p < 1.0 {
-            l = top_p(&l, self.params.top_p)?;
-        }
-        Ok(l)
     }
 
     /// The picks [`Sampler::sample`] (or [`Sampler::sample_within`] where
     /// `allowed` gives a row's set) would make at the next `L` positions
     /// of `[1, L, V]` logits, position `i` as if `ahead[..i]` had been
-    /// chosen before it: each row draws with the key its turn would have,
-    /// so a token kept from here equals the one plain sampling draws with
-    /// the same seed. Nothing is consumed; [`Sampler::advance`] then moves
-    /// past the tokens kept. Returns the `L` picks as lazy int32 arrays
-    /// that, concatenated in order, are the picks: one `[L]` array where
-    /// every pick is an argmax, else one `[1]` array a position, so a
-    /// caller can evaluate them in order and stop at the first pick it
-    /// will not keep (a draw from the vocabulary, on the CPU, costs about
-    /// a sixth of a decode step of the default model: its random bits).
+    /// chosen before it, with the draw its turn would have: a token kept
+    /// from here equals the one plain sampling draws with the same seed.
+    /// Nothing is consumed; [`Sampler::advance`] then moves past the
+    /// tokens kept. Returns the `[L]` int32 picks, lazily.
     pub fn picks_along(
         &self,
         logits: &Array,
         ahead: &[u32],
         allowed: &[Option<Array>],
-    ) -> R<Vec<Array>> {
+    ) -> R<Array> {
         let positions = logits.dim(1);
         let logits = logits.reshape(&[positions, self.vocab])?;
-        if self.params.is_greedy() && !self.reads_history() && self.bias.is_none() {
-            let l = match allowed.iter().any(Option::is_some) {
-                false => logits,
-                true => {
-                    let rows = (0..positions as usize)
-                        .map(|i| self.within(&row(&logits, i)?, allowed.get(i)))
-                        .collect::<R<Vec<_>>>()?;
-                    ops::concatenate(&rows, 0)?
-                }
-            };
-            return Ok(vec![
-                ops::indexing::argmax_axis(&l, -1, None)?.as_dtype(Dtype::Int32)?
-            ]);
-        }
-        let mut key = self.key.clone();
-        let mut picks = Vec::with_capacity(positions as usize);
-        for i in 0..positions as usize {
-            let before = &ahead[..i.min(ahead.len())];
-            let l = self.within(
-                &self.adjust_after(&row(&logits, i)?, before)?,
-                allowed.get(i),
-            )?;
-            let pick = match key.take() {
-                None => ops::indexing::argmax_axis(&l, -1, None)?,
-                Some(k) => {
-                    let (next_key, draw_key) = random::split(&k, 2)?;
-                    key = Some(next_key);
-                    random::categorical(&self.truncate(l)?, -1, None, &draw_key)?
-                }
-            };
-            picks.push(pick.as_dtype(Dtype::Int32)?);
-        }
-        match self.key {
-            None => Ok(vec![ops::concatenate(&picks, 0)?]),
-            Some(_) => Ok(picks),
-        }
+        let l = if self.reads_history() || allowed.iter().any(Option::is_some) {
+            let rows = (0..positions as usize)
+                .map(|i| {
+                    let before = &ahead[..i.min(ahead.len())];
+                    self.within(&self.adjust_after(&row(&logits, i)?, before)?, allowed.get(i))
+                })
+                .collect::<R<Vec<_>>>()?;
+            ops::concatenate(&rows, 0)?
+        } else {
+            self.adjust(&logits)?
+        };
+        let picks: Vec<Pick> = (0..positions as u64).map(|i| self.pick_at(i)).collect();
+        draw(&l, &picks)?.as_dtype(Dtype::Int32)
     }
 
     /// `l` with the tokens outside `allowed` (when given) at no probability.
@@ -233,25 +241,21 @@ impl Sampler {
     }
 
     /// Moves past `tokens` chosen from [`Sampler::picks_along`]: each is
-    /// observed and takes its position's key, as [`Sampler::sample`]'s
+    /// observed and takes its position's draw, as [`Sampler::sample`]'s
     /// picks do.
     pub fn advance(&mut self, tokens: &[u32]) -> R<()> {
         for &t in tokens {
-            self.pass_key()?;
+            self.pass_key();
             self.observe(t)?;
         }
         Ok(())
     }
 
-    /// Moves the key past one position, as a draw there would: for a
-    /// token chosen from [`Sampler::picks_along`], which
-    /// [`Sampler::observe`] then records.
-    pub fn pass_key(&mut self) -> R<()> {
-        if let Some(key) = self.key.take() {
-            let (next_key, _) = random::split(&key, 2)?;
-            self.key = Some(next_key);
-        }
-        Ok(())
+    /// Moves past one position's draw, as a draw there would: for a token
+    /// chosen from [`Sampler::picks_along`], which [`Sampler::observe`]
+    /// then records.
+    pub fn pass_key(&mut self) {
+        self.drawn += 1;
     }
 
     /// Records the chosen token for the penalties.
@@ -277,6 +281,122 @@ impl Sampler {
         Array::arange::<_, i32>(0, self.vocab, 1)?
             .eq(Array::from_int(token as i32))?
             .as_dtype(Dtype::Float32)
+    }
+}
+
+/// The token of every row of `[N, V]` adjusted logits, row `n` chosen as
+/// `picks[n]` says: temperature, then top-k, min-p and top-p (each built
+/// only where some row asks for it, a row that does not left whole), then
+/// the argmax plus the row's Gumbel noise (none for a greedy row), which is
+/// a draw from the truncated softmax. One set of nodes for every row: a
+/// batch's sampling costs what one row's does. Returns `[N]` uint32, lazily.
+pub fn draw(logits: &Array, picks: &[Pick]) -> R<Array> {
+    let n = picks.len() as i32;
+    if picks.iter().all(|p| *p == Pick::GREEDY) {
+        return ops::indexing::argmax_axis(logits, -1, None);
+    }
+    let column = |f: &dyn Fn(&Pick) -> f32| {
+        Array::from_slice(&picks.iter().map(f).collect::<Vec<f32>>(), &[n, 1])
+    };
+    let mut l = logits
+        .as_dtype(Dtype::Float32)?
+        .multiply(column(&|p| p.inv_temperature))?;
+    let vocab = l.dim(-1);
+    let asked = |i: usize| picks.iter().any(|p| p.truncates()[i]);
+    if asked(0) {
+        // The k-th largest, the smallest where a row keeps every token.
+        let at: Vec<i32> = picks
+            .iter()
+            .map(|p| if p.top_k > 0 { vocab - p.top_k } else { 0 })
+            .collect();
+        let kth = ops::sort_axis(&l, -1)?
+            .take_along_axis(&Array::from_slice(&at, &[n, 1]), -1)?;
+        l = ops::select(&l.lt(&kth)?, neg_inf(), &l)?;
+    }
+    if asked(1) {
+        // probs < p * max_prob  <=>  logit < max_logit + ln(p); ln(0) = -inf.
+        let threshold = l
+            .max_axis(-1, true)?
+            .add(column(&|p| p.min_p.ln()))?;
+        l = ops::select(&l.lt(&threshold)?, neg_inf(), &l)?;
+    }
+    if asked(2) {
+        // Keep the smallest set of most likely tokens whose mass reaches p:
+        // a token survives when the mass strictly above it is below p (an
+        // infinite p keeps every token).
+        let probs = ops::softmax_axis(&l, -1, None)?;
+        let sorted = ops::sort_axis(&probs, -1)?; // ascending
+        let above = Array::from_f32(1.0).subtract(ops::cumsum(&sorted, -1, None, None)?)?;
+        let keep = above.lt(column(&|p| p.top_p))?;
+        let threshold =
+            ops::select(&keep, &sorted, Array::from_f32(f32::INFINITY))?.min_axis(-1, true)?;
+        l = ops::select(&probs.lt(&threshold)?, neg_inf(), &l)?;
+    }
+    let keys: Vec<u64> = picks.iter().map(|p| p.key.unwrap_or(0)).collect();
+    let mut noise = gumbel(&Array::from_slice(&keys, &[n, 1]), vocab)?;
+    if picks.iter().any(|p| p.key.is_none()) {
+        noise = noise.multiply(column(&|p| p.key.map_or(0.0, |_| 1.0)))?;
+    }
+    ops::indexing::argmax_axis(&l.add(&noise)?, -1, None)
+}
+
+/// `[N, V]` standard Gumbel noise, row `n`'s token `j` from the `j`-th
+/// output of splitmix64 started at `keys[n]` (`[N, 1]` uint64): a stream
+/// that passes BigCrush, built from elementwise nodes on any device.
+fn gumbel(keys: &Array, vocab: i32) -> R<Array> {
+    let c = |v: u64| Array::from_slice(&[v], &[1]);
+    let j = Array::arange::<_, i32>(1, vocab + 1, 1)?.as_dtype(Dtype::Uint64)?;
+    let mut z = keys.add(j.multiply(c(GOLDEN))?)?;
+    for (shift, mul) in [(30, MIX1), (27, MIX2)] {
+        z = xor_shifted(&z, shift)?.multiply(c(mul))?;
+    }
+    z = xor_shifted(&z, 31)?;
+    // The top 24 bits, as a uniform in (0, 1) that float32 holds exactly.
+    let u = bits_op(mlx_sys::mlx_right_shift, &z, &c(40))?
+        .as_dtype(Dtype::Float32)?
+        .add(Array::from_f32(0.5))?
+        .multiply(Array::from_f32(1.0 / (1u32 << 24) as f32))?;
+    ops::log(&ops::log(&u)?.negative()?)?.negative()
+}
+
+const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+const MIX1: u64 = 0xBF58_476D_1CE4_E5B9;
+const MIX2: u64 = 0x94D0_49BB_1331_11EB;
+
+/// splitmix64's output for state `x` (before the increment): the host's
+/// copy of what [`gumbel`] computes per token, to derive draw keys.
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(GOLDEN);
+    z = (z ^ (z >> 30)).wrapping_mul(MIX1);
+    z = (z ^ (z >> 27)).wrapping_mul(MIX2);
+    z ^ (z >> 31)
+}
+
+/// `z ^ (z >> shift)`.
+fn xor_shifted(z: &Array, shift: u64) -> R<Array> {
+    let shifted = bits_op(mlx_sys::mlx_right_shift, z, &Array::from_slice(&[shift], &[1]))?;
+    bits_op(mlx_sys::mlx_bitwise_xor, z, &shifted)
+}
+
+/// One of mlx-c's integer binary ops, which mlx-rs does not wrap.
+fn bits_op(
+    op: unsafe extern "C" fn(
+        *mut mlx_sys::mlx_array,
+        mlx_sys::mlx_array,
+        mlx_sys::mlx_array,
+        mlx_sys::mlx_stream,
+    ) -> std::os::raw::c_int,
+    a: &Array,
+    b: &Array,
+) -> R<Array> {
+    let stream = mlx_rs::Stream::thread_local_or_default();
+    unsafe {
+        let mut res = mlx_sys::mlx_array_new();
+        if op(&mut res, a.as_ptr(), b.as_ptr(), stream.as_ptr()) != 0 {
+            mlx_sys::mlx_array_free(res);
+            return Err(Exception::custom("mlx integer operation failed"));
+        }
+        Ok(Array::from_ptr(res))
     }
 }
 
@@ -319,33 +439,6 @@ pub fn token_logprobs(logprobs: &[f32], token: u32, top: usize) -> (Option<f32>,
 
 fn neg_inf() -> Array {
     Array::from_f32(f32::NEG_INFINITY)
-}
-
-fn top_k(l: &Array, k: i32) -> R<Array> {
-    let v = l.dim(-1);
-    let sorted = ops::sort_axis(l, -1)?;
-    let kth = sorted.take_axis(Array::from_slice(&[v - k], &[1]), -1)?;
-    ops::select(&l.lt(&kth)?, neg_inf(), l)
-}
-
-fn min_p(l: &Array, p: f32) -> R<Array> {
-    // probs < p * max_prob  <=>  logit < max_logit + ln(p)
-    let max = l.max_axis(-1, true)?;
-    let threshold = max.add(Array::from_f32(p.ln()))?;
-    ops::select(&l.lt(&threshold)?, neg_inf(), l)
-}
-
-fn top_p(l: &Array, p: f32) -> R<Array> {
-    // Keep the smallest set of most likely tokens whose mass reaches p: a
-    // token survives when the mass strictly above it is below p.
-    let probs = ops::softmax_axis(l, -1, None)?;
-    let sorted = ops::sort_axis(&probs, -1)?; // ascending
-    let cum = ops::cumsum(&sorted, -1, None, None)?;
-    let above = Array::from_f32(1.0).subtract(&cum)?; // mass strictly above each sorted entry
-    let keep = above.lt(Array::from_f32(p))?;
-    let threshold =
-        ops::select(&keep, &sorted, Array::from_f32(f32::INFINITY))?.min_axis(-1, true)?;
-    ops::select(&probs.lt(&threshold)?, neg_inf(), l)
 }
 
 fn random_seed() -> u64 {

@@ -11,7 +11,7 @@
 //! The target's pick at each position is what plain decoding would choose
 //! there: its argmax for greedy requests; for sampled ones the request's
 //! sampler (bias, penalties, temperature, top-k, min-p, top-p) drawing
-//! with the key plain sampling would use at that position of the output
+//! with the noise plain sampling would use at that position of the output
 //! ([`sampling::Sampler::picks_along`]). A draft is thus kept with probability
 //! p(draft), and on a rejection the committed token is distributed as p
 //! without the draft, renormalised: speculative sampling with a point-mass
@@ -132,7 +132,7 @@ impl Sequence {
             })?;
         self.cache = cache;
         let sets = self.allowed_along(&[]);
-        let token = self.picks(&logits, &[], &sets)?.remove(0);
+        let token = self.picks(&logits, &[], &sets)?;
         eval([&token])?;
         self.stats.target_forwards += 1;
         self.commit(&[token.as_slice::<i32>()[0] as u32], &sets)?;
@@ -254,7 +254,7 @@ impl Sequence {
     /// dropped.
     fn commit(&mut self, tokens: &[u32], sets: &[Option<Allowed>]) -> anyhow::Result<()> {
         for (i, &token) in tokens.iter().enumerate() {
-            self.seq.sampler.pass_key()?;
+            self.seq.sampler.pass_key();
             let grammar_over = matches!(sets.get(i), Some(None));
             match self.seq.accept_plain(token, grammar_over)? {
                 Some(reason) => {
@@ -268,8 +268,7 @@ impl Sequence {
         Ok(())
     }
 
-    /// The target's `L` picks (int32, lazy, in the pieces
-    /// [`sampling::Sampler::picks_along`] returns) from `[1, L, V]` logits:
+    /// The target's `L` picks (`[L]` int32, lazy) from `[1, L, V]` logits:
     /// at each position what plain decoding would choose after the drafts
     /// before it, among the tokens its grammar set allows where `sets` has
     /// one (a `None` set, the output complete, limits nothing: that
@@ -279,7 +278,7 @@ impl Sequence {
         logits: &Array,
         drafts: &[u32],
         sets: &[Option<Allowed>],
-    ) -> anyhow::Result<Vec<Array>> {
+    ) -> anyhow::Result<Array> {
         let vocab = logits.dim(-1) as usize;
         let allowed: Vec<Option<Array>> = sets
             .iter()
@@ -387,26 +386,13 @@ impl Plan {
         self.input.dim(1) - 1
     }
 
-    /// Reads the target's `1 + k` picks (from [`Sequence::picks`], the
-    /// first piece evaluated with the lazy drafts) in order and compares
-    /// them with the drafts, evaluating a further piece only while every
-    /// pick so far agreed: the picks after the first disagreement are
-    /// never committed, and a sampled pick is a draw over the vocabulary
-    /// (at temperature 0.7 about half the drafts are rejected, most of a
-    /// block's draws unneeded).
-    fn judge(&mut self, picks: &[Array]) -> anyhow::Result<Verdict> {
+    /// Reads the target's `1 + k` picks (from [`Sequence::picks`],
+    /// evaluated with the lazy drafts) and compares them with the drafts.
+    fn judge(&mut self, picks: &Array) -> anyhow::Result<Verdict> {
         if let Some(d) = self.lazy.take() {
             self.proposed = d.as_slice::<i32>().iter().map(|&t| t as u32).collect();
         }
-        let mut target: Vec<u32> = Vec::with_capacity(self.proposed.len() + 1);
-        for piece in picks {
-            let agreed = target.iter().zip(&self.proposed).all(|(t, d)| t == d);
-            if !agreed || target.len() > self.proposed.len() {
-                break;
-            }
-            eval([piece])?;
-            target.extend(piece.as_slice::<i32>().iter().map(|&t| t as u32));
-        }
+        let target: Vec<u32> = picks.as_slice::<i32>().iter().map(|&t| t as u32).collect();
         let accepted = self
             .proposed
             .iter()
@@ -594,12 +580,11 @@ impl Batch {
                 None => None,
             });
         }
-        // One sync for the whole batch: every row's first picks and lazy
-        // drafts (a sampled row's later draws as its verdict needs them).
+        // One sync for the whole batch: every row's picks and lazy drafts.
         let pending = rows
             .iter()
             .flatten()
-            .filter_map(|(_, picks)| picks.first())
+            .map(|(_, picks)| picks)
             .chain(plans.iter().flatten().filter_map(|p| p.lazy.as_ref()));
         eval(pending)?;
         let verdicts: Vec<Option<Verdict>> = plans
