@@ -352,12 +352,14 @@ fn the_default_config_speculates_alone_and_answers_like_the_batched_engine() {
             .unwrap()
             >= 1
     );
-    // Another seed, another text; the same seed, the same text.
-    let other = answer(&gw, &quoting(json!({"temperature": 1.5, "seed": 8}))).2;
-    assert_ne!(
-        other["choices"][0]["token_ids"],
-        want["choices"][0]["token_ids"]
-    );
+    // Other seeds, other texts (the biased tiny model repeats one token
+    // with most of its mass, so a seed may draw the same text); the same
+    // seed, the same text.
+    let differs = (8..16).any(|seed| {
+        let other = answer(&gw, &quoting(json!({"temperature": 1.5, "seed": seed}))).2;
+        other["choices"][0]["token_ids"] != want["choices"][0]["token_ids"]
+    });
+    assert!(differs, "seeds 8..16 all drew seed 7's text");
     // Prompt lookup while its drafts are accepted, else the batched
     // engine; the same seed's text either way.
     let (engine, _, again) = answer(&gw, &sampled);
