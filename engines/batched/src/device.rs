@@ -483,7 +483,8 @@ fn sample_rows(
     logits: &Array,
     masks: &[Mask],
 ) -> anyhow::Result<(Array, Vec<(usize, Array)>)> {
-    let own = |row: &Row, mask: &Mask| row.seq.sampler.adjusts() || matches!(mask, Mask::Allowed(_));
+    let own =
+        |row: &Row, mask: &Mask| row.seq.sampler.adjusts() || matches!(mask, Mask::Allowed(_));
     let drawn_from = match rows.iter().zip(masks).any(|(r, m)| own(r, m)) {
         false => logits.clone(),
         true => {
@@ -492,9 +493,11 @@ fn sample_rows(
                 let l = logits.take_axis(Array::from_slice(&[i as i32], &[1]), 0)?;
                 each.push(match (own(row, mask), mask) {
                     (false, _) => l,
-                    (true, Mask::Allowed(allowed)) => {
-                        ops::select(allowed, &row.seq.sampler.adjust(&l)?, Array::from_f32(f32::NEG_INFINITY))?
-                    }
+                    (true, Mask::Allowed(allowed)) => ops::select(
+                        allowed,
+                        &row.seq.sampler.adjust(&l)?,
+                        Array::from_f32(f32::NEG_INFINITY),
+                    )?,
                     (true, _) => row.seq.sampler.adjust(&l)?,
                 });
             }

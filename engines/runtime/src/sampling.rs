@@ -198,7 +198,11 @@ impl Sampler {
                 _ => 0,
             },
             min_p: p.min_p.max(0.0),
-            top_p: if p.top_p < 1.0 { p.top_p } else { f32::INFINITY },
+            top_p: if p.top_p < 1.0 {
+                p.top_p
+            } else {
+                f32::INFINITY
+            },
         }
     }
 
@@ -221,7 +225,10 @@ impl Sampler {
             let rows = (0..positions as usize)
                 .map(|i| {
                     let before = &ahead[..i.min(ahead.len())];
-                    self.within(&self.adjust_after(&row(&logits, i)?, before)?, allowed.get(i))
+                    self.within(
+                        &self.adjust_after(&row(&logits, i)?, before)?,
+                        allowed.get(i),
+                    )
                 })
                 .collect::<R<Vec<_>>>()?;
             ops::concatenate(&rows, 0)?
@@ -309,15 +316,12 @@ pub fn draw(logits: &Array, picks: &[Pick]) -> R<Array> {
             .iter()
             .map(|p| if p.top_k > 0 { vocab - p.top_k } else { 0 })
             .collect();
-        let kth = ops::sort_axis(&l, -1)?
-            .take_along_axis(&Array::from_slice(&at, &[n, 1]), -1)?;
+        let kth = ops::sort_axis(&l, -1)?.take_along_axis(&Array::from_slice(&at, &[n, 1]), -1)?;
         l = ops::select(&l.lt(&kth)?, neg_inf(), &l)?;
     }
     if asked(1) {
         // probs < p * max_prob  <=>  logit < max_logit + ln(p); ln(0) = -inf.
-        let threshold = l
-            .max_axis(-1, true)?
-            .add(column(&|p| p.min_p.ln()))?;
+        let threshold = l.max_axis(-1, true)?.add(column(&|p| p.min_p.ln()))?;
         l = ops::select(&l.lt(&threshold)?, neg_inf(), &l)?;
     }
     if asked(2) {
@@ -374,7 +378,11 @@ fn splitmix64(x: u64) -> u64 {
 
 /// `z ^ (z >> shift)`.
 fn xor_shifted(z: &Array, shift: u64) -> R<Array> {
-    let shifted = bits_op(mlx_sys::mlx_right_shift, z, &Array::from_slice(&[shift], &[1]))?;
+    let shifted = bits_op(
+        mlx_sys::mlx_right_shift,
+        z,
+        &Array::from_slice(&[shift], &[1]),
+    )?;
     bits_op(mlx_sys::mlx_bitwise_xor, z, &shifted)
 }
 

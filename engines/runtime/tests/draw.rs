@@ -20,13 +20,18 @@ fn params(seed: u64) -> SamplingParams {
 
 /// The probabilities a draw with `p` must follow.
 fn expected(p: &SamplingParams) -> Vec<f64> {
-    let scaled: Vec<f64> = LOGITS.iter().map(|&l| l as f64 / p.temperature as f64).collect();
+    let scaled: Vec<f64> = LOGITS
+        .iter()
+        .map(|&l| l as f64 / p.temperature as f64)
+        .collect();
     let mut keep = vec![true; scaled.len()];
     if p.top_k > 0 {
         let mut sorted = scaled.clone();
         sorted.sort_by(|a, b| b.total_cmp(a));
         let kth = sorted[p.top_k as usize - 1];
-        keep.iter_mut().zip(&scaled).for_each(|(k, &l)| *k &= l >= kth);
+        keep.iter_mut()
+            .zip(&scaled)
+            .for_each(|(k, &l)| *k &= l >= kth);
     }
     let softmax = |keep: &[bool]| {
         let e: Vec<f64> = scaled
@@ -40,7 +45,9 @@ fn expected(p: &SamplingParams) -> Vec<f64> {
     if p.min_p > 0.0 {
         let probs = softmax(&keep);
         let max = probs.iter().cloned().fold(0.0, f64::max);
-        keep.iter_mut().zip(&probs).for_each(|(k, &q)| *k &= q >= p.min_p as f64 * max);
+        keep.iter_mut()
+            .zip(&probs)
+            .for_each(|(k, &q)| *k &= q >= p.min_p as f64 * max);
     }
     if p.top_p < 1.0 {
         let probs = softmax(&keep);
@@ -65,7 +72,9 @@ fn draw_each(samplers: &mut [Sampler]) -> Vec<u32> {
 }
 
 fn samplers(p: impl Fn(u64) -> SamplingParams, seeds: std::ops::Range<u64>) -> Vec<Sampler> {
-    seeds.map(|s| Sampler::new(&p(s), VOCAB, &[]).unwrap()).collect()
+    seeds
+        .map(|s| Sampler::new(&p(s), VOCAB, &[]).unwrap())
+        .collect()
 }
 
 /// Pearson's chi-square statistic of `counts` against `probs` over the
@@ -76,7 +85,10 @@ fn chi_square(counts: &[u64], probs: &[f64]) -> (f64, usize) {
     let mut cells = Vec::new();
     let mut pooled = (0.0, 0.0);
     for (&c, &q) in counts.iter().zip(probs) {
-        assert!(q > 0.0 || c == 0, "a draw of a token given no probability: {counts:?} {probs:?}");
+        assert!(
+            q > 0.0 || c == 0,
+            "a draw of a token given no probability: {counts:?} {probs:?}"
+        );
         let e = q * n as f64;
         if e < 5.0 {
             pooled = (pooled.0 + c as f64, pooled.1 + e);
@@ -113,9 +125,27 @@ fn draws_follow_the_truncated_softmax() {
     let draws = 8000;
     let cases: Vec<(&str, Box<dyn Fn(u64) -> SamplingParams>)> = vec![
         ("temperature", Box::new(params)),
-        ("top-k", Box::new(|s| SamplingParams { top_k: 3, ..params(s) })),
-        ("min-p", Box::new(|s| SamplingParams { min_p: 0.15, ..params(s) })),
-        ("top-p", Box::new(|s| SamplingParams { top_p: 0.8, ..params(s) })),
+        (
+            "top-k",
+            Box::new(|s| SamplingParams {
+                top_k: 3,
+                ..params(s)
+            }),
+        ),
+        (
+            "min-p",
+            Box::new(|s| SamplingParams {
+                min_p: 0.15,
+                ..params(s)
+            }),
+        ),
+        (
+            "top-p",
+            Box::new(|s| SamplingParams {
+                top_p: 0.8,
+                ..params(s)
+            }),
+        ),
         (
             "all",
             Box::new(|s| SamplingParams {
@@ -131,12 +161,22 @@ fn draws_follow_the_truncated_softmax() {
         let seeds = i as u64 * draws..(i as u64 + 1) * draws;
         let counts = histogram(&draw_each(&mut samplers(p, seeds)), LOGITS.len());
         let (stat, df) = chi_square(&counts, &expected(&p(0)));
-        assert!(stat <= bound(df), "{name}: chi-square {stat:.1} > {:.1} (df {df}) {counts:?}", bound(df));
+        assert!(
+            stat <= bound(df),
+            "{name}: chi-square {stat:.1} > {:.1} (df {df}) {counts:?}",
+            bound(df)
+        );
     }
     let counts = histogram(&draw_each(&mut samplers(params, 0..draws)), LOGITS.len());
-    let warmer = expected(&SamplingParams { temperature: 0.8, ..params(0) });
+    let warmer = expected(&SamplingParams {
+        temperature: 0.8,
+        ..params(0)
+    });
     let (stat, df) = chi_square(&counts, &warmer);
-    assert!(stat > bound(df), "the test tells 0.7 from 0.8: {stat:.1} (df {df})");
+    assert!(
+        stat > bound(df),
+        "the test tells 0.7 from 0.8: {stat:.1} (df {df})"
+    );
 }
 
 /// A request's successive draws are independent: the pairs of its first
@@ -152,9 +192,15 @@ fn a_requests_successive_draws_are_independent() {
         .map(|(&a, &b)| a * cells as u32 + b)
         .collect();
     let q = expected(&params(0));
-    let product: Vec<f64> = (0..cells * cells).map(|i| q[i / cells] * q[i % cells]).collect();
+    let product: Vec<f64> = (0..cells * cells)
+        .map(|i| q[i / cells] * q[i % cells])
+        .collect();
     let (stat, df) = chi_square(&histogram(&pairs, cells * cells), &product);
-    assert!(stat <= bound(df), "chi-square {stat:.1} > {:.1} (df {df})", bound(df));
+    assert!(
+        stat <= bound(df),
+        "chi-square {stat:.1} > {:.1} (df {df})",
+        bound(df)
+    );
 }
 
 /// A row draws the same token alone as beside rows of other kinds (greedy,
@@ -165,14 +211,27 @@ fn a_rows_draw_is_its_own_whatever_the_batch() {
         match s % 4 {
             0 => SamplingParams::default(),
             1 => params(s),
-            2 => SamplingParams { top_k: 2, temperature: 1.5, ..params(s) },
-            _ => SamplingParams { top_p: 0.5, min_p: 0.1, ..params(s) },
+            2 => SamplingParams {
+                top_k: 2,
+                temperature: 1.5,
+                ..params(s)
+            },
+            _ => SamplingParams {
+                top_p: 0.5,
+                min_p: 0.1,
+                ..params(s)
+            },
         }
     };
     let together = draw_each(&mut samplers(kinds, 0..64));
-    let alone: Vec<u32> = (0..64).map(|s| draw_each(&mut samplers(kinds, s..s + 1))[0]).collect();
+    let alone: Vec<u32> = (0..64)
+        .map(|s| draw_each(&mut samplers(kinds, s..s + 1))[0])
+        .collect();
     assert_eq!(together, alone);
-    assert!(together.iter().step_by(4).all(|&t| t == 0), "greedy rows take the argmax");
+    assert!(
+        together.iter().step_by(4).all(|&t| t == 0),
+        "greedy rows take the argmax"
+    );
     assert!(together.iter().any(|&t| t != 0), "sampled rows draw");
 }
 
@@ -180,11 +239,19 @@ fn a_rows_draw_is_its_own_whatever_the_batch() {
 /// [`Sampler::sample`] calls draw there.
 #[test]
 fn picks_along_a_block_equal_successive_samples() {
-    let rows: Vec<f32> = (0..5).flat_map(|i| LOGITS.map(|l| l * (1.0 + i as f32 / 4.0))).collect();
+    let rows: Vec<f32> = (0..5)
+        .flat_map(|i| LOGITS.map(|l| l * (1.0 + i as f32 / 4.0)))
+        .collect();
     let block = Array::from_slice(&rows, &[1, 5, VOCAB]);
     for seed in 0..20 {
-        let p = SamplingParams { top_k: 5, ..params(seed) };
-        let along = Sampler::new(&p, VOCAB, &[]).unwrap().picks_along(&block, &[], &[]).unwrap();
+        let p = SamplingParams {
+            top_k: 5,
+            ..params(seed)
+        };
+        let along = Sampler::new(&p, VOCAB, &[])
+            .unwrap()
+            .picks_along(&block, &[], &[])
+            .unwrap();
         let mut plain = Sampler::new(&p, VOCAB, &[]).unwrap();
         let one_by_one: Vec<i32> = (0..5)
             .map(|i| {
@@ -195,6 +262,10 @@ fn picks_along_a_block_equal_successive_samples() {
             })
             .collect();
         eval([&along]).unwrap();
-        assert_eq!(along.as_slice::<i32>(), one_by_one.as_slice(), "seed {seed}");
+        assert_eq!(
+            along.as_slice::<i32>(),
+            one_by_one.as_slice(),
+            "seed {seed}"
+        );
     }
 }
