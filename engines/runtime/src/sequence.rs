@@ -97,7 +97,7 @@ impl Sequence {
     /// Continues a sequence another engine started; returns it with its
     /// cache and its newest token (streamed, not yet fed). Its sampler
     /// moves past the tokens drawn so far, so penalties count them and a
-    /// seeded request goes on with the keys plain sampling would use. A
+    /// seeded request goes on with the draws plain sampling would make. A
     /// constrained sequence cannot continue (its grammar's state stays
     /// with the engine that started it): `None`, its stream ended.
     pub fn resume(h: Handover, vocab: i32) -> Option<(Self, KvCache, u32)> {
