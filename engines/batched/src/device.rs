@@ -461,6 +461,16 @@ enum Mask {
     Over,
 }
 
+impl Mask {
+    /// The set its pick is drawn within (an ended row's pick is never read).
+    fn allowed(&self) -> Option<&Array> {
+        match self {
+            Mask::Allowed(allowed) => Some(allowed),
+            Mask::Free | Mask::Over => None,
+        }
+    }
+}
+
 fn grammar_masks(rows: &mut [Row], vocab: usize) -> Vec<Mask> {
     rows.iter_mut()
         .map(|row| match row.seq.constraint.as_mut() {
@@ -483,22 +493,16 @@ fn sample_rows(
     logits: &Array,
     masks: &[Mask],
 ) -> anyhow::Result<(Array, Vec<(usize, Array)>)> {
-    let own =
-        |row: &Row, mask: &Mask| row.seq.sampler.adjusts() || matches!(mask, Mask::Allowed(_));
+    let own = |row: &Row, mask: &Mask| row.seq.sampler.adjusts() || mask.allowed().is_some();
     let drawn_from = match rows.iter().zip(masks).any(|(r, m)| own(r, m)) {
         false => logits.clone(),
         true => {
             let mut each = Vec::with_capacity(rows.len());
             for (i, (row, mask)) in rows.iter().zip(masks).enumerate() {
                 let l = logits.take_axis(Array::from_slice(&[i as i32], &[1]), 0)?;
-                each.push(match (own(row, mask), mask) {
-                    (false, _) => l,
-                    (true, Mask::Allowed(allowed)) => ops::select(
-                        allowed,
-                        &row.seq.sampler.adjust(&l)?,
-                        Array::from_f32(f32::NEG_INFINITY),
-                    )?,
-                    (true, _) => row.seq.sampler.adjust(&l)?,
+                each.push(match own(row, mask) {
+                    false => l,
+                    true => row.seq.sampler.drawn_from(&l, mask.allowed())?,
                 });
             }
             ops::concatenate(&each, 0)?

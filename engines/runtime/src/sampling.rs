@@ -165,22 +165,32 @@ impl Sampler {
     /// Picks the next token from `[1, V]` (or `[V]`) float32 logits; returns
     /// a lazy `[1]` uint32 array.
     pub fn sample(&mut self, logits: &Array) -> R<Array> {
-        let l = self.adjust(&logits.reshape(&[1, self.vocab])?)?;
+        let l = self.drawn_from(&logits.reshape(&[1, self.vocab])?, None)?;
         draw(&l, &[self.next_pick()])
     }
 
     /// [`Sampler::sample`] among the tokens a grammar allows (`allowed`:
     /// `[V]` bool, see [`allowed_mask`]); the others get no probability.
     pub fn sample_within(&mut self, logits: &Array, allowed: &Array) -> R<Array> {
-        let l = self.adjust(&logits.reshape(&[1, self.vocab])?)?;
-        draw(&ops::select(allowed, &l, neg_inf())?, &[self.next_pick()])
+        let l = self.drawn_from(&logits.reshape(&[1, self.vocab])?, Some(allowed))?;
+        draw(&l, &[self.next_pick()])
+    }
+
+    /// The logits its next pick is drawn from: adjusted, and without the
+    /// tokens outside `allowed` (a grammar's set) when given.
+    pub fn drawn_from(&self, logits: &Array, allowed: Option<&Array>) -> R<Array> {
+        let l = self.adjust(logits)?;
+        match allowed {
+            Some(allowed) => ops::select(allowed, &l, neg_inf()),
+            None => Ok(l),
+        }
     }
 
     /// How its next token is drawn from its adjusted logits, the draw
     /// taken: for a caller that draws it with other rows' ([`draw`]).
     pub fn next_pick(&mut self) -> Pick {
         let pick = self.pick_at(0);
-        self.pass_key();
+        self.pass_draw();
         pick
     }
 
@@ -225,10 +235,11 @@ impl Sampler {
             let rows = (0..positions as usize)
                 .map(|i| {
                     let before = &ahead[..i.min(ahead.len())];
-                    self.within(
-                        &self.adjust_after(&row(&logits, i)?, before)?,
-                        allowed.get(i),
-                    )
+                    let l = self.adjust_after(&row(&logits, i)?, before)?;
+                    match allowed.get(i) {
+                        Some(Some(allowed)) => ops::select(allowed, &l, neg_inf()),
+                        _ => Ok(l),
+                    }
                 })
                 .collect::<R<Vec<_>>>()?;
             ops::concatenate(&rows, 0)?
@@ -239,20 +250,12 @@ impl Sampler {
         draw(&l, &picks)?.as_dtype(Dtype::Int32)
     }
 
-    /// `l` with the tokens outside `allowed` (when given) at no probability.
-    fn within(&self, l: &Array, allowed: Option<&Option<Array>>) -> R<Array> {
-        match allowed {
-            Some(Some(allowed)) => ops::select(allowed, l, neg_inf()),
-            _ => Ok(l.clone()),
-        }
-    }
-
     /// Moves past `tokens` chosen from [`Sampler::picks_along`]: each is
     /// observed and takes its position's draw, as [`Sampler::sample`]'s
     /// picks do.
     pub fn advance(&mut self, tokens: &[u32]) -> R<()> {
         for &t in tokens {
-            self.pass_key();
+            self.pass_draw();
             self.observe(t)?;
         }
         Ok(())
@@ -261,7 +264,7 @@ impl Sampler {
     /// Moves past one position's draw, as a draw there would: for a token
     /// chosen from [`Sampler::picks_along`], which [`Sampler::observe`]
     /// then records.
-    pub fn pass_key(&mut self) {
+    pub fn pass_draw(&mut self) {
         self.drawn += 1;
     }
 

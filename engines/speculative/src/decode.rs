@@ -254,7 +254,7 @@ impl Sequence {
     /// dropped.
     fn commit(&mut self, tokens: &[u32], sets: &[Option<Allowed>]) -> anyhow::Result<()> {
         for (i, &token) in tokens.iter().enumerate() {
-            self.seq.sampler.pass_key();
+            self.seq.sampler.pass_draw();
             let grammar_over = matches!(sets.get(i), Some(None));
             match self.seq.accept_plain(token, grammar_over)? {
                 Some(reason) => {
