@@ -83,11 +83,16 @@ fn check(c: &Case, seed: u64) -> (f32, f32, f32) {
     let ours = ragged::attention(&q, &k, &v, scale, &meta, None).unwrap();
     let pool = scrambled_pool(1, (c.rows * (c.total / 16 + 2)) as usize, 16, seed);
     let mut cache = KvCache::paged(&pool, vec![None], starts.clone());
-    let LayerView::Paged { keys, values, read } = cache.update(0, k.clone(), v.clone()).unwrap()
+    let LayerView::Paged {
+        keys,
+        values,
+        written,
+        read,
+    } = cache.update(0, k.clone(), v.clone()).unwrap()
     else {
         panic!("a paged cache gives a paged view")
     };
-    let paged = ragged::paged_attention(&q, &keys, &values, scale, &meta, &read, None).unwrap();
+    let paged = ragged::paged_attention(&q, &keys, &values, scale, &meta, &read, written.as_ref(), None).unwrap();
     let rows_pool = scrambled_pool(1, (c.rows * (c.total / 16 + 2)) as usize, 16, seed + 1);
     let mut rows_cache = KvCache::paged(&rows_pool, vec![None], starts.clone());
     let as_rows = |x: &Array| {
@@ -96,7 +101,12 @@ fn check(c: &Case, seed: u64) -> (f32, f32, f32) {
             .reshape(&[c.rows * c.total, 1, c.kv_heads, c.dim])
             .unwrap()
     };
-    let LayerView::Paged { keys, values, read } = rows_cache
+    let LayerView::Paged {
+        keys,
+        values,
+        written,
+        read,
+    } = rows_cache
         .update_rows(0, as_rows(&k), as_rows(&v), c.total)
         .unwrap()
     else {
@@ -104,7 +114,16 @@ fn check(c: &Case, seed: u64) -> (f32, f32, f32) {
     };
     let merged_shape = [c.rows * c.queries, c.heads * c.dim];
     let merged =
-        ragged::paged_attention(&q, &keys, &values, scale, &meta, &read, Some(&merged_shape))
+        ragged::paged_attention(
+            &q,
+            &keys,
+            &values,
+            scale,
+            &meta,
+            &read,
+            written.as_ref(),
+            Some(&merged_shape),
+        )
             .unwrap()
             .reshape(&[c.rows, c.queries, c.heads, c.dim])
             .unwrap()

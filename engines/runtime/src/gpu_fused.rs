@@ -9,10 +9,13 @@
 //!
 //! - [`heads`]: the stacked q/k/v product's output to attention's heads:
 //!   slicing, q and k RMSNorm, RoPE and the head layout, one node where
-//!   there were ten a layer.
+//!   there were ten a layer; over a paged cache k and v go straight into
+//!   the pool ([`heads_into_pool`]).
 //! - [`gated`]: SiLU(gate) * up straight from the stacked gate/up output
 //!   (three nodes: two slices and the compiled activation).
 //! - [`add_rms_norm`]: the residual add and the next norm, two outputs.
+//! - [`kv_write`]: a paged layer's new keys and values into its pool
+//!   buffers, in place (one node where two scatters were).
 //! - [`product`]: a dense product of 2-16 rows (the gate/up product with
 //!   its activation from one row) as one tensor-core kernel, where
 //!   cuBLASLt and MLX's vector kernel leave most of the card's bandwidth
@@ -176,11 +179,68 @@ pub fn takes_heads(dtype: Dtype, spec: &HeadsSpec) -> bool {
 /// layer [`takes_heads`] takes.
 pub fn heads(
     qkv: &Array,
-    (b, l): (i32, i32),
+    rows: (i32, i32),
     spec: &HeadsSpec,
     offsets: &Offsets,
     kv_rows: bool,
 ) -> R<(Array, Array, Array)> {
+    let mut out = launch_heads(qkv, rows, spec, offsets, HeadsKv::Out { kv_rows })?;
+    let v = out.pop().unwrap();
+    let k = out.pop().unwrap();
+    Ok((out.pop().unwrap(), k, v))
+}
+
+/// [`heads`] writing k and v straight into a paged layer's pool buffers at
+/// the forward's slots, in place (`target`, [`crate::KvCache::pool_target`]):
+/// q, and the write's token ([`crate::paged::split_written`]), which the
+/// layer's reads take. One node where the heads and the pool's write were
+/// two.
+pub fn heads_into_pool(
+    qkv: &Array,
+    rows: (i32, i32),
+    spec: &HeadsSpec,
+    offsets: &Offsets,
+    target: &crate::cache::PoolTarget,
+) -> R<(Array, Array)> {
+    let (hkv, d) = (spec.kv_heads, spec.head_dim);
+    let (b, l) = rows;
+    for buf in [&target.keys, &target.values] {
+        if buf.ndim() != 3 || buf.dim(1) != hkv || buf.dim(2) != d || buf.dtype() != qkv.dtype() {
+            return Err(Exception::custom(format!(
+                "fused heads: pool buffer {:?} {:?} does not hold {hkv} heads of {d} in {:?}",
+                buf.shape(),
+                buf.dtype(),
+                qkv.dtype()
+            )));
+        }
+    }
+    if target.slots.size() != (b * l) as usize {
+        return Err(Exception::custom(format!(
+            "fused heads: {} slots for {b} x {l} positions",
+            target.slots.size()
+        )));
+    }
+    let mut out = launch_heads(qkv, rows, spec, offsets, HeadsKv::Pool(target))?;
+    let written = out.pop().unwrap();
+    Ok((out.pop().unwrap(), written))
+}
+
+/// Where [`launch_heads`] puts k and v.
+enum HeadsKv<'a> {
+    /// As outputs: `[B, kv_heads, L, D]`, or with `kv_rows` the pool's
+    /// rows `[B * L, 1, kv_heads, D]`.
+    Out { kv_rows: bool },
+    /// Into pool buffers in place.
+    Pool(&'a crate::cache::PoolTarget),
+}
+
+fn launch_heads(
+    qkv: &Array,
+    (b, l): (i32, i32),
+    spec: &HeadsSpec,
+    offsets: &Offsets,
+    kv: HeadsKv,
+) -> R<Vec<Array>> {
     let (h, hkv, d) = (spec.heads, spec.kv_heads, spec.head_dim);
     let dtype = qkv.dtype();
     let width = (h + 2 * hkv) * d;
@@ -209,6 +269,7 @@ pub fn heads(
     };
     let log2_base = rope.base.map_or(0.0, f32::log2);
     let slots = b * l * (h + 2 * hkv);
+    let kv_rows = matches!(kv, HeadsKv::Out { kv_rows: true });
     let templates = [
         TemplateArg::Dtype("T", dtype),
         TemplateArg::Int("D", d),
@@ -226,22 +287,95 @@ pub fn heads(
         true => [b * l, 1, hkv, d],
         false => [b, hkv, l, d],
     };
-    let launch = Launch {
-        outputs: &[
-            (&[b, h, l, d], dtype),
-            (&kv_shape, dtype),
-            (&kv_shape, dtype),
-        ],
+    let q_shape = [b, h, l, d];
+    let out = [(&q_shape[..], dtype), (&kv_shape[..], dtype), (&kv_shape[..], dtype)];
+    let pool_out = [(&q_shape[..], dtype), (&[1][..], Dtype::Int32)];
+    let mut launch = Launch {
+        outputs: &out,
         grid_threads: round_up(slots * 32, BLOCK),
         block_threads: BLOCK,
         templates: &templates,
         init: None,
     };
-    let mut out = run(&HEADS, &[&qkv, &qw, &kw, &pos, &freqs], &launch, "heads")?;
-    let v = out.pop().unwrap();
-    let k = out.pop().unwrap();
-    let q = out.pop().unwrap();
-    Ok((q, k, v))
+    let inputs = [&qkv, &qw, &kw, &pos, &freqs];
+    match kv {
+        HeadsKv::Out { .. } => run(&HEADS, &inputs, &launch, "heads"),
+        HeadsKv::Pool(t) => {
+            launch.outputs = &pool_out;
+            let after = t.after.as_ref().unwrap_or(&t.slots);
+            let inputs = [&inputs[..], &[&t.keys, &t.values, &t.slots, after]].concat();
+            run(&HEADS_POOL, &inputs, &launch, "heads into the pool")
+        }
+    }
+}
+
+/// Whether [`heads_into_pool`] writes activations of `dtype` into a
+/// layer's pool `buffers`.
+pub fn takes_pool_heads(buffers: &[Array], dtype: Dtype) -> bool {
+    enabled() && buffers.len() == 2 && buffers.iter().all(|b| b.dtype() == dtype && b.ndim() == 3)
+}
+
+/// Whether [`kv_write`] writes `parts` into a paged layer's `buffers`: a
+/// GPU stream, a keys and a values buffer (`[slots, kv_heads, width]`) of
+/// a float dtype, parts in either layout [`crate::paged::PagePool::write`]
+/// takes.
+pub fn takes_kv_write(buffers: &[Array], parts: &[Array]) -> bool {
+    enabled()
+        && buffers.len() == 2
+        && parts.len() == 2
+        && buffers.iter().all(|b| float(b.dtype()) && b.ndim() == 3)
+        && parts.iter().all(|p| p.ndim() == 4)
+}
+
+/// Writes a forward's keys and values (`parts`: `[B, kv_heads, n, width]`
+/// each, or with `as_rows` the pool's rows `[B * n, 1, kv_heads, width]`)
+/// into a paged layer's `buffers` at `slots` (`[B * n]` int32), in place:
+/// one node for both, where MLX's scatter is one a buffer (and a new array
+/// each). MLX sees the buffers as inputs only, so what it returns is the
+/// write's token: what reads the buffers after the write takes it as an
+/// input (the paged attention kernel) or follows it
+/// ([`crate::paged::following`]); `after`, the layer's previous token,
+/// orders this write after the one before. For what [`takes_kv_write`]
+/// takes.
+pub fn kv_write(
+    buffers: &[Array],
+    parts: &[Array],
+    as_rows: bool,
+    slots: &Array,
+    after: Option<&Array>,
+) -> R<Array> {
+    let dtype = buffers[0].dtype();
+    let (heads, width) = (buffers[0].dim(1), buffers[0].dim(2));
+    let n = slots.size() as i32;
+    let rows = |p: &Array| -> R<Array> {
+        let s = p.shape();
+        let (count, h) = match as_rows {
+            true => (s[0], s[2]),
+            false => (s[0] * s[2], s[1]),
+        };
+        if count != n || h != heads || s[3] != width {
+            return Err(Exception::custom(format!(
+                "KV write: {s:?} is not {n} rows of {heads} heads of {width} ({})",
+                if as_rows { "as rows" } else { "as heads" }
+            )));
+        }
+        p.as_dtype(dtype)
+    };
+    let (k, v) = (rows(&parts[0])?, rows(&parts[1])?);
+    let templates = [
+        TemplateArg::Dtype("T", dtype),
+        TemplateArg::Int("KV_ROWS", as_rows as i32),
+    ];
+    let launch = Launch {
+        outputs: &[(&[1], Dtype::Int32)],
+        grid_threads: round_up(2 * n * heads * width, BLOCK),
+        block_threads: BLOCK,
+        templates: &templates,
+        init: None,
+    };
+    let after = after.unwrap_or(slots);
+    let inputs = [&buffers[0], &buffers[1], &k, &v, slots, after];
+    Ok(run(&KV_WRITE, &inputs, &launch, "KV write")?.remove(0))
 }
 
 /// Whether [`gated`] takes activations of `dtype`.
@@ -383,10 +517,16 @@ const HEADS_SOURCE: &str = r#"
     const int b = r / L, i = r % L;
     const T* src = qkv + (size_t)r * S * D + (size_t)s * D;
     // k and v as `[B, HKV, L, D]`, or with KV_ROWS as the pool's rows
-    // (`[B * L, 1, HKV, D]`: row r's heads together).
+    // (`[B * L, 1, HKV, D]`: row r's heads together), or with POOL into
+    // the pool buffers' slots, through the inputs' pointers (the write
+    // `heads_into_pool` documents).
     if (s >= H + HKV) {
         const int kh = s - H - HKV;
+#ifdef POOL
+        T* dst = const_cast<T*>(v_pool) + ((size_t)slots[r] * HKV + kh) * D;
+#else
         T* dst = v_out + (KV_ROWS ? ((size_t)r * HKV + kh) * D : (((size_t)b * HKV + kh) * L + i) * D);
+#endif
         for (int t = 0; t < PER; t++) dst[lane + 32 * t] = src[lane + 32 * t];
         return;
     }
@@ -422,9 +562,14 @@ const HEADS_SOURCE: &str = r#"
         x[t] = x1 * c - x2 * sn;
         x[t + HP] = x1 * sn + x2 * c;
     }
+#ifdef POOL
+    T* dst = is_q ? q_out + (((size_t)b * H + s) * L + i) * D
+          : const_cast<T*>(k_pool) + ((size_t)slots[r] * HKV + (s - H)) * D;
+#else
     T* dst = is_q ? q_out + (((size_t)b * H + s) * L + i) * D
           : k_out + (KV_ROWS ? ((size_t)r * HKV + (s - H)) * D
                              : (((size_t)b * HKV + (s - H)) * L + i) * D);
+#endif
     for (int t = 0; t < PER; t++) dst[lane + 32 * t] = static_cast<T>(x[t]);
 "#;
 
@@ -491,6 +636,32 @@ const ADD_NORM_SOURCE: &str = r#"
     }
 "#;
 
+/// One thread an element of the keys, then of the values: row `i` of the
+/// parts goes to slot `slots[i]` of its pool buffer, written through the
+/// input's pointer (the write [`kv_write`] documents). Rows are read by
+/// their strides, so views need no copy first.
+const KV_WRITE_SOURCE: &str = r#"
+    const int H = k_pool_shape[1], W = k_pool_shape[2];
+    const long per = (long)H * W;
+    const long n = slots_shape[0];
+    const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= 2 * n * per) return;
+    const bool is_v = idx >= n * per;
+    const long e = is_v ? idx - n * per : idx;
+    const long i = e / per;
+    const int j = (e % per) / W, c = e % W;
+    const auto& st = is_v ? v_rows_strides : k_rows_strides;
+    long from;
+    if (KV_ROWS) {
+        from = i * st[0] + j * st[2] + c * st[3];
+    } else {
+        const long L = k_rows_shape[2];
+        from = (i / L) * st[0] + j * st[1] + (i % L) * st[2] + c * st[3];
+    }
+    T* pool = const_cast<T*>(is_v ? v_pool : k_pool);
+    pool[(long)slots[i] * per + (long)j * W + c] = (is_v ? v_rows : k_rows)[from];
+"#;
+
 thread_local! {
     static PRODUCT: Result<CudaKernel, String> = CudaKernel::new(
         "skinny_product",
@@ -510,6 +681,15 @@ thread_local! {
         true,
     )
     .map_err(|e| format!("{e:#}"));
+    static HEADS_POOL: Result<CudaKernel, String> = CudaKernel::new(
+        "fused_heads_pool",
+        &["qkv", "qw", "kw", "pos", "freqs", "k_pool", "v_pool", "slots", "after"],
+        &["q_out", "written"],
+        &format!("#define POOL\n{HEADS_SOURCE}"),
+        "",
+        true,
+    )
+    .map_err(|e| format!("{e:#}"));
     static GATED: Result<CudaKernel, String> = CudaKernel::new(
         "fused_gated",
         &["gate_up"],
@@ -517,6 +697,15 @@ thread_local! {
         GATED_SOURCE,
         SILU_MUL,
         true,
+    )
+    .map_err(|e| format!("{e:#}"));
+    static KV_WRITE: Result<CudaKernel, String> = CudaKernel::new(
+        "kv_write",
+        &["k_pool", "v_pool", "k_rows", "v_rows", "slots", "after"],
+        &["written"],
+        KV_WRITE_SOURCE,
+        "",
+        false,
     )
     .map_err(|e| format!("{e:#}"));
     static ADD_NORM: Result<CudaKernel, String> = CudaKernel::new(

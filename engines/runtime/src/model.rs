@@ -1060,8 +1060,17 @@ impl Attention {
     ) -> anyhow::Result<(Array, LayerView)> {
         let spec = self.heads_spec().expect("a layer with fused heads");
         let on_gpu = crate::gpu_fused::takes_heads(qkv.dtype(), &spec);
-        // On the GPU a paged layer's keys and values come out as the
-        // pool's rows, scattered with no reshape between.
+        // On the GPU a paged layer's keys and values go straight into the
+        // pool, or, at the layer's first write, come out as the pool's
+        // rows, written with no reshape between.
+        if on_gpu {
+            if let Some(target) = cache.pool_target(idx, qkv.dtype(), rows.1)? {
+                let (q, written) =
+                    crate::gpu_fused::heads_into_pool(qkv, rows, &spec, offsets, &target)?;
+                let kv = cache.wrote_pool(idx, target, written)?;
+                return self.attention(q, None, kv, mask, rows.1, out_shape);
+            }
+        }
         let as_rows = on_gpu && cache.takes_rows(idx);
         let (q, k, v) = if on_gpu {
             crate::gpu_fused::heads(qkv, rows, &spec, offsets, as_rows)?
@@ -1194,7 +1203,12 @@ impl Attention {
             LayerView::Dense(k, v) => (k, v),
             // A paged layer: the kernel reads the rows' blocks in place;
             // elsewhere attention reads a gathered copy.
-            LayerView::Paged { keys, values, read } => match mask {
+            LayerView::Paged {
+                keys,
+                values,
+                written,
+                read,
+            } => match mask {
                 AttnMask::Ragged(r)
                     if r.kernel && crate::ragged::applies_paged(&q, keys, &read.tables) =>
                 {
@@ -1205,6 +1219,7 @@ impl Attention {
                         self.scale,
                         &r.meta,
                         read,
+                        written.as_ref(),
                         Some(&out_shape),
                     )?;
                     return Ok((gated_rows(out, gate.as_ref())?, kv));

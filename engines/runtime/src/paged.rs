@@ -65,13 +65,18 @@ pub trait PageStore: Send + Sync {
     fn free_blocks(&self) -> usize;
     /// Layers the pool has buffers for.
     fn layers(&self) -> usize;
-    /// Layer `layer`'s buffers, `None` before its first write.
+    /// Layer `layer`'s buffers, `None` before its first write (see
+    /// [`PagePool::buffers`]).
     fn buffers(&self, layer: usize) -> Option<Vec<Array>>;
     /// Every written layer's buffers.
     fn state(&self) -> Vec<Array>;
     /// See [`PagePool::write`].
     fn write(&self, layer: usize, parts: &[Array], slots: &[i32]) -> anyhow::Result<Vec<Array>>;
     fn copy_block(&self, from: u32, to: u32) -> anyhow::Result<()>;
+    /// Layer `layer`'s buffers were written in place by the node `written`
+    /// is the token of ([`crate::KvCache::pool_target`]): later reads and
+    /// writes of the layer follow it.
+    fn mark_written(&self, layer: usize, written: Array) -> anyhow::Result<()>;
 }
 
 /// The host's pool.
@@ -81,11 +86,80 @@ pub struct LocalPages {
     counts: Mutex<Counts>,
     /// Per layer, its buffers once written (`None` before, and forever for
     /// a layer that reads another layer's keys and values).
-    layers: Mutex<Vec<Option<Vec<Array>>>>,
-    /// The last scatter's slots and their index array: a forward writes
-    /// the same slots in every layer, so the array is made from host
-    /// memory once a forward, not once a layer.
+    layers: Mutex<Vec<Option<LayerBuffers>>>,
+    /// The last write's slots and their index array
+    /// ([`LocalPages::slot_index`]).
     scatter: Mutex<Option<(Vec<i32>, Array)>>,
+}
+
+/// A layer's buffers, and where the GPU writes them in place
+/// ([`crate::gpu_fused::kv_write`]) the last write's token, which every
+/// later read and write of the layer follows.
+#[derive(Clone)]
+struct LayerBuffers {
+    arrays: Vec<Array>,
+    written: Option<Array>,
+}
+
+impl LayerBuffers {
+    /// The buffers as the store lists them ([`PagePool::buffers`]).
+    fn listed(&self) -> Vec<Array> {
+        self.arrays.iter().chain(&self.written).cloned().collect()
+    }
+
+    /// Makes the buffers follow the last in-place write, if any, for an op
+    /// that replaces them (MLX's scatter and slice update).
+    fn settled(&mut self) -> anyhow::Result<()> {
+        if let Some(written) = self.written.take() {
+            self.arrays = following(&self.arrays, &written)?;
+        }
+        Ok(())
+    }
+}
+
+/// A dense layer's buffers: keys and values.
+const DENSE_BUFFERS: usize = 2;
+
+/// A layer's buffers as [`PagePool::buffers`] lists them, split into the
+/// buffers and the token of their last in-place write (listed after a
+/// dense layer's two).
+pub(crate) fn split_written(mut listed: Vec<Array>) -> (Vec<Array>, Option<Array>) {
+    let written = (listed.len() == DENSE_BUFFERS + 1).then(|| listed.pop()).flatten();
+    (listed, written)
+}
+
+/// `arrays` as arrays MLX computes only after `written`: the same data,
+/// read after the in-place write `written` is the token of.
+pub(crate) fn following(arrays: &[Array], written: &Array) -> anyhow::Result<Vec<Array>> {
+    unsafe {
+        let inputs = mlx_sys::mlx_vector_array_new();
+        for a in arrays {
+            mlx_sys::mlx_vector_array_append_value(inputs, a.as_ptr());
+        }
+        let deps = mlx_sys::mlx_vector_array_new();
+        mlx_sys::mlx_vector_array_append_value(deps, written.as_ptr());
+        let mut res = mlx_sys::mlx_vector_array_new();
+        let ok = mlx_sys::mlx_depends(&mut res, inputs, deps) == 0;
+        let mut out = Vec::with_capacity(arrays.len());
+        if ok {
+            for i in 0..arrays.len() {
+                let mut a = mlx_sys::mlx_array_new();
+                if mlx_sys::mlx_vector_array_get(&mut a, res, i) != 0 {
+                    mlx_sys::mlx_array_free(a);
+                    break;
+                }
+                out.push(Array::from_ptr(a));
+            }
+        }
+        mlx_sys::mlx_vector_array_free(inputs);
+        mlx_sys::mlx_vector_array_free(deps);
+        mlx_sys::mlx_vector_array_free(res);
+        anyhow::ensure!(
+            out.len() == arrays.len(),
+            "MLX could not order a read of the KV pool after its write"
+        );
+        Ok(out)
+    }
 }
 
 struct Counts {
@@ -138,6 +212,20 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl LocalPages {
     fn slots(&self) -> i32 {
         self.blocks as i32 * self.block
+    }
+
+    /// `slots` as an index array, made from host memory once a forward
+    /// (every layer writes the same slots), not once a layer.
+    fn slot_index(&self, slots: &[i32]) -> Array {
+        let mut last = lock(&self.scatter);
+        match last.as_ref() {
+            Some((at, index)) if at.as_slice() == slots => index.clone(),
+            _ => {
+                let index = Array::from_slice(slots, &[slots.len() as i32]);
+                *last = Some((slots.to_vec(), index.clone()));
+                index
+            }
+        }
     }
 }
 
@@ -198,32 +286,34 @@ impl PageStore for LocalPages {
                 })
                 .collect::<anyhow::Result<Vec<_>>>()?;
             eval(&created)?;
-            *entry = Some(created);
+            *entry = Some(LayerBuffers {
+                arrays: created,
+                written: None,
+            });
         }
         let buffers = entry.as_mut().expect("created above");
         anyhow::ensure!(
-            buffers.len() == parts.len(),
+            buffers.arrays.len() == parts.len(),
             "layer {layer} stores {} buffers, {} were written",
-            buffers.len(),
+            buffers.arrays.len(),
             parts.len()
         );
+        // On the GPU one kernel writes the keys and values in place.
+        if crate::gpu_fused::takes_kv_write(&buffers.arrays, parts) {
+            let index = self.slot_index(slots);
+            let after = buffers.written.as_ref();
+            let written = crate::gpu_fused::kv_write(&buffers.arrays, parts, as_rows, &index, after)?;
+            buffers.written = Some(written);
+            return Ok(buffers.listed());
+        }
+        buffers.settled()?;
         // Consecutive slots (one sequence's decode step, a chunk within a
         // block) are one slice written in place, as a contiguous cache
         // writes; others, and parts given as the scatter's rows, a scatter
         // of one update per slot.
         let consecutive = !as_rows && slots.windows(2).all(|w| w[1] == w[0] + 1);
-        let indices = (!consecutive).then(|| {
-            let mut last = lock(&self.scatter);
-            match last.as_ref() {
-                Some((at, index)) if at.as_slice() == slots => index.clone(),
-                _ => {
-                    let index = Array::from_slice(slots, &[slots.len() as i32]);
-                    *last = Some((slots.to_vec(), index.clone()));
-                    index
-                }
-            }
-        });
-        for (buf, part) in buffers.iter_mut().zip(parts) {
+        let indices = (!consecutive).then(|| self.slot_index(slots));
+        for (buf, part) in buffers.arrays.iter_mut().zip(parts) {
             let s = part.shape();
             // [B, H, n, W] -> [B * n, H, W] (a single position needs no
             // transpose).
@@ -249,7 +339,7 @@ impl PageStore for LocalPages {
                 }
             };
         }
-        Ok(buffers.clone())
+        Ok(buffers.listed())
     }
 
     fn copy_block(&self, from: u32, to: u32) -> anyhow::Result<()> {
@@ -258,10 +348,26 @@ impl PageStore for LocalPages {
         let dst: Vec<i32> = (0..b).map(|i| to as i32 * b + i).collect();
         let (src, dst) = (Array::from_slice(&src, &[b]), Array::from_slice(&dst, &[b]));
         let mut layers = lock(&self.layers);
-        for buffers in layers.iter_mut().flatten() {
-            for buf in buffers.iter_mut() {
-                let s = buf.shape().to_vec();
-                let rows = buf.take_axis(&src, 0)?.reshape(&[b, 1, s[1], s[2]])?;
+        for layer in layers.iter_mut().flatten() {
+            let read = match &layer.written {
+                Some(written) => following(&layer.arrays, written)?,
+                None => layer.arrays.clone(),
+            };
+            let rows = read
+                .iter()
+                .map(|buf| {
+                    let s = buf.shape();
+                    Ok(buf.take_axis(&src, 0)?.reshape(&[b, 1, s[1], s[2]])?)
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            // Written in place on the GPU, as a forward's rows are.
+            if crate::gpu_fused::takes_kv_write(&layer.arrays, &rows) {
+                let after = layer.written.as_ref();
+                layer.written = Some(crate::gpu_fused::kv_write(&layer.arrays, &rows, true, &dst, after)?);
+                continue;
+            }
+            layer.settled()?;
+            for (buf, rows) in layer.arrays.iter_mut().zip(rows) {
                 let old = std::mem::replace(buf, Array::from_int(0));
                 *buf = ops::indexing::scatter_single(old, &dst, &rows, 0)?;
             }
@@ -269,17 +375,32 @@ impl PageStore for LocalPages {
         Ok(())
     }
 
+    fn mark_written(&self, layer: usize, written: Array) -> anyhow::Result<()> {
+        let mut layers = lock(&self.layers);
+        let buffers = layers
+            .get_mut(layer)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| anyhow!("layer {layer} of the KV pool has no buffers"))?;
+        anyhow::ensure!(
+            buffers.arrays.len() == DENSE_BUFFERS,
+            "layer {layer} of the KV pool is not written in place"
+        );
+        buffers.written = Some(written);
+        Ok(())
+    }
+
     fn state(&self) -> Vec<Array> {
         lock(&self.layers)
             .iter()
             .flatten()
-            .flatten()
-            .cloned()
+            .flat_map(LayerBuffers::listed)
             .collect()
     }
 
     fn buffers(&self, layer: usize) -> Option<Vec<Array>> {
-        lock(&self.layers).get(layer).cloned().flatten()
+        lock(&self.layers)
+            .get(layer)
+            .and_then(|l| l.as_ref().map(LayerBuffers::listed))
     }
 }
 
@@ -403,7 +524,8 @@ impl PagePool {
     }
 
     /// Layer `layer`'s buffers (handles of our own), `None` before its
-    /// first write.
+    /// first write; a layer the GPU writes in place lists its last write's
+    /// token after them ([`split_written`]).
     pub fn buffers(&self, layer: usize) -> Option<Vec<Array>> {
         self.store.buffers(layer)
     }
@@ -415,7 +537,11 @@ impl PagePool {
 
     /// Bytes the written layers' buffers hold.
     pub fn nbytes(&self) -> usize {
-        self.state().iter().map(Array::nbytes).sum()
+        (0..self.layers())
+            .filter_map(|l| self.buffers(l))
+            .flat_map(|listed| split_written(listed).0)
+            .map(|b| b.nbytes())
+            .sum()
     }
 
     /// Bytes one block holds across the written layers.
@@ -426,7 +552,8 @@ impl PagePool {
     /// Writes `parts` (each `[B, kv_heads, n, width]`, one per buffer of
     /// the layer, or already the scatter's rows `[B * n, 1, kv_heads,
     /// width]`, which need no reshape node) at `slots` (`B * n`, row-major
-    /// over rows then positions) and returns the layer's new buffers. The
+    /// over rows then positions) and returns the layer's buffers as
+    /// [`PagePool::buffers`] lists them. The
     /// first write of a layer creates its buffers, zeroed and evaluated,
     /// shaped after `parts`.
     pub fn write(
@@ -442,6 +569,11 @@ impl PagePool {
     /// (copy on write).
     pub fn copy_block(&self, from: u32, to: u32) -> anyhow::Result<()> {
         self.store.copy_block(from, to)
+    }
+
+    /// See [`PageStore::mark_written`].
+    pub(crate) fn mark_written(&self, layer: usize, written: Array) -> anyhow::Result<()> {
+        self.store.mark_written(layer, written)
     }
 }
 

@@ -356,13 +356,14 @@ pub fn paged_attention(
     scale: f32,
     meta: &Array,
     read: &crate::cache::PagedRead,
+    written: Option<&Array>,
     merged: Option<&[i32]>,
 ) -> anyhow::Result<Array> {
     let kernels = Kernels {
         whole: &PAGED_KERNEL,
         split: &PAGED_SPLIT_KERNEL,
     };
-    launch(kernels, q, k, v, meta, scale, Some(read), merged)
+    launch(kernels, q, k, v, meta, scale, Some((read, written)), merged)
 }
 
 /// Query heads a block takes: the most that share a key head (dividing
@@ -410,12 +411,12 @@ fn launch(
     v: &Array,
     meta: &Array,
     scale: f32,
-    paged: Option<&crate::cache::PagedRead>,
+    paged: Option<(&crate::cache::PagedRead, Option<&Array>)>,
     merged: Option<&[i32]>,
 ) -> anyhow::Result<Array> {
     let (b, heads, n, d) = (q.dim(0), q.dim(1), q.dim(2), q.dim(3));
     let dtype = q.dtype();
-    let total = paged.map_or(k.dim(2), |read| read.total);
+    let total = paged.map_or(k.dim(2), |(read, _)| read.total);
     let kv_heads = k.dim(1);
     let grouped = group(heads / kv_heads, d);
     let split = splits(b * (heads / grouped) * n, total);
@@ -435,10 +436,12 @@ fn launch(
         TemplateArg::Int("MERGED", merged.is_some() as i32),
     ];
     let mut inputs = vec![q, k, v, meta];
-    if let Some(read) = paged {
+    if let Some((read, written)) = paged {
         templates.push(TemplateArg::Int("BLOCK", read.block));
         templates.push(TemplateArg::Int("MAX_TABLE", MAX_TABLE));
         inputs.push(&read.tables);
+        // Unread: it orders the kernel after the pool's in-place write.
+        inputs.push(written.unwrap_or(&read.tables));
     }
     let out_shape = merged.map_or_else(|| vec![b, heads, n, d], <[i32]>::to_vec);
     anyhow::ensure!(
@@ -485,7 +488,7 @@ const SPLIT: &str = "#define SPLIT\n";
 fn kernel(name: &str, layout: &str, split: bool) -> Result<CudaKernel, String> {
     let mut inputs = vec!["q", "k", "v", "meta"];
     if layout == PAGED {
-        inputs.push("tables");
+        inputs.extend(["tables", "written"]);
     }
     let outputs: &[&str] = if split {
         &["out", "part", "count"]

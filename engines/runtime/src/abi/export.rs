@@ -149,6 +149,11 @@ pub fn pages(pool: &PagePool) -> RawPagePool {
     unsafe extern "C" fn copy_block(c: *mut c_void, from: u32, to: u32) -> bool {
         guard(false, || ctx::<Ctx>(c).copy_block(from, to).is_ok())
     }
+    unsafe extern "C" fn mark_written(c: *mut c_void, layer: usize, written: mlx_array) -> bool {
+        guard(false, || {
+            ctx::<Ctx>(c).mark_written(layer, retain(written)).is_ok()
+        })
+    }
     let store = pool.store().clone();
     RawPagePool {
         key: store.key(),
@@ -165,6 +170,7 @@ pub fn pages(pool: &PagePool) -> RawPagePool {
         state,
         write,
         copy_block,
+        mark_written,
     }
 }
 

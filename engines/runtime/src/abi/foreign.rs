@@ -191,6 +191,12 @@ impl PageStore for ForeignPages {
             .then_some(())
             .ok_or_else(|| anyhow::anyhow!("copying KV block {from} to {to} failed"))
     }
+
+    fn mark_written(&self, layer: usize, written: Array) -> anyhow::Result<()> {
+        unsafe { (self.0.mark_written)(self.0.ctx, layer, written.as_ptr()) }
+            .then_some(())
+            .ok_or_else(|| anyhow::anyhow!("layer {layer} of the KV pool is not written in place"))
+    }
 }
 
 /// The host's prefix cache seen from a plugin, whose entries hold blocks

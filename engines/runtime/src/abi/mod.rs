@@ -51,7 +51,7 @@ pub(crate) fn guard<T>(fallback: T, f: impl FnOnce() -> T) -> T {
 /// of the shared-state tables here, NUL-terminated: the descriptor's `mlx`
 /// field. Bump the version on any change to the tables but an addition at
 /// [`RawShared`]'s end.
-pub const MLX_FINGERPRINT: &str = concat!(env!("RUNTIME_MLX_FINGERPRINT"), ", shared state v2\0");
+pub const MLX_FINGERPRINT: &str = concat!(env!("RUNTIME_MLX_FINGERPRINT"), ", shared state v3\0");
 
 /// [`MLX_FINGERPRINT`] without its NUL.
 pub fn mlx_fingerprint() -> &'static str {
@@ -124,6 +124,10 @@ pub struct RawPagePool {
         err_cap: usize,
     ) -> usize,
     pub copy_block: unsafe extern "C" fn(ctx: *mut c_void, from: u32, to: u32) -> bool,
+    /// Layer `layer` was written in place by the node `written` (lent) is
+    /// the token of (`paged::PageStore::mark_written`); false when the
+    /// layer has no buffers written in place.
+    pub mark_written: unsafe extern "C" fn(ctx: *mut c_void, layer: usize, written: mlx_array) -> bool,
 }
 
 /// The lock that serialises device work across engines.
@@ -328,7 +332,7 @@ mod tests {
     #[test]
     #[cfg(target_pointer_width = "64")]
     fn the_tables_keep_their_versions_layout() {
-        assert!(mlx_fingerprint().ends_with(", shared state v2"));
+        assert!(mlx_fingerprint().ends_with(", shared state v3"));
         macro_rules! at {
             ($t:ty: $($f:ident),*) => { [$(offset_of!($t, $f)),*] };
         }
@@ -340,8 +344,8 @@ mod tests {
         assert_eq!(at!(RawKvWaits: ctx, releases, wait, wake), [0, 8, 16, 24]);
         assert_eq!(
             at!(RawPagePool: ctx, key, block, blocks, layers, allocate, retain, release, holders,
-                free_blocks, buffers, state, write, copy_block),
-            [0, 8, 16, 20, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96]
+                free_blocks, buffers, state, write, copy_block, mark_written),
+            [0, 8, 16, 20, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104]
         );
         assert_eq!(at!(RawDeviceLock: ctx, lock, unlock), [0, 8, 16]);
         assert_eq!(

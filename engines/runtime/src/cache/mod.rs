@@ -27,6 +27,7 @@ use contiguous::{Contiguous, STEP};
 use recurrent::RecurrentLayers;
 pub use recurrent::{Recurrent, Steps, MAX_ROLLBACK_STEPS};
 use tables::BlockTables;
+pub use tables::PoolTarget;
 pub use view::{LayerView, PagedRead};
 
 /// Position of the next token of every row, as rope reads it.
@@ -285,6 +286,41 @@ impl KvCache {
     /// dtype.
     pub fn takes_rows(&self, layer: usize) -> bool {
         matches!(self.kv, Storage::Paged(_)) && self.formats[layer].is_none()
+    }
+
+    /// Where layer `layer`'s `n` new positions a row go in the paged pool,
+    /// for a kernel that writes them there itself
+    /// ([`crate::gpu_fused::heads_into_pool`]): the layer's buffers once
+    /// written and of `dtype` on the GPU, else `None` (the keys and values
+    /// then go through [`KvCache::update_rows`]). Blocks are allocated, or
+    /// copied where shared, as a write's are; [`KvCache::wrote_pool`]
+    /// finishes the write.
+    pub fn pool_target(
+        &mut self,
+        layer: usize,
+        dtype: mlx_rs::Dtype,
+        n: i32,
+    ) -> anyhow::Result<Option<PoolTarget>> {
+        match &mut self.kv {
+            Storage::Paged(t) if self.formats[layer].is_none() => {
+                t.pool_target(layer, dtype, self.len, n, &self.left_pad)
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// The write into [`KvCache::pool_target`]'s `target` done, by the
+    /// node `written` is the token of: what attention reads of the layer.
+    pub fn wrote_pool(
+        &mut self,
+        layer: usize,
+        target: PoolTarget,
+        written: Array,
+    ) -> anyhow::Result<LayerView> {
+        match &mut self.kv {
+            Storage::Paged(t) => t.wrote(layer, target, written),
+            _ => Err(anyhow!("layer {layer} is not paged")),
+        }
     }
 
     /// [`KvCache::update`] of `n` new positions a row given as the pool's

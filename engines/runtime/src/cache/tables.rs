@@ -19,10 +19,32 @@ pub(crate) struct BlockTables {
     pool: PagePool,
     /// Per row, the blocks holding its positions in order.
     tables: Vec<Vec<BlockRef>>,
-    /// The forward under way: its new positions' slots (`B * n`) and
-    /// what its attention reads, set by its first write and cleared by
+    /// The forward under way, set by its first write and cleared by
     /// [`BlockTables::end_forward`].
-    forward: Option<(Arc<[i32]>, PagedRead)>,
+    forward: Option<Forward>,
+}
+
+/// A forward's new positions' slots (`B * n`; as an index array once a
+/// kernel takes them, made once for every layer) and what its attention
+/// reads.
+#[derive(Clone)]
+struct Forward {
+    slots: Arc<[i32]>,
+    index: Option<Array>,
+    read: PagedRead,
+}
+
+/// A paged layer's buffers and where a forward's new positions go in them,
+/// for a kernel that writes them in place ([`crate::KvCache::pool_target`]).
+pub struct PoolTarget {
+    /// `[slots, kv_heads, head_dim]` each.
+    pub keys: Array,
+    pub values: Array,
+    /// The token of the layer's last in-place write, which this one
+    /// follows ([`paged::split_written`]).
+    pub after: Option<Array>,
+    /// `[B * n]` int32, row-major over rows then positions.
+    pub slots: Array,
 }
 
 impl BlockTables {
@@ -55,13 +77,69 @@ impl BlockTables {
         n: i32,
         left_pad: &[i32],
     ) -> anyhow::Result<LayerView> {
+        let f = self.begin(len, n, left_pad)?;
+        f.read.view(quant, self.pool.write(layer, parts, &f.slots)?)
+    }
+
+    /// The forward under way, begun (its blocks made ready) at its first
+    /// write.
+    fn begin(&mut self, len: i32, n: i32, left_pad: &[i32]) -> anyhow::Result<Forward> {
         if self.forward.is_none() {
             let slots = self.prepare(len, n, left_pad)?;
             let read = self.read(len + n, left_pad)?;
-            self.forward = Some((slots, read));
+            self.forward = Some(Forward {
+                slots,
+                index: None,
+                read,
+            });
         }
-        let (slots, read) = self.forward.clone().expect("set above");
-        read.view(quant, self.pool.write(layer, parts, &slots)?)
+        Ok(self.forward.clone().expect("set above"))
+    }
+
+    /// See [`crate::KvCache::pool_target`].
+    pub(crate) fn pool_target(
+        &mut self,
+        layer: usize,
+        dtype: mlx_rs::Dtype,
+        len: i32,
+        n: i32,
+        left_pad: &[i32],
+    ) -> anyhow::Result<Option<PoolTarget>> {
+        let Some(listed) = self.pool.buffers(layer) else {
+            return Ok(None);
+        };
+        let (buffers, after) = paged::split_written(listed);
+        if !crate::gpu_fused::takes_pool_heads(&buffers, dtype) {
+            return Ok(None);
+        }
+        self.begin(len, n, left_pad)?;
+        let f = self.forward.as_mut().expect("begun above");
+        let slots = f
+            .index
+            .get_or_insert_with(|| Array::from_slice(&f.slots, &[f.slots.len() as i32]))
+            .clone();
+        let [keys, values] = <[Array; 2]>::try_from(buffers).expect("two buffers");
+        Ok(Some(PoolTarget {
+            keys,
+            values,
+            after,
+            slots,
+        }))
+    }
+
+    /// See [`crate::KvCache::wrote_pool`].
+    pub(crate) fn wrote(
+        &mut self,
+        layer: usize,
+        target: PoolTarget,
+        written: Array,
+    ) -> anyhow::Result<LayerView> {
+        let f = self
+            .forward
+            .clone()
+            .ok_or_else(|| anyhow::anyhow!("layer {layer} written outside a forward"))?;
+        self.pool.mark_written(layer, written.clone())?;
+        f.read.view(None, vec![target.keys, target.values, written])
     }
 
     /// Layer `layer`'s columns `0..len` (`None` before its first write).
@@ -137,7 +215,12 @@ impl BlockTables {
             let read = self.read(len, left_pad)?;
             let capacity = round_up(len);
             for (l, buffers) in out.layers.iter_mut().enumerate() {
-                if let Some(bufs) = self.pool.buffers(l) {
+                if let Some(listed) = self.pool.buffers(l) {
+                    let (bufs, written) = paged::split_written(listed);
+                    let bufs = match written {
+                        Some(w) => paged::following(&bufs, &w)?,
+                        None => bufs,
+                    };
                     *buffers = bufs
                         .iter()
                         .map(|b| align(&read.gather(b)?, len, 0, capacity))

@@ -21,10 +21,13 @@ pub enum LayerView {
         values: Vec<Array>,
     },
     /// A paged cache's layer: the pool's key and value buffers (`[slots,
-    /// kv_heads, head_dim]`) and where each row's columns lie in them.
+    /// kv_heads, head_dim]`), the token of their last in-place write
+    /// (`crate::paged::split_written`), which reads must follow, and where
+    /// each row's columns lie in them.
     Paged {
         keys: Array,
         values: Array,
+        written: Option<Array>,
         read: PagedRead,
     },
 }
@@ -61,7 +64,25 @@ impl LayerView {
                 keys,
                 values,
             } => (quant.dequantize(keys)?, quant.dequantize(values)?),
-            LayerView::Paged { keys, values, read } => (read.gather(keys)?, read.gather(values)?),
+            LayerView::Paged {
+                keys,
+                values,
+                written,
+                read,
+            } => {
+                let (keys, values) = match written {
+                    Some(w) => {
+                        let [k, v] = <[Array; 2]>::try_from(crate::paged::following(
+                            &[keys.clone(), values.clone()],
+                            w,
+                        )?)
+                        .map_err(|_| anyhow!("two buffers"))?;
+                        (k, v)
+                    }
+                    None => (keys.clone(), values.clone()),
+                };
+                (read.gather(&keys)?, read.gather(&values)?)
+            }
         })
     }
 }
@@ -116,8 +137,9 @@ impl PagedRead {
     pub(crate) fn view(
         self,
         quant: Option<KvQuant>,
-        mut buffers: Vec<Array>,
+        buffers: Vec<Array>,
     ) -> anyhow::Result<LayerView> {
+        let (mut buffers, written) = crate::paged::split_written(buffers);
         if quant.is_some() {
             let columns = buffers
                 .iter()
@@ -131,6 +153,7 @@ impl PagedRead {
         Ok(LayerView::Paged {
             keys,
             values,
+            written,
             read: self,
         })
     }
