@@ -108,11 +108,13 @@ impl BlockTables {
         let Some(listed) = self.pool.buffers(layer) else {
             return Ok(None);
         };
-        let (buffers, after) = paged::split_written(listed);
-        if !crate::gpu_fused::takes_pool_heads(&buffers, dtype) {
+        if !crate::gpu_fused::takes_pool_heads(&paged::split_written(listed).0, dtype) {
             return Ok(None);
         }
+        // Begun first: its copies on write are writes the kernel follows.
         self.begin(len, n, left_pad)?;
+        let listed = self.pool.buffers(layer).expect("written before");
+        let (buffers, after) = paged::split_written(listed);
         let f = self.forward.as_mut().expect("begun above");
         let slots = f
             .index
