@@ -19,7 +19,8 @@
 //! - [`product`]: a dense product of 2-16 rows (the gate/up product with
 //!   its activation from one row) as one tensor-core kernel, where
 //!   cuBLASLt and MLX's vector kernel leave most of the card's bandwidth
-//!   unused.
+//!   unused; [`normed_product`] takes the residual add and the norm
+//!   before it into the same kernel, from one row.
 //!
 //! `GATEWAY_GPU_FUSED=off` keeps MLX's ops; `GATEWAY_GPU_PRODUCT=off`
 //! keeps MLX's products (and [`gated`] after the gate/up one).
@@ -70,9 +71,24 @@ const PRODUCT_ROWS: i32 = 16;
 /// host's; from 2 rows MLX takes cuBLASLt, which costs more (14.9 µs at 16
 /// rows against 8.2) and reads the weights slower.
 pub fn takes_product(x: &Array, wt: &Array, gated: bool) -> bool {
+    fits_product(x, wt, if gated { 1 } else { 2 })
+}
+
+/// Whether [`normed_product`] takes the stream `a`, its addend `r`, the
+/// norm's `weight` and `wt` as [`takes_product`] says: from one row, plain
+/// or gated (the add + norm node it saves pays for the launch).
+pub fn takes_normed_product(a: &Array, r: &Array, weight: &Array, wt: &Array) -> bool {
+    fits_product(a, wt, 1)
+        && a.ndim() == 2
+        && r.shape() == a.shape()
+        && r.dtype() == a.dtype()
+        && weight.dtype() == a.dtype()
+        && weight.size() == a.dim(1) as usize
+}
+
+fn fits_product(x: &Array, wt: &Array, fewest: i32) -> bool {
     static PRODUCT_OFF: OnceLock<bool> = OnceLock::new();
     let dtype = x.dtype();
-    let fewest = if gated { 1 } else { 2 };
     !env_off(&PRODUCT_OFF, "GATEWAY_GPU_PRODUCT")
         && (fewest..=PRODUCT_ROWS).contains(&crate::layers::rows(x))
         && matches!(dtype, Dtype::Bfloat16 | Dtype::Float16)
@@ -94,16 +110,66 @@ pub fn takes_product(x: &Array, wt: &Array, gated: bool) -> bool {
 /// rounding of `T`.
 pub fn product(x: &Array, wt: &Array, gated: bool) -> R<Array> {
     let rows = crate::layers::rows(x);
-    let dtype = x.dtype();
-    let (k, n) = (wt.dim(0), wt.dim(1));
+    let k = wt.dim(0);
     let x2 = match x.ndim() {
         2 => x.clone(),
         _ => x.reshape(&[rows, k])?,
     };
-    let features = if gated { n / 2 } else { n };
     let mut shape = x.shape().to_vec();
-    *shape.last_mut().unwrap() = features;
-    let templates = [
+    *shape.last_mut().unwrap() = product_features(wt, gated);
+    let out = run_product(&PRODUCT, &[&x2, wt], x.dtype(), rows, gated, &shape, None)?;
+    Ok(out.into_iter().next().unwrap())
+}
+
+/// [`product`] of the RMS norm (`weight`, `eps`) of `a + r`, the residual
+/// stream's next value, which it returns first: one node where the add +
+/// norm and the product were two. The rows' norms are the add + norm
+/// kernel's bits ([`add_rms_norm`]). For what [`takes_normed_product`]
+/// takes.
+pub fn normed_product(
+    a: &Array,
+    r: &Array,
+    weight: &Array,
+    eps: f32,
+    wt: &Array,
+    gated: bool,
+) -> R<(Array, Array)> {
+    let rows = a.dim(0);
+    let shape = [rows, product_features(wt, gated)];
+    let mut out = run_product(
+        &PRODUCT_NORMED,
+        &[a, r, weight, wt],
+        a.dtype(),
+        rows,
+        gated,
+        &shape,
+        Some((a.shape(), eps)),
+    )?;
+    let h = out.pop().unwrap();
+    Ok((h, out.pop().unwrap()))
+}
+
+fn product_features(wt: &Array, gated: bool) -> i32 {
+    if gated {
+        wt.dim(1) / 2
+    } else {
+        wt.dim(1)
+    }
+}
+
+/// One launch of a product kernel: `y` of `shape`, and with `normed` the
+/// stream's sum (of its shape) after it.
+fn run_product(
+    kernel: &'static std::thread::LocalKey<Result<CudaKernel, String>>,
+    inputs: &[&Array],
+    dtype: Dtype,
+    rows: i32,
+    gated: bool,
+    shape: &[i32],
+    normed: Option<(&[i32], f32)>,
+) -> R<Vec<Array>> {
+    let features = *shape.last().unwrap_or(&0);
+    let mut templates = vec![
         TemplateArg::Dtype("T", dtype),
         TemplateArg::Int("BF16", (dtype == Dtype::Bfloat16) as i32),
         TemplateArg::Int("GATED", gated as i32),
@@ -111,15 +177,20 @@ pub fn product(x: &Array, wt: &Array, gated: bool) -> R<Array> {
         TemplateArg::Int("WK", PRODUCT_WARPS),
         TemplateArg::Int("U", 1),
     ];
+    let mut outputs = vec![(shape, dtype)];
+    if let Some((h_shape, eps)) = normed {
+        templates.push(TemplateArg::Int("EPS_BITS", float_bits(eps)?));
+        outputs.push((h_shape, dtype));
+    }
     // A block per 16 output features.
     let launch = Launch {
-        outputs: &[(&shape, dtype)],
+        outputs: &outputs,
         grid_threads: features / 16 * 32 * PRODUCT_WARPS,
         block_threads: 32 * PRODUCT_WARPS,
         templates: &templates,
         init: None,
     };
-    Ok(run(&PRODUCT, &[&x2, wt], &launch, "product")?.remove(0))
+    run(kernel, inputs, &launch, "product")
 }
 
 /// Warps a block of [`product`] splits K over.
@@ -320,7 +391,9 @@ pub fn takes_pool_heads(buffers: &[Array], dtype: Dtype) -> bool {
 /// a float dtype, parts in either layout [`crate::paged::PagePool::write`]
 /// takes.
 pub fn takes_kv_write(buffers: &[Array], parts: &[Array]) -> bool {
-    enabled()
+    // Not switched off with the fused kernels: a layer's writes stay in
+    // place once they are (`paged::LayerBuffers`).
+    crate::mask::on_gpu()
         && buffers.len() == 2
         && parts.len() == 2
         && buffers.iter().all(|b| float(b.dtype()) && b.ndim() == 3)
@@ -333,8 +406,8 @@ pub fn takes_kv_write(buffers: &[Array], parts: &[Array]) -> bool {
 /// one node for both, where MLX's scatter is one a buffer (and a new array
 /// each). MLX sees the buffers as inputs only, so what it returns is the
 /// write's token: what reads the buffers after the write takes it as an
-/// input (the paged attention kernel) or follows it
-/// ([`crate::paged::following`]); `after`, the layer's previous token,
+/// input (the paged attention kernel, [`ordered`] gathers' indices);
+/// `after`, the layer's previous token,
 /// orders this write after the one before. For what [`takes_kv_write`]
 /// takes.
 pub fn kv_write(
@@ -376,6 +449,23 @@ pub fn kv_write(
     let after = after.unwrap_or(slots);
     let inputs = [&buffers[0], &buffers[1], &k, &v, slots, after];
     Ok(run(&KV_WRITE, &inputs, &launch, "KV write")?.remove(0))
+}
+
+/// A copy of the int32 `index` that MLX's CUDA graph makes only after the
+/// node `after` is an output of has run: a gather by it reads the pool
+/// after [`kv_write`]'s write (MLX orders a graph's kernels by the buffers
+/// they share, so the gather must read one the write made).
+pub fn ordered(index: &Array, after: &Array) -> R<Array> {
+    let n = index.size() as i32;
+    let launch = Launch {
+        outputs: &[(index.shape(), Dtype::Int32)],
+        grid_threads: round_up(n.max(1), BLOCK),
+        block_threads: BLOCK,
+        templates: &[],
+        init: None,
+    };
+    let index = index.as_dtype(Dtype::Int32)?;
+    Ok(run(&ORDERED, &[&index, after], &launch, "ordered index")?.remove(0))
 }
 
 /// Whether [`gated`] takes activations of `dtype`.
@@ -672,6 +762,15 @@ thread_local! {
         false,
     )
     .map_err(|e| format!("{e:#}"));
+    static PRODUCT_NORMED: Result<CudaKernel, String> = CudaKernel::new(
+        "skinny_product_normed",
+        &["a", "r", "nw", "wt"],
+        &["y", "h"],
+        &format!("#define NORMED\n{}", include_str!("kernels/skinny_product.cu")),
+        SILU_MUL,
+        false,
+    )
+    .map_err(|e| format!("{e:#}"));
     static HEADS: Result<CudaKernel, String> = CudaKernel::new(
         "fused_heads",
         &["qkv", "qw", "kw", "pos", "freqs"],
@@ -696,6 +795,15 @@ thread_local! {
         &["out"],
         GATED_SOURCE,
         SILU_MUL,
+        true,
+    )
+    .map_err(|e| format!("{e:#}"));
+    static ORDERED: Result<CudaKernel, String> = CudaKernel::new(
+        "ordered_index",
+        &["index", "after"],
+        &["out"],
+        "const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;\n    if (i < index_shape[0]) out[i] = index[i];",
+        "",
         true,
     )
     .map_err(|e| format!("{e:#}"));

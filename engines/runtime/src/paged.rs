@@ -107,12 +107,14 @@ impl LayerBuffers {
         self.arrays.iter().chain(&self.written).cloned().collect()
     }
 
-    /// Makes the buffers follow the last in-place write, if any, for an op
-    /// that replaces them (MLX's scatter and slice update).
-    fn settled(&mut self) -> anyhow::Result<()> {
-        if let Some(written) = self.written.take() {
-            self.arrays = following(&self.arrays, &written)?;
-        }
+    /// Refuses MLX's scatter or slice update over buffers written in place:
+    /// neither orders itself after the kernels that wrote them. (A layer
+    /// the GPU writes in place is always written so: never reached.)
+    fn check_unwritten(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.written.is_none(),
+            "a KV layer written in place cannot take MLX's scatter"
+        );
         Ok(())
     }
 }
@@ -128,37 +130,14 @@ pub(crate) fn split_written(mut listed: Vec<Array>) -> (Vec<Array>, Option<Array
     (listed, written)
 }
 
-/// `arrays` as arrays MLX computes only after `written`: the same data,
-/// read after the in-place write `written` is the token of.
-pub(crate) fn following(arrays: &[Array], written: &Array) -> anyhow::Result<Vec<Array>> {
-    unsafe {
-        let inputs = mlx_sys::mlx_vector_array_new();
-        for a in arrays {
-            mlx_sys::mlx_vector_array_append_value(inputs, a.as_ptr());
-        }
-        let deps = mlx_sys::mlx_vector_array_new();
-        mlx_sys::mlx_vector_array_append_value(deps, written.as_ptr());
-        let mut res = mlx_sys::mlx_vector_array_new();
-        let ok = mlx_sys::mlx_depends(&mut res, inputs, deps) == 0;
-        let mut out = Vec::with_capacity(arrays.len());
-        if ok {
-            for i in 0..arrays.len() {
-                let mut a = mlx_sys::mlx_array_new();
-                if mlx_sys::mlx_vector_array_get(&mut a, res, i) != 0 {
-                    mlx_sys::mlx_array_free(a);
-                    break;
-                }
-                out.push(Array::from_ptr(a));
-            }
-        }
-        mlx_sys::mlx_vector_array_free(inputs);
-        mlx_sys::mlx_vector_array_free(deps);
-        mlx_sys::mlx_vector_array_free(res);
-        anyhow::ensure!(
-            out.len() == arrays.len(),
-            "MLX could not order a read of the KV pool after its write"
-        );
-        Ok(out)
+/// `index` as an index array MLX's CUDA graph reads only after the
+/// in-place write `written` is the token of: a gather by it reads what the
+/// write wrote. (MLX's `depends` orders evaluation, not the graph's
+/// kernels, which run in the order of the buffers they share.)
+pub(crate) fn index_after(index: &Array, written: Option<&Array>) -> anyhow::Result<Array> {
+    match written {
+        Some(w) => Ok(crate::gpu_fused::ordered(index, w)?),
+        None => Ok(index.clone()),
     }
 }
 
@@ -306,7 +285,7 @@ impl PageStore for LocalPages {
             buffers.written = Some(written);
             return Ok(buffers.listed());
         }
-        buffers.settled()?;
+        buffers.check_unwritten()?;
         // Consecutive slots (one sequence's decode step, a chunk within a
         // block) are one slice written in place, as a contiguous cache
         // writes; others, and parts given as the scatter's rows, a scatter
@@ -349,11 +328,9 @@ impl PageStore for LocalPages {
         let (src, dst) = (Array::from_slice(&src, &[b]), Array::from_slice(&dst, &[b]));
         let mut layers = lock(&self.layers);
         for layer in layers.iter_mut().flatten() {
-            let read = match &layer.written {
-                Some(written) => following(&layer.arrays, written)?,
-                None => layer.arrays.clone(),
-            };
-            let rows = read
+            let src = index_after(&src, layer.written.as_ref())?;
+            let rows = layer
+                .arrays
                 .iter()
                 .map(|buf| {
                     let s = buf.shape();
@@ -366,7 +343,7 @@ impl PageStore for LocalPages {
                 layer.written = Some(crate::gpu_fused::kv_write(&layer.arrays, &rows, true, &dst, after)?);
                 continue;
             }
-            layer.settled()?;
+            layer.check_unwritten()?;
             for (buf, rows) in layer.arrays.iter_mut().zip(rows) {
                 let old = std::mem::replace(buf, Array::from_int(0));
                 *buf = ops::indexing::scatter_single(old, &dst, &rows, 0)?;

@@ -219,13 +219,9 @@ impl BlockTables {
             for (l, buffers) in out.layers.iter_mut().enumerate() {
                 if let Some(listed) = self.pool.buffers(l) {
                     let (bufs, written) = paged::split_written(listed);
-                    let bufs = match written {
-                        Some(w) => paged::following(&bufs, &w)?,
-                        None => bufs,
-                    };
                     *buffers = bufs
                         .iter()
-                        .map(|b| align(&read.gather(b)?, len, 0, capacity))
+                        .map(|b| align(&read.gather_after(b, written.as_ref())?, len, 0, capacity))
                         .collect::<anyhow::Result<_>>()?;
                 }
             }

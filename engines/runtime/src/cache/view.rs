@@ -70,18 +70,8 @@ impl LayerView {
                 written,
                 read,
             } => {
-                let (keys, values) = match written {
-                    Some(w) => {
-                        let [k, v] = <[Array; 2]>::try_from(crate::paged::following(
-                            &[keys.clone(), values.clone()],
-                            w,
-                        )?)
-                        .map_err(|_| anyhow!("two buffers"))?;
-                        (k, v)
-                    }
-                    None => (keys.clone(), values.clone()),
-                };
-                (read.gather(&keys)?, read.gather(&values)?)
+                let w = written.as_ref();
+                (read.gather_after(keys, w)?, read.gather_after(values, w)?)
             }
         })
     }
@@ -121,10 +111,17 @@ impl PagedRead {
     /// `buf` (`[slots, kv_heads, width]`) gathered into the batch's columns,
     /// `[B, kv_heads, total, width]`.
     pub fn gather(&self, buf: &Array) -> anyhow::Result<Array> {
+        self.gather_after(buf, None)
+    }
+
+    /// [`PagedRead::gather`] after the in-place write `written` is the
+    /// token of (`crate::paged::split_written`).
+    pub fn gather_after(&self, buf: &Array, written: Option<&Array>) -> anyhow::Result<Array> {
         let s = buf.shape();
         let index = paged::lock(&self.slot_index)
             .get_or_insert_with(|| Array::from_slice(&self.slots, &[self.slots.len() as i32]))
             .clone();
+        let index = paged::index_after(&index, written)?;
         Ok(buf
             .take_axis(&index, 0)?
             .reshape(&[self.rows, self.total, s[1], s[2]])?
