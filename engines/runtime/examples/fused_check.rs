@@ -194,31 +194,6 @@ fn check_product(dtype: Dtype, rows: i32, (k, f): (i32, i32), gated: bool) {
     );
 }
 
-/// The add + norm riding in a product ([`gpu_fused::normed_product`])
-/// against the add + norm kernel and the product after it: the sum and
-/// the product equal bit for bit (the norm factors are the add + norm
-/// kernel's).
-fn check_normed_product(dtype: Dtype, rows: i32, (k, f): (i32, i32), gated: bool) {
-    let a = random(&[rows, k], dtype, 10);
-    let r = random(&[rows, k], dtype, 11);
-    let nw = random(&[k], dtype, 12);
-    let n = if gated { 2 * f } else { f };
-    let w = random(&[n, k], dtype, 9)
-        .multiply(Array::from_f32(0.05).as_dtype(dtype).unwrap())
-        .unwrap();
-    let wt = w.t();
-    assert!(gpu_fused::takes_normed_product(&a, &r, &nw, &wt));
-    let (h, y) = gpu_fused::normed_product(&a, &r, &nw, 1e-6, &wt, gated).unwrap();
-    let (want_h, normed) = gpu_fused::add_rms_norm(&a, &r, &nw, 1e-6).unwrap().unwrap();
-    let want_y = match rows {
-        1 if !gated => normed.matmul(&wt).unwrap(),
-        _ => gpu_fused::product(&normed, &wt, gated).unwrap(),
-    };
-    let kind = if gated { "gated" } else { "plain" };
-    line(&format!("normed {kind} product {dtype:?} {rows} x {k} x {n}, sum"), &h, &want_h);
-    line(&format!("normed {kind} product {dtype:?} {rows} x {k} x {n}, product"), &y, &want_y);
-}
-
 /// Greedy tokens and logits, one token a forward (`k` = 1) or teacher
 /// forced on `forced` in blocks of `k`.
 fn run(
@@ -269,8 +244,6 @@ fn main() {
             for shape in [(2560, 9728), (96, 48)] {
                 check_product(dtype, rows, shape, true);
             }
-            check_normed_product(dtype, rows, (2560, 9728), true);
-            check_normed_product(dtype, rows, (2560, 6144), false);
             // A plain product of one row stays MLX's (`takes_product`).
             for shape in [(2560, 6144), (4096, 2560), (9728, 2560), (96, 64)] {
                 if rows > 1 {

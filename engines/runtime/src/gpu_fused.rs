@@ -19,8 +19,7 @@
 //! - [`product`]: a dense product of 2-16 rows (the gate/up product with
 //!   its activation from one row) as one tensor-core kernel, where
 //!   cuBLASLt and MLX's vector kernel leave most of the card's bandwidth
-//!   unused; [`normed_product`] takes the residual add and the norm
-//!   before it into the same kernel, from one row.
+//!   unused.
 //!
 //! `GATEWAY_GPU_FUSED=off` keeps MLX's ops; `GATEWAY_GPU_PRODUCT=off`
 //! keeps MLX's products (and [`gated`] after the gate/up one).
@@ -71,24 +70,9 @@ const PRODUCT_ROWS: i32 = 16;
 /// host's; from 2 rows MLX takes cuBLASLt, which costs more (14.9 µs at 16
 /// rows against 8.2) and reads the weights slower.
 pub fn takes_product(x: &Array, wt: &Array, gated: bool) -> bool {
-    fits_product(x, wt, if gated { 1 } else { 2 })
-}
-
-/// Whether [`normed_product`] takes the stream `a`, its addend `r`, the
-/// norm's `weight` and `wt` as [`takes_product`] says: from one row, plain
-/// or gated (the add + norm node it saves pays for the launch).
-pub fn takes_normed_product(a: &Array, r: &Array, weight: &Array, wt: &Array) -> bool {
-    fits_product(a, wt, 1)
-        && a.ndim() == 2
-        && r.shape() == a.shape()
-        && r.dtype() == a.dtype()
-        && weight.dtype() == a.dtype()
-        && weight.size() == a.dim(1) as usize
-}
-
-fn fits_product(x: &Array, wt: &Array, fewest: i32) -> bool {
     static PRODUCT_OFF: OnceLock<bool> = OnceLock::new();
     let dtype = x.dtype();
+    let fewest = if gated { 1 } else { 2 };
     !env_off(&PRODUCT_OFF, "GATEWAY_GPU_PRODUCT")
         && (fewest..=PRODUCT_ROWS).contains(&crate::layers::rows(x))
         && matches!(dtype, Dtype::Bfloat16 | Dtype::Float16)
@@ -110,66 +94,16 @@ fn fits_product(x: &Array, wt: &Array, fewest: i32) -> bool {
 /// rounding of `T`.
 pub fn product(x: &Array, wt: &Array, gated: bool) -> R<Array> {
     let rows = crate::layers::rows(x);
-    let k = wt.dim(0);
+    let dtype = x.dtype();
+    let (k, n) = (wt.dim(0), wt.dim(1));
     let x2 = match x.ndim() {
         2 => x.clone(),
         _ => x.reshape(&[rows, k])?,
     };
+    let features = if gated { n / 2 } else { n };
     let mut shape = x.shape().to_vec();
-    *shape.last_mut().unwrap() = product_features(wt, gated);
-    let out = run_product(&PRODUCT, &[&x2, wt], x.dtype(), rows, gated, &shape, None)?;
-    Ok(out.into_iter().next().unwrap())
-}
-
-/// [`product`] of the RMS norm (`weight`, `eps`) of `a + r`, the residual
-/// stream's next value, which it returns first: one node where the add +
-/// norm and the product were two. The rows' norms are the add + norm
-/// kernel's bits ([`add_rms_norm`]). For what [`takes_normed_product`]
-/// takes.
-pub fn normed_product(
-    a: &Array,
-    r: &Array,
-    weight: &Array,
-    eps: f32,
-    wt: &Array,
-    gated: bool,
-) -> R<(Array, Array)> {
-    let rows = a.dim(0);
-    let shape = [rows, product_features(wt, gated)];
-    let mut out = run_product(
-        &PRODUCT_NORMED,
-        &[a, r, weight, wt],
-        a.dtype(),
-        rows,
-        gated,
-        &shape,
-        Some((a.shape(), eps)),
-    )?;
-    let h = out.pop().unwrap();
-    Ok((h, out.pop().unwrap()))
-}
-
-fn product_features(wt: &Array, gated: bool) -> i32 {
-    if gated {
-        wt.dim(1) / 2
-    } else {
-        wt.dim(1)
-    }
-}
-
-/// One launch of a product kernel: `y` of `shape`, and with `normed` the
-/// stream's sum (of its shape) after it.
-fn run_product(
-    kernel: &'static std::thread::LocalKey<Result<CudaKernel, String>>,
-    inputs: &[&Array],
-    dtype: Dtype,
-    rows: i32,
-    gated: bool,
-    shape: &[i32],
-    normed: Option<(&[i32], f32)>,
-) -> R<Vec<Array>> {
-    let features = *shape.last().unwrap_or(&0);
-    let mut templates = vec![
+    *shape.last_mut().unwrap() = features;
+    let templates = [
         TemplateArg::Dtype("T", dtype),
         TemplateArg::Int("BF16", (dtype == Dtype::Bfloat16) as i32),
         TemplateArg::Int("GATED", gated as i32),
@@ -177,20 +111,15 @@ fn run_product(
         TemplateArg::Int("WK", PRODUCT_WARPS),
         TemplateArg::Int("U", 1),
     ];
-    let mut outputs = vec![(shape, dtype)];
-    if let Some((h_shape, eps)) = normed {
-        templates.push(TemplateArg::Int("EPS_BITS", float_bits(eps)?));
-        outputs.push((h_shape, dtype));
-    }
     // A block per 16 output features.
     let launch = Launch {
-        outputs: &outputs,
+        outputs: &[(&shape, dtype)],
         grid_threads: features / 16 * 32 * PRODUCT_WARPS,
         block_threads: 32 * PRODUCT_WARPS,
         templates: &templates,
         init: None,
     };
-    run(kernel, inputs, &launch, "product")
+    Ok(run(&PRODUCT, &[&x2, wt], &launch, "product")?.remove(0))
 }
 
 /// Warps a block of [`product`] splits K over.
@@ -758,15 +687,6 @@ thread_local! {
         &["x", "wt"],
         &["y"],
         include_str!("kernels/skinny_product.cu"),
-        SILU_MUL,
-        false,
-    )
-    .map_err(|e| format!("{e:#}"));
-    static PRODUCT_NORMED: Result<CudaKernel, String> = CudaKernel::new(
-        "skinny_product_normed",
-        &["a", "r", "nw", "wt"],
-        &["y", "h"],
-        &format!("#define NORMED\n{}", include_str!("kernels/skinny_product.cu")),
         SILU_MUL,
         false,
     )

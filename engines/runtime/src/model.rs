@@ -814,15 +814,6 @@ impl Layer {
         shared_kv: Option<LayerView>,
         per_layer_input: Option<&Array>,
     ) -> anyhow::Result<(Residual, Option<LayerView>)> {
-        // On the GPU at a few rows the stream's add and norm ride in the
-        // q/k/v product.
-        if let (Mixer::Attention(a), None) = (&self.mixer, &shared_kv) {
-            if let Some(fused) = a.normed_qkv(&x, &self.input_norm) {
-                let (x, qkv) = fused?;
-                let (r, kv) = a.forward_qkv(&qkv, rows, mask, offsets, cache, idx)?;
-                return Ok((self.feed_forward(&x, &r, per_layer_input)?, Some(kv)));
-            }
-        }
         let (x, normed) = x.normed(&self.input_norm)?;
         let (r, kv) = match &self.mixer {
             Mixer::Attention(a) => {
@@ -847,7 +838,8 @@ impl Layer {
             }
         };
         let (Some(pre), Some(post)) = (&self.pre_ff_norm, &self.post_ff_norm) else {
-            let (h, r) = self.mlp.forward_added(x, r, &self.post_attn_norm)?;
+            let (h, normed) = self.post_attn_norm.forward_added(x, r)?;
+            let r = self.mlp.forward(&normed)?;
             return Ok(Residual::Pending(h, r));
         };
         let h = add(x, &self.post_attn_norm.forward(r)?)?;
@@ -966,43 +958,13 @@ impl Attention {
     ) -> anyhow::Result<(Array, LayerView)> {
         if shared_kv.is_none() && self.takes_fused_heads(x.dtype()) {
             let qkv = self.qkv.joined(x).expect("stacked projections")?;
-            return self.forward_qkv(&qkv, rows, mask, offsets, cache, idx);
+            let out_shape = merged_shape(x, self.heads * self.head_dim);
+            let (heads, kv) =
+                self.attend_fused(&qkv, rows, mask, offsets, cache, idx, &out_shape)?;
+            return Ok((self.o.forward(&heads)?, kv));
         }
         let p = self.project(x)?;
         let (heads, kv) = self.attend(p, rows, mask, offsets, cache, idx, shared_kv)?;
-        Ok((self.o.forward(&heads)?, kv))
-    }
-
-    /// The residual stream `x` added and normed by `norm` and its stacked
-    /// q/k/v product, in one kernel: where the stream is a pending sum
-    /// ([`Residual::Pending`]) of a few rows on the GPU and the layer's
-    /// heads are fused. `None` elsewhere.
-    fn normed_qkv(&self, x: &Residual, norm: &RmsNorm) -> Option<R<(Array, Array)>> {
-        let Residual::Pending(h, r) = x else {
-            return None;
-        };
-        let wt = self.qkv.stacked_dense()?;
-        let (w, eps) = norm.parts();
-        (self.takes_fused_heads(h.dtype())
-            && crate::gpu_fused::takes_heads(h.dtype(), &self.heads_spec()?)
-            && crate::gpu_fused::takes_normed_product(h, r, w, wt))
-        .then(|| crate::gpu_fused::normed_product(h, r, w, eps, wt, false))
-    }
-
-    /// [`Attention::forward`] from the stacked q/k/v product's rows `qkv`
-    /// (`[B * L, width]`), for a layer whose heads are fused.
-    #[allow(clippy::too_many_arguments)]
-    fn forward_qkv(
-        &self,
-        qkv: &Array,
-        rows: (i32, i32),
-        mask: &AttnMask,
-        offsets: &Offsets,
-        cache: &mut KvCache,
-        idx: usize,
-    ) -> anyhow::Result<(Array, LayerView)> {
-        let out_shape = merged_shape(qkv, self.heads * self.head_dim);
-        let (heads, kv) = self.attend_fused(qkv, rows, mask, offsets, cache, idx, &out_shape)?;
         Ok((self.o.forward(&heads)?, kv))
     }
 
@@ -1352,17 +1314,6 @@ impl Ffn {
             Ffn::Sparse(m) => m.forward(x),
         }
     }
-
-    /// `x + r` and this part of its norm by `norm` ([`Mlp::forward_added`]).
-    fn forward_added(&self, x: &Array, r: &Array, norm: &RmsNorm) -> R<(Array, Array)> {
-        match self {
-            Ffn::Dense(m) => m.forward_added(x, r, norm),
-            Ffn::Sparse(m) => {
-                let (h, normed) = norm.forward_added(x, r)?;
-                Ok((h, m.forward(&normed)?))
-            }
-        }
-    }
 }
 
 impl Mlp {
@@ -1385,20 +1336,6 @@ impl Mlp {
     fn collect<'a>(&'a self, out: &mut Vec<&'a Array>) {
         self.gate_up.collect(out);
         self.down.collect(out);
-    }
-
-    /// `x + r` and this MLP of its norm by `norm`: on the GPU at a few
-    /// rows one kernel for the add, the norm, the gate/up product and the
-    /// activation.
-    fn forward_added(&self, x: &Array, r: &Array, norm: &RmsNorm) -> R<(Array, Array)> {
-        let (w, eps) = norm.parts();
-        let wt = self.gate_up.stacked_dense().filter(|_| !self.gelu);
-        if let Some(wt) = wt.filter(|wt| crate::gpu_fused::takes_normed_product(x, r, w, wt)) {
-            let (h, act) = crate::gpu_fused::normed_product(x, r, w, eps, wt, true)?;
-            return Ok((h, self.down.forward(&act)?));
-        }
-        let (h, normed) = norm.forward_added(x, r)?;
-        Ok((h, self.forward(&normed)?))
     }
 
     fn forward(&self, x: &Array) -> R<Array> {

@@ -14,27 +14,13 @@
 // sums meet in shared memory in a fixed order (deterministic results).
 // Template arguments: T, BF16 (else fp16), GATED, MT (8-row tiles), WK
 // (warps), U (chunks a warp has in flight).
-//
-// With NORMED defined the rows are the residual stream's sum and its RMS
-// norm, made here: the inputs are a and r (the stream and what is added
-// to it, [M, K]) and the norm's weight nw; every block computes each
-// row's norm factor as the add + rms_norm kernel does (its 256 threads'
-// summation order, so the same bits), reads x = nw * norm(a + r) in
-// place of x, and block 0 writes h = a + r, the stream's next value.
 constexpr int NS = GATED ? 2 : 1;  // weight row sets: the gate's, the up's
 const int K = wt_shape[0];
 const int N = wt_shape[1];
 const int F = N / NS;  // output features
-#ifdef NORMED
-const int M = a_shape[0];
-const long xs = a_strides[0];
-const bool laid_out = a_strides[1] == 1 && r_strides[1] == 1 && r_strides[0] == xs;
-#else
 const int M = x_shape[0];
 const long xs = x_strides[0];
-const bool laid_out = x_strides[1] == 1;
-#endif
-if (wt_strides[0] != 1 || !laid_out) {
+if (wt_strides[0] != 1 || x_strides[1] != 1) {
   // Not the layout this kernel reads: a NaN output rather than a wrong one.
   for (long i = blockIdx.x * blockDim.x + threadIdx.x; i < (long)M * F; i += gridDim.x * blockDim.x)
     if (i < (long)M * F) y[i] = static_cast<T>(__int_as_float(0x7fc00000));
@@ -46,54 +32,7 @@ const int g = lane >> 2;
 const int t = lane & 3;
 const int n0 = blockIdx.x * 16;
 const unsigned short* wb = reinterpret_cast<const unsigned short*>(wt);
-#ifdef NORMED
-__shared__ float nrm[MT * 8];
-{
-  constexpr int NB = 256;  // the add + rms_norm kernel's block
-  __shared__ float wpart[NB / 32];
-  for (int m = 0; m < M; m++) {
-    float ss = 0.f;
-    if (threadIdx.x < NB) {
-      for (int j = threadIdx.x; j < K; j += NB) {
-        const float v = static_cast<float>(static_cast<T>(
-            static_cast<float>(a[m * xs + j]) + static_cast<float>(r[m * xs + j])));
-        ss += v * v;
-      }
-      for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffff, ss, off);
-      if (lane == 0) wpart[warp] = ss;
-    }
-    __syncthreads();
-    if (threadIdx.x < 32) {
-      float v = threadIdx.x < NB / 32 ? wpart[threadIdx.x] : 0.f;
-      for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffff, v, off);
-      if (threadIdx.x == 0) nrm[m] = rsqrt(v / K + __int_as_float(EPS_BITS));
-    }
-    __syncthreads();
-  }
-  if (blockIdx.x == 0) {
-    for (long i = threadIdx.x; i < (long)M * K; i += blockDim.x) {
-      const long m = i / K, j = i % K;
-      h[i] = static_cast<T>(static_cast<float>(a[m * xs + j]) + static_cast<float>(r[m * xs + j]));
-    }
-  }
-}
-// Eight features of row m from k on, as the norm writes them.
-auto normed8 = [&](int m, int k) -> uint4 {
-  uint4 out;
-  unsigned short* o = reinterpret_cast<unsigned short*>(&out);
-  const float f = nrm[m];
-#pragma unroll
-  for (int e = 0; e < 8; e++) {
-    const T hv = static_cast<T>(static_cast<float>(a[m * xs + k + e]) + static_cast<float>(r[m * xs + k + e]));
-    const T v = static_cast<T>(static_cast<float>(hv) * f);
-    const T y = static_cast<T>(static_cast<float>(nw[k + e]) * static_cast<float>(v));
-    o[e] = *reinterpret_cast<const unsigned short*>(&y);
-  }
-  return out;
-};
-#else
 const unsigned short* xb = reinterpret_cast<const unsigned short*>(x);
-#endif
 const unsigned short* w0 = wb + (size_t)(n0 + g) * K + t * 8;
 const unsigned short* w1 = w0 + (size_t)8 * K;
 const size_t set = (size_t)F * K;  // from a gate row to its up row
@@ -138,11 +77,7 @@ for (int kb = warp * 32 * U; kb < K; kb += stride) {
 #pragma unroll
     for (int i = 0; i < MT; i++) {
       const int m = i * 8 + g;
-#ifdef NORMED
-      b[i] = m < M ? normed8(m, k + t * 8) : make_uint4(0, 0, 0, 0);
-#else
       b[i] = m < M ? *reinterpret_cast<const uint4*>(xb + m * xs + k + t * 8) : make_uint4(0, 0, 0, 0);
-#endif
     }
 #pragma unroll
     for (int j = 0; j < NS; j++)
