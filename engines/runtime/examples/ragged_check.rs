@@ -92,7 +92,17 @@ fn check(c: &Case, seed: u64) -> (f32, f32, f32) {
     else {
         panic!("a paged cache gives a paged view")
     };
-    let paged = ragged::paged_attention(&q, &keys, &values, scale, &meta, &read, written.as_ref(), None).unwrap();
+    let paged = ragged::paged_attention(
+        &q,
+        &keys,
+        &values,
+        scale,
+        &meta,
+        &read,
+        written.as_ref(),
+        None,
+    )
+    .unwrap();
     let rows_pool = scrambled_pool(1, (c.rows * (c.total / 16 + 2)) as usize, 16, seed + 1);
     let mut rows_cache = KvCache::paged(&rows_pool, vec![None], starts.clone());
     let as_rows = |x: &Array| {
@@ -113,22 +123,21 @@ fn check(c: &Case, seed: u64) -> (f32, f32, f32) {
         panic!("a paged cache gives a paged view")
     };
     let merged_shape = [c.rows * c.queries, c.heads * c.dim];
-    let merged =
-        ragged::paged_attention(
-            &q,
-            &keys,
-            &values,
-            scale,
-            &meta,
-            &read,
-            written.as_ref(),
-            Some(&merged_shape),
-        )
-            .unwrap()
-            .reshape(&[c.rows, c.queries, c.heads, c.dim])
-            .unwrap()
-            .transpose_axes(&[0, 2, 1, 3])
-            .unwrap();
+    let merged = ragged::paged_attention(
+        &q,
+        &keys,
+        &values,
+        scale,
+        &meta,
+        &read,
+        written.as_ref(),
+        Some(&merged_shape),
+    )
+    .unwrap()
+    .reshape(&[c.rows, c.queries, c.heads, c.dim])
+    .unwrap()
+    .transpose_axes(&[0, 2, 1, 3])
+    .unwrap();
     let f = |a: &Array| a.as_dtype(Dtype::Float32).unwrap();
     let mask = ragged_mask(&starts, c.queries, c.total, c.window);
     // On the CPU: the GPU's float32 matmuls (TF32) are further off than

@@ -288,7 +288,11 @@ fn launch_heads(
         false => [b, hkv, l, d],
     };
     let q_shape = [b, h, l, d];
-    let out = [(&q_shape[..], dtype), (&kv_shape[..], dtype), (&kv_shape[..], dtype)];
+    let out = [
+        (&q_shape[..], dtype),
+        (&kv_shape[..], dtype),
+        (&kv_shape[..], dtype),
+    ];
     let pool_out = [(&q_shape[..], dtype), (&[1][..], Dtype::Int32)];
     let mut launch = Launch {
         outputs: &out,
@@ -335,10 +339,9 @@ pub fn takes_kv_write(buffers: &[Array], parts: &[Array]) -> bool {
 /// one node for both, where MLX's scatter is one a buffer (and a new array
 /// each). MLX sees the buffers as inputs only, so what it returns is the
 /// write's token: what reads the buffers after the write takes it as an
-/// input (the paged attention kernel, [`ordered`] gathers' indices);
-/// `after`, the layer's previous token,
-/// orders this write after the one before. For what [`takes_kv_write`]
-/// takes.
+/// input (the paged attention kernel, [`ordered`] gathers' indices), and
+/// `after`, the layer's previous token, orders this write after the one
+/// before. For what [`takes_kv_write`] takes.
 pub fn kv_write(
     buffers: &[Array],
     parts: &[Array],

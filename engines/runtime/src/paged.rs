@@ -17,6 +17,11 @@
 //! A layer's buffers are `[blocks * block, kv_heads, width]` (slots first,
 //! so a step's new positions are one scatter along axis 0); they are
 //! created, zeroed and evaluated on the layer's first write, and never grow.
+//! On the GPU a kernel writes them in place (the fused heads kernel, or
+//! one write for keys and values), so they stay the same arrays, and each
+//! write's token orders what reads the layer after it ([`LayerBuffers`]);
+//! on the CPU MLX's slice update and scatter write them, reusing the old
+//! buffers' memory.
 
 //! One pool serves the whole server: the host makes it (`model.kv_layout:
 //! paged`) and exports it through a C table (`abi`), so the
@@ -68,7 +73,7 @@ pub trait PageStore: Send + Sync {
     /// Layer `layer`'s buffers, `None` before its first write (see
     /// [`PagePool::buffers`]).
     fn buffers(&self, layer: usize) -> Option<Vec<Array>>;
-    /// Every written layer's buffers.
+    /// Every written layer's buffers and in-place writes' tokens.
     fn state(&self) -> Vec<Array>;
     /// See [`PagePool::write`].
     fn write(&self, layer: usize, parts: &[Array], slots: &[i32]) -> anyhow::Result<Vec<Array>>;
@@ -89,12 +94,16 @@ pub struct LocalPages {
     layers: Mutex<Vec<Option<LayerBuffers>>>,
     /// The last write's slots and their index array
     /// ([`LocalPages::slot_index`]).
-    scatter: Mutex<Option<(Vec<i32>, Array)>>,
+    last_index: Mutex<Option<(Vec<i32>, Array)>>,
 }
 
 /// A layer's buffers, and where the GPU writes them in place
-/// ([`crate::gpu_fused::kv_write`]) the last write's token, which every
-/// later read and write of the layer follows.
+/// ([`crate::gpu_fused::kv_write`], [`crate::gpu_fused::heads_into_pool`])
+/// the last write's token, which every later read and write of the layer
+/// follows. A write does not wait for the reads queued before it, so
+/// positions are written again (after a rollback) only once the reads of
+/// the forward that wrote them were evaluated, as every engine reads a
+/// verify's tokens before it rolls back.
 #[derive(Clone)]
 struct LayerBuffers {
     arrays: Vec<Array>,
@@ -126,7 +135,9 @@ const DENSE_BUFFERS: usize = 2;
 /// buffers and the token of their last in-place write (listed after a
 /// dense layer's two).
 pub(crate) fn split_written(mut listed: Vec<Array>) -> (Vec<Array>, Option<Array>) {
-    let written = (listed.len() == DENSE_BUFFERS + 1).then(|| listed.pop()).flatten();
+    let written = (listed.len() == DENSE_BUFFERS + 1)
+        .then(|| listed.pop())
+        .flatten();
     (listed, written)
 }
 
@@ -196,7 +207,7 @@ impl LocalPages {
     /// `slots` as an index array, made from host memory once a forward
     /// (every layer writes the same slots), not once a layer.
     fn slot_index(&self, slots: &[i32]) -> Array {
-        let mut last = lock(&self.scatter);
+        let mut last = lock(&self.last_index);
         match last.as_ref() {
             Some((at, index)) if at.as_slice() == slots => index.clone(),
             _ => {
@@ -281,7 +292,8 @@ impl PageStore for LocalPages {
         if crate::gpu_fused::takes_kv_write(&buffers.arrays, parts) {
             let index = self.slot_index(slots);
             let after = buffers.written.as_ref();
-            let written = crate::gpu_fused::kv_write(&buffers.arrays, parts, as_rows, &index, after)?;
+            let written =
+                crate::gpu_fused::kv_write(&buffers.arrays, parts, as_rows, &index, after)?;
             buffers.written = Some(written);
             return Ok(buffers.listed());
         }
@@ -340,7 +352,13 @@ impl PageStore for LocalPages {
             // Written in place on the GPU, as a forward's rows are.
             if crate::gpu_fused::takes_kv_write(&layer.arrays, &rows) {
                 let after = layer.written.as_ref();
-                layer.written = Some(crate::gpu_fused::kv_write(&layer.arrays, &rows, true, &dst, after)?);
+                layer.written = Some(crate::gpu_fused::kv_write(
+                    &layer.arrays,
+                    &rows,
+                    true,
+                    &dst,
+                    after,
+                )?);
                 continue;
             }
             layer.check_unwritten()?;
@@ -404,7 +422,7 @@ impl PagePool {
                 holders: vec![0; blocks as usize],
             }),
             layers: Mutex::new(vec![None; num_layers]),
-            scatter: Mutex::new(None),
+            last_index: Mutex::new(None),
         };
         Ok(Self {
             store: Arc::new(pages),
@@ -507,7 +525,8 @@ impl PagePool {
         self.store.buffers(layer)
     }
 
-    /// Every written layer's buffers, for evaluation.
+    /// Every written layer's buffers and in-place writes' tokens, for
+    /// evaluation (which runs the writes still queued).
     pub fn state(&self) -> Vec<Array> {
         self.store.state()
     }

@@ -348,7 +348,10 @@ pub fn attention(
 }
 
 /// [`attention`] over a paged layer: `k`, `v` are the pool's buffers
-/// (`[slots, kv_heads, D]`) and `read` says where each row's columns lie.
+/// (`[slots, kv_heads, D]`), `read` says where each row's columns lie and
+/// `written` is the token of their last in-place write, which the kernel
+/// takes as an input so that it runs after the write.
+#[allow(clippy::too_many_arguments)]
 pub fn paged_attention(
     q: &Array,
     k: &Array,

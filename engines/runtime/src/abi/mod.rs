@@ -127,7 +127,8 @@ pub struct RawPagePool {
     /// Layer `layer` was written in place by the node `written` (lent) is
     /// the token of (`paged::PageStore::mark_written`); false when the
     /// layer has no buffers written in place.
-    pub mark_written: unsafe extern "C" fn(ctx: *mut c_void, layer: usize, written: mlx_array) -> bool,
+    pub mark_written:
+        unsafe extern "C" fn(ctx: *mut c_void, layer: usize, written: mlx_array) -> bool,
 }
 
 /// The lock that serialises device work across engines.
