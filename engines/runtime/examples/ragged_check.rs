@@ -83,26 +83,30 @@ fn check(c: &Case, seed: u64) -> (f32, f32, f32) {
     let ours = ragged::attention(&q, &k, &v, scale, &meta, None).unwrap();
     let pool = scrambled_pool(1, (c.rows * (c.total / 16 + 2)) as usize, 16, seed);
     let mut cache = KvCache::paged(&pool, vec![None], starts.clone());
-    let LayerView::Paged {
-        keys,
-        values,
-        written,
-        read,
-    } = cache.update(0, k.clone(), v.clone()).unwrap()
-    else {
-        panic!("a paged cache gives a paged view")
+    // The paged kernel over a paged cache's view of layer 0.
+    let paged_attention = |view: LayerView, merged: Option<&[i32]>| {
+        let LayerView::Paged {
+            keys,
+            values,
+            written,
+            read,
+        } = view
+        else {
+            panic!("a paged cache gives a paged view")
+        };
+        ragged::paged_attention(
+            &q,
+            &keys,
+            &values,
+            scale,
+            &meta,
+            &read,
+            written.as_ref(),
+            merged,
+        )
+        .unwrap()
     };
-    let paged = ragged::paged_attention(
-        &q,
-        &keys,
-        &values,
-        scale,
-        &meta,
-        &read,
-        written.as_ref(),
-        None,
-    )
-    .unwrap();
+    let paged = paged_attention(cache.update(0, k.clone(), v.clone()).unwrap(), None);
     let rows_pool = scrambled_pool(1, (c.rows * (c.total / 16 + 2)) as usize, 16, seed + 1);
     let mut rows_cache = KvCache::paged(&rows_pool, vec![None], starts.clone());
     let as_rows = |x: &Array| {
@@ -111,33 +115,15 @@ fn check(c: &Case, seed: u64) -> (f32, f32, f32) {
             .reshape(&[c.rows * c.total, 1, c.kv_heads, c.dim])
             .unwrap()
     };
-    let LayerView::Paged {
-        keys,
-        values,
-        written,
-        read,
-    } = rows_cache
-        .update_rows(0, as_rows(&k), as_rows(&v), c.total)
-        .unwrap()
-    else {
-        panic!("a paged cache gives a paged view")
-    };
     let merged_shape = [c.rows * c.queries, c.heads * c.dim];
-    let merged = ragged::paged_attention(
-        &q,
-        &keys,
-        &values,
-        scale,
-        &meta,
-        &read,
-        written.as_ref(),
-        Some(&merged_shape),
-    )
-    .unwrap()
-    .reshape(&[c.rows, c.queries, c.heads, c.dim])
-    .unwrap()
-    .transpose_axes(&[0, 2, 1, 3])
-    .unwrap();
+    let rows_view = rows_cache
+        .update_rows(0, as_rows(&k), as_rows(&v), c.total)
+        .unwrap();
+    let merged = paged_attention(rows_view, Some(&merged_shape))
+        .reshape(&[c.rows, c.queries, c.heads, c.dim])
+        .unwrap()
+        .transpose_axes(&[0, 2, 1, 3])
+        .unwrap();
     let f = |a: &Array| a.as_dtype(Dtype::Float32).unwrap();
     let mask = ragged_mask(&starts, c.queries, c.total, c.window);
     // On the CPU: the GPU's float32 matmuls (TF32) are further off than

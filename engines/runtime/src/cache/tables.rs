@@ -105,16 +105,16 @@ impl BlockTables {
         n: i32,
         left_pad: &[i32],
     ) -> anyhow::Result<Option<PoolTarget>> {
+        // Begun first (a write that does not go this way begins it too): its
+        // copies on write are writes the kernel follows.
+        self.begin(len, n, left_pad)?;
         let Some(listed) = self.pool.buffers(layer) else {
             return Ok(None);
         };
-        if !crate::gpu_fused::takes_pool_heads(&paged::split_written(listed).0, dtype) {
+        let (buffers, after) = paged::split_written(listed);
+        if !crate::gpu_fused::takes_pool_heads(&buffers, dtype) {
             return Ok(None);
         }
-        // Begun first: its copies on write are writes the kernel follows.
-        self.begin(len, n, left_pad)?;
-        let listed = self.pool.buffers(layer).expect("written before");
-        let (buffers, after) = paged::split_written(listed);
         let f = self.forward.as_mut().expect("begun above");
         let slots = f
             .index
