@@ -330,9 +330,11 @@ fn packed_weights_expanded_at_load_match_mlx_lm_in_fp32() {
 /// least 32 wide); Gemma 3's sliding layers stay unquantized in both.
 /// The tolerance is wider than the unquantized oracles' 1e-3 because a key
 /// that lands on a rounding boundary takes the neighbouring code when its
-/// projection is summed in another order (our BLAS's sgemv against the
-/// reference's sgemm), moving a logit by ~1e-3; storing the KV unquantized
-/// moves them by ~0.2, which `check` shows is outside it.
+/// projection is summed in another order (OpenBLAS, whose kernels differ
+/// by CPU, against the reference's netlib BLAS): that one code moves every
+/// later logit, by 4e-4 to 1.1e-2 on these prompts (measured with
+/// OpenBLAS's Haswell and SkylakeX kernels). Storing the KV unquantized
+/// moves them by 0.15 to 4.3, which `check` shows is outside it.
 #[test]
 fn quantized_kv_cache_matches_mlx_lm() {
     let kv = |bits, group_size| Some(KvQuant { bits, group_size });
@@ -346,7 +348,7 @@ fn quantized_kv_cache_matches_mlx_lm() {
             head_dim,
             ..TinySpec::tiny(family)
         };
-        check(spec, Some(5e-3), None, quant, Packed::Kept);
+        check(spec, Some(3e-2), None, quant, Packed::Kept);
     }
 }
 
