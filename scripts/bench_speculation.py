@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Prompt lookup against the batched engine and the default policy, over
-HTTP on the default model: three gateways on config.yaml (its policy as
-shipped; every request to `batched`; every request to `lookup`, allowed
-16 at once and never handing over), the `bench` sweep against each per
+HTTP on the default model: gateways on config.yaml (`default`: its policy
+as shipped; `batched`: every request to the batched engine; `lookup`:
+every request to prompt lookup, allowed 16 at once and never handing
+over; `fastpath` with `--servers`: every request to the fast path, the
+batched engine where it cannot serve one), the `bench` sweep against each per
 prompt set and temperature, servers in a rotating order and the whole
 grid `--reps` times, so a noisy neighbour hits each alike. Prints one
 markdown table: per prompt set, temperature and concurrency, the batched
@@ -20,7 +22,7 @@ every server in a rotating order, so each server decodes the same text
 (counted: requests whose texts differ between servers, 0 when every
 engine samples alike) and load hits them alike; prints each server's
 tokens over its summed request time, as a ratio to batched.
-With it, `--compare DIR` adds a fourth server, `lookup@DIR`: the lookup gateway of
+With it, `--compare DIR` adds a server, `lookup@DIR`: the lookup gateway of
 another build (its `gateway` and plugins), for a build-against-build
 ratio of the same requests.
 
@@ -42,7 +44,8 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVERS = ["batched", "lookup", "default"]
+# Every server this script knows; `--servers` picks them (batched always).
+SERVERS = ["batched", "lookup", "fastpath", "default"]
 
 
 def args():
@@ -56,6 +59,9 @@ def args():
     p.add_argument("--out", type=Path, default=ROOT / "target" / "bench-speculation")
     p.add_argument("--paired", type=int, default=0, metavar="SEEDS")
     p.add_argument("--compare", type=Path, metavar="DIR")
+    p.add_argument("--servers", default="batched,lookup,default",
+                   help=f"comma-separated subset of {','.join(SERVERS)}; `fastpath` sends every request to the "
+                        "fast path (the batched engine where it cannot serve one)")
     return p.parse_args()
 
 
@@ -66,6 +72,8 @@ def config(server):
     cfg["model"]["path"] = str(ROOT / cfg["model"]["path"])
     if server == "batched":
         cfg["policy"] = {"default": "batched"}
+    elif server == "fastpath":
+        cfg["policy"] = {"default": "fastpath", "fallback": ["batched"]}
     elif server == "lookup":
         cfg["engines"]["lookup"].update({"max_concurrent": 16, "hand_over": False})
         cfg["policy"] = {"default": "lookup", "fallback": ["batched"]}
@@ -164,7 +172,8 @@ def main():
     # Read before any server starts, so a set --paired cannot take fails first.
     sets = {p: prompt_texts(p) for p in a.prompts.split(",")} if a.paired else {}
     work = Path(tempfile.mkdtemp(prefix="bench-speculation-"))
-    names = SERVERS + ([f"lookup@{a.compare}"] if a.paired and a.compare else [])
+    chosen = [s for s in SERVERS if s == "batched" or s in a.servers.split(",")]
+    names = chosen + ([f"lookup@{a.compare}"] if a.paired and a.compare else [])
     servers = {s: start(a, s, work) for s in names}
     rates = {}  # (prompts, temperature, level, server) -> [tok/s per rep]
     try:
@@ -174,8 +183,8 @@ def main():
                  for c in a.levels.split(",")]
         for rep in range(a.reps):
             for i, (prompts, t, c) in enumerate(cells):
-                k = (rep + i) % len(SERVERS)
-                for server in SERVERS[k:] + SERVERS[:k]:
+                k = (rep + i) % len(chosen)
+                for server in chosen[k:] + chosen[:k]:
                     name = Path(prompts).stem
                     out = a.out / f"{name}-t{t}-c{c}-{server}-{rep}.json"
                     rate, engines = run(a, servers[server][1], server, prompts, t, c, out)
@@ -185,16 +194,18 @@ def main():
     finally:
         for proc, _ in servers.values():
             proc.terminate()
+    others = [s for s in chosen if s != "batched"]
     for metric, title in [(0, "output tok/s"), (1, "decode tok/s")]:
-        print(f"\n| prompts | temperature | c | batched {title} | lookup / batched | default / batched |")
-        print("|---|---|---|---|---|---|")
+        print(f"\n| prompts | temperature | c | batched {title} | "
+              + " | ".join(f"{s} / batched" for s in others) + " |")
+        print("|---|---|---|---|" + "---|" * len(others))
         for (name, t, c, server), got in sorted(rates.items()):
             if server != "batched":
                 continue
             base = [g[metric] for g in got]
             ratio = lambda s: statistics.median(x[metric] / y for x, y in zip(rates[(name, t, c, s)], base))
-            print(f"| {name} | {t} | {c} | {statistics.median(base):.1f} | {ratio('lookup'):.2f}x "
-                  f"| {ratio('default'):.2f}x |")
+            print(f"| {name} | {t} | {c} | {statistics.median(base):.1f} | "
+                  + " | ".join(f"{ratio(s):.2f}x" for s in others) + " |")
 
 
 if __name__ == "__main__":

@@ -538,7 +538,7 @@ mod tests {
             (d.engine.to_owned(), d.rule.to_owned())
         };
         // Alone: prompt lookup while its drafts are accepted (unknown counts
-        // as accepted); then greedy on the fast path, sampled on lookup.
+        // as accepted); then the fast path, greedy or sampled.
         let rate = |r: f64| {
             move |s: &mut policies::Signals| {
                 s.engine_accept_rate.insert("lookup".into(), r);
@@ -560,17 +560,15 @@ mod tests {
                 ("lookup".into(), "speculate-while-it-pays".into())
             );
         }
-        assert_eq!(
-            route(signals(&rate(0.1))),
-            ("fastpath".into(), "alone-and-greedy".into())
-        );
-        assert_eq!(
-            route(signals(&|s| {
-                rate(0.1)(s);
-                s.greedy = false
-            })),
-            ("batched".into(), "alone-and-sampled".into())
-        );
+        for greedy in [true, false] {
+            assert_eq!(
+                route(signals(&|s| {
+                    rate(0.1)(s);
+                    s.greedy = greedy
+                })),
+                ("fastpath".into(), "alone".into())
+            );
+        }
         assert_eq!(route(signals(&|s| s.prompt_tokens = 9000)).0, "batched");
         assert_eq!(route(signals(&|s| s.kv_pressure = 0.9)).0, "batched");
         assert_eq!(

@@ -108,7 +108,7 @@
 //! $ gateway policy test --config config.yaml --cases policies/examples/config-cases.yaml
 //! ok    a request with tools alone is speculated by prompt lookup: lookup (rule `speculate-while-it-pays`)
 //! ...
-//! ok    drafts rejected lately, one sampled request alone goes to the batched engine: batched (rule `alone-and-sampled`)
+//! ok    drafts rejected lately, one sampled request alone takes the fast path: fastpath (rule `alone`)
 //! 11 cases, 0 failed
 //! ```
 //!

@@ -136,6 +136,42 @@ fn default_policy_routes_with_the_real_engines() {
     assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
 }
 
+/// Once prompt lookup is passed over (here: its rule never holds), a lone
+/// request takes the fast path, greedy or sampled, and a sampled one
+/// writes there what the batched engine writes for its seed.
+#[test]
+fn a_lone_sampled_request_takes_the_fast_path_with_the_batched_engines_draws() {
+    let shipped = e2e_tests::default_config_on_tiny_model();
+    let rule = "when: { not: { engine_accept_rate.lookup: { lt: 0.3 } } }";
+    assert!(shipped.contains(rule), "config.yaml's lookup rule moved");
+    let gw = Gateway::start(&shipped.replacen(
+        rule,
+        "when: { engine_accept_rate.lookup: { lt: 0.0 } }",
+        1,
+    ));
+    assert_eq!(
+        route(&gw, &chat(json!({}))),
+        ("fastpath".into(), "alone".into())
+    );
+    for seed in [5, 6] {
+        let text = |extra: Value| {
+            let mut body = chat(json!({"temperature": 0.9, "seed": seed, "max_tokens": 24}));
+            body.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            let r = gw.post("/v1/chat/completions", &body);
+            assert_eq!(r.status, 200, "{}", r.text());
+            let engine = r.header("x-engine").unwrap().to_owned();
+            (engine, r.json()["choices"][0]["message"]["content"].clone())
+        };
+        let (fast, written) = text(json!({}));
+        // Logprobs, which the fast path does not report: the batched engine.
+        let (batched, expected) = text(json!({"logprobs": true}));
+        assert_eq!((fast.as_str(), batched.as_str()), ("fastpath", "batched"));
+        assert_eq!(written, expected, "seed {seed}");
+    }
+}
+
 #[test]
 fn disconnect_returns_the_engines_kv_blocks() {
     let gw = start();

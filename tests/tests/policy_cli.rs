@@ -130,8 +130,8 @@ fn explain_reports_what_the_server_does_with_the_request() {
         text(&out)
     );
 
-    // Tools, drafts rejected lately: the fast path would take a greedy
-    // request alone but serves no tools, so the server batches it.
+    // Tools, drafts rejected lately: the fast path would take a request
+    // alone but serves no tools, so the server batches it.
     let mut tools = body.clone();
     tools["tools"] =
         json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
@@ -141,7 +141,7 @@ fn explain_reports_what_the_server_does_with_the_request() {
     let out = policy(&["explain", "--request", request.to_str().unwrap()]);
     let report = text(&out);
     assert!(
-        report.contains("  alone-and-greedy         holds  route fastpath  <- passed over: fastpath: it does not serve requests with tools")
+        report.contains("  alone                    holds  route fastpath  <- passed over: fastpath: it does not serve requests with tools")
             && report.contains("engine: batched (rule `default`"),
         "{report}"
     );

@@ -71,7 +71,7 @@ impl Engine for FastpathEngine {
 
     fn capabilities(&self) -> Capabilities {
         Capabilities {
-            greedy_only: true,
+            greedy_only: false,
             tools: false,
             images: false,
             grammar: true,

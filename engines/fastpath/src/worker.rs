@@ -1,16 +1,14 @@
 //! One fast-path request on the engine's worker thread: the sequence's
-//! greedy loop, paused for a handover, or a constrained loop.
+//! pipelined loop (greedy or sampled), paused for a handover, or a loop of
+//! one step at a time where each pick follows the token before it.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use engine_core::event::EventSender;
 use engine_core::{FinishReason, GenerateRequest};
-use runtime::generate;
 use runtime::handover::HandoverSink;
-use runtime::model::Logits;
-use runtime::sampling;
-use runtime::sequence::{Greedy, Sequence};
+use runtime::sequence::{Decoded, Sequence};
 use runtime::{memory, Reservation, SharedModel};
 
 pub struct Job {
@@ -55,7 +53,7 @@ pub enum Outcome {
 
 /// How the loop ended, before anything is released: finished, or paused
 /// for the batched engine (the sink) to take the sequence over.
-type End = Greedy<Arc<dyn HandoverSink>>;
+type End = Decoded<Arc<dyn HandoverSink>>;
 
 /// Runs the request.
 pub fn run(shared: &Arc<SharedModel>, job: Job) -> Outcome {
@@ -69,16 +67,22 @@ pub fn run(shared: &Arc<SharedModel>, job: Job) -> Outcome {
         return Outcome::Failed;
     };
     seq.hold(slot);
-    let decoded = match seq.constraint.is_some() {
-        true => decode_constrained(shared, &mut seq),
-        false => decode(shared, &mut seq),
+    // Handed over to the batched engine once it has work of its own.
+    let busy = || shared.handover_sink().filter(|s| s.busy());
+    let decoded: anyhow::Result<End> = match seq.pipelines() {
+        true => {
+            let _device = shared.lock_device();
+            seq.decode_until(shared, busy)
+        }
+        // Each pick follows the token before it (a grammar, penalties).
+        false => seq.decode_stepwise_until(shared, busy),
     };
     match decoded {
-        Ok(Greedy::Finished(reason)) => {
+        Ok(Decoded::Finished(reason)) => {
             seq.finish(reason, None);
             Outcome::Finished(reason)
         }
-        Ok(Greedy::Paused {
+        Ok(Decoded::Paused {
             with: sink,
             cache,
             last_token,
@@ -91,40 +95,5 @@ pub fn run(shared: &Arc<SharedModel>, job: Job) -> Outcome {
             seq.fail(memory::failed_step(&e));
             Outcome::Failed
         }
-    }
-}
-
-/// Greedy decoding, handed over before the next step is queued once the
-/// batched engine has work.
-fn decode(shared: &Arc<SharedModel>, seq: &mut Sequence) -> anyhow::Result<End> {
-    let _device = shared.lock_device();
-    seq.decode_greedy_until(shared, || shared.handover_sink().filter(|s| s.busy()))
-}
-
-/// A constrained request: each token is the argmax among those its grammar
-/// allows, so no step is queued ahead, and the grammar's state cannot be
-/// handed over: the request finishes here. The device lock is taken per
-/// step, so the batched engine's work interleaves meanwhile.
-fn decode_constrained(shared: &Arc<SharedModel>, seq: &mut Sequence) -> anyhow::Result<End> {
-    let model = &shared.model.model;
-    let vocab = shared.model.vocab_size();
-    let (mut cache, mut logits) = {
-        let _device = shared.lock_device();
-        seq.prefill_logits(shared)?
-    };
-    loop {
-        let constraint = seq.constraint.as_mut().expect("a constrained request");
-        let Some(allowed) = constraint.allowed() else {
-            return Ok(Greedy::Finished(FinishReason::Stop));
-        };
-        let _device = shared.lock_device();
-        let token = seq
-            .sampler
-            .sample_within(&logits, &sampling::allowed_mask(&allowed.to_bools(vocab)))?
-            .item_exact::<u32>();
-        if let Some(reason) = seq.accept_plain(token, false)? {
-            return Ok(Greedy::Finished(reason));
-        }
-        logits = model.forward(&generate::tokens_array(&[token]), &mut cache, Logits::Last)?;
     }
 }

@@ -1,7 +1,8 @@
-//! The fast path: what it declares it serves, plain greedy output, handover to the batched
-//! engine mid-stream (token for token, also between engines that reach the
-//! shared model only through the plugin boundary's C tables), cancellation
-//! and the shutdown fence.
+//! The fast path: what it declares it serves, plain greedy output, sampled
+//! output equal to the batched engine's for the same seed, handover to the
+//! batched engine mid-stream (token for token, also between engines that
+//! reach the shared model only through the plugin boundary's C tables),
+//! cancellation and the shutdown fence.
 
 use std::sync::Arc;
 
@@ -120,21 +121,14 @@ fn declares_what_it_cannot_serve_and_refuses_what_is_invalid() {
     // What it cannot serve is declared, for the router to apply
     // (engine_core::Capabilities::accepts); the engine does not re-check.
     let caps = s.fast.capabilities();
-    let mut sampled = GenerateRequest::new(vec![1, 2, 3], 4);
-    sampled.sampling = SamplingParams {
-        temperature: 0.7,
-        ..Default::default()
-    };
-    let mut seeded = GenerateRequest::new(vec![1, 2, 3], 4);
-    seeded.sampling.seed = Some(1);
-    let mut penalised = GenerateRequest::new(vec![1, 2, 3], 4);
-    penalised.sampling.presence_penalty = 0.5;
-    for req in [&sampled, &seeded, &penalised] {
-        assert_eq!(
-            caps.accepts(&req.needs(0)),
-            Err(Unsupported::NotPlainGreedy)
-        );
+    for sampling in sampling_cases() {
+        let mut req = GenerateRequest::new(vec![1, 2, 3], 4);
+        req.sampling = sampling;
+        assert_eq!(caps.accepts(&req.needs(0)), Ok(()), "{:?}", req.sampling);
     }
+    let mut logprobs = GenerateRequest::new(vec![1, 2, 3], 4);
+    logprobs.sampling.logprobs = true;
+    assert_eq!(caps.accepts(&logprobs.needs(0)), Err(Unsupported::Logprobs));
     let mut tools = GenerateRequest::new(vec![1, 2, 3], 4);
     tools.has_tools = true;
     assert_eq!(caps.accepts(&tools.needs(0)), Err(Unsupported::Tools));
@@ -168,6 +162,97 @@ fn declares_what_it_cannot_serve_and_refuses_what_is_invalid() {
         EngineError::Refused(Refusal::Busy)
     );
     drop(a);
+}
+
+/// Seeded sampling of every kind: temperature alone, with truncation, with
+/// a logit bias (all decoded ahead), and with penalties (one step at a
+/// time: each pick counts the token before it).
+fn sampling_cases() -> Vec<SamplingParams> {
+    let seeded = |seed| SamplingParams {
+        temperature: 0.9,
+        seed: Some(seed),
+        ..Default::default()
+    };
+    vec![
+        seeded(1),
+        SamplingParams {
+            top_k: 40,
+            top_p: 0.9,
+            min_p: 0.02,
+            ..seeded(2)
+        },
+        SamplingParams {
+            logit_bias: vec![(7, 4.0), (11, -100.0)],
+            ..seeded(3)
+        },
+        SamplingParams {
+            presence_penalty: 0.6,
+            repetition_penalty: 1.2,
+            ..seeded(4)
+        },
+    ]
+}
+
+fn sampled(prompt: Vec<u32>, n: u32, sampling: &SamplingParams) -> GenerateRequest {
+    let mut req = GenerateRequest::new(prompt, n);
+    req.sampling = sampling.clone();
+    req
+}
+
+/// A sampled request draws on the fast path what the batched engine draws
+/// for it with the same seed (the draw is a function of the seed, its
+/// index and the logits), whether decoded ahead or one step at a time; a
+/// high temperature makes the draws differ from the greedy tokens.
+#[test]
+fn serves_sampled_requests_as_the_batched_engine_draws_them() {
+    let s = setup();
+    for (i, sampling) in sampling_cases().iter().enumerate() {
+        let p = prompt(40 + i as u64, 12);
+        let (fast, finish) = rest(s.fast.submit(sampled(p.clone(), 40, sampling)).unwrap());
+        let (batched, _) = rest(s.batched.submit(sampled(p.clone(), 40, sampling)).unwrap());
+        assert_eq!(fast, batched, "{sampling:?}");
+        assert_ne!(
+            fast,
+            alone(&s.shared, &p, 40),
+            "{sampling:?}: drew the argmax"
+        );
+        assert_eq!(
+            (finish.reason, finish.completion_tokens),
+            (FinishReason::Length, 40)
+        );
+        if let Some(&(banned, _)) = sampling.logit_bias.iter().find(|b| b.1 < 0.0) {
+            assert!(!fast.contains(&banned), "a token biased by -100 was drawn");
+        }
+    }
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    assert_eq!(s.shared.kv_pool.allocated(), 0);
+}
+
+/// A sampled sequence handed over mid-stream goes on with the draws it
+/// would have made alone: its whole stream equals the batched engine's for
+/// the same seed, decoded ahead or one step at a time (penalties).
+#[test]
+fn hands_over_a_sampled_sequence_with_its_draws() {
+    let s = setup();
+    for (i, sampling) in sampling_cases().iter().enumerate() {
+        let first = prompt(60 + i as u64, 15);
+        let handovers = s.fast.handovers();
+        let mut a = s
+            .fast
+            .submit(sampled(first.clone(), 300, sampling))
+            .unwrap();
+        let mut head: Vec<u32> = (0..5).map(|_| next_token(&mut a)).collect();
+        let b = s
+            .batched
+            .submit(GenerateRequest::new(prompt(70 + i as u64, 9), 40))
+            .unwrap();
+        let (tail, _) = rest(a);
+        head.extend(tail);
+        rest(b);
+        assert_eq!(s.fast.handovers(), handovers + 1, "{sampling:?}: moved");
+        let (alone, _) = rest(s.batched.submit(sampled(first, 300, sampling)).unwrap());
+        assert_eq!(head, alone, "{sampling:?}");
+    }
 }
 
 #[test]

@@ -180,7 +180,7 @@ fn pipelined_rates(
 ) -> (f64, f64) {
     let start = Instant::now();
     let cache = model.new_paged_cache(pool, vec![0]);
-    let mut stream = generate::GreedyStream::resume(model, cache, prompt, 256).unwrap();
+    let mut stream = generate::DecodeStream::resume(model, cache, prompt, 256).unwrap();
     stream.next_token(true).unwrap();
     let prefill = start.elapsed().as_secs_f64();
     let start = Instant::now();

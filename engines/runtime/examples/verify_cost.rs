@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use fixtures::model::{random_prompt, write_model, TinySpec};
 use mlx_rs::transforms::eval;
-use runtime::generate::{argmax_tokens, prefill, tokens_array, GreedyStream};
+use runtime::generate::{argmax_tokens, prefill, tokens_array, DecodeStream};
 use runtime::mask::{set_ragged_attention, RaggedAttention};
 use runtime::model::Logits;
 use runtime::{Family, LoadedModel};
@@ -39,7 +39,7 @@ fn main() {
     let prompt = random_prompt(1, 128, 1000);
     let steps = 32;
 
-    let mut stream = GreedyStream::start(m, &prompt).unwrap();
+    let mut stream = DecodeStream::start(m, &prompt).unwrap();
     stream.next_token(true).unwrap();
     let t = Instant::now();
     for _ in 0..steps {

@@ -11,6 +11,7 @@ use mlx_rs::{ops, Array};
 use crate::cache::KvCache;
 use crate::model::{Logits, Model};
 use crate::paged::PagePool;
+use crate::sampling::{draw, Pick, Sampler};
 
 /// Prompt tokens per prefill forward (bounds the activation memory).
 pub const DEFAULT_PREFILL_CHUNK: usize = 512;
@@ -151,7 +152,7 @@ pub fn warm_up(
         let mut cache = new_cache();
         eval([&prefill(model, &mut cache, &vec![0; width], chunk)?])?;
     }
-    let mut stream = GreedyStream::resume(model, new_cache(), &vec![0; multiple], chunk)?;
+    let mut stream = DecodeStream::resume(model, new_cache(), &vec![0; multiple], chunk)?;
     for _ in 0..WARM_DECODE_STEPS {
         stream.next_token(true)?;
     }
@@ -176,6 +177,18 @@ pub fn queue_argmax(logits: &Array) -> anyhow::Result<Array> {
     Ok(token)
 }
 
+/// The token `sampler` draws as `pick` (its [`Sampler::next_pick`]) from
+/// `[1, 1, V]` logits, `[1, 1]` int32, queued to compute while the host
+/// goes on.
+pub fn queue_pick(sampler: &Sampler, pick: Pick, logits: &Array) -> anyhow::Result<Array> {
+    let drawn_from = sampler.drawn_from(&logits.reshape(&[1, -1])?, None)?;
+    let token = draw(&drawn_from, &[pick])?
+        .reshape(&[1, 1])?
+        .as_dtype(mlx_rs::Dtype::Int32)?;
+    async_eval([&token])?;
+    Ok(token)
+}
+
 /// Greedy token from `[B, 1, V]` logits as a lazy `[B, 1]` int32 array.
 pub fn argmax_tokens(logits: &Array) -> anyhow::Result<Array> {
     let b = logits.dim(0);
@@ -192,17 +205,19 @@ pub struct GreedyRun {
     pub decode_time: Duration,
 }
 
-/// One sequence decoded greedily with each step's graph queued before the
-/// previous token is read, so the device never waits for the host. The
-/// raw loop below and the fast path engine both drive it.
-pub struct GreedyStream<'m> {
+/// One sequence decoded with each step's graph queued before the previous
+/// token is read, so the device never waits for the host: greedily
+/// ([`DecodeStream::next_token`]), or by a pick built from each step's
+/// logits ([`DecodeStream::next_token_by`], a sampler's draw). The raw loop
+/// below and the fast path engine both drive it.
+pub struct DecodeStream<'m> {
     model: &'m Model,
     cache: KvCache,
     /// The token computed (or being computed) and not yet read.
     pending: Array,
 }
 
-impl<'m> GreedyStream<'m> {
+impl<'m> DecodeStream<'m> {
     /// Prefills the prompt and queues its first token.
     pub fn start(model: &'m Model, prompt: &[u32]) -> anyhow::Result<Self> {
         Self::resume(model, model.new_cache(1), prompt, DEFAULT_PREFILL_CHUNK)
@@ -222,7 +237,8 @@ impl<'m> GreedyStream<'m> {
     }
 
     /// Goes on from a prefilled `cache` and its first token, `pending`
-    /// ([`queue_argmax`] of the prompt's last logits).
+    /// (`[1, 1]` int32, queued: [`queue_argmax`] or [`queue_pick`] of the
+    /// prompt's last logits).
     pub fn queued(model: &'m Model, cache: KvCache, pending: Array) -> Self {
         Self {
             model,
@@ -232,14 +248,25 @@ impl<'m> GreedyStream<'m> {
     }
 
     /// Reads the pending token. With `queue_next`, the step that follows it
-    /// is queued first; without, the stream ends here (its cache then holds
-    /// every position before the returned token).
+    /// is queued first, its token the argmax; without, the stream ends here
+    /// (its cache then holds every position before the returned token).
     pub fn next_token(&mut self, queue_next: bool) -> anyhow::Result<u32> {
+        self.next_token_by(queue_next, queue_argmax)
+    }
+
+    /// [`DecodeStream::next_token`] with the next step's token queued by
+    /// `pick` from its `[1, 1, V]` logits (`[1, 1]` int32, as
+    /// [`queue_pick`] gives a sampler's).
+    pub fn next_token_by(
+        &mut self,
+        queue_next: bool,
+        pick: impl FnOnce(&Array) -> anyhow::Result<Array>,
+    ) -> anyhow::Result<u32> {
         let current = if queue_next {
             let logits = self
                 .model
                 .forward(&self.pending, &mut self.cache, Logits::Last)?;
-            let next = queue_argmax(&logits)?;
+            let next = pick(&logits)?;
             std::mem::replace(&mut self.pending, next)
         } else {
             self.pending.clone()
@@ -281,7 +308,7 @@ pub fn greedy(
             decode_time: Duration::ZERO,
         });
     }
-    let mut stream = GreedyStream::start(model, prompt)?;
+    let mut stream = DecodeStream::start(model, prompt)?;
     let mut prefill_time = None;
     loop {
         let more = out.len() + 1 < max_tokens;

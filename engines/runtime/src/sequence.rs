@@ -19,10 +19,11 @@ use mlx_rs::Array;
 
 use crate::cache::KvCache;
 use crate::emit::Emitter;
-use crate::generate::{self, GreedyStream};
+use crate::generate::{self, DecodeStream};
 use crate::handover::{Handover, HandoverSink};
 use crate::kv_pool::Reservation;
-use crate::sampling::Sampler;
+use crate::model::Logits;
+use crate::sampling::{self, Pick, Sampler};
 use crate::shared::SharedModel;
 
 pub struct Sequence {
@@ -279,68 +280,93 @@ impl Sequence {
     }
 
     /// Its prompt prefilled after the prefix cache's longest hit (and kept
-    /// there) and its first token queued: the greedy stream to decode
-    /// from. The first token is queued before the prompt is published, so
-    /// the device computes it meanwhile. Under the device lock.
-    pub fn prefill_greedy<'m>(
+    /// there) and its first token queued: the stream to decode from. The
+    /// first token is queued before the prompt is published, so the device
+    /// computes it meanwhile. Under the device lock.
+    pub fn prefill_stream<'m>(
         &mut self,
         shared: &'m SharedModel,
-    ) -> anyhow::Result<GreedyStream<'m>> {
+    ) -> anyhow::Result<DecodeStream<'m>> {
         let model = &shared.model.model;
         let (mut cache, done) = self.cached_prefix(shared);
+        let pick = self.next_pick();
         let first = self.prefill(shared, &mut cache, done, |cache, tokens, last| {
             let logits =
                 generate::prefill_chunk(model, cache, tokens, shared.prefill_chunk(), last)?;
             match last {
-                true => generate::queue_argmax(&logits),
+                true => self.queue_token(&logits, pick),
                 false => Ok(logits),
             }
         })?;
-        Ok(GreedyStream::queued(model, cache, first))
+        Ok(DecodeStream::queued(model, cache, first))
     }
 
-    /// Greedy decoding to its end ([`Sequence::decode_greedy_until`], never
-    /// paused), `after_token` run after each token that does not end it.
-    /// Under the device lock.
-    pub fn decode_greedy(
+    /// How its next token is chosen, the draw taken: `None` for a plain
+    /// greedy sequence (the argmax), else its sampler's pick.
+    fn next_pick(&mut self) -> Option<Pick> {
+        (!self.plain_greedy()).then(|| self.sampler.next_pick())
+    }
+
+    /// Its token from `[1, 1, V]` logits as `pick` ([`Sequence::next_pick`])
+    /// chooses it, `[1, 1]` int32, queued.
+    fn queue_token(&self, logits: &Array, pick: Option<Pick>) -> anyhow::Result<Array> {
+        match pick {
+            None => generate::queue_argmax(logits),
+            Some(pick) => generate::queue_pick(&self.sampler, pick, logits),
+        }
+    }
+
+    /// Decoding to its end ([`Sequence::decode_until`], never paused),
+    /// `after_token` run after each token that does not end it. Under the
+    /// device lock.
+    pub fn decode(
         &mut self,
         shared: &SharedModel,
         mut after_token: impl FnMut(),
     ) -> anyhow::Result<FinishReason> {
         let mut first = true;
-        let decoded = self.decode_greedy_until(shared, || {
+        let decoded = self.decode_until(shared, || {
             if !std::mem::take(&mut first) {
                 after_token();
             }
             None::<Infallible>
         })?;
         Ok(match decoded {
-            Greedy::Finished(reason) => reason,
-            Greedy::Paused { with, .. } => match with {},
+            Decoded::Finished(reason) => reason,
+            Decoded::Paused { with, .. } => match with {},
         })
     }
 
-    /// Greedy decoding that another engine may take over:
-    /// [`Sequence::prefill_greedy`], then each token read and
+    /// Pipelined decoding ([`Sequence::pipelines`]: greedy or sampled, no
+    /// grammar or penalties) that another engine may take over:
+    /// [`Sequence::prefill_stream`], then each token read and
     /// [`Sequence::accept`]ed, the step after it queued first. Before each
     /// token is read `pause` is asked; where it answers `Some`, no step is
     /// queued after that token and, unless the token ends the sequence,
-    /// decoding stops there ([`Greedy::Paused`], for
+    /// decoding stops there ([`Decoded::Paused`], for
     /// [`Sequence::hand_over`]). The prompt and the answer are kept in the
     /// prefix cache before either ([`Sequence::publish_answer`]). Under the
     /// device lock.
-    pub fn decode_greedy_until<T>(
+    pub fn decode_until<T>(
         &mut self,
         shared: &SharedModel,
         mut pause: impl FnMut() -> Option<T>,
-    ) -> anyhow::Result<Greedy<T>> {
-        let mut stream = self.prefill_greedy(shared)?;
+    ) -> anyhow::Result<Decoded<T>> {
+        anyhow::ensure!(
+            self.pipelines(),
+            "a sequence under a grammar or with penalties is not decoded ahead"
+        );
+        let mut stream = self.prefill_stream(shared)?;
         // When the first token was read: the decode rate on this side of
         // HTTP, to set beside the client's figures.
         let mut first_read = None;
         loop {
             let paused = pause();
-            let token = stream.next_token(paused.is_none() && self.tokens_left() > 1)?;
+            let queue_next = paused.is_none() && self.tokens_left() > 1;
+            let token = stream.next_token_by(queue_next, |logits| {
+                let pick = self.next_pick();
+                self.queue_token(logits, pick)
+            })?;
             let since = *first_read.get_or_insert_with(Instant::now);
             let end = self.accept_plain(token, false)?;
             if end.is_some() || paused.is_some() {
@@ -350,17 +376,67 @@ impl Sequence {
                 let read = self.out.generated();
                 if read > 1 {
                     let tok_s = (read - 1) as f64 / since.elapsed().as_secs_f64();
-                    tracing::debug!(tokens = read, tok_s, "greedy decode");
+                    tracing::debug!(tokens = read, tok_s, "decode");
                 }
-                return Ok(Greedy::Finished(reason));
+                return Ok(Decoded::Finished(reason));
             }
             if let Some(with) = paused {
-                return Ok(Greedy::Paused {
+                return Ok(Decoded::Paused {
                     with,
                     cache: stream.into_cache()?,
                     last_token: token,
                 });
             }
+        }
+    }
+
+    /// Decoding one step at a time, for a sequence whose next pick follows
+    /// its current token (a grammar's mask, the penalties' counts): each
+    /// token is read before the next step is built. The device lock is
+    /// taken per step, so other engines' work interleaves meanwhile. After
+    /// each token that does not end it, `pause` is asked, as in
+    /// [`Sequence::decode_until`], where the sequence can move
+    /// ([`Sequence::can_hand_over`]: not a constrained one, whose grammar's
+    /// state stays here).
+    pub fn decode_stepwise_until<T>(
+        &mut self,
+        shared: &SharedModel,
+        mut pause: impl FnMut() -> Option<T>,
+    ) -> anyhow::Result<Decoded<T>> {
+        let model = &shared.model.model;
+        let vocab = shared.model.vocab_size();
+        let (mut cache, mut logits) = {
+            let _device = shared.lock_device();
+            self.prefill_logits(shared)?
+        };
+        loop {
+            let allowed = match self.constraint.as_mut() {
+                Some(c) => match c.allowed() {
+                    Some(set) => Some(sampling::allowed_mask(&set.to_bools(vocab))),
+                    None => return Ok(Decoded::Finished(FinishReason::Stop)),
+                },
+                None => None,
+            };
+            let _device = shared.lock_device();
+            let token = match &allowed {
+                Some(allowed) => self.sampler.sample_within(&logits, allowed)?,
+                None => self.sampler.sample(&logits)?,
+            }
+            .item_exact::<u32>();
+            if let Some(reason) = self.accept_plain(token, false)? {
+                self.publish_answer(shared, &cache);
+                return Ok(Decoded::Finished(reason));
+            }
+            if let Some(with) = pause().filter(|_| self.can_hand_over()) {
+                self.publish_answer(shared, &cache);
+                eval(&cache.state())?;
+                return Ok(Decoded::Paused {
+                    with,
+                    cache,
+                    last_token: token,
+                });
+            }
+            logits = model.forward(&generate::tokens_array(&[token]), &mut cache, Logits::Last)?;
         }
     }
 
@@ -433,8 +509,8 @@ impl Sequence {
     }
 }
 
-/// How [`Sequence::decode_greedy_until`] ended.
-pub enum Greedy<T> {
+/// How [`Sequence::decode_until`] ended.
+pub enum Decoded<T> {
     /// The sequence ended for `reason`: [`Sequence::finish`] it.
     Finished(FinishReason),
     /// Stopped where its `pause` answered `with`: `cache` (evaluated, for

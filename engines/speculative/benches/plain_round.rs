@@ -6,7 +6,7 @@
 //! First the cost of a verify of `k` drafts (`k + 1` positions in one
 //! forward) relative to a decode step, median of 7. Then decode tok/s
 //! (after the first token), interleaved per rep: the runtime's pipelined
-//! loop (`GreedyStream`), the same steps unpipelined as a speculative
+//! loop (`DecodeStream`), the same steps unpipelined as a speculative
 //! round takes them (one forward, read, next), the fast path engine, a
 //! speculative engine whose draft source never proposes (every round a
 //! plain step) and one with prompt lookup (adaptive, the default). Every
@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use engine_core::{Engine, GenerateRequest, Grammar};
 use mlx_rs::transforms::eval;
-use runtime::generate::{self, tokens_array, GreedyStream};
+use runtime::generate::{self, tokens_array, DecodeStream};
 use runtime::model::{Logits, Tapped, Taps};
 use runtime::{ComputeDtype, KvCache, KvPool, LoadedModel, Model, SharedModel};
 use speculative::engine::DraftPlan;
@@ -77,7 +77,7 @@ fn engine_run(engine: &dyn Engine, prompt: &Prompt, gen: usize) -> (Vec<u32>, f6
 }
 
 fn pipelined(model: &Model, prompt: &[u32], gen: usize) -> (Vec<u32>, f64) {
-    let mut s = GreedyStream::start(model, prompt).unwrap();
+    let mut s = DecodeStream::start(model, prompt).unwrap();
     let mut out = vec![s.next_token(true).unwrap()];
     let t = Instant::now();
     for i in 1..gen {

@@ -79,7 +79,7 @@ fn serve(shared: &SharedModel, job: Job) {
     // it ends and keeps its prompt and answer for the next turn.
     let decoded = {
         let _device = shared.lock_device();
-        seq.decode_greedy(shared, || {})
+        seq.decode(shared, || {})
     };
     match decoded {
         Ok(reason) => seq.finish(reason, None),

@@ -1,7 +1,7 @@
 //! `engine-reference`: a small, real engine plugin. It serves one request at
 //! a time on its own thread over the host's shared model, each through the
 //! runtime's `Sequence` from the shared prefix cache's longest hit: plain
-//! greedy requests on a pipelined `runtime::generate::GreedyStream`,
+//! greedy requests on a pipelined `runtime::generate::DecodeStream`,
 //! everything else (sampling, penalties, logit bias, logprobs) through the
 //! sequence's sampler and `Model::forward`. It reserves KV blocks in the
 //! shared pool for prompt + max_tokens while a request runs and honours

@@ -116,7 +116,7 @@ fn serve(
     let pause = Duration::from_millis(options.token_delay_ms);
     let result = if seq.request().is_plain_greedy() {
         let _device = shared.lock_device();
-        seq.decode_greedy(shared, || std::thread::sleep(pause))
+        seq.decode(shared, || std::thread::sleep(pause))
     } else {
         run_sampled(shared, &mut seq, pause)
     };
