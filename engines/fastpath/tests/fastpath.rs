@@ -238,21 +238,11 @@ fn hands_over_a_sampled_sequence_with_its_draws() {
     for (i, sampling) in sampling_cases().iter().enumerate() {
         let first = prompt(60 + i as u64, 15);
         let handovers = s.fast.handovers();
-        let mut a = s
-            .fast
-            .submit(sampled(first.clone(), 300, sampling))
-            .unwrap();
-        let mut head: Vec<u32> = (0..5).map(|_| next_token(&mut a)).collect();
-        let b = s
-            .batched
-            .submit(GenerateRequest::new(prompt(70 + i as u64, 9), 40))
-            .unwrap();
-        let (tail, _) = rest(a);
-        head.extend(tail);
-        rest(b);
+        let other = GenerateRequest::new(prompt(70 + i as u64, 9), 40);
+        let (stream, _, _) = handed_over(&s, sampled(first.clone(), 300, sampling), 5, other);
         assert_eq!(s.fast.handovers(), handovers + 1, "{sampling:?}: moved");
         let (alone, _) = rest(s.batched.submit(sampled(first, 300, sampling)).unwrap());
-        assert_eq!(head, alone, "{sampling:?}");
+        assert_eq!(stream, alone, "{sampling:?}");
     }
 }
 
@@ -266,21 +256,32 @@ fn hands_over_across_the_plugin_boundary() {
     hand_over(setup_apart());
 }
 
+/// `req` on the fast path, `other` sent to the batched engine after its
+/// first `head` tokens (the fast path then hands its sequence over): the
+/// whole stream of `req`, its finish, and `other`'s tokens.
+fn handed_over(
+    s: &Setup,
+    req: GenerateRequest,
+    head: usize,
+    other: GenerateRequest,
+) -> (Vec<u32>, Finish, Vec<u32>) {
+    let mut a = s.fast.submit(req).unwrap();
+    let mut stream: Vec<u32> = (0..head).map(|_| next_token(&mut a)).collect();
+    let b = s.batched.submit(other).unwrap();
+    let (tail, finish) = rest(a);
+    stream.extend(tail);
+    (stream, finish, rest(b).0)
+}
+
 fn hand_over(s: Setup) {
     let first = prompt(3, 15);
-    let mut a = s
-        .fast
-        .submit(GenerateRequest::new(first.clone(), 300))
-        .unwrap();
-    let mut head: Vec<u32> = (0..6).map(|_| next_token(&mut a)).collect();
-    // A second request arrives: the fast path hands its sequence over.
     let second = prompt(4, 9);
-    let b = s
-        .batched
-        .submit(GenerateRequest::new(second.clone(), 20))
-        .unwrap();
-    let (tail, finish) = rest(a);
-    head.extend(tail);
+    let (head, finish, other) = handed_over(
+        &s,
+        GenerateRequest::new(first.clone(), 300),
+        6,
+        GenerateRequest::new(second.clone(), 20),
+    );
     assert_eq!(
         s.fast.handovers(),
         1,
@@ -295,7 +296,7 @@ fn hand_over(s: Setup) {
         (finish.reason, finish.completion_tokens),
         (FinishReason::Length, 300)
     );
-    assert_eq!(rest(b).0, alone(&s.shared, &second, 20));
+    assert_eq!(other, alone(&s.shared, &second, 20));
     std::thread::sleep(std::time::Duration::from_millis(50));
     assert_eq!(
         s.shared.kv_pool.allocated(),

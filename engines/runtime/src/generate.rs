@@ -11,7 +11,7 @@ use mlx_rs::{ops, Array};
 use crate::cache::KvCache;
 use crate::model::{Logits, Model};
 use crate::paged::PagePool;
-use crate::sampling::{draw, Pick, Sampler};
+use crate::sampling::{Pick, Sampler};
 
 /// Prompt tokens per prefill forward (bounds the activation memory).
 pub const DEFAULT_PREFILL_CHUNK: usize = 512;
@@ -181,8 +181,8 @@ pub fn queue_argmax(logits: &Array) -> anyhow::Result<Array> {
 /// `[1, 1, V]` logits, `[1, 1]` int32, queued to compute while the host
 /// goes on.
 pub fn queue_pick(sampler: &Sampler, pick: Pick, logits: &Array) -> anyhow::Result<Array> {
-    let drawn_from = sampler.drawn_from(&logits.reshape(&[1, -1])?, None)?;
-    let token = draw(&drawn_from, &[pick])?
+    let token = sampler
+        .draw_as(logits, None, pick)?
         .reshape(&[1, 1])?
         .as_dtype(mlx_rs::Dtype::Int32)?;
     async_eval([&token])?;

@@ -165,15 +165,23 @@ impl Sampler {
     /// Picks the next token from `[1, V]` (or `[V]`) float32 logits; returns
     /// a lazy `[1]` uint32 array.
     pub fn sample(&mut self, logits: &Array) -> R<Array> {
-        let l = self.drawn_from(&logits.reshape(&[1, self.vocab])?, None)?;
-        draw(&l, &[self.next_pick()])
+        let pick = self.next_pick();
+        self.draw_as(logits, None, pick)
     }
 
     /// [`Sampler::sample`] among the tokens a grammar allows (`allowed`:
     /// `[V]` bool, see [`allowed_mask`]); the others get no probability.
     pub fn sample_within(&mut self, logits: &Array, allowed: &Array) -> R<Array> {
-        let l = self.drawn_from(&logits.reshape(&[1, self.vocab])?, Some(allowed))?;
-        draw(&l, &[self.next_pick()])
+        let pick = self.next_pick();
+        self.draw_as(logits, Some(allowed), pick)
+    }
+
+    /// The token `pick` (a [`Sampler::next_pick`] already taken) draws from
+    /// `[1, V]` (or `[V]`) logits, within `allowed` where given; a lazy `[1]`
+    /// uint32 array.
+    pub fn draw_as(&self, logits: &Array, allowed: Option<&Array>, pick: Pick) -> R<Array> {
+        let l = self.drawn_from(&logits.reshape(&[1, self.vocab])?, allowed)?;
+        draw(&l, &[pick])
     }
 
     /// The logits its next pick is drawn from: adjusted, and without the
