@@ -10,7 +10,9 @@
 //! how many elements differ at all (a rounding of the sum of squares in
 //! another order may move a bfloat16 result by one step). Then, with
 //! `--model`, greedy tokens and logits of single steps and of blocks of 8
-//! (a verify) with the kernels against without them, in one process.
+//! (a verify) with the kernels against without them, and of single steps
+//! with the norms folded into the products against without, in one
+//! process.
 
 use std::path::PathBuf;
 
@@ -194,6 +196,52 @@ fn check_product(dtype: Dtype, rows: i32, (k, f): (i32, i32), gated: bool) {
     );
 }
 
+/// The norm folded into a product ([`gpu_fused::normed_product`]) against
+/// MLX's chain (the add, `rms_norm`, the product and, `gated`, the
+/// activation) and against our kernels' chain ([`gpu_fused::add_rms_norm`]
+/// then [`gpu_fused::product`]); `add`: a residual to add first.
+fn check_normed_product(dtype: Dtype, rows: i32, (k, f): (i32, i32), gated: bool, add: bool) {
+    let x = random(&[rows, k], dtype, 10);
+    let r = random(&[rows, k], dtype, 11);
+    let nw = random(&[k], dtype, 12);
+    let n = if gated { 2 * f } else { f };
+    let wt = random(&[n, k], dtype, 13)
+        .multiply(Array::from_f32(0.05).as_dtype(dtype).unwrap())
+        .unwrap()
+        .t();
+    let eps = 1e-6;
+    let (h, got) = gpu_fused::normed_product(&x, add.then_some(&r), (&nw, eps), &wt, gated)
+        .unwrap_or_else(|| panic!("the kernel takes {rows} x {k} x {n}"))
+        .unwrap();
+    let want_h = if add { x.add(&r).unwrap() } else { x.clone() };
+    let normed = fast::rms_norm(&want_h, Some(&nw), eps).unwrap();
+    let product = normed.matmul(&wt).unwrap();
+    let want = match gated {
+        true => gpu_fused::gated(&product).unwrap(),
+        false => product,
+    };
+    let ours = match add {
+        true => gpu_fused::add_rms_norm(&x, &r, &nw, eps).unwrap().unwrap().1,
+        false => normed,
+    };
+    let ours = match rows > 1 || gated {
+        true => gpu_fused::product(&ours, &wt, gated).unwrap(),
+        false => want.clone(),
+    };
+    let (worst, differ, all) = compare(&got, &want);
+    let (own, own_differ, _) = compare(&got, &ours);
+    let (sum, _, _) = compare(&h, &want_h);
+    let kind = match (gated, add) {
+        (true, true) => "add + norm + gated product",
+        (true, false) => "norm + gated product",
+        (false, true) => "add + norm + product",
+        (false, false) => "norm + product",
+    };
+    println!(
+        "{kind} {dtype:?} {rows} x {k} x {n}: against MLX's {worst:.3e}, {differ} of {all} differ; against our kernels' chain {own:.3e}, {own_differ} differ; sum {sum:.1e}"
+    );
+}
+
 /// Greedy tokens and logits, one token a forward (`k` = 1) or teacher
 /// forced on `forced` in blocks of `k`.
 fn run(
@@ -250,6 +298,10 @@ fn main() {
                     check_product(dtype, rows, shape, false);
                 }
             }
+            check_normed_product(dtype, rows, (2560, 6144), false, true);
+            check_normed_product(dtype, rows, (2560, 6144), false, false);
+            check_normed_product(dtype, rows, (2560, 9728), true, true);
+            check_normed_product(dtype, rows, (96, 48), true, true);
         }
     }
     let dir = flag("--model", "");
@@ -279,5 +331,14 @@ fn main() {
     println!(
         "blocks of 8 with the kernels, teacher forced: {same} of {gen} argmaxes equal; worst logit difference {:.3e}",
         worst_difference(&got, &want)
+    );
+    gpu_fused::set_normed(false);
+    let (unnormed_tokens, unnormed) = run(model, &prompt, gen, 1, &[]);
+    gpu_fused::set_normed(true);
+    let (tokens, got) = run(model, &prompt, gen, 1, &[]);
+    println!(
+        "single steps with the norms in the products against without: {} of {gen} greedy tokens equal; worst logit difference {:.3e}",
+        equal_prefix(&tokens, &unnormed_tokens),
+        worst_difference(&got, &unnormed)
     );
 }

@@ -43,6 +43,21 @@ impl CudaKernel {
         header: &str,
         contiguous: bool,
     ) -> anyhow::Result<Self> {
+        Self::with_shared_memory(name, inputs, outputs, source, header, contiguous, 0)
+    }
+
+    /// [`CudaKernel::new`] of a kernel that declares `extern __shared__`
+    /// memory: every launch gets `shared_memory` bytes of it (MLX raises
+    /// the kernel's limit beyond 48 KB).
+    pub fn with_shared_memory(
+        name: &str,
+        inputs: &[&str],
+        outputs: &[&str],
+        source: &str,
+        header: &str,
+        contiguous: bool,
+        shared_memory: i32,
+    ) -> anyhow::Result<Self> {
         let names = |list: &[&str]| -> anyhow::Result<mlx_sys::mlx_vector_string> {
             let owned = list
                 .iter()
@@ -64,7 +79,7 @@ impl CudaKernel {
                 source.as_ptr(),
                 header.as_ptr(),
                 contiguous,
-                0,
+                shared_memory,
             );
             mlx_sys::mlx_vector_string_free(inputs);
             mlx_sys::mlx_vector_string_free(outputs);

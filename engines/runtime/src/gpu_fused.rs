@@ -19,10 +19,13 @@
 //! - [`product`]: a dense product of 2-16 rows (the gate/up product with
 //!   its activation from one row) as one tensor-core kernel, where
 //!   cuBLASLt and MLX's vector kernel leave most of the card's bandwidth
-//!   unused.
+//!   unused; [`normed_product`]: the same with the RMSNorm (and the
+//!   residual add) before it in the same kernel, for a layer's q/k/v and
+//!   gate/up products from one row.
 //!
 //! `GATEWAY_GPU_FUSED=off` keeps MLX's ops; `GATEWAY_GPU_PRODUCT=off`
-//! keeps MLX's products (and [`gated`] after the gate/up one).
+//! keeps MLX's products (and [`gated`] after the gate/up one);
+//! `GATEWAY_GPU_NORMED=off` keeps the norms out of the products.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
@@ -57,6 +60,13 @@ pub fn set_enabled(on: bool) {
     SWITCHED_OFF.store(!on, Ordering::Relaxed);
 }
 
+static NORMED_SWITCHED_OFF: AtomicBool = AtomicBool::new(false);
+
+/// Switches [`normed_product`] alone on or off for the whole process.
+pub fn set_normed(on: bool) {
+    NORMED_SWITCHED_OFF.store(!on, Ordering::Relaxed);
+}
+
 /// The most rows [`product`] takes: two 8-row tiles. From 32 rows
 /// on, re-reading the activations from L2 for every 16 weight rows costs
 /// more than cuBLASLt's tiles (scripts/device/skinny_product.py).
@@ -70,11 +80,15 @@ const PRODUCT_ROWS: i32 = 16;
 /// host's; from 2 rows MLX takes cuBLASLt, which costs more (14.9 µs at 16
 /// rows against 8.2) and reads the weights slower.
 pub fn takes_product(x: &Array, wt: &Array, gated: bool) -> bool {
+    let fewest = if gated { 1 } else { 2 };
+    (fewest..=PRODUCT_ROWS).contains(&crate::layers::rows(x)) && product_fits(x, wt)
+}
+
+/// The operands [`product`] and [`normed_product`] read, at any rows.
+fn product_fits(x: &Array, wt: &Array) -> bool {
     static PRODUCT_OFF: OnceLock<bool> = OnceLock::new();
     let dtype = x.dtype();
-    let fewest = if gated { 1 } else { 2 };
     !env_off(&PRODUCT_OFF, "GATEWAY_GPU_PRODUCT")
-        && (fewest..=PRODUCT_ROWS).contains(&crate::layers::rows(x))
         && matches!(dtype, Dtype::Bfloat16 | Dtype::Float16)
         && wt.dtype() == dtype
         && wt.ndim() == 2
@@ -124,6 +138,104 @@ pub fn product(x: &Array, wt: &Array, gated: bool) -> R<Array> {
 
 /// Warps a block of [`product`] splits K over.
 const PRODUCT_WARPS: i32 = 16;
+
+/// The most shared memory [`normed_product`] asks for a block: what an
+/// A100 grants (H100 and H200: 227 KB), rows of up to 5,100 features at 16
+/// rows.
+const NORMED_SHARED_BYTES: i32 = 160 * 1024;
+
+/// `norm(x + r) @ w.T` (`r: None`: `norm(x)`; `gated`: the stacked gate/up
+/// weight and the activation, as [`product`]) and `x + r`, as one kernel:
+/// the norm's node folded into the product's, for 1-16 rows. `norm` is the
+/// RMSNorm's weight and epsilon, computed as [`add_rms_norm`] computes it.
+/// Returns `(x + r, product)`; `None` where the kernel does not apply (and
+/// under `GATEWAY_GPU_NORMED=off` or [`set_normed`]).
+pub fn normed_product(
+    x: &Array,
+    r: Option<&Array>,
+    (norm_weight, eps): (&Array, f32),
+    wt: &Array,
+    gated: bool,
+) -> Option<R<(Array, Array)>> {
+    static NORMED_OFF: OnceLock<bool> = OnceLock::new();
+    let rows = crate::layers::rows(x);
+    let dtype = x.dtype();
+    let (k, n) = (*x.shape().last()?, *wt.shape().last()?);
+    let tiles = (rows + 7) / 8;
+    let ns = if gated { 2 } else { 1 };
+    // The normed rows, 8 a tile, padded by 8; the warps' partial sums reuse
+    // them after the product.
+    let shared = (8 * tiles * (k + 8) * 2).max(PRODUCT_WARPS * ns * tiles * 8 * 16 * 4);
+    if env_off(&NORMED_OFF, "GATEWAY_GPU_NORMED")
+        || NORMED_SWITCHED_OFF.load(Ordering::Relaxed)
+        || !(1..=PRODUCT_ROWS).contains(&rows)
+        || !product_fits(x, wt)
+        || norm_weight.dtype() != dtype
+        || norm_weight.size() != k as usize
+        || r.is_some_and(|r| r.shape() != x.shape() || r.dtype() != dtype)
+        || shared > NORMED_SHARED_BYTES
+    {
+        return None;
+    }
+    Some((|| {
+        let flat = |a: &Array| match a.ndim() {
+            2 => Ok(a.clone()),
+            _ => a.reshape(&[rows, k]),
+        };
+        let x2 = flat(x)?;
+        let r2 = match r {
+            Some(r) => flat(r)?,
+            None => x2.clone(),
+        };
+        let features = if gated { n / 2 } else { n };
+        let mut shape = x.shape().to_vec();
+        *shape.last_mut().unwrap() = features;
+        let sum_shape = [rows, if r.is_some() { k } else { 1 }];
+        let templates = [
+            TemplateArg::Dtype("T", dtype),
+            TemplateArg::Int("BF16", (dtype == Dtype::Bfloat16) as i32),
+            TemplateArg::Int("GATED", gated as i32),
+            TemplateArg::Int("MT", tiles),
+            TemplateArg::Int("WK", PRODUCT_WARPS),
+            TemplateArg::Int("U", 1),
+            TemplateArg::Int("ADD", r.is_some() as i32),
+            TemplateArg::Int("EPS_BITS", float_bits(eps)?),
+            TemplateArg::Int("KS", k),
+        ];
+        let launch = Launch {
+            outputs: &[(&shape, dtype), (&sum_shape, dtype)],
+            grid_threads: features / 16 * 32 * PRODUCT_WARPS,
+            block_threads: 32 * PRODUCT_WARPS,
+            templates: &templates,
+            init: None,
+        };
+        let mut out = NORMED_PRODUCT.with(|kernels| {
+            let mut kernels = kernels.borrow_mut();
+            let kernel = kernels.entry(shared).or_insert_with(|| {
+                CudaKernel::with_shared_memory(
+                    "skinny_normed_product",
+                    &["x", "r", "nw", "wt"],
+                    &["y", "h"],
+                    &format!("#define SKINNY_NORMED\n{PRODUCT_SOURCE}"),
+                    SILU_MUL,
+                    false,
+                    shared,
+                )
+                .map_err(|e| format!("{e:#}"))
+            });
+            let kernel = kernel.as_ref().map_err(|e| Exception::custom(e.clone()))?;
+            kernel.apply(&[&x2, &r2, norm_weight, wt], &launch).ok_or_else(|| {
+                Exception::custom("MLX could not apply the fused norm and product kernel")
+            })
+        })?;
+        let y = out.remove(0);
+        let h = match r {
+            Some(_) => out.remove(0).reshape(x.shape())?,
+            None => x.clone(),
+        };
+        Ok((h, y))
+    })())
+}
 
 fn float(dtype: Dtype) -> bool {
     matches!(dtype, Dtype::Bfloat16 | Dtype::Float16 | Dtype::Float32)
@@ -684,12 +796,17 @@ const KV_WRITE_SOURCE: &str = r#"
     pool[(long)slots[i] * per + (long)j * W + c] = (is_v ? v_rows : k_rows)[from];
 "#;
 
+const PRODUCT_SOURCE: &str = include_str!("kernels/skinny_product.cu");
+
 thread_local! {
+    /// [`normed_product`]'s kernel by the shared memory it is made with.
+    static NORMED_PRODUCT: std::cell::RefCell<std::collections::HashMap<i32, Result<CudaKernel, String>>> =
+        Default::default();
     static PRODUCT: Result<CudaKernel, String> = CudaKernel::new(
         "skinny_product",
         &["x", "wt"],
         &["y"],
-        include_str!("kernels/skinny_product.cu"),
+        PRODUCT_SOURCE,
         SILU_MUL,
         false,
     )

@@ -485,9 +485,10 @@ impl Model {
                 Some(s) => kvs[s].clone(),
                 None => vec![None; segments.len()],
             };
-            let (x, normed) = h.normed(&layer.input_norm)?;
+            let own_kv = shared.iter().all(Option::is_none);
+            let (x, input) = a.input(h, &layer.input_norm, own_kv)?;
             let (r, kv) = a.forward_mixed(
-                &normed,
+                input,
                 segments,
                 &layouts,
                 layer.window.is_some(),
@@ -814,13 +815,16 @@ impl Layer {
         shared_kv: Option<LayerView>,
         per_layer_input: Option<&Array>,
     ) -> anyhow::Result<(Residual, Option<LayerView>)> {
-        let (x, normed) = x.normed(&self.input_norm)?;
-        let (r, kv) = match &self.mixer {
+        let (r, x, kv) = match &self.mixer {
             Mixer::Attention(a) => {
-                let (r, kv) = a.forward(&normed, rows, mask, offsets, cache, idx, shared_kv)?;
-                (r, Some(kv))
+                let (x, input) = a.input(x, &self.input_norm, shared_kv.is_none())?;
+                let (r, kv) = a.forward(input, rows, mask, offsets, cache, idx, shared_kv)?;
+                (r, x, Some(kv))
             }
-            Mixer::Linear(l) => (l.forward(&normed, rows, padding, cache, idx)?, None),
+            Mixer::Linear(l) => {
+                let (x, normed) = x.normed(&self.input_norm)?;
+                (l.forward(&normed, rows, padding, cache, idx)?, x, None)
+            }
         };
         Ok((self.feed_forward(&x, &r, per_layer_input)?, kv))
     }
@@ -838,6 +842,15 @@ impl Layer {
             }
         };
         let (Some(pre), Some(post)) = (&self.pre_ff_norm, &self.post_ff_norm) else {
+            if let Ffn::Dense(mlp) = &self.mlp {
+                let fused = mlp.gated_dense().and_then(|wt| {
+                    crate::gpu_fused::normed_product(x, Some(r), self.post_attn_norm.parts(), wt, true)
+                });
+                if let Some(fused) = fused {
+                    let (h, activation) = fused?;
+                    return Ok(Residual::Pending(h, mlp.down.forward(&activation)?));
+                }
+            }
             let (h, normed) = self.post_attn_norm.forward_added(x, r)?;
             let r = self.mlp.forward(&normed)?;
             return Ok(Residual::Pending(h, r));
@@ -877,6 +890,18 @@ impl Residual {
             }
             Residual::Pending(h, r) => norm.forward_added(&h, &r),
         }
+    }
+
+    /// The stream, added, and `norm(stream) @ w.T` (`gated`: the stacked
+    /// gate/up weight's activation) by one GPU kernel
+    /// ([`crate::gpu_fused::normed_product`]); `None` where it does not
+    /// apply.
+    fn normed_product(&self, norm: &RmsNorm, wt: &Array, gated: bool) -> Option<R<(Array, Array)>> {
+        let (h, r) = match self {
+            Residual::Sum(h) => (h, None),
+            Residual::Pending(h, r) => (h, Some(r)),
+        };
+        crate::gpu_fused::normed_product(h, r, norm.parts(), wt, gated)
     }
 
     /// The stream, added.
@@ -944,11 +969,35 @@ impl Projected {
     }
 }
 
+/// What an attention layer starts from: the normed stream, or its stacked
+/// q/k/v product made from the stream with the norm in one GPU kernel.
+enum AttnInput {
+    Normed(Array),
+    Qkv(Array),
+}
+
 impl Attention {
+    /// The residual stream `x`, added, and this layer's [`AttnInput`] from
+    /// it: the q/k/v product with `norm` in it where the heads come from
+    /// the stacked product (`own_kv`: the layer writes its own keys and
+    /// values) and [`crate::gpu_fused::normed_product`] takes it.
+    fn input(&self, x: Residual, norm: &RmsNorm, own_kv: bool) -> R<(Array, AttnInput)> {
+        let dtype = match &x {
+            Residual::Sum(h) | Residual::Pending(h, _) => h.dtype(),
+        };
+        let stacked = self.qkv.stacked_dense().filter(|_| own_kv && self.takes_fused_heads(dtype));
+        if let Some(fused) = stacked.and_then(|wt| x.normed_product(norm, wt, false)) {
+            let (h, qkv) = fused?;
+            return Ok((h, AttnInput::Qkv(qkv)));
+        }
+        let (h, normed) = x.normed(norm)?;
+        Ok((h, AttnInput::Normed(normed)))
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
-        x: &Array,
+        x: AttnInput,
         rows: (i32, i32),
         mask: &AttnMask,
         offsets: &Offsets,
@@ -956,15 +1005,19 @@ impl Attention {
         idx: usize,
         shared_kv: Option<LayerView>,
     ) -> anyhow::Result<(Array, LayerView)> {
-        if shared_kv.is_none() && self.takes_fused_heads(x.dtype()) {
-            let qkv = self.qkv.joined(x).expect("stacked projections")?;
-            let out_shape = merged_shape(x, self.heads * self.head_dim);
-            let (heads, kv) =
-                self.attend_fused(&qkv, rows, mask, offsets, cache, idx, &out_shape)?;
-            return Ok((self.o.forward(&heads)?, kv));
-        }
-        let p = self.project(x)?;
-        let (heads, kv) = self.attend(p, rows, mask, offsets, cache, idx, shared_kv)?;
+        let qkv = match x {
+            AttnInput::Qkv(qkv) => qkv,
+            AttnInput::Normed(x) if shared_kv.is_none() && self.takes_fused_heads(x.dtype()) => {
+                self.qkv.joined(&x).expect("stacked projections")?
+            }
+            AttnInput::Normed(x) => {
+                let p = self.project(&x)?;
+                let (heads, kv) = self.attend(p, rows, mask, offsets, cache, idx, shared_kv)?;
+                return Ok((self.o.forward(&heads)?, kv));
+            }
+        };
+        let out_shape = merged_shape(&qkv, self.heads * self.head_dim);
+        let (heads, kv) = self.attend_fused(&qkv, rows, mask, offsets, cache, idx, &out_shape)?;
         Ok((self.o.forward(&heads)?, kv))
     }
 
@@ -973,7 +1026,7 @@ impl Attention {
     /// rows, attention per segment against its own cache.
     fn forward_mixed(
         &self,
-        x: &Array,
+        x: AttnInput,
         segments: &mut [Segment<'_>],
         layouts: &[SegmentLayout],
         windowed: bool,
@@ -983,31 +1036,52 @@ impl Attention {
         let bounds: Vec<i32> = layouts[1..].iter().map(|l| l.first_row).collect();
         // Each segment's heads as its forward alone makes them (the same
         // node, so the same numbers), over one stacked product of every row.
-        if shared_kv.iter().all(Option::is_none) && self.takes_fused_heads(x.dtype()) {
-            let qkv = self.qkv.joined(x).expect("stacked projections")?;
-            let parts = qkv.split_at_indices(&bounds, 0)?;
-            let mut heads = Vec::with_capacity(parts.len());
-            let mut kvs = Vec::with_capacity(parts.len());
-            for ((qkv, segment), layout) in parts.iter().zip(segments).zip(layouts) {
-                let mask = match (windowed, &layout.window_mask) {
-                    (true, Some(m)) => m,
-                    _ => &layout.global_mask,
-                };
-                let out_shape = merged_shape(qkv, self.heads * self.head_dim);
-                let (h, kv) = self.attend_fused(
-                    qkv,
-                    layout.rows,
-                    mask,
-                    &layout.offsets,
-                    segment.cache,
-                    idx,
-                    &out_shape,
-                )?;
-                heads.push(h);
-                kvs.push(kv);
+        let qkv = match x {
+            AttnInput::Qkv(qkv) => qkv,
+            AttnInput::Normed(x)
+                if shared_kv.iter().all(Option::is_none) && self.takes_fused_heads(x.dtype()) =>
+            {
+                self.qkv.joined(&x).expect("stacked projections")?
             }
-            return Ok((self.o.forward(&ops::concatenate(&heads, 0)?)?, kvs));
+            AttnInput::Normed(x) => {
+                return self.forward_mixed_projected(&x, segments, layouts, windowed, idx, shared_kv)
+            }
+        };
+        let parts = qkv.split_at_indices(&bounds, 0)?;
+        let mut heads = Vec::with_capacity(parts.len());
+        let mut kvs = Vec::with_capacity(parts.len());
+        for ((qkv, segment), layout) in parts.iter().zip(segments).zip(layouts) {
+            let mask = match (windowed, &layout.window_mask) {
+                (true, Some(m)) => m,
+                _ => &layout.global_mask,
+            };
+            let out_shape = merged_shape(qkv, self.heads * self.head_dim);
+            let (h, kv) = self.attend_fused(
+                qkv,
+                layout.rows,
+                mask,
+                &layout.offsets,
+                segment.cache,
+                idx,
+                &out_shape,
+            )?;
+            heads.push(h);
+            kvs.push(kv);
         }
+        Ok((self.o.forward(&ops::concatenate(&heads, 0)?)?, kvs))
+    }
+
+    /// [`Attention::forward_mixed`] by separate q, k and v projections.
+    fn forward_mixed_projected(
+        &self,
+        x: &Array,
+        segments: &mut [Segment<'_>],
+        layouts: &[SegmentLayout],
+        windowed: bool,
+        idx: usize,
+        shared_kv: &[Option<LayerView>],
+    ) -> anyhow::Result<(Array, Vec<LayerView>)> {
+        let bounds: Vec<i32> = layouts[1..].iter().map(|l| l.first_row).collect();
         let parts = self.project(x)?.split(&bounds)?;
         let mut heads = Vec::with_capacity(parts.len());
         let mut kvs = Vec::with_capacity(parts.len());
@@ -1338,11 +1412,18 @@ impl Mlp {
         self.down.collect(out);
     }
 
+    /// The stacked gate/up weight a GPU kernel of ours reads with the
+    /// SiLU activation (`[in, 2 * inter]`); `None` for GELU's MLPs, or
+    /// separate, quantized or biased projections.
+    fn gated_dense(&self) -> Option<&Array> {
+        self.gate_up.stacked_dense().filter(|_| !self.gelu)
+    }
+
     fn forward(&self, x: &Array) -> R<Array> {
         // On the GPU, one kernel for the product and the activation at a
         // few rows, one from the stacked product to the activation beyond.
         if !self.gelu {
-            let fused = self.gate_up.stacked_dense();
+            let fused = self.gated_dense();
             if let Some(wt) = fused.filter(|wt| crate::gpu_fused::takes_product(x, wt, true)) {
                 return self.down.forward(&crate::gpu_fused::product(x, wt, true)?);
             }

@@ -14,13 +14,25 @@
 // sums meet in shared memory in a fixed order (deterministic results).
 // Template arguments: T, BF16 (else fp16), GATED, MT (8-row tiles), WK
 // (warps), U (chunks a warp has in flight).
+//
+// With SKINNY_NORMED defined, the operand is RMSNorm(x + r) (ADD) or
+// RMSNorm(x) with weight nw, made by the block in shared memory before the
+// product (one warp a row, MLX's arithmetic as gpu_fused::add_rms_norm's
+// kernel has it), and block 0 writes x + r to h: the norm's node folded
+// into the product's. Extra template arguments: ADD, EPS_BITS, KS (= K).
 constexpr int NS = GATED ? 2 : 1;  // weight row sets: the gate's, the up's
 const int K = wt_shape[0];
 const int N = wt_shape[1];
 const int F = N / NS;  // output features
 const int M = x_shape[0];
 const long xs = x_strides[0];
-if (wt_strides[0] != 1 || x_strides[1] != 1) {
+bool layout_ok = wt_strides[0] == 1 && x_strides[1] == 1;
+#ifdef SKINNY_NORMED
+const long rs = r_strides[0];
+layout_ok = layout_ok && K == KS && M <= WK && r_strides[1] == 1 && xs % 8 == 0 && rs % 8 == 0 &&
+    ((reinterpret_cast<size_t>(x) | reinterpret_cast<size_t>(r) | reinterpret_cast<size_t>(nw)) & 15) == 0;
+#endif
+if (!layout_ok) {
   // Not the layout this kernel reads: a NaN output rather than a wrong one.
   for (long i = blockIdx.x * blockDim.x + threadIdx.x; i < (long)M * F; i += gridDim.x * blockDim.x)
     if (i < (long)M * F) y[i] = static_cast<T>(__int_as_float(0x7fc00000));
@@ -32,7 +44,9 @@ const int g = lane >> 2;
 const int t = lane & 3;
 const int n0 = blockIdx.x * 16;
 const unsigned short* wb = reinterpret_cast<const unsigned short*>(wt);
+#ifndef SKINNY_NORMED
 const unsigned short* xb = reinterpret_cast<const unsigned short*>(x);
+#endif
 const unsigned short* w0 = wb + (size_t)(n0 + g) * K + t * 8;
 const unsigned short* w1 = w0 + (size_t)8 * K;
 const size_t set = (size_t)F * K;  // from a gate row to its up row
@@ -66,6 +80,59 @@ const int stride = WK * 32 * U;
   }
 uint4 a0[NS][U], a1[NS][U];
 SKINNY_LOAD(warp * 32 * U, a0, a1)
+#ifdef SKINNY_NORMED
+// The normed rows, made while the first weights are on their way: warp m
+// owns row m, padded by 8 elements so the rows' fragments spread over the
+// banks.
+extern __shared__ uint4 skinny_smem[];
+unsigned short* normed = reinterpret_cast<unsigned short*>(skinny_smem);
+constexpr int KP = KS + 8;
+if (warp < M) {
+  const int m = warp;
+  const T* xr = x + m * xs;
+  const T* rr = r + m * rs;
+  T* hr = reinterpret_cast<T*>(normed + m * KP);
+  float ss = 0.f;
+#pragma unroll
+  for (int c = lane * 8; c < KS; c += 256) {
+    uint4 hv = *reinterpret_cast<const uint4*>(xr + c);
+    if (ADD) {
+      const uint4 rv = *reinterpret_cast<const uint4*>(rr + c);
+      const T* re = reinterpret_cast<const T*>(&rv);
+      T* he = reinterpret_cast<T*>(&hv);
+#pragma unroll
+      for (int e = 0; e < 8; e++) he[e] = static_cast<T>(static_cast<float>(he[e]) + static_cast<float>(re[e]));
+      if (blockIdx.x == 0) *reinterpret_cast<uint4*>(h + (size_t)m * KS + c) = hv;
+    }
+    const T* he = reinterpret_cast<const T*>(&hv);
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+      const float f = static_cast<float>(he[e]);
+      ss += f * f;
+    }
+    *reinterpret_cast<uint4*>(hr + c) = hv;
+  }
+  for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffff, ss, off);
+  const float nrm = rsqrt(ss / KS + __int_as_float(EPS_BITS));
+#pragma unroll
+  for (int c = lane * 8; c < KS; c += 256) {
+    uint4 hv = *reinterpret_cast<const uint4*>(hr + c);
+    const uint4 wv = *reinterpret_cast<const uint4*>(nw + c);
+    T* he = reinterpret_cast<T*>(&hv);
+    const T* we = reinterpret_cast<const T*>(&wv);
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+      const T v = static_cast<T>(static_cast<float>(he[e]) * nrm);
+      he[e] = static_cast<T>(static_cast<float>(we[e]) * static_cast<float>(v));
+    }
+    *reinterpret_cast<uint4*>(hr + c) = hv;
+  }
+}
+__syncthreads();
+#define SKINNY_X(m, k) (*reinterpret_cast<const uint4*>(normed + (m) * KP + (k) + t * 8))
+#else
+#define SKINNY_X(m, k) (*reinterpret_cast<const uint4*>(xb + (m) * xs + (k) + t * 8))
+#endif
 for (int kb = warp * 32 * U; kb < K; kb += stride) {
   uint4 n0r[NS][U], n1r[NS][U];
   SKINNY_LOAD(kb + stride, n0r, n1r)
@@ -77,7 +144,7 @@ for (int kb = warp * 32 * U; kb < K; kb += stride) {
 #pragma unroll
     for (int i = 0; i < MT; i++) {
       const int m = i * 8 + g;
-      b[i] = m < M ? *reinterpret_cast<const uint4*>(xb + m * xs + k + t * 8) : make_uint4(0, 0, 0, 0);
+      b[i] = m < M ? SKINNY_X(m, k) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int j = 0; j < NS; j++)
@@ -96,7 +163,12 @@ for (int kb = warp * 32 * U; kb < K; kb += stride) {
     }
 }
 // acc[j][i] holds set j's y[m][n] for m = 8i + 2t (+1), n = n0 + g (+8).
+#ifdef SKINNY_NORMED
+__syncthreads();  // every warp is done with the normed rows
+auto part = reinterpret_cast<float (*)[NS][MT * 8][16]>(skinny_smem);
+#else
 __shared__ float part[WK][NS][MT * 8][16];
+#endif
 #pragma unroll
 for (int j = 0; j < NS; j++)
 #pragma unroll
