@@ -21,7 +21,7 @@
 //!   cuBLASLt and MLX's vector kernel leave most of the card's bandwidth
 //!   unused; [`normed_product`]: the same with the RMSNorm (and the
 //!   residual add) before it in the same kernel, for a layer's q/k/v and
-//!   gate/up products from one row.
+//!   gate/up products at 1-4 rows.
 //!
 //! `GATEWAY_GPU_FUSED=off` keeps MLX's ops; `GATEWAY_GPU_PRODUCT=off`
 //! keeps MLX's products (and [`gated`] after the gate/up one);
@@ -139,14 +139,19 @@ pub fn product(x: &Array, wt: &Array, gated: bool) -> R<Array> {
 /// Warps a block of [`product`] splits K over.
 const PRODUCT_WARPS: i32 = 16;
 
+/// The most rows [`normed_product`] takes. Every block stages the normed
+/// rows from L2, so the staging reads grow with the rows while a block's
+/// weight bytes do not: on an H200 one row is faster fused (a 4B decode
+/// step of 229 nodes, not 301), 16 rows slower (docs/gpu.md).
+const NORMED_ROWS: i32 = 4;
+
 /// The most shared memory [`normed_product`] asks for a block: what an
-/// A100 grants (H100 and H200: 227 KB), rows of up to 5,100 features at 16
-/// rows.
+/// A100 grants (H100 and H200: 227 KB).
 const NORMED_SHARED_BYTES: i32 = 160 * 1024;
 
 /// `norm(x + r) @ w.T` (`r: None`: `norm(x)`; `gated`: the stacked gate/up
 /// weight and the activation, as [`product`]) and `x + r`, as one kernel:
-/// the norm's node folded into the product's, for 1-16 rows. `norm` is the
+/// the norm's node folded into the product's, for 1-4 rows. `norm` is the
 /// RMSNorm's weight and epsilon, computed as [`add_rms_norm`] computes it.
 /// Returns `(x + r, product)`; `None` where the kernel does not apply (and
 /// under `GATEWAY_GPU_NORMED=off` or [`set_normed`]).
@@ -163,12 +168,12 @@ pub fn normed_product(
     let (k, n) = (*x.shape().last()?, *wt.shape().last()?);
     let tiles = (rows + 7) / 8;
     let ns = if gated { 2 } else { 1 };
-    // The normed rows, 8 a tile, padded by 8; the warps' partial sums reuse
-    // them after the product.
-    let shared = (8 * tiles * (k + 8) * 2).max(PRODUCT_WARPS * ns * tiles * 8 * 16 * 4);
+    // The normed rows and the norm's weight, each padded by 8; the warps'
+    // partial sums reuse them after the product.
+    let shared = ((rows + 1) * (k + 8) * 2).max(PRODUCT_WARPS * ns * tiles * 8 * 16 * 4);
     if env_off(&NORMED_OFF, "GATEWAY_GPU_NORMED")
         || NORMED_SWITCHED_OFF.load(Ordering::Relaxed)
-        || !(1..=PRODUCT_ROWS).contains(&rows)
+        || !(1..=NORMED_ROWS).contains(&rows)
         || !product_fits(x, wt)
         || norm_weight.dtype() != dtype
         || norm_weight.size() != k as usize

@@ -17,8 +17,7 @@
 //
 // With SKINNY_NORMED defined, the operand is RMSNorm(x + r) (ADD) or
 // RMSNorm(x) with weight nw, made by the block in shared memory before the
-// product (one warp a row, MLX's arithmetic as gpu_fused::add_rms_norm's
-// kernel has it), and block 0 writes x + r to h: the norm's node folded
+// product (MLX's arithmetic as gpu_fused::add_rms_norm's kernel has it), and block 0 writes x + r to h: the norm's node folded
 // into the product's. Extra template arguments: ADD, EPS_BITS, KS (= K).
 constexpr int NS = GATED ? 2 : 1;  // weight row sets: the gate's, the up's
 const int K = wt_shape[0];
@@ -81,52 +80,67 @@ const int stride = WK * 32 * U;
 uint4 a0[NS][U], a1[NS][U];
 SKINNY_LOAD(warp * 32 * U, a0, a1)
 #ifdef SKINNY_NORMED
-// The normed rows, made while the first weights are on their way: warp m
-// owns row m, padded by 8 elements so the rows' fragments spread over the
-// banks.
+// The normed rows, made while the first weights are on their way, in three
+// steps so that the block meets global memory's latency once: every thread
+// copies vectors of x (+ r) and of nw (as row M) into shared memory; warp
+// m sums row m's squares; every thread scales. Rows are padded by 8
+// elements so their fragments spread over the banks.
 extern __shared__ uint4 skinny_smem[];
+__shared__ float row_norm[WK];
 unsigned short* normed = reinterpret_cast<unsigned short*>(skinny_smem);
 constexpr int KP = KS + 8;
-if (warp < M) {
-  const int m = warp;
-  const T* xr = x + m * xs;
-  const T* rr = r + m * rs;
-  T* hr = reinterpret_cast<T*>(normed + m * KP);
-  float ss = 0.f;
-#pragma unroll
-  for (int c = lane * 8; c < KS; c += 256) {
-    uint4 hv = *reinterpret_cast<const uint4*>(xr + c);
+constexpr int VECS = KS / 8;  // 16-byte vectors a row
+#pragma unroll 4
+for (int i = threadIdx.x; i < (M + 1) * VECS; i += WK * 32) {
+  const int m = i / VECS, c = (i % VECS) * 8;
+  uint4 hv;
+  if (m == M) {
+    hv = *reinterpret_cast<const uint4*>(nw + c);
+  } else {
+    hv = *reinterpret_cast<const uint4*>(x + m * xs + c);
     if (ADD) {
-      const uint4 rv = *reinterpret_cast<const uint4*>(rr + c);
+      const uint4 rv = *reinterpret_cast<const uint4*>(r + m * rs + c);
       const T* re = reinterpret_cast<const T*>(&rv);
       T* he = reinterpret_cast<T*>(&hv);
 #pragma unroll
       for (int e = 0; e < 8; e++) he[e] = static_cast<T>(static_cast<float>(he[e]) + static_cast<float>(re[e]));
       if (blockIdx.x == 0) *reinterpret_cast<uint4*>(h + (size_t)m * KS + c) = hv;
     }
+  }
+  *reinterpret_cast<uint4*>(normed + m * KP + c) = hv;
+}
+__syncthreads();
+if (warp < M) {
+  const T* hr = reinterpret_cast<const T*>(normed + warp * KP);
+  float ss = 0.f;
+  for (int c = lane * 8; c < KS; c += 256) {
+    const uint4 hv = *reinterpret_cast<const uint4*>(hr + c);
     const T* he = reinterpret_cast<const T*>(&hv);
 #pragma unroll
     for (int e = 0; e < 8; e++) {
       const float f = static_cast<float>(he[e]);
       ss += f * f;
     }
-    *reinterpret_cast<uint4*>(hr + c) = hv;
   }
   for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffff, ss, off);
-  const float nrm = rsqrt(ss / KS + __int_as_float(EPS_BITS));
+  if (lane == 0) row_norm[warp] = rsqrt(ss / KS + __int_as_float(EPS_BITS));
+}
+__syncthreads();
+#pragma unroll 4
+for (int i = threadIdx.x; i < M * VECS; i += WK * 32) {
+  const int m = i / VECS, c = (i % VECS) * 8;
+  T* hr = reinterpret_cast<T*>(normed + m * KP + c);
+  uint4 hv = *reinterpret_cast<const uint4*>(hr);
+  const uint4 wv = *reinterpret_cast<const uint4*>(normed + M * KP + c);
+  T* he = reinterpret_cast<T*>(&hv);
+  const T* we = reinterpret_cast<const T*>(&wv);
+  const float nrm = row_norm[m];
 #pragma unroll
-  for (int c = lane * 8; c < KS; c += 256) {
-    uint4 hv = *reinterpret_cast<const uint4*>(hr + c);
-    const uint4 wv = *reinterpret_cast<const uint4*>(nw + c);
-    T* he = reinterpret_cast<T*>(&hv);
-    const T* we = reinterpret_cast<const T*>(&wv);
-#pragma unroll
-    for (int e = 0; e < 8; e++) {
-      const T v = static_cast<T>(static_cast<float>(he[e]) * nrm);
-      he[e] = static_cast<T>(static_cast<float>(we[e]) * static_cast<float>(v));
-    }
-    *reinterpret_cast<uint4*>(hr + c) = hv;
+  for (int e = 0; e < 8; e++) {
+    const T v = static_cast<T>(static_cast<float>(he[e]) * nrm);
+    he[e] = static_cast<T>(static_cast<float>(we[e]) * static_cast<float>(v));
   }
+  *reinterpret_cast<uint4*>(hr) = hv;
 }
 __syncthreads();
 #define SKINNY_X(m, k) (*reinterpret_cast<const uint4*>(normed + (m) * KP + (k) + t * 8))
