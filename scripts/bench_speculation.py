@@ -11,7 +11,10 @@ markdown table: per prompt set, temperature and concurrency, the batched
 engine's output tok/s (all output tokens over the wall time, prefill
 included; median of the reps) and each other server's median ratio to
 it, measured in the same rep, then the same for decode tok/s (1000 / TPOT
-p50: the rate after the first token).
+p50: the rate after the first token). Unseeded, each server writes its
+own texts, so at temperature > 0 a cell also measures how long its
+answers ran; `--seeded` gives request i seed i, the same requests to
+every server.
 
     .mlx/venv/bin/python scripts/bench_speculation.py [--bin-dir target/release --reps 2 \\
         --levels 1,4,16 --temperatures 0,0.7 --prompts bench/prompts/quoting.jsonl,mixed --output-len 96]
@@ -56,6 +59,10 @@ def args():
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--prompts", default=str(ROOT / "bench/prompts/quoting.jsonl") + ",mixed")
     p.add_argument("--output-len", type=int, default=96)
+    p.add_argument("--seeded", action="store_true",
+                   help="the sweep's request i carries seed i, so every server samples the same requests "
+                        "(engines that draw alike write the same texts, and a cell's ratio is not the "
+                        "answers' lengths)")
     p.add_argument("--out", type=Path, default=ROOT / "target" / "bench-speculation")
     p.add_argument("--paired", type=int, default=0, metavar="SEEDS")
     p.add_argument("--compare", type=Path, metavar="DIR")
@@ -112,7 +119,7 @@ def run(a, url, label, prompts, temperature, level, out):
     cmd = [str(a.bin_dir / "bench"), "run", "--url", url, "--label", label, "--out", str(out),
            "--concurrency", str(level), "--prompts", prompts, "--no-tools", "--rounds", "1",
            "--min-requests", "4", "--output-len", str(a.output_len), "--temperature", str(temperature),
-           "--warmup", "1"]
+           "--warmup", "1"] + (["--request-seeds", "0"] if a.seeded else [])
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     level = json.loads(out.read_text())["levels"][0]
     return (level["output_tok_s"], 1000.0 / level["tpot_ms"]["p50"]), level.get("engines", {})

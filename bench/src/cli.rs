@@ -86,6 +86,11 @@ pub struct RunArgs {
     pub no_tools: bool,
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f64,
+    /// Give request i of the sweep (its prompt index) the sampling seed
+    /// BASE + i, so every server given the same sweep samples the same
+    /// requests, and engines that draw alike write the same texts.
+    #[arg(long, value_name = "BASE")]
+    pub request_seeds: Option<u64>,
     /// Unmeasured warm-up requests: one batch at each of these
     /// concurrencies (0: none).
     #[arg(long, value_delimiter = ',', default_value = "1,4")]

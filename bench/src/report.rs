@@ -41,6 +41,9 @@ pub struct Settings {
     pub temperature: f64,
     pub tools: bool,
     pub seed: u64,
+    /// Request i's sampling seed is this + i (`--request-seeds`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_seeds: Option<u64>,
     /// Index of the sweep's first prompt.
     pub first_prompt: usize,
     /// How many requests each level sent: `requests N`, `rounds R (min M)`

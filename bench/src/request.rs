@@ -37,10 +37,14 @@ pub struct RequestShape {
     pub ignore_eos: bool,
     /// Send a prompt's `tools` (chat only).
     pub tools: bool,
+    /// The sampling seed of prompt index 0 (`seed` is this + the index);
+    /// `None`: no seed.
+    pub seeds: Option<u64>,
 }
 
 impl RequestShape {
-    pub fn body(&self, prompt: &Prompt, max_tokens: u32) -> Value {
+    /// The body for the sweep's prompt `index`.
+    pub fn body(&self, index: usize, prompt: &Prompt, max_tokens: u32) -> Value {
         let mut body = json!({
             "max_tokens": max_tokens,
             "temperature": self.temperature,
@@ -61,6 +65,9 @@ impl RequestShape {
         }
         if self.ignore_eos {
             body["ignore_eos"] = json!(true);
+        }
+        if let Some(base) = self.seeds {
+            body["seed"] = json!(base.wrapping_add(index as u64));
         }
         body
     }
@@ -84,8 +91,9 @@ mod tests {
             temperature: 0.0,
             ignore_eos: true,
             tools: true,
+            seeds: None,
         };
-        let b = shape.body(&prompt, 16);
+        let b = shape.body(0, &prompt, 16);
         assert_eq!(b["messages"][0]["content"], "weather?");
         assert_eq!(b["tools"][0]["type"], "function");
         assert_eq!(
@@ -93,15 +101,18 @@ mod tests {
             (Some("m"), Some(true))
         );
         assert_eq!(b["stream_options"]["include_usage"], true);
+        assert!(b.get("seed").is_none());
         shape.tools = false;
         shape.model = None;
         shape.ignore_eos = false;
-        let b = shape.body(&prompt, 4);
+        let b = shape.body(1, &prompt, 4);
         assert!(
             b.get("tools").is_none() && b.get("model").is_none() && b.get("ignore_eos").is_none()
         );
         shape.endpoint = Endpoint::Completions;
-        let b = shape.body(&prompt, 4);
+        shape.seeds = Some(10);
+        let b = shape.body(7, &prompt, 4);
+        assert_eq!(b["seed"].as_u64(), Some(17));
         assert_eq!(
             (b["prompt"].as_str(), b["max_tokens"].as_u64()),
             (Some("weather?"), Some(4))

@@ -45,6 +45,7 @@ pub async fn run(args: RunArgs) -> Result<BenchResult> {
         temperature: args.temperature,
         ignore_eos: args.ignore_eos,
         tools: !args.no_tools,
+        seeds: args.request_seeds,
     };
     let label = args.label.clone().unwrap_or_else(|| args.url.clone());
     let settings = Settings {
@@ -58,6 +59,7 @@ pub async fn run(args: RunArgs) -> Result<BenchResult> {
         temperature: args.temperature,
         tools: shape.tools,
         seed: args.seed,
+        request_seeds: args.request_seeds,
         first_prompt: args.first_prompt,
         amount: amount.describe(),
         warmup: args.warmup.iter().copied().filter(|&c| c > 0).collect(),

@@ -64,9 +64,9 @@ impl Sweep {
         for &c in levels {
             let mut tasks = Vec::new();
             for _ in 0..c {
-                let body = self
-                    .shape
-                    .body(&self.prompts.get(next), self.shape.max_tokens.min(8));
+                let body =
+                    self.shape
+                        .body(next, &self.prompts.get(next), self.shape.max_tokens.min(8));
                 next += 1;
                 let (client, path) = (self.client.clone(), self.shape.endpoint.path());
                 tasks.push(tokio::spawn(
@@ -111,8 +111,8 @@ impl Sweep {
                     if limit.is_some_and(|n| sent.fetch_add(1, Ordering::SeqCst) >= n) {
                         break;
                     }
-                    let prompt = prompts.get(next_prompt.fetch_add(1, Ordering::SeqCst));
-                    let body = shape.body(&prompt, shape.max_tokens);
+                    let index = next_prompt.fetch_add(1, Ordering::SeqCst);
+                    let body = shape.body(index, &prompts.get(index), shape.max_tokens);
                     let record = client.stream(shape.endpoint.path(), &body).await;
                     let failed = record.error.is_some();
                     records.push(record);

@@ -190,6 +190,7 @@ pub(crate) mod tests {
                 temperature: 0.0,
                 tools: false,
                 seed: 0,
+                request_seeds: None,
                 first_prompt: 0,
                 amount: "requests 1".into(),
                 warmup: vec![],
