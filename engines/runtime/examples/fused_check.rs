@@ -221,7 +221,12 @@ fn check_normed_product(dtype: Dtype, rows: i32, (k, f): (i32, i32), gated: bool
         false => product,
     };
     let ours = match add {
-        true => gpu_fused::add_rms_norm(&x, &r, &nw, eps).unwrap().unwrap().1,
+        true => {
+            gpu_fused::add_rms_norm(&x, &r, &nw, eps)
+                .unwrap()
+                .unwrap()
+                .1
+        }
         false => normed,
     };
     let ours = match rows > 1 || gated {

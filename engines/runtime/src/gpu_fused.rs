@@ -229,9 +229,11 @@ pub fn normed_product(
                 .map_err(|e| format!("{e:#}"))
             });
             let kernel = kernel.as_ref().map_err(|e| Exception::custom(e.clone()))?;
-            kernel.apply(&[&x2, &r2, norm_weight, wt], &launch).ok_or_else(|| {
-                Exception::custom("MLX could not apply the fused norm and product kernel")
-            })
+            kernel
+                .apply(&[&x2, &r2, norm_weight, wt], &launch)
+                .ok_or_else(|| {
+                    Exception::custom("MLX could not apply the fused norm and product kernel")
+                })
         })?;
         let y = out.remove(0);
         let h = match r {

@@ -844,7 +844,13 @@ impl Layer {
         let (Some(pre), Some(post)) = (&self.pre_ff_norm, &self.post_ff_norm) else {
             if let Ffn::Dense(mlp) = &self.mlp {
                 let fused = mlp.gated_dense().and_then(|wt| {
-                    crate::gpu_fused::normed_product(x, Some(r), self.post_attn_norm.parts(), wt, true)
+                    crate::gpu_fused::normed_product(
+                        x,
+                        Some(r),
+                        self.post_attn_norm.parts(),
+                        wt,
+                        true,
+                    )
                 });
                 if let Some(fused) = fused {
                     let (h, activation) = fused?;
@@ -985,7 +991,10 @@ impl Attention {
         let dtype = match &x {
             Residual::Sum(h) | Residual::Pending(h, _) => h.dtype(),
         };
-        let stacked = self.qkv.stacked_dense().filter(|_| own_kv && self.takes_fused_heads(dtype));
+        let stacked = self
+            .qkv
+            .stacked_dense()
+            .filter(|_| own_kv && self.takes_fused_heads(dtype));
         if let Some(fused) = stacked.and_then(|wt| x.normed_product(norm, wt, false)) {
             let (h, qkv) = fused?;
             return Ok((h, AttnInput::Qkv(qkv)));
@@ -1044,7 +1053,8 @@ impl Attention {
                 self.qkv.joined(&x).expect("stacked projections")?
             }
             AttnInput::Normed(x) => {
-                return self.forward_mixed_projected(&x, segments, layouts, windowed, idx, shared_kv)
+                return self
+                    .forward_mixed_projected(&x, segments, layouts, windowed, idx, shared_kv)
             }
         };
         let parts = qkv.split_at_indices(&bounds, 0)?;
