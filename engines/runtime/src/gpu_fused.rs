@@ -228,12 +228,12 @@ pub fn normed_product(
                 )
                 .map_err(|e| format!("{e:#}"))
             });
-            let kernel = kernel.as_ref().map_err(|e| Exception::custom(e.clone()))?;
-            kernel
-                .apply(&[&x2, &r2, norm_weight, wt], &launch)
-                .ok_or_else(|| {
-                    Exception::custom("MLX could not apply the fused norm and product kernel")
-                })
+            apply(
+                kernel,
+                &[&x2, &r2, norm_weight, wt],
+                &launch,
+                "norm and product",
+            )
         })?;
         let y = out.remove(0);
         let h = match r {
@@ -629,11 +629,19 @@ fn run(
     launch: &Launch,
     what: &str,
 ) -> R<Vec<Array>> {
+    kernel.with(|k| apply(k, inputs, launch, what))
+}
+
+/// `kernel` (or the error it was built with) applied to `inputs`.
+fn apply(
+    kernel: &Result<CudaKernel, String>,
+    inputs: &[&Array],
+    launch: &Launch,
+    what: &str,
+) -> R<Vec<Array>> {
+    let kernel = kernel.as_ref().map_err(|e| Exception::custom(e.clone()))?;
     kernel
-        .with(|k| {
-            let k = k.as_ref().map_err(|e| Exception::custom(e.clone()))?;
-            Ok::<_, Exception>(k.apply(inputs, launch))
-        })?
+        .apply(inputs, launch)
         .ok_or_else(|| Exception::custom(format!("MLX could not apply the fused {what} kernel")))
 }
 

@@ -606,6 +606,17 @@ struct SegmentLayout {
     offsets: Offsets,
 }
 
+impl SegmentLayout {
+    /// The mask a layer of this segment attends under (`windowed`: a
+    /// sliding-window layer, where the segment has a window mask).
+    fn mask(&self, windowed: bool) -> &AttnMask {
+        match (windowed, &self.window_mask) {
+            (true, Some(m)) => m,
+            _ => &self.global_mask,
+        }
+    }
+}
+
 /// Which hidden states [`Model::forward_tapped`] returns.
 #[derive(Debug, Clone, Default)]
 pub struct Taps {
@@ -903,11 +914,16 @@ impl Residual {
     /// ([`crate::gpu_fused::normed_product`]); `None` where it does not
     /// apply.
     fn normed_product(&self, norm: &RmsNorm, wt: &Array, gated: bool) -> Option<R<(Array, Array)>> {
-        let (h, r) = match self {
+        let (h, r) = self.parts();
+        crate::gpu_fused::normed_product(h, r, norm.parts(), wt, gated)
+    }
+
+    /// The stream and what is still to be added to it.
+    fn parts(&self) -> (&Array, Option<&Array>) {
+        match self {
             Residual::Sum(h) => (h, None),
             Residual::Pending(h, r) => (h, Some(r)),
-        };
-        crate::gpu_fused::normed_product(h, r, norm.parts(), wt, gated)
+        }
     }
 
     /// The stream, added.
@@ -988,13 +1004,11 @@ impl Attention {
     /// the stacked product (`own_kv`: the layer writes its own keys and
     /// values) and [`crate::gpu_fused::normed_product`] takes it.
     fn input(&self, x: Residual, norm: &RmsNorm, own_kv: bool) -> R<(Array, AttnInput)> {
-        let dtype = match &x {
-            Residual::Sum(h) | Residual::Pending(h, _) => h.dtype(),
-        };
+        let dtype = x.parts().0.dtype();
         let stacked = self
             .qkv
             .stacked_dense()
-            .filter(|_| own_kv && self.takes_fused_heads(dtype));
+            .filter(|_| self.takes_fused_heads(dtype, own_kv));
         if let Some(fused) = stacked.and_then(|wt| x.normed_product(norm, wt, false)) {
             let (h, qkv) = fused?;
             return Ok((h, AttnInput::Qkv(qkv)));
@@ -1016,7 +1030,7 @@ impl Attention {
     ) -> anyhow::Result<(Array, LayerView)> {
         let qkv = match x {
             AttnInput::Qkv(qkv) => qkv,
-            AttnInput::Normed(x) if shared_kv.is_none() && self.takes_fused_heads(x.dtype()) => {
+            AttnInput::Normed(x) if self.takes_fused_heads(x.dtype(), shared_kv.is_none()) => {
                 self.qkv.joined(&x).expect("stacked projections")?
             }
             AttnInput::Normed(x) => {
@@ -1042,13 +1056,12 @@ impl Attention {
         idx: usize,
         shared_kv: &[Option<LayerView>],
     ) -> anyhow::Result<(Array, Vec<LayerView>)> {
-        let bounds: Vec<i32> = layouts[1..].iter().map(|l| l.first_row).collect();
         // Each segment's heads as its forward alone makes them (the same
         // node, so the same numbers), over one stacked product of every row.
         let qkv = match x {
             AttnInput::Qkv(qkv) => qkv,
             AttnInput::Normed(x)
-                if shared_kv.iter().all(Option::is_none) && self.takes_fused_heads(x.dtype()) =>
+                if self.takes_fused_heads(x.dtype(), shared_kv.iter().all(Option::is_none)) =>
             {
                 self.qkv.joined(&x).expect("stacked projections")?
             }
@@ -1057,19 +1070,16 @@ impl Attention {
                     .forward_mixed_projected(&x, segments, layouts, windowed, idx, shared_kv)
             }
         };
+        let bounds: Vec<i32> = layouts[1..].iter().map(|l| l.first_row).collect();
         let parts = qkv.split_at_indices(&bounds, 0)?;
         let mut heads = Vec::with_capacity(parts.len());
         let mut kvs = Vec::with_capacity(parts.len());
         for ((qkv, segment), layout) in parts.iter().zip(segments).zip(layouts) {
-            let mask = match (windowed, &layout.window_mask) {
-                (true, Some(m)) => m,
-                _ => &layout.global_mask,
-            };
             let out_shape = merged_shape(qkv, self.heads * self.head_dim);
             let (h, kv) = self.attend_fused(
                 qkv,
                 layout.rows,
-                mask,
+                layout.mask(windowed),
                 &layout.offsets,
                 segment.cache,
                 idx,
@@ -1098,16 +1108,11 @@ impl Attention {
         for (((p, segment), layout), shared) in
             parts.into_iter().zip(segments).zip(layouts).zip(shared_kv)
         {
-            let (mask, offsets) = (&layout.global_mask, &layout.offsets);
-            let mask = match (windowed, &layout.window_mask) {
-                (true, Some(m)) => m,
-                _ => mask,
-            };
             let (h, kv) = self.attend(
                 p,
                 layout.rows,
-                mask,
-                offsets,
+                layout.mask(windowed),
+                &layout.offsets,
                 segment.cache,
                 idx,
                 shared.clone(),
@@ -1119,12 +1124,15 @@ impl Attention {
     }
 
     /// Whether the heads come from the stacked product in one kernel (GPU)
-    /// or node (CPU) for activations of `dtype` ([`Attention::attend_fused`]).
-    fn takes_fused_heads(&self, dtype: Dtype) -> bool {
-        self.heads_spec().is_some_and(|spec| {
-            crate::gpu_fused::takes_heads(dtype, &spec)
-                || crate::cpu_fused::takes_heads(dtype, &spec)
-        })
+    /// or node (CPU) for activations of `dtype` ([`Attention::attend_fused`]);
+    /// `own_kv`: the layer writes its own keys and values (one that reads
+    /// another layer's takes the separate projections).
+    fn takes_fused_heads(&self, dtype: Dtype, own_kv: bool) -> bool {
+        own_kv
+            && self.heads_spec().is_some_and(|spec| {
+                crate::gpu_fused::takes_heads(dtype, &spec)
+                    || crate::cpu_fused::takes_heads(dtype, &spec)
+            })
     }
 
     /// Attention of `(b, l)` positions from their stacked q/k/v product
