@@ -10,9 +10,10 @@
 //! how many elements differ at all (a rounding of the sum of squares in
 //! another order may move a bfloat16 result by one step). Then, with
 //! `--model`, greedy tokens and logits of single steps and of blocks of 8
-//! (a verify) with the kernels against without them, and of single steps
-//! with the norms folded into the products against without, in one
-//! process.
+//! (a verify) with the kernels against without them, of single steps
+//! with the norms folded into the products against without, and over a
+//! paged cache of single steps with the heads made in attention's kernel
+//! against the heads kernel and attention apart, in one process.
 
 use std::path::PathBuf;
 
@@ -25,7 +26,8 @@ use runtime::cache::Offsets;
 use runtime::generate::{prefill, tokens_array};
 use runtime::gpu_fused::{self, HeadsSpec, RopeSpec};
 use runtime::model::Logits;
-use runtime::{ComputeDtype, LoadedModel, Model};
+use runtime::paged::PagePool;
+use runtime::{ComputeDtype, KvCache, LoadedModel, Model};
 
 fn random(shape: &[i32], dtype: Dtype, seed: u64) -> Array {
     mlx_rs::random::seed(seed).unwrap();
@@ -256,7 +258,18 @@ fn run(
     k: usize,
     forced: &[u32],
 ) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let mut cache = model.new_cache(1);
+    run_on(model, model.new_cache(1), prompt, gen, k, forced)
+}
+
+/// [`run`] on `cache`.
+fn run_on(
+    model: &Model,
+    mut cache: KvCache,
+    prompt: &[u32],
+    gen: usize,
+    k: usize,
+    forced: &[u32],
+) -> (Vec<u32>, Vec<Vec<f32>>) {
     let first = prefill(model, &mut cache, prompt, 512).unwrap();
     let mut all = logit_rows(&first);
     let mut tokens = vec![argmax(&all[0])];
@@ -349,4 +362,30 @@ fn main() {
         equal_prefix(&tokens, &unnormed_tokens),
         worst_difference(&got, &unnormed)
     );
+    // Over a paged cache, the heads made in attention's kernel against the
+    // heads kernel and attention apart: the same arithmetic, so the same
+    // logits, at a short context (a block a query head) and a long one
+    // (each query's keys split over blocks).
+    let long: Vec<u32> = prompt.iter().cycle().take(1500).copied().collect();
+    let pool = PagePool::new(model.num_layers(), 160, 16).expect("pool");
+    for (what, prompt) in [("short", &prompt), ("1,500-token", &long)] {
+        let mut runs = [false, true].map(|on| {
+            runtime::ragged::set_heads_in_attention(on);
+            run_on(
+                model,
+                model.new_paged_cache(&pool, vec![0]),
+                prompt,
+                gen,
+                1,
+                &[],
+            )
+        });
+        let (tokens, got) = runs[1].clone();
+        let (apart_tokens, apart) = std::mem::take(&mut runs[0]);
+        println!(
+            "paged, {what} prompt: single steps with the heads in attention against apart: {} of {gen} greedy tokens equal; worst logit difference {:.3e}",
+            equal_prefix(&tokens, &apart_tokens),
+            worst_difference(&got, &apart)
+        );
+    }
 }

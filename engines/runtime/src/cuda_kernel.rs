@@ -8,6 +8,7 @@ use anyhow::anyhow;
 use mlx_rs::{Array, Dtype};
 
 /// A template argument of one launch.
+#[derive(Clone, Copy)]
 pub enum TemplateArg<'a> {
     Dtype(&'a str, Dtype),
     Int(&'a str, i32),

@@ -369,39 +369,16 @@ fn launch_heads(
             qkv.shape()
         )));
     }
-    let rope = &spec.rope;
     let qkv = match qkv.ndim() {
         2 => qkv.clone(),
         _ => qkv.reshape(&[b * l, width])?,
     };
-    let pos = match offsets {
-        Offsets::Scalar(o) => scalar_positions(*o, b),
-        Offsets::PerRow(o) => o.as_dtype(Dtype::Int32)?,
-    };
-    let (qw, kw, eps) = match spec.norms {
-        Some((qw, kw, eps)) => (qw.clone(), kw.clone(), eps),
-        None => (qkv.clone(), qkv.clone(), 0.0),
-    };
-    let freqs = match rope.freqs {
-        Some(f) => f.as_dtype(Dtype::Float32)?,
-        None => Array::from_slice(&[1.0f32], &[1]),
-    };
-    let log2_base = rope.base.map_or(0.0, f32::log2);
+    let operands = heads_operands(&qkv, b, spec, offsets)?;
     let slots = b * l * (h + 2 * hkv);
     let kv_rows = matches!(kv, HeadsKv::Out { kv_rows: true });
-    let templates = [
-        TemplateArg::Dtype("T", dtype),
-        TemplateArg::Int("D", d),
-        TemplateArg::Int("H", h),
-        TemplateArg::Int("HKV", hkv),
-        TemplateArg::Int("HALF", rope.dims / 2),
-        TemplateArg::Int("NORM", spec.norms.is_some() as i32),
-        TemplateArg::Int("FREQS", rope.freqs.is_some() as i32),
-        TemplateArg::Int("KV_ROWS", kv_rows as i32),
-        TemplateArg::Int("EPS_BITS", float_bits(eps)?),
-        TemplateArg::Int("LOG2_BASE_BITS", float_bits(log2_base)?),
-        TemplateArg::Int("ROPE_SCALE_BITS", float_bits(rope.scale)?),
-    ];
+    let mut templates = vec![TemplateArg::Dtype("T", dtype), TemplateArg::Int("D", d)];
+    templates.extend(operands.templates);
+    templates.push(TemplateArg::Int("KV_ROWS", kv_rows as i32));
     let kv_shape = match kv_rows {
         true => [b * l, 1, hkv, d],
         false => [b, hkv, l, d],
@@ -420,7 +397,8 @@ fn launch_heads(
         templates: &templates,
         init: None,
     };
-    let inputs = [&qkv, &qw, &kw, &pos, &freqs];
+    let [qw, kw, pos, freqs] = &operands.arrays;
+    let inputs = [&qkv, qw, kw, pos, freqs];
     match kv {
         HeadsKv::Out { .. } => run(&HEADS, &inputs, &launch, "heads"),
         HeadsKv::Pool(t) => {
@@ -430,6 +408,57 @@ fn launch_heads(
             run(&HEADS_POOL, &inputs, &launch, "heads into the pool")
         }
     }
+}
+
+/// What the heads kernels read besides the q/k/v rows: the q and k
+/// norms' weights, the rows' positions and the rotation's frequencies
+/// (placeholders where the layer has none), and the template arguments
+/// that give the layer's heads, norm and rotation. [`heads`] and the paged
+/// attention that makes its heads itself
+/// ([`crate::ragged::paged_attention_from_qkv`]) read them alike.
+pub(crate) struct HeadsOperands {
+    /// `qw`, `kw`, `pos`, `freqs`, the kernels' inputs of those names.
+    pub arrays: [Array; 4],
+    pub templates: Vec<TemplateArg<'static>>,
+}
+
+/// [`HeadsOperands`] of the q/k/v rows `qkv` of `b` rows of a layer of
+/// `spec`.
+pub(crate) fn heads_operands(
+    qkv: &Array,
+    b: i32,
+    spec: &HeadsSpec,
+    offsets: &Offsets,
+) -> R<HeadsOperands> {
+    let rope = &spec.rope;
+    let pos = match offsets {
+        Offsets::Scalar(o) => scalar_positions(*o, b),
+        Offsets::PerRow(o) => o.as_dtype(Dtype::Int32)?,
+    };
+    // Unread without norms: any array of the rows' dtype.
+    let (qw, kw, eps) = match spec.norms {
+        Some((qw, kw, eps)) => (qw.clone(), kw.clone(), eps),
+        None => (qkv.clone(), qkv.clone(), 0.0),
+    };
+    let freqs = match rope.freqs {
+        Some(f) => f.as_dtype(Dtype::Float32)?,
+        None => Array::from_slice(&[1.0f32], &[1]),
+    };
+    let log2_base = rope.base.map_or(0.0, f32::log2);
+    let templates = vec![
+        TemplateArg::Int("H", spec.heads),
+        TemplateArg::Int("HKV", spec.kv_heads),
+        TemplateArg::Int("HALF", rope.dims / 2),
+        TemplateArg::Int("NORM", spec.norms.is_some() as i32),
+        TemplateArg::Int("FREQS", rope.freqs.is_some() as i32),
+        TemplateArg::Int("EPS_BITS", float_bits(eps)?),
+        TemplateArg::Int("LOG2_BASE_BITS", float_bits(log2_base)?),
+        TemplateArg::Int("ROPE_SCALE_BITS", float_bits(rope.scale)?),
+    ];
+    Ok(HeadsOperands {
+        arrays: [qw, kw, pos, freqs],
+        templates,
+    })
 }
 
 /// Whether [`heads_into_pool`] writes activations of `dtype` into a
@@ -612,6 +641,7 @@ fn scalar_positions(o: i32, b: i32) -> Array {
 }
 
 const SILU_MUL: &str = include_str!("kernels/silu_mul.cuh");
+pub(crate) const NORM_ROPE: &str = include_str!("kernels/norm_rope.cuh");
 
 const BLOCK: i32 = 128;
 const NORM_BLOCK: i32 = 256;
@@ -646,16 +676,12 @@ fn apply(
 }
 
 /// One warp per (row, head slot): slots `0..H` are q heads, then `HKV` k
-/// heads, then `HKV` v heads. A lane holds features `lane + 32 * t`, so
-/// the rotated pair `(e, e + HALF)` sits in one lane (HALF a multiple of
-/// 32). The norm is MLX's `rms_norm` (float sum of squares, `rsqrt(mean +
-/// eps)`, the normed value rounded to `T` and then multiplied by the
-/// weight in `T`), the rotation MLX's `rope` (float angle `scale * pos *
-/// inv_freq`, float rotation, rounded to `T`).
+/// heads, then `HKV` v heads; q and k heads normed and rotated by
+/// `norm_rope` (kernels/norm_rope.cuh: MLX's `rms_norm` and `rope`) and
+/// rounded to `T`.
 const HEADS_SOURCE: &str = r#"
     constexpr int PER = D / 32;
     constexpr int S = H + 2 * HKV;
-    constexpr int HP = HALF / 32;
     const int lane = threadIdx.x % 32;
     const long warp = ((long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     const int rows = qkv_shape[0];
@@ -681,36 +707,8 @@ const HEADS_SOURCE: &str = r#"
     }
     const bool is_q = s < H;
     float x[PER];
-    for (int t = 0; t < PER; t++) x[t] = static_cast<float>(src[lane + 32 * t]);
-    if (NORM) {
-        const T* w = is_q ? qw : kw;
-        float ss = 0.f;
-        for (int t = 0; t < PER; t++) ss += x[t] * x[t];
-        for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffff, ss, off);
-        const float nrm = rsqrt(ss / D + __int_as_float(EPS_BITS));
-        for (int t = 0; t < PER; t++) {
-            const T y = static_cast<T>(x[t] * nrm);
-            x[t] = static_cast<float>(static_cast<T>(w[lane + 32 * t] * y));
-        }
-    }
-    const float at = __int_as_float(ROPE_SCALE_BITS) * static_cast<float>(pos[b] + i);
-    for (int t = 0; t < HP; t++) {
-        const int e = lane + 32 * t;
-        float inv;
-        if (FREQS) {
-            inv = 1.0 / freqs[e];
-        } else {
-            const float dd = static_cast<float>(e) / static_cast<float>(HALF);
-            inv = exp2(-dd * __int_as_float(LOG2_BASE_BITS));
-        }
-        const float theta = at * inv;
-        const float c = cos(theta);
-        const float sn = sin(theta);
-        const float x1 = x[t];
-        const float x2 = x[t + HP];
-        x[t] = x1 * c - x2 * sn;
-        x[t + HP] = x1 * sn + x2 * c;
-    }
+    norm_rope<T, D, HALF, NORM, FREQS>(src, is_q ? qw : kw, freqs, pos[b] + i, lane,
+        __int_as_float(EPS_BITS), __int_as_float(LOG2_BASE_BITS), __int_as_float(ROPE_SCALE_BITS), x);
 #ifdef POOL
     T* dst = is_q ? q_out + (((size_t)b * H + s) * L + i) * D
           : const_cast<T*>(k_pool) + ((size_t)slots[r] * HKV + (s - H)) * D;
@@ -831,7 +829,7 @@ thread_local! {
         &["qkv", "qw", "kw", "pos", "freqs"],
         &["q_out", "k_out", "v_out"],
         HEADS_SOURCE,
-        "",
+        NORM_ROPE,
         true,
     )
     .map_err(|e| format!("{e:#}"));
@@ -840,7 +838,7 @@ thread_local! {
         &["qkv", "qw", "kw", "pos", "freqs", "k_pool", "v_pool", "slots", "after"],
         &["q_out", "written"],
         &format!("#define POOL\n{HEADS_SOURCE}"),
-        "",
+        NORM_ROPE,
         true,
     )
     .map_err(|e| format!("{e:#}"));

@@ -73,11 +73,25 @@ const SOURCE: &str = r#"
     // into rows (`[B, n, heads, D]`), the output product's input.
 #define OUT_AT(g, e) (MERGED ? (((size_t)b * n + qi) * heads + h0 + (g)) * D + (e) \
                              : (((size_t)b * heads + h0 + (g)) * n + qi) * D + (e))
+    // Key or value row `j`: with FUSED_HEADS the new position's from
+    // shared memory.
+#ifdef FUSED_HEADS
+#define NEW_AT(fresh, j, at) ((j) == qpos ? (fresh) : (at))
+#else
+#define NEW_AT(fresh, j, at) (at)
+#endif
     constexpr int PER = D / 32;
     constexpr int VEC = 16 / sizeof(T);
+#ifdef FUSED_HEADS
+    // One query a row, its heads made here from the row's q/k/v product.
+    const int n = 1;
+    const int heads = H;
+    const int rows = qkv_shape[0];
+#else
     const int n = q_shape[2];
     const int heads = q_shape[1];
     const int rows = q_shape[0];
+#endif
     const int kv_heads = KV_HEADS;
     const int total = TOTAL;
     // `splits` blocks share an item (row, head group, query), each over
@@ -110,12 +124,50 @@ const SOURCE: &str = r#"
 
     __shared__ float qs[GROUP][D];
     const float sc = __int_as_float(SCALE_BITS);
+#ifdef FUSED_HEADS
+    // A warp a head, as the heads kernel makes them (`norm_rope`): the
+    // group's queries, then the row's new key and its value. The block
+    // whose keys end at the new position reads them from here (the pool
+    // is written in this kernel, so no block reads them from there), and
+    // the first such block of their key head writes them to the pool.
+    __shared__ __align__(16) T knew[D];
+    __shared__ __align__(16) T vnew[D];
+    {
+        const T* row = qkv + (size_t)b * (H + 2 * KV_HEADS) * D;
+        for (int g = warp; g < GROUP + 2; g += WARPS) {
+            if (g == GROUP + 1) {
+                for (int e = lane; e < D; e += 32) vnew[e] = row[(size_t)(H + KV_HEADS + kh) * D + e];
+                continue;
+            }
+            float x[PER];
+            const bool is_q = g < GROUP;
+            norm_rope<T, D, HALF, NORM, FREQS>(row + (size_t)(is_q ? h0 + g : H + kh) * D,
+                is_q ? qw : kw, freqs, pos[b], lane, __int_as_float(EPS_BITS),
+                __int_as_float(LOG2_BASE_BITS), __int_as_float(ROPE_SCALE_BITS), x);
+            for (int t = 0; t < PER; t++) {
+                const T y = static_cast<T>(x[t]);
+                if (is_q) qs[g][lane + 32 * t] = static_cast<float>(y) * sc;
+                else knew[lane + 32 * t] = y;
+            }
+        }
+    }
+#else
     for (int i = threadIdx.x; i < GROUP * D; i += blockDim.x) {
         const int g = i / D, e = i % D;
         const T* qp = q + b * q_strides[0] + (h0 + g) * q_strides[1] + qi * q_strides[2];
         qs[g][e] = static_cast<float>(qp[e * q_strides[3]]) * sc;
     }
+#endif
     __syncthreads();
+#ifdef FUSED_HEADS
+    if (first <= qpos && qpos <= last && h0 % (heads / kv_heads) == 0) {
+        const size_t at = ((size_t)slots[b] * kv_heads + kh) * D;
+        for (int e = threadIdx.x; e < D; e += blockDim.x) {
+            const_cast<T*>(k)[at + e] = knew[e];
+            const_cast<T*>(v)[at + e] = vnew[e];
+        }
+    }
+#endif
     // Rows of whole aligned 16-byte vectors are read as such.
     const bool vec_k = ESTRIDE(k_strides) == 1 && reinterpret_cast<size_t>(k) % 16 == 0
         && ROWS_ALIGNED(k_strides, VEC);
@@ -132,7 +184,7 @@ const SOURCE: &str = r#"
         float d[GROUP];
         for (int g = 0; g < GROUP; g++) d[g] = -1e30f;
         if (j <= last) {
-            const T* kr = k + KEY_AT(k_strides, j);
+            const T* kr = NEW_AT(knew, j, k + KEY_AT(k_strides, j));
             float acc[GROUP];
             for (int g = 0; g < GROUP; g++) acc[g] = 0.f;
             if (vec_k) {
@@ -176,7 +228,8 @@ const SOURCE: &str = r#"
             float val[VB][PER];
 #pragma unroll
             for (int u = 0; u < VB; u++) {
-                const T* vr = v + KEY_AT(v_strides, c0 + min(t0 + u, count - 1));
+                const int c = c0 + min(t0 + u, count - 1);
+                const T* vr = NEW_AT(vnew, c, v + KEY_AT(v_strides, c));
 #pragma unroll
                 for (int i = 0; i < PER; i++) {
                     val[u][i] = static_cast<float>(vr[(lane * PER + i) * ESTRIDE(v_strides)]);
@@ -344,7 +397,7 @@ pub fn attention(
         whole: &CONTIGUOUS_KERNEL,
         split: &CONTIGUOUS_SPLIT_KERNEL,
     };
-    launch(kernels, q, k, v, meta, scale, None, merged)
+    launch(kernels, Queries::Heads(q), k, v, meta, scale, None, merged)
 }
 
 /// [`attention`] over a paged layer: `k`, `v` are the pool's buffers
@@ -366,7 +419,108 @@ pub fn paged_attention(
         whole: &PAGED_KERNEL,
         split: &PAGED_SPLIT_KERNEL,
     };
-    launch(kernels, q, k, v, meta, scale, Some((read, written)), merged)
+    launch(
+        kernels,
+        Queries::Heads(q),
+        k,
+        v,
+        meta,
+        scale,
+        Some((read, written)),
+        merged,
+    )
+}
+
+/// Whether [`paged_attention_from_qkv`] takes a layer of `spec` over the
+/// pool `target` in a forward of one position a row with blocks `tables`:
+/// [`applies_paged`]'s operands, and not switched off
+/// (`GATEWAY_GPU_HEADS_IN_ATTENTION=off`, [`set_heads_in_attention`]).
+pub fn takes_heads_in_attention(
+    spec: &crate::gpu_fused::HeadsSpec,
+    dtype: Dtype,
+    target: &crate::cache::PoolTarget,
+    tables: &Array,
+) -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF
+        .get_or_init(|| std::env::var("GATEWAY_GPU_HEADS_IN_ATTENTION").is_ok_and(|v| v == "off"));
+    let k = &target.keys;
+    !off && !HEADS_IN_ATTENTION_OFF.load(std::sync::atomic::Ordering::Relaxed)
+        && k.ndim() == 3
+        && k.dim(1) == spec.kv_heads
+        && k.dim(2) == spec.head_dim
+        && tables.dim(1) <= MAX_TABLE
+        && matches!(dtype, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
+        && k.dtype() == dtype
+        && spec.head_dim % 32 == 0
+        && spec.head_dim <= 512
+        && spec.kv_heads > 0
+        && spec.heads % spec.kv_heads == 0
+}
+
+static HEADS_IN_ATTENTION_OFF: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// Switches [`paged_attention_from_qkv`] on or off for the whole process
+/// (the device check compares it with the heads kernel and attention
+/// apart).
+pub fn set_heads_in_attention(on: bool) {
+    HEADS_IN_ATTENTION_OFF.store(!on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// [`paged_attention`] of one position a row straight from its stacked
+/// q/k/v product `qkv` (`[B, (heads + 2 * kv_heads) * D]`): the kernel
+/// makes the heads as [`crate::gpu_fused::heads_into_pool`] does (the
+/// same arithmetic, so the same numbers) and writes the position's key and
+/// value into `target`, so one node does what the heads kernel and
+/// attention did. Returns the heads merged as rows of `merged`; that
+/// output is also the pool write's token. For what
+/// [`takes_heads_in_attention`] takes.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention_from_qkv(
+    qkv: &Array,
+    spec: &crate::gpu_fused::HeadsSpec,
+    offsets: &crate::cache::Offsets,
+    target: &crate::cache::PoolTarget,
+    scale: f32,
+    meta: &Array,
+    read: &crate::cache::PagedRead,
+    merged: &[i32],
+) -> anyhow::Result<Array> {
+    let b = read.rows;
+    let width = (spec.heads + 2 * spec.kv_heads) * spec.head_dim;
+    anyhow::ensure!(
+        qkv.size() == (b * width) as usize && target.slots.size() == b as usize,
+        "heads in attention: {:?} is not {b} rows of {width} ({} slots)",
+        qkv.shape(),
+        target.slots.size()
+    );
+    let qkv = match qkv.ndim() {
+        2 => qkv.clone(),
+        _ => qkv.reshape(&[b, width])?,
+    };
+    let operands = crate::gpu_fused::heads_operands(&qkv, b, spec, offsets)?;
+    let kernels = Kernels {
+        whole: &PAGED_HEADS_KERNEL,
+        split: &PAGED_HEADS_SPLIT_KERNEL,
+    };
+    let stacked = Stacked {
+        qkv: &qkv,
+        heads: spec.heads,
+        head_dim: spec.head_dim,
+        operands: &operands,
+        slots: &target.slots,
+    };
+    launch(
+        kernels,
+        Queries::Stacked(stacked),
+        &target.keys,
+        &target.values,
+        meta,
+        scale,
+        Some((read, target.after.as_ref())),
+        Some(merged),
+    )
 }
 
 /// Query heads a block takes: the most that share a key head (dividing
@@ -401,6 +555,24 @@ struct Kernels {
     split: &'static std::thread::LocalKey<Result<CudaKernel, String>>,
 }
 
+/// Where a launch's queries come from.
+enum Queries<'a> {
+    /// Heads, `[B, heads, n, D]`.
+    Heads(&'a Array),
+    /// One position a row's stacked q/k/v product (`FUSED_HEADS`).
+    Stacked(Stacked<'a>),
+}
+
+struct Stacked<'a> {
+    /// `[B, (heads + 2 * kv_heads) * D]`.
+    qkv: &'a Array,
+    heads: i32,
+    head_dim: i32,
+    operands: &'a crate::gpu_fused::HeadsOperands,
+    /// `[B]`: each row's new position's slot in the pool.
+    slots: &'a Array,
+}
+
 /// Runs the layout's kernel on its inputs: `q, k, v, meta`, and for a
 /// paged layer its block tables, its block size a template argument (the
 /// scale too, as its bits: no host array a call). A few items over many
@@ -409,7 +581,7 @@ struct Kernels {
 #[allow(clippy::too_many_arguments)]
 fn launch(
     kernels: Kernels,
-    q: &Array,
+    queries: Queries,
     k: &Array,
     v: &Array,
     meta: &Array,
@@ -417,8 +589,10 @@ fn launch(
     paged: Option<(&crate::cache::PagedRead, Option<&Array>)>,
     merged: Option<&[i32]>,
 ) -> anyhow::Result<Array> {
-    let (b, heads, n, d) = (q.dim(0), q.dim(1), q.dim(2), q.dim(3));
-    let dtype = q.dtype();
+    let (b, heads, n, d, dtype) = match &queries {
+        Queries::Heads(q) => (q.dim(0), q.dim(1), q.dim(2), q.dim(3), q.dtype()),
+        Queries::Stacked(s) => (s.qkv.dim(0), s.heads, 1, s.head_dim, s.qkv.dtype()),
+    };
     let total = paged.map_or(k.dim(2), |(read, _)| read.total);
     let kv_heads = k.dim(1);
     let grouped = group(heads / kv_heads, d);
@@ -438,13 +612,26 @@ fn launch(
         TemplateArg::Int("SCALE_BITS", crate::gpu_fused::float_bits(scale)?),
         TemplateArg::Int("MERGED", merged.is_some() as i32),
     ];
-    let mut inputs = vec![q, k, v, meta];
+    let mut inputs = vec![
+        match &queries {
+            Queries::Heads(q) => *q,
+            Queries::Stacked(s) => s.qkv,
+        },
+        k,
+        v,
+        meta,
+    ];
     if let Some((read, written)) = paged {
         templates.push(TemplateArg::Int("BLOCK", read.block));
         templates.push(TemplateArg::Int("MAX_TABLE", MAX_TABLE));
         inputs.push(&read.tables);
         // Unread: it orders the kernel after the pool's in-place write.
         inputs.push(written.unwrap_or(&read.tables));
+    }
+    if let Queries::Stacked(s) = &queries {
+        templates.extend(s.operands.templates.iter().cloned());
+        inputs.extend(s.operands.arrays.iter());
+        inputs.push(s.slots);
     }
     let out_shape = merged.map_or_else(|| vec![b, heads, n, d], <[i32]>::to_vec);
     anyhow::ensure!(
@@ -488,10 +675,18 @@ fn launch(
 /// finished blocks.
 const SPLIT: &str = "#define SPLIT\n";
 
-fn kernel(name: &str, layout: &str, split: bool) -> Result<CudaKernel, String> {
-    let mut inputs = vec!["q", "k", "v", "meta"];
+/// The heads made in the kernel from the stacked q/k/v product, and the
+/// new position's key and value written to the pool there
+/// ([`paged_attention_from_qkv`]).
+const FUSED_HEADS: &str = "#define FUSED_HEADS\n";
+
+fn kernel(name: &str, layout: &str, split: bool, heads: bool) -> Result<CudaKernel, String> {
+    let mut inputs = vec![if heads { "qkv" } else { "q" }, "k", "v", "meta"];
     if layout == PAGED {
         inputs.extend(["tables", "written"]);
+    }
+    if heads {
+        inputs.extend(["qw", "kw", "pos", "freqs", "slots"]);
     }
     let outputs: &[&str] = if split {
         &["out", "part", "count"]
@@ -499,12 +694,16 @@ fn kernel(name: &str, layout: &str, split: bool) -> Result<CudaKernel, String> {
         &["out"]
     };
     let prefix = if split { SPLIT } else { "" };
+    let (fused, header) = match heads {
+        true => (FUSED_HEADS, crate::gpu_fused::NORM_ROPE),
+        false => ("", ""),
+    };
     CudaKernel::new(
         name,
         &inputs,
         outputs,
-        &format!("{prefix}{layout}{SOURCE}"),
-        "",
+        &format!("{prefix}{fused}{layout}{SOURCE}"),
+        header,
         false,
     )
     .map_err(|e| format!("{e:#}"))
@@ -512,12 +711,17 @@ fn kernel(name: &str, layout: &str, split: bool) -> Result<CudaKernel, String> {
 
 thread_local! {
     static CONTIGUOUS_KERNEL: Result<CudaKernel, String> =
-        kernel("ragged_attention", CONTIGUOUS, false);
+        kernel("ragged_attention", CONTIGUOUS, false, false);
     static CONTIGUOUS_SPLIT_KERNEL: Result<CudaKernel, String> =
-        kernel("ragged_attention_split", CONTIGUOUS, true);
-    static PAGED_KERNEL: Result<CudaKernel, String> = kernel("paged_attention", PAGED, false);
+        kernel("ragged_attention_split", CONTIGUOUS, true, false);
+    static PAGED_KERNEL: Result<CudaKernel, String> =
+        kernel("paged_attention", PAGED, false, false);
     static PAGED_SPLIT_KERNEL: Result<CudaKernel, String> =
-        kernel("paged_attention_split", PAGED, true);
+        kernel("paged_attention_split", PAGED, true, false);
+    static PAGED_HEADS_KERNEL: Result<CudaKernel, String> =
+        kernel("paged_attention_heads", PAGED, false, true);
+    static PAGED_HEADS_SPLIT_KERNEL: Result<CudaKernel, String> =
+        kernel("paged_attention_heads_split", PAGED, true, true);
 }
 
 #[cfg(test)]

@@ -309,6 +309,16 @@ impl KvCache {
         }
     }
 
+    /// What the forward under way reads of a paged cache's layers, once
+    /// [`KvCache::pool_target`] began it: for a kernel that writes the
+    /// target and reads the layer in one node.
+    pub fn pool_read(&self) -> Option<PagedRead> {
+        match &self.kv {
+            Storage::Paged(t) => t.forward_read(),
+            _ => None,
+        }
+    }
+
     /// The write into [`KvCache::pool_target`]'s `target` done, by the
     /// node `written` is the token of: what attention reads of the layer.
     pub fn wrote_pool(

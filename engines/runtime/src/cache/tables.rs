@@ -129,6 +129,11 @@ impl BlockTables {
         }))
     }
 
+    /// See [`crate::KvCache::pool_read`].
+    pub(crate) fn forward_read(&self) -> Option<PagedRead> {
+        self.forward.as_ref().map(|f| f.read.clone())
+    }
+
     /// See [`crate::KvCache::wrote_pool`].
     pub(crate) fn wrote(
         &mut self,
