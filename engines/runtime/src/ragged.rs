@@ -14,6 +14,8 @@
 //! on the CPU, and wherever the kernel does not apply, the same mask goes
 //! to MLX's attention. `examples/ragged_check.rs` compares the two on a GPU.
 
+use std::sync::atomic::{AtomicU8, Ordering};
+
 use anyhow::anyhow;
 use mlx_rs::{Array, Dtype};
 
@@ -433,20 +435,26 @@ pub fn paged_attention(
 
 /// Whether [`paged_attention_from_qkv`] takes a layer of `spec` over the
 /// pool `target` in a forward of one position a row with blocks `tables`:
-/// [`applies_paged`]'s operands, and not switched off
-/// (`GATEWAY_GPU_HEADS_IN_ATTENTION=off`, [`set_heads_in_attention`]).
+/// [`applies_paged`]'s operands, and switched on
+/// (`GATEWAY_GPU_HEADS_IN_ATTENTION=on`, or [`set_heads_in_attention`]).
+/// Off by default until `examples/fused_check` has compared it with the
+/// heads kernel and attention apart on a device (docs/gpu.md).
 pub fn takes_heads_in_attention(
     spec: &crate::gpu_fused::HeadsSpec,
     dtype: Dtype,
     target: &crate::cache::PoolTarget,
     tables: &Array,
 ) -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let off = *OFF
-        .get_or_init(|| std::env::var("GATEWAY_GPU_HEADS_IN_ATTENTION").is_ok_and(|v| v == "off"));
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = match HEADS_IN_ATTENTION.load(Ordering::Relaxed) {
+        SWITCHED_ON => true,
+        SWITCHED_OFF => false,
+        _ => *ON.get_or_init(|| {
+            std::env::var("GATEWAY_GPU_HEADS_IN_ATTENTION").is_ok_and(|v| v == "on")
+        }),
+    };
     let k = &target.keys;
-    !off && !HEADS_IN_ATTENTION_OFF.load(std::sync::atomic::Ordering::Relaxed)
-        && k.ndim() == 3
+    on && k.ndim() == 3
         && k.dim(1) == spec.kv_heads
         && k.dim(2) == spec.head_dim
         && tables.dim(1) <= MAX_TABLE
@@ -458,14 +466,18 @@ pub fn takes_heads_in_attention(
         && spec.heads % spec.kv_heads == 0
 }
 
-static HEADS_IN_ATTENTION_OFF: std::sync::atomic::AtomicBool =
-    std::sync::atomic::AtomicBool::new(false);
+/// [`set_heads_in_attention`]'s switch: unset (the environment decides),
+/// on or off.
+static HEADS_IN_ATTENTION: AtomicU8 = AtomicU8::new(0);
+const SWITCHED_ON: u8 = 1;
+const SWITCHED_OFF: u8 = 2;
 
 /// Switches [`paged_attention_from_qkv`] on or off for the whole process
 /// (the device check compares it with the heads kernel and attention
 /// apart).
 pub fn set_heads_in_attention(on: bool) {
-    HEADS_IN_ATTENTION_OFF.store(!on, std::sync::atomic::Ordering::Relaxed);
+    let state = if on { SWITCHED_ON } else { SWITCHED_OFF };
+    HEADS_IN_ATTENTION.store(state, Ordering::Relaxed);
 }
 
 /// [`paged_attention`] of one position a row straight from its stacked
