@@ -10,7 +10,9 @@
 //! - [`heads`]: the stacked q/k/v product's output to attention's heads:
 //!   slicing, q and k RMSNorm, RoPE and the head layout, one node where
 //!   there were ten a layer; over a paged cache k and v go straight into
-//!   the pool ([`heads_into_pool`]).
+//!   the pool ([`heads_into_pool`]), and at one position a row paged
+//!   attention's kernel can make the heads itself from the same
+//!   [`HeadsOperands`] ([`crate::ragged::paged_attention_from_qkv`]).
 //! - [`gated`]: SiLU(gate) * up straight from the stacked gate/up output
 //!   (three nodes: two slices and the compiled activation).
 //! - [`add_rms_norm`]: the residual add and the next norm, two outputs.

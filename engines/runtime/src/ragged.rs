@@ -349,27 +349,47 @@ pub const MAX_TABLE: i32 = 2048;
 /// width of whole warps, at most [`MAX_QUERIES`] queries, and query heads
 /// a multiple of the key heads.
 pub fn applies(q: &Array, k: &Array) -> bool {
-    fits(q, k.dim(1), k.dtype())
+    fits(Shape::of(q), k)
 }
 
 /// [`applies`] for a paged layer's pool buffers (`[slots, kv_heads, D]`)
 /// and its rows' block `tables`.
 pub fn applies_paged(q: &Array, k: &Array, tables: &Array) -> bool {
-    k.ndim() == 3
-        && k.dim(2) == q.dim(3)
-        && tables.dim(1) <= MAX_TABLE
-        && fits(q, k.dim(1), k.dtype())
+    fits_paged(Shape::of(q), k, tables)
 }
 
-fn fits(q: &Array, kv_heads: i32, kv_dtype: Dtype) -> bool {
-    let d = q.dim(3);
-    matches!(q.dtype(), Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
-        && kv_dtype == q.dtype()
-        && d % 32 == 0
-        && d <= 512
-        && q.dim(2) <= MAX_QUERIES
+/// The queries' side of a launch: `[B, heads, n, D]` in `dtype`.
+struct Shape {
+    heads: i32,
+    n: i32,
+    d: i32,
+    dtype: Dtype,
+}
+
+impl Shape {
+    fn of(q: &Array) -> Self {
+        Self {
+            heads: q.dim(1),
+            n: q.dim(2),
+            d: q.dim(3),
+            dtype: q.dtype(),
+        }
+    }
+}
+
+fn fits_paged(q: Shape, k: &Array, tables: &Array) -> bool {
+    k.ndim() == 3 && k.dim(2) == q.d && tables.dim(1) <= MAX_TABLE && fits(q, k)
+}
+
+fn fits(q: Shape, k: &Array) -> bool {
+    let kv_heads = k.dim(1);
+    matches!(q.dtype, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
+        && k.dtype() == q.dtype
+        && q.d % 32 == 0
+        && q.d <= 512
+        && q.n <= MAX_QUERIES
         && kv_heads > 0
-        && q.dim(1) % kv_heads == 0
+        && q.heads % kv_heads == 0
 }
 
 /// The row starts, window and total columns as the kernels read them:
@@ -453,17 +473,13 @@ pub fn takes_heads_in_attention(
             std::env::var("GATEWAY_GPU_HEADS_IN_ATTENTION").is_ok_and(|v| v == "on")
         }),
     };
-    let k = &target.keys;
-    on && k.ndim() == 3
-        && k.dim(1) == spec.kv_heads
-        && k.dim(2) == spec.head_dim
-        && tables.dim(1) <= MAX_TABLE
-        && matches!(dtype, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
-        && k.dtype() == dtype
-        && spec.head_dim % 32 == 0
-        && spec.head_dim <= 512
-        && spec.kv_heads > 0
-        && spec.heads % spec.kv_heads == 0
+    let queries = Shape {
+        heads: spec.heads,
+        n: 1,
+        d: spec.head_dim,
+        dtype,
+    };
+    on && target.keys.dim(1) == spec.kv_heads && fits_paged(queries, &target.keys, tables)
 }
 
 /// [`set_heads_in_attention`]'s switch: unset (the environment decides),
