@@ -369,7 +369,7 @@ fn main() {
     let long: Vec<u32> = prompt.iter().cycle().take(1500).copied().collect();
     let pool = PagePool::new(model.num_layers(), 160, 16).expect("pool");
     for (what, prompt) in [("short", &prompt), ("1,500-token", &long)] {
-        let mut runs = [false, true].map(|on| {
+        let [(apart_tokens, apart), (tokens, got)] = [false, true].map(|on| {
             runtime::ragged::set_heads_in_attention(on);
             run_on(
                 model,
@@ -380,8 +380,6 @@ fn main() {
                 &[],
             )
         });
-        let (tokens, got) = runs[1].clone();
-        let (apart_tokens, apart) = std::mem::take(&mut runs[0]);
         println!(
             "paged, {what} prompt: single steps with the heads in attention against apart: {} of {gen} greedy tokens equal; worst logit difference {:.3e}",
             equal_prefix(&tokens, &apart_tokens),

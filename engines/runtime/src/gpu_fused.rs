@@ -53,7 +53,12 @@ pub fn enabled() -> bool {
 
 /// Whether `var` is `off`, read once into `cell`.
 fn env_off(cell: &OnceLock<bool>, var: &str) -> bool {
-    *cell.get_or_init(|| std::env::var(var).is_ok_and(|v| v == "off"))
+    env_is(cell, var, "off")
+}
+
+/// Whether `var` is `value`, read once into `cell`.
+pub(crate) fn env_is(cell: &OnceLock<bool>, var: &str, value: &str) -> bool {
+    *cell.get_or_init(|| std::env::var(var).is_ok_and(|v| v == value))
 }
 
 /// Switches the kernels on or off for the whole process (the device
@@ -414,7 +419,7 @@ fn launch_heads(
 
 /// What the heads kernels read besides the q/k/v rows: the q and k
 /// norms' weights, the rows' positions and the rotation's frequencies
-/// (placeholders where the layer has none), and the template arguments
+/// (any array, unread, where the layer has none), and the template arguments
 /// that give the layer's heads, norm and rotation. [`heads`] and the paged
 /// attention that makes its heads itself
 /// ([`crate::ragged::paged_attention_from_qkv`]) read them alike.

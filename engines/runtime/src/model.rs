@@ -1159,21 +1159,27 @@ impl Attention {
             if let Some(target) = cache.pool_target(idx, qkv.dtype(), rows.1)? {
                 // One position a row under the ragged kernel: the heads are
                 // made, and the pool written, in attention's own kernel.
-                if let (1, AttnMask::Ragged(r), Some(read)) = (rows.1, mask, cache.pool_read()) {
-                    if r.kernel
-                        && crate::ragged::takes_heads_in_attention(
-                            &spec,
-                            qkv.dtype(),
-                            &target,
-                            &read.tables,
-                        )
+                let in_attention = match mask {
+                    AttnMask::Ragged(r)
+                        if rows.1 == 1 && r.kernel && crate::ragged::heads_in_attention() =>
                     {
-                        let out = crate::ragged::paged_attention_from_qkv(
-                            qkv, &spec, offsets, &target, self.scale, &r.meta, &read, out_shape,
-                        )?;
-                        let kv = cache.wrote_pool(idx, target, out.clone())?;
-                        return Ok((out, kv));
+                        cache.pool_read().map(|read| (r, read))
                     }
+                    _ => None,
+                };
+                if let Some((r, read)) = in_attention.filter(|(_, read)| {
+                    crate::ragged::takes_heads_in_attention(
+                        &spec,
+                        qkv.dtype(),
+                        &target,
+                        &read.tables,
+                    )
+                }) {
+                    let out = crate::ragged::paged_attention_from_qkv(
+                        qkv, &spec, offsets, &target, self.scale, &r.meta, &read, out_shape,
+                    )?;
+                    let kv = cache.wrote_pool(idx, target, out.clone())?;
+                    return Ok((out, kv));
                 }
                 let (q, written) =
                     crate::gpu_fused::heads_into_pool(qkv, rows, &spec, offsets, &target)?;

@@ -453,33 +453,35 @@ pub fn paged_attention(
     )
 }
 
-/// Whether [`paged_attention_from_qkv`] takes a layer of `spec` over the
-/// pool `target` in a forward of one position a row with blocks `tables`:
-/// [`applies_paged`]'s operands, and switched on
+/// Whether [`paged_attention_from_qkv`] is switched on
 /// (`GATEWAY_GPU_HEADS_IN_ATTENTION=on`, or [`set_heads_in_attention`]).
 /// Off by default until `examples/fused_check` has compared it with the
 /// heads kernel and attention apart on a device (docs/gpu.md).
+pub fn heads_in_attention() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    match HEADS_IN_ATTENTION.load(Ordering::Relaxed) {
+        SWITCHED_ON => true,
+        SWITCHED_OFF => false,
+        _ => crate::gpu_fused::env_is(&ON, "GATEWAY_GPU_HEADS_IN_ATTENTION", "on"),
+    }
+}
+
+/// Whether [`paged_attention_from_qkv`] takes a layer of `spec` over the
+/// pool `target` in a forward of one position a row with blocks `tables`:
+/// [`applies_paged`]'s operands.
 pub fn takes_heads_in_attention(
     spec: &crate::gpu_fused::HeadsSpec,
     dtype: Dtype,
     target: &crate::cache::PoolTarget,
     tables: &Array,
 ) -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let on = match HEADS_IN_ATTENTION.load(Ordering::Relaxed) {
-        SWITCHED_ON => true,
-        SWITCHED_OFF => false,
-        _ => *ON.get_or_init(|| {
-            std::env::var("GATEWAY_GPU_HEADS_IN_ATTENTION").is_ok_and(|v| v == "on")
-        }),
-    };
     let queries = Shape {
         heads: spec.heads,
         n: 1,
         d: spec.head_dim,
         dtype,
     };
-    on && target.keys.dim(1) == spec.kv_heads && fits_paged(queries, &target.keys, tables)
+    target.keys.dim(1) == spec.kv_heads && fits_paged(queries, &target.keys, tables)
 }
 
 /// [`set_heads_in_attention`]'s switch: unset (the environment decides),
@@ -503,7 +505,7 @@ pub fn set_heads_in_attention(on: bool) {
 /// value into `target`, so one node does what the heads kernel and
 /// attention did. Returns the heads merged as rows of `merged`; that
 /// output is also the pool write's token. For what
-/// [`takes_heads_in_attention`] takes.
+/// [`takes_heads_in_attention`] takes, while [`heads_in_attention`].
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention_from_qkv(
     qkv: &Array,
